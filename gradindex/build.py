@@ -1,0 +1,212 @@
+"""The offline builder: data + model → store shards and manifest, resumable."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+import gradindex
+from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.data import Tokenized, token_hash
+from gradindex.fingerprint import digest_bytes, model_fingerprint
+from gradindex.gradients import batch_gradients, finite_rows
+from gradindex.manifest import (
+    IndexMismatchError,
+    identity_differences,
+    manifest_path,
+    read_manifest,
+    write_manifest,
+)
+from gradindex.store import STORE_DIR, ShardWriter, shard_name
+
+log = logging.getLogger("gradindex")
+
+LOSS_CONVENTION = "sum of next-token cross-entropy over each example's target tokens (offline)"
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Settings of a store build; serialized into the manifest."""
+
+    projection: ProjectionSpec = field(default_factory=ProjectionSpec)
+    """Factored projection (kind, k_a, k_g, seed)."""
+    layers: tuple[str, ...] = ()
+    """Glob patterns of layers to hook; empty = every linear layer in the transformer blocks."""
+    max_length: int = 512
+    """Examples longer than this many tokens are truncated (and counted in the manifest)."""
+    batch_size: int = 8
+    """Examples per forward/backward."""
+    route: str = "auto"
+    """``auto`` (cost model), ``factorized`` or ``materialized``."""
+    shard_size: int = 4096
+    """Examples per store file; also the most a torn file can cost on resume."""
+    collect_covariance: bool = False
+    """Accumulate K-FAC factors (A, S) per shard in the same pass."""
+
+
+@dataclass
+class BuildResult:
+    index_dir: Path
+    manifest: dict
+    seconds: float
+    examples_computed: int
+
+
+def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig, data_fp: str) -> dict:
+    return {
+        "model_fingerprint": model_fingerprint(model),
+        "data_fingerprint": data_fp,
+        "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
+                       "rows": capture.dims(n)[0], "cols": capture.dims(n)[1]}
+                   for n, i in capture.infos.items()},
+        "projection": cfg.projection.to_dict(),
+        "max_length": cfg.max_length,
+        "loss": LOSS_CONVENTION,
+        "shard_size": cfg.shard_size,
+        "batch_size": cfg.batch_size,
+    }
+
+
+def prepare_out_dir(out: Path, identity: dict, overwrite: bool) -> dict | None:
+    """Check an output directory; return its manifest when the build resumes it."""
+    if out.exists() and any(out.iterdir()):
+        if not manifest_path(out).exists():
+            raise FileExistsError(
+                f"output directory {str(out)!r} is not empty and holds no gradindex index; "
+                "choose another --out (nothing was written)"
+            )
+        old = read_manifest(out)
+        diffs = identity_differences(old.get("build", {}), identity)
+        if diffs and not overwrite:
+            raise IndexMismatchError(
+                f"{str(out)!r} holds another index, so it cannot be resumed: " + "; ".join(diffs)
+                + ". Use another --out, or --overwrite to replace it."
+            )
+        if diffs and overwrite:
+            shutil.rmtree(out)
+            return None
+        return old
+    return None
+
+
+def build_store(
+    model: nn.Module,
+    tokenizer,
+    data: Tokenized,
+    out_dir: str | os.PathLike,
+    cfg: BuildConfig = BuildConfig(),
+    model_id: str = "",
+    data_id: str = "",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> BuildResult:
+    """Capture every example's projected gradient into ``out_dir/store`` (resuming if present)."""
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
+    data_fp = digest_bytes(hashes)
+    capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route, weight_free=True,
+                              collect_covariance=cfg.collect_covariance)
+    identity = _identity(model, capture, data, cfg, data_fp)
+    old = prepare_out_dir(out, identity, overwrite)
+    (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "format_version": 1,
+        "library_version": gradindex.__version__,
+        "status": "building",
+        "model_id": model_id,
+        "data_id": data_id,
+        "build": identity,
+        "config": {**asdict(cfg), "projection": cfg.projection.to_dict()},
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "counts": {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
+    }
+    if old is not None:
+        manifest = {**old, **{k: v for k, v in manifest.items() if k not in ("counts",)},
+                    "counts": {**old.get("counts", {}), **manifest["counts"]}}
+        manifest["status"] = "building"
+    write_manifest(out, manifest)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    N, S, B = len(data), cfg.shard_size, cfg.batch_size
+    dims = {n: capture.dim(n) for n in capture.infos}
+    nonfinite: set[int] = set(manifest.get("nonfinite_ids", []))
+    computed = 0
+    model.requires_grad_(False)
+    shards = [(k, k * S, min((k + 1) * S, N)) for k in range((N + S - 1) // S)]
+    bar = tqdm(total=N, unit="ex", desc="capture", disable=not progress, dynamic_ncols=True)
+    try:
+        with capture:
+            for k, start, end in shards:
+                path = out / STORE_DIR / shard_name(k)
+                if path.exists():
+                    bar.update(end - start)
+                    continue
+                w = ShardWriter(path, start, end - start, dims, data_fp)
+                done = w.open()
+                if cfg.collect_covariance and done:  # factors need the whole shard: redo it
+                    w.close()
+                    w.partial.unlink()
+                    done = w.open()
+                bar.update(done)
+                for s in range(start + done, end, B):
+                    e = min(s + B, end)
+                    bg = batch_gradients(model, capture, data.input_ids[s:e], data.labels[s:e], pad_id)
+                    grads = {n: v.cpu().numpy() for n, v in bg.grads.items()}
+                    ok = finite_rows(grads)
+                    if not ok.all():
+                        bad = np.nonzero(~ok)[0]
+                        for n in grads:
+                            grads[n][bad] = 0.0
+                        nonfinite.update(int(s + i) for i in bad)
+                        log.warning("examples %s have non-finite gradients; stored as zeros and flagged",
+                                    [int(s + i) for i in bad])
+                    w.append(
+                        np.arange(s, e, dtype=np.int64), grads,
+                        loss=bg.loss.float().cpu().numpy(), num_tokens=bg.num_tokens.cpu().numpy().astype(np.int32),
+                        finite=ok, token_hash=np.frombuffer(b"".join(hashes[s:e]), np.uint8).reshape(-1, 16),
+                    )
+                    computed += e - s
+                    bar.update(e - s)
+                if cfg.collect_covariance:
+                    _write_covariance(w, capture)
+                w.finish()
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    manifest["status"] = "complete"
+    manifest["nonfinite_ids"] = sorted(nonfinite)
+    manifest["routes"] = dict(capture.route_counts)
+    manifest["counts"]["shards"] = len(shards)
+    write_manifest(out, manifest)
+    return BuildResult(out, manifest, seconds, computed)
+
+
+def _write_covariance(w: ShardWriter, capture: GradientCapture) -> None:
+    """Store the shard's Σ ā āᵀ, Σ ḡ ḡᵀ and token counts, then reset the accumulators."""
+    g = w.file.create_group("covariance")
+    for n in capture.infos:
+        if n in capture.cov_a:
+            grp = g.create_group(n)
+            grp["A"] = capture.cov_a[n].cpu().numpy()
+            grp["S"] = capture.cov_g[n].cpu().numpy()
+            grp.attrs["tokens"] = capture.cov_tokens[n]
+    capture.cov_a.clear()
+    capture.cov_g.clear()
+    capture.cov_tokens.clear()
+
+
+def default_threads() -> None:
+    """Leave torch's thread count alone unless the user set ``GRADINDEX_THREADS``."""
+    n = os.environ.get("GRADINDEX_THREADS")
+    if n:
+        torch.set_num_threads(int(n))

@@ -1,0 +1,17 @@
+"""Capture: hooks on linear layers, seeded factored projection, routing between computations."""
+
+from gradindex.capture.hooks import GradientCapture, select_layers
+from gradindex.capture.layers import LayerInfo, layer_info, register_layer
+from gradindex.capture.projection import ProjectionSpec, projection_matrix
+from gradindex.capture.routing import choose_route
+
+__all__ = [
+    "GradientCapture",
+    "LayerInfo",
+    "ProjectionSpec",
+    "choose_route",
+    "layer_info",
+    "projection_matrix",
+    "register_layer",
+    "select_layers",
+]

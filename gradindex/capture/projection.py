@@ -1,0 +1,102 @@
+"""Seeded factored projections, regenerated from (seed, layer name, side) and never stored.
+
+The stream is produced from NumPy's PCG64 *bit generator* (whose raw output NumPy guarantees to
+be stable across versions and platforms), turned into numbers by our own arithmetic, on the CPU,
+in float64. So the same seed gives bit-identical matrices on CPU and GPU and across torch and
+NumPy upgrades; ``tests/test_projection.py`` pins a few values per seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+PROJECTION_KINDS = ("gaussian", "rademacher", "none")
+STREAM_VERSION = 1  # bump (and keep the old path) if the stream below ever has to change
+
+
+@dataclass(frozen=True)
+class ProjectionSpec:
+    """How per-example gradients are compressed (DESIGN.md, "Factored projection")."""
+
+    kind: str = "gaussian"
+    """``gaussian`` or ``rademacher`` entries with variance 1/k, or ``none`` for exact gradients."""
+    k_a: int = 16
+    """Rows of ``P_a`` (input side); ignored when ``kind == 'none'``."""
+    k_g: int = 16
+    """Rows of ``P_g`` (output-gradient side); ignored when ``kind == 'none'``."""
+    seed: int = 0
+    """Seed of the stream; with the layer's name and side it fixes every matrix."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROJECTION_KINDS:
+            raise ValueError(f"projection kind {self.kind!r} is not one of {PROJECTION_KINDS}")
+        if self.kind != "none" and (self.k_a < 1 or self.k_g < 1):
+            raise ValueError(f"projection sizes must be positive, got k_a={self.k_a}, k_g={self.k_g}")
+
+    @property
+    def is_identity(self) -> bool:
+        return self.kind == "none"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stream_version"] = STREAM_VERSION
+        return d
+
+    @classmethod
+    def parse(cls, text: str, kind: str = "gaussian", seed: int = 0) -> ProjectionSpec:
+        """Parse the CLI form: ``K`` (square), ``KAxKG`` or ``none``."""
+        text = str(text).strip().lower()
+        if text == "none":
+            return cls(kind="none", k_a=0, k_g=0, seed=seed)
+        try:
+            if "x" in text:
+                ka, kg = (int(p) for p in text.split("x"))
+            else:
+                ka = kg = int(text)
+        except ValueError:
+            raise ValueError(
+                f"projection {text!r} is not understood; use K (e.g. 16), KAxKG (e.g. 16x32) or none"
+            ) from None
+        return cls(kind=kind, k_a=ka, k_g=kg, seed=seed)
+
+
+def _stream_seed(seed: int, layer: str, side: str) -> int:
+    digest = hashlib.sha256(f"gradindex/v{STREAM_VERSION}/{seed}/{layer}/{side}".encode()).digest()
+    return int.from_bytes(digest[:16], "little")
+
+
+@functools.lru_cache(maxsize=512)
+def _matrix_np(seed: int, layer: str, side: str, k: int, n: int, kind: str) -> np.ndarray:
+    bits = np.random.PCG64(_stream_seed(seed, layer, side))
+    if kind == "rademacher":
+        raw = bits.random_raw(k * n)  # uint64
+        signs = np.where((raw >> np.uint64(63)) == 1, 1.0, -1.0)
+        out = signs / np.sqrt(k)
+    elif kind == "gaussian":
+        m = k * n
+        raw = bits.random_raw(2 * ((m + 1) // 2)).reshape(2, -1)
+        # 53-bit uniforms in (0, 1]; Box-Muller in float64.
+        u1 = ((raw[0] >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0**-53
+        u2 = (raw[1] >> np.uint64(11)).astype(np.float64) * 2.0**-53
+        r = np.sqrt(-2.0 * np.log(u1))
+        z = np.concatenate([r * np.cos(2 * np.pi * u2), r * np.sin(2 * np.pi * u2)])[:m]
+        out = z / np.sqrt(k)
+    else:
+        raise ValueError(f"no projection matrix for kind {kind!r}")
+    return out.reshape(k, n).astype(np.float32)
+
+
+def projection_matrix(
+    spec: ProjectionSpec, layer: str, side: str, n: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The ``[k, n]`` matrix for one layer side (``'a'`` inputs, ``'g'`` output gradients)."""
+    if side not in ("a", "g"):
+        raise ValueError(f"side must be 'a' or 'g', got {side!r}")
+    k = spec.k_a if side == "a" else spec.k_g
+    arr = _matrix_np(spec.seed, layer, side, k, n, spec.kind)
+    return torch.from_numpy(arr).to(device)

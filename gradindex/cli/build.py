@@ -1,0 +1,54 @@
+"""``gradindex build MODEL_DIR DATA --out INDEX_DIR``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from gradindex.build import BuildConfig, build_store
+from gradindex.capture import ProjectionSpec
+from gradindex.cli import main
+from gradindex.cli.common import data_options, user_errors
+from gradindex.data import load_records, tokenize_records
+from gradindex.model import load_causal_lm
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("data", type=click.Path())
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Index directory to write.")
+@click.option("--projection", default="16", show_default=True, help="K, KAxKG or none.")
+@click.option("--projection-kind", type=click.Choice(["gaussian", "rademacher"]), default="gaussian", show_default=True)
+@click.option("--seed", default=0, show_default=True, type=int, help="Projection seed.")
+@click.option("--layers", multiple=True, help="Glob of layer names to hook (repeatable). Default: all block linears.")
+@data_options
+@click.option("--batch-size", default=8, show_default=True, type=int)
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option("--route", default="auto", show_default=True, type=click.Choice(["auto", "factorized", "materialized"]))
+@click.option("--shard-size", default=4096, show_default=True, type=int, help="Examples per store file.")
+@click.option("--overwrite", is_flag=True, help="Replace an index built with other settings in --out.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@user_errors
+def build(model_dir, data, out, projection, projection_kind, seed, layers, text_field, max_length,
+          batch_size, dtype, device, route, shard_size, overwrite, quiet):
+    """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
+    spec = ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
+    if batch_size < 1 or shard_size < 1 or max_length < 2:
+        raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
+    cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
+                      route=route, shard_size=shard_size)
+    model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
+    data_tok = tokenize_records(load_records(data), tok, max_length, text_field)
+    if data_tok.n_truncated:
+        click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
+                   f"--max-length {max_length} and were truncated", err=True)
+    res = build_store(model, tok, data_tok, out, cfg, model_id=str(Path(model_dir).resolve()),
+                      data_id=str(Path(data).resolve()), overwrite=overwrite, progress=not quiet)
+    m = res.manifest
+    click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
+               f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
+    if m["nonfinite_ids"]:
+        click.echo(f"warning: {len(m['nonfinite_ids'])} examples had non-finite gradients "
+                   f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)

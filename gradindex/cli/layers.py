@@ -1,0 +1,25 @@
+"""``gradindex layers MODEL_DIR``: list hookable layers and the default selection."""
+
+from __future__ import annotations
+
+import click
+
+from gradindex.capture import layer_info, select_layers
+from gradindex.capture.layers import rule_for
+from gradindex.cli import main
+from gradindex.cli.common import user_errors
+from gradindex.model import load_causal_lm
+
+
+@main.command()
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.option("--layers", multiple=True, help="Glob patterns to test.")
+@user_errors
+def layers(model_dir, layers):
+    """List the model's hookable linear layers; '*' marks the ones selected."""
+    model, _ = load_causal_lm(model_dir, device="cpu")
+    chosen = select_layers(model, layers or None)
+    for name, mod in model.named_modules():
+        if name and rule_for(mod) is not None:
+            i = layer_info(mod)
+            click.echo(f"{'*' if name in chosen else ' '} {name}  {i.kind} {i.n_in}->{i.n_out}{' +bias' if i.bias else ''}")

@@ -1,0 +1,51 @@
+"""One batch in, per-example projected gradients out: the step shared by builds and queries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradindex.capture import GradientCapture
+from gradindex.data import collate, per_example_loss
+
+
+@dataclass
+class BatchGradients:
+    grads: dict[str, torch.Tensor]
+    """layer → ``[B, D]`` float32 per-example projected gradients."""
+    loss: torch.Tensor
+    """``[B]`` per-example summed token loss."""
+    num_tokens: torch.Tensor
+    """``[B]`` target-token counts."""
+
+
+def batch_gradients(
+    model: nn.Module,
+    capture: GradientCapture,
+    ids: list[list[int]],
+    labels: list[list[int]],
+    pad_id: int,
+) -> BatchGradients:
+    """Forward, summed per-example loss, weight-free backward, per-example gradients."""
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in collate(ids, labels, pad_id).items()}
+    capture.set_mask(batch["attention_mask"])
+    with torch.enable_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        loss, ntok = per_example_loss(out.logits, batch["labels"])
+        capture.backward(loss.sum())
+    grads = capture.pop()
+    capture.set_mask(None)
+    return BatchGradients(grads, loss.detach(), ntok)
+
+
+def finite_rows(grads: dict[str, np.ndarray]) -> np.ndarray:
+    """``[B]`` bool: whether every layer's row of an example is finite."""
+    ok = None
+    for v in grads.values():
+        f = np.isfinite(v).all(axis=1)
+        ok = f if ok is None else ok & f
+    return ok

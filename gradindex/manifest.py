@@ -1,0 +1,67 @@
+"""``manifest.json``: what built an index, and the check that refuses a mismatched reuse."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+# Keys of the manifest's "build" section that must match for a resume or a query to be valid,
+# with the words used when they differ.
+IDENTITY_KEYS = {
+    "model_fingerprint": "model",
+    "data_fingerprint": "data set",
+    "layers": "layer set",
+    "projection": "projection",
+    "max_length": "max length",
+    "loss": "loss convention",
+    "shard_size": "shard size",
+    "batch_size": "batch size",
+}
+
+
+class IndexMismatchError(ValueError):
+    """An index directory was built with something other than what is being used now."""
+
+
+def manifest_path(index_dir: str | os.PathLike) -> Path:
+    return Path(index_dir) / MANIFEST
+
+
+def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
+    p = manifest_path(index_dir)
+    if not p.exists():
+        raise FileNotFoundError(
+            f"{str(Path(index_dir))!r} is not a gradindex index (no {MANIFEST}); build one with "
+            "`gradindex build MODEL_DIR DATA --out INDEX_DIR`"
+        )
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(p)!r} is corrupt ({e}); rebuild the index") from None
+
+
+def write_manifest(index_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    """Write atomically: a killed write leaves the previous manifest intact."""
+    p = manifest_path(index_dir)
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, p)
+
+
+def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDENTITY_KEYS) -> list[str]:
+    """Human-readable list of identity keys whose values differ."""
+    diffs = []
+    for key, words in keys.items():
+        if key in stored and key in given and stored[key] != given[key]:
+            diffs.append(f"{words} differs (index: {_short(stored[key])}, now: {_short(given[key])})")
+    return diffs
+
+
+def _short(v: Any) -> str:
+    s = json.dumps(v, sort_keys=True, default=str)
+    return s if len(s) <= 120 else s[:117] + "..."

@@ -1,0 +1,48 @@
+"""Loading a causal LM and its tokenizer from a local directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(set(DTYPES))}") from None
+
+
+def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device: str = "auto"):
+    """``(model, tokenizer)`` from a local directory, model in eval mode on ``device``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    p = Path(model_dir)
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"{str(p)!r} has no config.json; pass a local transformers model directory")
+    config = AutoConfig.from_pretrained(p, local_files_only=True)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"{str(p)!r} holds a {config.model_type!r} model, which is not a causal LM; gradindex "
+            "build needs a model that AutoModelForCausalLM loads (e.g. GPT-2, Llama)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True)
+    model.to(resolve_device(device)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return model, tokenizer

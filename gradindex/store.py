@@ -1,0 +1,201 @@
+"""The HDF5 gradient store: row-sharded files of per-example projected gradients.
+
+Contract (other tools read it). Each ``store/shard-NNNNN.h5`` holds
+
+* ``ids`` int64 ``[n]``: 0-based row of each example in the input data;
+* group ``grads`` with one float ``[n, D_layer]`` dataset per hooked layer, named by the module's
+  qualified name; row ``i`` is example ``ids[i]``'s flattened ``[k_g, k_a]`` matrix (row-major);
+* ``loss`` float32, ``num_tokens`` int32, ``token_hash`` uint8 ``[n, 16]``, ``finite`` bool.
+
+Shard ``k`` holds ids ``[k*S, min((k+1)*S, N))``. A shard is written as ``.h5.partial``, flushed
+after every batch with its committed row count in the attribute ``committed``, and renamed to
+``.h5`` when full, so a killed build loses at most the batch in flight (or, if the kill corrupted
+the partial file's metadata, that one shard, which is then recomputed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+STORE_DIR = "store"
+SCALARS = {"loss": np.float32, "num_tokens": np.int32, "finite": np.bool_}
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:05d}.h5"
+
+
+class ShardWriter:
+    """Appends committed batches to one shard; resumable."""
+
+    def __init__(self, path: Path, first_id: int, n_rows: int, layer_dims: dict[str, int], fingerprint: str):
+        self.final = path
+        self.partial = path.with_name(path.name + ".partial")
+        self.first_id, self.n_rows = first_id, n_rows
+        self.layer_dims = layer_dims
+        self.fingerprint = fingerprint
+        self.file: h5py.File | None = None
+        self.committed = 0
+
+    def open(self) -> int:
+        """Open (creating or resuming) and return the number of rows already committed."""
+        if self.partial.exists():
+            try:
+                f = h5py.File(self.partial, "r+")
+                ok = f.attrs.get("fingerprint") == self.fingerprint
+                committed = int(f.attrs.get("committed", 0))
+            except Exception:  # noqa: BLE001 - a torn HDF5 file: start this shard over
+                ok, f = False, None
+            if ok:
+                self.file, self.committed = f, committed
+                for ds in self._datasets():
+                    ds.resize(committed, axis=0)
+                return committed
+            if f is not None:
+                f.close()
+            self.partial.unlink()
+        f = h5py.File(self.partial, "w")
+        f.attrs["fingerprint"] = self.fingerprint
+        f.attrs["first_id"] = self.first_id
+        f.attrs["committed"] = 0
+        chunk = max(1, min(256, self.n_rows))
+        f.create_dataset("ids", (0,), maxshape=(self.n_rows,), dtype=np.int64, chunks=(chunk,))
+        for k, dt in SCALARS.items():
+            f.create_dataset(k, (0,), maxshape=(self.n_rows,), dtype=dt, chunks=(chunk,))
+        f.create_dataset("token_hash", (0, 16), maxshape=(self.n_rows, 16), dtype=np.uint8, chunks=(chunk, 16))
+        g = f.create_group("grads")
+        for name, d in self.layer_dims.items():
+            rows = max(1, min(chunk, (1 << 20) // max(1, 4 * d)))
+            g.create_dataset(name, (0, d), maxshape=(self.n_rows, d), dtype=np.float32, chunks=(rows, d))
+        self.file, self.committed = f, 0
+        return 0
+
+    def _datasets(self) -> Iterator[h5py.Dataset]:
+        f = self.file
+        yield f["ids"]
+        yield f["token_hash"]
+        for k in SCALARS:
+            yield f[k]
+        for name in f["grads"]:
+            yield f["grads"][name]
+
+    def append(self, ids: np.ndarray, grads: dict[str, np.ndarray], **columns: np.ndarray) -> None:
+        """Write one batch and commit it (flush, then bump ``committed``)."""
+        f, n0, n = self.file, self.committed, len(ids)
+        if n0 + n > self.n_rows:
+            raise ValueError(f"shard {self.final.name} overflows: {n0}+{n} > {self.n_rows}")
+        for ds in self._datasets():
+            ds.resize(n0 + n, axis=0)
+        f["ids"][n0:] = ids
+        for k, v in columns.items():
+            f[k][n0:] = v
+        for name, v in grads.items():
+            f["grads"][name][n0:] = v
+        f.flush()
+        self.committed = n0 + n
+        f.attrs["committed"] = self.committed
+        f.flush()
+
+    def finish(self) -> None:
+        if self.committed != self.n_rows:
+            raise RuntimeError(f"shard {self.final.name} has {self.committed}/{self.n_rows} rows")
+        self.file.close()
+        self.file = None
+        os.replace(self.partial, self.final)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class Store:
+    """Read access to an index directory's store, by blocks or by rows."""
+
+    def __init__(self, index_dir: str | os.PathLike):
+        self.dir = Path(index_dir) / STORE_DIR
+        paths = sorted(self.dir.glob("shard-*.h5"))
+        if not paths:
+            raise FileNotFoundError(
+                f"no store shards in {str(self.dir)!r}; build the index first (`gradindex build`)"
+            )
+        self.paths = paths
+        self.first_ids: list[int] = []
+        self.sizes: list[int] = []
+        for p in paths:
+            try:
+                with h5py.File(p, "r") as f:
+                    self.first_ids.append(int(f.attrs["first_id"]))
+                    self.sizes.append(int(f["ids"].shape[0]))
+                    if p is paths[0]:
+                        self.layers = list(f["grads"])
+                        self.dims = {n: int(f["grads"][n].shape[1]) for n in self.layers}
+            except OSError as e:
+                raise OSError(f"store file {str(p)!r} is unreadable ({e}); rebuild with `gradindex build`") from None
+        self.n = int(sum(self.sizes))
+        self._starts = np.cumsum([0] + self.sizes)
+        self._files: dict[int, h5py.File] = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _file(self, k: int) -> h5py.File:
+        if k not in self._files:
+            self._files[k] = h5py.File(self.paths[k], "r")
+        return self._files[k]
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def column(self, name: str) -> np.ndarray:
+        """A per-example column over all shards (``ids``, ``loss``, ``num_tokens``, ...)."""
+        return np.concatenate([self._file(k)[name][:] for k in range(len(self.paths))])
+
+    def iter_blocks(
+        self, layers: Sequence[str] | None = None, block: int = 4096
+    ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """Yield ``(ids [n], {layer: [n, D]})`` in store order, ``block`` rows at a time."""
+        layers = list(layers or self.layers)
+        for k in range(len(self.paths)):
+            f = self._file(k)
+            for s in range(0, self.sizes[k], block):
+                e = min(s + block, self.sizes[k])
+                yield f["ids"][s:e], {n: f["grads"][n][s:e] for n in layers}
+
+    def positions(self, ids: np.ndarray) -> np.ndarray:
+        """Global store positions of example ids (ids are the contiguous rows ``0..N-1``)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n):
+            raise IndexError(f"example ids must lie in [0, {self.n}); got {ids.min()}..{ids.max()}")
+        return ids
+
+    def read_rows(self, ids: np.ndarray, layers: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Rows for the given example ids (any order), with one sorted read per shard."""
+        layers = list(layers or self.layers)
+        pos = self.positions(ids)
+        out = {n: np.empty((len(pos), self.dims[n]), dtype=np.float32) for n in layers}
+        order = np.argsort(pos, kind="stable")
+        sp = pos[order]
+        shard = np.searchsorted(self._starts, sp, side="right") - 1
+        for k in np.unique(shard):
+            sel = np.nonzero(shard == k)[0]
+            local = sp[sel] - self._starts[k]
+            uniq, inv = np.unique(local, return_inverse=True)
+            f = self._file(int(k))
+            for n in layers:
+                rows = f["grads"][n][uniq]
+                out[n][order[sel]] = rows[inv]
+        return out

@@ -1,0 +1,58 @@
+"""Fixtures: small models built from configs, local tokenizers and data; no network."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+WORDS = ("the cat sat on a mat while some dog ran far away from home and ate fish bread at noon "
+         "under blue sky with red sun over green hills near old town river").split()
+
+
+def make_texts(n: int, seed: int = 0, min_words: int = 3, max_words: int = 30) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        L = int(torch.randint(min_words, max_words + 1, (1,), generator=g))
+        idx = torch.randint(len(WORDS), (L,), generator=g).tolist()
+        out.append(" ".join(WORDS[i] for i in idx))
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from gradindex.tiny import train_tokenizer
+
+    return train_tokenizer(make_texts(200, seed=1) + [" ".join(WORDS)], vocab_size=300)
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory, tokenizer):
+    from gradindex.tiny import save_model_dir, tiny_gpt2
+
+    return save_model_dir(tiny_gpt2(vocab_size=len(tokenizer), n_layer=2, n_embd=32, n_head=4),
+                          tokenizer, tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory, tokenizer):
+    from gradindex.tiny import save_model_dir, tiny_llama
+
+    return save_model_dir(tiny_llama(vocab_size=len(tokenizer), n_layer=2, hidden=32, n_head=4, intermediate=48),
+                          tokenizer, tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def text_jsonl(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "train.jsonl"
+    with open(p, "w") as f:
+        for t in make_texts(40, seed=2):
+            f.write(json.dumps({"text": t}) + "\n")
+    return p
