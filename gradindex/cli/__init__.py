@@ -18,7 +18,13 @@ def main(verbose: bool) -> None:
 
 
 def _register() -> None:
-    from gradindex.cli import build, layers  # noqa: F401  (commands register on import)
+    """Import every module of this package; each registers its commands on ``main``."""
+    import importlib
+    import pkgutil
+
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name != "common":
+            importlib.import_module(f"{__name__}.{mod.name}")
 
 
 _register()
