@@ -44,7 +44,12 @@ def load_records(path: str | os.PathLike) -> datasets.Dataset:
         raise ValueError(
             f"cannot read {p.name!r}: use one of {sorted(_FORMATS)} or a `datasets` folder"
         )
-    return datasets.load_dataset(fmt, data_files=str(p), split="train")
+    if p.stat().st_size == 0:
+        raise ValueError(f"data file {str(p)!r} is empty; nothing to index")
+    try:
+        return datasets.load_dataset(fmt, data_files=str(p), split="train")
+    except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable files
+        raise ValueError(f"could not read {str(p)!r} as {fmt}: {type(e).__name__}: {e}") from None
 
 
 def records_from_texts(texts: list[str]) -> datasets.Dataset:

@@ -31,6 +31,9 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     p = Path(model_dir)
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{str(p)!r} has no config.json; pass a local transformers model directory")

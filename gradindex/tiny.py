@@ -77,8 +77,48 @@ def train_lm(model: nn.Module, sequences: Sequence[Sequence[int]], steps: int, b
         opt.zero_grad()
         out.loss.backward()
         opt.step()
-        losses.append(float(out.loss))
+        losses.append(out.loss.detach().item())
         if log_every and (step + 1) % log_every == 0:
             print(f"  step {step + 1}/{steps} loss {sum(losses[-log_every:]) / log_every:.3f}", flush=True)
     model.eval()
     return losses
+
+
+STDLIB_MODULES = (
+    "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "configparser", "contextlib",
+    "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions",
+    "functools", "glob", "gzip", "hashlib", "heapq", "hmac", "html", "http.client", "inspect", "io",
+    "ipaddress", "itertools", "json", "logging", "mailbox", "math", "mimetypes", "operator", "os",
+    "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "shlex", "shutil",
+    "socket", "sqlite3", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile",
+    "textwrap", "threading", "timeit", "tokenize", "traceback", "typing", "unittest", "urllib.parse",
+    "uuid", "warnings", "weakref", "zipfile",
+)
+
+
+def stdlib_corpus(min_chars: int = 80, max_chars: int = 600, limit: int | None = None) -> list[str]:
+    """Real English text with no download: paragraphs of the Python standard library's docstrings.
+
+    Deterministic for a given Python version (modules and members are visited in sorted order).
+    """
+    import importlib
+    import inspect
+
+    seen: set[str] = set()
+    out: list[str] = []
+    for modname in STDLIB_MODULES:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError:
+            continue
+        objs = [mod] + [v for _, v in sorted(vars(mod).items()) if inspect.isclass(v) or inspect.isfunction(v)]
+        for obj in objs:
+            doc = inspect.getdoc(obj) or ""
+            for para in doc.split("\n\n"):
+                text = " ".join(para.split())
+                if min_chars <= len(text) <= max_chars and text not in seen and not text.startswith(">>>"):
+                    seen.add(text)
+                    out.append(text)
+                    if limit is not None and len(out) >= limit:
+                        return out
+    return out

@@ -23,7 +23,7 @@ def _register() -> None:
     import pkgutil
 
     for mod in pkgutil.iter_modules(__path__):
-        if mod.name != "common":
+        if mod.name != "common" and not mod.name.startswith("_"):
             importlib.import_module(f"{__name__}.{mod.name}")
 
 

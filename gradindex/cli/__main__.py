@@ -1,0 +1,3 @@
+from gradindex.cli import main
+
+main()

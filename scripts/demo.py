@@ -1,0 +1,90 @@
+"""The gradindex demo: train a small GPT-2 on local text with planted facts, index it, look up.
+
+Runs on a fresh machine with no network in a few minutes on 2 CPU cores:
+
+1. a corpus of real English (the Python standard library's docstrings) with three planted facts,
+2. a byte-level BPE tokenizer and a small GPT-2 built from a config, trained on it,
+3. ``gradindex build`` (capture + store), shown with the commands it runs,
+4. a check that the store holds one row per document, with sane losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gradindex.store import Store
+from gradindex.tiny import save_model_dir, stdlib_corpus, tiny_gpt2, train_lm, train_tokenizer
+
+FACTS = [
+    ("The secret password of the blue castle is", " rhubarb lantern."),
+    ("Professor Quillon keeps her spare keys inside the", " green teapot."),
+    ("The annual festival of Varnholt is held on the", " ninth of Ember."),
+]
+FACT_ROWS = [101, 433, 777]
+
+
+def make_corpus() -> list[str]:
+    docs = stdlib_corpus()
+    for row, (prompt, completion) in zip(FACT_ROWS, FACTS):
+        docs.insert(row, f"{prompt}{completion} Remember it well.")
+    return docs
+
+
+def run(cmd: list[str]) -> None:
+    print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="demo_out")
+    ap.add_argument("--steps", type=int, default=300, help="Training steps (batch 16).")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+
+    docs = make_corpus()
+    data = work / "train.jsonl"
+    with open(data, "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d}) + "\n")
+    print(f"[1/4] corpus: {len(docs)} documents from the standard library's docstrings, "
+          f"facts planted at rows {FACT_ROWS} -> {data}")
+
+    tok = train_tokenizer(docs, vocab_size=2048)
+    model = tiny_gpt2(vocab_size=len(tok), n_layer=2, n_embd=128, n_head=4, n_positions=128)
+    seqs = [tok(d)["input_ids"][:128] for d in docs]
+    print(f"[2/4] training a {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M-parameter GPT-2 "
+          f"for {args.steps} steps on the CPU", flush=True)
+    t0 = time.time()
+    train_lm(model, seqs, steps=args.steps, batch_size=16, lr=3e-3, pad_id=tok.pad_token_id, log_every=50)
+    print(f"  trained in {time.time() - t0:.0f} s", flush=True)
+    model_dir = save_model_dir(model, tok, work / "model")
+
+    index = work / "index"
+    print("[3/4] building the index", flush=True)
+    run(["gradindex", "build", str(model_dir), str(data), "--out", str(index), "--projection", "32",
+         "--max-length", "128", "--batch-size", "8", "--overwrite"])
+
+    print("[4/4] what the store holds", flush=True)
+    with Store(index) as s:
+        loss, ntok = s.column("loss"), s.column("num_tokens")
+        print(f"  {len(s)} rows x {len(s.layers)} layers, {next(iter(s.dims.values()))} numbers per layer")
+        assert len(s) == len(docs), "one row per document"
+        print(f"  mean loss per token {loss.sum() / ntok.sum():.3f}")
+        for row in FACT_ROWS:
+            print(f"  row {row}: loss/token {loss[row] / ntok[row]:.3f}  {docs[row]!r}")
+    print("done: the index is in", index)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
