@@ -51,6 +51,14 @@ class BuildConfig:
     """Examples per store file; also the most a torn file can cost on resume."""
     collect_covariance: bool = False
     """Accumulate K-FAC factors (A, S) per shard in the same pass."""
+    precondition: str = "none"
+    """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass)."""
+    damping: float = 0.1
+    """Relative damping of the self-influence written with ``precondition``."""
+
+    def __post_init__(self) -> None:
+        if self.precondition not in ("none", "kfac", "ekfac"):
+            raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
 
 
 @dataclass
@@ -115,7 +123,7 @@ def build_store(
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
     capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route, weight_free=True,
-                              collect_covariance=cfg.collect_covariance)
+                              collect_covariance=cfg.collect_covariance or cfg.precondition != "none")
     identity = _identity(model, capture, data, cfg, data_fp)
     old = prepare_out_dir(out, identity, overwrite)
     (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
@@ -153,7 +161,7 @@ def build_store(
                     continue
                 w = ShardWriter(path, start, end - start, dims, data_fp)
                 done = w.open()
-                if cfg.collect_covariance and done:  # factors need the whole shard: redo it
+                if capture.collect_covariance and done:  # factors need the whole shard: redo it
                     w.close()
                     w.partial.unlink()
                     done = w.open()
@@ -177,7 +185,7 @@ def build_store(
                     )
                     computed += e - s
                     bar.update(e - s)
-                if cfg.collect_covariance:
+                if capture.collect_covariance:
                     _write_covariance(w, capture)
                 w.finish()
     finally:
@@ -188,6 +196,13 @@ def build_store(
     manifest["routes"] = dict(capture.route_counts)
     manifest["counts"]["shards"] = len(shards)
     write_manifest(out, manifest)
+    if cfg.precondition != "none":
+        from gradindex.precondition import FitConfig, fit_preconditioner
+
+        fit = FitConfig(method=cfg.precondition, damping=cfg.damping)
+        fit_preconditioner(out, fit, model, tokenizer, data, progress=progress)
+        manifest = read_manifest(out)
+        seconds = time.perf_counter() - t0
     return BuildResult(out, manifest, seconds, computed)
 
 

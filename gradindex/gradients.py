@@ -10,6 +10,7 @@ from torch import nn
 
 from gradindex.capture import GradientCapture
 from gradindex.data import collate, per_example_loss
+from gradindex.head import fused_per_example_loss, plain_head
 
 
 @dataclass
@@ -29,13 +30,22 @@ def batch_gradients(
     labels: list[list[int]],
     pad_id: int,
 ) -> BatchGradients:
-    """Forward, summed per-example loss, weight-free backward, per-example gradients."""
+    """Forward, summed per-example loss, weight-free backward, per-example gradients.
+
+    For the plain LM heads of :func:`gradindex.head.plain_head` the head and the loss run fused
+    (:func:`gradindex.head.fused_per_example_loss`); other models go through their own logits.
+    """
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in collate(ids, labels, pad_id).items()}
     capture.set_mask(batch["attention_mask"])
+    head = plain_head(model, set(capture.modules.values()))
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
     with torch.enable_grad():
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-        loss, ntok = per_example_loss(out.logits, batch["labels"])
+        if head is not None:
+            hidden = model.base_model(**inputs)[0]  # [B, T, d]
+            loss, ntok = fused_per_example_loss(hidden, head, batch["labels"])
+        else:
+            loss, ntok = per_example_loss(model(**inputs).logits, batch["labels"])
         capture.backward(loss.sum())
     grads = capture.pop()
     capture.set_mask(None)

@@ -30,7 +30,6 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     """``(model, tokenizer)`` from a local directory, model in eval mode on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

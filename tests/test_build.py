@@ -9,11 +9,11 @@ import subprocess
 import sys
 import time
 
-import h5py
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import make_texts
 
 from gradindex.build import BuildConfig, build_store
 from gradindex.capture import GradientCapture, ProjectionSpec
@@ -23,8 +23,6 @@ from gradindex.gradients import batch_gradients
 from gradindex.manifest import IndexMismatchError, read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.store import Store
-
-from conftest import make_texts
 
 
 def _write_jsonl(path, rows):

@@ -24,6 +24,21 @@ from gradindex.capture.projection import ProjectionSpec, projection_matrix
 from gradindex.capture.routing import ROUTES, choose_route
 
 
+def _with_ones(a: torch.Tensor, m: torch.Tensor | None, bias: bool) -> torch.Tensor:
+    """``a`` ``[B, T, N_i]`` times the token weights ``m``, with a column of ``m`` (or 1) for the bias."""
+    if not bias:
+        return a if m is None else a * m
+    B, T, n_in = a.shape
+    out = a.new_empty(B, T, n_in + 1)  # [B, T, N_i+1]
+    if m is None:
+        out[..., :n_in] = a
+        out[..., n_in] = 1.0
+    else:
+        torch.mul(a, m, out=out[..., :n_in])
+        out[..., n_in:] = m
+    return out
+
+
 def _block_prefix(model: nn.Module) -> str | None:
     """Qualified name of the ModuleList holding the transformer blocks (the largest one)."""
     best, best_size = None, 0
@@ -101,6 +116,8 @@ class GradientCapture:
         self._records: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._grads: dict[str, torch.Tensor] = {}
         self._proj: dict[tuple[str, str, str], torch.Tensor] = {}
+        self._proj_a: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._mask_tokens: int | None = None
         self.cov_a: dict[str, torch.Tensor] = {}  # Σ_tokens ā āᵀ, float64
         self.cov_g: dict[str, torch.Tensor] = {}  # Σ_tokens ḡ ḡᵀ, float64
         self.cov_tokens: dict[str, int] = {}
@@ -148,6 +165,7 @@ class GradientCapture:
     def set_mask(self, mask: torch.Tensor | None) -> None:
         """``[B, T]`` weights of token positions (1 real, 0 padding) for the next batch."""
         self._mask = mask
+        self._mask_tokens = None
 
     def backward(self, loss: torch.Tensor) -> None:
         """Weight-free backward: gradients w.r.t. hooked outputs only, fed to the accumulator."""
@@ -156,7 +174,7 @@ class GradientCapture:
         outs = [r[2] for r in self._records]
         grads = torch.autograd.grad(loss, outs, allow_unused=True)
         records, self._records = self._records, []
-        for (name, a, out), g in zip(records, grads):
+        for (name, a, out), g in zip(records, grads, strict=True):
             self._accumulate(name, a, torch.zeros_like(out) if g is None else g)
 
     def pop(self) -> dict[str, torch.Tensor]:
@@ -183,56 +201,88 @@ class GradientCapture:
         return hook
 
     def _accumulate(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
-        info = self.infos[name]
-        B = a.shape[0]
-        a = a.reshape(B, -1, info.n_in).float()  # [B, T, N_i]
-        g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
-        T = a.shape[1]
-        mask = self._mask
-        if mask is not None:
-            if mask.shape != (B, T):
-                raise ValueError(
-                    f"mask of shape {tuple(mask.shape)} does not fit layer {name!r} inputs "
-                    f"[{B}, {T}, {info.n_in}]"
-                )
-            m = mask.to(a.device, a.dtype).unsqueeze(-1)  # [B, T, 1]
-            a = a * m
-        else:
-            m = torch.ones(B, T, 1, device=a.device, dtype=a.dtype)
-        if info.bias:
-            a = torch.cat([a, m], dim=-1)  # [B, T, N_i+1]
-        if self.projection.is_identity:
-            G = torch.bmm(g.transpose(1, 2), a)  # [B, N_o, N_i+1]
-            self.route_counts["materialized"] += 1
-            if self.collect_covariance:
-                self._add_covariance(name, a, g, m)
-        else:
-            P_a = self.projection_for(name, "a", a.device)  # [k_a, N_i+1]
-            P_g = self.projection_for(name, "g", g.device)  # [k_g, N_o]
-            route = self.route
-            if route == "auto":
-                route = choose_route(B, T, a.shape[-1], info.n_out, P_a.shape[0], P_g.shape[0])
-            self.route_counts[route] += 1
-            if route == "factorized" or self.collect_covariance:
-                ab = a @ P_a.T  # [B, T, k_a]
-                gb = g @ P_g.T  # [B, T, k_g]
-                if self.collect_covariance:
-                    self._add_covariance(name, ab, gb, m)
-            if route == "factorized":
-                G = torch.bmm(gb.transpose(1, 2), ab)  # [B, k_g, k_a]
-            else:
-                G = torch.bmm(g.transpose(1, 2), a)  # [B, N_o, N_i+1]
-                G = P_g @ (G @ P_a.T)  # [B, k_g, k_a]
-        G = G.reshape(B, -1)
+        G = self.layer_gradient(name, a, g)
         prev = self._grads.get(name)
         self._grads[name] = G if prev is None else prev + G
 
-    def _add_covariance(self, name: str, a: torch.Tensor, g: torch.Tensor, m: torch.Tensor) -> None:
+    def layer_gradient(
+        self, name: str, a: torch.Tensor, g: torch.Tensor, route: str | None = None
+    ) -> torch.Tensor:
+        """One layer's per-example gradients ``[B, D]`` (fp32) from its inputs and output gradients.
+
+        ``a`` ``[B, T, N_i]`` and ``g`` ``[B, T, N_o]`` are weighted by the current mask; ``route``
+        overrides the capture's (the benchmarks time each route on the same tensors).
+        """
+        info = self.infos[name]
+        B = a.shape[0]
+        a = a.reshape(B, -1, info.n_in).float()  # [B, T, N_i] (no copy when already fp32)
+        g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
+        T = a.shape[1]
+        m = self._token_weights(name, B, T, a)  # [B, T, 1], or None when every token counts
+        if self.projection.is_identity:
+            route = "materialized"
+        else:
+            route = route or self.route
+            if route == "auto":
+                k_a, k_g = self.projection.k_a, self.projection.k_g
+                route = choose_route(B, T, info.n_in_total, info.n_out, k_a, k_g)
+        self.route_counts[route] += 1
+        if route == "factorized":
+            ab = self._project_inputs(name, a, m)  # [B, T, k_a]
+            gb = g @ self.projection_for(name, "g", g.device).T  # [B, T, k_g]
+            G = torch.bmm(gb.transpose(1, 2), ab)  # [B, k_g, k_a]
+            if self.collect_covariance:
+                self._add_covariance(name, ab, gb, m)
+        else:
+            a1 = _with_ones(a, m, info.bias)  # [B, T, N_i(+1)], padding zeroed
+            G = torch.bmm(g.transpose(1, 2), a1)  # [B, N_o, N_i(+1)]
+            if not self.projection.is_identity:
+                P_a = self.projection_for(name, "a", a.device)  # [k_a, N_i(+1)]
+                P_g = self.projection_for(name, "g", g.device)  # [k_g, N_o]
+                G = P_g @ (G @ P_a.T)  # [B, k_g, k_a]
+                if self.collect_covariance:
+                    self._add_covariance(name, self._project_inputs(name, a, m), g @ P_g.T, m)
+            elif self.collect_covariance:
+                self._add_covariance(name, a1, g, m)
+        return G.reshape(B, -1)
+
+    def _token_weights(self, name: str, B: int, T: int, a: torch.Tensor) -> torch.Tensor | None:
+        mask = self._mask
+        if mask is None:
+            return None
+        if mask.shape != (B, T):
+            raise ValueError(
+                f"mask of shape {tuple(mask.shape)} does not fit layer {name!r} inputs "
+                f"[{B}, {T}, {self.infos[name].n_in}]"
+            )
+        return mask.to(a.device, a.dtype).unsqueeze(-1)
+
+    def _project_inputs(self, name: str, a: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        """``P_a [a, 1]`` per token ``[B, T, k_a]`` in one matmul (bias column folded in), masked."""
+        key = (name, str(a.device))
+        if key not in self._proj_a:
+            P_a = self.projection_for(name, "a", a.device)  # [k_a, N_i(+1)]
+            n_in = self.infos[name].n_in
+            bias = P_a[:, n_in].clone() if self.infos[name].bias else None  # [k_a]
+            self._proj_a[key] = (P_a[:, :n_in].T.contiguous(), bias)  # [N_i, k_a], [k_a]
+        P_t, p_b = self._proj_a[key]
+        B, T, n_in = a.shape
+        a2 = a.reshape(B * T, n_in)
+        ab = (a2 @ P_t if p_b is None else torch.addmm(p_b, a2, P_t)).view(B, T, -1)
+        return ab if m is None else ab.mul_(m)
+
+    def _add_covariance(self, name: str, a: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
+        """Add ``Σ a aᵀ`` and ``Σ g gᵀ`` over real tokens (``a`` already masked) to the factors."""
         a2 = a.reshape(-1, a.shape[-1])
-        g2 = (g * m).reshape(-1, g.shape[-1])  # padding tokens carry no curvature
+        g2 = (g if m is None else g * m).reshape(-1, g.shape[-1])  # padding tokens carry no curvature
         ca = (a2.T @ a2).double()
         cg = (g2.T @ g2).double()
-        n = int(m.sum().item())
+        if m is None:
+            n = a.shape[0] * a.shape[1]
+        else:
+            if self._mask_tokens is None:  # one host sync per batch, not per layer
+                self._mask_tokens = int(self._mask.sum())
+            n = self._mask_tokens
         if name in self.cov_a:
             self.cov_a[name] += ca
             self.cov_g[name] += cg

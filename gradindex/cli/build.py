@@ -10,7 +10,9 @@ from gradindex.build import BuildConfig, build_store
 from gradindex.capture import ProjectionSpec
 from gradindex.cli import main
 from gradindex.cli.common import data_options, user_errors
+from gradindex.cli.index import index_config, index_options, report
 from gradindex.data import load_records, tokenize_records
+from gradindex.index import build_indices
 from gradindex.model import load_causal_lm
 
 
@@ -29,16 +31,28 @@ from gradindex.model import load_causal_lm
 @click.option("--route", default="auto", show_default=True, type=click.Choice(["auto", "factorized", "materialized"]))
 @click.option("--shard-size", default=4096, show_default=True, type=int, help="Examples per store file.")
 @click.option("--overwrite", is_flag=True, help="Replace an index built with other settings in --out.")
+@click.option("--precondition", default="none", show_default=True,
+              type=click.Choice(["none", "kfac", "ekfac"]),
+              help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too).")
+@click.option("--damping", default=0.1, show_default=True, type=float,
+              help="Relative damping of the self-influence written with --precondition (and of --whiten).")
+@index_options
+@click.option("--no-index", is_flag=True, help="Skip the FAISS index stage (run `gradindex index` later).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def build(model_dir, data, out, projection, projection_kind, seed, layers, text_field, max_length,
-          batch_size, dtype, device, route, shard_size, overwrite, quiet):
+          batch_size, dtype, device, route, shard_size, overwrite, precondition, damping, index_type, whiten,
+          normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     spec = ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
-                      route=route, shard_size=shard_size)
+                      route=route, shard_size=shard_size, collect_covariance=precondition != "none",
+                      precondition=precondition, damping=damping)
+    icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
+    if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
+        raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
     model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
     data_tok = tokenize_records(load_records(data), tok, max_length, text_field)
     if data_tok.n_truncated:
@@ -52,3 +66,5 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
     if m["nonfinite_ids"]:
         click.echo(f"warning: {len(m['nonfinite_ids'])} examples had non-finite gradients "
                    f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)
+    if not no_index:
+        click.echo(report(build_indices(out, icfg, progress=not quiet)))

@@ -22,4 +22,5 @@ def layers(model_dir, layers):
     for name, mod in model.named_modules():
         if name and rule_for(mod) is not None:
             i = layer_info(mod)
-            click.echo(f"{'*' if name in chosen else ' '} {name}  {i.kind} {i.n_in}->{i.n_out}{' +bias' if i.bias else ''}")
+            mark = "*" if name in chosen else " "
+            click.echo(f"{mark} {name}  {i.kind} {i.n_in}->{i.n_out}{' +bias' if i.bias else ''}")

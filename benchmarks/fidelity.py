@@ -1,0 +1,524 @@
+"""Fidelity: the linear datamodeling score (LDS) of GradDot, cosine, K-FAC and EK-FAC attribution.
+
+Setup (all local, CPU). A byte-level BPE tokenizer and a small GPT-2 (built from a config) are
+trained on prose paragraphs of the Python standard library's docstrings (``_corpus.py``). The
+model trained on all N training examples is indexed with the library end to end
+(``build_store`` with ``precondition="ekfac"`` → ``score_matrix``); query gradients come from
+``batch_gradients`` under a ``GradientCapture`` with the build's projection and layers.
+
+Ground truth: M random 50% subsets of the training set; for each, R models are retrained from the
+same initialization with the same recipe and steps (retraining seed r fixes the batch order),
+and each held-out query's loss (sum of next-token cross-entropy over its tokens) is measured.
+
+LDS of a method, per query q: the Spearman correlation over subsets m between the predicted
+``Σ_{i ∈ S_m} score(q, i)`` and the measured ``-loss_q(θ_{S_m})`` (averaged over the R seeds).
+Sign convention: ``score = ⟨H⁻¹ g_q, g_i⟩``; positive means including example i *lowers* the
+query's loss, hence the minus sign. The figure is the mean over queries.
+
+Spread: projected methods are run for several projection seeds and the LDS is also computed
+against each retraining seed's losses alone; ``seed_spread`` is the standard deviation over those
+(projection seed × retraining seed) runs. ``query_se`` is the standard error over queries, and
+``diff_vs_graddot`` the paired difference to GradDot (same projection and seed) with its
+standard error over queries. ``noise_ceiling`` is the LDS a perfect predictor of one seed's losses
+could reach against another seed's: the Spearman correlation between two retraining seeds.
+
+Retrained losses are cached in ``--work-dir`` (keyed by everything that determines them but M
+and R), so a rerun with other methods, projections or dampings, or a larger M or R, retrains only
+what is missing. Results and their reading: benchmarks/README.md, "Fidelity".
+
+Usage::
+
+    python benchmarks/fidelity.py --workers 2   # full run (~13 min), writes benchmarks/results/fidelity.json
+    python benchmarks/fidelity.py --quick       # a smoke run of a few seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from _corpus import corpus_hash, stdlib_paragraphs  # noqa: E402
+
+import gradindex  # noqa: E402
+from gradindex.build import BuildConfig, build_store  # noqa: E402
+from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
+from gradindex.data import IGNORE, Tokenized, per_example_loss, records_from_texts, tokenize_records  # noqa: E402
+from gradindex.gradients import batch_gradients  # noqa: E402
+from gradindex.scores import score_matrix  # noqa: E402
+from gradindex.tiny import save_model_dir, tiny_gpt2, train_tokenizer  # noqa: E402
+
+METHODS = ("graddot", "cosine", "kfac", "ekfac")
+FITTED = ("kfac", "ekfac")
+
+
+@dataclass(frozen=True)
+class FidelityConfig:
+    """What one fidelity run measures; the fields that shape the retrained losses make the cache key."""
+
+    n_train: int = 256
+    """Training examples (paragraphs), each at most ``max_tokens`` tokens."""
+    n_query: int = 96
+    """Held-out query examples."""
+    max_tokens: int = 48
+    """Paragraphs are truncated to this many tokens."""
+    vocab: int = 512
+    """BPE vocabulary size (tokenizer trained on the whole corpus)."""
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    init_seed: int = 0
+    """Seed of the shared initialization."""
+    steps: int = 200
+    """AdamW steps, the same for the full model and every subset model; 200 is about where the full
+    model's held-out loss bottoms out (benchmarks/README.md, "Fidelity")."""
+    batch: int = 32
+    lr: float = 3e-3
+    """Peak learning rate: linear warm-up over 10% of the steps, then linear decay to zero."""
+    n_subsets: int = 32
+    """M: random 50% subsets of the training set."""
+    retrain_seeds: int = 2
+    """R: retrainings per subset (batch order), averaged for the LDS."""
+    subset_seed: int = 0
+    projections: tuple[str, ...] = ("4", "8", "16", "32", "64", "none")
+    """Projection sizes (``K``, ``KAxKG`` or ``none``) to index with."""
+    proj_seeds: int = 3
+    """Projection seeds per projected size."""
+    dampings: tuple[float, ...] = (0.001, 0.01, 0.1, 1.0)
+    """Relative dampings swept for K-FAC / EK-FAC."""
+    damping: float = 0.1
+    """Damping of the headline table (the library default)."""
+    methods: tuple[str, ...] = METHODS
+
+    def retrain_key(self, corpus: str) -> str:
+        keys = ("n_train", "n_query", "max_tokens", "vocab", "n_layer", "n_embd", "n_head", "init_seed",
+                "steps", "batch", "lr", "subset_seed")  # not M, R: a larger run extends the cache
+        d = {k: getattr(self, k) for k in keys} | {"corpus": corpus, "torch": torch.__version__}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
+
+DEFAULT_WORK = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gradindex" / "fidelity"
+QUICK = FidelityConfig(n_train=32, n_query=8, max_tokens=24, vocab=300, n_embd=32, steps=24, batch=16,
+                       n_subsets=5, retrain_seeds=2, projections=("8", "none"), proj_seeds=1,
+                       dampings=(0.1,))
+
+
+# -- data and training -----------------------------------------------------------------------------
+@dataclass
+class Setup:
+    tokenizer: object
+    train: Tokenized
+    query: Tokenized
+    corpus: str
+
+
+def make_setup(cfg: FidelityConfig) -> Setup:
+    """Tokenizer on the whole corpus; disjoint train / query paragraphs by a fixed permutation."""
+    paras = stdlib_paragraphs()
+    if cfg.n_train + cfg.n_query > len(paras):
+        raise ValueError(f"the corpus has {len(paras)} paragraphs; asked for "
+                         f"n_train + n_query = {cfg.n_train + cfg.n_query}")
+    tok = train_tokenizer(paras, vocab_size=cfg.vocab)
+    order = np.random.default_rng(0).permutation(len(paras))
+    tr = [paras[i] for i in order[: cfg.n_train]]
+    qu = [paras[i] for i in order[cfg.n_train: cfg.n_train + cfg.n_query]]
+    train = tokenize_records(records_from_texts(tr), tok, cfg.max_tokens)
+    query = tokenize_records(records_from_texts(qu), tok, cfg.max_tokens)
+    return Setup(tok, train, query, corpus_hash(paras))
+
+
+def _padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    lens = torch.tensor([len(s) for s in seqs])
+    return ids, lens
+
+
+def new_model(cfg: FidelityConfig, vocab: int) -> torch.nn.Module:
+    return tiny_gpt2(vocab_size=vocab, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
+                     n_positions=max(64, cfg.max_tokens), seed=cfg.init_seed)
+
+
+def train_model(model: torch.nn.Module, seqs: list[list[int]], cfg: FidelityConfig,
+                seed: int) -> torch.nn.Module:
+    """AdamW on the mean token loss, epochs of shuffled batches, warm-up then linear decay to zero."""
+    ids, lens = _padded(seqs, 0)
+    mask = torch.arange(ids.shape[1])[None, :] < lens[:, None]  # [n, T]
+    labels = ids.masked_fill(~mask, IGNORE)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    warm = max(1, cfg.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * min(1.0, (cfg.steps - s) / max(1, cfg.steps - warm)))
+    model.train()
+    order: list[int] = []
+    for _ in range(cfg.steps):
+        if len(order) < cfg.batch:
+            order += torch.randperm(len(seqs), generator=g).tolist()
+        idx, order = order[: cfg.batch], order[cfg.batch:]
+        T = int(lens[idx].max())
+        out = model(input_ids=ids[idx, :T], attention_mask=mask[idx, :T].long(), labels=labels[idx, :T])
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+        sched.step()
+    return model.eval()
+
+
+@torch.no_grad()
+def example_losses(model: torch.nn.Module, data: Tokenized) -> np.ndarray:
+    """``[n]`` summed next-token loss of each example (the library's per-example loss)."""
+    ids, lens = _padded(data.input_ids, 0)
+    mask = torch.arange(ids.shape[1])[None, :] < lens[:, None]
+    lab, _ = _padded(data.labels, IGNORE)
+    lab = lab.masked_fill(~mask, IGNORE)
+    logits = model(input_ids=ids, attention_mask=mask.long()).logits
+    return per_example_loss(logits, lab)[0].double().numpy()
+
+
+def subset_masks(cfg: FidelityConfig) -> np.ndarray:
+    """``[M, N]`` bool: each row holds exactly half of the training examples."""
+    rng = np.random.default_rng(cfg.subset_seed)
+    masks = np.zeros((cfg.n_subsets, cfg.n_train), dtype=bool)
+    for m in range(cfg.n_subsets):
+        masks[m, rng.permutation(cfg.n_train)[: cfg.n_train // 2]] = True
+    return masks
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(cfg: FidelityConfig, setup: Setup, init: dict, threads: int) -> None:
+    torch.set_num_threads(threads)
+    _WORKER.update(cfg=cfg, setup=setup, init=init)
+
+
+def _retrain(job: tuple[int, int, np.ndarray]) -> tuple[int, int, np.ndarray]:
+    m, r, mask = job
+    cfg, setup = _WORKER["cfg"], _WORKER["setup"]
+    model = new_model(cfg, len(setup.tokenizer))
+    model.load_state_dict(_WORKER["init"])
+    seqs = [s for s, keep in zip(setup.train.input_ids, mask, strict=True) if keep]
+    train_model(model, seqs, cfg, seed=1000 + r)
+    return m, r, example_losses(model, setup.query)
+
+
+def retrained_losses(cfg: FidelityConfig, setup: Setup, init: dict, work: Path, workers: int,
+                     threads: int, log=print) -> tuple[np.ndarray, np.ndarray, float]:
+    """``(masks [M, N], losses [M, R, Q], seconds)``; resumes from / writes the cache in ``work``.
+
+    Subset m and seed r do not depend on M and R, so the cache keeps every (m, r) ever computed.
+    """
+    masks = subset_masks(cfg)
+    path = work / f"retrain-{cfg.retrain_key(setup.corpus)}.npz"
+    M, R = cfg.n_subsets, cfg.retrain_seeds
+    seconds = 0.0
+    if path.exists():
+        z = np.load(path)
+        old, seconds = z["losses"], float(z["seconds"])
+        M, R = max(M, old.shape[0]), max(R, old.shape[1])
+    losses = np.full((M, R, cfg.n_query), np.nan)
+    if path.exists():
+        losses[: old.shape[0], : old.shape[1]] = old
+    masks_all = subset_masks(replace(cfg, n_subsets=M))
+    jobs = [(m, r, masks[m]) for m in range(cfg.n_subsets) for r in range(cfg.retrain_seeds)
+            if np.isnan(losses[m, r]).any()]
+    if not jobs:
+        return masks, losses[: cfg.n_subsets, : cfg.retrain_seeds], seconds
+    log(f"retraining {len(jobs)} models ({cfg.steps} steps each, {workers} worker(s)); cache {path}")
+    t0, done = time.perf_counter(), 0
+    ctx = mp.get_context("fork")
+    args = (cfg, setup, init, threads)
+    pool = ctx.Pool(workers, _init_worker, args) if workers > 1 else None
+    if pool is None:
+        _init_worker(*args)
+    results = pool.imap_unordered(_retrain, jobs) if pool else map(_retrain, jobs)
+    try:
+        for m, r, q in results:
+            losses[m, r] = q
+            done += 1
+            if done % max(1, len(jobs) // 8) == 0 or done == len(jobs):
+                el = time.perf_counter() - t0
+                log(f"  {done}/{len(jobs)} retrained, {el:.0f} s")
+                np.savez(path, losses=losses, masks=masks_all, seconds=seconds + el)
+    finally:
+        if pool:
+            pool.terminate()
+    return masks, losses[: cfg.n_subsets, : cfg.retrain_seeds], seconds + time.perf_counter() - t0
+
+
+# -- attribution -------------------------------------------------------------------------------------
+def query_gradients(model: torch.nn.Module, tokenizer, query: Tokenized,
+                    bcfg: BuildConfig) -> dict[str, np.ndarray]:
+    """layer → ``[Q, D]`` query gradients, captured exactly as the build captured training gradients."""
+    model.requires_grad_(False)
+    cap = GradientCapture(model, bcfg.layers, bcfg.projection, bcfg.route, weight_free=True)
+    out: dict[str, list[np.ndarray]] = {}
+    with cap:
+        for s in range(0, len(query), bcfg.batch_size):
+            bg = batch_gradients(model, cap, query.input_ids[s: s + bcfg.batch_size],
+                                 query.labels[s: s + bcfg.batch_size], tokenizer.pad_token_id)
+            for n, v in bg.grads.items():
+                out.setdefault(n, []).append(v.cpu().numpy())
+    return {n: np.concatenate(v) for n, v in out.items()}
+
+
+def scores(index_dir: Path, qgrads: dict[str, np.ndarray], method: str, damping: float) -> np.ndarray:
+    """``[Q, N]`` attribution scores from the library."""
+    s = score_matrix(index_dir, qgrads, method, damping=damping, device="cpu")
+    return np.asarray(s, dtype=np.float64)
+
+
+def build_index(model, setup: Setup, spec: ProjectionSpec, out: Path) -> tuple[BuildConfig, float]:
+    """Store + K-FAC/EK-FAC factors for one projection; returns the config and seconds spent."""
+    t0 = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)  # measure this library version, never a stale store
+    bcfg = BuildConfig(projection=spec, batch_size=16, precondition="ekfac")
+    build_store(model, setup.tokenizer, setup.train, out, bcfg, model_id="fidelity", progress=False)
+    return bcfg, time.perf_counter() - t0
+
+
+def curvature_diagnostics(index_dir: Path, qgrads: dict[str, np.ndarray]) -> dict:
+    """Why GradDot and EK-FAC differ, per layer: how concentrated the EK-FAC spectrum is, and
+    how well GradDot's score is reproduced by its part in the top 1% of those eigendirections."""
+    from gradindex.precondition import load_preconditioner
+    from gradindex.store import Store
+
+    P = load_preconditioner(index_dir, "ekfac")
+    out = {}
+    with Store(index_dir) as st:
+        for n in st.layers:
+            Lam = P.curvature[n]["Lambda"]  # [k_g, k_a]
+            k = max(1, Lam.size // 100)
+            top = np.argsort(Lam.ravel())[::-1][:k]
+            Q_S, Q_A = P.curvature[n]["Q_S"], P.curvature[n]["Q_A"]
+            k_g, k_a = Lam.shape
+            rq = (Q_S.T @ qgrads[n].reshape(-1, k_g, k_a) @ Q_A).reshape(len(qgrads[n]), -1)  # [Q, D]
+            t = np.concatenate([b[n] for _, b in st.iter_blocks([n])]).astype(np.float64)
+            rt = (Q_S.T @ t.reshape(-1, k_g, k_a) @ Q_A).reshape(len(t), -1)  # [N, D]
+            out[n] = {"eigen_mass_top1pct": float(np.sort(Lam.ravel())[::-1][:k].sum() / Lam.sum()),
+                      "graddot_corr_with_top1pct_part": float(np.corrcoef(
+                          (rq @ rt.T).ravel(), (rq[:, top] @ rt[:, top].T).ravel())[0, 1]),
+                      "mean_sq_norm": float((t**2).sum(1).mean())}
+    return out
+
+
+# -- LDS ---------------------------------------------------------------------------------------------
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks along the last axis, ties given their average rank."""
+    out = np.empty_like(x, dtype=np.float64)
+    for i, row in enumerate(x.reshape(-1, x.shape[-1])):
+        _, inv, counts = np.unique(row, return_inverse=True, return_counts=True)
+        ends = np.cumsum(counts)
+        out.reshape(-1, x.shape[-1])[i] = (ends - (counts - 1) / 2.0)[inv]
+    return out
+
+
+def spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``[Q]`` Spearman correlation between rows of ``x`` and ``y`` ``[Q, M]``."""
+    rx, ry = _ranks(x), _ranks(y)
+    rx -= rx.mean(1, keepdims=True)
+    ry -= ry.mean(1, keepdims=True)
+    den = np.sqrt((rx**2).sum(1) * (ry**2).sum(1))
+    return np.where(den > 0, (rx * ry).sum(1) / np.where(den > 0, den, 1.0), 0.0)
+
+
+def lds_per_query(score: np.ndarray, masks: np.ndarray, losses: np.ndarray) -> np.ndarray:
+    """``[Q]`` LDS: Spearman over subsets of ``Σ_{i∈S} score`` against ``-loss`` (``losses`` ``[M, Q]``)."""
+    pred = score @ masks.T.astype(np.float64)  # [Q, M]
+    return spearman_rows(pred, -losses.T)
+
+
+def noise_ceiling(losses: np.ndarray) -> float | None:
+    """Mean over queries and seed pairs of the Spearman correlation between two seeds' losses."""
+    R = losses.shape[1]
+    if R < 2:
+        return None
+    vals = [spearman_rows(-losses[:, a].T, -losses[:, b].T).mean() for a in range(R) for b in range(a + 1, R)]
+    return float(np.mean(vals))
+
+
+def evaluate(score: np.ndarray, masks: np.ndarray, losses: np.ndarray) -> dict:
+    """LDS per query against the seed-averaged losses, and the mean LDS against each seed alone."""
+    per_q = lds_per_query(score, masks, losses.mean(axis=1))
+    per_seed = [float(lds_per_query(score, masks, losses[:, r]).mean()) for r in range(losses.shape[1])]
+    return {"per_query": per_q, "per_seed": per_seed}
+
+
+def summarize(runs: list[dict], base: list[dict], kfac: list[dict] | None = None) -> dict:
+    """Aggregate one method × projection × damping over projection seeds.
+
+    ``base``: GradDot's runs at that projection; ``kfac``: K-FAC's at the same damping, for the
+    paired EK-FAC − K-FAC difference.
+    """
+    lds = np.array([r["per_query"].mean() for r in runs])
+    seeds = np.array([v for r in runs for v in r["per_seed"]])
+    pq = np.mean([r["per_query"] for r in runs], axis=0)  # [Q]
+    diff = pq - np.mean([b["per_query"] for b in base], axis=0)
+    n = len(pq)
+    out = {"lds": float(lds.mean()), "seed_spread": float(seeds.std(ddof=1)) if len(seeds) > 1 else 0.0,
+           "proj_seed_std": float(lds.std(ddof=1)) if len(lds) > 1 else 0.0,
+           "per_proj_seed": lds.round(4).tolist(), "per_retrain_seed_and_proj_seed": seeds.round(4).tolist(),
+           "query_se": float(pq.std(ddof=1) / np.sqrt(n)),
+           "diff_vs_graddot": float(diff.mean()), "diff_se": float(diff.std(ddof=1) / np.sqrt(n))}
+    if kfac:
+        dk = pq - np.mean([k["per_query"] for k in kfac], axis=0)
+        out |= {"diff_vs_kfac": float(dk.mean()), "diff_vs_kfac_se": float(dk.std(ddof=1) / np.sqrt(n))}
+    return out
+
+
+# -- driver ------------------------------------------------------------------------------------------
+def run(cfg: FidelityConfig, work: Path, workers: int = 1, threads: int = 1, log=print) -> dict:
+    """The whole benchmark; returns the results dictionary (also what ``--out`` gets)."""
+    t_start = time.perf_counter()
+    torch.set_num_threads(threads)
+    work.mkdir(parents=True, exist_ok=True)
+    setup = make_setup(cfg)
+    vocab = len(setup.tokenizer)
+    init = {k: v.clone() for k, v in new_model(cfg, vocab).state_dict().items()}
+    t0 = time.perf_counter()
+    model = new_model(cfg, vocab)
+    model.load_state_dict(init)
+    train_model(model, setup.train.input_ids, cfg, seed=1000)
+    t_train = time.perf_counter() - t0
+    save_model_dir(model, setup.tokenizer, work / "model")
+    full_train_loss = example_losses(model, setup.train)
+    full_query_loss = example_losses(model, setup.query)
+    tok_train = sum(len(x) - 1 for x in setup.train.input_ids)
+    tok_query = sum(len(x) - 1 for x in setup.query.input_ids)
+    loss_tr, loss_q = full_train_loss.sum() / tok_train, full_query_loss.sum() / tok_query
+    log(f"model: {sum(p.numel() for p in model.parameters())} parameters, trained in {t_train:.1f} s; "
+        f"loss/token train {loss_tr:.3f}, query {loss_q:.3f}")
+
+    masks, losses, t_retrain = retrained_losses(cfg, setup, init, work, workers, threads, log)
+    ceiling = noise_ceiling(losses)
+    log(f"retrained {losses.shape[0]}x{losses.shape[1]} models ({t_retrain:.0f} s); seed-to-seed ceiling "
+        f"{ceiling if ceiling is None else round(ceiling, 3)}")
+
+    torch.set_num_threads(threads)
+    raw: dict[tuple[str, str, float], list[dict]] = {}
+    diagnostics: dict = {}
+    build_s: dict[str, float] = {}
+    for proj in cfg.projections:
+        n_seeds = 1 if proj == "none" else cfg.proj_seeds
+        for ps in range(n_seeds):
+            spec = ProjectionSpec.parse(proj, seed=ps)
+            idx = work / f"index-{proj}-s{ps}-{cfg.retrain_key(setup.corpus)}"
+            bcfg, secs = build_index(model, setup, spec, idx)
+            build_s[proj] = build_s.get(proj, 0.0) + secs
+            q = query_gradients(model, setup.tokenizer, setup.query, bcfg)
+            if proj == "none":
+                diagnostics = curvature_diagnostics(idx, q)
+            for method in cfg.methods:
+                for d in (cfg.dampings if method in FITTED else (cfg.damping,)):
+                    s = scores(idx, q, method, d)
+                    raw.setdefault((method, proj, d), []).append(evaluate(s, masks, losses))
+            shutil.rmtree(idx)  # rebuilt on every run anyway; the full-space ones are large
+        log(f"projection {proj}: indexed and scored ({build_s[proj]:.1f} s)")
+
+    table: dict[str, dict[str, dict]] = {}
+    sweep: dict[str, dict[str, dict]] = {}
+    for (method, proj, d), runs in raw.items():
+        summ = summarize(runs, raw[("graddot", proj, cfg.damping)],
+                         raw.get(("kfac", proj, d)) if method == "ekfac" else None)
+        if d == cfg.damping:
+            table.setdefault(method, {})[proj] = summ
+        if method in FITTED:
+            sweep.setdefault(method, {}).setdefault(proj, {})[str(d)] = summ["lds"]
+    result = {
+        "benchmark": "fidelity",
+        "config": asdict(cfg),
+        "library_version": gradindex.__version__,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "numpy": np.__version__, "threads": threads, "workers": workers},
+        "corpus": {"source": "prose paragraphs of Python standard library docstrings (benchmarks/_corpus.py)",
+                   "paragraphs_hash": setup.corpus, "train_tokens": tok_train, "query_tokens": tok_query},
+        "model": {"parameters": int(sum(p.numel() for p in model.parameters())),
+                  "train_loss_per_token": float(full_train_loss.sum() / tok_train),
+                  "query_loss_per_token": float(full_query_loss.sum() / tok_query)},
+        "sign_convention": "score = <H^-1 g_query, g_train> (positive: including the example lowers the "
+                           "query loss); LDS correlates subset sums of scores with MINUS the query loss",
+        "noise_ceiling": ceiling,
+        "diagnostics_full_space": diagnostics,
+        "lds": table,
+        "damping_sweep": sweep,
+        "seconds": {"train_full_model": round(t_train, 1),
+                    "retrain_total": round(t_retrain, 1),  # all retrainings, summed over the runs that cached them
+                    "build_and_fit": {k: round(v, 1) for k, v in build_s.items()},
+                    "total_this_run": round(time.perf_counter() - t_start, 1)},
+    }
+    return result
+
+
+def format_table(result: dict) -> str:
+    """The LDS table: rows = methods, columns = projections, cells = mean ± seed spread."""
+    projs = list(result["config"]["projections"])
+    lines = [f"LDS (damping {result['config']['damping']}; mean ± seed spread; noise ceiling "
+             f"{result['noise_ceiling'] and round(result['noise_ceiling'], 3)})",
+             "method   " + "".join(f"{p:>18}" for p in projs)]
+    for method, row in result["lds"].items():
+        cells = "".join(f"{row[p]['lds']:>10.3f} ± {row[p]['seed_spread']:.3f}" for p in projs if p in row)
+        lines.append(f"{method:<9}" + cells)
+    base = result["lds"].get("graddot")
+    if base:
+        for method in ("kfac", "ekfac"):
+            if method in result["lds"]:
+                r = result["lds"][method]
+                ratios = [r[p]["lds"] / base[p]["lds"] if base[p]["lds"] else float("nan") for p in projs]
+                lines.append(f"{method}/graddot " + "".join(f"{x:>18.2f}" for x in ratios))
+    for method, per in result.get("damping_sweep", {}).items():
+        for p, vals in per.items():
+            lines.append(f"sweep {method:<6}{p:>5}: " + ", ".join(f"δ={d}: {v:.3f}" for d, v in vals.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="tiny smoke configuration (seconds)")
+    ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK,
+                    help=f"model, indices and the retrained-loss cache (default {DEFAULT_WORK})")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="results JSON (default benchmarks/results/fidelity.json; none with --quick)")
+    ap.add_argument("--subsets", type=int, help="M, random 50%% subsets")
+    ap.add_argument("--retrain-seeds", type=int, help="R, retrainings per subset")
+    ap.add_argument("--steps", type=int, help="training steps")
+    ap.add_argument("--projections", help="comma-separated, e.g. 8,16,none")
+    ap.add_argument("--proj-seeds", type=int)
+    ap.add_argument("--dampings", help="comma-separated relative dampings for K-FAC/EK-FAC")
+    ap.add_argument("--workers", type=int, default=1, help="retraining processes")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    a = ap.parse_args(argv)
+    cfg = QUICK if a.quick else FidelityConfig()
+    over = {"n_subsets": a.subsets, "retrain_seeds": a.retrain_seeds, "steps": a.steps,
+            "proj_seeds": a.proj_seeds,
+            "projections": tuple(a.projections.split(",")) if a.projections else None,
+            "dampings": tuple(float(x) for x in a.dampings.split(",")) if a.dampings else None}
+    cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
+    result = run(cfg, a.work_dir, a.workers, a.threads)
+    print(format_table(result))
+    out = a.out or (None if a.quick else Path("benchmarks/results/fidelity.json"))
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,68 @@
+"""``gradindex index INDEX_DIR``: (re)build the per-layer FAISS indices from the store."""
+
+from __future__ import annotations
+
+import click
+
+from gradindex.cli import main
+from gradindex.cli.common import user_errors
+from gradindex.index import IndexConfig, IndexSpace, build_indices
+
+
+def index_options(fn):
+    """Options shared by ``gradindex index`` and the index stage of ``gradindex build``."""
+    fn = click.option("--index-type", default="auto", show_default=True,
+                      help="FAISS factory string for every layer (Flat, IVF1024,PQ64, IVF1024,SQ8, "
+                           "HNSW32, ...); auto: Flat up to N*D = 2^24, else IVF-PQ.")(fn)
+    fn = click.option("--whiten", default="none", show_default=True,
+                      type=click.Choice(["none", "kfac", "ekfac"]),
+                      help="Index H^-1/2-whitened vectors of this fitted preconditioner "
+                           "(best ANN recall for that method).")(fn)
+    fn = click.option("--normalize", is_flag=True,
+                      help="Divide each example's vectors by its all-layer norm "
+                           "(best ANN recall for cosine).")(fn)
+    fn = click.option("--train-size", default=0, show_default=True, type=int,
+                      help="Rows sampled to train IVF/PQ (0: 64 per list, at least 16384).")(fn)
+    fn = click.option("--cpu-index", is_flag=True, help="Build on the CPU even when FAISS sees GPUs.")(fn)
+    return fn
+
+
+def index_config(index_type: str, whiten: str, damping: float, normalize: bool, train_size: int,
+                 cpu_index: bool) -> IndexConfig:
+    if train_size < 0:
+        raise ValueError(f"--train-size must be >= 0, got {train_size}")
+    space = IndexSpace(whiten=whiten, damping=damping, normalize=normalize)
+    return IndexConfig(factory=index_type, space=space, train_size=train_size, gpu=not cpu_index)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def report(res) -> str:
+    m = res.meta
+    kinds = sorted({e["factory"] for e in m["layers"].values()})
+    size = sum(e["bytes"] for e in m["layers"].values())
+    state = "up to date" if res.up_to_date else f"built in {res.seconds:.1f} s"
+    return (f"indices {state}: {len(m['layers'])} layers x {m['examples']} examples, {', '.join(kinds)}, "
+            f"{'whitened ' + m['space']['whiten'] if m['space']['whiten'] != 'none' else 'raw'}"
+            f"{', normalized' if m['space']['normalize'] else ''}, {human_bytes(size)}")
+
+
+@main.command()
+@click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
+@index_options
+@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping of --whiten.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of the training sample.")
+@click.option("--force", is_flag=True, help="Rebuild even when the indices are up to date.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@user_errors
+def index(index_dir, index_type, whiten, normalize, train_size, cpu_index, damping, seed, force, quiet):
+    """(Re)build one FAISS index per layer of INDEX_DIR's store (resumes an interrupted build)."""
+    cfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
+    cfg = IndexConfig(**{**cfg.__dict__, "seed": seed})
+    click.echo(report(build_indices(index_dir, cfg, progress=not quiet, force=force)))

@@ -1,0 +1,87 @@
+"""``gradindex info INDEX_DIR``: what an index holds (model, layers, counts, methods, indices, sizes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from gradindex.cli import main
+from gradindex.cli.common import user_errors
+from gradindex.cli.index import human_bytes
+from gradindex.index import available, read_meta
+from gradindex.manifest import read_manifest
+
+
+def _size(p: Path) -> int:
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
+
+
+def summary(index_dir: str) -> dict:
+    """A JSON-able summary of an index directory."""
+    d = Path(index_dir)
+    m = read_manifest(d)
+    meta = read_meta(d)
+    b = m["build"]
+    counts = m.get("counts", {})
+    layers = {}
+    for n, v in b["layers"].items():
+        e = (meta or {}).get("layers", {}).get(n, {})
+        layers[n] = {"shape": [v["rows"], v["cols"]], "dim": v["rows"] * v["cols"], "module": v["kind"],
+                     "in_out": [v["n_in"], v["n_out"]], "index": e.get("factory"),
+                     "index_bytes": e.get("bytes")}
+    return {
+        "dir": str(d), "status": m.get("status"), "library_version": m.get("library_version"),
+        "model": {"id": m.get("model_id"), "fingerprint": b.get("model_fingerprint"),
+                  "dtype": m.get("dtype")},
+        "data": {"id": m.get("data_id"), "examples": counts.get("examples"),
+                 "truncated": counts.get("truncated"), "field": counts.get("text_field"),
+                 "nonfinite": len(m.get("nonfinite_ids", []))},
+        "projection": b.get("projection"), "max_length": b.get("max_length"),
+        "layers": layers, "dims_total": sum(v["dim"] for v in layers.values()),
+        "methods": available(d),
+        "index": None if meta is None else {"status": meta.get("status"), "space": meta.get("space"),
+                                            "types": sorted({e["factory"] for e in meta["layers"].values()})},
+        "bytes": {"store": _size(d / "store"), "precond": _size(d / "precond"), "faiss": _size(d / "faiss")},
+    }
+
+
+@main.command()
+@click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@user_errors
+def info(index_dir, as_json):
+    """Summarize INDEX_DIR: model, layers and dimensions, counts, methods, index types, sizes."""
+    s = summary(index_dir)
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+        return
+    p = s["projection"] or {}
+    proj = "none" if p.get("kind") == "none" else f"{p.get('kind')} {p.get('k_g')}x{p.get('k_a')}"
+    click.echo(f"index      {s['dir']} ({s['status']}, gradindex {s['library_version']})")
+    mo = s["model"]
+    click.echo(f"model      {mo['id']} ({mo['dtype']}, fingerprint {str(mo['fingerprint'])[:12]})")
+    d = s["data"]
+    click.echo(f"data       {d['id']}: {d['examples']} examples (field {d['field']!r}, "
+               f"{d['truncated']} truncated, {d['nonfinite']} non-finite)")
+    click.echo(f"projection {proj}, seed {p.get('seed')}; max length {s['max_length']}")
+    click.echo(f"layers     {len(s['layers'])}, {s['dims_total']} numbers per example")
+    for n, v in s["layers"].items():
+        idx = f"{v['index']} {human_bytes(v['index_bytes'])}" if v["index"] else "no index"
+        shape = f"[{v['shape'][0]}x{v['shape'][1]}]"
+        click.echo(f"  {n}  {v['module']} {v['in_out'][0]}->{v['in_out'][1]}  {shape}  {idx}")
+    click.echo(f"methods    {', '.join(s['methods'])}")
+    ix = s["index"]
+    if ix is None:
+        click.echo(f"indices    none (build them with `gradindex index {index_dir}`)")
+    else:
+        sp = ix["space"]
+        space = "raw" if sp["whiten"] == "none" else f"whitened {sp['whiten']} (damping {sp['damping']})"
+        norm = ", normalized" if sp["normalize"] else ""
+        click.echo(f"indices    {', '.join(ix['types'])}; {space}{norm}; {ix['status']}")
+    b = s["bytes"]
+    click.echo(f"on disk    store {human_bytes(b['store'])}, precond {human_bytes(b['precond'])}, "
+               f"faiss {human_bytes(b['faiss'])}")

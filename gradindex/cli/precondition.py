@@ -1,0 +1,36 @@
+"""``gradindex precondition INDEX_DIR --method kfac|ekfac``: add a preconditioner to an index."""
+
+from __future__ import annotations
+
+import click
+
+from gradindex.cli import main
+from gradindex.cli.common import user_errors
+from gradindex.precondition import FITTED_METHODS, FitConfig, available_methods, fit_preconditioner
+
+
+@main.command()
+@click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--method", required=True, type=click.Choice(list(FITTED_METHODS)),
+              help="kfac, or ekfac (which writes kfac too).")
+@click.option("--damping", default=0.1, show_default=True, type=float,
+              help="Relative damping of the self-influence written now (queries choose their own).")
+@click.option("--fit-data", default="", type=click.Path(dir_okay=True),
+              help="Fit the factors on this data instead of the indexed data (one model pass).")
+@click.option("--fit-examples", default=0, show_default=True, type=int,
+              help="Fit the factors on a random sample of this many examples (0 = all).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of that sample.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option("--precision", default="float64", show_default=True, type=click.Choice(["float64", "float32"]),
+              help="Arithmetic of the store passes (float32 is faster on large unprojected layers).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@user_errors
+def precondition(index_dir, method, damping, fit_data, fit_examples, seed, device, precision, quiet):
+    """Fit K-FAC or EK-FAC on INDEX_DIR and write its self-influence."""
+    cfg = FitConfig(method=method, damping=damping, fit_data=fit_data, fit_examples=fit_examples, seed=seed,
+                    device=device, precision=precision)
+    entries = fit_preconditioner(index_dir, cfg, progress=not quiet)
+    e = entries[method]
+    click.echo(f"fitted {method} on {index_dir} in {e['seconds']:.1f} s (factors from the "
+               f"{e['fit']['source']}, {e['fit']['examples']} examples); "
+               f"methods now: {', '.join(available_methods(index_dir))}")

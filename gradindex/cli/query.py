@@ -1,0 +1,100 @@
+"""``gradindex query INDEX_DIR``: the training examples that most influenced a text or completion."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import click
+
+from gradindex.cli import main
+from gradindex.cli.common import user_errors
+from gradindex.index.space import ALL_METHODS
+from gradindex.query import QueryEngine, QueryResult, read_queries
+
+
+def _queries(texts, prompt, completion, queries_file, text_field) -> list:
+    out: list = list(texts)
+    if (prompt is None) != (completion is None):
+        raise ValueError("--prompt and --completion go together (the loss is taken on the completion)")
+    if prompt is not None:
+        out.append((prompt, completion))
+    if queries_file:
+        out.extend(read_queries(queries_file))
+    if not out:
+        raise ValueError("nothing to query: pass --text T, --prompt P --completion C, or --queries FILE")
+    return [{text_field: q} if isinstance(q, str) else q for q in out]
+
+
+def _line(text: str | None, width: int) -> str:
+    if text is None:
+        return "(text unavailable)"
+    s = " ".join(str(text).split())
+    return s if len(s) <= width else s[: max(0, width - 3)] + "..."
+
+
+def _print_result(i: int, q, r: QueryResult) -> None:
+    width = max(40, shutil.get_terminal_size((100, 20)).columns - 30)
+    where = f"{len(r.layers)} layers" if len(r.layers) > 1 else r.layers[0]
+    click.echo(f"query {i + 1}: {_line(str(q), width)}")
+    click.echo(f"  {r.num_tokens} target tokens, loss {r.loss:.3f}, method {r.method}"
+               f"{f' (damping {r.damping})' if r.damping is not None else ''}, {where}")
+    for title, hits in (("most influential", r.hits), ("most negative", r.lowest)):
+        if not hits:
+            continue
+        click.echo(f"  {title}:")
+        click.echo(f"  {'rank':>4}  {'id':>8}  {'score':>11}  text")
+        for j, h in enumerate(hits):
+            click.echo(f"  {j + 1:>4}  {h.id:>8}  {h.score:>11.4g}  {_line(h.text, width)}")
+
+
+def _json(r: QueryResult) -> list[dict]:
+    out = [{"rank": j + 1, "kind": "top", **h.to_dict()} for j, h in enumerate(r.hits)]
+    out += [{"rank": j + 1, "kind": "lowest", **h.to_dict()} for j, h in enumerate(r.lowest)]
+    return out
+
+
+@main.command()
+@click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--text", "texts", multiple=True, help="A query text (loss on every next token); repeatable.")
+@click.option("--prompt", default=None, help="Query prompt (no loss), with --completion.")
+@click.option("--completion", default=None, help="Query completion (the loss is taken on it).")
+@click.option("--queries", "queries_file", type=click.Path(dir_okay=True, exists=True),
+              help="File of queries, any format and fields `gradindex build` reads.")
+@click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
+@click.option("-k", "k", default=10, show_default=True, type=int, help="Results per query.")
+@click.option("--method", default="graddot", show_default=True, type=click.Choice(list(ALL_METHODS)))
+@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
+@click.option("--layers", multiple=True, help="Glob of layers to search (repeatable). Default: all.")
+@click.option("--lowest", default=0, show_default=True, type=int, help="Also the N most negative examples.")
+@click.option("--rerank-full", default=0, show_default=True, type=int,
+              help="Re-rank the top N with full (unprojected) gradients (graddot, cosine).")
+@click.option("--candidates", default=None, type=int, help="ANN results per layer (default 1000).")
+@click.option("--shortlist", default=None, type=int,
+              help="Of those, kept per layer after exact per-layer scoring (default 100).")
+@click.option("--nprobe", default=None, type=int, help="IVF lists to visit per layer (default: the index's).")
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
+              help="Model directory (default: the one the index was built with).")
+@click.option("--data", default=None, type=click.Path(),
+              help="Training data file, if it moved since the build.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")
+@click.option("--cpu-index", is_flag=True, help="Search on the CPU even when FAISS sees GPUs.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON list of results per query (a line each).")
+@user_errors
+def query(index_dir, texts, prompt, completion, queries_file, text_field, k, method, damping, layers, lowest,
+          rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, as_json):
+    """Find the training examples in INDEX_DIR that most influenced each query."""
+    qs = _queries(texts, prompt, completion, queries_file, text_field)
+    with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index) as engine:
+        results = engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
+                                     lowest=lowest, rerank_full=rerank_full, candidates=candidates,
+                                     shortlist=shortlist, nprobe=nprobe, text_field=text_field)
+    notes = list(dict.fromkeys(n for r in results for n in r.notes))
+    for n in notes:
+        click.echo(f"note: {n}", err=True)
+    for i, (q, r) in enumerate(zip(qs, results, strict=True)):
+        if as_json:
+            click.echo(json.dumps(_json(r)))
+        else:
+            _print_result(i, q.get(text_field) or (q.get("prompt", ""), q.get("completion", "")) or q, r)

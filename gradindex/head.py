@@ -1,0 +1,97 @@
+"""The LM head and the per-example loss, fused with their backward (offline capture only).
+
+The plain path (``model(...).logits`` → :func:`gradindex.data.per_example_loss`) keeps several
+``[B, T, V]`` tensors alive (logits, a shifted copy, log-probabilities, and in the backward their
+gradients), which at a vocabulary of thousands costs as much memory traffic as the head's two
+matmuls. Here the head runs on the rows that have a target only, a few hundred rows at a time:
+each chunk's logits become log-probabilities, the token losses, and then, in place, the gradient
+``softmax - onehot``, which is multiplied by the head weight at once. The backward only scales
+those saved ``[rows, d]`` gradients by the incoming per-example weights.
+
+The head's parameters are constants here: capture differentiates with respect to hooked layer
+outputs only, so no weight gradient is ever formed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradindex.data import IGNORE
+
+PLAIN_HEAD_MODELS = frozenset({
+    "GPT2LMHeadModel", "GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+})
+"""Model classes whose logits are exactly ``head(base_model(...)[0])``: no scaling or capping."""
+
+CHUNK_BYTES = {"cpu": 4 << 20}
+"""Bytes of one chunk of fp32 logits per device type: on CPU small enough to stay in cache and
+out of freshly mapped pages; elsewhere (default 256 MiB) large enough to fill the device."""
+
+
+def plain_head(model: nn.Module, hooked: set[nn.Module]) -> nn.Linear | None:
+    """The output layer when the fused path applies to ``model``, else ``None``.
+
+    It applies to the known plain models (:data:`PLAIN_HEAD_MODELS`, exact classes) whose head
+    is an ``nn.Linear`` that is not itself hooked (a hooked head must run its own forward).
+    """
+    if type(model).__name__ not in PLAIN_HEAD_MODELS:
+        return None
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head in hooked or model.base_model is model:
+        return None
+    return head
+
+
+class _TokenLossWithGrad(torch.autograd.Function):
+    """Token losses ``[N]`` of rows ``h`` ``[N, d]``; the gradient w.r.t. ``h`` is formed in forward."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                targets: torch.Tensor) -> torch.Tensor:
+        N, V = h.shape[0], weight.shape[0]
+        rows = max(16, CHUNK_BYTES.get(h.device.type, 256 << 20) // (4 * V))
+        loss = torch.empty(N, device=h.device, dtype=torch.float32)
+        grad_h = torch.empty_like(h)  # [N, d]
+        w_t = weight.t()  # [d, V]
+        for s in range(0, N, rows):
+            e = min(s + rows, N)
+            logits = h[s:e] @ w_t if bias is None else torch.addmm(bias, h[s:e], w_t)  # [n, V]
+            logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V] fp32
+            del logits
+            y = targets[s:e, None]  # [n, 1]
+            loss[s:e] = -logp.gather(1, y).squeeze(1)
+            dlogits = logp.exp_()  # softmax, in place
+            dlogits.scatter_add_(1, y, torch.full_like(y, -1, dtype=dlogits.dtype))  # - onehot
+            torch.mm(dlogits.to(h.dtype), weight, out=grad_h[s:e])  # [n, d]
+        ctx.save_for_backward(grad_h)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype).unsqueeze(1), None, None, None
+
+
+def fused_per_example_loss(
+    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like :func:`gradindex.data.per_example_loss`, from the final hidden states ``[B, T, d]``.
+
+    Returns ``[B]`` summed token losses (fp32; differentiable w.r.t. ``hidden``) and ``[B]``
+    target counts. ``labels`` ``[B, T]`` are unshifted, ``IGNORE`` where there is no target.
+    """
+    B, T, d = hidden.shape
+    targets = labels[:, 1:]  # [B, T-1]
+    has_target = targets != IGNORE  # [B, T-1]
+    keep = has_target.reshape(-1).nonzero().squeeze(1)  # [N] flat rows with a target
+    h = hidden[:, :-1].reshape(-1, d).index_select(0, keep)  # [N, d]
+    y = targets.reshape(-1).index_select(0, keep)  # [N]
+    weight = head.weight.detach()
+    bias = None if head.bias is None else head.bias.detach()
+    tok = _TokenLossWithGrad.apply(h, weight, bias, y)  # [N]
+    example = torch.div(keep, max(T - 1, 1), rounding_mode="floor")  # [N]
+    loss = torch.zeros(B, device=hidden.device, dtype=torch.float32).index_add(0, example, tok)
+    return loss, has_target.sum(dim=1)

@@ -1,0 +1,36 @@
+"""Index: one FAISS inner-product index per layer, built from the store (DESIGN.md, "On disk")."""
+
+from gradindex.index.build import (
+    FAISS_DIR,
+    IndexBuildResult,
+    IndexConfig,
+    build_indices,
+    faiss_dir,
+    layer_file,
+    read_meta,
+)
+from gradindex.index.factory import default_factory, resolve_factory
+from gradindex.index.load import IndexSet, LayerIndex
+from gradindex.index.rows import RowReader, iter_layer
+from gradindex.index.space import METHODS, IndexSpace, Preconditioners, available, query_vectors
+
+__all__ = [
+    "FAISS_DIR",
+    "METHODS",
+    "IndexBuildResult",
+    "IndexConfig",
+    "IndexSet",
+    "IndexSpace",
+    "LayerIndex",
+    "Preconditioners",
+    "RowReader",
+    "available",
+    "build_indices",
+    "default_factory",
+    "faiss_dir",
+    "iter_layer",
+    "layer_file",
+    "query_vectors",
+    "read_meta",
+    "resolve_factory",
+]

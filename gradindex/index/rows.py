@@ -1,0 +1,107 @@
+"""Fast reads of store rows: contiguous blocks of one layer, and random rows for re-ranking.
+
+The store's per-layer datasets are chunked, uncompressed float32 (``gradindex/store.py``). An
+uncompressed chunk is a dense C-order ``[chunk_rows, D]`` array at a fixed file offset, so once
+the chunk table is read (``chunk_iter``), a random row is one memory-mapped slice: ~3 µs instead
+of the ~40 µs h5py's point selection costs. Reads are sorted by file offset. Datasets written
+any other way (filters, another dtype) fall back to :meth:`Store.read_rows`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import h5py
+import numpy as np
+
+from gradindex.store import Store
+
+_F32 = np.dtype("<f4")
+
+
+def iter_layer(store: Store, layer: str, start: int = 0,
+               block: int = 8192) -> Iterator[tuple[int, np.ndarray]]:
+    """Yield ``(first_row, [n, D] float32)`` blocks of one layer from row ``start`` on."""
+    for path, first, size in zip(store.paths, store.first_ids, store.sizes, strict=True):
+        if first + size <= start:
+            continue
+        with h5py.File(path, "r") as f:
+            ds = f["grads"][layer]
+            for s in range(max(0, start - first), size, block):
+                e = min(s + block, size)
+                yield first + s, ds[s:e]
+
+
+class _Plain:
+    """Chunk table of one uncompressed dataset: row → byte offset in its file."""
+
+    def __init__(self, ds: h5py.Dataset):
+        self.rows_per_chunk, self.dim = ds.chunks[0], ds.shape[1]
+        offsets: dict[int, int] = {}
+        r = self.rows_per_chunk
+        ds.id.chunk_iter(lambda ci: offsets.__setitem__(ci.chunk_offset[0] // r, ci.byte_offset))
+        n_chunks = -(-ds.shape[0] // self.rows_per_chunk)
+        if len(offsets) != n_chunks:
+            raise ValueError("unallocated chunks")
+        self.offsets = np.array([offsets[i] for i in range(n_chunks)], dtype=np.int64)
+
+    def byte_offsets(self, local: np.ndarray) -> np.ndarray:
+        return self.offsets[local // self.rows_per_chunk] + (local % self.rows_per_chunk) * (4 * self.dim)
+
+
+def _plain(ds: h5py.Dataset) -> bool:
+    return (ds.dtype == _F32 and ds.chunks is not None and ds.chunks[1] == ds.shape[1]
+            and not ds.compression and not ds.shuffle and not ds.fletcher32 and ds.scaleoffset is None
+            and hasattr(ds.id, "chunk_iter"))
+
+
+class RowReader:
+    """Random rows of any layers, by store row id, in one sorted pass per shard file."""
+
+    def __init__(self, store: Store, layers: Sequence[str] | None = None):
+        self.store = store
+        self.layers = list(layers or store.layers)
+        self._tables: list[dict[str, _Plain]] | None = []
+        self._maps: list[np.ndarray] = []
+        try:
+            for path in store.paths:
+                with h5py.File(path, "r") as f:
+                    g = f["grads"]
+                    if not all(_plain(g[n]) for n in self.layers):
+                        raise ValueError("not plain")
+                    self._tables.append({n: _Plain(g[n]) for n in self.layers})
+                mm = np.memmap(path, dtype=np.uint8, mode="r")
+                self._maps.append(mm)
+        except (ValueError, OSError):
+            self._tables, self._maps = None, []
+
+    @property
+    def direct(self) -> bool:
+        """Whether rows are read straight from the chunks (else through h5py)."""
+        return self._tables is not None
+
+    def read(self, ids: np.ndarray, layers: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """``{layer: [len(ids), D] float32}`` for store rows ``ids`` (any order, repeats allowed)."""
+        layers = list(layers or self.layers)
+        ids = self.store.positions(np.asarray(ids, dtype=np.int64))
+        if self._tables is None or not set(layers) <= set(self.layers):
+            return self.store.read_rows(ids, layers)
+        out = {n: np.empty((len(ids), self.store.dims[n]), dtype=np.float32) for n in layers}
+        starts = np.asarray(self.store.first_ids, dtype=np.int64)
+        shard = np.searchsorted(starts, ids, side="right") - 1
+        for k in np.unique(shard):
+            sel = np.nonzero(shard == k)[0]
+            local = ids[sel] - starts[k]
+            mm = self._maps[k]
+            for n in layers:
+                tab = self._tables[k][n]
+                off = tab.byte_offsets(local)
+                order = np.argsort(off, kind="stable")
+                D = tab.dim
+                if (off % 4 == 0).all():
+                    flat = mm[: (mm.size // 4) * 4].view(_F32)
+                    rows = flat[(off[order] // 4)[:, None] + np.arange(D)]
+                else:
+                    rows = mm[off[order][:, None] + np.arange(4 * D)].view(_F32).reshape(-1, D)
+                out[n][sel[order]] = rows
+        return out

@@ -1,0 +1,146 @@
+"""What vectors an index holds, and how a query is mapped into that space.
+
+An index over layer ``l`` stores ``x_l = W_l t_l / ν`` for every store row ``t``:
+
+* ``W_l`` is the identity (``whiten='none'``, a *raw* index) or ``H_l^{-1/2}`` of a fitted
+  preconditioner at the build's damping (``whiten='kfac'|'ekfac'``, a *whitened* index);
+* ``ν`` is 1, or with ``normalize=True`` the example's norm over **all** layers of the raw store
+  vectors, so per-layer inner products with a unit query sum to the cosine.
+
+A query for method ``M`` (``graddot``/``cosine``: identity, ``kfac``/``ekfac``: ``H⁻¹`` at the
+query's damping) becomes ``m_l = M_l q_l`` (divided by ``‖q‖`` for cosine), the vector the exact
+re-rank dots with the raw stored ``t_l``, and ``u_l = W_l^{-1} m_l`` (``H^{+1/2}`` of the
+whitening), the vector searched in the index: ``⟨u_l, W_l t_l⟩ = ⟨m_l, t_l⟩``. When the method
+and damping are the whitening's own, ``u_l = H_l^{-1/2} q_l`` directly. So any method and damping
+works on any index, without rebuilding it; an index whose space matches the method gives ANN
+search the best recall.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+WHITEN = ("none", "kfac", "ekfac")
+METHODS = ("graddot", "cosine", "kfac", "ekfac")
+SELFNORM = "-selfnorm"
+ALL_METHODS = METHODS + tuple(m + SELFNORM for m in ("graddot", "kfac", "ekfac"))
+"""Also ``<method>-selfnorm``: the score divided by ``sqrt`` of the training example's
+self-influence under that method (``gradindex.precondition.self_influence``)."""
+
+
+def split_method(method: str) -> tuple[str, bool]:
+    """``'ekfac-selfnorm'`` → ``('ekfac', True)``; raise on an unknown name."""
+    m = str(method).strip().lower()
+    if m not in ALL_METHODS:
+        raise ValueError(f"method {method!r} is not one of {list(ALL_METHODS)}")
+    return (m[: -len(SELFNORM)], True) if m.endswith(SELFNORM) else (m, False)
+
+
+@dataclass(frozen=True)
+class IndexSpace:
+    """The vector space of a set of per-layer indices; serialized into ``faiss/index.json``."""
+
+    whiten: str = "none"
+    """``none`` (raw vectors) or the preconditioner whose ``H^{-1/2}`` whitens them."""
+    damping: float = 0.1
+    """Relative damping of the whitening (ignored when ``whiten='none'``)."""
+    normalize: bool = False
+    """Divide each example's vectors by its all-layer norm (cosine search without bias)."""
+
+    def __post_init__(self) -> None:
+        if self.whiten not in WHITEN:
+            raise ValueError(f"whiten {self.whiten!r} is not one of {WHITEN}")
+        if self.damping < 0:
+            raise ValueError(f"damping must be >= 0, got {self.damping}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if self.whiten == "none":
+            d["damping"] = None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> IndexSpace:
+        return cls(whiten=d.get("whiten", "none"), damping=d.get("damping") or 0.1,
+                   normalize=bool(d.get("normalize", False)))
+
+
+def available(index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
+    """Methods this index directory can answer (``graddot``, ``cosine``, fitted preconditioners)."""
+    try:
+        from gradindex.precondition import available_methods
+    except ImportError:
+        return ["graddot", "cosine"]
+    return list(available_methods(index_dir, selfnorm=selfnorm))
+
+
+class Preconditioners:
+    """Loads each fitted preconditioner once and applies powers of it to ``[n, D]`` blocks."""
+
+    def __init__(self, index_dir: str | os.PathLike):
+        self.index_dir = index_dir
+        self._loaded: dict[str, object] = {}
+
+    def check(self, method: str) -> None:
+        base, selfnorm = split_method(method)
+        methods = available(self.index_dir, selfnorm)
+        if method not in methods:
+            raise ValueError(
+                f"method {method!r} is not fitted for {str(self.index_dir)!r} (available: "
+                f"{', '.join(methods)}); fit it with "
+                f"`gradindex precondition {self.index_dir} --method {base}`"
+            )
+
+    def apply(self, method: str, layer: str, x: torch.Tensor, power: float, damping: float) -> torch.Tensor:
+        """``H^power x`` for the method's curvature (identity for graddot/cosine)."""
+        if method in ("graddot", "cosine", "none"):
+            return x
+        if method not in self._loaded:
+            self.check(method)
+            from gradindex.precondition import load_preconditioner
+
+            self._loaded[method] = load_preconditioner(self.index_dir, method)
+        out = self._loaded[method].apply(layer, x, power=power, damping=damping)
+        return out.to(x.dtype)
+
+
+def index_vectors(space: IndexSpace, pre: Preconditioners, layer: str, t: np.ndarray,
+                  inv_norm: np.ndarray | None) -> np.ndarray:
+    """``[n, D]`` float32 vectors to add to a layer's index from raw store rows ``t``."""
+    x = t.astype(np.float32, copy=False)
+    if space.whiten != "none":
+        x = pre.apply(space.whiten, layer, torch.from_numpy(np.ascontiguousarray(x)), -0.5,
+                      space.damping).numpy()
+    if space.normalize:
+        x = x * inv_norm[:, None]
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def query_vectors(
+    space: IndexSpace, pre: Preconditioners, method: str, damping: float, q: dict[str, torch.Tensor]
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], np.ndarray]:
+    """Per layer ``(m, u)`` for query gradients ``q`` ``{layer: [Q, D]}``, and ``‖q‖`` ``[Q]``.
+
+    ``m`` (float64) is dotted with raw stored rows in the exact re-rank; ``u`` (float32) is
+    searched in the index (module doc). For cosine, ``m`` and ``u`` carry the ``1/‖q‖`` factor.
+    """
+    qnorm = torch.sqrt(sum((v.double() ** 2).sum(dim=1) for v in q.values()))  # [Q]
+    m: dict[str, np.ndarray] = {}
+    u: dict[str, np.ndarray] = {}
+    for layer, v in q.items():
+        v = v.double()
+        if method == "cosine":
+            v = v / qnorm.clamp_min(1e-300)[:, None]
+        if space.whiten != "none" and method == space.whiten and damping == space.damping:
+            mv = pre.apply(method, layer, v, -1.0, damping)
+            uv = pre.apply(method, layer, v, -0.5, damping)
+        else:
+            mv = pre.apply(method, layer, v, -1.0, damping)
+            uv = mv if space.whiten == "none" else pre.apply(space.whiten, layer, mv, 0.5, space.damping)
+        m[layer] = mv.double().numpy()
+        u[layer] = np.ascontiguousarray(uv.float().numpy())
+    return m, u, qnorm.numpy()

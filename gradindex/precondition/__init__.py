@@ -1,0 +1,35 @@
+"""Curvature: K-FAC and EK-FAC preconditioners in the projected space, and self-influence.
+
+``fit_preconditioner`` writes ``precond/<method>.h5`` and registers it in the manifest;
+``load_preconditioner(index_dir, method).apply(layer, x, power, damping)`` computes
+``(H + δI)^power x`` (identity for ``graddot``/``cosine``); ``self_influence`` gives
+``⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩`` for every stored example. See docs/preconditioning.md.
+"""
+
+from gradindex.precondition.apply import absolute_damping, eigen_power, eigendecompose, kfac_eigenvalues
+from gradindex.precondition.fit import FitConfig, fit_preconditioner
+from gradindex.precondition.preconditioner import (
+    FITTED_METHODS,
+    METHODS,
+    Preconditioner,
+    available_methods,
+    load_preconditioner,
+    parse_method,
+)
+from gradindex.precondition.selfinf import self_influence
+
+__all__ = [
+    "FITTED_METHODS",
+    "METHODS",
+    "FitConfig",
+    "Preconditioner",
+    "absolute_damping",
+    "available_methods",
+    "eigen_power",
+    "eigendecompose",
+    "fit_preconditioner",
+    "kfac_eigenvalues",
+    "load_preconditioner",
+    "parse_method",
+    "self_influence",
+]

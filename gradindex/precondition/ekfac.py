@@ -1,0 +1,116 @@
+"""Passes over the store (never the model): EK-FAC corrected eigenvalues and self-influence.
+
+One pass rotates every stored row into the Kronecker eigenbasis ``R_n = Q_Sᵀ Ĝ_n Q_A`` and
+accumulates, per layer, whichever of these is asked for:
+
+* ``Λ*_ij = mean_n (R_n)²_ij`` over finite rows (the EK-FAC eigenvalue correction);
+* ``⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩ = Σ_ij (R_n)²_ij / (Λ_ij + δ)`` for given eigenvalues ``Λ``;
+* ``‖Ĝ_n‖²`` (GradDot self-influence).
+
+So a K-FAC fit gets ``Λ*`` for free, and an EK-FAC fit needs a second pass only for its own
+self-influence (it needs the finished ``Λ*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from gradindex.precondition.apply import eigen_quadratic, rotate
+from gradindex.store import Store
+
+BLOCK_BYTES = 1 << 28
+"""Rows per block are capped so one block of all layers stays under this many bytes (float32)."""
+
+
+@dataclass
+class Basis:
+    """One layer's Kronecker eigenbasis and (optionally) the eigenvalues to precondition with."""
+
+    Q_S: np.ndarray
+    """``[k_g, k_g]`` eigenvectors of ``S`` (columns), float64."""
+    Q_A: np.ndarray
+    """``[k_a, k_a]`` eigenvectors of ``A`` (columns), float64."""
+    Lam: np.ndarray | None = None
+    """``[k_g, k_a]`` eigenvalues (``λ_S λ_Aᵀ`` or ``Λ*``)."""
+    delta: float = 0.0
+    """Absolute damping added to ``Lam``."""
+
+
+@dataclass
+class PassResult:
+    self_influence: np.ndarray | None
+    """``[N, L]`` per-layer ``⟨(H + δI)⁻¹ Ĝ, Ĝ⟩`` (float64), when eigenvalues were given."""
+    sq_norms: np.ndarray
+    """``[N, L]`` per-layer ``‖Ĝ‖²`` (float64)."""
+    corrected: dict[str, np.ndarray] | None
+    """layer → ``Λ*`` ``[k_g, k_a]`` (float64), when asked for."""
+    n_finite: int
+
+
+def block_rows(dims: dict[str, int], layers: Sequence[str], block: int) -> int:
+    """Rows per block so that all selected layers of one block fit in ``BLOCK_BYTES``."""
+    width = sum(dims[n] for n in layers)
+    return max(1, min(block, BLOCK_BYTES // max(1, 4 * width)))
+
+
+def store_pass(
+    store: Store,
+    layers: Sequence[str],
+    shapes: dict[str, tuple[int, int]],
+    bases: dict[str, Basis] | None = None,
+    correct: bool = False,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float64,
+    block: int = 1024,
+    progress: bool = False,
+) -> PassResult:
+    """One streaming pass over the store; see the module docstring. ``shapes``: layer → ``(k_g, k_a)``."""
+    layers = list(layers)
+    N, L = len(store), len(layers)
+    finite = store.column("finite").astype(bool)
+    need_rot = bases is not None
+    with_lam = need_rot and all(bases[n].Lam is not None for n in layers)
+    if correct and not need_rot:
+        raise ValueError("the eigenvalue correction needs the eigenbases")
+    dev = torch.device(device)
+    mats = {}
+    if need_rot:
+        for n in layers:
+            b = bases[n]
+            mats[n] = (
+                torch.as_tensor(b.Q_S, dtype=dtype, device=dev),
+                torch.as_tensor(b.Q_A, dtype=dtype, device=dev),
+                None if b.Lam is None else torch.as_tensor(b.Lam, dtype=dtype, device=dev),
+                b.delta,
+            )
+    sums = {n: torch.zeros(shapes[n], dtype=torch.float64, device=dev) for n in layers} if correct else None
+    si = np.zeros((N, L)) if with_lam else None
+    sq = np.zeros((N, L))
+    rows = block_rows({n: shapes[n][0] * shapes[n][1] for n in layers}, layers, block)
+    with tqdm(total=N, unit="ex", desc="store pass", disable=not progress) as bar:
+        for ids, grads in store.iter_blocks(layers, rows):
+            pos = store.positions(ids)
+            keep = torch.as_tensor(finite[pos], device=dev)
+            for j, n in enumerate(layers):
+                k_g, k_a = shapes[n]
+                x = torch.from_numpy(grads[n]).to(dev, dtype)  # [n, k_g·k_a]
+                sq[pos, j] = x.square().sum(1).double().cpu().numpy()
+                if not need_rot:
+                    continue
+                Q_S, Q_A, Lam, delta = mats[n]
+                R = rotate(x.view(-1, k_g, k_a), Q_S, Q_A)  # [n, k_g, k_a]
+                if correct:
+                    sums[n] += R[keep].square().sum(0).double()
+                if Lam is not None:
+                    si[pos, j] = eigen_quadratic(R, Lam, delta).double().cpu().numpy()
+            bar.update(len(ids))
+    n_finite = int(finite.sum())
+    corrected = None
+    if correct:
+        corrected = {n: (sums[n] / max(1, n_finite)).cpu().numpy() for n in layers}
+    return PassResult(si, sq, corrected, n_finite)

@@ -1,0 +1,185 @@
+"""Covariance factors ``A = E[ā āᵀ]`` and ``S = E[ḡ ḡᵀ]`` per layer, averaged over non-padding tokens.
+
+Two sources, summed the same way (``Σ_tokens``, then one division by the token count):
+
+* the store: a build with ``collect_covariance`` (``gradindex build --precondition ...``) writes each
+  shard's sums ``covariance/<layer>/{A,S}`` and token count, in the pass that writes the gradients;
+* the model: one forward/backward pass over (part of) the data with the same hooks and projection,
+  for shards built without them, or for a separate fit set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import h5py
+import numpy as np
+from torch import nn
+from tqdm.auto import tqdm
+
+from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.projection import STREAM_VERSION
+from gradindex.data import Tokenized, load_records, token_hash, tokenize_records
+from gradindex.fingerprint import digest_bytes, model_fingerprint
+from gradindex.gradients import batch_gradients
+from gradindex.manifest import IndexMismatchError
+from gradindex.store import Store
+
+
+@dataclass
+class FactorSums:
+    """Per-layer sums ``Σ ā āᵀ`` ``[k_a, k_a]``, ``Σ ḡ ḡᵀ`` ``[k_g, k_g]`` (float64) and token counts."""
+
+    A: dict[str, np.ndarray] = field(default_factory=dict)
+    S: dict[str, np.ndarray] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    examples: int = 0
+
+    def add(self, name: str, A: np.ndarray, S: np.ndarray, tokens: int) -> None:
+        if name in self.A:
+            self.A[name] = self.A[name] + A
+            self.S[name] = self.S[name] + S
+            self.tokens[name] += int(tokens)
+        else:
+            self.A[name], self.S[name], self.tokens[name] = (
+                np.array(A, np.float64),
+                np.array(S, np.float64),
+                int(tokens),
+            )
+
+    def means(self, layers: Sequence[str]) -> dict[str, tuple[np.ndarray, np.ndarray, int]]:
+        """``layer → (A, S, tokens)`` with ``A``, ``S`` divided by the token count."""
+        out = {}
+        for n in layers:
+            t = self.tokens.get(n, 0)
+            if t <= 0:
+                raise ValueError(
+                    f"no token was seen for layer {n!r} while fitting factors; is the fit set empty?"
+                )
+            out[n] = (self.A[n] / t, self.S[n] / t, t)
+        return out
+
+
+def store_covariance(store: Store, layers: Sequence[str]) -> tuple[FactorSums, list[tuple[int, int]]]:
+    """Sum the shards' covariance groups; also return ``(first_id, n)`` of shards lacking a finite one."""
+    sums, missing = FactorSums(), []
+    for k, path in enumerate(store.paths):
+        with h5py.File(path, "r") as f:
+            grp = f.get("covariance")
+            got = (
+                None
+                if grp is None or any(n not in grp for n in layers)
+                else {n: (grp[n]["A"][:], grp[n]["S"][:], int(grp[n].attrs["tokens"])) for n in layers}
+            )
+            if got is None or not all(
+                np.isfinite(a).all() and np.isfinite(s).all() for a, s, _ in got.values()
+            ):
+                missing.append((store.first_ids[k], store.sizes[k]))  # absent, or hit by a non-finite example
+                continue
+            for n, (a, s, t) in got.items():
+                sums.add(n, a, s, t)
+            sums.examples += store.sizes[k]
+    return sums, missing
+
+
+def projection_from_manifest(manifest: dict) -> ProjectionSpec:
+    d = dict(manifest["build"]["projection"])
+    version = d.pop("stream_version", STREAM_VERSION)
+    if version != STREAM_VERSION:
+        raise ValueError(
+            f"the index was built with projection stream v{version}, this library draws v{STREAM_VERSION}; "
+            "install the gradindex version that built it, or rebuild the index"
+        )
+    return ProjectionSpec(**d)
+
+
+def model_covariance(
+    model: nn.Module,
+    tokenizer,
+    data: Tokenized,
+    rows: Sequence[int],
+    layers: Sequence[str],
+    projection: ProjectionSpec,
+    batch_size: int = 8,
+    route: str = "auto",
+    progress: bool = False,
+) -> FactorSums:
+    """Factor sums from one forward/backward pass over ``data`` rows ``rows``, hooks as in the build."""
+    sums = FactorSums()
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    was = {n: p.requires_grad for n, p in model.named_parameters()}
+    model.requires_grad_(False)
+    cap = GradientCapture(model, list(layers), projection, route, weight_free=True, collect_covariance=True)
+    if set(cap.infos) != set(layers):
+        raise ValueError(f"the model's layers {sorted(cap.infos)} are not the index's {sorted(layers)}")
+    rows = list(rows)
+    try:
+        with cap, tqdm(total=len(rows), unit="ex", desc="factors", disable=not progress) as bar:
+            for s in range(0, len(rows), batch_size):
+                idx = rows[s : s + batch_size]
+                batch_gradients(
+                    model, cap, [data.input_ids[i] for i in idx], [data.labels[i] for i in idx], pad_id
+                )
+                bar.update(len(idx))
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(was[n])
+    for n in layers:
+        if n in cap.cov_a:
+            sums.add(n, cap.cov_a[n].cpu().numpy(), cap.cov_g[n].cpu().numpy(), cap.cov_tokens[n])
+    sums.examples = len(rows)
+    return sums
+
+
+def text_field_of(manifest: dict) -> str:
+    """The ``text_field`` argument that re-tokenizes the build's data the same way."""
+    f = manifest.get("counts", {}).get("text_field", "text")
+    return "text" if f in ("input_ids", "prompt+completion") else f
+
+
+def data_fingerprint(data: Tokenized) -> str:
+    return digest_bytes(token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels, strict=True))
+
+
+def load_build_model(manifest: dict, device: str = "auto"):
+    """The model and tokenizer that built the index (``manifest['model_id']``), fingerprint-checked."""
+    from pathlib import Path
+
+    from gradindex.model import load_causal_lm
+
+    model_id = manifest.get("model_id", "")
+    if not model_id or not (Path(model_id) / "config.json").exists():
+        raise FileNotFoundError(
+            f"fitting factors needs a pass over the model, but the model that built this index "
+            f"({model_id!r}) is not found; pass the model to the fit, or rebuild with "
+            "`gradindex build ... --precondition kfac|ekfac` so the factors are collected in the build pass"
+        )
+    model, tok = load_causal_lm(model_id, dtype=manifest.get("dtype", "float32"), device=device)
+    fp = model_fingerprint(model)
+    if fp != manifest["build"]["model_fingerprint"]:
+        raise IndexMismatchError(
+            f"the model at {model_id!r} is not the one that built this index (fingerprint {fp} vs "
+            f"{manifest['build']['model_fingerprint']}); restore it, or rebuild the index"
+        )
+    return model, tok
+
+
+def load_build_data(manifest: dict, tokenizer, path: str | None = None, check: bool = True) -> Tokenized:
+    """Re-tokenize the build's data (or ``path``) as the build did; check its fingerprint."""
+    path = path or manifest.get("data_id", "")
+    max_length = int(manifest["build"]["max_length"])
+    data = tokenize_records(load_records(path), tokenizer, max_length, text_field_of(manifest))
+    if check and data_fingerprint(data) != manifest["build"]["data_fingerprint"]:
+        raise IndexMismatchError(
+            f"the data at {path!r} no longer tokenizes to what this index was built from (data set "
+            "fingerprint differs); restore it, or rebuild the index"
+        )
+    return data
+
+
+def sample_rows(n: int, k: int, seed: int) -> np.ndarray:
+    """``k`` distinct sorted rows of ``n`` (all of them when ``k <= 0`` or ``k >= n``)."""
+    if k <= 0 or k >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(seed).choice(n, size=k, replace=False))

@@ -1,0 +1,132 @@
+"""``precond/<method>.h5``: fitted factors, eigenbases, eigenvalues, self-influence, fingerprints.
+
+Layout (one file per method; ``graddot.h5`` holds only the self-influence columns)::
+
+    attrs   method, format_version, library_version, damping (of the self-influence), fit (JSON:
+            source, examples, tokens, fit-set fingerprint), fp_<key> (JSON of manifest["build"][key]
+            for model_fingerprint, data_fingerprint, projection, layers), layer_names (JSON list)
+    layers/<layer>/  A [k_a,k_a], S [k_g,k_g]      token-mean factors (float64)
+                     lambda_A [k_a], Q_A [k_a,k_a]  eigenvalues (ascending) and eigenvectors of A
+                     lambda_S [k_g], Q_S [k_g,k_g]  same for S
+                     Lambda [k_g,k_a]               eigenvalues used: λ_S λ_Aᵀ (kfac) or Λ* (ekfac)
+                     attrs tokens, examples, rows (k_g), cols (k_a)
+    self_influence [N]            Σ_layers ⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩ at attr ``damping`` (float64)
+    self_influence_layers [N, L]  the same per layer, columns in ``layer_names`` order
+
+Files are written to ``.h5.tmp`` and renamed, so a killed fit leaves the previous file intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+import gradindex
+from gradindex.manifest import IndexMismatchError
+
+PRECOND_DIR = "precond"
+FORMAT_VERSION = 1
+FINGERPRINT_KEYS = {
+    "model_fingerprint": "model",
+    "data_fingerprint": "data set",
+    "projection": "projection",
+    "layers": "layer set",
+}
+
+
+def precond_path(index_dir: str | os.PathLike, method: str) -> Path:
+    return Path(index_dir) / PRECOND_DIR / f"{method}.h5"
+
+
+def fingerprints(manifest: dict) -> dict[str, str]:
+    """What a preconditioner was fitted on, as JSON strings of ``manifest['build']`` entries."""
+    b = manifest["build"]
+    return {k: json.dumps(b.get(k), sort_keys=True) for k in FINGERPRINT_KEYS}
+
+
+@dataclass
+class LayerFactors:
+    """One layer's fitted curvature (float64)."""
+
+    A: np.ndarray
+    S: np.ndarray
+    lambda_A: np.ndarray
+    Q_A: np.ndarray
+    lambda_S: np.ndarray
+    Q_S: np.ndarray
+    Lambda: np.ndarray
+    tokens: int
+    examples: int
+
+
+def write_precond(
+    path: Path,
+    method: str,
+    manifest: dict,
+    layer_names: list[str],
+    factors: dict[str, LayerFactors] | None,
+    self_influence: np.ndarray,
+    damping: float,
+    fit: dict,
+) -> None:
+    """Write one method's file atomically. ``self_influence`` ``[N, L]`` per layer."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with h5py.File(tmp, "w") as f:
+        f.attrs["method"] = method
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["library_version"] = gradindex.__version__
+        f.attrs["damping"] = float(damping)
+        f.attrs["fit"] = json.dumps(fit, sort_keys=True)
+        f.attrs["layer_names"] = json.dumps(layer_names)
+        for k, v in fingerprints(manifest).items():
+            f.attrs[f"fp_{k}"] = v
+        if factors is not None:
+            g = f.create_group("layers")
+            for n in layer_names:
+                lf = factors[n]
+                grp = g.create_group(n)
+                for key in ("A", "S", "lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda"):
+                    grp[key] = np.asarray(getattr(lf, key), dtype=np.float64)
+                grp.attrs["tokens"] = int(lf.tokens)
+                grp.attrs["examples"] = int(lf.examples)
+                grp.attrs["rows"], grp.attrs["cols"] = lf.Lambda.shape
+        f["self_influence_layers"] = np.asarray(self_influence, dtype=np.float64)
+        f["self_influence"] = np.asarray(self_influence, dtype=np.float64).sum(axis=1)
+    os.replace(tmp, path)
+
+
+def check_fingerprints(path: Path, attrs, manifest: dict, method: str) -> None:
+    """Refuse a file fitted on another model, data set, projection or layer set than the index."""
+    now = fingerprints(manifest)
+    diffs = [words for k, words in FINGERPRINT_KEYS.items() if attrs.get(f"fp_{k}") != now[k]]
+    if diffs:
+        raise IndexMismatchError(
+            f"{str(path)!r} was fitted on another {', '.join(diffs)} than this index's store; refit it "
+            f"with `gradindex precondition {path.parent.parent} --method {method}`"
+        )
+
+
+def read_attrs(path: Path) -> dict:
+    with h5py.File(path, "r") as f:
+        return dict(f.attrs)
+
+
+def read_layers(
+    path: Path, keys: tuple[str, ...] = ("Q_S", "Q_A", "Lambda")
+) -> dict[str, dict[str, np.ndarray]]:
+    """layer → {key: array} for the given dataset keys."""
+    with h5py.File(path, "r") as f:
+        names = json.loads(f.attrs["layer_names"])
+        return {n: {k: f["layers"][n][k][:] for k in keys} for n in names}
+
+
+def read_self_influence(path: Path) -> tuple[float, list[str], np.ndarray]:
+    """``(damping, layer_names, [N, L] per-layer self-influence)``."""
+    with h5py.File(path, "r") as f:
+        return float(f.attrs["damping"]), json.loads(f.attrs["layer_names"]), f["self_influence_layers"][:]

@@ -1,0 +1,230 @@
+"""Fit K-FAC / EK-FAC on an index: factors → eigenbases → store pass(es) → ``precond/*.h5``.
+
+Cost: the factors come from the build pass when it collected them (``--precondition`` at build
+time), else from one model pass; then one pass over the store for K-FAC (self-influence, and the
+GradDot norms), and a second one for EK-FAC (its self-influence needs the finished ``Λ*``).
+An EK-FAC fit also writes K-FAC, which the first store pass yields at no extra cost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import gradindex
+from gradindex.capture import ProjectionSpec
+from gradindex.data import Tokenized
+from gradindex.manifest import read_manifest, write_manifest
+from gradindex.model import resolve_device
+from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
+from gradindex.precondition.ekfac import Basis, store_pass
+from gradindex.precondition.factors import (
+    FactorSums,
+    data_fingerprint,
+    load_build_data,
+    load_build_model,
+    model_covariance,
+    projection_from_manifest,
+    sample_rows,
+    store_covariance,
+)
+from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path, write_precond
+from gradindex.precondition.preconditioner import FITTED_METHODS, layer_shapes
+from gradindex.store import Store
+
+log = logging.getLogger("gradindex")
+PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
+FITTED_ON = ("model_fingerprint", "data_fingerprint", "projection")
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    """Settings of a preconditioner fit; stored in the manifest under ``preconditioners``."""
+
+    method: str = "kfac"
+    """``kfac`` or ``ekfac`` (an EK-FAC fit writes K-FAC too: both come from one store pass)."""
+    damping: float = 0.1
+    """Relative damping of the self-influence written with the fit (queries pick their own)."""
+    fit_data: str = ""
+    """Fit the factors on this data file instead of the indexed data (costs a model pass)."""
+    fit_examples: int = 0
+    """Fit the factors on a random sample of this many examples; 0 = all (a sample costs a model pass)."""
+    seed: int = 0
+    """Seed of that sample."""
+    device: str = "auto"
+    """Where the model pass and the store passes run (``auto``: the GPU when there is one)."""
+    precision: str = "float64"
+    """Arithmetic of the store passes' rotations (sums are float64 either way); float32 is ~2× faster."""
+    block: int = 1024
+    """Rows per block of the store passes (capped so a block stays under 256 MiB)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in FITTED_METHODS:
+            raise ValueError(f"--method {self.method!r} is not one of {list(FITTED_METHODS)}")
+        if not self.damping > 0:
+            raise ValueError(
+                f"--damping must be > 0 (a fraction of the mean eigenvalue, e.g. 0.1), got {self.damping}"
+            )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r} is not one of {list(PRECISIONS)}")
+
+
+def fit_preconditioner(
+    index_dir: str | os.PathLike,
+    cfg: FitConfig = FitConfig(),
+    model: torch.nn.Module | None = None,
+    tokenizer=None,
+    data: Tokenized | None = None,
+    progress: bool = False,
+) -> dict:
+    """Fit ``cfg.method`` on the index in ``index_dir``; return the manifest's ``preconditioners``.
+
+    ``model``/``tokenizer``/``data`` (the build's own, already loaded) spare reloading them when a
+    model pass is needed; otherwise they are loaded from the manifest and fingerprint-checked.
+    """
+    t0 = time.perf_counter()
+    manifest = read_manifest(index_dir)
+    if manifest.get("status") != "complete":
+        raise ValueError(
+            f"the build of {str(index_dir)!r} is not complete (status {manifest.get('status')!r}); "
+            "re-run the same `gradindex build` to finish it, then fit"
+        )
+    shapes = layer_shapes(manifest)
+    layers = list(shapes)
+    device = resolve_device(cfg.device)
+    with Store(index_dir) as store:
+        if set(store.layers) != set(layers) or len(store) != int(manifest["counts"]["examples"]):
+            raise ValueError(
+                f"the store in {str(index_dir)!r} does not match its manifest; rebuild the index"
+            )
+        sums, fit = _factor_sums(manifest, store, layers, cfg, model, tokenizer, data, device, progress)
+        factors = {}
+        for n, (A, S, tokens) in sums.means(layers).items():
+            k_g, k_a = shapes[n]
+            if A.shape != (k_a, k_a) or S.shape != (k_g, k_g):
+                raise ValueError(
+                    f"factors of {n!r} have shapes {A.shape}, {S.shape}; the store's rows are [{k_g}, {k_a}]"
+                )
+            if not (np.isfinite(A).all() and np.isfinite(S).all()):
+                raise ValueError(
+                    f"the covariance factors of layer {n!r} are not finite; some examples have "
+                    "non-finite activations or gradients (see manifest 'nonfinite_ids')"
+                )
+            lam_A, Q_A = eigendecompose(A)
+            lam_S, Q_S = eigendecompose(S)
+            factors[n] = LayerFactors(
+                A, S, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, sums.examples
+            )
+        bases = {
+            n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
+            for n, f in factors.items()
+        }
+        kw = dict(device=device, dtype=PRECISIONS[cfg.precision], block=cfg.block, progress=progress)
+        first = store_pass(store, layers, shapes, bases, correct=cfg.method == "ekfac", **kw)
+        written = {"kfac": (factors, first.self_influence), "graddot": (None, first.sq_norms)}
+        if cfg.method == "ekfac":
+            ek = {n: LayerFactors(**{**asdict(f), "Lambda": first.corrected[n]}) for n, f in factors.items()}
+            ek_bases = {
+                n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
+                for n, f in ek.items()
+            }
+            second = store_pass(store, layers, shapes, ek_bases, **kw)
+            written["ekfac"] = (ek, second.self_influence)
+    fit["finite_examples"] = first.n_finite
+    for m, (fac, si) in written.items():
+        write_precond(precond_path(index_dir, m), m, manifest, layers, fac, si, cfg.damping, fit)
+    seconds = time.perf_counter() - t0
+    manifest = read_manifest(index_dir)  # fresh: another stage may have written meanwhile
+    entries = manifest.setdefault("preconditioners", {})
+    for m in written:
+        if m == "graddot":
+            continue
+        entries[m] = {
+            "file": f"{PRECOND_DIR}/{m}.h5",
+            "damping": cfg.damping,
+            "fit": fit,
+            "config": asdict(cfg),
+            "fitted_on": {k: manifest["build"][k] for k in FITTED_ON},
+            "seconds": round(seconds, 3),
+            "library_version": gradindex.__version__,
+        }
+    write_manifest(index_dir, manifest)
+    log.info(
+        "fitted %s on %s in %.1f s (%s)",
+        "+".join(m for m in written if m != "graddot"),
+        index_dir,
+        seconds,
+        fit["source"],
+    )
+    return entries
+
+
+def _factor_sums(
+    manifest: dict,
+    store: Store,
+    layers: list[str],
+    cfg: FitConfig,
+    model,
+    tokenizer,
+    data: Tokenized | None,
+    device: torch.device,
+    progress: bool,
+) -> tuple[FactorSums, dict]:
+    """Token sums of ``A`` and ``S``: from the build's covariance groups, else one model pass."""
+    proj: ProjectionSpec = projection_from_manifest(manifest)
+    conf = manifest.get("config", {})
+    bs, route = int(conf.get("batch_size", 8)), conf.get("route", "auto")
+    skip = set(manifest.get("nonfinite_ids", []))
+
+    def need_model():
+        nonlocal model, tokenizer
+        if model is None or tokenizer is None:
+            model, tokenizer = load_build_model(manifest, str(device))
+        return model, tokenizer
+
+    if cfg.fit_data or cfg.fit_examples > 0:
+        m, tok = need_model()
+        if cfg.fit_data:
+            fdata = load_build_data(manifest, tok, str(Path(cfg.fit_data)), check=False)
+            rows = sample_rows(len(fdata), cfg.fit_examples, cfg.seed)
+        else:
+            fdata = data if data is not None else load_build_data(manifest, tok)
+            rows = [r for r in sample_rows(len(fdata), cfg.fit_examples, cfg.seed) if r not in skip]
+        sums = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress)
+        fit = {
+            "source": "model pass",
+            "data": cfg.fit_data or manifest.get("data_id", ""),
+            "data_fingerprint": data_fingerprint(fdata),
+            "examples": len(rows),
+            "sample_seed": cfg.seed,
+        }
+    else:
+        sums, missing = store_covariance(store, layers)
+        source = "build pass"
+        if missing:
+            m, tok = need_model()
+            fdata = data if data is not None else load_build_data(manifest, tok)
+            rows = [r for s, n in missing for r in range(s, s + n) if r not in skip]
+            log.info("%d examples have no factors from the build pass; one model pass over them", len(rows))
+            extra = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress)
+            for n in layers:
+                if n in extra.A:
+                    sums.add(n, extra.A[n], extra.S[n], extra.tokens[n])
+            sums.examples += extra.examples
+            source = "model pass" if len(missing) == len(store.paths) else "build pass + model pass"
+        fit = {
+            "source": source,
+            "data": manifest.get("data_id", ""),
+            "data_fingerprint": manifest["build"]["data_fingerprint"],
+            "examples": sums.examples,
+        }
+    fit["tokens"] = {n: int(sums.tokens.get(n, 0)) for n in layers}
+    # K-FAC of per-example gradients ≈ (tokens per example) × S ⊗ A; kept for reading magnitudes.
+    fit["tokens_per_example"] = round(max(fit["tokens"].values()) / max(1, sums.examples), 3)
+    return sums, fit

@@ -1,0 +1,139 @@
+"""Methods by name and the loaded preconditioner object: ``H^p x`` per layer, on ``x``'s device."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gradindex.manifest import read_manifest
+from gradindex.precondition.apply import absolute_damping, eigen_power
+from gradindex.precondition.files import check_fingerprints, precond_path, read_attrs, read_layers
+
+BASE_METHODS = ("graddot", "cosine")
+FITTED_METHODS = ("kfac", "ekfac")
+METHODS = BASE_METHODS + FITTED_METHODS
+SELFNORM = "-selfnorm"
+
+
+def parse_method(method: str) -> tuple[str, bool]:
+    """``'kfac-selfnorm'`` → ``('kfac', True)``; raise on an unknown name."""
+    m = str(method).strip().lower()
+    selfnorm = m.endswith(SELFNORM)
+    base = m[: -len(SELFNORM)] if selfnorm else m
+    if base not in METHODS or (selfnorm and base == "cosine"):
+        names = list(METHODS) + [b + SELFNORM for b in METHODS if b != "cosine"]
+        raise ValueError(f"method {method!r} is not one of {names}")
+    return base, selfnorm
+
+
+def layer_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
+    """layer → ``(rows, cols)`` of its stored matrix (``k_g, k_a`` or ``N_o, N_i+1``), model order."""
+    return {n: (int(v["rows"]), int(v["cols"])) for n, v in manifest["build"]["layers"].items()}
+
+
+def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
+    """Methods this index answers: ``graddot``, ``cosine``, and ``kfac``/``ekfac`` once fitted.
+
+    With ``selfnorm``, the self-normalized variants (``graddot-selfnorm``, ...) are listed too.
+    """
+    manifest = read_manifest(index_dir)
+    fitted = [
+        m
+        for m in FITTED_METHODS
+        if m in manifest.get("preconditioners", {}) and precond_path(index_dir, m).exists()
+    ]
+    out = list(BASE_METHODS) + fitted
+    if selfnorm:
+        out += [m + SELFNORM for m in out if m != "cosine"]
+    return out
+
+
+class Preconditioner:
+    """A method's curvature for every hooked layer; :meth:`apply` computes ``(H + δI)^power x``.
+
+    For ``graddot`` and ``cosine`` it is the identity (``apply`` returns ``x`` itself).
+    Device copies of the eigenbases are made on first use per device and dtype, and kept.
+    """
+
+    def __init__(
+        self,
+        method: str,
+        shapes: dict[str, tuple[int, int]],
+        curvature: dict[str, dict[str, np.ndarray]] | None = None,
+    ) -> None:
+        self.method = method
+        self.shapes = dict(shapes)
+        self.layers = list(shapes)
+        self.curvature = curvature
+        self._dev: dict[tuple[str, str, torch.dtype], tuple[torch.Tensor, ...]] = {}
+
+    @property
+    def is_identity(self) -> bool:
+        return self.curvature is None
+
+    def delta(self, layer: str, damping: float = 0.1) -> float:
+        """Absolute damping ``δ = damping × mean(Λ)`` of a layer."""
+        if self.curvature is None:
+            return 0.0
+        return absolute_damping(self.curvature[self._check(layer)]["Lambda"], damping)
+
+    def _check(self, layer: str) -> str:
+        if layer not in self.shapes:
+            raise KeyError(f"layer {layer!r} is not in this index; its layers are {self.layers}")
+        return layer
+
+    def _tensors(self, layer: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        key = (layer, str(device), dtype)
+        if key not in self._dev:
+            c = self.curvature[layer]
+            self._dev[key] = tuple(
+                torch.as_tensor(c[k], device=device).to(dtype) for k in ("Q_S", "Q_A", "Lambda")
+            )
+        return self._dev[key]
+
+    def apply(self, layer: str, x: torch.Tensor, power: float = -1.0, damping: float = 0.1) -> torch.Tensor:
+        """``(H + δI)^power x`` for rows ``x`` ``[n, D]`` of one layer → ``[n, D]``.
+
+        ``power=-1`` is ``H⁻¹`` (influence), ``-0.5`` the whitening ``H^{-1/2}``. Computed on
+        ``x``'s device in float64 when ``x`` is float64, else in float32; returned in ``x``'s dtype.
+        """
+        self._check(layer)
+        if self.curvature is None:
+            return x
+        k_g, k_a = self.shapes[layer]
+        if x.ndim != 2 or x.shape[1] != k_g * k_a:
+            raise ValueError(
+                f"layer {layer!r} rows have {k_g * k_a} numbers ([{k_g}, {k_a}]); got x of shape "
+                f"{tuple(x.shape)}"
+            )
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        Q_S, Q_A, Lam = self._tensors(layer, x.device, dtype)
+        delta = self.delta(layer, damping)
+        return eigen_power(x.to(dtype), Q_S, Q_A, Lam, delta, power).to(x.dtype)
+
+
+def load_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditioner:
+    """The preconditioner of ``method`` (``-selfnorm`` variants load their base method)."""
+    base, _ = parse_method(method)
+    manifest = read_manifest(index_dir)
+    shapes = layer_shapes(manifest)
+    if base in BASE_METHODS:
+        return Preconditioner(base, shapes)
+    path = precond_path(index_dir, base)
+    if base not in manifest.get("preconditioners", {}) or not path.exists():
+        raise FileNotFoundError(
+            f"index {str(Path(index_dir))!r} has no {base} preconditioner (methods here: "
+            f"{available_methods(index_dir)}); add it with `gradindex precondition {index_dir} "
+            f"--method {base}` (or build with `gradindex build ... --precondition {base}`)"
+        )
+    check_fingerprints(path, read_attrs(path), manifest, base)
+    curv = read_layers(path)
+    if set(curv) != set(shapes):
+        raise ValueError(
+            f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it with "
+            f"`gradindex precondition {index_dir} --method {base}`"
+        )
+    return Preconditioner(base, shapes, curv)

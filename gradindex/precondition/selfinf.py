@@ -1,0 +1,84 @@
+"""Self-influence ``⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩`` per training example: read from the fit, or computed."""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from gradindex.manifest import read_manifest
+from gradindex.model import resolve_device
+from gradindex.precondition.ekfac import Basis, store_pass
+from gradindex.precondition.files import check_fingerprints, precond_path, read_attrs, read_self_influence
+from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner, parse_method
+from gradindex.store import Store
+
+_CACHE: OrderedDict = OrderedDict()
+_CACHE_SIZE = 4
+
+
+def _stored(index_dir, method: str, manifest: dict) -> tuple[float, list[str], np.ndarray] | None:
+    """The per-layer self-influence written at fit time, if there is a valid file (cached by mtime)."""
+    path = precond_path(index_dir, method)
+    if not path.exists() or (method != "graddot" and method not in manifest.get("preconditioners", {})):
+        return None
+    key = (str(path.resolve()), path.stat().st_mtime_ns)
+    if key not in _CACHE:
+        check_fingerprints(path, read_attrs(path), manifest, method)
+        _CACHE[key] = read_self_influence(path)
+        while len(_CACHE) > _CACHE_SIZE:
+            _CACHE.popitem(last=False)
+    return _CACHE[key]
+
+
+def self_influence(
+    index_dir: str | os.PathLike,
+    method: str,
+    damping: float = 0.1,
+    layers: Sequence[str] | None = None,
+    device: str = "auto",
+    block: int = 1024,
+) -> np.ndarray:
+    """``[N]`` self-influence of every stored example under ``method``, summed over ``layers``.
+
+    ``graddot``: ``‖Ĝ‖²``; ``kfac``/``ekfac``: ``⟨(H + δI)⁻¹ Ĝ, Ĝ⟩`` with ``δ = damping × mean(Λ)``;
+    ``cosine``: 1 (0 for an all-zero row). Read from ``precond/<method>.h5`` when it was written
+    at this damping; otherwise computed with one pass over the store.
+    """
+    base, _ = parse_method(method)
+    manifest = read_manifest(index_dir)
+    shapes = layer_shapes(manifest)
+    layers = list(layers) if layers else list(shapes)
+    unknown = [n for n in layers if n not in shapes]
+    if unknown:
+        raise ValueError(f"layers {unknown} are not in this index; its layers are {list(shapes)}")
+    if base == "cosine":
+        return (self_influence(index_dir, "graddot", damping, layers, device, block) > 0).astype(np.float64)
+    found = _stored(index_dir, base, manifest)
+    if found is not None:
+        d, names, per_layer = found
+        if per_layer.shape[0] != int(manifest["counts"]["examples"]):
+            raise ValueError(
+                f"{str(precond_path(index_dir, base))!r} has {per_layer.shape[0]} rows, the store "
+                f"{manifest['counts']['examples']}; refit with `gradindex precondition {index_dir} "
+                f"--method {base}`"
+            )
+        if (base == "graddot" or np.isclose(d, damping, rtol=1e-12, atol=0.0)) and set(layers) <= set(names):
+            return per_layer[:, [names.index(n) for n in layers]].sum(axis=1)
+    P = load_preconditioner(index_dir, base)
+    bases = None
+    if not P.is_identity:
+        bases = {
+            n: Basis(
+                P.curvature[n]["Q_S"], P.curvature[n]["Q_A"], P.curvature[n]["Lambda"], P.delta(n, damping)
+            )
+            for n in layers
+        }
+    with Store(index_dir) as store:
+        res = store_pass(
+            store, layers, shapes, bases, device=resolve_device(device), dtype=torch.float64, block=block
+        )
+    return (res.sq_norms if bases is None else res.self_influence).sum(axis=1)

@@ -1,0 +1,21 @@
+"""Query: the engine that answers "which training examples most influenced this output"."""
+
+from gradindex.query.engine import Hit, QueryEngine, QueryResult
+from gradindex.query.full import full_gradient_scores
+from gradindex.query.inputs import as_record, as_records, read_queries, tokenize_queries
+from gradindex.query.search import Ranked, ann_candidates, exhaustive_candidates, rerank
+
+__all__ = [
+    "Hit",
+    "QueryEngine",
+    "QueryResult",
+    "Ranked",
+    "ann_candidates",
+    "as_record",
+    "as_records",
+    "exhaustive_candidates",
+    "full_gradient_scores",
+    "read_queries",
+    "rerank",
+    "tokenize_queries",
+]

@@ -1,0 +1,313 @@
+"""The query engine: open an index once, answer "which training examples made the model say this?"."""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.projection import STREAM_VERSION
+from gradindex.fingerprint import model_fingerprint
+from gradindex.gradients import batch_gradients
+from gradindex.index import IndexSet, Preconditioners, RowReader, query_vectors
+from gradindex.index.build import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST
+from gradindex.index.space import split_method
+from gradindex.manifest import IndexMismatchError, identity_differences, read_manifest
+from gradindex.query import search as S
+from gradindex.query.full import full_gradient_scores
+from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
+from gradindex.query.texts import TrainingTexts
+from gradindex.store import Store
+
+log = logging.getLogger("gradindex")
+
+
+@dataclass
+class Hit:
+    """One training example in a result."""
+
+    id: int
+    """Row of the example in the training data (0-based)."""
+    score: float
+    """Exact score under the query's method, summed over the chosen layers."""
+    layer_scores: dict[str, float]
+    """Each layer's contribution to ``score``."""
+    text: str | None = None
+    """The training text (``None`` when the data file is unavailable or changed)."""
+    full_score: float | None = None
+    """Score from full (unprojected) gradients, when re-ranked with them."""
+
+    def to_dict(self) -> dict:
+        d = {"id": self.id, "score": self.score, "text": self.text, "layer_scores": self.layer_scores}
+        if self.full_score is not None:
+            d["full_score"] = self.full_score
+        return d
+
+
+@dataclass
+class QueryResult:
+    """The answer to one query: most influential examples first, and optionally the lowest."""
+
+    hits: list[Hit]
+    lowest: list[Hit]
+    method: str
+    damping: float | None
+    layers: list[str]
+    num_tokens: int | None = None
+    loss: float | None = None
+    truncated: bool = False
+    notes: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"hits": [h.to_dict() for h in self.hits], "lowest": [h.to_dict() for h in self.lowest],
+                "method": self.method, "damping": self.damping, "layers": self.layers,
+                "num_tokens": self.num_tokens, "loss": self.loss, "truncated": self.truncated,
+                "notes": self.notes, "seconds": self.seconds}
+
+
+class QueryEngine:
+    """An index directory opened once: model, capture, preconditioners and indices in memory.
+
+    ``model_dir`` defaults to the model the index was built with (``manifest['model_id']``);
+    a model that differs from it (fingerprint, layers, projection) is refused. ``layers`` (glob
+    patterns) loads only some layers' indices; ``data`` overrides where training texts are read;
+    ``load_model=False`` opens a search-only engine (:meth:`search` on given gradients).
+    """
+
+    def __init__(self, index_dir: str | os.PathLike, model_dir: str | os.PathLike | None = None, *,
+                 model=None, tokenizer=None, device: str = "auto", dtype: str | None = None,
+                 data: str | os.PathLike | None = None, layers: Sequence[str] | None = None,
+                 use_gpu: bool = True, load_model: bool = True):
+        self.dir = Path(index_dir)
+        self.manifest = read_manifest(index_dir)
+        if self.manifest.get("status") != "complete":
+            raise ValueError(f"the index in {str(index_dir)!r} is incomplete (status "
+                             f"{self.manifest.get('status')!r}); finish it by re-running `gradindex build`")
+        self.store = Store(index_dir)
+        self.n = len(self.store)
+        self.layer_names = list(self.manifest["build"]["layers"])
+        chosen = self.select_layers(layers) if layers else None
+        self.indices = IndexSet(index_dir, self.manifest, self.n, chosen, use_gpu)
+        self.rows = RowReader(self.store, list(self.indices.layers))
+        self.pre = Preconditioners(index_dir)
+        self._scales: dict[tuple, np.ndarray] = {}
+        self.model, self.tokenizer, self.capture = model, tokenizer, None
+        if load_model:
+            self._open_model(model_dir, device, dtype)
+        self.texts = TrainingTexts(self.manifest, self.store, self.tokenizer, data)
+
+    # -- opening ------------------------------------------------------------------------------
+    def _open_model(self, model_dir, device: str, dtype: str | None) -> None:
+        if self.model is None:
+            from gradindex.model import load_causal_lm
+
+            path = Path(model_dir or self.manifest.get("model_id") or "")
+            if not str(path) or not path.exists():
+                raise FileNotFoundError(f"the model that built this index, {str(path)!r}, is not there; "
+                                        "pass its directory (model_dir= / --model)")
+            dtype = dtype or self.manifest.get("dtype", "float32")
+            self.model, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device)
+        elif self.tokenizer is None:
+            raise ValueError("pass the tokenizer with the model")
+        build = self.manifest["build"]
+        proj = dict(build["projection"])
+        if proj.pop("stream_version", STREAM_VERSION) != STREAM_VERSION:
+            raise IndexMismatchError("the index was built with another projection stream version; rebuild it")
+        spec = ProjectionSpec(**proj)
+        route = self.manifest.get("config", {}).get("route", "auto")
+        self.model.requires_grad_(False)
+        self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True)
+        now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
+               "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
+                              "rows": self.capture.dims(n)[0], "cols": self.capture.dims(n)[1]}
+                          for n, i in self.capture.infos.items()}}
+        diffs = identity_differences(build, now)
+        if diffs:
+            raise IndexMismatchError(
+                f"this model does not fit the index in {str(self.dir)!r}: " + "; ".join(diffs)
+                + ". Query with the model the index was built from, or rebuild the index")
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def select_layers(self, patterns: Sequence[str] | str | None) -> list[str]:
+        """Layer names matching glob ``patterns`` (all loaded layers when ``None``), model order."""
+        have = list(self.indices.layers) if hasattr(self, "indices") else self.layer_names
+        if not patterns:
+            return have
+        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+        out = [n for n in have if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+        if not out:
+            raise ValueError(f"layer patterns {patterns} match no indexed layer; layers look like "
+                             f"{have[:2]} ({len(have)} in all, see `gradindex info {self.dir}`)")
+        return out
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> QueryEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- queries ------------------------------------------------------------------------------
+    def tokenize(self, queries: list, text_field: str = "text") -> QueryTokens:
+        """Records → tokens, truncated to the build's max length (flagged per query)."""
+        self._need_model()
+        recs = [as_record(q, text_field) if not isinstance(q, dict) else q for q in queries]
+        return tokenize_queries(recs, self.tokenizer, int(self.manifest["build"]["max_length"]), text_field)
+
+    def gradients(self, tokens: QueryTokens) -> tuple[dict[str, torch.Tensor], np.ndarray, np.ndarray]:
+        """Per-layer projected query gradients ``{layer: [Q, D]}`` (CPU float32), losses, token counts."""
+        self._need_model()
+        B = int(self.manifest.get("config", {}).get("batch_size", 8))
+        parts, loss, ntok = [], [], []
+        with self.capture:
+            for s in range(0, len(tokens), B):
+                bg = batch_gradients(self.model, self.capture, tokens.input_ids[s:s + B],
+                                     tokens.labels[s:s + B], self.pad_id)
+                parts.append({n: v.float().cpu() for n, v in bg.grads.items()})
+                loss.append(bg.loss.float().cpu().numpy())
+                ntok.append(bg.num_tokens.cpu().numpy())
+        grads = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+        if not all(torch.isfinite(v).all() for v in grads.values()):
+            raise ValueError("a query's gradient is not finite (overflow in the model); try dtype float32")
+        return grads, np.concatenate(loss), np.concatenate(ntok)
+
+    def query(self, query, **kwargs) -> QueryResult:
+        """One query (text, ``(prompt, completion)``, token ids or record); see :meth:`query_batch`."""
+        return self.query_batch([as_record(query)], **kwargs)[0]
+
+    def query_batch(self, queries, k: int = 10, method: str = "graddot", damping: float = 0.1,
+                    layers: Sequence[str] | str | None = None, lowest: int = 0, rerank_full: int = 0,
+                    candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
+                    texts: bool = True, text_field: str = "text") -> list[QueryResult]:
+        """Answer a batch of queries: capture, precondition, search, exact re-rank, texts.
+
+        ``k`` results per query (best first), ``lowest`` most negative ones on request,
+        ``rerank_full`` top results re-ranked with full gradients (graddot/cosine);
+        ``candidates`` (ANN results per layer), ``shortlist`` (kept per layer after exact
+        per-layer scoring) and the index's ``nprobe`` tune the ANN search (docs/query.md).
+        """
+        t0 = time.perf_counter()
+        tokens = self.tokenize(as_records(queries, text_field), text_field)
+        grads, loss, ntok = self.gradients(tokens)
+        t_grad = time.perf_counter() - t0
+        results = self.search(grads, k=k, method=method, damping=damping, layers=layers, lowest=lowest,
+                              candidates=candidates, shortlist=shortlist, nprobe=nprobe, texts=texts)
+        for j, r in enumerate(results):
+            r.num_tokens, r.loss, r.truncated = int(ntok[j]), float(loss[j]), tokens.truncated[j]
+            r.seconds["gradient"] = t_grad
+            if r.truncated:
+                r.notes.append(f"query {j} was longer than the index's max length "
+                               f"({self.manifest['build']['max_length']} tokens) and was truncated")
+                log.warning(r.notes[-1])
+            if rerank_full:
+                t1 = time.perf_counter()
+                self._rerank_full(r, (tokens.input_ids[j], tokens.labels[j]), rerank_full)
+                r.seconds["rerank_full"] = time.perf_counter() - t1
+        return results
+
+    def search(self, grads: dict[str, torch.Tensor | np.ndarray], k: int = 10, method: str = "graddot",
+               damping: float = 0.1, layers: Sequence[str] | str | None = None, lowest: int = 0,
+               candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
+               texts: bool = True) -> list[QueryResult]:
+        """Search with given per-layer query gradients ``{layer: [Q, D]}`` (projected, raw)."""
+        t0 = time.perf_counter()
+        self.pre.check(method)
+        base, selfnorm = split_method(method)
+        chosen = self.select_layers(layers)
+        missing = [n for n in chosen if n not in grads]
+        if missing:
+            raise ValueError(f"query gradients lack layers {missing[:3]}; pass rows for every chosen layer")
+        notes = []
+        if k < 1 or lowest < 0:
+            raise ValueError(f"k must be >= 1 and lowest >= 0, got k={k}, lowest={lowest}")
+        if k > self.n or lowest > self.n:
+            notes.append(f"k={max(k, lowest)} is larger than the index ({self.n} examples); "
+                         f"returning {self.n}")
+            log.warning(notes[-1])
+            k, lowest = min(k, self.n), min(lowest, self.n)
+        q = {n: torch.as_tensor(grads[n]).float().cpu() for n in chosen}
+        m, u, _ = query_vectors(self.indices.space, self.pre, base, damping, q)
+        scale = self._selfnorm_scale(base, damping, chosen) if selfnorm else None
+        t1 = time.perf_counter()
+        cosine = base == "cosine"
+        if all(self.indices.layers[n].exhaustive for n in chosen):
+            cands = S.exhaustive_candidates(self.indices, chosen, u, cosine, k, lowest, scale)
+        else:
+            kc = max(candidates or DEFAULT_CANDIDATES, k, lowest)
+            keep = max(shortlist or DEFAULT_SHORTLIST, k, lowest)
+            params = {"nprobe": nprobe} if nprobe else None
+            sel = self._selection_scale(base, chosen, scale)
+            cands = S.ann_candidates(self.indices, self.rows, chosen, u, m, kc, kc if lowest else 0, keep,
+                                     params, sel)
+        t2 = time.perf_counter()
+        ranked = S.rerank(self.rows, chosen, m, cosine, cands, k, lowest, scale)
+        t3 = time.perf_counter()
+        out = []
+        for top, low in ranked:
+            res = QueryResult(self._hits(top, chosen), self._hits(low, chosen), method,
+                              damping if base in ("kfac", "ekfac") else None, chosen, notes=list(notes))
+            res.seconds = {"precondition": t1 - t0, "search": t2 - t1, "rerank": t3 - t2}
+            out.append(res)
+        if texts and self.tokenizer is not None:
+            t4 = time.perf_counter()
+            ids = np.unique(np.concatenate([[h.id for h in r.hits + r.lowest] for r in out]).astype(np.int64))
+            by_id = dict(zip(ids.tolist(), self.texts.texts(ids), strict=True))
+            for r in out:
+                for h in r.hits + r.lowest:
+                    h.text = by_id.get(h.id)
+                r.seconds["texts"] = time.perf_counter() - t4
+                if self.texts.problem and self.texts.problem not in r.notes:
+                    r.notes.append(self.texts.problem)
+        return out
+
+    # -- internals ----------------------------------------------------------------------------
+    @staticmethod
+    def _hits(r: S.Ranked, layers: list[str]) -> list[Hit]:
+        return [Hit(int(i), float(s), {n: float(v) for n, v in zip(layers, ls, strict=True)})
+                for i, s, ls in zip(r.ids, r.scores, r.layer_scores, strict=True)]
+
+    def _selection_scale(self, base: str, layers: list[str], scale: np.ndarray | None) -> np.ndarray | None:
+        """Per-example factor of a layer's contribution: ``1/‖t‖`` for cosine, times ``scale``."""
+        if base != "cosine":
+            return scale
+        t = self.indices.norms(layers)
+        inv = np.where(t > 0, 1.0 / np.where(t > 0, t, 1.0), 0.0)
+        return inv if scale is None else inv * scale
+
+    def _selfnorm_scale(self, base: str, damping: float, layers: list[str]) -> np.ndarray:
+        """``[N]`` ``1/sqrt(self-influence)`` (0 for a zero row), computed once per setting."""
+        key = (base, damping, tuple(layers))
+        if key not in self._scales:
+            from gradindex.precondition import self_influence
+
+            si = self_influence(self.dir, base, damping, layers)
+            self._scales[key] = np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)
+        return self._scales[key]
+
+    def _rerank_full(self, res: QueryResult, query: tuple[list[int], list[int]], top: int) -> None:
+        hits = res.hits[:top]
+        ids, labels, ok = self.texts.tokens(np.array([h.id for h in hits], dtype=np.int64))
+        if len(ids) != len(hits) or not ok.all():
+            why = self.texts.problem or "its rows changed since the build"
+            raise ValueError("full-gradient re-ranking needs the training data the index was built from "
+                             f"({why}); pass data= / --data")
+        scores = full_gradient_scores(self.model, res.layers, query, (ids, labels), self.pad_id, res.method,
+                                      int(self.manifest.get("config", {}).get("batch_size", 8)))
+        for h, s in zip(hits, scores, strict=True):
+            h.full_score = float(s)
+        res.hits = sorted(hits, key=lambda h: (-h.full_score, h.id)) + res.hits[top:]
+
+    def _need_model(self) -> None:
+        if self.capture is None:
+            raise RuntimeError("this engine was opened with load_model=False; it answers search(grads) only")

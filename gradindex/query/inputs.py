@@ -1,0 +1,110 @@
+"""Queries in any form → records → token ids and labels, tokenized exactly as the build does.
+
+A single query is a text (``str``), a ``(prompt, completion)`` tuple (loss on the completion
+only), a sequence of token ids (loss on every next token), or a record ``dict`` with the fields
+:func:`gradindex.data.tokenize_records` reads (``text``/``--text-field``, ``prompt`` +
+``completion``, or ``input_ids`` with optional ``labels``). A batch is a ``list`` of these.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import torch
+
+from gradindex.data import IGNORE, load_records, tokenize_records
+
+
+@dataclass
+class QueryTokens:
+    """Tokenized queries, with what truncation did to each."""
+
+    records: list[dict]
+    input_ids: list[list[int]]
+    labels: list[list[int]]
+    truncated: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def _is_ids(q) -> bool:
+    if isinstance(q, torch.Tensor | np.ndarray):
+        return q.ndim == 1
+    return isinstance(q, Sequence) and not isinstance(q, str | tuple) and len(q) > 0 and all(
+        isinstance(x, int | np.integer) for x in q)
+
+
+def as_record(q, text_field: str = "text") -> dict:
+    """One query as a record dict (see the module doc for the accepted forms)."""
+    if isinstance(q, str):
+        return {text_field: q}
+    if isinstance(q, tuple) and len(q) == 2 and all(isinstance(x, str) for x in q):
+        return {"prompt": q[0], "completion": q[1]}
+    if isinstance(q, dict):
+        return dict(q)
+    if _is_ids(q):
+        return {"input_ids": [int(x) for x in (q.tolist() if hasattr(q, "tolist") else q)]}
+    raise TypeError(
+        f"cannot read a query of type {type(q).__name__}; give a text, a (prompt, completion) tuple, "
+        "a list of token ids, or a record dict"
+    )
+
+
+def as_records(queries, text_field: str = "text") -> list[dict]:
+    """A batch (``list``; or a 2-D tensor of ids) → records."""
+    if isinstance(queries, torch.Tensor | np.ndarray) and queries.ndim == 2:
+        return [as_record(row, text_field) for row in queries]
+    if not isinstance(queries, list):
+        raise TypeError(f"a batch of queries is a list, got {type(queries).__name__}")
+    if not queries:
+        raise ValueError("the batch of queries is empty")
+    if _is_ids(queries):
+        raise TypeError("a list of ints is one token-id query; use query(), or wrap it: query_batch([ids])")
+    return [as_record(q, text_field) for q in queries]
+
+
+def read_queries(path: str | os.PathLike) -> list[dict]:
+    """Records of a query file, in any format `gradindex build` reads."""
+    ds = load_records(path)
+    if len(ds) == 0:
+        raise ValueError(f"query file {str(path)!r} holds no records")
+    return ds.to_list()
+
+
+def tokenize_queries(records: list[dict], tokenizer, max_length: int,
+                     text_field: str = "text") -> QueryTokens:
+    """Token ids and labels per record, truncated to the build's ``max_length`` (flagged).
+
+    Records with the same fields are tokenized together by :func:`tokenize_records` (the build's
+    code), untruncated; each is then cut to ``max_length`` as the build cuts, and flagged if it was.
+    """
+    ids: list[list[int]] = [[] for _ in records]
+    labels: list[list[int]] = [[] for _ in records]
+    groups: dict[tuple, list[int]] = {}
+    for i, rec in enumerate(records):
+        groups.setdefault(tuple(sorted(rec)), []).append(i)
+    for members in groups.values():
+        ds = datasets.Dataset.from_list([records[i] for i in members])
+        tok = tokenize_records(ds, tokenizer, 1 << 62, text_field)
+        for j, i in enumerate(members):
+            ids[i], labels[i] = tok.input_ids[j], tok.labels[j]
+    truncated = [len(x) > max_length for x in ids]
+    ids = [x[:max_length] for x in ids]
+    labels = [y[:max_length] for y in labels]
+    for i, y in enumerate(labels):
+        if not any(t != IGNORE for t in y[1:]):
+            raise ValueError(
+                f"query {i} has no target token to take a loss on ({_preview(records[i])}): a text needs at "
+                "least two tokens, a completion at least one" + (" after truncation" if truncated[i] else "")
+            )
+    return QueryTokens(records, ids, labels, truncated)
+
+
+def _preview(rec: dict, n: int = 40) -> str:
+    s = repr(rec)
+    return s if len(s) <= n else s[: n - 3] + "..."

@@ -1,0 +1,122 @@
+"""Search the per-layer indices, merge their candidates, and re-rank them exactly.
+
+Pure functions of an :class:`~gradindex.index.IndexSet`, a row reader and the query vectors
+``m`` (method space, dotted with raw stored rows) and ``u`` (index space, searched):
+
+* when every chosen layer's index is flat, the per-layer inner products with *all* vectors are
+  summed (one pass), so the candidates are the exact top and bottom of the summed score;
+* otherwise each layer's index returns its approximate top ``candidates`` for ``u`` (and for
+  ``-u`` when the lowest scores are asked for); those rows of that layer are scored exactly and
+  the best ``shortlist`` per layer kept; the union over layers is the candidate set;
+* the candidates' stored rows are read in one sorted pass and scored exactly (float64):
+  ``score = Σ_l ⟨m_l, t_l⟩``, divided by ``‖t‖`` over the chosen layers for cosine, and by
+  ``sqrt`` of the self-influence for the ``-selfnorm`` methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradindex.index import IndexSet, RowReader
+
+EXHAUSTIVE_MARGIN = 16
+"""Extra candidates taken from exhaustive (float32) scores before the float64 re-rank."""
+
+
+@dataclass
+class Ranked:
+    """One query's re-ranked results: ids best first, their scores and per-layer scores."""
+
+    ids: np.ndarray
+    scores: np.ndarray
+    layer_scores: np.ndarray
+    """``[len(ids), L]`` per-layer contributions (they sum to ``scores``)."""
+
+
+def exhaustive_candidates(indices: IndexSet, layers: Sequence[str], u: dict[str, np.ndarray], cosine: bool,
+                          n_top: int, n_low: int, scale: np.ndarray | None = None) -> list[np.ndarray]:
+    """Per query, the ids of the exact top ``n_top`` and bottom ``n_low`` summed scores.
+
+    ``scale`` ``[N]``: a per-example factor of the score (self-normalization), if any.
+    """
+    s = None
+    for n in layers:
+        part = indices.layers[n].scores(u[n])  # [Q, N]
+        s = part.astype(np.float64) if s is None else s + part
+    if indices.space.normalize:
+        s *= indices.norms()[None, :]
+    if cosine:
+        t = indices.norms(layers)
+        s = np.where(t > 0, s / np.where(t > 0, t, 1.0), 0.0)
+    if scale is not None:
+        s *= scale[None, :]
+    N = s.shape[1]
+    out = []
+    for row in s:
+        parts = []
+        if n_top:
+            kk = min(N, n_top + EXHAUSTIVE_MARGIN)
+            parts.append(np.argpartition(-row, kk - 1)[:kk] if kk < N else np.arange(N))
+        if n_low:
+            kk = min(N, n_low + EXHAUSTIVE_MARGIN)
+            parts.append(np.argpartition(row, kk - 1)[:kk] if kk < N else np.arange(N))
+        out.append(np.unique(np.concatenate(parts)))
+    return out
+
+
+def ann_candidates(indices: IndexSet, rows: RowReader, layers: Sequence[str], u: dict[str, np.ndarray],
+                   m: dict[str, np.ndarray], n_top: int, n_low: int, shortlist: int,
+                   params: dict[str, int] | None, scale: np.ndarray | None = None) -> list[np.ndarray]:
+    """Per query, the union over layers of each layer's shortlist.
+
+    Each layer's index returns its approximate top ``n_top`` ids for ``u_l`` (and bottom
+    ``n_low``, searched with ``-u_l``). Those rows of that layer are read and scored exactly
+    (``⟨m_l, t_l⟩``, times ``scale``), and the best ``shortlist`` of them stay: the union is then
+    as good as an exact per-layer search to that depth, which the codes alone are not.
+    """
+    Q = len(next(iter(u.values())))
+    found: list[list[np.ndarray]] = [[] for _ in range(Q)]
+    for n in layers:
+        li = indices.layers[n]
+        for sign, kk in ((1.0, n_top), (-1.0, n_low)):
+            if not kk:
+                continue
+            ids = li.search(sign * u[n], min(kk, indices.n), params)  # [Q, kk]
+            if shortlist >= ids.shape[1]:
+                found = [f + [row[row >= 0]] for f, row in zip(found, ids, strict=True)]
+                continue
+            uniq = np.unique(ids[ids >= 0])
+            contrib = rows.read(uniq, [n])[n].astype(np.float64) @ m[n].T  # [A, Q]
+            if scale is not None:
+                contrib *= scale[uniq][:, None]
+            for j, row in enumerate(ids):
+                row = row[row >= 0]
+                sc = sign * contrib[np.searchsorted(uniq, row), j]
+                found[j].append(row[np.argsort(-sc, kind="stable")[:shortlist]])
+    return [np.unique(np.concatenate(f)) for f in found]
+
+
+def rerank(rows: RowReader, layers: Sequence[str], m: dict[str, np.ndarray], cosine: bool,
+           candidates: list[np.ndarray], k: int, k_low: int,
+           scale: np.ndarray | None = None) -> list[tuple[Ranked, Ranked]]:
+    """Exact scores of each query's candidates; its top ``k`` and bottom ``k_low``."""
+    allc = np.unique(np.concatenate(candidates))
+    t = rows.read(allc, layers)  # {layer: [C, D]}
+    per_layer = np.stack([t[n].astype(np.float64) @ m[n].T for n in layers], axis=-1)  # [C, Q, L]
+    if cosine:
+        tn = np.sqrt(sum(np.einsum("ij,ij->i", t[n], t[n], dtype=np.float64) for n in layers))  # [C]
+        per_layer *= np.where(tn > 0, 1.0 / np.where(tn > 0, tn, 1.0), 0.0)[:, None, None]
+    if scale is not None:
+        per_layer *= scale[allc][:, None, None]
+    out = []
+    for j, cand in enumerate(candidates):
+        pos = np.searchsorted(allc, cand)
+        ls = per_layer[pos, j]  # [c, L]
+        sc = ls.sum(axis=1)
+        best = np.lexsort((cand, -sc))[:k]
+        worst = np.lexsort((cand, sc))[:k_low]
+        out.append((Ranked(cand[best], sc[best], ls[best]), Ranked(cand[worst], sc[worst], ls[worst])))
+    return out

@@ -1,0 +1,88 @@
+"""Training examples by store row: the text shown with a result, and its tokens for re-ranking.
+
+Texts are not copied into the index: they are read lazily from the data file the build read
+(``manifest['data_id']``, or another path given when the index moved), and every row shown is
+checked against the 16-byte token hash the build stored for it, so a data file edited since the
+build can never label a result with the wrong text.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from gradindex.data import load_records, token_hash, tokenize_records
+from gradindex.store import Store
+
+log = logging.getLogger("gradindex")
+
+
+class TrainingTexts:
+    """Lazy access to the training records behind store rows."""
+
+    def __init__(self, manifest: dict, store: Store, tokenizer, data: str | os.PathLike | None = None):
+        self.path = Path(data or manifest.get("data_id") or "")
+        self.field = manifest.get("counts", {}).get("text_field", "text")
+        self.max_length = int(manifest["build"]["max_length"])
+        self.n = int(manifest["counts"]["examples"])
+        self.store, self.tokenizer = store, tokenizer
+        self._ds = None
+        self._hashes: np.ndarray | None = None
+        self.problem: str | None = None
+
+    def _records(self):
+        if self._ds is None and self.problem is None:
+            if not str(self.path) or not self.path.exists():
+                self.problem = (f"the training data {str(self.path)!r} is not there, so results carry "
+                                "no text; pass the data file (data= / --data)")
+            else:
+                ds = load_records(self.path)
+                if len(ds) != self.n:
+                    self.problem = (f"{str(self.path)!r} holds {len(ds)} records, the index {self.n}: "
+                                    "not the data the index was built from, so results carry no text; "
+                                    "pass the original (--data)")
+                else:
+                    self._ds = ds
+            if self.problem:
+                log.warning(self.problem)
+        return self._ds
+
+    def tokens(self, ids: np.ndarray) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
+        """Token ids and labels of rows ``ids`` as the build made them, and whether each matches
+        the stored hash."""
+        ds = self._records()
+        if ds is None or len(ids) == 0:
+            return [], [], np.zeros(len(ids), dtype=bool)
+        tf = self.field if self.field not in ("input_ids", "prompt+completion") else "text"
+        tok = tokenize_records(ds.select([int(i) for i in ids]), self.tokenizer, self.max_length, tf)
+        if self._hashes is None:
+            self._hashes = self.store.column("token_hash")
+        ok = np.array([token_hash(x, y) == self._hashes[i].tobytes()
+                       for i, x, y in zip(ids, tok.input_ids, tok.labels, strict=True)], dtype=bool)
+        if not ok.all():
+            log.warning("training rows %s of %s differ from what was indexed (the file changed since "
+                        "the build); their text is not shown", [int(i) for i in np.asarray(ids)[~ok]],
+                        str(self.path))
+        return tok.input_ids, tok.labels, ok
+
+    def texts(self, ids: np.ndarray) -> list[str | None]:
+        """The text of each row (``prompt + completion`` joined; decoded ids), ``None`` if unknown."""
+        ids = np.asarray(ids, dtype=np.int64)
+        token_ids, _, ok = self.tokens(ids)
+        if not ok.any():
+            return [None] * len(ids)
+        rows = self._ds.select([int(i) for i in ids])
+        out: list[str | None] = []
+        for j, rec in enumerate(rows):
+            if not ok[j]:
+                out.append(None)
+            elif self.field == "prompt+completion":
+                out.append(f"{rec['prompt']}{rec['completion']}")
+            elif self.field == "input_ids":
+                out.append(self.tokenizer.decode(token_ids[j]))
+            else:
+                out.append("" if rec[self.field] is None else str(rec[self.field]))
+        return out

@@ -1,0 +1,91 @@
+"""Exact scores without an index: queries against every stored example, streaming the store.
+
+This is the reference path an index must agree with (and the "exact" baseline of recall
+measurements). For query rows ``q_l`` and stored rows ``t_l`` of the selected layers ``l``:
+
+* ``graddot``: ``Σ_l ⟨q_l, t_l⟩``;
+* ``cosine``: ``Σ_l ⟨q_l, t_l⟩ / (‖q‖ ‖t‖)``, norms over the selected layers concatenated;
+* ``kfac`` / ``ekfac``: ``Σ_l ⟨(H_l + δ_l I)⁻¹ q_l, t_l⟩``, ``δ_l = damping × mean(Λ_l)``;
+* ``<method>-selfnorm``: the score divided by ``sqrt`` of the training example's self-influence
+  under that method (same damping and layers), i.e. ``⟨H^{-1/2} q, H^{-1/2} t / ‖H^{-1/2} t‖⟩``.
+  An example with zero self-influence (an all-zero row) scores 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from gradindex.manifest import read_manifest
+from gradindex.model import resolve_device
+from gradindex.precondition import load_preconditioner, parse_method, self_influence
+from gradindex.precondition.ekfac import block_rows
+from gradindex.precondition.preconditioner import layer_shapes
+from gradindex.store import Store
+
+
+def score_matrix(
+    index_dir: str | os.PathLike,
+    query_grads: Mapping[str, torch.Tensor | np.ndarray],
+    method: str = "graddot",
+    damping: float = 0.1,
+    layers: Sequence[str] | None = None,
+    block: int = 4096,
+    device: str = "auto",
+    dtype: torch.dtype | None = None,
+) -> np.ndarray:
+    """``[Q, N]`` float64 scores of ``Q`` queries against every stored example (column = example id).
+
+    ``query_grads``: layer → ``[Q, D]`` projected query gradients (as captured with the index's
+    projection). ``layers``: default all the index's layers. Arithmetic runs on ``device``
+    (``auto``: the GPU when present) in ``dtype`` (default float64 on CPU, float32 on GPU).
+    """
+    base, selfnorm = parse_method(method)
+    manifest = read_manifest(index_dir)
+    shapes = layer_shapes(manifest)
+    layers = list(layers) if layers else list(shapes)
+    unknown = [n for n in layers if n not in shapes]
+    if unknown:
+        raise ValueError(f"layers {unknown} are not in this index; its layers are {list(shapes)}")
+    lacking = [n for n in layers if n not in query_grads]
+    if lacking:
+        raise ValueError(f"query_grads has no rows for layers {lacking}; pass every selected layer, "
+                         "or choose layers=")
+    dev = resolve_device(device)
+    dtype = dtype or (torch.float64 if dev.type == "cpu" else torch.float32)
+    P = load_preconditioner(index_dir, base)
+    q: dict[str, torch.Tensor] = {}
+    n_q = None
+    for n in layers:
+        x = torch.as_tensor(query_grads[n]).to(dev, dtype)  # [Q, D]
+        k_g, k_a = shapes[n]
+        if x.ndim != 2 or x.shape[1] != k_g * k_a or (n_q is not None and x.shape[0] != n_q):
+            raise ValueError(f"query rows of layer {n!r} must be [Q, {k_g * k_a}] with one Q for all layers; "
+                             f"got {tuple(x.shape)}")
+        n_q = x.shape[0]
+        q[n] = x if P.is_identity else P.apply(n, x, -1.0, damping)
+    if base == "cosine":
+        q_norm = torch.sqrt(sum(v.square().sum(1) for v in q.values()))  # [Q]
+    out = np.zeros((n_q, int(manifest["counts"]["examples"])))
+    with Store(index_dir) as store:
+        rows = block_rows(store.dims, layers, block)
+        for ids, grads in store.iter_blocks(layers, rows):
+            pos = store.positions(ids)
+            s = torch.zeros(n_q, len(ids), device=dev, dtype=dtype)  # [Q, n]
+            t_sq = torch.zeros(len(ids), device=dev, dtype=dtype)  # [n]
+            for n in layers:
+                t = torch.from_numpy(grads[n]).to(dev, dtype)  # [n, D]
+                s += q[n] @ t.T
+                if base == "cosine":
+                    t_sq += t.square().sum(1)
+            if base == "cosine":
+                denom = q_norm[:, None] * t_sq.sqrt()[None, :]
+                s = torch.where(denom > 0, s / denom.clamp_min(torch.finfo(dtype).tiny), torch.zeros_like(s))
+            out[:, pos] = s.double().cpu().numpy()
+    if selfnorm:
+        si = self_influence(index_dir, base, damping, layers, device=str(dev))  # [N]
+        out *= np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)[None, :]
+    return out

@@ -1,0 +1,120 @@
+"""`gradindex build` with its index stage, `index`, `query` and `info`, end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import faiss
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gradindex.cli import main
+from gradindex.query import QueryEngine
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models and indices: on a shared CPU, OpenMP spin-waits of a second thread cost 10-50x."""
+    n_torch, n_faiss = torch.get_num_threads(), faiss.omp_get_max_threads()
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    yield
+    torch.set_num_threads(n_torch)
+    faiss.omp_set_num_threads(n_faiss)
+
+
+def run(*args, ok: bool = True):
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert (res.exit_code == 0) == ok, res.output
+    return res
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, gpt2_dir, text_jsonl):
+    out = tmp_path_factory.mktemp("cli") / "index"
+    res = run("build", gpt2_dir, text_jsonl, "--out", out, "--projection", "4", "--shard-size", "16",
+              "--precondition", "ekfac", "--device", "cpu", "--quiet")
+    assert "indices built" in res.output and "Flat" in res.output
+    return out
+
+
+def test_query_json_lists_ids_scores_and_texts_as_the_engine_does(built, text_jsonl):
+    texts = [json.loads(line)["text"] for line in open(text_jsonl)]
+    res = run("query", built, "--text", "the cat sat on a mat", "--text", "red sun over green hills",
+              "-k", "5", "--method", "ekfac", "--lowest", "2", "--json")
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 2
+    with QueryEngine(built, device="cpu") as e:
+        queries = ["the cat sat on a mat", "red sun over green hills"]
+        ref = e.query_batch(queries, k=5, method="ekfac", lowest=2)
+    for line, r in zip(lines, ref, strict=True):
+        got = json.loads(line)
+        top = [g for g in got if g["kind"] == "top"]
+        assert [g["id"] for g in top] == [h.id for h in r.hits]
+        np.testing.assert_allclose([g["score"] for g in top], [h.score for h in r.hits], rtol=1e-6)
+        assert all(g["text"] == texts[g["id"]] for g in got)
+        assert [g["id"] for g in got if g["kind"] == "lowest"] == [h.id for h in r.lowest]
+
+
+def test_prompt_completion_and_query_files_in_any_build_format(built, tmp_path):
+    pair = run("query", built, "--prompt", "some bread at noon", "--completion", " under blue sky", "-k", "3",
+               "--json")
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text(json.dumps({"prompt": "some bread at noon", "completion": " under blue sky"}) + "\n")
+    from_file = run("query", built, "--queries", qfile, "-k", "3", "--json")
+    assert json.loads(pair.stdout) == json.loads(from_file.stdout)
+    csv = tmp_path / "q.csv"
+    csv.write_text("body\nthe cat sat on a mat\ndog ran far away\n")
+    res = run("query", built, "--queries", csv, "--text-field", "body", "-k", "2", "--layers", "*.mlp.*")
+    assert res.stdout.count("query ") == 2 and "4 layers" in res.stdout and "most influential" in res.stdout
+
+
+def test_human_output_and_notes(built):
+    res = run("query", built, "--text", "the cat sat on a mat", "-k", "50", "--method", "cosine")
+    assert "note: k=50 is larger than the index (40 examples)" in res.stderr
+    assert res.stdout.count("\n") >= 40 and "method cosine" in res.stdout
+
+
+def test_info_summarizes_the_index(built):
+    out = run("info", built).stdout
+    for word in ("model", "40 examples", "8, 128 numbers per example", "graddot, cosine, kfac, ekfac", "Flat",
+                 "store", "faiss", "[4x4]"):
+        assert word in out, word
+    s = json.loads(run("info", built, "--json").stdout)
+    assert s["index"]["types"] == ["Flat"] and s["data"]["examples"] == 40 and s["bytes"]["faiss"] > 0
+
+
+def test_index_command_rebuilds_and_queries_still_agree(built, tmp_path):
+    import shutil
+
+    d = tmp_path / "copy"
+    shutil.copytree(built, d)
+    out = run("index", d, "--index-type", "IVF4,Flat", "--whiten", "ekfac", "--quiet").stdout
+    assert "IVF4,Flat" in out and "whitened ekfac" in out
+    assert "up to date" in run("index", d, "--index-type", "IVF4,Flat", "--whiten", "ekfac", "--quiet").stdout
+    a = json.loads(run("query", built, "--text", "the cat sat on a mat", "--method", "ekfac", "-k", "5",
+                       "--json").stdout)
+    b = json.loads(run("query", d, "--text", "the cat sat on a mat", "--method", "ekfac", "-k", "5",
+                       "--candidates", "40", "--nprobe", "4", "--json").stdout)
+    assert [x["id"] for x in a] == [x["id"] for x in b]
+
+
+def test_errors_name_the_problem_and_the_fix(built, tmp_path, gpt2_dir, text_jsonl):
+    import shutil
+
+    assert "nothing to query" in run("query", built, ok=False).output
+    assert "--prompt and --completion go together" in run("query", built, "--prompt", "x", ok=False).output
+    d = tmp_path / "copy"
+    shutil.copytree(built, d)
+    victim = sorted((d / "faiss").glob("*.index"))[0]
+    victim.write_bytes(b"junk")
+    err = run("query", d, "--text", "the cat sat", ok=False).output
+    assert victim.name in err and f"gradindex index {d}" in err
+    err = run("build", gpt2_dir, text_jsonl, "--out", tmp_path / "w", "--whiten", "kfac", ok=False).output
+    assert "--whiten kfac needs that preconditioner" in err
+    nix = run("build", gpt2_dir, text_jsonl, "--out", tmp_path / "n", "--projection", "4", "--no-index",
+              "--device", "cpu", "--quiet").output
+    assert "indices" not in nix
+    assert "no FAISS indices" in run("query", tmp_path / "n", "--text", "the cat sat", ok=False).output

@@ -1,0 +1,54 @@
+"""Smoke test of benchmarks/fidelity.py: its ``--quick`` mode runs end to end and reports every cell."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity.py"
+
+
+def _fidelity():
+    spec = importlib.util.spec_from_file_location("fidelity_bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_spearman_matches_hand_computed_values_with_ties():
+    fid = _fidelity()
+    x = np.array([[1.0, 2.0, 2.0, 3.0], [4.0, 3.0, 2.0, 1.0]])
+    y = np.array([[1.0, 3.0, 2.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
+    got = fid.spearman_rows(x, y)
+    # row 0: ranks x = [1, 2.5, 2.5, 4], y = [1, 3, 2, 4] → 4.5 / sqrt(4.5 · 5)
+    assert np.allclose(got, [4.5 / math.sqrt(22.5), -1.0])
+
+
+def test_quick_run_reports_every_method_and_projection_and_reuses_the_cache(tmp_path):
+    fid = _fidelity()
+    out = tmp_path / "fidelity.json"
+    assert fid.main(["--quick", "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    cfg = res["config"]
+    assert set(res["lds"]) == set(cfg["methods"])
+    for method, row in res["lds"].items():
+        assert set(row) == set(cfg["projections"]), method
+        for cell in row.values():
+            assert -1.0 <= cell["lds"] <= 1.0 and cell["seed_spread"] >= 0.0
+            assert math.isfinite(cell["diff_vs_graddot"]) and cell["query_se"] >= 0.0
+    assert res["lds"]["graddot"]["none"]["diff_vs_graddot"] == 0.0
+    assert res["noise_ceiling"] is not None and res["diagnostics_full_space"]
+
+    # A second look at the retrained losses comes from the cache: nothing is retrained.
+    q = fid.QUICK
+    setup = fid.make_setup(q)
+    logged: list[str] = []
+    _, losses, _ = fid.retrained_losses(q, setup, {}, tmp_path / "work", 1, 1, log=logged.append)
+    assert not logged and losses.shape == (q.n_subsets, q.retrain_seeds, q.n_query)
+    assert np.isfinite(losses).all()
