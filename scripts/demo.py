@@ -4,8 +4,10 @@ Runs on a fresh machine with no network in a few minutes on 2 CPU cores:
 
 1. a corpus of real English (the Python standard library's docstrings) with three planted facts,
 2. a byte-level BPE tokenizer and a small GPT-2 built from a config, trained on it,
-3. ``gradindex build`` (capture + store), shown with the commands it runs,
-4. a check that the store holds one row per document, with sane losses.
+3. ``gradindex build`` (capture, store, EK-FAC preconditioner, per-layer FAISS indices),
+4. ``gradindex query`` for each planted fact: the top result is the document that holds it.
+
+Every step runs the real CLI, and prints the command first so you can run it yourself.
 """
 
 from __future__ import annotations
@@ -73,17 +75,29 @@ def main() -> None:
     index = work / "index"
     print("[3/4] building the index", flush=True)
     run(["gradindex", "build", str(model_dir), str(data), "--out", str(index), "--projection", "32",
-         "--max-length", "128", "--batch-size", "8", "--overwrite"])
-
-    print("[4/4] what the store holds", flush=True)
+         "--max-length", "128", "--batch-size", "8", "--precondition", "ekfac", "--overwrite"])
+    run(["gradindex", "info", str(index)])
     with Store(index) as s:
-        loss, ntok = s.column("loss"), s.column("num_tokens")
-        print(f"  {len(s)} rows x {len(s.layers)} layers, {next(iter(s.dims.values()))} numbers per layer")
         assert len(s) == len(docs), "one row per document"
-        print(f"  mean loss per token {loss.sum() / ntok.sum():.3f}")
-        for row in FACT_ROWS:
-            print(f"  row {row}: loss/token {loss[row] / ntok[row]:.3f}  {docs[row]!r}")
-    print("done: the index is in", index)
+
+    print("[4/4] which training documents taught the model each planted fact?", flush=True)
+    queries = work / "queries.jsonl"
+    with open(queries, "w") as f:
+        for prompt, completion in FACTS:
+            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    found = 0
+    for method in ("graddot", "ekfac"):
+        cmd = ["gradindex", "query", str(index), "--queries", str(queries), "-k", "3", "--method", method]
+        run(cmd)
+        out = subprocess.run(cmd + ["--json"], check=True, capture_output=True, text=True).stdout.splitlines()
+        for row, line in zip(FACT_ROWS, out):
+            top = json.loads(line)[0]["id"]
+            found += top == row
+            print(f"  -> {method}: top result for the fact of row {row} is row {top}"
+                  f"{' (the planted document)' if top == row else ' (missed)'}", flush=True)
+    print(f"done: {found} of {2 * len(FACTS)} lookups put the planted document first; the index is in {index}")
+    if found < len(FACTS):
+        raise SystemExit("fewer planted facts found than expected")
 
 
 if __name__ == "__main__":
