@@ -255,6 +255,11 @@ def run_scale(args, work: Path, model_dir: Path, base: Path, queries: list[str])
         entry["chosen"] = best
         chosen = {key: best[key] for key in ("candidates", "shortlist", "nprobe") if key in best}
         entry["e2e"] = end_to_end(engine, queries[: args.e2e_queries], args.k, chosen)
+        entry["defaults"] = measure(engine, q, truth, args.k, {})  # what a query gets without knobs
+        entry["defaults"]["e2e"] = end_to_end(engine, queries[: args.e2e_queries], args.k, {})
+        d = entry["defaults"]
+        log(f"  engine defaults: recall@10 {d['recall@10']:.3f}, search p50 {d['p50_ms']:.1f} ms "
+            f"p95 {d['p95_ms']:.1f} ms, end-to-end p50 {d['e2e']['p50_ms']:.0f} ms p95 {d['e2e']['p95_ms']:.0f} ms")
         log(f"  chosen {chosen}: "
             f"recall@10 {best['recall@10']:.3f}, "
             f"search p95 {best['p95_ms']:.1f} ms, end-to-end p50 {entry['e2e']['p50_ms']:.0f} ms "

@@ -48,7 +48,7 @@ def run(cmd: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="demo_out")
-    ap.add_argument("--steps", type=int, default=300, help="Training steps (batch 16).")
+    ap.add_argument("--steps", type=int, default=200, help="Training steps (batch 16).")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -284,3 +284,17 @@ def test_full_gradient_rerank_equals_torch_func_dot_products(engine, func_truth)
     assert [h.full_score for h in r.hits] == sorted((h.full_score for h in r.hits), reverse=True)
     with pytest.raises(ValueError, match="full-gradient re-ranking supports"):
         engine.query("the cat sat on a mat", method="kfac", rerank_full=3)
+
+
+@pytest.mark.skipif(faiss.get_num_gpus() == 0, reason="FAISS sees no GPU")
+@pytest.mark.parametrize("factory", ["Flat", "IVF4,Flat"])
+def test_gpu_search_equals_cpu_search(store_dir, tmp_path, engine, factory):
+    d = _indexed(store_dir, tmp_path, IndexConfig(factory=factory, train_size=40))
+    q, _, _ = engine.gradients(engine.tokenize(QUERIES))
+    got = {}
+    for gpu in (False, True):
+        with QueryEngine(d, model=engine.model, tokenizer=engine.tokenizer, use_gpu=gpu) as e:
+            got[gpu] = e.search(q, k=5, method="ekfac", lowest=2, candidates=40, nprobe=4)
+    for a, b in zip(got[False], got[True], strict=True):
+        assert [h.id for h in a.hits + a.lowest] == [h.id for h in b.hits + b.lowest]
+        np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], rtol=1e-9)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from gradindex.cli import main
@@ -64,5 +66,5 @@ def report(res) -> str:
 def index(index_dir, index_type, whiten, normalize, train_size, cpu_index, damping, seed, force, quiet):
     """(Re)build one FAISS index per layer of INDEX_DIR's store (resumes an interrupted build)."""
     cfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
-    cfg = IndexConfig(**{**cfg.__dict__, "seed": seed})
+    cfg = dataclasses.replace(cfg, seed=seed)
     click.echo(report(build_indices(index_dir, cfg, progress=not quiet, force=force)))

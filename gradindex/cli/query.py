@@ -33,10 +33,18 @@ def _line(text: str | None, width: int) -> str:
     return s if len(s) <= width else s[: max(0, width - 3)] + "..."
 
 
-def _print_result(i: int, q, r: QueryResult) -> None:
+def _describe(q: dict, text_field: str) -> str:
+    if q.get(text_field) is not None:
+        return str(q[text_field])
+    if "prompt" in q:
+        return f"{q['prompt']}|{q.get('completion', '')}"
+    return f"[{len(q.get('input_ids', []))} token ids]"
+
+
+def _print_result(i: int, q: str, r: QueryResult) -> None:
     width = max(40, shutil.get_terminal_size((100, 20)).columns - 30)
     where = f"{len(r.layers)} layers" if len(r.layers) > 1 else r.layers[0]
-    click.echo(f"query {i + 1}: {_line(str(q), width)}")
+    click.echo(f"query {i + 1}: {_line(q, width)}")
     click.echo(f"  {r.num_tokens} target tokens, loss {r.loss:.3f}, method {r.method}"
                f"{f' (damping {r.damping})' if r.damping is not None else ''}, {where}")
     for title, hits in (("most influential", r.hits), ("most negative", r.lowest)):
@@ -69,7 +77,7 @@ def _json(r: QueryResult) -> list[dict]:
 @click.option("--lowest", default=0, show_default=True, type=int, help="Also the N most negative examples.")
 @click.option("--rerank-full", default=0, show_default=True, type=int,
               help="Re-rank the top N with full (unprojected) gradients (graddot, cosine).")
-@click.option("--candidates", default=None, type=int, help="ANN results per layer (default 1000).")
+@click.option("--candidates", default=None, type=int, help="ANN results per layer (default 2000).")
 @click.option("--shortlist", default=None, type=int,
               help="Of those, kept per layer after exact per-layer scoring (default 100).")
 @click.option("--nprobe", default=None, type=int, help="IVF lists to visit per layer (default: the index's).")
@@ -97,4 +105,4 @@ def query(index_dir, texts, prompt, completion, queries_file, text_field, k, met
         if as_json:
             click.echo(json.dumps(_json(r)))
         else:
-            _print_result(i, q.get(text_field) or (q.get("prompt", ""), q.get("completion", "")) or q, r)
+            _print_result(i, _describe(q, text_field), r)

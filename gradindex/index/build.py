@@ -36,7 +36,7 @@ log = logging.getLogger("gradindex")
 FAISS_DIR = "faiss"
 META = "index.json"
 NORMS = "norms.npy"
-DEFAULT_CANDIDATES = 1000
+DEFAULT_CANDIDATES = 2000
 """ANN results per layer (queries' ``candidates``)."""
 DEFAULT_SHORTLIST = 100
 """Of those, kept per layer after exact per-layer scoring (queries' ``shortlist``)."""

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import h5py
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from gradindex.store import Store
 
@@ -98,9 +99,10 @@ class RowReader:
                 off = tab.byte_offsets(local)
                 order = np.argsort(off, kind="stable")
                 D = tab.dim
-                if (off % 4 == 0).all():
+                if (off % 4 == 0).all():  # rows as windows of a float view: one row-wise gather
                     flat = mm[: (mm.size // 4) * 4].view(_F32)
-                    rows = flat[(off[order] // 4)[:, None] + np.arange(D)]
+                    windows = as_strided(flat, shape=(flat.size - D + 1, D), strides=(4, 4), writeable=False)
+                    rows = windows[off[order] // 4]
                 else:
                     rows = mm[off[order][:, None] + np.arange(4 * D)].view(_F32).reshape(-1, D)
                 out[n][sel[order]] = rows

@@ -184,7 +184,7 @@ class QueryEngine:
 
     def query(self, query, **kwargs) -> QueryResult:
         """One query (text, ``(prompt, completion)``, token ids or record); see :meth:`query_batch`."""
-        return self.query_batch([as_record(query)], **kwargs)[0]
+        return self.query_batch([query], **kwargs)[0]
 
     def query_batch(self, queries, k: int = 10, method: str = "graddot", damping: float = 0.1,
                     layers: Sequence[str] | str | None = None, lowest: int = 0, rerank_full: int = 0,
@@ -209,7 +209,7 @@ class QueryEngine:
             if r.truncated:
                 r.notes.append(f"query {j} was longer than the index's max length "
                                f"({self.manifest['build']['max_length']} tokens) and was truncated")
-                log.warning(r.notes[-1])
+                log.info(r.notes[-1])
             if rerank_full:
                 t1 = time.perf_counter()
                 self._rerank_full(r, (tokens.input_ids[j], tokens.labels[j]), rerank_full)
@@ -234,7 +234,7 @@ class QueryEngine:
         if k > self.n or lowest > self.n:
             notes.append(f"k={max(k, lowest)} is larger than the index ({self.n} examples); "
                          f"returning {self.n}")
-            log.warning(notes[-1])
+            log.info(notes[-1])
             k, lowest = min(k, self.n), min(lowest, self.n)
         q = {n: torch.as_tensor(grads[n]).float().cpu() for n in chosen}
         m, u, _ = query_vectors(self.indices.space, self.pre, base, damping, q)

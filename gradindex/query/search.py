@@ -26,6 +26,17 @@ EXHAUSTIVE_MARGIN = 16
 """Extra candidates taken from exhaustive (float32) scores before the float64 re-rank."""
 
 
+def dots(t: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """``[C, Q]`` float64 ``t @ m.T`` for rows ``t`` ``[C, D]`` and queries ``m`` ``[Q, D]``.
+
+    A few queries go through ``einsum``: at this size BLAS threads cost more than they save
+    (10x on a busy 2-core machine); batches go through BLAS.
+    """
+    if len(m) <= 4:
+        return np.einsum("cd,qd->cq", t, m, dtype=np.float64)
+    return t.astype(np.float64) @ m.T
+
+
 @dataclass
 class Ranked:
     """One query's re-ranked results: ids best first, their scores and per-layer scores."""
@@ -89,7 +100,7 @@ def ann_candidates(indices: IndexSet, rows: RowReader, layers: Sequence[str], u:
                 found = [f + [row[row >= 0]] for f, row in zip(found, ids, strict=True)]
                 continue
             uniq = np.unique(ids[ids >= 0])
-            contrib = rows.read(uniq, [n])[n].astype(np.float64) @ m[n].T  # [A, Q]
+            contrib = dots(rows.read(uniq, [n])[n], m[n])  # [A, Q]
             if scale is not None:
                 contrib *= scale[uniq][:, None]
             for j, row in enumerate(ids):
@@ -105,7 +116,7 @@ def rerank(rows: RowReader, layers: Sequence[str], m: dict[str, np.ndarray], cos
     """Exact scores of each query's candidates; its top ``k`` and bottom ``k_low``."""
     allc = np.unique(np.concatenate(candidates))
     t = rows.read(allc, layers)  # {layer: [C, D]}
-    per_layer = np.stack([t[n].astype(np.float64) @ m[n].T for n in layers], axis=-1)  # [C, Q, L]
+    per_layer = np.stack([dots(t[n], m[n]) for n in layers], axis=-1)  # [C, Q, L]
     if cosine:
         tn = np.sqrt(sum(np.einsum("ij,ij->i", t[n], t[n], dtype=np.float64) for n in layers))  # [C]
         per_layer *= np.where(tn > 0, 1.0 / np.where(tn > 0, tn, 1.0), 0.0)[:, None, None]

@@ -47,7 +47,7 @@ class TrainingTexts:
                 else:
                     self._ds = ds
             if self.problem:
-                log.warning(self.problem)
+                log.info(self.problem)  # also a note on every result
         return self._ds
 
     def tokens(self, ids: np.ndarray) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
