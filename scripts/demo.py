@@ -85,19 +85,20 @@ def main() -> None:
     with open(queries, "w") as f:
         for prompt, completion in FACTS:
             f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
-    found = 0
-    for method in ("graddot", "ekfac"):
+    found = {}
+    for method in ("graddot", "ekfac-selfnorm"):
         cmd = ["gradindex", "query", str(index), "--queries", str(queries), "-k", "3", "--method", method]
         run(cmd)
         out = subprocess.run(cmd + ["--json"], check=True, capture_output=True, text=True).stdout.splitlines()
         for row, line in zip(FACT_ROWS, out):
             top = json.loads(line)[0]["id"]
-            found += top == row
+            found[method] = found.get(method, 0) + (top == row)
             print(f"  -> {method}: top result for the fact of row {row} is row {top}"
                   f"{' (the planted document)' if top == row else ' (missed)'}", flush=True)
-    print(f"done: {found} of {2 * len(FACTS)} lookups put the planted document first; the index is in {index}")
-    if found < len(FACTS):
-        raise SystemExit("fewer planted facts found than expected")
+    summary = ", ".join(f"{m} {n}/{len(FACTS)}" for m, n in found.items())
+    print(f"done: planted documents ranked first: {summary}; the index is in {index}")
+    if found["ekfac-selfnorm"] < len(FACTS):
+        raise SystemExit("EK-FAC (self-normalized) should rank every planted document first")
 
 
 if __name__ == "__main__":
