@@ -23,7 +23,7 @@ from gradindex.manifest import read_manifest
 from gradindex.model import resolve_device
 from gradindex.precondition import load_preconditioner, parse_method, self_influence
 from gradindex.precondition.ekfac import block_rows
-from gradindex.precondition.preconditioner import layer_shapes
+from gradindex.precondition.preconditioner import layer_shapes, selected_layers
 from gradindex.store import Store
 
 
@@ -46,10 +46,7 @@ def score_matrix(
     base, selfnorm = parse_method(method)
     manifest = read_manifest(index_dir)
     shapes = layer_shapes(manifest)
-    layers = list(layers) if layers else list(shapes)
-    unknown = [n for n in layers if n not in shapes]
-    if unknown:
-        raise ValueError(f"layers {unknown} are not in this index; its layers are {list(shapes)}")
+    layers = selected_layers(manifest, layers)
     lacking = [n for n in layers if n not in query_grads]
     if lacking:
         raise ValueError(f"query_grads has no rows for layers {lacking}; pass every selected layer, "

@@ -10,7 +10,19 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny models and indices: on a shared CPU, OpenMP spin-waits of a second thread cost 10-50x."""
+    import faiss
+
+    n_torch, n_faiss = torch.get_num_threads(), faiss.omp_get_max_threads()
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    yield
+    torch.set_num_threads(n_torch)
+    faiss.omp_set_num_threads(n_faiss)
 
 WORDS = ("the cat sat on a mat while some dog ran far away from home and ate fish bread at noon "
          "under blue sky with red sun over green hills near old town river").split()

@@ -4,25 +4,12 @@ from __future__ import annotations
 
 import json
 
-import faiss
 import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
 
 from gradindex.cli import main
 from gradindex.query import QueryEngine
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models and indices: on a shared CPU, OpenMP spin-waits of a second thread cost 10-50x."""
-    n_torch, n_faiss = torch.get_num_threads(), faiss.omp_get_max_threads()
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
-    yield
-    torch.set_num_threads(n_torch)
-    faiss.omp_set_num_threads(n_faiss)
 
 
 def run(*args, ok: bool = True):

@@ -28,17 +28,6 @@ from gradindex.model import load_causal_lm
 from gradindex.store import Store
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models and indices: on a shared CPU, OpenMP spin-waits of a second thread cost 10-50x."""
-    n_torch, n_faiss = torch.get_num_threads(), faiss.omp_get_max_threads()
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
-    yield
-    torch.set_num_threads(n_torch)
-    faiss.omp_set_num_threads(n_faiss)
-
-
 @pytest.fixture(scope="module")
 def store_dir(tmp_path_factory, gpt2_dir, text_jsonl):
     """A 40-example store over 8 layers of 16 numbers, in 3 shards, with K-FAC and EK-FAC fitted."""

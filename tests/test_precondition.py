@@ -31,13 +31,6 @@ LAYERS = ("*.attn.c_proj",)  # [32, 33] per example: 1056 numbers, small enough 
 MAX_LEN = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Matrices here are tiny: thread hand-offs cost more than they save (and the cores are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _build(model_dir, data_path, out, **cfg):

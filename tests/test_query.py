@@ -26,15 +26,6 @@ QUERIES = ["the cat sat on a mat", "dog ran far away from home", ("some bread at
 METHODS = ["graddot", "cosine", "kfac", "ekfac", "graddot-selfnorm", "ekfac-selfnorm"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models and indices: on a shared CPU, OpenMP spin-waits of a second thread cost 10-50x."""
-    n_torch, n_faiss = torch.get_num_threads(), faiss.omp_get_max_threads()
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
-    yield
-    torch.set_num_threads(n_torch)
-    faiss.omp_set_num_threads(n_faiss)
 
 
 def _build(out, model_dir, data_path, projection, precondition="ekfac", max_length=512):

@@ -24,13 +24,6 @@ from gradindex.store import Store
 N = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Matrices here are tiny: thread hand-offs cost more than they save (and the cores are shared)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,16 @@ def parse_method(method: str) -> tuple[str, bool]:
 def layer_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
     """layer → ``(rows, cols)`` of its stored matrix (``k_g, k_a`` or ``N_o, N_i+1``), model order."""
     return {n: (int(v["rows"]), int(v["cols"])) for n, v in manifest["build"]["layers"].items()}
+
+
+def selected_layers(manifest: dict, layers: Sequence[str] | None) -> list[str]:
+    """The index's layers (model order) when ``layers`` is empty, else ``layers`` checked against them."""
+    shapes = layer_shapes(manifest)
+    chosen = list(layers) if layers else list(shapes)
+    unknown = [n for n in chosen if n not in shapes]
+    if unknown:
+        raise ValueError(f"layers {unknown} are not in this index; its layers are {list(shapes)}")
+    return chosen
 
 
 def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:

@@ -13,7 +13,7 @@ from gradindex.manifest import read_manifest
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import Basis, store_pass
 from gradindex.precondition.files import check_fingerprints, precond_path, read_attrs, read_self_influence
-from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner, parse_method
+from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner, parse_method, selected_layers
 from gradindex.store import Store
 
 _CACHE: OrderedDict = OrderedDict()
@@ -51,10 +51,7 @@ def self_influence(
     base, _ = parse_method(method)
     manifest = read_manifest(index_dir)
     shapes = layer_shapes(manifest)
-    layers = list(layers) if layers else list(shapes)
-    unknown = [n for n in layers if n not in shapes]
-    if unknown:
-        raise ValueError(f"layers {unknown} are not in this index; its layers are {list(shapes)}")
+    layers = selected_layers(manifest, layers)
     if base == "cosine":
         return (self_influence(index_dir, "graddot", damping, layers, device, block) > 0).astype(np.float64)
     found = _stored(index_dir, base, manifest)
