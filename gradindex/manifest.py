@@ -45,6 +45,17 @@ def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{str(p)!r} is corrupt ({e}); rebuild the index") from None
 
 
+def read_complete_manifest(index_dir: str | os.PathLike, then: str) -> dict[str, Any]:
+    """The manifest of a finished build; an error saying how to finish it (before ``then``) otherwise."""
+    manifest = read_manifest(index_dir)
+    if manifest.get("status") != "complete":
+        raise ValueError(
+            f"the build of {str(index_dir)!r} is not complete (status {manifest.get('status')!r}); "
+            f"re-run the same `gradindex build` to finish it (it resumes), then {then}"
+        )
+    return manifest
+
+
 def write_manifest(index_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
     """Write atomically: a killed write leaves the previous manifest intact."""
     p = manifest_path(index_dir)

@@ -161,7 +161,7 @@ def test_incomplete_store_is_refused(store_dir, tmp_path):
     m = read_manifest(d)
     m["status"] = "building"
     write_manifest(d, m)
-    with pytest.raises(ValueError, match="incomplete.*re-running the same `gradindex build`"):
+    with pytest.raises(ValueError, match="not complete.*re-run the same `gradindex build`"):
         build_indices(d, IndexConfig(), progress=False)
 
 

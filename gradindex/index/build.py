@@ -28,7 +28,7 @@ from gradindex.index import gpu
 from gradindex.index.factory import default_search_params, make_index, resolve_factory, train_size
 from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
-from gradindex.manifest import read_manifest, write_manifest
+from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
 from gradindex.store import Store
 
 log = logging.getLogger("gradindex")
@@ -106,12 +106,7 @@ def build_indices(index_dir: str | os.PathLike, cfg: IndexConfig = IndexConfig()
                   progress: bool = True, force: bool = False) -> IndexBuildResult:
     """Write ``faiss/<layer>.index`` for every stored layer (resuming an interrupted build)."""
     t0 = time.perf_counter()
-    manifest = read_manifest(index_dir)
-    if manifest.get("status") != "complete":
-        raise ValueError(
-            f"the store in {str(index_dir)!r} is incomplete (status {manifest.get('status')!r}); "
-            "finish it first by re-running the same `gradindex build` (it resumes)"
-        )
+    manifest = read_complete_manifest(index_dir, "build the indices")
     with Store(index_dir) as store:
         N = len(store)
         if N == 0:

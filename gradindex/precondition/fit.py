@@ -20,7 +20,7 @@ import torch
 import gradindex
 from gradindex.capture import ProjectionSpec
 from gradindex.data import Tokenized
-from gradindex.manifest import read_manifest, write_manifest
+from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.ekfac import Basis, store_pass
@@ -89,12 +89,7 @@ def fit_preconditioner(
     model pass is needed; otherwise they are loaded from the manifest and fingerprint-checked.
     """
     t0 = time.perf_counter()
-    manifest = read_manifest(index_dir)
-    if manifest.get("status") != "complete":
-        raise ValueError(
-            f"the build of {str(index_dir)!r} is not complete (status {manifest.get('status')!r}); "
-            "re-run the same `gradindex build` to finish it, then fit"
-        )
+    manifest = read_complete_manifest(index_dir, "fit")
     shapes = layer_shapes(manifest)
     layers = list(shapes)
     device = resolve_device(cfg.device)
