@@ -64,6 +64,8 @@ class Tokenized:
     labels: list[list[int]]
     n_truncated: int
     field: str
+    truncated: tuple[bool, ...] = ()
+    """Per example: whether it was cut to ``max_length`` (empty when not recorded)."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -109,15 +111,16 @@ def tokenize_records(
             f"no field {text_field!r} in the data (columns: {sorted(cols)}); pass --text-field NAME, "
             "or give 'prompt' and 'completion', or pre-tokenized 'input_ids'"
         )
+    truncated = [len(x) > max_length for x in ids_out]
     for i in range(len(ids_out)):
-        if len(ids_out[i]) > max_length:
+        if truncated[i]:
             ids_out[i] = ids_out[i][:max_length]
             labels_out[i] = labels_out[i][:max_length]
             n_trunc += 1
         if not ids_out[i]:  # keep row alignment: an empty example is one pad-free token
             ids_out[i] = [tokenizer.eos_token_id or 0]
             labels_out[i] = [IGNORE]
-    return Tokenized(ids_out, labels_out, n_trunc, field)
+    return Tokenized(ids_out, labels_out, n_trunc, field, tuple(truncated))
 
 
 def token_hash(ids: list[int], labels: list[int]) -> bytes:

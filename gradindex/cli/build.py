@@ -48,7 +48,7 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
-                      route=route, shard_size=shard_size, collect_covariance=precondition != "none",
+                      route=route, shard_size=shard_size,
                       precondition=precondition, damping=damping)
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):

@@ -81,21 +81,19 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
     """Token ids and labels per record, truncated to the build's ``max_length`` (flagged).
 
     Records with the same fields are tokenized together by :func:`tokenize_records` (the build's
-    code), untruncated; each is then cut to ``max_length`` as the build cuts, and flagged if it was.
+    code, which also truncates and flags).
     """
     ids: list[list[int]] = [[] for _ in records]
     labels: list[list[int]] = [[] for _ in records]
+    truncated = [False] * len(records)
     groups: dict[tuple, list[int]] = {}
     for i, rec in enumerate(records):
         groups.setdefault(tuple(sorted(rec)), []).append(i)
     for members in groups.values():
         ds = datasets.Dataset.from_list([records[i] for i in members])
-        tok = tokenize_records(ds, tokenizer, 1 << 62, text_field)
+        tok = tokenize_records(ds, tokenizer, max_length, text_field)
         for j, i in enumerate(members):
-            ids[i], labels[i] = tok.input_ids[j], tok.labels[j]
-    truncated = [len(x) > max_length for x in ids]
-    ids = [x[:max_length] for x in ids]
-    labels = [y[:max_length] for y in labels]
+            ids[i], labels[i], truncated[i] = tok.input_ids[j], tok.labels[j], tok.truncated[j]
     for i, y in enumerate(labels):
         if not any(t != IGNORE for t in y[1:]):
             raise ValueError(
