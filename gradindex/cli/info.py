@@ -10,8 +10,9 @@ import click
 from gradindex.cli import main
 from gradindex.cli.common import user_errors
 from gradindex.cli.index import human_bytes
-from gradindex.index import available, read_meta
+from gradindex.index import read_meta
 from gradindex.manifest import read_manifest
+from gradindex.precondition import available_methods
 
 
 def _size(p: Path) -> int:
@@ -42,7 +43,7 @@ def summary(index_dir: str) -> dict:
                  "nonfinite": len(m.get("nonfinite_ids", []))},
         "projection": b.get("projection"), "max_length": b.get("max_length"),
         "layers": layers, "dims_total": sum(v["dim"] for v in layers.values()),
-        "methods": available(d),
+        "methods": available_methods(d),
         "index": None if meta is None else {"status": meta.get("status"), "space": meta.get("space"),
                                             "types": sorted({e["factory"] for e in meta["layers"].values()})},
         "bytes": {"store": _size(d / "store"), "precond": _size(d / "precond"), "faiss": _size(d / "faiss")},

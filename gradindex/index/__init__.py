@@ -12,11 +12,10 @@ from gradindex.index.build import (
 from gradindex.index.factory import default_factory, resolve_factory
 from gradindex.index.load import IndexSet, LayerIndex
 from gradindex.index.rows import RowReader, iter_layer
-from gradindex.index.space import METHODS, IndexSpace, Preconditioners, available, query_vectors
+from gradindex.index.space import IndexSpace, Preconditioners, query_vectors
 
 __all__ = [
     "FAISS_DIR",
-    "METHODS",
     "IndexBuildResult",
     "IndexConfig",
     "IndexSet",
@@ -24,7 +23,6 @@ __all__ = [
     "LayerIndex",
     "Preconditioners",
     "RowReader",
-    "available",
     "build_indices",
     "default_factory",
     "faiss_dir",

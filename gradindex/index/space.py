@@ -24,22 +24,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from gradindex.precondition import available_methods, load_preconditioner, parse_method
+
 WHITEN = ("none", "kfac", "ekfac")
-METHODS = ("graddot", "cosine", "kfac", "ekfac")
-SELFNORM = "-selfnorm"
-ALL_METHODS = METHODS + tuple(m + SELFNORM for m in ("graddot", "kfac", "ekfac"))
-"""Also ``<method>-selfnorm``: the score divided by ``sqrt`` of the training example's
-self-influence under that method (``gradindex.precondition.self_influence``)."""
-
-
-def split_method(method: str) -> tuple[str, bool]:
-    """``'ekfac-selfnorm'`` → ``('ekfac', True)``; raise on an unknown name."""
-    m = str(method).strip().lower()
-    if m not in ALL_METHODS:
-        raise ValueError(f"method {method!r} is not one of {list(ALL_METHODS)}")
-    return (m[: -len(SELFNORM)], True) if m.endswith(SELFNORM) else (m, False)
-
-
 @dataclass(frozen=True)
 class IndexSpace:
     """The vector space of a set of per-layer indices; serialized into ``faiss/index.json``."""
@@ -69,15 +56,6 @@ class IndexSpace:
                    normalize=bool(d.get("normalize", False)))
 
 
-def available(index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
-    """Methods this index directory can answer (``graddot``, ``cosine``, fitted preconditioners)."""
-    try:
-        from gradindex.precondition import available_methods
-    except ImportError:
-        return ["graddot", "cosine"]
-    return list(available_methods(index_dir, selfnorm=selfnorm))
-
-
 class Preconditioners:
     """Loads each fitted preconditioner once and applies powers of it to ``[n, D]`` blocks."""
 
@@ -86,8 +64,8 @@ class Preconditioners:
         self._loaded: dict[str, object] = {}
 
     def check(self, method: str) -> None:
-        base, selfnorm = split_method(method)
-        methods = available(self.index_dir, selfnorm)
+        base, selfnorm = parse_method(method)
+        methods = available_methods(self.index_dir, selfnorm)
         if method not in methods:
             raise ValueError(
                 f"method {method!r} is not fitted for {str(self.index_dir)!r} (available: "
@@ -101,8 +79,6 @@ class Preconditioners:
             return x
         if method not in self._loaded:
             self.check(method)
-            from gradindex.precondition import load_preconditioner
-
             self._loaded[method] = load_preconditioner(self.index_dir, method)
         out = self._loaded[method].apply(layer, x, power=power, damping=damping)
         return out.to(x.dtype)

@@ -9,6 +9,7 @@
 from gradindex.precondition.apply import absolute_damping, eigen_power, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.fit import FitConfig, fit_preconditioner
 from gradindex.precondition.preconditioner import (
+    ALL_METHODS,
     FITTED_METHODS,
     METHODS,
     Preconditioner,
@@ -19,6 +20,7 @@ from gradindex.precondition.preconditioner import (
 from gradindex.precondition.selfinf import self_influence
 
 __all__ = [
+    "ALL_METHODS",
     "FITTED_METHODS",
     "METHODS",
     "FitConfig",

@@ -17,6 +17,8 @@ BASE_METHODS = ("graddot", "cosine")
 FITTED_METHODS = ("kfac", "ekfac")
 METHODS = BASE_METHODS + FITTED_METHODS
 SELFNORM = "-selfnorm"
+ALL_METHODS = METHODS + tuple(m + SELFNORM for m in METHODS if m != "cosine")
+"""Every method name: ``<method>-selfnorm`` divides by ``sqrt`` of the training example's self-influence."""
 
 
 def parse_method(method: str) -> tuple[str, bool]:
@@ -25,8 +27,7 @@ def parse_method(method: str) -> tuple[str, bool]:
     selfnorm = m.endswith(SELFNORM)
     base = m[: -len(SELFNORM)] if selfnorm else m
     if base not in METHODS or (selfnorm and base == "cosine"):
-        names = list(METHODS) + [b + SELFNORM for b in METHODS if b != "cosine"]
-        raise ValueError(f"method {method!r} is not one of {names}")
+        raise ValueError(f"method {method!r} is not one of {list(ALL_METHODS)}")
     return base, selfnorm
 
 

@@ -19,8 +19,8 @@ from gradindex.fingerprint import model_fingerprint
 from gradindex.gradients import batch_gradients
 from gradindex.index import IndexSet, Preconditioners, RowReader, query_vectors
 from gradindex.index.build import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST
-from gradindex.index.space import split_method
 from gradindex.manifest import IndexMismatchError, identity_differences, read_manifest
+from gradindex.precondition import parse_method, self_influence
 from gradindex.query import search as S
 from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
@@ -223,7 +223,7 @@ class QueryEngine:
         """Search with given per-layer query gradients ``{layer: [Q, D]}`` (projected, raw)."""
         t0 = time.perf_counter()
         self.pre.check(method)
-        base, selfnorm = split_method(method)
+        base, selfnorm = parse_method(method)
         chosen = self.select_layers(layers)
         missing = [n for n in chosen if n not in grads]
         if missing:
@@ -289,8 +289,6 @@ class QueryEngine:
         """``[N]`` ``1/sqrt(self-influence)`` (0 for a zero row), computed once per setting."""
         key = (base, damping, tuple(layers))
         if key not in self._scales:
-            from gradindex.precondition import self_influence
-
             si = self_influence(self.dir, base, damping, layers)
             self._scales[key] = np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)
         return self._scales[key]
