@@ -165,13 +165,16 @@ class Store:
         return np.concatenate([self._file(k)[name][:] for k in range(len(self.paths))])
 
     def iter_blocks(
-        self, layers: Sequence[str] | None = None, block: int = 4096
+        self, layers: Sequence[str] | None = None, block: int = 4096, start: int = 0
     ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
-        """Yield ``(ids [n], {layer: [n, D]})`` in store order, ``block`` rows at a time."""
+        """Yield ``(ids [n], {layer: [n, D]})`` in store order from row ``start``, ``block`` rows at a time."""
         layers = list(layers or self.layers)
         for k in range(len(self.paths)):
+            first = self.first_ids[k]
+            if first + self.sizes[k] <= start:
+                continue
             f = self._file(k)
-            for s in range(0, self.sizes[k], block):
+            for s in range(max(0, start - first), self.sizes[k], block):
                 e = min(s + block, self.sizes[k])
                 yield f["ids"][s:e], {n: f["grads"][n][s:e] for n in layers}
 

@@ -23,14 +23,8 @@ _F32 = np.dtype("<f4")
 def iter_layer(store: Store, layer: str, start: int = 0,
                block: int = 8192) -> Iterator[tuple[int, np.ndarray]]:
     """Yield ``(first_row, [n, D] float32)`` blocks of one layer from row ``start`` on."""
-    for path, first, size in zip(store.paths, store.first_ids, store.sizes, strict=True):
-        if first + size <= start:
-            continue
-        with h5py.File(path, "r") as f:
-            ds = f["grads"][layer]
-            for s in range(max(0, start - first), size, block):
-                e = min(s + block, size)
-                yield first + s, ds[s:e]
+    for ids, grads in store.iter_blocks([layer], block, start):
+        yield int(ids[0]), grads[layer]
 
 
 class _Plain:
