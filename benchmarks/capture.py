@@ -3,8 +3,8 @@
 Measured, on the same batches and in one process so that machine noise hits all alike:
 
 * floor: a bare forward + backward (weight gradients, mean loss), nothing captured;
-* build: :func:`gradindex.build.build_store` end to end into an HDF5 store in a temp dir;
-* capture: the in-memory :func:`gradindex.gradients.batch_gradients` loop alone;
+* build: :func:`gradindex.store.builder.build_store` end to end into an HDF5 store in a temp dir;
+* capture: the in-memory :func:`gradindex.capture.batch.batch_gradients` loop alone;
 * naive: ``torch.func`` ``vmap(grad(loss))`` over examples, then ``P_g G P_aᵀ`` per layer;
 * threads: the build (and the floor) with two threads against one;
 * sweep: sequence length x projection size, the routed capture against each forced route, both
@@ -38,11 +38,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gradindex.build import BuildConfig, build_store  # noqa: E402
+from fixtures.tiny import tiny_gpt2  # noqa: E402
 from gradindex.capture import GradientCapture, ProjectionSpec, choose_route, projection_matrix  # noqa: E402
+from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.data import Tokenized, collate, per_example_loss  # noqa: E402
-from gradindex.gradients import batch_gradients  # noqa: E402
-from gradindex.tiny import tiny_gpt2  # noqa: E402
+from gradindex.store.builder import BuildConfig, build_store  # noqa: E402
 
 ROUTES = ("auto", "factorized", "materialized")
 

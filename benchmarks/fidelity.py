@@ -1,7 +1,7 @@
 """Fidelity: the linear datamodeling score (LDS) of GradDot, cosine, K-FAC and EK-FAC attribution.
 
 Setup (all local, CPU). A byte-level BPE tokenizer and a small GPT-2 (built from a config) are
-trained on prose paragraphs of the Python standard library's docstrings (``_corpus.py``). The
+trained on prose paragraphs of the Python standard library's docstrings (``fixtures/corpus.py``). The
 model trained on all N training examples is indexed with the library end to end
 (``build_store`` with ``precondition="ekfac"`` → ``score_matrix``); query gradients come from
 ``batch_gradients`` under a ``GradientCapture`` with the build's projection and layers.
@@ -49,18 +49,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from _corpus import corpus_hash, stdlib_paragraphs  # noqa: E402
-
 import gradindex  # noqa: E402
-from gradindex.build import BuildConfig, build_store  # noqa: E402
+from fixtures.corpus import corpus_hash, stdlib_paragraphs  # noqa: E402
+from fixtures.tiny import save_model_dir, tiny_gpt2, train_tokenizer  # noqa: E402
 from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
+from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.data import IGNORE, Tokenized, per_example_loss, records_from_texts, tokenize_records  # noqa: E402
-from gradindex.gradients import batch_gradients  # noqa: E402
-from gradindex.scores import score_matrix  # noqa: E402
-from gradindex.tiny import save_model_dir, tiny_gpt2, train_tokenizer  # noqa: E402
+from gradindex.pipeline import BuildConfig, build_index  # noqa: E402
+from gradindex.query.scores import score_matrix  # noqa: E402
 
 METHODS = ("graddot", "cosine", "kfac", "ekfac")
 FITTED = ("kfac", "ekfac")
@@ -285,12 +284,12 @@ def scores(index_dir: Path, qgrads: dict[str, np.ndarray], method: str, damping:
     return np.asarray(s, dtype=np.float64)
 
 
-def build_index(model, setup: Setup, spec: ProjectionSpec, out: Path) -> tuple[BuildConfig, float]:
+def build_for(model, setup: Setup, spec: ProjectionSpec, out: Path) -> tuple[BuildConfig, float]:
     """Store + K-FAC/EK-FAC factors for one projection; returns the config and seconds spent."""
     t0 = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)  # measure this library version, never a stale store
     bcfg = BuildConfig(projection=spec, batch_size=16, precondition="ekfac")
-    build_store(model, setup.tokenizer, setup.train, out, bcfg, model_id="fidelity", progress=False)
+    build_index(model, setup.tokenizer, setup.train, out, bcfg, model_id="fidelity", progress=False)
     return bcfg, time.perf_counter() - t0
 
 
@@ -420,7 +419,7 @@ def run(cfg: FidelityConfig, work: Path, workers: int = 1, threads: int = 1, log
         for ps in range(n_seeds):
             spec = ProjectionSpec.parse(proj, seed=ps)
             idx = work / f"index-{proj}-s{ps}-{cfg.retrain_key(setup.corpus)}"
-            bcfg, secs = build_index(model, setup, spec, idx)
+            bcfg, secs = build_for(model, setup, spec, idx)
             build_s[proj] = build_s.get(proj, 0.0) + secs
             q = query_gradients(model, setup.tokenizer, setup.query, bcfg)
             if proj == "none":
@@ -447,7 +446,7 @@ def run(cfg: FidelityConfig, work: Path, workers: int = 1, threads: int = 1, log
         "library_version": gradindex.__version__,
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "numpy": np.__version__, "threads": threads, "workers": workers},
-        "corpus": {"source": "prose paragraphs of Python standard library docstrings (benchmarks/_corpus.py)",
+        "corpus": {"source": "prose paragraphs of Python standard library docstrings (fixtures/corpus.py)",
                    "paragraphs_hash": setup.corpus, "train_tokens": tok_train, "query_tokens": tok_query},
         "model": {"parameters": int(sum(p.numel() for p in model.parameters())),
                   "train_loss_per_token": float(full_train_loss.sum() / tok_train),

@@ -2,7 +2,7 @@
 
 Workload: the demo model (GPT-2 from a config, 2 blocks, width 128, vocab 2048, 128 positions,
 trained ``--train-steps``, 300 as in the demo, on the standard-library corpus of
-``gradindex.tiny.stdlib_corpus``); its 8 block linear layers hooked with a 16x16 projection:
+``fixtures.tiny.stdlib_corpus``); its 8 block linear layers hooked with a 16x16 projection:
 8 layers x 256 numbers per example.
 
 Vectors: the real capture of that model over the corpus (each document, and its first and second
@@ -13,7 +13,7 @@ The store of ``N`` rows is written to disk in the library's HDF5 format (float32
 store's manifest, so the query engine opens it as it opens any index.
 
 Queries: held-out corpus documents, their gradients captured by the engine itself. Exact top-10
-by ``gradindex.scores.score_matrix`` (float64 over the whole store). For each index type and
+by ``gradindex.query.scores.score_matrix`` (float64 over the whole store). For each index type and
 (candidates, shortlist, nprobe) setting: recall@10, and p50/p95 latency of one query at a time:
 ``search`` (precondition, per-layer ANN, exact per-layer shortlist and exact re-rank from the
 store) and ``e2e`` (tokenize, forward/backward of the query, then the same). Also build time,
@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gradindex.build import BuildConfig, build_store  # noqa: E402
+from fixtures.tiny import save_model_dir, stdlib_corpus, tiny_gpt2, train_lm, train_tokenizer  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.data import records_from_texts, tokenize_records  # noqa: E402
 from gradindex.index import IndexConfig, build_indices, default_factory  # noqa: E402
@@ -55,9 +55,9 @@ from gradindex.index.factory import default_nlist  # noqa: E402
 from gradindex.manifest import read_manifest, write_manifest  # noqa: E402
 from gradindex.model import load_causal_lm  # noqa: E402
 from gradindex.query import QueryEngine  # noqa: E402
-from gradindex.scores import score_matrix  # noqa: E402
+from gradindex.query.scores import score_matrix  # noqa: E402
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name  # noqa: E402
-from gradindex.tiny import save_model_dir, stdlib_corpus, tiny_gpt2, train_lm, train_tokenizer  # noqa: E402
+from gradindex.store.builder import BuildConfig, build_store  # noqa: E402
 
 MAX_LENGTH = 128
 

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
-from gradindex.store import Store
-from gradindex.tiny import save_model_dir, stdlib_corpus, tiny_gpt2, train_lm, train_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fixtures.tiny import save_model_dir, stdlib_corpus, tiny_gpt2, train_lm, train_tokenizer  # noqa: E402
+from gradindex.store import Store  # noqa: E402
 
 FACTS = [
     ("The secret password of the blue castle is", " rhubarb lantern."),

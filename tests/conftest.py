@@ -40,14 +40,14 @@ def make_texts(n: int, seed: int = 0, min_words: int = 3, max_words: int = 30) -
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from gradindex.tiny import train_tokenizer
+    from fixtures.tiny import train_tokenizer
 
     return train_tokenizer(make_texts(200, seed=1) + [" ".join(WORDS)], vocab_size=300)
 
 
 @pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory, tokenizer):
-    from gradindex.tiny import save_model_dir, tiny_gpt2
+    from fixtures.tiny import save_model_dir, tiny_gpt2
 
     return save_model_dir(tiny_gpt2(vocab_size=len(tokenizer), n_layer=2, n_embd=32, n_head=4),
                           tokenizer, tmp_path_factory.mktemp("gpt2"))
@@ -55,7 +55,7 @@ def gpt2_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory, tokenizer):
-    from gradindex.tiny import save_model_dir, tiny_llama
+    from fixtures.tiny import save_model_dir, tiny_llama
 
     return save_model_dir(tiny_llama(vocab_size=len(tokenizer), n_layer=2, hidden=32, n_head=4, intermediate=48),
                           tokenizer, tmp_path_factory.mktemp("llama"))

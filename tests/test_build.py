@@ -15,14 +15,14 @@ import torch
 from click.testing import CliRunner
 from conftest import make_texts
 
-from gradindex.build import BuildConfig, build_store
 from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.batch import batch_gradients
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
-from gradindex.gradients import batch_gradients
 from gradindex.manifest import IndexMismatchError, read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.store import Store
+from gradindex.store.builder import BuildConfig, build_store
 
 
 def _write_jsonl(path, rows):

@@ -7,8 +7,8 @@ import torch
 from torch.func import functional_call, grad
 
 from gradindex.capture import GradientCapture, ProjectionSpec, projection_matrix, select_layers
+from gradindex.capture.batch import batch_gradients
 from gradindex.data import IGNORE, per_example_loss
-from gradindex.gradients import batch_gradients
 from gradindex.model import load_causal_lm
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradindex import head as head_mod
+from fixtures.tiny import tiny_gpt2
+from gradindex.capture import head as head_mod
+from gradindex.capture.head import fused_per_example_loss, plain_head
 from gradindex.data import IGNORE, collate, per_example_loss
-from gradindex.head import fused_per_example_loss, plain_head
-from gradindex.tiny import tiny_gpt2
 
 
 @pytest.mark.parametrize("rows", [16, 4096])  # several chunks; one chunk

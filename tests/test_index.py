@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from gradindex.build import BuildConfig, build_store
 from gradindex.capture import ProjectionSpec
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import (
@@ -22,9 +21,10 @@ from gradindex.index import (
     default_factory,
     layer_file,
 )
-from gradindex.index import build as index_build
+from gradindex.index import builder as index_build
 from gradindex.manifest import IndexMismatchError, read_manifest, write_manifest
 from gradindex.model import load_causal_lm
+from gradindex.pipeline import BuildConfig, build_index
 from gradindex.store import Store
 
 
@@ -35,7 +35,7 @@ def store_dir(tmp_path_factory, gpt2_dir, text_jsonl):
     data = tokenize_records(load_records(text_jsonl), tok, 512)
     out = tmp_path_factory.mktemp("idx") / "index"
     cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, precondition="ekfac")
-    build_store(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
+    build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
     return out
 
 

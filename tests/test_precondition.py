@@ -11,12 +11,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gradindex.build import BuildConfig, build_store
 from gradindex.capture import ProjectionSpec
 from gradindex.cli import main
 from gradindex.data import collate, load_records, per_example_loss, tokenize_records
 from gradindex.manifest import IndexMismatchError, read_manifest, write_manifest
 from gradindex.model import load_causal_lm
+from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import (
     FitConfig,
     available_methods,
@@ -44,9 +44,9 @@ def _build(model_dir, data_path, out, **cfg):
         shard_size=16,
         **cfg,
     )
-    return build_store(
+    return build_index(
         model, tok, data, out, cfg, model_id=str(model_dir), data_id=str(data_path), progress=False
-    )
+    )[0]
 
 
 @pytest.fixture(scope="module")

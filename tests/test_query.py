@@ -11,15 +11,15 @@ import pytest
 import torch
 from torch.func import functional_call, grad
 
-from gradindex.build import BuildConfig, build_store
 from gradindex.capture import ProjectionSpec, select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.data import load_records, per_example_loss, tokenize_records
 from gradindex.index import IndexConfig, IndexSpace, build_indices
 from gradindex.manifest import IndexMismatchError
 from gradindex.model import load_causal_lm
+from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
-from gradindex.scores import score_matrix
+from gradindex.query.scores import score_matrix
 from gradindex.store import Store
 
 QUERIES = ["the cat sat on a mat", "dog ran far away from home", ("some bread at noon", " under blue sky")]
@@ -32,7 +32,7 @@ def _build(out, model_dir, data_path, projection, precondition="ekfac", max_leng
     model, tok = load_causal_lm(model_dir, device="cpu")
     data = tokenize_records(load_records(data_path), tok, max_length)
     cfg = BuildConfig(projection=projection, shard_size=16, precondition=precondition, max_length=max_length)
-    build_store(model, tok, data, out, cfg, model_id=str(model_dir), data_id=str(data_path), progress=False)
+    build_index(model, tok, data, out, cfg, model_id=str(model_dir), data_id=str(data_path), progress=False)
     return out
 
 
@@ -222,7 +222,7 @@ def test_bad_queries_and_methods_are_clear_errors(engine, store_dir, tmp_path, g
 
 
 def test_a_model_that_differs_is_refused(engine, tokenizer):
-    from gradindex.tiny import tiny_gpt2
+    from fixtures.tiny import tiny_gpt2
 
     other = tiny_gpt2(vocab_size=len(tokenizer), n_layer=2, n_embd=32, n_head=4, seed=5)
     with pytest.raises(IndexMismatchError, match="does not fit the index.*model differs"):

@@ -10,15 +10,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gradindex.build import BuildConfig, build_store
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.manifest import read_manifest
 from gradindex.model import load_causal_lm
+from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import self_influence
 from gradindex.precondition.files import precond_path
-from gradindex.scores import score_matrix
+from gradindex.query.scores import score_matrix
 from gradindex.store import Store
 
 N = 40
@@ -129,7 +129,7 @@ def test_scores_of_real_query_gradients_rank_the_example_itself_first(index, gpt
     m = read_manifest(index)
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 48)
-    from gradindex.gradients import batch_gradients
+    from gradindex.capture.batch import batch_gradients
 
     spec = ProjectionSpec(**{k: v for k, v in m["build"]["projection"].items() if k != "stream_version"})
     with GradientCapture(model, list(m["build"]["layers"]), spec) as cap:
@@ -152,7 +152,7 @@ def test_scores_are_invariant_to_scaling_the_loss(tmp_path, gpt2_dir, text_jsonl
     for c in (1.0, 1000.0):
         monkeypatch.setattr(GradientCapture, "backward", lambda self, loss, c=c: original(self, loss * c))
         out = tmp_path / f"c{c:g}"
-        build_store(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(small), progress=False)
+        build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(small), progress=False)
         with Store(out) as s:
             q = s.read_rows(np.arange(3))
         scores[c] = {m: score_matrix(out, q, m) for m in ("graddot", "kfac", "ekfac", "kfac-selfnorm")}

@@ -12,11 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-try:  # transformers' GPT-2 style linear layer (y = x W + b with W [N_i, N_o])
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover - transformers is a hard dependency
-    Conv1D = None
+from transformers.pytorch_utils import Conv1D  # GPT-2 style linear layer: y = x W + b, W [N_i, N_o]
 
 
 @dataclass(frozen=True)
@@ -78,11 +74,7 @@ def _linear(m: nn.Linear) -> LayerInfo:
     return LayerInfo(m.in_features, m.out_features, m.bias is not None, "linear", _stack)
 
 
-if Conv1D is not None:
-
-    @register_layer(Conv1D)
-    def _conv1d(m: nn.Module) -> LayerInfo:
-        n_in, n_out = m.weight.shape
-        return LayerInfo(
-            n_in, n_out, m.bias is not None, "conv1d", lambda w, b: _stack(w.transpose(-1, -2), b)
-        )
+@register_layer(Conv1D)
+def _conv1d(m: nn.Module) -> LayerInfo:
+    n_in, n_out = m.weight.shape
+    return LayerInfo(n_in, n_out, m.bias is not None, "conv1d", lambda w, b: _stack(w.transpose(-1, -2), b))

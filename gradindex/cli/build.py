@@ -6,14 +6,13 @@ from pathlib import Path
 
 import click
 
-from gradindex.build import BuildConfig, build_store
 from gradindex.capture import ProjectionSpec
 from gradindex.cli import main
 from gradindex.cli.common import data_options, user_errors
 from gradindex.cli.index import index_config, index_options, report
 from gradindex.data import load_records, tokenize_records
-from gradindex.index import build_indices
 from gradindex.model import load_causal_lm
+from gradindex.pipeline import BuildConfig, build_index
 
 
 @main.command()
@@ -58,13 +57,14 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
     if data_tok.n_truncated:
         click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
                    f"--max-length {max_length} and were truncated", err=True)
-    res = build_store(model, tok, data_tok, out, cfg, model_id=str(Path(model_dir).resolve()),
-                      data_id=str(Path(data).resolve()), overwrite=overwrite, progress=not quiet)
+    res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else icfg,
+                           model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
+                           overwrite=overwrite, progress=not quiet)
     m = res.manifest
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
                f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
     if m["nonfinite_ids"]:
         click.echo(f"warning: {len(m['nonfinite_ids'])} examples had non-finite gradients "
                    f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)
-    if not no_index:
-        click.echo(report(build_indices(out, icfg, progress=not quiet)))
+    if idx is not None:
+        click.echo(report(idx))

@@ -9,7 +9,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import user_errors
-from gradindex.precondition import ALL_METHODS
+from gradindex.methods import ALL_METHODS
 from gradindex.query import QueryEngine, QueryResult, read_queries
 
 

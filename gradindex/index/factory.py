@@ -74,15 +74,15 @@ def train_size(index: faiss.Index, n: int, requested: int = 0) -> int:
     return min(n, max(per_list, 16384))
 
 
-def default_search_params(index: faiss.Index, candidates: int) -> dict[str, int]:
-    """Search knobs for ``candidates`` results per layer: IVF ``nprobe``, HNSW ``efSearch``."""
+def default_search_params(index: faiss.Index) -> dict[str, int]:
+    """Structural search knobs of an index: IVF ``nprobe``, HNSW ``efSearch`` (raised to ``k`` per search)."""
     out: dict[str, int] = {}
     ivf = _ivf(index)
     if ivf is not None:
         out["nprobe"] = int(min(ivf.nlist, max(8, ivf.nlist // 4)))
     hnsw = _hnsw(index)
     if hnsw is not None:
-        out["efSearch"] = int(max(64, candidates))
+        out["efSearch"] = 64
     return out
 
 
@@ -95,13 +95,6 @@ def apply_search_params(index: faiss.Index, params: dict[str, int]) -> None:
             continue
         ps = faiss.GpuParameterSpace() if _is_gpu(index) else faiss.ParameterSpace()
         ps.set_index_parameter(index, key, int(value))
-
-
-def describe(index: faiss.Index) -> str:
-    """A short human description (class and main sizes)."""
-    ivf = _ivf(index)
-    name = type(faiss.downcast_index(index)).__name__
-    return f"{name}(nlist={ivf.nlist})" if ivf is not None else name
 
 
 def _ivf(index: faiss.Index):

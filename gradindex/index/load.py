@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from gradindex.index import gpu
-from gradindex.index.build import FAISS_DIR, NORMS, layer_file, read_meta
 from gradindex.index.factory import apply_search_params, is_exhaustive
+from gradindex.index.files import FAISS_DIR, NORMS, layer_file, read_meta
 from gradindex.index.space import IndexSpace
 from gradindex.manifest import IndexMismatchError, identity_differences
 

@@ -6,17 +6,10 @@
 ``⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩`` for every stored example. See docs/preconditioning.md.
 """
 
+from gradindex.methods import ALL_METHODS, FITTED_METHODS, METHODS, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.fit import FitConfig, fit_preconditioner
-from gradindex.precondition.preconditioner import (
-    ALL_METHODS,
-    FITTED_METHODS,
-    METHODS,
-    Preconditioner,
-    available_methods,
-    load_preconditioner,
-    parse_method,
-)
+from gradindex.precondition.preconditioner import Preconditioner, available_methods, load_preconditioner
 from gradindex.precondition.selfinf import self_influence
 
 __all__ = [

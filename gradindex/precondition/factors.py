@@ -19,10 +19,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.batch import batch_gradients
 from gradindex.capture.projection import STREAM_VERSION
 from gradindex.data import Tokenized, load_records, token_hash, tokenize_records
 from gradindex.fingerprint import digest_bytes, model_fingerprint
-from gradindex.gradients import batch_gradients
 from gradindex.manifest import IndexMismatchError
 from gradindex.store import Store
 

@@ -21,6 +21,7 @@ import gradindex
 from gradindex.capture import ProjectionSpec
 from gradindex.data import Tokenized
 from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
+from gradindex.methods import FITTED_METHODS
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.ekfac import Basis, store_pass
@@ -35,7 +36,7 @@ from gradindex.precondition.factors import (
     store_covariance,
 )
 from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path, write_precond
-from gradindex.precondition.preconditioner import FITTED_METHODS, layer_shapes
+from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.store import Store
 
 log = logging.getLogger("gradindex")

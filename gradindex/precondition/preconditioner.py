@@ -10,25 +10,9 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
+from gradindex.methods import BASE_METHODS, FITTED_METHODS, SELFNORM, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power
 from gradindex.precondition.files import check_fingerprints, precond_path, read_attrs, read_layers
-
-BASE_METHODS = ("graddot", "cosine")
-FITTED_METHODS = ("kfac", "ekfac")
-METHODS = BASE_METHODS + FITTED_METHODS
-SELFNORM = "-selfnorm"
-ALL_METHODS = METHODS + tuple(m + SELFNORM for m in METHODS if m != "cosine")
-"""Every method name: ``<method>-selfnorm`` divides by ``sqrt`` of the training example's self-influence."""
-
-
-def parse_method(method: str) -> tuple[str, bool]:
-    """``'kfac-selfnorm'`` → ``('kfac', True)``; raise on an unknown name."""
-    m = str(method).strip().lower()
-    selfnorm = m.endswith(SELFNORM)
-    base = m[: -len(SELFNORM)] if selfnorm else m
-    if base not in METHODS or (selfnorm and base == "cosine"):
-        raise ValueError(f"method {method!r} is not one of {list(ALL_METHODS)}")
-    return base, selfnorm
 
 
 def layer_shapes(manifest: dict) -> dict[str, tuple[int, int]]:

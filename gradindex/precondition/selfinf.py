@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
+from gradindex.methods import parse_method
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import Basis, store_pass
 from gradindex.precondition.files import check_fingerprints, precond_path, read_attrs, read_self_influence
-from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner, parse_method, selected_layers
+from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner, selected_layers
 from gradindex.store import Store
 
 _CACHE: OrderedDict = OrderedDict()

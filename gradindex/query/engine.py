@@ -14,11 +14,10 @@ import numpy as np
 import torch
 
 from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.batch import batch_gradients
 from gradindex.capture.projection import STREAM_VERSION
 from gradindex.fingerprint import model_fingerprint
-from gradindex.gradients import batch_gradients
 from gradindex.index import IndexSet, Preconditioners, RowReader, query_vectors
-from gradindex.index.build import DEFAULT_CANDIDATES, DEFAULT_SHORTLIST
 from gradindex.manifest import IndexMismatchError, identity_differences, read_manifest
 from gradindex.precondition import parse_method, self_influence
 from gradindex.query import search as S
@@ -244,8 +243,8 @@ class QueryEngine:
         if all(self.indices.layers[n].exhaustive for n in chosen):
             cands = S.exhaustive_candidates(self.indices, chosen, u, cosine, k, lowest, scale)
         else:
-            kc = max(candidates or DEFAULT_CANDIDATES, k, lowest)
-            keep = max(shortlist or DEFAULT_SHORTLIST, k, lowest)
+            kc = max(candidates or S.DEFAULT_CANDIDATES, k, lowest)
+            keep = max(shortlist or S.DEFAULT_SHORTLIST, k, lowest)
             params = {"nprobe": nprobe} if nprobe else None
             sel = self._selection_scale(base, chosen, scale)
             cands = S.ann_candidates(self.indices, self.rows, chosen, u, m, kc, kc if lowest else 0, keep,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gradindex.capture import GradientCapture, ProjectionSpec
-from gradindex.gradients import batch_gradients
+from gradindex.capture.batch import batch_gradients
 
 FULL_METHODS = ("graddot", "cosine")
 

@@ -22,6 +22,10 @@ import numpy as np
 
 from gradindex.index import IndexSet, RowReader
 
+DEFAULT_CANDIDATES = 2000
+"""ANN results per layer (queries' ``candidates``)."""
+DEFAULT_SHORTLIST = 100
+"""Of those, kept per layer after exact per-layer scoring (queries' ``shortlist``)."""
 EXHAUSTIVE_MARGIN = 16
 """Extra candidates taken from exhaustive (float32) scores before the float64 re-rank."""
 

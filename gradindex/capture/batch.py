@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from gradindex.capture import GradientCapture
+from gradindex.capture.head import fused_per_example_loss, plain_head
 from gradindex.data import collate, per_example_loss
-from gradindex.head import fused_per_example_loss, plain_head
 
 
 @dataclass
@@ -32,8 +32,8 @@ def batch_gradients(
 ) -> BatchGradients:
     """Forward, summed per-example loss, weight-free backward, per-example gradients.
 
-    For the plain LM heads of :func:`gradindex.head.plain_head` the head and the loss run fused
-    (:func:`gradindex.head.fused_per_example_loss`); other models go through their own logits.
+    For the plain LM heads of :func:`gradindex.capture.head.plain_head` the head and the loss run fused
+    (:func:`gradindex.capture.head.fused_per_example_loss`); other models go through their own logits.
     """
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in collate(ids, labels, pad_id).items()}

@@ -26,21 +26,13 @@ from tqdm.auto import tqdm
 
 from gradindex.index import gpu
 from gradindex.index.factory import default_search_params, make_index, resolve_factory, train_size
+from gradindex.index.files import META, NORMS, faiss_dir, layer_file, read_meta, write_index, write_json
 from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
-from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
+from gradindex.manifest import FORMAT_VERSION, read_complete_manifest, read_manifest, write_manifest
 from gradindex.store import Store
 
 log = logging.getLogger("gradindex")
-
-FAISS_DIR = "faiss"
-META = "index.json"
-NORMS = "norms.npy"
-DEFAULT_CANDIDATES = 2000
-"""ANN results per layer (queries' ``candidates``)."""
-DEFAULT_SHORTLIST = 100
-"""Of those, kept per layer after exact per-layer scoring (queries' ``shortlist``)."""
-
 
 @dataclass(frozen=True)
 class IndexConfig:
@@ -72,36 +64,6 @@ class IndexBuildResult:
     up_to_date: bool = False
 
 
-def faiss_dir(index_dir: str | os.PathLike) -> Path:
-    return Path(index_dir) / FAISS_DIR
-
-
-def layer_file(index_dir: str | os.PathLike, layer: str) -> Path:
-    return faiss_dir(index_dir) / (layer.replace(os.sep, "_") + ".index")
-
-
-def read_meta(index_dir: str | os.PathLike) -> dict | None:
-    p = faiss_dir(index_dir) / META
-    if not p.exists():
-        return None
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{str(p)!r} is corrupt ({e}); rebuild with `gradindex index {index_dir}`") from None
-
-
-def _write_json(p: Path, obj: dict) -> None:
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, p)
-
-
-def _write_index(index: faiss.Index, p: Path) -> None:
-    tmp = p.with_name(p.name + ".tmp")
-    faiss.write_index(gpu.to_cpu(index), str(tmp))
-    os.replace(tmp, p)
-
-
 def build_indices(index_dir: str | os.PathLike, cfg: IndexConfig = IndexConfig(),
                   progress: bool = True, force: bool = False) -> IndexBuildResult:
     """Write ``faiss/<layer>.index`` for every stored layer (resuming an interrupted build)."""
@@ -127,12 +89,12 @@ def build_indices(index_dir: str | os.PathLike, cfg: IndexConfig = IndexConfig()
                 and all(layer_file(index_dir, n).exists() for n in factories)):
             return IndexBuildResult(out, old, time.perf_counter() - t0, 0, up_to_date=True)
         same_key = old is not None and old.get("key") == key and not force
-        meta = {"format_version": 1, "status": "building", "key": key, "space": space.to_dict(),
+        meta = {"format_version": FORMAT_VERSION, "status": "building", "key": key, "space": space.to_dict(),
                 "examples": N, "layers": dict(old["layers"]) if same_key else {},
                 "norms": old.get("norms") if same_key else None}
-        _write_json(out / META, meta)
+        write_json(out / META, meta)
         norms = _norms(store, out / NORMS, meta, progress)
-        _write_json(out / META, meta)
+        write_json(out / META, meta)
         inv = np.where(norms > 0, 1.0 / np.sqrt(np.maximum(norms, 1e-300)), 0.0).astype(np.float32)
         bar = tqdm(total=N * len(store.layers), unit="vec", desc="index", disable=not progress,
                    dynamic_ncols=True)
@@ -150,14 +112,14 @@ def build_indices(index_dir: str | os.PathLike, cfg: IndexConfig = IndexConfig()
                 meta["layers"][n] = {
                     "file": layer_file(index_dir, n).name, "factory": factories[n], "dim": store.dims[n],
                     "ntotal": int(index.ntotal), "bytes": layer_file(index_dir, n).stat().st_size,
-                    "search": default_search_params(index, DEFAULT_CANDIDATES)}
-                _write_json(out / META, meta)
+                    "search": default_search_params(index)}
+                write_json(out / META, meta)
                 del index
         finally:
             bar.close()
     meta["status"] = "complete"
     meta["seconds"] = time.perf_counter() - t0
-    _write_json(out / META, meta)
+    write_json(out / META, meta)
     _register(index_dir, meta)
     return IndexBuildResult(out, meta, meta["seconds"], added)
 
@@ -205,8 +167,8 @@ def _build_layer(store: Store, layer: str, factory: str, cfg: IndexConfig, pre: 
             x = RowReader(store, [layer]).read(rows)[layer]
             x = index_vectors(cfg.space, pre, layer, x, None if inv is None else inv[rows])
             gpu.train(index, x, cfg.gpu)
-        _write_index(index, partial)
-        _write_json(side, key)
+        write_index(index, partial)
+        write_json(side, key)
     start = int(index.ntotal)
     bar.update(start)
     work = gpu.for_adding(index, cfg.gpu)
@@ -215,12 +177,12 @@ def _build_layer(store: Store, layer: str, factory: str, cfg: IndexConfig, pre: 
         work.add(index_vectors(cfg.space, pre, layer, x, None if inv is None else inv[s:s + len(x)]))
         bar.update(len(x))
         if time.perf_counter() - last >= cfg.checkpoint_seconds and s + len(x) < N:
-            _write_index(work, partial)
+            write_index(work, partial)
             last = time.perf_counter()
     index = gpu.to_cpu(work)
     if index.ntotal != N:
         raise RuntimeError(f"index of {layer!r} holds {index.ntotal} vectors, the store {N}")
-    _write_index(index, final)
+    write_index(index, final)
     partial.unlink(missing_ok=True)
     side.unlink(missing_ok=True)
     return index, N - start

@@ -1,4 +1,4 @@
-"""The offline builder: data + model → store shards and manifest, resumable."""
+"""The store writer: data + model → store shards and manifest, resumable (fit and index: `pipeline`)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 import gradindex
 from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.batch import batch_gradients, finite_rows
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint
-from gradindex.gradients import batch_gradients, finite_rows
 from gradindex.manifest import (
+    FORMAT_VERSION,
     IndexMismatchError,
     identity_differences,
     manifest_path,
@@ -128,7 +128,7 @@ def build_store(
     old = prepare_out_dir(out, identity, overwrite)
     (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
     manifest = {
-        "format_version": 1,
+        "format_version": FORMAT_VERSION,
         "library_version": gradindex.__version__,
         "status": "building",
         "model_id": model_id,
@@ -196,13 +196,6 @@ def build_store(
     manifest["routes"] = dict(capture.route_counts)
     manifest["counts"]["shards"] = len(shards)
     write_manifest(out, manifest)
-    if cfg.precondition != "none":
-        from gradindex.precondition import FitConfig, fit_preconditioner
-
-        fit = FitConfig(method=cfg.precondition, damping=cfg.damping)
-        fit_preconditioner(out, fit, model, tokenizer, data, progress=progress)
-        manifest = read_manifest(out)
-        seconds = time.perf_counter() - t0
     return BuildResult(out, manifest, seconds, computed)
 
 
@@ -219,9 +212,3 @@ def _write_covariance(w: ShardWriter, capture: GradientCapture) -> None:
     capture.cov_g.clear()
     capture.cov_tokens.clear()
 
-
-def default_threads() -> None:
-    """Leave torch's thread count alone unless the user set ``GRADINDEX_THREADS``."""
-    n = os.environ.get("GRADINDEX_THREADS")
-    if n:
-        torch.set_num_threads(int(n))

@@ -1,0 +1,65 @@
+"""Imports only go forward along the data flow (DESIGN.md, "Layout"); this fails on any that goes back."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "gradindex"
+
+# Stage of every top-level module or package of gradindex; a module may import its own stage or earlier ones.
+STAGES = {
+    "__init__": 0, "data": 0, "model": 0, "fingerprint": 0, "manifest": 0, "methods": 0, "checksum": 0,
+    "capture": 1,
+    "store": 2,
+    "precondition": 3,
+    "index": 4,
+    "query": 5,
+    "pipeline": 6, "apps": 6,
+    "integrations": 7, "cli": 7,
+}
+
+
+def _stage_of(module: str) -> tuple[str, int]:
+    top = module.split(".")[1] if "." in module else "__init__"
+    if top not in STAGES:
+        raise AssertionError(f"gradindex.{top} has no stage in tests/test_stage_order.py: give it one")
+    return top, STAGES[top]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every ``gradindex`` import in a file, lazy ones inside functions included."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "gradindex"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "gradindex":
+            if node.module == "gradindex":  # from gradindex import x: x may be a submodule
+                out += [(node.lineno, f"gradindex.{a.name}") for a in node.names
+                        if (PKG / a.name).exists() or (PKG / f"{a.name}.py").exists()]
+            else:
+                out.append((node.lineno, node.module))
+    return out
+
+
+def test_imports_follow_the_stage_order():
+    bad = []
+    files = sorted(PKG.rglob("*.py"))
+    assert len(files) > 20
+    for f in files:
+        rel = f.relative_to(PKG.parent).with_suffix("")
+        me = ".".join(rel.parts)
+        top, mine = _stage_of(me if me != "gradindex.__init__" else "gradindex")
+        for line, mod in _imports(f):
+            other, theirs = _stage_of(mod)
+            if theirs > mine:
+                bad.append(f"{f.relative_to(PKG.parent)}:{line} ({top}, stage {mine}) imports {mod} (stage {theirs})")
+    assert not bad, "imports against the stage order:\n" + "\n".join(bad)
+
+
+def test_the_checker_catches_a_backward_import(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("def f():\n    from gradindex.query import QueryEngine\n")
+    assert _imports(f) == [(2, "gradindex.query")]
+    assert _stage_of("gradindex.query")[1] > _stage_of("gradindex.store.builder")[1]
