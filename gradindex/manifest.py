@@ -13,7 +13,9 @@ FORMAT_VERSION = 1
 # Keys of the manifest's "build" section that must match for a resume or a query to be valid,
 # with the words used when they differ.
 IDENTITY_KEYS = {
+    "dtype": "model dtype",
     "model_fingerprint": "model",
+    "storage": "storage",
     "data_fingerprint": "data set",
     "layers": "layer set",
     "projection": "projection",

@@ -13,6 +13,7 @@ from gradindex.cli.index import index_config, index_options, report
 from gradindex.data import load_records, tokenize_records
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
+from gradindex.store.codes import STORAGES
 
 
 @main.command()
@@ -28,6 +29,8 @@ from gradindex.pipeline import BuildConfig, build_index
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--route", default="auto", show_default=True, type=click.Choice(["auto", "factorized", "materialized"]))
+@click.option("--storage", default="fp32", show_default=True, type=click.Choice(list(STORAGES)),
+              help="Row codes on disk: float32, float16, or int8/int4 with a per-row scale (2x/4x/8x smaller).")
 @click.option("--shard-size", default=4096, show_default=True, type=int, help="Examples per store file.")
 @click.option("--overwrite", is_flag=True, help="Replace an index built with other settings in --out.")
 @click.option("--precondition", default="none", show_default=True,
@@ -40,14 +43,14 @@ from gradindex.pipeline import BuildConfig, build_index
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def build(model_dir, data, out, projection, projection_kind, seed, layers, text_field, max_length,
-          batch_size, dtype, device, route, shard_size, overwrite, precondition, damping, index_type, whiten,
+          batch_size, dtype, device, route, storage, shard_size, overwrite, precondition, damping, index_type, whiten,
           normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     spec = ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
-                      route=route, shard_size=shard_size,
+                      route=route, shard_size=shard_size, storage=storage,
                       precondition=precondition, damping=damping)
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):

@@ -1,10 +1,12 @@
 """Fast reads of store rows: contiguous blocks of one layer, and random rows for re-ranking.
 
-The store's per-layer datasets are chunked, uncompressed float32 (``gradindex/store.py``). An
-uncompressed chunk is a dense C-order ``[chunk_rows, D]`` array at a fixed file offset, so once
-the chunk table is read (``chunk_iter``), a random row is one memory-mapped slice: ~3 µs instead
-of the ~40 µs h5py's point selection costs. Reads are sorted by file offset. Datasets written
-any other way (filters, another dtype) fall back to :meth:`Store.read_rows`.
+The store's per-layer datasets are chunked, uncompressed codes (``gradindex/store/shards.py``:
+float32, float16, int8 or packed int4). An uncompressed chunk is a dense C-order
+``[chunk_rows, W]`` array at a fixed file offset, so once the chunk table is read
+(``chunk_iter``), a random row is one memory-mapped slice: ~3 µs instead of the ~40 µs h5py's
+point selection costs. Reads are sorted by file offset; integer codes are decoded with the rows'
+scales (held in memory, 4 bytes a row). Datasets written any other way (filters) fall back to
+:meth:`Store.read_rows`.
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from gradindex.store import Store
-
-_F32 = np.dtype("<f4")
+from gradindex.store.codes import code_dtype, decode, has_scale
 
 
 def iter_layer(store: Store, layer: str, start: int = 0,
@@ -31,7 +32,8 @@ class _Plain:
     """Chunk table of one uncompressed dataset: row → byte offset in its file."""
 
     def __init__(self, ds: h5py.Dataset):
-        self.rows_per_chunk, self.dim = ds.chunks[0], ds.shape[1]
+        self.rows_per_chunk, self.width = ds.chunks[0], ds.shape[1]
+        self.itemsize = ds.dtype.itemsize
         offsets: dict[int, int] = {}
         r = self.rows_per_chunk
         ds.id.chunk_iter(lambda ci: offsets.__setitem__(ci.chunk_offset[0] // r, ci.byte_offset))
@@ -41,13 +43,23 @@ class _Plain:
         self.offsets = np.array([offsets[i] for i in range(n_chunks)], dtype=np.int64)
 
     def byte_offsets(self, local: np.ndarray) -> np.ndarray:
-        return self.offsets[local // self.rows_per_chunk] + (local % self.rows_per_chunk) * (4 * self.dim)
+        return self.offsets[local // self.rows_per_chunk] + (local % self.rows_per_chunk) * (self.itemsize * self.width)
 
 
-def _plain(ds: h5py.Dataset) -> bool:
-    return (ds.dtype == _F32 and ds.chunks is not None and ds.chunks[1] == ds.shape[1]
+def _plain(ds: h5py.Dataset, storage: str) -> bool:
+    return (ds.dtype == code_dtype(storage) and ds.chunks is not None and ds.chunks[1] == ds.shape[1]
             and not ds.compression and not ds.shuffle and not ds.fletcher32 and ds.scaleoffset is None
             and hasattr(ds.id, "chunk_iter"))
+
+
+def _gather(mm: np.ndarray, off: np.ndarray, width: int, dtype: np.dtype) -> np.ndarray:
+    """``[len(off), width]`` rows of ``dtype`` starting at byte offsets ``off`` of a byte map."""
+    size = dtype.itemsize
+    if (off % size == 0).all():  # rows as windows of a typed view: one row-wise gather
+        flat = mm[: (mm.size // size) * size].view(dtype)
+        windows = as_strided(flat, shape=(flat.size - width + 1, width), strides=(size, size), writeable=False)
+        return windows[off // size]
+    return mm[off[:, None] + np.arange(size * width)].view(dtype).reshape(-1, width)
 
 
 class RowReader:
@@ -58,17 +70,20 @@ class RowReader:
         self.layers = list(layers or store.layers)
         self._tables: list[dict[str, _Plain]] | None = []
         self._maps: list[np.ndarray] = []
+        self._scales: list[dict[str, np.ndarray]] = []
+        storage = store.storage
         try:
             for path in store.paths:
                 with h5py.File(path, "r") as f:
                     g = f["grads"]
-                    if not all(_plain(g[n]) for n in self.layers):
+                    if not all(_plain(g[n], storage) for n in self.layers):
                         raise ValueError("not plain")
                     self._tables.append({n: _Plain(g[n]) for n in self.layers})
+                    self._scales.append({n: f["scales"][n][:] for n in self.layers} if has_scale(storage) else {})
                 mm = np.memmap(path, dtype=np.uint8, mode="r")
                 self._maps.append(mm)
         except (ValueError, OSError):
-            self._tables, self._maps = None, []
+            self._tables, self._maps, self._scales = None, [], []
 
     @property
     def direct(self) -> bool:
@@ -92,12 +107,7 @@ class RowReader:
                 tab = self._tables[k][n]
                 off = tab.byte_offsets(local)
                 order = np.argsort(off, kind="stable")
-                D = tab.dim
-                if (off % 4 == 0).all():  # rows as windows of a float view: one row-wise gather
-                    flat = mm[: (mm.size // 4) * 4].view(_F32)
-                    windows = as_strided(flat, shape=(flat.size - D + 1, D), strides=(4, 4), writeable=False)
-                    rows = windows[off[order] // 4]
-                else:
-                    rows = mm[off[order][:, None] + np.arange(4 * D)].view(_F32).reshape(-1, D)
-                out[n][sel[order]] = rows
+                rows = _gather(mm, off[order], tab.width, code_dtype(self.store.storage))
+                scales = self._scales[k][n][local[order]] if self._scales[k] else None
+                out[n][sel[order]] = decode(rows, scales, self.store.storage, self.store.dims[n])
         return out

@@ -27,6 +27,7 @@ from gradindex.manifest import (
     write_manifest,
 )
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
+from gradindex.store.codes import check_storage
 
 log = logging.getLogger("gradindex")
 
@@ -55,8 +56,11 @@ class BuildConfig:
     """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass)."""
     damping: float = 0.1
     """Relative damping of the self-influence written with ``precondition``."""
+    storage: str = "fp32"
+    """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`)."""
 
     def __post_init__(self) -> None:
+        check_storage(self.storage)
         if self.precondition not in ("none", "kfac", "ekfac"):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
 
@@ -69,9 +73,15 @@ class BuildResult:
     examples_computed: int
 
 
+def model_dtype(model: nn.Module) -> str:
+    return str(next(model.parameters()).dtype).replace("torch.", "")
+
+
 def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig, data_fp: str) -> dict:
     return {
         "model_fingerprint": model_fingerprint(model),
+        "dtype": model_dtype(model),
+        "storage": cfg.storage,
         "data_fingerprint": data_fp,
         "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
                        "rows": capture.dims(n)[0], "cols": capture.dims(n)[1]}
@@ -135,7 +145,7 @@ def build_store(
         "data_id": data_id,
         "build": identity,
         "config": {**asdict(cfg), "projection": cfg.projection.to_dict()},
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "dtype": identity["dtype"],
         "counts": {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
     }
     if old is not None:
@@ -159,7 +169,7 @@ def build_store(
                 if path.exists():
                     bar.update(end - start)
                     continue
-                w = ShardWriter(path, start, end - start, dims, data_fp)
+                w = ShardWriter(path, start, end - start, dims, data_fp, cfg.storage)
                 done = w.open()
                 if capture.collect_covariance and done:  # factors need the whole shard: redo it
                     w.close()

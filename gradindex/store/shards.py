@@ -3,9 +3,18 @@
 Contract (other tools read it). Each ``store/shard-NNNNN.h5`` holds
 
 * ``ids`` int64 ``[n]``: 0-based row of each example in the input data;
-* group ``grads`` with one float ``[n, D_layer]`` dataset per hooked layer, named by the module's
-  qualified name; row ``i`` is example ``ids[i]``'s flattened ``[k_g, k_a]`` matrix (row-major);
+* group ``grads`` with one code dataset per hooked layer, named by the module's qualified name;
+  row ``i`` is example ``ids[i]``'s flattened ``[k_g, k_a]`` matrix (row-major, ``D_layer``
+  numbers, attribute ``dim``), coded as the file's attribute ``storage`` says
+  (:mod:`gradindex.store.codes`): ``fp32`` float32 / ``fp16`` float16 ``[n, D]``, ``int8`` int8
+  ``[n, D]``, ``int4`` uint8 ``[n, ceil(D/2)]`` (two codes a byte);
+* group ``scales`` (``int8``/``int4`` only): one float32 ``[n]`` per layer, the row's step ``s``
+  (``x̂ = code · s``);
 * ``loss`` float32, ``num_tokens`` int32, ``token_hash`` uint8 ``[n, 16]``, ``finite`` bool.
+
+Readers (:class:`Store`, :class:`gradindex.index.RowReader`) decode to float32 transparently.
+A committed shard's content hash is recorded outside it, in ``checksums.json``
+(:mod:`gradindex.checksums`).
 
 Shard ``k`` holds ids ``[k*S, min((k+1)*S, N))``. A shard is written as ``.h5.partial``, flushed
 after every batch with its committed row count in the attribute ``committed``, and renamed to
@@ -22,6 +31,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
+
 STORE_DIR = "store"
 SCALARS = {"loss": np.float32, "num_tokens": np.int32, "finite": np.bool_}
 
@@ -33,8 +44,10 @@ def shard_name(k: int) -> str:
 class ShardWriter:
     """Appends committed batches to one shard; resumable."""
 
-    def __init__(self, path: Path, first_id: int, n_rows: int, layer_dims: dict[str, int], fingerprint: str):
+    def __init__(self, path: Path, first_id: int, n_rows: int, layer_dims: dict[str, int], fingerprint: str,
+                 storage: str = "fp32"):
         self.final = path
+        self.storage = check_storage(storage)
         self.partial = path.with_name(path.name + ".partial")
         self.first_id, self.n_rows = first_id, n_rows
         self.layer_dims = layer_dims
@@ -47,7 +60,8 @@ class ShardWriter:
         if self.partial.exists():
             try:
                 f = h5py.File(self.partial, "r+")
-                ok = f.attrs.get("fingerprint") == self.fingerprint
+                ok = (f.attrs.get("fingerprint") == self.fingerprint
+                      and f.attrs.get("storage", "fp32") == self.storage)
                 committed = int(f.attrs.get("committed", 0))
             except Exception:  # noqa: BLE001 - a torn HDF5 file: start this shard over
                 ok, f = False, None
@@ -63,15 +77,22 @@ class ShardWriter:
         f.attrs["fingerprint"] = self.fingerprint
         f.attrs["first_id"] = self.first_id
         f.attrs["committed"] = 0
+        f.attrs["storage"] = self.storage
         chunk = max(1, min(256, self.n_rows))
         f.create_dataset("ids", (0,), maxshape=(self.n_rows,), dtype=np.int64, chunks=(chunk,))
         for k, dt in SCALARS.items():
             f.create_dataset(k, (0,), maxshape=(self.n_rows,), dtype=dt, chunks=(chunk,))
         f.create_dataset("token_hash", (0, 16), maxshape=(self.n_rows, 16), dtype=np.uint8, chunks=(chunk, 16))
         g = f.create_group("grads")
+        sc = f.create_group("scales") if has_scale(self.storage) else None
         for name, d in self.layer_dims.items():
-            rows = max(1, min(chunk, (1 << 20) // max(1, 4 * d)))
-            g.create_dataset(name, (0, d), maxshape=(self.n_rows, d), dtype=np.float32, chunks=(rows, d))
+            rows = max(1, min(chunk, (1 << 20) // max(1, row_bytes(self.storage, d))))
+            w = code_width(self.storage, d)
+            ds = g.create_dataset(name, (0, w), maxshape=(self.n_rows, w), dtype=code_dtype(self.storage),
+                                  chunks=(rows, w))
+            ds.attrs["dim"] = d
+            if sc is not None:
+                sc.create_dataset(name, (0,), maxshape=(self.n_rows,), dtype=np.float32, chunks=(chunk,))
         self.file, self.committed = f, 0
         return 0
 
@@ -83,6 +104,8 @@ class ShardWriter:
             yield f[k]
         for name in f["grads"]:
             yield f["grads"][name]
+        for name in f.get("scales", ()):
+            yield f["scales"][name]
 
     def append(self, ids: np.ndarray, grads: dict[str, np.ndarray], **columns: np.ndarray) -> None:
         """Write one batch and commit it (flush, then bump ``committed``)."""
@@ -95,7 +118,10 @@ class ShardWriter:
         for k, v in columns.items():
             f[k][n0:] = v
         for name, v in grads.items():
-            f["grads"][name][n0:] = v
+            codes, scale = encode(v, self.storage)
+            f["grads"][name][n0:] = codes
+            if scale is not None:
+                f["scales"][name][n0:] = scale
         f.flush()
         self.committed = n0 + n
         f.attrs["committed"] = self.committed
@@ -132,9 +158,14 @@ class Store:
                 with h5py.File(p, "r") as f:
                     self.first_ids.append(int(f.attrs["first_id"]))
                     self.sizes.append(int(f["ids"].shape[0]))
+                    storage = str(f.attrs.get("storage", "fp32"))
                     if p is paths[0]:
+                        self.storage = storage
                         self.layers = list(f["grads"])
-                        self.dims = {n: int(f["grads"][n].shape[1]) for n in self.layers}
+                        self.dims = {n: int(f["grads"][n].attrs.get("dim", f["grads"][n].shape[1]))
+                                     for n in self.layers}
+                    elif storage != self.storage:
+                        raise OSError(f"it holds {storage} rows, {paths[0].name} {self.storage} rows")
             except OSError as e:
                 raise OSError(f"store file {str(p)!r} is unreadable ({e}); rebuild with `gradindex build`") from None
         self.n = int(sum(self.sizes))
@@ -164,6 +195,12 @@ class Store:
         """A per-example column over all shards (``ids``, ``loss``, ``num_tokens``, ...)."""
         return np.concatenate([self._file(k)[name][:] for k in range(len(self.paths))])
 
+    def _decode(self, f: h5py.File, name: str, sel) -> np.ndarray:
+        """Rows ``sel`` (a slice or sorted unique indices) of one layer of an open shard, as float32."""
+        codes = f["grads"][name][sel]
+        scales = f["scales"][name][sel] if has_scale(self.storage) else None
+        return decode(codes, scales, self.storage, self.dims[name])
+
     def iter_blocks(
         self, layers: Sequence[str] | None = None, block: int = 4096, start: int = 0
     ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
@@ -176,7 +213,7 @@ class Store:
             f = self._file(k)
             for s in range(max(0, start - first), self.sizes[k], block):
                 e = min(s + block, self.sizes[k])
-                yield f["ids"][s:e], {n: f["grads"][n][s:e] for n in layers}
+                yield f["ids"][s:e], {n: self._decode(f, n, slice(s, e)) for n in layers}
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
         """Global store positions of example ids (ids are the contiguous rows ``0..N-1``)."""
@@ -199,6 +236,6 @@ class Store:
             uniq, inv = np.unique(local, return_inverse=True)
             f = self._file(int(k))
             for n in layers:
-                rows = f["grads"][n][uniq]
+                rows = self._decode(f, n, uniq)
                 out[n][order[sel]] = rows[inv]
         return out
