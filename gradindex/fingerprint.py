@@ -8,13 +8,17 @@ import json
 import torch
 from torch import nn
 
-_SAMPLE = 1 << 16
+_CHUNK = 1 << 24
+"""Bytes hashed per step (the only copy a GPU parameter makes on the host)."""
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """Hash of the config, parameter names and shapes, and a strided sample of every parameter.
+    """Hash of the config and of every parameter's name, dtype, shape and every byte of its values.
 
-    Values are rounded to bfloat16 first, so fp32, bf16 and fp16 loads of one checkpoint agree.
+    Every value counts: one changed weight anywhere changes the fingerprint. Values are hashed in
+    the dtype they are loaded in, so a float32 and a bfloat16 load of one checkpoint differ (their
+    gradients do too); the build identity records that dtype separately, so a mismatch is named.
+    Costs one streaming read of the weights (``benchmarks/fingerprint.py``).
     """
     h = hashlib.blake2b(digest_size=16)
     cfg = getattr(model, "config", None)
@@ -23,11 +27,11 @@ def model_fingerprint(model: nn.Module) -> str:
         d = {k: v for k, v in cfg.to_dict().items() if k not in skip}
         h.update(json.dumps(d, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():
-        h.update(f"{name}:{tuple(p.shape)}".encode())
+        h.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
         flat = p.detach().reshape(-1)
-        step = max(1, flat.numel() // _SAMPLE)
-        sample = flat[::step][:_SAMPLE].to("cpu", torch.bfloat16).float()
-        h.update(sample.numpy().tobytes())
+        step = max(1, _CHUNK // flat.element_size())
+        for s in range(0, flat.numel(), step):
+            h.update(flat[s:s + step].contiguous().view(torch.uint8).cpu().numpy().data)
     return h.hexdigest()
 
 

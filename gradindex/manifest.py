@@ -67,9 +67,16 @@ def write_manifest(index_dir: str | os.PathLike, manifest: dict[str, Any]) -> No
 
 
 def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDENTITY_KEYS) -> list[str]:
-    """Human-readable list of identity keys whose values differ."""
+    """Human-readable list of identity keys whose values differ.
+
+    The model fingerprint hashes values in their loaded dtype, so when the dtype differs only
+    that is named (the fingerprint differs because of it).
+    """
     diffs = []
+    dtype_differs = "dtype" in stored and "dtype" in given and stored["dtype"] != given["dtype"]
     for key, words in keys.items():
+        if key == "model_fingerprint" and dtype_differs:
+            continue
         if key in stored and key in given and stored[key] != given[key]:
             diffs.append(f"{words} differs (index: {_short(stored[key])}, now: {_short(given[key])})")
     return diffs

@@ -109,9 +109,9 @@ def _bytes(d) -> tuple[int, int]:
     for p in (d / "store").glob("shard-*.h5"):
         files += p.stat().st_size
         with h5py.File(p, "r") as f:
-            sizes = []
-            f.visititems(lambda _, o: sizes.append(o.id.get_storage_size()) if isinstance(o, h5py.Dataset) else None)
-            data += sum(sizes)
+            sets: list[h5py.Dataset] = []
+            f.visititems(lambda _, o, out=sets: out.append(o) if isinstance(o, h5py.Dataset) else None)
+            data += sum(ds.id.get_storage_size() for ds in sets)
     return files, data
 
 

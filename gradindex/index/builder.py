@@ -29,6 +29,7 @@ from gradindex.index.factory import default_search_params, make_index, resolve_f
 from gradindex.index.files import META, NORMS, faiss_dir, layer_file, read_meta, write_index, write_json
 from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
+from gradindex.lock import index_lock
 from gradindex.manifest import FORMAT_VERSION, read_complete_manifest, read_manifest, write_manifest
 from gradindex.store import Store
 
@@ -67,6 +68,11 @@ class IndexBuildResult:
 def build_indices(index_dir: str | os.PathLike, cfg: IndexConfig = IndexConfig(),
                   progress: bool = True, force: bool = False) -> IndexBuildResult:
     """Write ``faiss/<layer>.index`` for every stored layer (resuming an interrupted build)."""
+    with index_lock(index_dir, "gradindex index"):
+        return _build_indices(index_dir, cfg, progress, force)
+
+
+def _build_indices(index_dir: str | os.PathLike, cfg: IndexConfig, progress: bool, force: bool) -> IndexBuildResult:
     t0 = time.perf_counter()
     manifest = read_complete_manifest(index_dir, "build the indices")
     with Store(index_dir) as store:

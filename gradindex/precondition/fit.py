@@ -20,6 +20,7 @@ import torch
 import gradindex
 from gradindex.capture import ProjectionSpec
 from gradindex.data import Tokenized
+from gradindex.lock import index_lock
 from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
 from gradindex.methods import FITTED_METHODS
 from gradindex.model import resolve_device
@@ -89,6 +90,11 @@ def fit_preconditioner(
     ``model``/``tokenizer``/``data`` (the build's own, already loaded) spare reloading them when a
     model pass is needed; otherwise they are loaded from the manifest and fingerprint-checked.
     """
+    with index_lock(index_dir, f"gradindex precondition --method {cfg.method}"):
+        return _fit(index_dir, cfg, model, tokenizer, data, progress)
+
+
+def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> dict:
     t0 = time.perf_counter()
     manifest = read_complete_manifest(index_dir, "fit")
     shapes = layer_shapes(manifest)

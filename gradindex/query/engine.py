@@ -126,6 +126,7 @@ class QueryEngine:
         self.model.requires_grad_(False)
         self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True)
         now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
+               "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
                               "rows": self.capture.dims(n)[0], "cols": self.capture.dims(n)[1]}
                           for n, i in self.capture.infos.items()}}

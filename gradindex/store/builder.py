@@ -16,8 +16,10 @@ from tqdm.auto import tqdm
 import gradindex
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import batch_gradients, finite_rows
+from gradindex.checksum import check_files, move_aside, recorded
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint
+from gradindex.lock import LOCK, index_lock
 from gradindex.manifest import (
     FORMAT_VERSION,
     IndexMismatchError,
@@ -94,26 +96,41 @@ def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: 
     }
 
 
+def _contents(out: Path) -> list[Path]:
+    """What an output directory holds, besides its lock file."""
+    return [p for p in out.iterdir() if p.name != LOCK] if out.is_dir() else []
+
+
+def refuse_foreign(out: Path) -> None:
+    """Refuse (writing nothing) a non-empty directory that holds no gradindex index."""
+    if _contents(out) and not manifest_path(out).exists():
+        raise FileExistsError(
+            f"output directory {str(out)!r} is not empty and holds no gradindex index; "
+            "choose another --out (nothing was written)"
+        )
+
+
 def prepare_out_dir(out: Path, identity: dict, overwrite: bool) -> dict | None:
-    """Check an output directory; return its manifest when the build resumes it."""
-    if out.exists() and any(out.iterdir()):
-        if not manifest_path(out).exists():
-            raise FileExistsError(
-                f"output directory {str(out)!r} is not empty and holds no gradindex index; "
-                "choose another --out (nothing was written)"
-            )
-        old = read_manifest(out)
-        diffs = identity_differences(old.get("build", {}), identity)
-        if diffs and not overwrite:
-            raise IndexMismatchError(
-                f"{str(out)!r} holds another index, so it cannot be resumed: " + "; ".join(diffs)
-                + ". Use another --out, or --overwrite to replace it."
-            )
-        if diffs and overwrite:
-            shutil.rmtree(out)
-            return None
-        return old
-    return None
+    """Check an output directory (under its lock); return its manifest when the build resumes it.
+
+    ``overwrite`` replaces whatever index is there (even one with a corrupt manifest), whatever
+    its settings; without it, a build resumes only an index of the same identity.
+    """
+    refuse_foreign(out)
+    if not _contents(out):
+        return None
+    if overwrite:
+        for p in _contents(out):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        return None
+    old = read_manifest(out)
+    diffs = identity_differences(old.get("build", {}), identity)
+    if diffs:
+        raise IndexMismatchError(
+            f"{str(out)!r} holds another index, so it cannot be resumed: " + "; ".join(diffs)
+            + ". Use another --out, or --overwrite to replace it."
+        )
+    return old
 
 
 def build_store(
@@ -126,10 +143,23 @@ def build_store(
     data_id: str = "",
     overwrite: bool = False,
     progress: bool = True,
+    repair: bool = False,
 ) -> BuildResult:
-    """Capture every example's projected gradient into ``out_dir/store`` (resuming if present)."""
-    t0 = time.perf_counter()
+    """Capture every example's projected gradient into ``out_dir/store`` (resuming if present).
+
+    Holds ``out_dir``'s write lock (:mod:`gradindex.lock`) throughout. Committed shards are
+    checked against their recorded hashes first (``repair``: whole files, else the cheap sampled
+    check); a damaged one is moved to ``out_dir/damaged/`` and recomputed.
+    """
     out = Path(out_dir)
+    refuse_foreign(out)
+    with index_lock(out, "gradindex build"):
+        return _build_store(model, tokenizer, data, out, cfg, model_id, data_id, overwrite, progress, repair)
+
+
+def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str,
+                 data_id: str, overwrite: bool, progress: bool, repair: bool) -> BuildResult:
+    t0 = time.perf_counter()
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
     capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route, weight_free=True,
@@ -137,6 +167,8 @@ def build_store(
     identity = _identity(model, capture, data, cfg, data_fp)
     old = prepare_out_dir(out, identity, overwrite)
     (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
+    if old is not None:
+        _move_damaged_aside(out, repair)
     manifest = {
         "format_version": FORMAT_VERSION,
         "library_version": gradindex.__version__,
@@ -207,6 +239,13 @@ def build_store(
     manifest["counts"]["shards"] = len(shards)
     write_manifest(out, manifest)
     return BuildResult(out, manifest, seconds, computed)
+
+
+def _move_damaged_aside(out: Path, full: bool) -> None:
+    """Move committed shards that fail their hash check aside, so that this build recomputes them."""
+    damaged = [x.file for x in check_files(out, recorded(out, f"{STORE_DIR}/"), full) if x.problem != "missing"]
+    for p in move_aside(out, damaged):
+        log.warning("%s is damaged; moved to %s and recomputed", p.name, p.parent)
 
 
 def _write_covariance(w: ShardWriter, capture: GradientCapture) -> None:

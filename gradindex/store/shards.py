@@ -31,6 +31,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from gradindex.checksum import record
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
 STORE_DIR = "store"
@@ -128,10 +129,12 @@ class ShardWriter:
         f.flush()
 
     def finish(self) -> None:
+        """Close, record the file's hash in the index's ``checksums.json``, then commit it by renaming."""
         if self.committed != self.n_rows:
             raise RuntimeError(f"shard {self.final.name} has {self.committed}/{self.n_rows} rows")
         self.file.close()
         self.file = None
+        record(self.final.parent.parent, [self.partial], [f"{STORE_DIR}/{self.final.name}"])
         os.replace(self.partial, self.final)
 
     def close(self) -> None:

@@ -1,0 +1,156 @@
+"""Content hashes of an index directory's data files, kept in ``INDEX_DIR/checksums.json``.
+
+Every committed store shard, every preconditioner file and every FAISS file (and ``norms.npy``)
+is hashed once when written, and the hash is kept *outside* the file it protects (a file that
+carried its own hash would vouch for any complete replacement of itself)::
+
+    {"version": 1, "files": {"store/shard-00000.h5": {"bytes": N, "blake2b": "...", "sample": "..."}}}
+
+* ``blake2b``: 128-bit BLAKE2b of the whole file (the full check: ``gradindex verify``, before a
+  fit, before indexing, when a query engine loads FAISS and preconditioner files);
+* ``sample``: BLAKE2b of the size, the first and last 64 KiB and 16 spread 4 KiB blocks (the
+  cheap check on every store open and build resume: it catches truncation, a replaced file and
+  most torn writes, not every flipped byte).
+
+Writers hold the directory's lock (:mod:`gradindex.lock`), so updates never race.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+CHECKSUMS = "checksums.json"
+VERSION = 1
+_EDGE, _BLOCK, _BLOCKS = 1 << 16, 1 << 12, 16
+
+
+class DamagedIndexError(OSError):
+    """A data file of an index does not match the hash recorded when it was written."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    file: str
+    """Path relative to the index directory."""
+    problem: str
+    """What is wrong (missing, size, content hash)."""
+    repair: str = ""
+    """The command that rewrites it."""
+
+
+def damage_error(index_dir: str | os.PathLike, damage: list[Damage], then: str = "") -> DamagedIndexError:
+    """One error naming every damaged file, then each distinct repair command."""
+    files = "; ".join(f"{x.file} ({x.problem})" for x in damage)
+    repairs = list(dict.fromkeys(x.repair for x in damage if x.repair))
+    how = " and ".join(f"`{r}`" for r in repairs) or "rebuild the index"
+    return DamagedIndexError(f"damaged files in {str(index_dir)!r}: {files}. Repair with {how}"
+                             + (f", then {then}" if then else ""))
+
+
+def file_digest(path: Path, chunk: int = 1 << 23) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sample_digest(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    offsets = [0, max(0, size - _EDGE)] + [size * i // (_BLOCKS + 1) for i in range(1, _BLOCKS + 1)]
+    with open(path, "rb") as f:
+        for i, off in enumerate(offsets):
+            f.seek(off)
+            h.update(f.read(_EDGE if i < 2 else _BLOCK))
+    return h.hexdigest()
+
+
+def entry(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "blake2b": file_digest(path), "sample": sample_digest(path)}
+
+
+def read_checksums(index_dir: str | os.PathLike) -> dict[str, dict]:
+    """``relative path → entry``; empty when nothing was recorded (an index from before checksums)."""
+    p = Path(index_dir) / CHECKSUMS
+    if not p.exists():
+        return {}
+    try:
+        return dict(json.loads(p.read_text())["files"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DamagedIndexError(
+            f"{str(p)!r} is corrupt ({e}); delete it and re-run the command (files are then not verified)"
+        ) from None
+
+
+def _write(index_dir: str | os.PathLike, files: dict[str, dict]) -> None:
+    p = Path(index_dir) / CHECKSUMS
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps({"version": VERSION, "files": dict(sorted(files.items()))}, indent=1))
+    os.replace(tmp, p)
+
+
+def record(index_dir: str | os.PathLike, paths: Iterable[Path], names: Iterable[str] | None = None) -> None:
+    """Hash ``paths`` and record them (under ``names``, default their paths relative to the index)."""
+    d = Path(index_dir)
+    paths = list(paths)
+    names = list(names) if names is not None else [str(Path(p).relative_to(d)) for p in paths]
+    files = read_checksums(d)
+    for p, n in zip(paths, names, strict=True):
+        files[n] = entry(Path(p))
+    _write(d, files)
+
+
+def forget(index_dir: str | os.PathLike, names: Iterable[str]) -> None:
+    files = read_checksums(index_dir)
+    names = [n for n in names if n in files]
+    if names:
+        for n in names:
+            del files[n]
+        _write(index_dir, files)
+
+
+def check_files(index_dir: str | os.PathLike, names: Iterable[str], full: bool = True,
+                repair: str = "") -> list[Damage]:
+    """Damage among recorded files ``names`` (a name with no record is not checked)."""
+    d = Path(index_dir)
+    files = read_checksums(d)
+    out = []
+    for n in names:
+        e = files.get(n)
+        if e is None:
+            continue
+        p = d / n
+        if not p.exists():
+            out.append(Damage(n, "missing", repair))
+        elif p.stat().st_size != e["bytes"]:
+            out.append(Damage(n, f"{p.stat().st_size} bytes, {e['bytes']} were written", repair))
+        elif sample_digest(p) != e["sample"] or (full and file_digest(p) != e["blake2b"]):
+            out.append(Damage(n, "content differs from the hash recorded when it was written", repair))
+    return out
+
+
+def recorded(index_dir: str | os.PathLike, prefix: str) -> list[str]:
+    """Recorded names under ``prefix`` (e.g. ``store/``)."""
+    return sorted(n for n in read_checksums(index_dir) if n.startswith(prefix))
+
+
+def move_aside(index_dir: str | os.PathLike, names: Iterable[str]) -> list[Path]:
+    """Move damaged files to ``INDEX_DIR/damaged/<time>/`` (kept, not deleted) and forget their hashes."""
+    d = Path(index_dir)
+    names = [n for n in names if (d / n).exists()]
+    dest = d / "damaged" / time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for n in names:
+        target = dest / n
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(d / n, target)
+        moved.append(target)
+    forget(d, names)
+    return moved
