@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,10 @@ def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{str(p)!r} is corrupt ({e}); rebuild the index") from None
+        raise ValueError(
+            f"{str(p)!r} is corrupt ({e}); replace the index: re-run the `gradindex build` that made it "
+            "with --overwrite"
+        ) from None
 
 
 def read_complete_manifest(index_dir: str | os.PathLike, then: str) -> dict[str, Any]:
@@ -53,7 +57,7 @@ def read_complete_manifest(index_dir: str | os.PathLike, then: str) -> dict[str,
     if manifest.get("status") != "complete":
         raise ValueError(
             f"the build of {str(index_dir)!r} is not complete (status {manifest.get('status')!r}); "
-            f"re-run the same `gradindex build` to finish it (it resumes), then {then}"
+            f"finish it with `{build_command(index_dir, manifest, extra='')}` (it resumes), then {then}"
         )
     return manifest
 
@@ -85,3 +89,27 @@ def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDE
 def _short(v: Any) -> str:
     s = json.dumps(v, sort_keys=True, default=str)
     return s if len(s) <= 120 else s[:117] + "..."
+
+
+def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, extra: str = "--repair") -> str:
+    """The ``gradindex build`` command line that made this index (from its manifest), plus ``extra``."""
+    m = manifest if manifest is not None else read_manifest(index_dir)
+    c, proj = m.get("config", {}), m.get("build", {}).get("projection", {})
+    kind = proj.get("kind", "gaussian")
+    args = ["gradindex", "build", m.get("model_id") or "MODEL_DIR", m.get("data_id") or "DATA",
+            "--out", str(index_dir),
+            "--projection", "none" if kind == "none" else f"{proj.get('k_a')}x{proj.get('k_g')}"]
+    if kind != "none":
+        args += ["--projection-kind", kind]
+    args += ["--seed", str(proj.get("seed", 0))]
+    for pattern in c.get("layers", []):
+        args += ["--layers", pattern]
+    text_field = m.get("counts", {}).get("text_field")
+    if text_field and text_field not in ("text", "input_ids", "prompt+completion"):
+        args += ["--text-field", text_field]
+    args += ["--max-length", str(c.get("max_length", 512)), "--batch-size", str(c.get("batch_size", 8)),
+             "--dtype", m.get("dtype", "float32"), "--route", c.get("route", "auto"),
+             "--storage", c.get("storage", "fp32"), "--shard-size", str(c.get("shard_size", 4096))]
+    if c.get("precondition", "none") != "none":
+        args += ["--precondition", c["precondition"], "--damping", str(c.get("damping", 0.1))]
+    return shlex.join(args + ["--no-index"]) + (f" {extra}" if extra else "")

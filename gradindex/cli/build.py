@@ -32,7 +32,12 @@ from gradindex.store.codes import STORAGES
 @click.option("--storage", default="fp32", show_default=True, type=click.Choice(list(STORAGES)),
               help="Row codes on disk: float32, float16, or int8/int4 with a per-row scale (2x/4x/8x smaller).")
 @click.option("--shard-size", default=4096, show_default=True, type=int, help="Examples per store file.")
-@click.option("--overwrite", is_flag=True, help="Replace an index built with other settings in --out.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace whatever index is in --out (everything is recomputed; a killed --overwrite "
+                   "build resumes with a plain re-run).")
+@click.option("--repair", is_flag=True,
+              help="Check every committed shard's whole-file hash and recompute the damaged or missing ones "
+                   "(a plain re-run does a cheap sampled check). Damaged files are kept in --out/damaged/.")
 @click.option("--precondition", default="none", show_default=True,
               type=click.Choice(["none", "kfac", "ekfac"]),
               help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too).")
@@ -43,8 +48,8 @@ from gradindex.store.codes import STORAGES
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def build(model_dir, data, out, projection, projection_kind, seed, layers, text_field, max_length,
-          batch_size, dtype, device, route, storage, shard_size, overwrite, precondition, damping, index_type, whiten,
-          normalize, train_size, cpu_index, no_index, quiet):
+          batch_size, dtype, device, route, storage, shard_size, overwrite, repair, precondition, damping,
+          index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     spec = ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
     if batch_size < 1 or shard_size < 1 or max_length < 2:
@@ -62,7 +67,7 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
                    f"--max-length {max_length} and were truncated", err=True)
     res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else icfg,
                            model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
-                           overwrite=overwrite, progress=not quiet)
+                           overwrite=overwrite, progress=not quiet, repair=repair)
     m = res.manifest
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
                f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")

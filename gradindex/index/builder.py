@@ -24,14 +24,26 @@ import faiss
 import numpy as np
 from tqdm.auto import tqdm
 
+from gradindex.checksum import damage_error, move_aside
 from gradindex.index import gpu
 from gradindex.index.factory import default_search_params, make_index, resolve_factory, train_size
-from gradindex.index.files import META, NORMS, faiss_dir, layer_file, read_meta, write_index, write_json
+from gradindex.index.files import (
+    META,
+    NORMS,
+    check_faiss,
+    faiss_dir,
+    layer_file,
+    read_meta,
+    write_index,
+    write_json,
+    write_norms,
+)
 from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
 from gradindex.lock import index_lock
 from gradindex.manifest import FORMAT_VERSION, read_complete_manifest, read_manifest, write_manifest
 from gradindex.store import Store
+from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
 
@@ -75,6 +87,11 @@ def build_indices(index_dir: str | os.PathLike, cfg: IndexConfig = IndexConfig()
 def _build_indices(index_dir: str | os.PathLike, cfg: IndexConfig, progress: bool, force: bool) -> IndexBuildResult:
     t0 = time.perf_counter()
     manifest = read_complete_manifest(index_dir, "build the indices")
+    damage = check_store(index_dir, full=True, manifest=manifest)
+    if damage:
+        raise damage_error(index_dir, damage, then=f"`gradindex index {index_dir}`")
+    for p in move_aside(index_dir, [x.file for x in check_faiss(index_dir) if x.problem != "missing"]):
+        log.warning("%s is damaged; moved to %s and rebuilt", p.name, p.parent)
     with Store(index_dir) as store:
         N = len(store)
         if N == 0:
@@ -143,9 +160,7 @@ def _norms(store: Store, path: Path, meta: dict, progress: bool) -> np.ndarray:
     for j, n in enumerate(tqdm(store.layers, desc="norms", disable=not progress, leave=False)):
         for s, x in iter_layer(store, n):
             sq[s:s + len(x), j] = np.einsum("ij,ij->i", x, x, dtype=np.float64)
-    tmp = path.with_name("norms.tmp.npy")
-    np.save(tmp, sq)
-    os.replace(tmp, path)
+    write_norms(store.dir.parent, sq)
     meta["norms"] = {"file": path.name, "layers": list(store.layers)}
     return sq.sum(axis=1)
 
@@ -188,7 +203,7 @@ def _build_layer(store: Store, layer: str, factory: str, cfg: IndexConfig, pre: 
     index = gpu.to_cpu(work)
     if index.ntotal != N:
         raise RuntimeError(f"index of {layer!r} holds {index.ntotal} vectors, the store {N}")
-    write_index(index, final)
+    write_index(index, final, final.parent.parent)
     partial.unlink(missing_ok=True)
     side.unlink(missing_ok=True)
     return index, N - start

@@ -11,15 +11,16 @@ import faiss
 import numpy as np
 import torch
 
+from gradindex.checksum import damage_error
 from gradindex.index import gpu
 from gradindex.index.factory import apply_search_params, is_exhaustive
-from gradindex.index.files import FAISS_DIR, NORMS, layer_file, read_meta
+from gradindex.index.files import FAISS_DIR, NORMS, check_faiss, index_command, layer_file, read_meta
 from gradindex.index.space import IndexSpace
 from gradindex.manifest import IndexMismatchError, identity_differences
 
 
 def rebuild_hint(index_dir: str | os.PathLike) -> str:
-    return f"rebuild the indices with `gradindex index {index_dir}`"
+    return f"rebuild the indices with `{index_command(index_dir)}`"
 
 
 @dataclass
@@ -118,6 +119,10 @@ class IndexSet:
         self.all_layers = list(manifest["build"]["layers"])
         chosen = list(layers) if layers is not None else self.all_layers
         self.layers: dict[str, LayerIndex] = {}
+        damage = [x for x in check_faiss(index_dir, True, [layer_file(index_dir, n).name for n in chosen] + [NORMS])
+                  if x.problem != "missing"]  # a missing file gets its own error below
+        if damage:
+            raise damage_error(index_dir, damage)
         for name in chosen:
             entry = self.meta["layers"].get(name)
             if entry is None:

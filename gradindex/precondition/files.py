@@ -13,7 +13,9 @@ Layout (one file per method; ``graddot.h5`` holds only the self-influence column
     self_influence [N]            Σ_layers ⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩ at attr ``damping`` (float64)
     self_influence_layers [N, L]  the same per layer, columns in ``layer_names`` order
 
-Files are written to ``.h5.tmp`` and renamed, so a killed fit leaves the previous file intact.
+Files are written to ``.h5.tmp``, hashed into ``checksums.json`` (:mod:`gradindex.checksum`) and
+renamed, so a killed fit leaves the previous file intact. Every read checks the whole-file hash
+first (:func:`check_fingerprints`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import h5py
 import numpy as np
 
 import gradindex
+from gradindex.checksum import Damage, check_files, damage_error, record
 from gradindex.manifest import IndexMismatchError
 
 PRECOND_DIR = "precond"
@@ -98,11 +101,36 @@ def write_precond(
                 grp.attrs["rows"], grp.attrs["cols"] = lf.Lambda.shape
         f["self_influence_layers"] = np.asarray(self_influence, dtype=np.float64)
         f["self_influence"] = np.asarray(self_influence, dtype=np.float64).sum(axis=1)
+    record(path.parent.parent, [tmp], [f"{PRECOND_DIR}/{path.name}"])
     os.replace(tmp, path)
 
 
-def check_fingerprints(path: Path, attrs, manifest: dict, method: str) -> None:
-    """Refuse a file fitted on another model, data set, projection or layer set than the index."""
+def refit_command(index_dir: str | os.PathLike, manifest: dict, name: str) -> str:
+    """The command that rewrites ``precond/<name>.h5`` (an EK-FAC fit rewrites all three files)."""
+    fitted = manifest.get("preconditioners", {})
+    method = name if name in fitted else ("ekfac" if "ekfac" in fitted else "kfac")
+    damping = fitted.get(method, {}).get("damping", 0.1)
+    return f"gradindex precondition {index_dir} --method {method} --damping {damping}"
+
+
+def check_precond(index_dir: str | os.PathLike, manifest: dict, full: bool = True) -> list[Damage]:
+    """Damaged or missing preconditioner files (those recorded in ``checksums.json``)."""
+    d = Path(index_dir)
+    out = []
+    for p in sorted({*d.glob(f"{PRECOND_DIR}/*.h5"), *(d / PRECOND_DIR / f"{m}.h5" for m in
+                                                      manifest.get("preconditioners", {}))}):
+        out += check_files(d, [f"{PRECOND_DIR}/{p.name}"], full, refit_command(d, manifest, p.stem))
+    return out
+
+
+def check_fingerprints(path: Path, manifest: dict, method: str) -> None:
+    """Refuse a damaged file, or one fitted on another model, data set, projection or layer set."""
+    index_dir = path.parent.parent
+    damage = check_files(index_dir, [f"{PRECOND_DIR}/{path.name}"], True,
+                         refit_command(index_dir, manifest, path.stem))
+    if damage:
+        raise damage_error(index_dir, damage)
+    attrs = read_attrs(path)
     now = fingerprints(manifest)
     diffs = [words for k, words in FINGERPRINT_KEYS.items() if attrs.get(f"fp_{k}") != now[k]]
     if diffs:

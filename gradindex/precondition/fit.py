@@ -19,9 +19,10 @@ import torch
 
 import gradindex
 from gradindex.capture import ProjectionSpec
+from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.lock import index_lock
-from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
+from gradindex.manifest import build_command, read_complete_manifest, read_manifest, write_manifest
 from gradindex.methods import FITTED_METHODS
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
@@ -39,6 +40,7 @@ from gradindex.precondition.factors import (
 from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path, write_precond
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.store import Store
+from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
@@ -97,13 +99,17 @@ def fit_preconditioner(
 def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> dict:
     t0 = time.perf_counter()
     manifest = read_complete_manifest(index_dir, "fit")
+    damage = check_store(index_dir, full=True, manifest=manifest)
+    if damage:
+        raise damage_error(index_dir, damage, then="fit")
     shapes = layer_shapes(manifest)
     layers = list(shapes)
     device = resolve_device(cfg.device)
     with Store(index_dir) as store:
         if set(store.layers) != set(layers) or len(store) != int(manifest["counts"]["examples"]):
             raise ValueError(
-                f"the store in {str(index_dir)!r} does not match its manifest; rebuild the index"
+                f"the store in {str(index_dir)!r} does not match its manifest; recompute it with "
+                f"`{build_command(index_dir, manifest)}`"
             )
         sums, fit = _factor_sums(manifest, store, layers, cfg, model, tokenizer, data, device, progress)
         factors = {}

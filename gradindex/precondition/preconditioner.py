@@ -12,7 +12,7 @@ import torch
 from gradindex.manifest import read_manifest
 from gradindex.methods import BASE_METHODS, FITTED_METHODS, SELFNORM, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power
-from gradindex.precondition.files import check_fingerprints, precond_path, read_attrs, read_layers
+from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
 
 
 def layer_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
@@ -125,7 +125,7 @@ def load_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditi
             f"{available_methods(index_dir)}); add it with `gradindex precondition {index_dir} "
             f"--method {base}` (or build with `gradindex build ... --precondition {base}`)"
         )
-    check_fingerprints(path, read_attrs(path), manifest, base)
+    check_fingerprints(path, manifest, base)
     curv = read_layers(path)
     if set(curv) != set(shapes):
         raise ValueError(

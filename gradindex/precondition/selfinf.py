@@ -13,7 +13,7 @@ from gradindex.manifest import read_manifest
 from gradindex.methods import parse_method
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import Basis, store_pass
-from gradindex.precondition.files import check_fingerprints, precond_path, read_attrs, read_self_influence
+from gradindex.precondition.files import check_fingerprints, precond_path, read_self_influence
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner, selected_layers
 from gradindex.store import Store
 
@@ -28,7 +28,7 @@ def _stored(index_dir, method: str, manifest: dict) -> tuple[float, list[str], n
         return None
     key = (str(path.resolve()), path.stat().st_mtime_ns)
     if key not in _CACHE:
-        check_fingerprints(path, read_attrs(path), manifest, method)
+        check_fingerprints(path, manifest, method)
         _CACHE[key] = read_self_influence(path)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)

@@ -16,15 +16,17 @@ import torch
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.projection import STREAM_VERSION
+from gradindex.checksum import damage_error
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, Preconditioners, RowReader, query_vectors
-from gradindex.manifest import IndexMismatchError, identity_differences, read_manifest
+from gradindex.manifest import IndexMismatchError, build_command, identity_differences, read_manifest
 from gradindex.precondition import parse_method, self_influence
 from gradindex.query import search as S
 from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
 from gradindex.query.texts import TrainingTexts
 from gradindex.store import Store
+from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
 
@@ -90,7 +92,11 @@ class QueryEngine:
         self.manifest = read_manifest(index_dir)
         if self.manifest.get("status") != "complete":
             raise ValueError(f"the index in {str(index_dir)!r} is incomplete (status "
-                             f"{self.manifest.get('status')!r}); finish it by re-running `gradindex build`")
+                             f"{self.manifest.get('status')!r}); finish it with "
+                             f"`{build_command(index_dir, self.manifest, extra='')}` (it resumes)")
+        damage = check_store(index_dir, full=False, manifest=self.manifest)
+        if damage:
+            raise damage_error(index_dir, damage, then="query")
         self.store = Store(index_dir)
         self.n = len(self.store)
         self.layer_names = list(self.manifest["build"]["layers"])

@@ -32,6 +32,7 @@ import h5py
 import numpy as np
 
 from gradindex.checksum import record
+from gradindex.manifest import build_command
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
 STORE_DIR = "store"
@@ -143,6 +144,13 @@ class ShardWriter:
             self.file = None
 
 
+def _repair(index_dir: Path) -> str:
+    try:
+        return build_command(index_dir)
+    except (OSError, ValueError):
+        return "gradindex build ... --repair"
+
+
 class Store:
     """Read access to an index directory's store, by blocks or by rows."""
 
@@ -170,7 +178,8 @@ class Store:
                     elif storage != self.storage:
                         raise OSError(f"it holds {storage} rows, {paths[0].name} {self.storage} rows")
             except OSError as e:
-                raise OSError(f"store file {str(p)!r} is unreadable ({e}); rebuild with `gradindex build`") from None
+                raise OSError(f"store file {str(p)!r} is unreadable ({e}); recompute it with "
+                              f"`{_repair(self.dir.parent)}`") from None
         self.n = int(sum(self.sizes))
         self._starts = np.cumsum([0] + self.sizes)
         self._files: dict[int, h5py.File] = {}
