@@ -62,35 +62,44 @@ def test_store_rows_match_in_memory_capture(gpt2_dir, text_jsonl, tmp_path):
     assert again.examples_computed == 0
 
 
-def _build_cmd(model_dir, data, out):
+def _build_cmd(model_dir, data, out, storage="fp32"):
     return [sys.executable, "-m", "gradindex.cli", "build", str(model_dir), str(data), "--out", str(out),
-            "--projection", "8", "--batch-size", "4", "--shard-size", "16", "--quiet", "--device", "cpu"]
+            "--projection", "8", "--batch-size", "4", "--shard-size", "16", "--quiet", "--device", "cpu",
+            "--storage", storage]
 
 
 @pytest.mark.slow
-def test_killed_build_resumes_to_identical_store(gpt2_dir, tmp_path):
-    data = _write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in make_texts(600, seed=4)])
+@pytest.mark.parametrize("storage, n, kill_after", [("fp32", 600, 4), ("int4", 128, 2)])
+def test_killed_build_resumes_to_identical_store(gpt2_dir, tmp_path, storage, n, kill_after):
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in make_texts(n, seed=4)])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    ref = tmp_path / "ref"
-    subprocess.run(_build_cmd(gpt2_dir, data, ref), check=True, env=env)
+    ref = tmp_path / "ref"  # the uninterrupted build, in this process (what _build_cmd asks for)
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    cfg = BuildConfig(projection=ProjectionSpec.parse("8"), batch_size=4, shard_size=16, storage=storage)
+    build_store(model, tok, tokenize_records(load_records(data), tok, 512), ref, cfg, progress=False)
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_build_cmd(gpt2_dir, data, out), env=env)
+    proc = subprocess.Popen(_build_cmd(gpt2_dir, data, out, storage), env=env)
     store = out / "store"
     deadline = time.time() + 120
-    while time.time() < deadline and not (store / "shard-00004.h5").exists():
+    while time.time() < deadline and not (store / f"shard-{kill_after:05d}.h5").exists():
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert read_manifest(out)["status"] == "building", "the build finished before it could be killed"
     done = sorted(p.name for p in store.glob("shard-*.h5"))
-    assert 0 < len(done) < 38
-    subprocess.run(_build_cmd(gpt2_dir, data, out), check=True, env=env)
+    assert 0 < len(done) < n // 16
+    subprocess.run(_build_cmd(gpt2_dir, data, out, storage), check=True, env=env)
     assert read_manifest(out)["status"] == "complete"
     a, b = _store_arrays(ref), _store_arrays(out)
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    with Store(ref) as s_ref, Store(out) as s_out:  # the codes themselves, not only their decoding
+        assert s_ref.storage == s_out.storage == storage
+        for k in range(len(s_ref.paths)):
+            for n in s_ref.layers:
+                np.testing.assert_array_equal(s_ref._file(k)["grads"][n][:], s_out._file(k)["grads"][n][:])
 
 
 def test_resume_with_other_settings_is_refused_naming_the_difference(gpt2_dir, llama_dir, text_jsonl, tmp_path):
