@@ -3,7 +3,8 @@
 Builds, fits and index builds take it at start; a second writer is refused at once, naming the
 holder's pid and command (written inside the file). The kernel releases a ``flock`` when its
 process dies, so a lock left by a killed process never blocks. Re-entrant within one process
-(the pipeline holds it across its stages). Readers (queries) take no lock.
+(the pipeline holds it across its stages). Readers (queries) take no lock. A directory the lock
+created is removed again when nothing else was written into it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class IndexBusyError(OSError):
 def index_lock(index_dir: str | os.PathLike, what: str) -> Iterator[None]:
     """Hold the directory's write lock (creating the directory) for the ``with`` block."""
     d = Path(index_dir)
+    created = not d.exists()
     d.mkdir(parents=True, exist_ok=True)
     key = str(d.resolve())
     if key in _held:
@@ -53,4 +55,7 @@ def index_lock(index_dir: str | os.PathLike, what: str) -> Iterator[None]:
         yield
     finally:
         del _held[key]
+        if created and [p.name for p in d.iterdir()] == [LOCK]:  # a command that failed before writing
+            (d / LOCK).unlink()
+            d.rmdir()
         os.close(fd)

@@ -11,8 +11,10 @@ from gradindex.cli import main
 from gradindex.cli.common import data_options, user_errors
 from gradindex.cli.index import index_config, index_options, report
 from gradindex.data import load_records, tokenize_records
+from gradindex.lock import index_lock
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
+from gradindex.store.builder import refuse_foreign
 from gradindex.store.codes import STORAGES
 
 
@@ -60,14 +62,16 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
         raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
-    model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
-    data_tok = tokenize_records(load_records(data), tok, max_length, text_field)
-    if data_tok.n_truncated:
-        click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
-                   f"--max-length {max_length} and were truncated", err=True)
-    res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else icfg,
-                           model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
-                           overwrite=overwrite, progress=not quiet, repair=repair)
+    refuse_foreign(Path(out))
+    with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
+        model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
+        data_tok = tokenize_records(load_records(data), tok, max_length, text_field)
+        if data_tok.n_truncated:
+            click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
+                       f"--max-length {max_length} and were truncated", err=True)
+        res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else icfg,
+                               model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
+                               overwrite=overwrite, progress=not quiet, repair=repair)
     m = res.manifest
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
                f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
