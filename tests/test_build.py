@@ -236,3 +236,86 @@ def test_cli_layers_lists_default_selection(gpt2_dir):
     assert r.exit_code == 0
     assert "* transformer.h.1.mlp.c_fc  conv1d 32->128 +bias" in r.output
     assert "  lm_head" in r.output
+
+
+# ---- identity: every value of the model, its dtype, --overwrite -----------------------------------
+
+def _old_sampled_fingerprint(model) -> str:
+    """The fingerprint before this change: a strided sample of ≤ 65,536 values per parameter."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}".encode())
+        flat = p.detach().reshape(-1)
+        step = max(1, flat.numel() // 65536)
+        h.update(flat[::step][:65536].to(torch.bfloat16).float().numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_a_weight_the_old_sampler_skipped_is_refused_for_resume_and_query(tokenizer, tmp_path):
+    from fixtures.tiny import save_model_dir, tiny_gpt2
+    from gradindex.index import IndexConfig
+    from gradindex.pipeline import build_index
+    from gradindex.query import QueryEngine
+
+    model = tiny_gpt2(vocab_size=len(tokenizer), n_layer=1, n_embd=192, n_head=4)  # c_fc: 147,456 weights
+    model_dir = save_model_dir(model, tokenizer, tmp_path / "m")
+    model, tok = load_causal_lm(model_dir, device="cpu")
+    texts = _write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in make_texts(6, seed=3, max_words=8)])
+    data = tokenize_records(load_records(texts), tok, 16)
+    out = tmp_path / "idx"
+    cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4), layers=("*.mlp.c_fc",))
+    build_index(model, tok, data, out, cfg, index=IndexConfig(factory="Flat"), model_id=str(model_dir),
+                progress=False)
+    other, _ = load_causal_lm(model_dir, device="cpu")
+    old = _old_sampled_fingerprint(other)
+    with torch.no_grad():
+        other.transformer.h[0].mlp.c_fc.weight.view(-1)[1] += 0.5  # odd index: stride 2 skipped it
+    assert _old_sampled_fingerprint(other) == old
+    with pytest.raises(IndexMismatchError, match="model differs"):
+        build_store(other, tok, data, out, cfg, progress=False)
+    with pytest.raises(IndexMismatchError, match="does not fit the index.*model differs"):
+        QueryEngine(out, model=other, tokenizer=tok)
+    QueryEngine(out, model=model, tokenizer=tok).close()
+
+
+def test_bfloat16_resume_of_a_float32_partial_store_is_refused_naming_the_dtype(gpt2_dir, text_jsonl, tmp_path):
+    out = tmp_path / "idx"
+    args = ["build", gpt2_dir, text_jsonl, "--out", out, "--shard-size", "16", "--no-index", "--quiet"]
+    assert _cli(*args).exit_code == 0
+    m = read_manifest(out)
+    m["status"] = "building"  # as a kill leaves it: the last shard not yet written
+    (out / "manifest.json").write_text(json.dumps(m))
+    (out / "store" / "shard-00002.h5").unlink()
+    before = {p.name: p.read_bytes() for p in (out / "store").iterdir()}
+    r = CliRunner().invoke(main, [str(a) for a in args + ["--dtype", "bfloat16"]])
+    assert r.exit_code != 0
+    assert 'model dtype differs (index: "float32", now: "bfloat16")' in r.output
+    assert "model differs" not in r.output  # implied by the dtype; not named twice
+    assert {p.name: p.read_bytes() for p in (out / "store").iterdir()} == before
+    assert read_manifest(out)["dtype"] == "float32"
+    assert _cli(*args).exit_code == 0 and read_manifest(out)["status"] == "complete"
+
+
+def test_overwrite_replaces_the_index_whatever_it_holds(gpt2_dir, text_jsonl, tmp_path):
+    out = tmp_path / "idx"
+    args = ["build", gpt2_dir, text_jsonl, "--out", out, "--no-index", "--quiet"]
+    assert _cli(*args).exit_code == 0
+    # same settings: --overwrite recomputes every example (it used to resume, computing nothing)
+    r = _cli(*args, "--overwrite")
+    assert r.exit_code == 0 and "(40 computed now)" in r.output
+    # other settings that a plain resume refuses
+    r = CliRunner().invoke(main, [str(a) for a in args + ["--storage", "int8"]])
+    assert r.exit_code != 0 and "storage differs" in r.output
+    r = _cli(*args, "--storage", "int8", "--dtype", "bfloat16", "--overwrite")
+    assert r.exit_code == 0
+    m = read_manifest(out)
+    assert m["build"]["storage"] == "int8" and m["dtype"] == "bfloat16"
+    with Store(out) as s:
+        assert s.storage == "int8"
+    # a corrupt manifest: the error names --overwrite, and --overwrite replaces it
+    (out / "manifest.json").write_text("{not json")
+    r = CliRunner().invoke(main, [str(a) for a in args])
+    assert r.exit_code != 0 and "corrupt" in r.output and "--overwrite" in r.output
+    assert _cli(*args, "--overwrite").exit_code == 0 and read_manifest(out)["status"] == "complete"
