@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -194,6 +195,8 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     model.requires_grad_(False)
     shards = [(k, k * S, min((k + 1) * S, N)) for k in range((N + S - 1) // S)]
     bar = tqdm(total=N, unit="ex", desc="capture", disable=not progress, dynamic_ncols=True)
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="gradindex-hash")  # commits overlap the next capture
+    commits: list[Future] = []
     try:
         with capture:
             for k, start, end in shards:
@@ -229,8 +232,15 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                     bar.update(e - s)
                 if capture.collect_covariance:
                     _write_covariance(w, capture)
-                w.finish()
+                w.seal()
+                commits.append(hashing.submit(w.commit))
+                for f in commits:
+                    if f.done():
+                        f.result()  # raise a failed commit now
+        for f in commits:
+            f.result()
     finally:
+        hashing.shutdown(wait=True)
         bar.close()
     seconds = time.perf_counter() - t0
     manifest["status"] = "complete"

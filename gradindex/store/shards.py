@@ -130,11 +130,22 @@ class ShardWriter:
         f.flush()
 
     def finish(self) -> None:
-        """Close, record the file's hash in the index's ``checksums.json``, then commit it by renaming."""
+        """:meth:`seal`, then :meth:`commit`."""
+        self.seal()
+        self.commit()
+
+    def seal(self) -> None:
+        """Check the shard is full and close it (it stays ``.partial`` until :meth:`commit`)."""
         if self.committed != self.n_rows:
             raise RuntimeError(f"shard {self.final.name} has {self.committed}/{self.n_rows} rows")
         self.file.close()
         self.file = None
+
+    def commit(self) -> None:
+        """Record the sealed file's hash in the index's ``checksums.json``, then rename it into place.
+
+        Safe on another thread (the builder overlaps it with the next shard's capture).
+        """
         record(self.final.parent.parent, [self.partial], [f"{STORE_DIR}/{self.final.name}"])
         os.replace(self.partial, self.final)
 
