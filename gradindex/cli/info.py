@@ -42,6 +42,7 @@ def summary(index_dir: str) -> dict:
                  "truncated": counts.get("truncated"), "field": counts.get("text_field"),
                  "nonfinite": len(m.get("nonfinite_ids", []))},
         "projection": b.get("projection"), "max_length": b.get("max_length"),
+        "storage": b.get("storage", "fp32"),
         "layers": layers, "dims_total": sum(v["dim"] for v in layers.values()),
         "methods": available_methods(d),
         "index": None if meta is None else {"status": meta.get("status"), "space": meta.get("space"),
@@ -68,7 +69,7 @@ def info(index_dir, as_json):
     d = s["data"]
     click.echo(f"data       {d['id']}: {d['examples']} examples (field {d['field']!r}, "
                f"{d['truncated']} truncated, {d['nonfinite']} non-finite)")
-    click.echo(f"projection {proj}, seed {p.get('seed')}; max length {s['max_length']}")
+    click.echo(f"projection {proj}, seed {p.get('seed')}; max length {s['max_length']}; rows stored as {s['storage']}")
     click.echo(f"layers     {len(s['layers'])}, {s['dims_total']} numbers per example")
     for n, v in s["layers"].items():
         idx = f"{v['index']} {human_bytes(v['index_bytes'])}" if v["index"] else "no index"
