@@ -118,7 +118,8 @@ def _rotate(p: str) -> str:
     return ". ".join(parts[1:] + parts[:1]) if len(parts) > 1 else " ".join(p.split()[1:] + p.split()[:1])
 
 
-def dedup_experiment(work: Path, thresholds=(0.8, 0.9, 0.95, 0.98), per_kind: int = 30, steps: int = 300) -> dict:
+def dedup_experiment(work: Path, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95), per_kind: int = 30,
+                     steps: int = 300) -> dict:
     paras = stdlib_paragraphs()[:600]
     rng = np.random.default_rng(0)
     texts = list(paras)
