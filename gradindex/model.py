@@ -28,7 +28,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device: str = "auto"):
     """``(model, tokenizer)`` from a local directory, model in eval mode on ``device``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils import logging as hf_logging
 
@@ -44,7 +44,14 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
         )
     model = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True)
     model.to(resolve_device(device)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
+    return model, load_tokenizer(p)
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The tokenizer of a local model directory, with a pad token (eos or unk when it has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(model_dir), local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    return model, tokenizer
+    return tokenizer

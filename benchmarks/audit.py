@@ -1,0 +1,242 @@
+"""Audit benchmarks: mislabeled examples found by self-influence, dedup precision/recall and scale.
+
+1. **Outliers.** A labelled text task made here: each example is a sentence of 6-12 words drawn
+   from a "sunny" or a "stormy" vocabulary (plus shared filler words), the prompt
+   ``"<sentence> Weather:"`` and the completion ``" sunny"`` / ``" stormy"``. 10% of the labels
+   are flipped. A small GPT-2 (from a config) is trained on the completions (AdamW), indexed
+   (projection ``none``, EK-FAC), and the examples are ranked by self-influence (and per token,
+   and by the training loss as a baseline). Reported: the share of flipped labels found in the
+   top 5..50% of each ranking, against the random ranking's share (= the fraction), per seed.
+2. **Dedup quality.** Real paragraphs (Python stdlib docstrings, ``fixtures/corpus.py``) plus
+   planted pairs: exact copies, near copies (two words replaced), reordered copies (the
+   paragraph's sentences rotated, a paraphrase that keeps the words), and topic pairs (two
+   different paragraphs from one module, which must not be grouped). A small GPT-2 is trained
+   on it, indexed (16x16), and ``find_duplicates`` runs at several thresholds: recall per kind
+   of planted pair (both members in one group) and the share of topic pairs wrongly grouped.
+3. **Dedup scale** (``--scale N ...``): time and peak memory of ``find_duplicates`` over the
+   synthetic N-row stores of ``benchmarks/query.py`` (real rows of the demo model extended by
+   random combinations; 8 layers x 256 numbers).
+
+    python benchmarks/audit.py                   # 1 and 2, ~5 min on 2 cores
+    python benchmarks/audit.py --scale 100000    # 3 as well (1000000: ~8 GB store)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fixtures.corpus import stdlib_paragraphs  # noqa: E402
+from fixtures.tiny import tiny_gpt2, train_tokenizer  # noqa: E402
+from gradindex.apps.dedup import DedupConfig, find_duplicates  # noqa: E402
+from gradindex.apps.outliers import detection_curve, rank_outliers  # noqa: E402
+from gradindex.capture import ProjectionSpec  # noqa: E402
+from gradindex.data import collate, records_from_texts, tokenize_records  # noqa: E402
+from gradindex.pipeline import BuildConfig, build_index  # noqa: E402
+
+FRACTIONS = (0.05, 0.1, 0.2, 0.3, 0.5)
+SUNNY = "bright warm clear golden calm blue gentle dry pleasant mild radiant cloudless".split()
+STORMY = "dark cold wet thunder grey wild heavy lashing bitter gusty icy roaring".split()
+FILLER = "the a over town today morning sky wind air hills river fields evening was felt".split()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def train_on(model, data, steps: int, batch: int = 32, lr: float = 3e-3, seed: int = 0, pad: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(len(data), (batch,), generator=g).tolist()
+        b = collate([data.input_ids[i] for i in idx], [data.labels[i] for i in idx], pad)
+        loss = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def outliers_experiment(work: Path, seed: int, n: int = 300, flip: float = 0.1, steps: int = 300) -> dict:
+    rng = np.random.default_rng(seed)
+    recs, flipped = [], np.zeros(n, dtype=bool)
+    flipped[rng.choice(n, int(round(flip * n)), replace=False)] = True
+    for i in range(n):
+        sunny = bool(rng.integers(2))
+        words = list(rng.choice(SUNNY if sunny else STORMY, 3)) + list(rng.choice(FILLER, int(rng.integers(3, 9))))
+        rng.shuffle(words)
+        label = sunny != flipped[i]
+        recs.append({"prompt": " ".join(words) + " Weather:", "completion": " sunny" if label else " stormy"})
+    import datasets
+
+    ds = datasets.Dataset.from_list(recs)
+    tok = train_tokenizer([r["prompt"] + r["completion"] for r in recs], vocab_size=600)
+    data = tokenize_records(ds, tok, 64)
+    torch.manual_seed(seed)
+    model = tiny_gpt2(vocab_size=len(tok), n_layer=2, n_embd=64, n_head=4, n_positions=64, seed=seed)
+    t0 = time.perf_counter()
+    train_on(model, data, steps, seed=seed, pad=tok.pad_token_id)
+    t_train = time.perf_counter() - t0
+    out = work / f"outliers-{seed}"
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = BuildConfig(projection=ProjectionSpec.parse("none"), batch_size=16, precondition="ekfac")
+    t0 = time.perf_counter()
+    build_index(model, tok, data, out, cfg, progress=False)
+    t_build = time.perf_counter() - t0
+    res = {"seed": seed, "n": n, "flipped": int(flipped.sum()), "train_s": t_train, "build_s": t_build,
+           "fractions": list(FRACTIONS), "random": list(FRACTIONS)}
+    for method in ("graddot", "ekfac"):
+        r = rank_outliers(out, method)
+        res[f"{method}_self_influence"] = detection_curve(r.order(), flipped, FRACTIONS)
+        res[f"{method}_per_token"] = detection_curve(r.order("per_token"), flipped, FRACTIONS)
+    loss = rank_outliers(out, "graddot").loss
+    res["training_loss"] = detection_curve(np.lexsort((np.arange(n), -loss)), flipped, FRACTIONS)
+    return res
+
+
+def _rotate(p: str) -> str:
+    parts = [s for s in p.split(". ") if s]
+    return ". ".join(parts[1:] + parts[:1]) if len(parts) > 1 else " ".join(p.split()[1:] + p.split()[:1])
+
+
+def dedup_experiment(work: Path, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95), per_kind: int = 30,
+                     steps: int = 300) -> dict:
+    paras = stdlib_paragraphs()[:600]
+    rng = np.random.default_rng(0)
+    texts = list(paras)
+    pairs: dict[str, list[tuple[int, int]]] = {"exact": [], "near": [], "reordered": [], "topic": []}
+    picks = rng.choice(len(paras), 3 * per_kind, replace=False)
+    vocab = sorted({w for p in paras for w in p.split()})
+    for kind, chunk in zip(("exact", "near", "reordered"), np.split(picks, 3), strict=True):
+        for i in chunk.tolist():
+            p = paras[i]
+            if kind == "near":
+                w = p.split()
+                for j in rng.choice(len(w), 2, replace=False):
+                    w[j] = vocab[int(rng.integers(len(vocab)))]
+                p = " ".join(w)
+            elif kind == "reordered":
+                p = _rotate(p)
+            pairs[kind].append((i, len(texts)))
+            texts.append(p)
+    # topic pairs: consecutive paragraphs (same module's docstrings), neither of them planted
+    planted = set(picks.tolist())
+    cand = [i for i in range(len(paras) - 1) if i not in planted and i + 1 not in planted]
+    pairs["topic"] = [(i, i + 1) for i in rng.choice(cand, per_kind, replace=False).tolist()]
+    tok = train_tokenizer(texts, vocab_size=1024)
+    data = tokenize_records(records_from_texts(texts), tok, 96)
+    model = tiny_gpt2(vocab_size=len(tok), n_layer=2, n_embd=64, n_head=4, n_positions=96, seed=0)
+    t0 = time.perf_counter()
+    train_on(model, data, steps, batch=16, pad=tok.pad_token_id)
+    t_train = time.perf_counter() - t0
+    out = work / "dedup"
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = BuildConfig(projection=ProjectionSpec(k_a=16, k_g=16), batch_size=16, precondition="ekfac")
+    build_index(model, tok, data, out, cfg, progress=False)
+    rows = []
+    for method in ("graddot", "ekfac"):
+        for thr in thresholds:
+            r = find_duplicates(out, DedupConfig(threshold=thr, method=method))
+            group_of = {i: j for j, g in enumerate(r.groups) for i in g.ids}
+            row = {"method": method, "threshold": thr, "groups": len(r.groups), "seconds": r.seconds["total"],
+                   "grouped_examples": int(sum(len(g.ids) for g in r.groups))}
+            for kind, ps in pairs.items():
+                same = [a in group_of and group_of.get(a) == group_of.get(b) for a, b in ps]
+                row[f"{kind}_grouped"] = float(np.mean(same))
+            rows.append(row)
+            log(f"dedup {method} @ {thr}: " + ", ".join(f"{k} {row[f'{k}_grouped']:.2f}" for k in pairs))
+    return {"n": len(texts), "train_s": t_train, "pairs_per_kind": per_kind, "rows": rows,
+            "reading": "*_grouped: share of planted pairs whose two members share a group; topic_grouped must "
+                       "stay near 0 (different paragraphs of one module)"}
+
+
+def scale_experiment(work: Path, sizes: list[int]) -> list[dict]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import query as qb
+
+    docs, base_texts, _ = qb.corpus(16)
+    model_dir = qb.demo_model(work / "scale", docs, 300)
+    base = qb.base_store(work / "scale", model_dir, base_texts)
+    out = []
+    for n in sizes:
+        store = qb.synthetic_store(work / "scale", base, n)
+        t0 = time.perf_counter()
+        r = find_duplicates(store, DedupConfig(threshold=0.95), progress=True)
+        out.append({"examples": n, "seconds": time.perf_counter() - t0, "parts_s": r.seconds,
+                    "groups": len(r.groups), "pairs_proposed": r.pairs_proposed, "peak_rss_mb": peak_rss_mb()})
+        log(f"dedup scale {n}: {out[-1]}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gradindex-audit-bench"))
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--scale", type=int, nargs="*", default=[])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["outliers", "dedup"])
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "audit.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    res: dict = {"machine": platform.platform(), "torch": torch.__version__}
+    if args.out.exists():
+        res = {**json.loads(args.out.read_text()), **res}
+    if "outliers" not in args.skip:
+        res["outliers"] = [outliers_experiment(args.work_dir, s) for s in range(args.seeds)]
+        for r in res["outliers"]:
+            log(f"outliers seed {r['seed']}: ekfac {np.round(r['ekfac_self_influence'], 2).tolist()} "
+                f"graddot {np.round(r['graddot_self_influence'], 2).tolist()} loss "
+                f"{np.round(r['training_loss'], 2).tolist()} random {list(FRACTIONS)}")
+        plot_outliers(res["outliers"], args.out.with_name("audit-outliers.png"))
+    if "dedup" not in args.skip:
+        res["dedup"] = dedup_experiment(args.work_dir)
+    if args.scale:
+        res["dedup_scale"] = scale_experiment(args.work_dir, args.scale)
+    args.out.write_text(json.dumps(res, indent=2))
+    log(f"wrote {args.out}")
+
+
+def plot_outliers(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = [0.0, *FRACTIONS]
+    for key, label in (("ekfac_self_influence", "EK-FAC self-influence"), ("ekfac_per_token", "EK-FAC per token"),
+                       ("graddot_self_influence", "GradDot self-influence"), ("training_loss", "training loss")):
+        y = np.mean([[0.0, *r[key]] for r in runs], axis=0)
+        ax.plot(x, y, marker="o", label=label)
+    ax.plot(x, x, "k--", label="random")
+    ax.set_xlabel("share of training set inspected (ranked)")
+    ax.set_ylabel("share of flipped labels found")
+    ax.set_title(f"mislabeled examples found ({len(runs)} seeds, 10% flipped)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

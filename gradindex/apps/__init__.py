@@ -1,0 +1,1 @@
+"""Applications on a built index: outliers by self-influence, gradient-space deduplication."""

@@ -1,0 +1,59 @@
+"""``gradindex dedup INDEX_DIR --out groups.jsonl``: exact and gradient-space near-duplicate groups."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from gradindex.cli import main
+from gradindex.cli.common import user_errors
+
+
+@main.command()
+@click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
+              help="JSONL file of groups (ids, keep, drop, kind, min_cosine, texts).")
+@click.option("--threshold", default=0.95, show_default=True, type=float,
+              help="Gradient cosine at or above which two examples are near-duplicates.")
+@click.option("--method", default="graddot", show_default=True, type=click.Choice(["graddot", "kfac", "ekfac"]),
+              help="Compare raw gradients, or gradients whitened by this preconditioner.")
+@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping of the whitening.")
+@click.option("--neighbors", default=16, show_default=True, type=int, help="Neighbours proposed per example.")
+@click.option("--sketch", default=256, show_default=True, type=int,
+              help="Numbers per example in the candidate search (0: full vectors).")
+@click.option("--data", default=None, type=click.Path(), help="Training data file, if it moved since the build.")
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
+              help="Model directory, for the texts (default: the one the index was built with).")
+@click.option("--no-text", is_flag=True, help="Do not write the texts.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@user_errors
+def dedup(index_dir, out, threshold, method, damping, neighbors, sketch, data, model_dir, no_text, quiet):
+    """Group the training examples of INDEX_DIR that are exact or near-duplicates in gradient space."""
+    from gradindex.apps.dedup import DedupConfig, find_duplicates
+    from gradindex.apps.texts import row_texts
+
+    cfg = DedupConfig(threshold=threshold, method=method, damping=damping, neighbors=neighbors, sketch=sketch)
+    res = find_duplicates(index_dir, cfg, progress=not quiet)
+    ids = sorted({i for g in res.groups for i in g.ids})
+    texts, problem = ({}, None)
+    if ids and not no_text:
+        found, problem = row_texts(index_dir, ids, data, model_dir)
+        texts = dict(zip(ids, found, strict=True))
+    if problem:
+        click.echo(f"note: {problem}", err=True)
+    path = Path(out)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        for j, g in enumerate(res.groups):
+            rec = {"group": j, **g.to_dict()}
+            if texts:
+                rec["texts"] = [texts.get(i) for i in g.ids]
+            f.write(json.dumps(rec) + "\n")
+    tmp.replace(path)
+    dropped = sum(len(g.ids) - 1 for g in res.groups)
+    kinds = {k: sum(g.kind == k for g in res.groups) for k in ("exact", "near", "exact+near")}
+    click.echo(f"{len(res.groups)} groups ({kinds['exact']} exact, {kinds['near']} near, "
+               f"{kinds['exact+near']} both) over {res.n} examples; suggest dropping {dropped}; wrote {out} "
+               f"in {res.seconds['total']:.1f} s")

@@ -1,0 +1,58 @@
+"""``gradindex outliers INDEX_DIR``: training examples ranked by self-influence."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from gradindex.cli import main
+from gradindex.cli.common import user_errors
+
+
+@main.command()
+@click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--method", default="ekfac", show_default=True,
+              type=click.Choice(["graddot", "kfac", "ekfac"]), help="Self-influence under this method.")
+@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
+@click.option("--by", default="self_influence", show_default=True,
+              type=click.Choice(["self_influence", "per_token"]),
+              help="Rank by self-influence, or by self-influence per target token.")
+@click.option("--top", default=20, show_default=True, type=int, help="How many to show.")
+@click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
+@click.option("--data", default=None, type=click.Path(), help="Training data file, if it moved since the build.")
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
+              help="Model directory, for the texts (default: the one the index was built with).")
+@click.option("--no-text", is_flag=True, help="Do not load the texts.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@user_errors
+def outliers(index_dir, method, damping, by, top, layers, data, model_dir, no_text, as_json):
+    """The training examples in INDEX_DIR with the largest self-influence (likely mislabeled or odd)."""
+    import fnmatch
+
+    from gradindex.apps.outliers import rank_outliers
+    from gradindex.apps.texts import row_texts
+    from gradindex.manifest import read_manifest
+    from gradindex.precondition.preconditioner import selected_layers
+
+    if top < 1:
+        raise ValueError(f"--top must be >= 1, got {top}")
+    chosen = None
+    if layers:
+        names = selected_layers(read_manifest(index_dir), None)
+        chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in layers)]
+        if not chosen:
+            raise ValueError(f"--layers {list(layers)} match no layer of the index (they look like {names[:2]})")
+    ranking = rank_outliers(index_dir, method, damping, chosen)
+    rows = ranking.top(top, by)
+    texts, problem = ([None] * len(rows), None) if no_text else row_texts(index_dir, [r["id"] for r in rows],
+                                                                          data, model_dir)
+    if problem:
+        click.echo(f"note: {problem}", err=True)
+    for rank, (r, t) in enumerate(zip(rows, texts, strict=True), start=1):
+        if as_json:
+            click.echo(json.dumps({"rank": rank, **r, "text": t}))
+        else:
+            text = "(text unavailable)" if t is None else " ".join(t.split())[:80]
+            click.echo(f"{rank:>4}  id {r['id']:>7}  self-influence {r['self_influence']:>11.4g}  "
+                       f"per token {r['per_token']:>10.4g}  {text}")
