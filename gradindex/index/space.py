@@ -24,7 +24,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from gradindex.manifest import read_manifest
+from gradindex.methods import IDENTITY_METHODS
 from gradindex.precondition import available_methods, load_preconditioner, parse_method
+from gradindex.precondition.preconditioner import check_rows_fit_method
 
 WHITEN = ("none", "kfac", "ekfac")
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Preconditioners:
 
     def check(self, method: str) -> None:
         base, selfnorm = parse_method(method)
+        check_rows_fit_method(self.index_dir, read_manifest(self.index_dir), base)
         methods = available_methods(self.index_dir, selfnorm)
         if method not in methods:
             raise ValueError(
@@ -75,7 +79,7 @@ class Preconditioners:
 
     def apply(self, method: str, layer: str, x: torch.Tensor, power: float, damping: float) -> torch.Tensor:
         """``H^power x`` for the method's curvature (identity for graddot/cosine)."""
-        if method in ("graddot", "cosine", "none"):
+        if method in IDENTITY_METHODS or method == "none":
             return x
         if method not in self._loaded:
             self.check(method)

@@ -23,7 +23,7 @@ from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.lock import index_lock
 from gradindex.manifest import build_command, read_complete_manifest, read_manifest, write_manifest
-from gradindex.methods import FITTED_METHODS
+from gradindex.methods import FITTED_METHODS, adam_rows
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.ekfac import Basis, store_pass
@@ -99,6 +99,10 @@ def fit_preconditioner(
 def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> dict:
     t0 = time.perf_counter()
     manifest = read_complete_manifest(index_dir, "fit")
+    if adam_rows(manifest):
+        raise ValueError(f"the rows of {str(index_dir)!r} are Adam-preconditioned (built with --optimizer-state) "
+                         "and answer --method adam as they are; K-FAC/EK-FAC are fitted on an index of plain "
+                         "gradients: build one without --optimizer-state")
     damage = check_store(index_dir, full=True, manifest=manifest)
     if damage:
         raise damage_error(index_dir, damage, then="fit")

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
-from gradindex.methods import BASE_METHODS, FITTED_METHODS, SELFNORM, parse_method
+from gradindex.methods import ADAM, BASE_METHODS, FITTED_METHODS, IDENTITY_METHODS, SELFNORM, adam_rows, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power
 from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
 
@@ -31,11 +31,14 @@ def selected_layers(manifest: dict, layers: Sequence[str] | None) -> list[str]:
 
 
 def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
-    """Methods this index answers: ``graddot``, ``cosine``, and ``kfac``/``ekfac`` once fitted.
+    """Methods this index answers: ``graddot``, ``cosine``, and ``kfac``/``ekfac`` once fitted; only
+    ``adam`` when its rows are Adam-preconditioned.
 
     With ``selfnorm``, the self-normalized variants (``graddot-selfnorm``, ...) are listed too.
     """
     manifest = read_manifest(index_dir)
+    if adam_rows(manifest):
+        return [ADAM] + ([ADAM + SELFNORM] if selfnorm else [])
     fitted = [
         m
         for m in FITTED_METHODS
@@ -111,12 +114,23 @@ class Preconditioner:
         return eigen_power(x.to(dtype), Q_S, Q_A, Lam, delta, power).to(x.dtype)
 
 
+def check_rows_fit_method(index_dir: str | os.PathLike, manifest: dict, base: str) -> None:
+    """Refuse to mix: ``adam`` needs Adam-preconditioned rows, every other method plain ones."""
+    if adam_rows(manifest) and base != ADAM:
+        raise ValueError(f"the rows of {str(index_dir)!r} are Adam-preconditioned (built with --optimizer-state); "
+                         f"it answers --method adam only, not {base!r}: build another index without it")
+    if base == ADAM and not adam_rows(manifest):
+        raise ValueError(f"{str(index_dir)!r} holds plain gradients; --method adam needs an index built with "
+                         "`gradindex build ... --optimizer-state PATH`")
+
+
 def load_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditioner:
     """The preconditioner of ``method`` (``-selfnorm`` variants load their base method)."""
     base, _ = parse_method(method)
     manifest = read_manifest(index_dir)
     shapes = layer_shapes(manifest)
-    if base in BASE_METHODS:
+    check_rows_fit_method(index_dir, manifest, base)
+    if base in IDENTITY_METHODS:
         return Preconditioner(base, shapes)
     path = precond_path(index_dir, base)
     if base not in manifest.get("preconditioners", {}) or not path.exists():

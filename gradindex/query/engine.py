@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.projection import STREAM_VERSION
 from gradindex.checksum import damage_error
@@ -81,13 +82,15 @@ class QueryEngine:
     ``model_dir`` defaults to the model the index was built with (``manifest['model_id']``);
     a model that differs from it (fingerprint, layers, projection) is refused. ``layers`` (glob
     patterns) loads only some layers' indices; ``data`` overrides where training texts are read;
-    ``load_model=False`` opens a search-only engine (:meth:`search` on given gradients).
+    ``load_model=False`` opens a search-only engine (:meth:`search` on given gradients);
+    ``optimizer_state`` overrides where an Adam-preconditioned index's optimizer state is read
+    (default: the path it was built with; its hash must match).
     """
 
     def __init__(self, index_dir: str | os.PathLike, model_dir: str | os.PathLike | None = None, *,
                  model=None, tokenizer=None, device: str = "auto", dtype: str | None = None,
                  data: str | os.PathLike | None = None, layers: Sequence[str] | None = None,
-                 use_gpu: bool = True, load_model: bool = True):
+                 use_gpu: bool = True, load_model: bool = True, optimizer_state: str | os.PathLike | None = None):
         self.dir = Path(index_dir)
         self.manifest = read_manifest(index_dir)
         if self.manifest.get("status") != "complete":
@@ -107,11 +110,11 @@ class QueryEngine:
         self._scales: dict[tuple, np.ndarray] = {}
         self.model, self.tokenizer, self.capture = model, tokenizer, None
         if load_model:
-            self._open_model(model_dir, device, dtype)
+            self._open_model(model_dir, device, dtype, optimizer_state)
         self.texts = TrainingTexts(self.manifest, self.store, self.tokenizer, data)
 
     # -- opening ------------------------------------------------------------------------------
-    def _open_model(self, model_dir, device: str, dtype: str | None) -> None:
+    def _open_model(self, model_dir, device: str, dtype: str | None, optimizer_state=None) -> None:
         if self.model is None:
             from gradindex.model import load_causal_lm
 
@@ -130,9 +133,12 @@ class QueryEngine:
         spec = ProjectionSpec(**proj)
         route = self.manifest.get("config", {}).get("route", "auto")
         self.model.requires_grad_(False)
-        self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True)
+        transforms, optimizer = self._optimizer_transforms(optimizer_state)
+        self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True,
+                                       transforms=transforms)
         now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
+               "optimizer": optimizer,
                "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
                               "rows": self.capture.dims(n)[0], "cols": self.capture.dims(n)[1]}
                           for n, i in self.capture.infos.items()}}
@@ -142,6 +148,18 @@ class QueryEngine:
                 f"this model does not fit the index in {str(self.dir)!r}: " + "; ".join(diffs)
                 + ". Query with the model the index was built from, or rebuild the index")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def _optimizer_transforms(self, path) -> tuple[dict | None, dict | None]:
+        """The Adam transforms the build applied to every row, so queries get the same (or none)."""
+        rec = self.manifest["build"].get("optimizer")
+        if not rec:
+            return None, None
+        path = Path(path or self.manifest.get("config", {}).get("optimizer_state", ""))
+        if not path.is_file():
+            raise FileNotFoundError(f"this index's rows are Adam-preconditioned and queries need the same optimizer "
+                                    f"state, but {str(path)!r} is not there; pass it (optimizer_state= / "
+                                    "--optimizer-state)")
+        return adam_capture_transforms(path, rec["mode"], self.model, self.layer_names)
 
     def select_layers(self, patterns: Sequence[str] | str | None) -> list[str]:
         """Layer names matching glob ``patterns`` (all loaded layers when ``None``), model order."""

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 import gradindex
 from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.batch import batch_gradients, finite_rows
 from gradindex.checksum import check_files, move_aside, recorded
 from gradindex.data import Tokenized, token_hash
@@ -61,11 +62,21 @@ class BuildConfig:
     """Relative damping of the self-influence written with ``precondition``."""
     storage: str = "fp32"
     """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`)."""
+    optimizer_state: str = ""
+    """Adam state of the training run (safetensors or torch ``state_dict``): store ``G ⊘ (√v + ε)``,
+    the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
+    adam_mode: str = "exact"
+    """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
 
     def __post_init__(self) -> None:
         check_storage(self.storage)
         if self.precondition not in ("none", "kfac", "ekfac"):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
+        if self.adam_mode not in ADAM_MODES:
+            raise ValueError(f"adam mode {self.adam_mode!r} is not one of {list(ADAM_MODES)}")
+        if self.optimizer_state and (self.precondition != "none" or self.collect_covariance):
+            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
+                             "K-FAC/EK-FAC are fitted on plain gradients: build those without it")
 
 
 @dataclass
@@ -80,7 +91,8 @@ def model_dtype(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
 
 
-def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig, data_fp: str) -> dict:
+def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig, data_fp: str,
+              optimizer: dict | None) -> dict:
     return {
         "model_fingerprint": model_fingerprint(model),
         "dtype": model_dtype(model),
@@ -94,6 +106,7 @@ def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: 
         "loss": LOSS_CONVENTION,
         "shard_size": cfg.shard_size,
         "batch_size": cfg.batch_size,
+        "optimizer": optimizer,
     }
 
 
@@ -163,9 +176,13 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     t0 = time.perf_counter()
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
+    transforms, optimizer = None, None
+    if cfg.optimizer_state:
+        transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.adam_mode, model, cfg.layers)
     capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route, weight_free=True,
-                              collect_covariance=cfg.collect_covariance or cfg.precondition != "none")
-    identity = _identity(model, capture, data, cfg, data_fp)
+                              collect_covariance=cfg.collect_covariance or cfg.precondition != "none",
+                              transforms=transforms)
+    identity = _identity(model, capture, data, cfg, data_fp, optimizer)
     old = prepare_out_dir(out, identity, overwrite)
     (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
     if old is not None:
@@ -177,7 +194,8 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         "model_id": model_id,
         "data_id": data_id,
         "build": identity,
-        "config": {**asdict(cfg), "projection": cfg.projection.to_dict()},
+        "config": {**asdict(cfg), "projection": cfg.projection.to_dict(),
+                   "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
         "dtype": identity["dtype"],
         "counts": {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
     }
