@@ -48,7 +48,7 @@ def build_index(
         res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
                           overwrite=overwrite, progress=progress, repair=repair)
         if cfg.precondition != "none":
-            fit = FitConfig(method=cfg.precondition, damping=cfg.damping)
+            fit = FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
             fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress)
             res.manifest = read_manifest(out_dir)
         res.seconds = time.perf_counter() - t0

@@ -45,6 +45,9 @@ from gradindex.store.codes import STORAGES
               help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too).")
 @click.option("--damping", default=0.1, show_default=True, type=float,
               help="Relative damping of the self-influence written with --precondition (and of --whiten).")
+@click.option("--fisher", default="empirical", show_default=True, type=click.Choice(["empirical", "true"]),
+              help="Factors of --precondition from the observed labels or from labels sampled from the model.")
+@click.option("--fisher-seed", default=0, show_default=True, type=int, help="Seed of --fisher true's labels.")
 @click.option("--optimizer-state", default="", type=click.Path(dir_okay=False, exists=True),
               help="Adam state of the training run (.safetensors of '<param>.exp_avg_sq', or a torch "
                    "optimizer state_dict, read with weights_only=True): store G/(sqrt(v)+eps), method adam.")
@@ -56,14 +59,16 @@ from gradindex.store.codes import STORAGES
 @user_errors
 def build(model_dir, data, out, projection, projection_kind, seed, layers, text_field, max_length,
           batch_size, dtype, device, route, storage, shard_size, overwrite, repair, precondition, damping,
-          optimizer_state, adam_mode, index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
+          fisher, fisher_seed, optimizer_state, adam_mode, index_type, whiten, normalize, train_size, cpu_index,
+          no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     spec = ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
                       route=route, shard_size=shard_size, storage=storage,
-                      precondition=precondition, damping=damping, optimizer_state=optimizer_state,
+                      precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
+                      optimizer_state=optimizer_state,
                       adam_mode=adam_mode)
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):

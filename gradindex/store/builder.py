@@ -18,6 +18,7 @@ import gradindex
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.batch import batch_gradients, finite_rows
+from gradindex.capture.sampling import FISHERS
 from gradindex.checksum import check_files, move_aside, recorded
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint
@@ -62,6 +63,11 @@ class BuildConfig:
     """Relative damping of the self-influence written with ``precondition``."""
     storage: str = "fp32"
     """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`)."""
+    fisher: str = "empirical"
+    """Factors of ``precondition`` from the observed labels (``empirical``, collected in this pass) or
+    from labels sampled from the model (``true``: a model pass of its own; stored rows keep the observed)."""
+    fisher_seed: int = 0
+    """Seed of the true Fisher's sampled labels."""
     optimizer_state: str = ""
     """Adam state of the training run (safetensors or torch ``state_dict``): store ``G ⊘ (√v + ε)``,
     the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
@@ -72,6 +78,8 @@ class BuildConfig:
         check_storage(self.storage)
         if self.precondition not in ("none", "kfac", "ekfac"):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
+        if self.fisher not in FISHERS:
+            raise ValueError(f"fisher {self.fisher!r} is not one of {list(FISHERS)}")
         if self.adam_mode not in ADAM_MODES:
             raise ValueError(f"adam mode {self.adam_mode!r} is not one of {list(ADAM_MODES)}")
         if self.optimizer_state and (self.precondition != "none" or self.collect_covariance):
@@ -180,7 +188,8 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     if cfg.optimizer_state:
         transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.adam_mode, model, cfg.layers)
     capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route, weight_free=True,
-                              collect_covariance=cfg.collect_covariance or cfg.precondition != "none",
+                              collect_covariance=cfg.collect_covariance
+                              or (cfg.precondition != "none" and cfg.fisher == "empirical"),
                               transforms=transforms)
     identity = _identity(model, capture, data, cfg, data_fp, optimizer)
     old = prepare_out_dir(out, identity, overwrite)
