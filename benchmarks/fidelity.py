@@ -155,8 +155,10 @@ def new_model(cfg: FidelityConfig, vocab: int) -> torch.nn.Module:
 
 
 def train_model(model: torch.nn.Module, seqs: list[list[int]], cfg: FidelityConfig,
-                seed: int) -> torch.nn.Module:
-    """AdamW on the mean token loss, epochs of shuffled batches, warm-up then linear decay to zero."""
+                seed: int, optimizer_out: list | None = None) -> torch.nn.Module:
+    """AdamW on the mean token loss, epochs of shuffled batches, warm-up then linear decay to zero.
+
+    ``optimizer_out``, when given, receives the optimizer (its final state: benchmarks/adam_lds.py)."""
     ids, lens = _padded(seqs, 0)
     mask = torch.arange(ids.shape[1])[None, :] < lens[:, None]  # [n, T]
     labels = ids.masked_fill(~mask, IGNORE)
@@ -177,6 +179,8 @@ def train_model(model: torch.nn.Module, seqs: list[list[int]], cfg: FidelityConf
         out.loss.backward()
         opt.step()
         sched.step()
+    if optimizer_out is not None:
+        optimizer_out.append(opt)
     return model.eval()
 
 
