@@ -48,7 +48,7 @@ from gradindex.store.codes import STORAGES
 @click.option("--fisher", default="empirical", show_default=True, type=click.Choice(["empirical", "true"]),
               help="Factors of --precondition from the observed labels or from labels sampled from the model.")
 @click.option("--fisher-seed", default=0, show_default=True, type=int, help="Seed of --fisher true's labels.")
-@click.option("--optimizer-state", default="", type=click.Path(dir_okay=False, exists=True),
+@click.option("--optimizer-state", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Adam state of the training run (.safetensors of '<param>.exp_avg_sq', or a torch "
                    "optimizer state_dict, read with weights_only=True): store G/(sqrt(v)+eps), method adam.")
 @click.option("--adam-mode", default="exact", show_default=True, type=click.Choice(["exact", "factored"]),
@@ -68,7 +68,7 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
     cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
                       route=route, shard_size=shard_size, storage=storage,
                       precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
-                      optimizer_state=optimizer_state,
+                      optimizer_state=optimizer_state or "",
                       adam_mode=adam_mode)
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
