@@ -140,6 +140,9 @@ def test_queries_get_the_same_transform_and_methods_do_not_mix(tmp_path, trained
         assert res.hits[0].id == int(np.argmax(dots)) and np.isclose(res.hits[0].score, dots.max(), rtol=1e-5)
         with pytest.raises(ValueError, match="adam only"):
             eng.query("the cat", method="graddot")
+        norms = np.sqrt(sum((rows[n].astype(np.float64) ** 2).sum(1) for n in rows))
+        sn = eng.query(load_records(trained["data"])[3]["text"], k=10, method="adam-selfnorm")
+        assert np.allclose([h.score for h in sn.hits], np.sort(dots / norms)[::-1], rtol=1e-4)
     s = score_matrix(out, {n: v.numpy() for n, v in q.items()}, "adam", device="cpu")
     assert np.allclose(s[0], dots, rtol=1e-5)
     with pytest.raises(ValueError, match="Adam-preconditioned"):

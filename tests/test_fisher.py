@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
+import h5py
 import numpy as np
 import pytest
 import torch
@@ -140,6 +142,14 @@ def test_true_fisher_fit_keeps_stored_rows_and_records_itself(tmp_path, gpt2_dir
     assert np.allclose(true[n]["A"], emp[n]["A"], rtol=1e-6)
     for k in ("S", "Lambda"):
         assert not np.allclose(true[n][k], emp[n][k], rtol=0.05), k
+    # built with --fisher true: no factors collected in the build pass (they would be the empirical ones)
+    out2 = tmp_path / "idx2"
+    build_index(model, tok, data, out2, replace(cfg, fisher="true", fisher_seed=2), model_id=str(gpt2_dir),
+                data_id=str(text_jsonl), progress=False)
+    with Store(out2) as st:
+        assert all("covariance" not in h5py.File(p, "r") for p in st.paths)
+    built = read_layers(precond_path(out2, "ekfac"), ("A", "S", "Lambda"))
+    assert np.allclose(built[n]["Lambda"], true[n]["Lambda"], rtol=1e-9)
     # the true Fisher's Λ* is the mean square of sampled-label rows rotated into its eigenbasis:
     # with the same seed a second fit reproduces it exactly
     fit_preconditioner(out, FitConfig(method="ekfac", fisher="true", seed=2, device="cpu"), model, tok, data)

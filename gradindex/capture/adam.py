@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gradindex.capture.layers import LayerInfo
+from gradindex.capture.hooks import select_layers
+from gradindex.capture.layers import LayerInfo, layer_info
 from gradindex.capture.transform import LayerTransform
 
 ADAM_MODES = ("exact", "factored")
@@ -230,9 +231,6 @@ def optimizer_record(moments: SecondMoments, mode: str) -> dict:
 def adam_capture_transforms(path: str | os.PathLike, mode: str, model: nn.Module,
                             layers=None) -> tuple[dict[str, LayerTransform], dict]:
     """Transforms of the layers ``layers`` selects (as the capture does) and the manifest record."""
-    from gradindex.capture.hooks import select_layers
-    from gradindex.capture.layers import layer_info
-
     if mode not in ADAM_MODES:
         raise ValueError(f"--adam-mode {mode!r} is not one of {list(ADAM_MODES)}")
     moments = load_second_moments(path, model)
