@@ -10,6 +10,11 @@ it builds, on the same model and data:
   model), scored with K-FAC and EK-FAC;
 * an index of Adam-preconditioned rows, ``--adam-mode exact`` and ``factored``, scored with ``adam``.
 
+``--adam-powers 1,0.5`` also measures ``G ⊘ (√v + ε)^p`` on both sides, i.e. the metric
+``(√v + ε)^{-2p}``: ``p = 1`` is the method (``diag(v)⁻¹``, both sides preconditioned), ``p = 0.5``
+the one-sided Adam step of LESS/TracIn-Adam (``⟨g_q, g_t ⊘ (√v + ε)⟩``). It is made here by
+rewriting the state file (``√v' = (√v + ε)^p − ε``), not by the library.
+
 All of them store the same ``k_g·k_a`` float32 numbers per layer, so a projection column compares
 methods at equal bytes per example. EK-FAC is reported at the library's default damping and at
 the best damping of the sweep (an upper bound that tunes on the evaluation). Paired differences
@@ -71,7 +76,25 @@ def _build(model, setup, bcfg: BuildConfig, out: Path) -> float:
     return time.perf_counter() - t0
 
 
-def run(cfg: F.FidelityConfig, work: Path, workers: int, threads: int, log=print) -> dict:
+def powered_state(state: Path, p: float) -> Path:
+    """A state file whose exact Adam weight is ``(√v + ε)^-p`` (module doc); ``state`` itself for ``p = 1``."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    if p == 1:
+        return state
+    with safe_open(str(state), "pt") as f:
+        meta = f.metadata()
+    eps = float(meta["eps"])
+    t = {k: (((v.double().sqrt() + eps) ** p - eps).clamp_min(0) ** 2).float()
+         for k, v in load_file(str(state)).items()}
+    out = state.with_name(f"{state.stem}-p{p}.safetensors")
+    save_file(t, str(out), metadata=meta)
+    return out
+
+
+def run(cfg: F.FidelityConfig, work: Path, workers: int, threads: int, log=print, powers=(1.0,),
+        fisher: bool = True) -> dict:
     t_start = time.perf_counter()
     torch.set_num_threads(threads)
     work.mkdir(parents=True, exist_ok=True)
@@ -103,23 +126,26 @@ def run(cfg: F.FidelityConfig, work: Path, workers: int, threads: int, log=print
             q = query_gradients(model, setup.tokenizer, setup.query, plain)
             bytes_per_example[proj] = 4 * sum(v.shape[1] for v in q.values())
             record("graddot", proj, F.scores(idx, q, "graddot", cfg.damping))
-            for fisher in ("empirical", "true"):
-                if fisher == "true":
+            for fisher_kind in ("empirical", "true") if fisher else ("empirical",):
+                if fisher_kind == "true":
                     t0 = time.perf_counter()
                     fit_preconditioner(idx, FitConfig(method="ekfac", damping=cfg.damping, fisher="true", seed=ps,
                                                       device="cpu"), model, setup.tokenizer, setup.train)
                     seconds[f"fit true {proj}"] = seconds.get(f"fit true {proj}", 0) + time.perf_counter() - t0
                 for m in ("kfac", "ekfac"):
                     for d in cfg.dampings:
-                        record(f"{m}-{fisher}@{d}", proj, F.scores(idx, q, m, d))
+                        record(f"{m}-{fisher_kind}@{d}", proj, F.scores(idx, q, m, d))
             shutil.rmtree(idx)
-            for mode in ("exact", "factored"):
-                acfg = replace(plain, precondition="none", optimizer_state=str(state), adam_mode=mode)
-                key = f"build adam-{mode} {proj}"
-                seconds[key] = seconds.get(key, 0) + _build(model, setup, acfg, idx)
-                record(f"adam-{mode}", proj, F.scores(idx, query_gradients(model, setup.tokenizer, setup.query, acfg),
-                                                      "adam", cfg.damping))
-                shutil.rmtree(idx)
+            for pw in powers:
+                for mode in ("exact", "factored"):
+                    acfg = replace(plain, precondition="none", optimizer_state=str(powered_state(state, pw)),
+                                   adam_mode=mode)
+                    name = f"adam-{mode}" + ("" if pw == 1 else f"^{pw}")
+                    seconds[f"build {name} {proj}"] = seconds.get(f"build {name} {proj}", 0) + _build(
+                        model, setup, acfg, idx)
+                    q_adam = query_gradients(model, setup.tokenizer, setup.query, acfg)
+                    record(name, proj, F.scores(idx, q_adam, "adam", cfg.damping))
+                    shutil.rmtree(idx)
         log(f"projection {proj}: done ({time.perf_counter() - t_start:.0f} s so far)")
 
     ref_name = f"ekfac-empirical@{cfg.damping}"
@@ -133,14 +159,15 @@ def run(cfg: F.FidelityConfig, work: Path, workers: int, threads: int, log=print
                                             "diff_vs_ekfac": float(diff.mean()), "diff_se": se(diff),
                                             "per_proj_seed": [round(float(r.mean()), 4) for r in runs]}
     best = {}
-    for m in ("kfac-empirical", "kfac-true", "ekfac-empirical", "ekfac-true"):
+    fishers = ("empirical", "true") if fisher else ("empirical",)
+    for m in [f"{k}-{f}" for k in ("kfac", "ekfac") for f in fishers]:
         for proj in cfg.projections:
             cands = {d: table[f"{m}@{d}"][proj]["lds"] for d in cfg.dampings}
             d = max(cands, key=cands.get)
             best.setdefault(m, {})[proj] = {"damping": d, "lds": cands[d]}
     return {"benchmark": "adam_lds", "config": asdict(cfg), "threads": threads, "workers": workers,
             "bytes_per_example": bytes_per_example, "noise_ceiling": F.noise_ceiling(losses),
-            "reference": ref_name, "lds": table, "best_damping": best,
+            "adam_powers": list(powers), "reference": ref_name, "lds": table, "best_damping": best,
             "seconds": {k: round(v, 1) for k, v in seconds.items()} | {
                 "total": round(time.perf_counter() - t_start, 1)}}
 
@@ -151,9 +178,9 @@ def format_table(r: dict) -> str:
     lines = [f"LDS (mean over queries; Δ = paired difference to ekfac-empirical@{d} ± SE over queries)",
              f"{'method':<22}" + "".join(f"{p + ' (' + str(r['bytes_per_example'][p] // 1024) + ' KiB)':>28}"
                                          for p in projs)]
-    names = ["graddot", f"kfac-empirical@{d}", f"kfac-true@{d}", f"ekfac-empirical@{d}", f"ekfac-true@{d}",
-             "adam-exact", "adam-factored"]
-    for n in names:
+    names = ["graddot", f"kfac-empirical@{d}", f"kfac-true@{d}", f"ekfac-empirical@{d}", f"ekfac-true@{d}"]
+    names += [n for n in r["lds"] if n.startswith("adam")]
+    for n in [n for n in names if n in r["lds"]]:
         row = r["lds"][n]
         lines.append(f"{n:<22}" + "".join(
             f"{row[p]['lds']:>10.3f} Δ {row[p]['diff_vs_ekfac']:+.3f}±{row[p]['diff_se']:.3f}" for p in projs))
@@ -174,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--projections")
     ap.add_argument("--proj-seeds", type=int)
     ap.add_argument("--dampings")
+    ap.add_argument("--adam-powers", default="1", help="comma-separated p of G/(sqrt(v)+eps)^p (module doc)")
+    ap.add_argument("--no-true-fisher", action="store_true", help="skip the true-Fisher refits")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
@@ -182,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             "projections": tuple(a.projections.split(",")) if a.projections else None,
             "dampings": tuple(float(x) for x in a.dampings.split(",")) if a.dampings else None}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
-    result = run(cfg, a.work_dir, a.workers, a.threads)
+    result = run(cfg, a.work_dir, a.workers, a.threads, powers=tuple(float(x) for x in a.adam_powers.split(",")),
+                 fisher=not a.no_true_fisher)
     print(format_table(result))
     out = a.out or (None if a.quick else Path("benchmarks/results/adam_lds.json"))
     if out:
