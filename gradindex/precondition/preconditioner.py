@@ -30,12 +30,13 @@ def selected_layers(manifest: dict, layers: Sequence[str] | None) -> list[str]:
     return chosen
 
 
-def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
+def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False, manifest: dict | None = None) -> list[str]:
     """Methods this index answers: ``graddot``, ``cosine``, and ``kfac``/``ekfac`` once fitted.
 
     With ``selfnorm``, the self-normalized variants (``graddot-selfnorm``, ...) are listed too.
+    ``manifest``: the index's, when already read (else it is read).
     """
-    manifest = read_manifest(index_dir)
+    manifest = manifest if manifest is not None else read_manifest(index_dir)
     fitted = [
         m
         for m in FITTED_METHODS
@@ -111,10 +112,13 @@ class Preconditioner:
         return eigen_power(x.to(dtype), Q_S, Q_A, Lam, delta, power).to(x.dtype)
 
 
-def load_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditioner:
-    """The preconditioner of ``method`` (``-selfnorm`` variants load their base method)."""
+def load_preconditioner(index_dir: str | os.PathLike, method: str, manifest: dict | None = None) -> Preconditioner:
+    """The preconditioner of ``method`` (``-selfnorm`` variants load their base method).
+
+    ``manifest``: the index's, when already read (else it is read).
+    """
     base, _ = parse_method(method)
-    manifest = read_manifest(index_dir)
+    manifest = manifest if manifest is not None else read_manifest(index_dir)
     shapes = layer_shapes(manifest)
     if base in BASE_METHODS:
         return Preconditioner(base, shapes)
@@ -122,7 +126,7 @@ def load_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditi
     if base not in manifest.get("preconditioners", {}) or not path.exists():
         raise FileNotFoundError(
             f"index {str(Path(index_dir))!r} has no {base} preconditioner (methods here: "
-            f"{available_methods(index_dir)}); add it with `gradindex precondition {index_dir} "
+            f"{available_methods(index_dir, manifest=manifest)}); add it with `gradindex precondition {index_dir} "
             f"--method {base}` (or build with `gradindex build ... --precondition {base}`)"
         )
     check_fingerprints(path, manifest, base)
