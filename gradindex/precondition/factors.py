@@ -21,11 +21,11 @@ from tqdm.auto import tqdm
 
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import batch_gradients
-from gradindex.capture.projection import STREAM_VERSION
 from gradindex.capture.sampling import FISHERS, label_uniforms
 from gradindex.data import Tokenized, load_records, token_hash, tokenize_records
 from gradindex.fingerprint import digest_bytes, model_fingerprint
 from gradindex.manifest import IndexMismatchError
+from gradindex.model import resolve_pad_id
 from gradindex.store import Store
 
 
@@ -86,14 +86,7 @@ def store_covariance(store: Store, layers: Sequence[str]) -> tuple[FactorSums, l
 
 
 def projection_from_manifest(manifest: dict) -> ProjectionSpec:
-    d = dict(manifest["build"]["projection"])
-    version = d.pop("stream_version", STREAM_VERSION)
-    if version != STREAM_VERSION:
-        raise ValueError(
-            f"the index was built with projection stream v{version}, this library draws v{STREAM_VERSION}; "
-            "install the gradindex version that built it, or rebuild the index"
-        )
-    return ProjectionSpec(**d)
+    return ProjectionSpec.from_dict(manifest["build"]["projection"])
 
 
 def model_covariance(
@@ -117,7 +110,7 @@ def model_covariance(
     if fisher not in FISHERS:
         raise ValueError(f"fisher {fisher!r} is not one of {list(FISHERS)}")
     sums = FactorSums()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = resolve_pad_id(model, tokenizer)
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
     cap = GradientCapture(model, list(layers), projection, route, weight_free=True, collect_covariance=True)

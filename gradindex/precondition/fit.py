@@ -96,19 +96,24 @@ def fit_preconditioner(
     tokenizer=None,
     data: Tokenized | None = None,
     progress: bool = False,
+    manifest: dict | None = None,
 ) -> dict:
     """Fit ``cfg.method`` on the index in ``index_dir``; return the manifest's ``preconditioners``.
 
     ``model``/``tokenizer``/``data`` (the build's own, already loaded) spare reloading them when a
     model pass is needed; otherwise they are loaded from the manifest and fingerprint-checked.
+    ``manifest``: the index's, when the caller holds it (the pipeline): it is used instead of
+    reading the file, and updated in place with the new entries before it is written.
     """
     with index_lock(index_dir, f"gradindex precondition --method {cfg.method}"):
-        return _fit(index_dir, cfg, model, tokenizer, data, progress)
+        return _fit(index_dir, cfg, model, tokenizer, data, progress, manifest)
 
 
-def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> dict:
+def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, manifest: dict | None) -> dict:
     t0 = time.perf_counter()
-    manifest = read_complete_manifest(index_dir, "fit")
+    held = manifest is not None and manifest.get("status") == "complete"
+    if not held:
+        manifest = read_complete_manifest(index_dir, "fit")
     if adam_rows(manifest):
         raise ValueError(f"the rows of {str(index_dir)!r} are Adam-preconditioned (built with --optimizer-state) "
                          "and answer --method adam as they are; K-FAC/EK-FAC are fitted on an index of plain "
@@ -166,7 +171,8 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> d
     for m, (fac, si) in written.items():
         write_precond(precond_path(index_dir, m), m, manifest, layers, fac, si, cfg.damping, fit)
     seconds = time.perf_counter() - t0
-    manifest = read_manifest(index_dir)  # fresh: another stage may have written meanwhile
+    if not held:
+        manifest = read_manifest(index_dir)  # fresh: another stage may have written meanwhile
     entries = manifest.setdefault("preconditioners", {})
     for m in written:
         if m == "graddot":

@@ -30,13 +30,14 @@ def selected_layers(manifest: dict, layers: Sequence[str] | None) -> list[str]:
     return chosen
 
 
-def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
+def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False, manifest: dict | None = None) -> list[str]:
     """Methods this index answers: ``graddot``, ``cosine``, and ``kfac``/``ekfac`` once fitted; only
     ``adam`` when its rows are Adam-preconditioned.
 
     With ``selfnorm``, the self-normalized variants (``graddot-selfnorm``, ...) are listed too.
+    ``manifest``: the index's, when already read (else it is read).
     """
-    manifest = read_manifest(index_dir)
+    manifest = manifest if manifest is not None else read_manifest(index_dir)
     if adam_rows(manifest):
         return [ADAM] + ([ADAM + SELFNORM] if selfnorm else [])
     fitted = [
@@ -124,10 +125,13 @@ def check_rows_fit_method(index_dir: str | os.PathLike, manifest: dict, base: st
                          "`gradindex build ... --optimizer-state PATH`")
 
 
-def load_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditioner:
-    """The preconditioner of ``method`` (``-selfnorm`` variants load their base method)."""
+def load_preconditioner(index_dir: str | os.PathLike, method: str, manifest: dict | None = None) -> Preconditioner:
+    """The preconditioner of ``method`` (``-selfnorm`` variants load their base method).
+
+    ``manifest``: the index's, when already read (else it is read).
+    """
     base, _ = parse_method(method)
-    manifest = read_manifest(index_dir)
+    manifest = manifest if manifest is not None else read_manifest(index_dir)
     shapes = layer_shapes(manifest)
     check_rows_fit_method(index_dir, manifest, base)
     if base in IDENTITY_METHODS:
@@ -136,7 +140,7 @@ def load_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditi
     if base not in manifest.get("preconditioners", {}) or not path.exists():
         raise FileNotFoundError(
             f"index {str(Path(index_dir))!r} has no {base} preconditioner (methods here: "
-            f"{available_methods(index_dir)}); add it with `gradindex precondition {index_dir} "
+            f"{available_methods(index_dir, manifest=manifest)}); add it with `gradindex precondition {index_dir} "
             f"--method {base}` (or build with `gradindex build ... --precondition {base}`)"
         )
     check_fingerprints(path, manifest, base)

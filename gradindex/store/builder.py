@@ -31,6 +31,7 @@ from gradindex.manifest import (
     read_manifest,
     write_manifest,
 )
+from gradindex.model import resolve_pad_id
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.codes import check_storage
 
@@ -203,7 +204,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         "model_id": model_id,
         "data_id": data_id,
         "build": identity,
-        "config": {**asdict(cfg), "projection": cfg.projection.to_dict(),
+        "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
                    "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
         "dtype": identity["dtype"],
         "counts": {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
@@ -214,7 +215,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         manifest["status"] = "building"
     write_manifest(out, manifest)
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = resolve_pad_id(model, tokenizer)
     N, S, B = len(data), cfg.shard_size, cfg.batch_size
     dims = {n: capture.dim(n) for n in capture.infos}
     nonfinite: set[int] = set(manifest.get("nonfinite_ids", []))
