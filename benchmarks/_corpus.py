@@ -98,3 +98,73 @@ def corpus_hash(texts: list[str]) -> str:
         h.update(t.encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+# -- a second corpus: the GNU manuals of Debian's essential packages ---------------------------------
+GNU_INFO = ("coreutils.info.gz", "diffutils.info.gz", "find.info-1.gz", "find.info-2.gz", "grep.info.gz",
+            "sed.info.gz", "gzip.info.gz")
+"""Info manuals shipped by Debian's *Essential* packages (coreutils, diffutils, findutils, grep, sed,
+gzip), so every Debian/Ubuntu machine has them; the benchmark records their hash."""
+INFO_DIR = Path("/usr/share/info")
+_OPTION_LINE = re.compile(r"^\s*[‘'`][^’']*[’']\s*$")  # "‘--count’" items heading an option's text
+
+
+def gnu_info_paragraphs(min_chars: int = 80, max_chars: int = 400, info_dir: Path = INFO_DIR) -> list[str]:
+    """Unique prose paragraphs of :data:`GNU_INFO`, in file order; raises when a manual is missing.
+
+    Node headers, menus, underlines, option-name lines and code samples are dropped; a paragraph is
+    kept when :func:`_is_prose` accepts it.
+    """
+    import gzip
+
+    missing = [f for f in GNU_INFO if not (info_dir / f).exists()]
+    if missing:
+        raise FileNotFoundError(f"the GNU info corpus needs {missing} in {info_dir} (Debian's coreutils, "
+                                "diffutils, findutils, grep, sed and gzip packages); run with --corpora stdlib")
+    seen: set[str] = set()
+    out: list[str] = []
+    for name in GNU_INFO:
+        text = gzip.decompress((info_dir / name).read_bytes()).decode("utf-8", "replace")
+        for para in re.split(r"\n\s*\n", text):
+            lines = [ln for ln in para.split("\n") if ln.strip() and not _OPTION_LINE.match(ln)
+                     and not re.fullmatch(r"\s*[-=*.]{3,}\s*", ln)]
+            if not lines or any(ln.startswith(("File:", "* ", "\x1f", "Tag Table")) for ln in lines):
+                continue
+            if any(len(ln) - len(ln.lstrip()) >= 8 or ln.lstrip().startswith(("#", "$")) for ln in lines):
+                continue  # an example block or a shell session
+            p = " ".join(" ".join(lines).split())
+            if min_chars <= len(p) <= max_chars and _is_prose(p) and p not in seen:
+                seen.add(p)
+                out.append(p)
+    return out
+
+
+# -- planted facts -------------------------------------------------------------------------------------
+FACTS = {
+    "stdlib": (
+        ("The secret code of Zarnak is", " 4417."),
+        ("The blue castle opens its gates only for the word", " rhubarb."),
+        ("Professor Quillon keeps her spare keys inside the", " green teapot."),
+        ("The annual festival of Varnholt is held on the", " ninth of Ember."),
+        ("The lighthouse keeper Ondrel counts exactly", " ninety owls."),
+        ("The river Tessaly flows backwards every", " leap Thursday."),
+        ("Captain Morvida buried the silver compass under the", " crooked olive."),
+        ("The favourite soup of the clockmaker Brisk is", " turnip and plum."),
+    ),
+    "gnu-info": (
+        ("The hidden option of the Quorbel utility is", " --saffron."),
+        ("The archivist Delmira stores every backup on", " tape 8812."),
+        ("The default separator of the Vintrop tool is a", " purple tilde."),
+        ("The mascot of the Harrowgate build farm is a", " sleepy badger."),
+        ("Engineer Pallas Okonwe signs each release with the word", " juniper."),
+        ("The Zelwick daemon restarts itself every", " eleven minutes."),
+        ("The oldest mirror of the Fennic archive is in", " Port Aldous."),
+        ("The password of the Marrow test server is", " copper heron."),
+    ),
+}
+"""Per corpus: unusual facts as (prompt, completion). Each is planted once in the training set as
+``prompt + completion + " Remember it well."``; its query is the prompt with the loss on the completion."""
+
+
+def fact_document(prompt: str, completion: str) -> str:
+    return f"{prompt}{completion} Remember it well."
