@@ -184,13 +184,30 @@ def whitened_proj_codec(size: Callable, code: str = "fp32", kind: str = "ekfac")
     return enc
 
 
-def topvar_codec(frac: float, code: str) -> Callable:
+def eigen_norm_codec(code: str) -> Callable:
+    """Damping-free codes: the rotated rows ``R = Q_Sᵀ G Q_A`` scaled per column by ``√Λ*`` (shared, not
+    per example), coded, and scaled back; the query side ``R_q ⊙ (Λ + δ)⁻¹`` applies any damping."""
+    def enc(ctx, seed):
+        e = Encoded()
+        for li, curv in enumerate(ctx["ekfac"]):
+            W, Wq = whitened(ctx, li)
+            back = curv.damped(ctx["damping"], 0.5)  # W ⊙ back = R
+            col = np.sqrt(np.maximum(curv.Lambda, 1e-30 * max(float(curv.Lambda.mean()), 1e-300)))
+            t, nb = _code(W * back / col, code, seed)
+            t = t * col
+            inv = curv.damped(ctx["damping"], -1.0)
+            e.add(Wq * back * inv, t, t * inv, nb)
+        return e
+    return enc
+
+
+def topvar_codec(frac: float, code: str, curv_key: str = "ekfac") -> Callable:
     """Whitened eigenbasis, keeping only the ``frac`` share of coordinates (over all layers) with the
     largest whitened variance ``E[W²] = Λ*/(Λ* + δ)``; those columns are coded. The kept column
     indices are stored once (shared bytes)."""
     def enc(ctx, seed):
         damp = ctx["damping"]
-        var = [np.ravel(c.Lambda * c.damped(damp, -1.0)) for c in ctx["ekfac"]]
+        var = [np.ravel(c.Lambda * c.damped(damp, -1.0)) for c in ctx[curv_key]]
         allv = np.concatenate(var)
         n_keep = max(1, int(round(frac * allv.size)))
         cut = np.sort(allv)[::-1][n_keep - 1]
@@ -199,7 +216,7 @@ def topvar_codec(frac: float, code: str) -> Callable:
             keep = np.flatnonzero(v >= cut)
             if len(keep) == 0:
                 continue
-            W, Wq = whitened(ctx, li)
+            W, Wq = whitened(ctx, li, curv_key)
             W, Wq = W.reshape(len(W), -1)[:, keep], Wq.reshape(len(Wq), -1)[:, keep]
             t, nb = _code(W, code, seed)
             e.add(Wq, t, None, nb)
@@ -236,6 +253,9 @@ def grid(quick: bool = False) -> list[tuple[str, str, Callable, bool]]:
         g.append(("eigen (EK-FAC whitened)", f"eigen {code}", eigen_codec(code), False))
     for code in ("int8", "int4"):
         g.append(("eigen (K-FAC whitened)", f"eigen-kfac {code}", eigen_codec(code, "kfac"), False))
+    for code in ("int8", "int4", "int4-mse"):
+        g.append(("eigen, damping-free codes (column scale √Λ*)", f"eigen-norm {code}", eigen_norm_codec(code),
+                  False))
     for k in (4, 8, 16, 32, 64, 128):
         g.append(("proj k×k fp32 (EK-FAC fit in projection)", f"proj {k}x{k} fp32", proj_ekfac_codec(_k(k)), True))
     for r in RATIOS:
@@ -252,7 +272,7 @@ def grid(quick: bool = False) -> list[tuple[str, str, Callable, bool]]:
                   whitened_proj_codec(_r(r), "int8", kind="kfac"), True))
     g.append(("EK-FAC-whitened proj int8", "wproj r=1.0 int4", whitened_proj_codec(_r(1.0), "int4"), True))
     for frac in (0.5, 0.25, 0.125, 0.0625, 0.03125):
-        for code in ("fp16", "int8"):
+        for code in ("fp16", "int8", "int4"):
             g.append((f"eigen top-variance {code}", f"topvar {frac} {code}", topvar_codec(frac, code), False))
     return g
 
@@ -302,6 +322,10 @@ def run_study(model: torch.nn.Module, setup, masks: np.ndarray, losses: np.ndarr
         ("eigen, factors from a sample", "eigen int4, sample 25%", eigen_codec("int4", "ekfac-sample0.25"), False),
         ("eigen, factors from a sample", "eigen int4, sample 50%", eigen_codec("int4", "ekfac-sample0.5"), False),
         ("eigen, factors from a sample", "eigen int8, sample 25%", eigen_codec("int8", "ekfac-sample0.25"), False),
+        ("eigen, factors from a sample", "topvar 0.25 int8, sample 25%", topvar_codec(0.25, "int8", "ekfac-sample0.25"),
+         False),
+        ("eigen, factors from a sample", "topvar 0.25 int8, sample 50%", topvar_codec(0.25, "int8", "ekfac-sample0.5"),
+         False),
         ("eigen, fp16 store transcoded", "eigen int4 from fp16 store", eigen_codec("int4", g_transform=C.fp16),
          False),
     ]
