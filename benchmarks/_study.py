@@ -171,8 +171,10 @@ def whitened_proj_codec(size: Callable, code: str = "fp32", kind: str = "ekfac")
         e = Encoded()
         for li, ((_, G, A, S), Gq) in enumerate(zip(ctx["layers"], ctx["Gq"], strict=True)):
             if kind == "kfac":
-                Sw, Aw = C.factor_whiteners(A, S, ctx["damping"])
-                W, Wq = Sw @ G @ Aw, Sw @ Gq @ Aw
+                def make(G=G, Gq=Gq, A=A, S=S):
+                    Sw, Aw = C.factor_whiteners(A, S, ctx["damping"])
+                    return Sw @ G @ Aw, Sw @ Gq @ Aw
+                W, Wq = _cached(ctx, ("kfac-whiten", li), make)
             else:
                 W, Wq = whitened(ctx, li)
             k_g, k_a = size(*G.shape[1:])
@@ -201,10 +203,12 @@ def eigen_norm_codec(code: str) -> Callable:
     return enc
 
 
-def topvar_codec(frac: float, code: str, curv_key: str = "ekfac") -> Callable:
+def topvar_codec(frac: float, code: str, curv_key: str = "ekfac", norm: bool = False) -> Callable:
     """Whitened eigenbasis, keeping only the ``frac`` share of coordinates (over all layers) with the
-    largest whitened variance ``E[W²] = Λ*/(Λ* + δ)``; those columns are coded. The kept column
-    indices are stored once (shared bytes)."""
+    largest whitened variance ``E[W²] = Λ*/(Λ* + δ)`` (within a layer: the largest ``Λ*``); those
+    columns are coded. The kept column indices are stored once (shared bytes).
+    ``norm``: code the rotated coordinates ``R`` scaled per column by ``1/√Λ*`` instead of ``W``, so the
+    stored codes do not depend on the damping (the query side applies ``(Λ + δ)⁻¹``)."""
     def enc(ctx, seed):
         damp = ctx["damping"]
         var = [np.ravel(c.Lambda * c.damped(damp, -1.0)) for c in ctx[curv_key]]
@@ -218,8 +222,18 @@ def topvar_codec(frac: float, code: str, curv_key: str = "ekfac") -> Callable:
                 continue
             W, Wq = whitened(ctx, li, curv_key)
             W, Wq = W.reshape(len(W), -1)[:, keep], Wq.reshape(len(Wq), -1)[:, keep]
-            t, nb = _code(W, code, seed)
-            e.add(Wq, t, None, nb)
+            if norm:
+                curv = ctx[curv_key][li]
+                back = curv.damped(damp, 0.5).ravel()[keep]  # W ⊙ back = R
+                lam = curv.Lambda.ravel()[keep]
+                col = np.sqrt(np.maximum(lam, 1e-30 * max(float(curv.Lambda.mean()), 1e-300)))
+                inv = curv.damped(damp, -1.0).ravel()[keep]
+                t, nb = _code(W * back / col, code, seed)
+                t = t * col
+                e.add(Wq * back * inv, t, t * inv, nb)
+            else:
+                t, nb = _code(W, code, seed)
+                e.add(Wq, t, None, nb)
             e.shared_bytes += 4 * len(keep)
         return e
     return enc
@@ -247,33 +261,33 @@ def grid(quick: bool = False) -> list[tuple[str, str, Callable, bool]]:
                 ("proj k×k fp32", "proj 8x8 fp32", proj_ekfac_codec(_k(8)), True),
                 ("whitened proj (EK-FAC)", "wproj r=0.5 fp32", whitened_proj_codec(_r(0.5)), True)]
     g: list[tuple[str, str, Callable, bool]] = []
-    for code in ("fp32", "fp16", "int8", "int4", "int4-mse", "int2-mr"):
+    for code in ("fp32", "fp16", "int8", "int4"):
         g.append(("raw (EK-FAC query)", f"raw {code}", raw_codec(code), False))
-    for code in ("fp16", "int8", "int4", "int4-mse", "int4-sr", "int3-mse", "int2-mr", "int2-mrsr"):
+    for code in ("fp16", "int8", "int4", "int4-mse", "int4-sr", "int3-mse", "int2-mr"):
         g.append(("eigen (EK-FAC whitened)", f"eigen {code}", eigen_codec(code), False))
     for code in ("int8", "int4"):
         g.append(("eigen (K-FAC whitened)", f"eigen-kfac {code}", eigen_codec(code, "kfac"), False))
-    for code in ("int8", "int4", "int4-mse"):
         g.append(("eigen, damping-free codes (column scale √Λ*)", f"eigen-norm {code}", eigen_norm_codec(code),
                   False))
     for k in (4, 8, 16, 32, 64, 128):
         g.append(("proj k×k fp32 (EK-FAC fit in projection)", f"proj {k}x{k} fp32", proj_ekfac_codec(_k(k)), True))
     for r in RATIOS:
         g.append(("proj r·N fp32 (EK-FAC fit in projection)", f"proj r={r} fp32", proj_ekfac_codec(_r(r)), True))
-    for r in (0.354, 0.5, 0.707):
+    for r in (0.354, 0.707):
         g.append(("proj r·N int8 (EK-FAC fit in projection)", f"proj r={r} int8",
                   proj_ekfac_codec(_r(r), "int8"), True))
-    for r in RATIOS + (1.0,):
+    for r in (0.25, 0.354, 0.5, 1.0):
         g.append(("K-FAC-whitened proj fp32", f"kwproj r={r} fp32", whitened_proj_codec(_r(r), kind="kfac"), True))
         g.append(("EK-FAC-whitened proj fp32", f"wproj r={r} fp32", whitened_proj_codec(_r(r)), True))
-    for r in (0.354, 0.5, 0.707):
-        g.append(("EK-FAC-whitened proj int8", f"wproj r={r} int8", whitened_proj_codec(_r(r), "int8"), True))
-        g.append(("K-FAC-whitened proj int8", f"kwproj r={r} int8",
-                  whitened_proj_codec(_r(r), "int8", kind="kfac"), True))
-    g.append(("EK-FAC-whitened proj int8", "wproj r=1.0 int4", whitened_proj_codec(_r(1.0), "int4"), True))
+    g.append(("EK-FAC-whitened proj int8", "wproj r=0.707 int8", whitened_proj_codec(_r(0.707), "int8"), True))
+    g.append(("K-FAC-whitened proj int8", "kwproj r=0.707 int8", whitened_proj_codec(_r(0.707), "int8", kind="kfac"),
+              True))
     for frac in (0.5, 0.25, 0.125, 0.0625, 0.03125):
         for code in ("fp16", "int8", "int4"):
             g.append((f"eigen top-variance {code}", f"topvar {frac} {code}", topvar_codec(frac, code), False))
+    for frac, code in ((0.5, "int8"), (0.25, "int8"), (0.25, "int4"), (0.125, "int8")):
+        g.append((f"eigen top-Λ*, damping-free {code}", f"topvar-norm {frac} {code}",
+                  topvar_codec(frac, code, norm=True), False))
     return g
 
 
@@ -331,7 +345,7 @@ def run_study(model: torch.nn.Module, setup, masks: np.ndarray, losses: np.ndarr
     ]
     rows = []
     for family, name, enc, random in grid(quick) + extra:
-        seeds = range(cfg.proj_seeds if random else 1)
+        seeds = range(cfg.study_seeds if random else 1)
         per = []
         for seed in seeds:
             t2 = time.perf_counter()
@@ -425,3 +439,36 @@ def plot_study(result: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def study_markdown(result: dict, names: list[str] | None = None) -> str:
+    """A markdown table of the study, corpora side by side: bytes fraction, LDS share, top-k overlap,
+    fact recall@1 (plain / self-normalized); ``names``: the rows to show (default all)."""
+    k = result["config"]["top_k"]
+    studies = {c: r["study"] for c, r in result["corpora"].items() if r.get("study")}
+    first = next(iter(studies.values()))
+    names = names or [r["name"] for r in first["rows"]]
+    head = "| compression | bytes/example | of fp32 |" + "".join(
+        f" {c}: LDS share | top-{k} | facts |" for c in studies)
+    lines = [head, "|" + " --- |" * (3 + 3 * len(studies))]
+    for name in names:
+        rows = {c: {r["name"]: r for r in st["rows"]}.get(name) for c, st in studies.items()}
+        r0 = next(r for r in rows.values() if r)
+        cells = f"| {name} | {r0['bytes_per_example']} | {r0['bytes_fraction']:.3f} |"
+        for c, r in rows.items():
+            if r is None:
+                cells += " | | |"
+                continue
+            fr = "" if r["fact_recall"] is None else f"{r['fact_recall']:.2f} / {r['fact_recall_selfnorm']:.2f}"
+            se = r["lds_se"] / studies[c]["reference"]["lds"]
+            cells += f" {r['lds_share']:.2f} ± {se:.2f} | {r[f'top{k}_overlap']:.2f} | {fr} |"
+        lines.append(cells)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # print the study's tables from a results file
+    import json
+    import sys
+
+    res = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/fidelity.json").read_text())
+    print(study_markdown(res))

@@ -146,7 +146,7 @@ def _levels(bits: int, grid: str) -> tuple[float, float]:
     raise ValueError(f"grid must be 'midtread' or 'midrise', got {grid!r}")
 
 
-CLIP_FRACTIONS = (1.0, 0.8, 0.65, 0.5, 0.4, 0.32, 0.25, 0.2, 0.15, 0.1)
+CLIP_FRACTIONS = (1.0, 0.7, 0.5, 0.35, 0.25, 0.18, 0.12)
 """Candidate clip levels (fractions of the row's max |x|) of the MSE-optimal clipping search."""
 
 

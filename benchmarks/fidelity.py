@@ -117,6 +117,8 @@ class FidelityConfig:
     """Top-k overlap with the reference (full-space EK-FAC at ``damping``)."""
     study: bool = True
     """Run the compression study (``compression.py``) on full-space gradients."""
+    study_seeds: int = 2
+    """Projection seeds per random codec of the study."""
     study_grid: str = "full"
     """``full`` or ``quick`` (a handful of codecs): the study's compressions (``_study.grid``)."""
 
@@ -583,6 +585,20 @@ def run(cfg: FidelityConfig, work: Path, workers: int = 1, threads: int = 1, log
     }
 
 
+def merge_results(results: list[dict]) -> dict:
+    """One results dictionary from runs that differ only in their corpora (checked)."""
+    base = dict(results[0])
+    strip = lambda r: {k: v for k, v in r["config"].items() if k != "corpora"}  # noqa: E731
+    for r in results[1:]:
+        if strip(r) != strip(base):
+            raise ValueError("results to merge must share their configuration except the corpora")
+    base["corpora"] = {c: v for r in results for c, v in r["corpora"].items()}
+    base["config"] = {**base["config"], "corpora": list(base["corpora"])}
+    base["seconds_total"] = sum(r["seconds_total"] for r in results)
+    base["merged_from"] = len(results)
+    return base
+
+
 def format_table(result: dict) -> str:
     """Per corpus, the library's table: rows = methods, columns = projections, cells = LDS ± seed spread
     / share of full-space EK-FAC / top-k overlap / fact recall@1; then the study's table."""
@@ -633,7 +649,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--retrain-only", action="store_true", help="only fill the retrained-loss cache")
     ap.add_argument("--plot", type=Path, default=None,
                     help="LDS share vs bytes plot (default benchmarks/results/fidelity-bytes.png; none with --quick)")
+    ap.add_argument("--merge", nargs="+", type=Path,
+                    help="merge results files of the same configuration run on different corpora, then "
+                         "write --out and --plot (no measuring)")
     a = ap.parse_args(argv)
+    if a.merge:
+        result = merge_results([json.loads(p.read_text()) for p in a.merge])
     cfg = QUICK if a.quick else FidelityConfig()
     over = {"n_subsets": a.subsets, "retrain_seeds": a.retrain_seeds, "steps": a.steps,
             "proj_seeds": a.proj_seeds,
@@ -642,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
             "corpora": tuple(a.corpora.split(",")) if a.corpora else None,
             "study": False if a.no_study else None, "study_grid": a.study_grid}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
-    result = run(cfg, a.work_dir, a.workers, a.threads, retrain_only=a.retrain_only)
+    if not a.merge:
+        result = run(cfg, a.work_dir, a.workers, a.threads, retrain_only=a.retrain_only)
     if a.retrain_only:
         return 0
     print(format_table(result))

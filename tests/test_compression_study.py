@@ -126,7 +126,8 @@ def test_study_codecs_without_loss_reproduce_the_influence_scores():
     ctx = {"layers": [("l", G, A, S)], "Gq": [Gq], "damping": 0.1, "ekfac": [curv]}
     want = C.influence(Gq, G, curv, 0.1)
     for enc in (_study.raw_codec("fp32"), _study.eigen_codec("fp32"), _study.eigen_norm_codec("fp32"),
-                _study.topvar_codec(1.0, "fp32"), _study.whitened_proj_codec(lambda o, i: (o, i))):
+                _study.topvar_codec(1.0, "fp32"), _study.topvar_codec(1.0, "fp32", norm=True),
+                _study.whitened_proj_codec(lambda o, i: (o, i))):
         e = enc(ctx, 0)
         assert np.allclose(C.scores(e.q, e.t), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
         selfinf = sum((a * b).sum(1) for a, b in zip(e.selfside, e.t, strict=True))
