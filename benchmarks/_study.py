@@ -408,36 +408,45 @@ def format_study(study: dict, k: int = 10) -> str:
 
 
 def plot_study(result: dict, path: Path) -> None:
-    """LDS share vs bytes per example (log x), one line per compression family, one panel per corpus."""
+    """Share of full-space EK-FAC's LDS (top row) and top-k overlap with it (bottom row) against bytes per
+    example (log x), one line per compression family, one column per corpus."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    k = result["config"]["top_k"]
     corpora = {c: r["study"] for c, r in result["corpora"].items() if r.get("study")}
-    fig, axes = plt.subplots(1, len(corpora), figsize=(8 * len(corpora), 6), squeeze=False)
-    for ax, (corpus, st) in zip(axes[0], corpora.items(), strict=True):
+    fig, axes = plt.subplots(2, len(corpora), figsize=(9 * len(corpora), 11), squeeze=False)
+    colors = plt.get_cmap("tab20").colors
+    markers = "os^vD<>pXh*"
+    for col, (corpus, st) in enumerate(corpora.items()):
         fams: dict[str, list[dict]] = {}
         for r in st["rows"]:
             fams.setdefault(r["family"], []).append(r)
-        for fam, rs in fams.items():
-            rs = sorted(rs, key=lambda r: r["bytes_per_example"])
-            ax.plot([r["bytes_per_example"] for r in rs], [r["lds_share"] for r in rs], marker="o", ms=4,
-                    label=fam)
         full = st["full_float32_bytes_per_example"]
-        ax.axvline(full / 8, color="k", ls="--", lw=1)
-        ax.text(full / 8, 0.02, " 1/8 of float32", fontsize=8)
-        ax.axhline(0.95, color="k", ls=":", lw=1)
-        ax.set_xscale("log")
-        ax.set_ylim(0, 1.1)
-        ax.set_xlabel("bytes per example (log)")
-        ax.set_ylabel("share of full-space EK-FAC LDS")
-        ax.set_title(f"{corpus}: reference LDS {st['reference']['lds']:.3f}")
-        ax.legend(fontsize=7, loc="lower right")
-        ax.grid(alpha=0.3)
+        panels = (("lds_share", "share of full-space EK-FAC LDS", 0.95),
+                  (f"top{k}_overlap", f"top-{k} overlap with full-space EK-FAC", 0.90))
+        for row, (key, label, line) in enumerate(panels):
+            ax = axes[row][col]
+            for i, (fam, rs) in enumerate(fams.items()):
+                rs = sorted(rs, key=lambda r: r["bytes_per_example"])
+                ax.plot([r["bytes_per_example"] for r in rs], [r[key] for r in rs], marker=markers[i % len(markers)],
+                        ms=5, color=colors[i % len(colors)], label=fam)
+            ax.axvline(full / 8, color="k", ls="--", lw=1)
+            ax.text(full / 8, 1.03, " 1/8 of float32", fontsize=8)
+            ax.axhline(line, color="k", ls=":", lw=1)
+            ax.set_xscale("log")
+            ax.set_ylim(0, 1.1)
+            ax.set_xlabel("bytes per example (log)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{corpus}: reference LDS {st['reference']['lds']:.3f} ± {st['reference']['lds_se']:.3f}")
+            ax.grid(alpha=0.3)
+            if row == 1:
+                ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
