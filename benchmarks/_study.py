@@ -451,8 +451,9 @@ def plot_study(result: dict, path: Path) -> None:
 
 
 def study_markdown(result: dict, names: list[str] | None = None) -> str:
-    """A markdown table of the study, corpora side by side: bytes fraction, LDS share, top-k overlap,
-    fact recall@1 (plain / self-normalized); ``names``: the rows to show (default all)."""
+    """A markdown table of the study, corpora side by side: bytes fraction, LDS share (± the standard error
+    of the paired per-query difference to the reference, relative), top-k overlap, fact recall@1
+    (plain / self-normalized); ``names``: the rows to show (default all)."""
     k = result["config"]["top_k"]
     studies = {c: r["study"] for c, r in result["corpora"].items() if r.get("study")}
     first = next(iter(studies.values()))
@@ -469,7 +470,7 @@ def study_markdown(result: dict, names: list[str] | None = None) -> str:
                 cells += " | | |"
                 continue
             fr = "" if r["fact_recall"] is None else f"{r['fact_recall']:.2f} / {r['fact_recall_selfnorm']:.2f}"
-            se = r["lds_se"] / studies[c]["reference"]["lds"]
+            se = r["diff_vs_ref_se"] / studies[c]["reference"]["lds"]  # paired with the reference, per query
             cells += f" {r['lds_share']:.2f} ± {se:.2f} | {r[f'top{k}_overlap']:.2f} | {fr} |"
         lines.append(cells)
     return "\n".join(lines)
