@@ -7,6 +7,9 @@ self-influence. Parse a name once with :func:`parse_method` and pass the result 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 BASE_METHODS = ("graddot", "cosine")
 FITTED_METHODS = ("kfac", "ekfac")
 METHODS = BASE_METHODS + FITTED_METHODS
@@ -23,3 +26,18 @@ def parse_method(method: str) -> tuple[str, bool]:
     if base not in METHODS or (selfnorm and base == "cosine"):
         raise ValueError(f"method {method!r} is not one of {list(ALL_METHODS)}")
     return base, selfnorm
+
+
+def fitted_methods(manifest: dict, index_dir: str | os.PathLike) -> list[str]:
+    """Fitted methods the manifest registers whose file (``preconditioners[m]["file"]``) is on disk."""
+    entries = manifest.get("preconditioners") or {}
+    return [m for m in FITTED_METHODS
+            if isinstance(entries.get(m), dict) and (Path(index_dir) / str(entries[m].get("file", ""))).is_file()]
+
+
+def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
+    """Methods an index answers: ``graddot``, ``cosine``, fitted ones; with ``selfnorm`` their ``-selfnorm`` too."""
+    out = list(BASE_METHODS) + fitted_methods(manifest, index_dir)
+    if selfnorm:
+        out += [m + SELFNORM for m in out if m != "cosine"]
+    return out

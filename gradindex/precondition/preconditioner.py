@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
-from gradindex.methods import BASE_METHODS, FITTED_METHODS, SELFNORM, parse_method
+from gradindex.methods import BASE_METHODS, methods_of, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power
 from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
 
@@ -35,16 +35,7 @@ def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False) -> l
 
     With ``selfnorm``, the self-normalized variants (``graddot-selfnorm``, ...) are listed too.
     """
-    manifest = read_manifest(index_dir)
-    fitted = [
-        m
-        for m in FITTED_METHODS
-        if m in manifest.get("preconditioners", {}) and precond_path(index_dir, m).exists()
-    ]
-    out = list(BASE_METHODS) + fitted
-    if selfnorm:
-        out += [m + SELFNORM for m in out if m != "cosine"]
-    return out
+    return methods_of(read_manifest(index_dir), index_dir, selfnorm)
 
 
 class Preconditioner:

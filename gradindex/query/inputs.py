@@ -91,7 +91,7 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
         groups.setdefault(tuple(sorted(rec)), []).append(i)
     for members in groups.values():
         ds = datasets.Dataset.from_list([records[i] for i in members])
-        tok = tokenize_records(ds, tokenizer, max_length, text_field)
+        tok = tokenize_records(ds, tokenizer, max_length, text_field, require_targets=False)
         for j, i in enumerate(members):
             ids[i], labels[i], truncated[i] = tok.input_ids[j], tok.labels[j], tok.truncated[j]
     for i, y in enumerate(labels):
