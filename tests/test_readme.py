@@ -67,7 +67,9 @@ def test_readme_commands_run_as_written(tmp_path, tokenizer):
                    tokenizer, work / "model")
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")
     env = {**os.environ, "GRADINDEX_PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    for cmd in tested_commands((ROOT / "README.md").read_text()):
+    cmds = tested_commands((ROOT / "README.md").read_text())
+    assert len(cmds) >= 4, "README.md has no marked bash block"
+    for cmd in cmds:
         res = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True)
         assert res.returncode == 0, f"{cmd}\n{res.stdout}\n{res.stderr}"
         assert "Traceback" not in res.stderr, res.stderr
