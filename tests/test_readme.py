@@ -21,6 +21,7 @@ from conftest import make_texts
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK = "<!-- tests/test_readme.py runs every line of the next block -->"
+PY_MARK = "<!-- tests/test_readme.py runs the next block -->"
 
 
 def tested_commands(readme: str) -> list[str]:
@@ -39,6 +40,18 @@ def tested_commands(readme: str) -> list[str]:
     return out
 
 
+def python_blocks(readme: str) -> list[str]:
+    """The marked ``python`` blocks."""
+    lines = readme.splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if line.strip() == PY_MARK:
+            assert lines[i + 1].strip() == "```python", f"README line {i + 2}: the mark must precede a ```python block"
+            end = lines.index("```", i + 2)
+            out.append("\n".join(lines[i + 2:end]))
+    return out
+
+
 def _demo():
     spec = importlib.util.spec_from_file_location("gradindex_demo", ROOT / "scripts" / "demo.py")
     mod = importlib.util.module_from_spec(spec)
@@ -53,8 +66,8 @@ def test_the_marker_finds_the_commands():
     assert tested_commands(f"x\n{MARK}\n```bash\n# c\na b\n\nc d\n```\n") == ["a b", "c d"]
 
 
-@pytest.mark.slow
-def test_readme_commands_run_as_written(tmp_path, tokenizer):
+def _demo_out(tmp_path, tokenizer):
+    """``tmp_path/demo_out`` as the demo leaves it, with a small model (and the real ``scripts/``)."""
     from fixtures.tiny import save_model_dir, tiny_gpt2
 
     demo = _demo()
@@ -66,6 +79,24 @@ def test_readme_commands_run_as_written(tmp_path, tokenizer):
     save_model_dir(tiny_gpt2(vocab_size=len(tokenizer), n_layer=1, n_embd=16, n_head=2, n_positions=128),
                    tokenizer, work / "model")
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")
+    return demo
+
+
+def test_readme_python_runs_as_written(tmp_path, tokenizer, monkeypatch):
+    _demo_out(tmp_path, tokenizer)
+    blocks = python_blocks((ROOT / "README.md").read_text())
+    assert blocks, "README.md has no marked python block"
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    from gradindex.manifest import read_manifest
+
+    assert read_manifest(tmp_path / "my-store")["status"] == "complete"
+
+
+@pytest.mark.slow
+def test_readme_commands_run_as_written(tmp_path, tokenizer):
+    demo = _demo_out(tmp_path, tokenizer)
     env = {**os.environ, "GRADINDEX_PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmds = tested_commands((ROOT / "README.md").read_text())
     assert len(cmds) >= 4, "README.md has no marked bash block"
