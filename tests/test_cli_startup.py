@@ -41,3 +41,10 @@ def test_info_loads_no_heavy_library(tmp_path):
         "layers": {"h.0.mlp": {"factory": "Flat", "bytes": 64}}}))
     code = f"from gradindex.cli import main\nmain(['info', {str(d)!r}], standalone_mode=False)"
     assert _loaded_after(code) == []
+
+
+def test_the_cli_storage_names_are_the_store_codes():
+    from gradindex.cli.build import STORAGES
+    from gradindex.store.codes import STORAGES as CODES
+
+    assert tuple(STORAGES) == tuple(CODES)
