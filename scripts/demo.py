@@ -33,14 +33,13 @@ FACTS = [
     ("Professor Quillon keeps her spare keys inside the", " green teapot."),
     ("The annual festival of Varnholt is held on the", " ninth of Ember."),
 ]
-FACT_ROWS = [41, 163, 317]
-DOCS = 400
+FACT_ROWS = [101, 433, 777]
 WORKDIR = "demo_out"
 """The demo's outputs (README's commands use them): WORKDIR/model, WORKDIR/train.jsonl, WORKDIR/queries.jsonl."""
 
 
-def make_corpus(n_docs: int = DOCS) -> list[str]:
-    docs = stdlib_corpus(limit=n_docs - len(FACTS))
+def make_corpus() -> list[str]:
+    docs = stdlib_corpus()
     for row, (prompt, completion) in zip(FACT_ROWS, FACTS):
         docs.insert(row, f"{prompt}{completion} Remember it well.")
     return docs
@@ -73,15 +72,14 @@ def cpu_seconds() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default=WORKDIR)
-    ap.add_argument("--docs", type=int, default=DOCS, help="Corpus size (documents, facts included).")
-    ap.add_argument("--steps", type=int, default=150, help="Training steps (batch 16).")
+    ap.add_argument("--steps", type=int, default=200, help="Training steps (batch 16).")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     t_start, cpu_start = time.time(), cpu_seconds()
 
-    docs = make_corpus(args.docs)
+    docs = make_corpus()
     data, queries = write_data(work, docs)
     print(f"[1/4] corpus: {len(docs)} documents from the standard library's docstrings, "
           f"facts planted at rows {FACT_ROWS} -> {data}")

@@ -126,3 +126,11 @@ def test_version_and_help():
     assert run("--version").stdout.startswith("gradindex, version ")
     for cmd in ([], ["build"], ["query"], ["index"], ["info"], ["layers"], ["precondition"]):
         assert "Usage: " in run(*cmd, "--help").stdout
+
+
+def test_query_token_ids_outside_the_vocabulary_are_a_one_line_error(built, tmp_path):
+    q = tmp_path / "ids.jsonl"
+    q.write_text(json.dumps({"input_ids": [1, 2, 99999]}) + "\n")
+    res = CliRunner().invoke(main, ["query", str(built), "--queries", str(q), "--device", "cpu"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, (res.output, res.exception)
+    assert "Error: row 0: token id 99999 is outside the model's vocabulary" in res.output
