@@ -134,3 +134,16 @@ def test_query_token_ids_outside_the_vocabulary_are_a_one_line_error(built, tmp_
     res = CliRunner().invoke(main, ["query", str(built), "--queries", str(q), "--device", "cpu"])
     assert res.exit_code == 2 and "Traceback" not in res.output, (res.output, res.exception)
     assert "Error: row 0: token id 99999 is outside the model's vocabulary" in res.output
+
+
+def test_data_that_fits_keeps_max_length_and_long_queries_are_cut_at_the_positions(short_model, tmp_path):
+    from conftest import make_texts
+
+    data = tmp_path / "short.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in make_texts(12, seed=3, max_words=4)))
+    out = tmp_path / "i"
+    res = run("build", short_model, data, "--out", out, "--projection", "4", "--device", "cpu", "--quiet")
+    assert "note: --max-length" not in res.stderr and read_manifest(out)["build"]["max_length"] == 512
+    long_query = " ".join(["the cat sat on a mat"] * 10)  # far more than 16 tokens
+    res = run("query", out, "--text", long_query, "-k", "2", "--device", "cpu")
+    assert "most influential" in res.stdout

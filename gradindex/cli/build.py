@@ -101,16 +101,19 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
         model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
+        check_capture_memory(model, spec, layers, batch_size, projection)
+        records = load_records(data)
+        data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
         positions = max_positions(model)
-        if positions is not None and max_length > positions:
+        if positions is not None and max_length > positions and max(map(len, data_tok.input_ids)) > positions:
+            # longer examples would index past the position embeddings mid-capture: cut them there
             click.echo(f"note: --max-length {max_length} is more than the model's {positions} positions; "
                        f"using --max-length {positions}", err=True)
             max_length = positions
-        check_capture_memory(model, spec, layers, batch_size, projection)
+            data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
         cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
                           route=route, shard_size=shard_size, storage=storage,
                           precondition=precondition, damping=damping)
-        data_tok = tokenize_records(load_records(data), tok, max_length, text_field, vocab_size=vocab_size(model))
         if not no_index:
             check_index_type(index_type, len(data_tok))
         if data_tok.n_truncated:

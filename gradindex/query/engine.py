@@ -20,7 +20,7 @@ from gradindex.checksum import damage_error
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, Preconditioners, RowReader, query_vectors
 from gradindex.manifest import IndexMismatchError, build_command, identity_differences, read_manifest
-from gradindex.model import vocab_size
+from gradindex.model import max_positions, vocab_size
 from gradindex.precondition import parse_method, self_influence
 from gradindex.query import search as S
 from gradindex.query.full import full_gradient_scores
@@ -170,8 +170,9 @@ class QueryEngine:
         """Records → tokens, truncated to the build's max length (flagged per query)."""
         self._need_model()
         recs = [as_record(q, text_field) if not isinstance(q, dict) else q for q in queries]
-        return tokenize_queries(recs, self.tokenizer, int(self.manifest["build"]["max_length"]), text_field,
-                                vocab_size=vocab_size(self.model))
+        max_length = int(self.manifest["build"]["max_length"])  # and no longer than the model's positions
+        max_length = min(max_length, max_positions(self.model) or max_length)
+        return tokenize_queries(recs, self.tokenizer, max_length, text_field, vocab_size=vocab_size(self.model))
 
     def gradients(self, tokens: QueryTokens) -> tuple[dict[str, torch.Tensor], np.ndarray, np.ndarray]:
         """Per-layer projected query gradients ``{layer: [Q, D]}`` (CPU float32), losses, token counts."""
