@@ -24,7 +24,7 @@ MARK = "<!-- tests/test_readme.py runs every line of the next block -->"
 PY_MARK = "<!-- tests/test_readme.py runs the next block -->"
 
 
-def tested_commands(readme: str) -> list[str]:
+def readme_commands(readme: str) -> list[str]:
     """Every command line of the marked ``bash`` blocks (comments and blank lines dropped)."""
     lines = readme.splitlines()
     out = []
@@ -60,10 +60,10 @@ def _demo():
 
 
 def test_the_marker_finds_the_commands():
-    cmds = tested_commands((ROOT / "README.md").read_text())
+    cmds = readme_commands((ROOT / "README.md").read_text())
     assert len(cmds) >= 4 and all(c.startswith("scripts/gradindex ") for c in cmds)
     assert {c.split()[1] for c in cmds} >= {"build", "info", "query"}
-    assert tested_commands(f"x\n{MARK}\n```bash\n# c\na b\n\nc d\n```\n") == ["a b", "c d"]
+    assert readme_commands(f"x\n{MARK}\n```bash\n# c\na b\n\nc d\n```\n") == ["a b", "c d"]
 
 
 def _demo_out(tmp_path, tokenizer):
@@ -98,7 +98,7 @@ def test_readme_python_runs_as_written(tmp_path, tokenizer, monkeypatch):
 def test_readme_commands_run_as_written(tmp_path, tokenizer):
     demo = _demo_out(tmp_path, tokenizer)
     env = {**os.environ, "GRADINDEX_PYTHON": sys.executable, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmds = tested_commands((ROOT / "README.md").read_text())
+    cmds = readme_commands((ROOT / "README.md").read_text())
     assert len(cmds) >= 4, "README.md has no marked bash block"
     for cmd in cmds:
         res = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True)
