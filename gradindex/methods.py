@@ -9,6 +9,9 @@ by ``sqrt`` of the training example's self-influence. Parse a name once with
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 BASE_METHODS = ("graddot", "cosine")
 FITTED_METHODS = ("kfac", "ekfac")
 ADAM = "adam"
@@ -34,3 +37,21 @@ def parse_method(method: str) -> tuple[str, bool]:
 def adam_rows(manifest: dict) -> bool:
     """Whether an index's rows are Adam-preconditioned (built with ``--optimizer-state``)."""
     return bool(manifest.get("build", {}).get("optimizer"))
+
+
+def fitted_methods(manifest: dict, index_dir: str | os.PathLike) -> list[str]:
+    """Fitted methods the manifest registers whose file (``preconditioners[m]["file"]``) is on disk."""
+    entries = manifest.get("preconditioners") or {}
+    return [m for m in FITTED_METHODS
+            if isinstance(entries.get(m), dict) and (Path(index_dir) / str(entries[m].get("file", ""))).is_file()]
+
+
+def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
+    """Methods an index answers: ``graddot``, ``cosine``, fitted ones; with ``selfnorm`` their ``-selfnorm`` too.
+
+    An index of Adam-preconditioned rows answers ``adam`` only.
+    """
+    out = [ADAM] if adam_rows(manifest) else list(BASE_METHODS) + fitted_methods(manifest, index_dir)
+    if selfnorm:
+        out += [m + SELFNORM for m in out if m != "cosine"]
+    return out
