@@ -38,6 +38,7 @@ from gradindex.precondition.factors import (
     store_covariance,
 )
 from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path, write_precond
+from gradindex.precondition.fullspace import fit_full_space
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.store import Store
 from gradindex.store.repair import check_store
@@ -45,6 +46,7 @@ from gradindex.store.repair import check_store
 log = logging.getLogger("gradindex")
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
 FITTED_ON = ("model_fingerprint", "data_fingerprint", "projection")
+SPACES = ("stored", "full")
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ class FitConfig:
     """Arithmetic of the store passes' rotations (sums are float64 either way); float32 is ~2× faster."""
     block: int = 1024
     """Rows per block of the store passes (capped so a block stays under 256 MiB)."""
+    space: str = "stored"
+    """``stored``: curvature of the store's rows (projected or not); ``full``: full-space (unprojected)
+    factors and EK-FAC correction from two model passes (:mod:`gradindex.precondition.fullspace`),
+    for full-space re-ranking, beside the stored-space fit."""
 
     def __post_init__(self) -> None:
         if self.method not in FITTED_METHODS:
@@ -75,6 +81,8 @@ class FitConfig:
             raise ValueError(
                 f"--damping must be > 0 (a fraction of the mean eigenvalue, e.g. 0.1), got {self.damping}"
             )
+        if self.space not in SPACES:
+            raise ValueError(f"--space {self.space!r} is not one of {list(SPACES)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {list(PRECISIONS)}")
 
@@ -91,8 +99,12 @@ def fit_preconditioner(
 
     ``model``/``tokenizer``/``data`` (the build's own, already loaded) spare reloading them when a
     model pass is needed; otherwise they are loaded from the manifest and fingerprint-checked.
+    ``cfg.space == 'full'`` fits full-space curvature instead and returns the manifest's ``full_space``.
     """
-    with index_lock(index_dir, f"gradindex precondition --method {cfg.method}"):
+    space = " --space full" if cfg.space == "full" else ""
+    with index_lock(index_dir, f"gradindex precondition --method {cfg.method}{space}"):
+        if cfg.space == "full":
+            return fit_full_space(index_dir, cfg, model, tokenizer, data, progress)
         return _fit(index_dir, cfg, model, tokenizer, data, progress)
 
 
