@@ -188,6 +188,14 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         log.info("resuming the full-space fit at %s, %d/%d examples", state.stage, state.done, len(rows))
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
+    phases: dict[str, list[float]] = {}
+    clock = [time.perf_counter(), time.process_time()]
+
+    def lap(name: str) -> None:
+        now = [time.perf_counter(), time.process_time()]
+        phases[name] = [round(now[0] - clock[0], 3), round(now[1] - clock[1], 3)]
+        clock[:] = now
+
     try:
         if state.stage == "factors":
             fs = _FactorSums(shapes)
@@ -203,6 +211,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
             _model_pass(model, pad_id, data, rows, layers, fs, state.done, bs, "full-space factors", progress, ckpt)
             state.stage, state.done = ("correction" if cfg.method == "ekfac" else "done"), 0
             state.maybe_save(force=True)
+            lap("factor_pass")
         tokens = state.tokens
         factors = {}
         for n in layers:
@@ -214,6 +223,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
             lam_S, Q_S = eigendecompose(S)
             factors[n] = LayerFactors(A, S, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, len(rows))
         written = {"kfac": factors}
+        lap("eigendecomposition")
         if cfg.method == "ekfac":
             cs = _CorrectionSums({n: (f.Q_S, f.Q_A) for n, f in factors.items()}, device)
             for n in layers:
@@ -231,12 +241,14 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
                             progress, ckpt2)
             written["ekfac"] = {n: LayerFactors(**{**asdict(f), "Lambda": cs.sums[n] / len(rows)})
                                 for n, f in factors.items()}
+            lap("correction_pass")
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(was[n])
     fit = {"source": "model pass", "space": "full", "data": source, "data_fingerprint": fp,
            "examples": int(len(rows)), "tokens": {n: int(tokens) for n in layers},
-           "tokens_per_example": round(tokens / len(rows), 3)}
+           "tokens_per_example": round(tokens / len(rows), 3),
+           "phase_seconds": phases}  # [wall, process CPU] of each phase run now
     if cfg.fit_examples:
         fit["sample_seed"] = cfg.seed
     for m, fac in written.items():
