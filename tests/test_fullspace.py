@@ -31,11 +31,11 @@ DAMPING = 0.1
 QUERY = "the cat sat on a mat"
 
 
-def _index(out, model_dir, data_path):
+def _index(out, model_dir, data_path, **kw):
     model, tok = load_causal_lm(model_dir, device="cpu")
     data = tokenize_records(load_records(data_path), tok, 64)
     cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, max_length=64,
-                      precondition="ekfac")
+                      precondition="ekfac", **kw)
     build_index(model, tok, data, out, cfg, model_id=str(model_dir), data_id=str(data_path), progress=False)
     build_indices(out, IndexConfig(), progress=False)
     return out
@@ -230,6 +230,22 @@ def test_killed_full_space_fit_resumes(tmp_path, gpt2_dir, text_jsonl, monkeypat
     a, b = load_full_preconditioner(d, "ekfac"), load_full_preconditioner(ref_dir, "ekfac")
     for n in a.layers:
         np.testing.assert_allclose(a.curvature[n]["Lambda"], b.curvature[n]["Lambda"], rtol=1e-10, atol=0)
+
+
+def test_factors_from_the_build_pass_skip_the_factor_pass(tmp_path, gpt2_dir, text_jsonl):
+    a = _index(tmp_path / "a", gpt2_dir, text_jsonl, full_factors=True)
+    b = _index(tmp_path / "b", gpt2_dir, text_jsonl)
+    ea = fit_preconditioner(a, FitConfig(method="ekfac", space="full"))["ekfac"]
+    fit_preconditioner(b, FitConfig(method="ekfac", space="full"))
+    assert ea["fit"]["source"] == "build pass + model pass" and "factor_pass" not in ea["fit"]["phase_seconds"]
+    import h5py
+
+    fa, fb = h5py.File(fs.full_path(a, "ekfac"), "r"), h5py.File(fs.full_path(b, "ekfac"), "r")
+    with fa, fb:
+        for n in fa["layers"]:  # same sums up to float32 summation order; Σ Λ* = mean ‖G‖² in any basis
+            for key in ("A", "S"):
+                assert _rel(fa["layers"][n][key][:], fb["layers"][n][key][:]) < 1e-5, (n, key)
+            assert fa["layers"][n]["Lambda"][:].sum() == pytest.approx(fb["layers"][n]["Lambda"][:].sum(), rel=1e-5)
 
 
 class _EagerState(fs._State):

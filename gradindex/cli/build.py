@@ -45,12 +45,16 @@ from gradindex.store.codes import STORAGES
               help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too).")
 @click.option("--damping", default=0.1, show_default=True, type=float,
               help="Relative damping of the self-influence written with --precondition (and of --whiten).")
+@click.option("--full-factors", is_flag=True,
+              help="Also sum full-space (unprojected) K-FAC factors in the capture pass, so that "
+                   "`gradindex precondition --space full` needs one model pass instead of two.")
 @index_options
 @click.option("--no-index", is_flag=True, help="Skip the FAISS index stage (run `gradindex index` later).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def build(model_dir, data, out, projection, projection_kind, seed, layers, text_field, max_length,
           batch_size, dtype, device, route, storage, shard_size, overwrite, repair, precondition, damping,
+          full_factors,
           index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     spec = ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
@@ -58,7 +62,7 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
                       route=route, shard_size=shard_size, storage=storage,
-                      precondition=precondition, damping=damping)
+                      precondition=precondition, damping=damping, full_factors=full_factors)
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
         raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")

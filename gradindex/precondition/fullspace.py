@@ -12,6 +12,9 @@ Per hooked layer, with ``a_t`` ``[N_i(+1)]`` and ``g_t`` ``[N_o]`` the per-token
 Cost per example and layer: ``T (N_i² + N_o²)`` for each pass's products plus ``T N_i N_o`` for the
 rotated outer products, against ``N_o N_i (N_o + N_i)`` per example for rotating dense gradients.
 
+A build with ``BuildConfig(full_factors=True)`` (``gradindex build --full-factors``) sums ``A`` and
+``S`` in its capture pass (store group ``covariance_full``); the fit then skips its factor pass.
+
 Output, beside the stored-space files: ``precond/kfac-full.h5`` and (EK-FAC) ``precond/ekfac-full.h5``,
 the same layout as ``precond/<method>.h5`` with ``[N_o, N_i(+1)]`` matrices and no self-influence,
 registered in the manifest under ``full_space``. Progress is checkpointed to
@@ -28,6 +31,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import h5py
 import numpy as np
 import torch
 from tqdm.auto import tqdm
@@ -55,6 +59,7 @@ from gradindex.precondition.files import (
     write_precond,
 )
 from gradindex.precondition.preconditioner import Preconditioner
+from gradindex.store import Store
 
 log = logging.getLogger("gradindex")
 FULL = "-full"
@@ -95,6 +100,29 @@ class _CorrectionSums:
         Q_S, Q_A = self.Q[name]
         R = torch.bmm((g @ Q_S).transpose(1, 2), a @ Q_A)  # [B, N_o, N_i(+1)] = Q_Sᵀ G_b Q_A
         self.sums[name] += R.square_().sum(0).double().cpu().numpy()
+
+
+def build_pass_factors(index_dir: str | os.PathLike, layers: list[str]) -> tuple[dict, int] | None:
+    """``({"A/<layer>": Σ a aᵀ, "S/<layer>": Σ g gᵀ}, tokens)`` summed over the shards' ``covariance_full``
+    groups (a build with ``full_factors``), or ``None`` unless every shard has finite ones."""
+    with Store(index_dir) as store:
+        paths = list(store.paths)
+    arrays: dict[str, np.ndarray] = {}
+    tokens = 0
+    for path in paths:
+        with h5py.File(path, "r") as f:
+            grp = f.get("covariance_full")
+            if grp is None or any(n not in grp for n in layers):
+                return None
+            for n in layers:
+                for side in ("A", "S"):
+                    x = grp[n][side][:]
+                    if not np.isfinite(x).all():
+                        return None
+                    key = f"{side}/{n}"
+                    arrays[key] = arrays[key] + x if key in arrays else x
+            tokens += int(grp[layers[0]].attrs["tokens"])
+    return arrays, tokens
 
 
 def _batches(rows: np.ndarray, start: int, size: int):
@@ -184,8 +212,12 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
                                     cfg.method]).encode()])
     (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
     state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
+    from_build = None if (cfg.fit_data or cfg.fit_examples) else build_pass_factors(index_dir, layers)
     if state.load():
         log.info("resuming the full-space fit at %s, %d/%d examples", state.stage, state.done, len(rows))
+    elif from_build is not None:  # the build pass summed the factors: only the correction pass is left
+        state.arrays, state.tokens = from_build
+        state.stage = "correction" if cfg.method == "ekfac" else "done"
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
     phases: dict[str, list[float]] = {}
@@ -245,7 +277,8 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(was[n])
-    fit = {"source": "model pass", "space": "full", "data": source, "data_fingerprint": fp,
+    fit = {"source": "model pass" if from_build is None else "build pass + model pass", "space": "full",
+           "data": source, "data_fingerprint": fp,
            "examples": int(len(rows)), "tokens": {n: int(tokens) for n in layers},
            "tokens_per_example": round(tokens / len(rows), 3),
            "phase_seconds": phases}  # [wall, process CPU] of each phase run now
