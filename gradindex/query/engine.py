@@ -210,6 +210,7 @@ class QueryEngine:
         if rerank_full < 0:
             raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
         full_pre = self.full_preconditioner(method) if rerank_full else None
+        rerank_full = min(rerank_full, self.n)
         tokens = self.tokenize(as_records(queries, text_field), text_field)
         grads, loss, ntok = self.gradients(tokens)
         t_grad = time.perf_counter() - t0
