@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 import gradindex
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.tokens import TokenCapture
+from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.fingerprint import digest_bytes
 from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
@@ -60,6 +61,7 @@ from gradindex.precondition.files import (
 )
 from gradindex.precondition.preconditioner import Preconditioner
 from gradindex.store import Store
+from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
 FULL = "-full"
@@ -213,6 +215,10 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
     state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
     from_build = None if (cfg.fit_data or cfg.fit_examples) else build_pass_factors(index_dir, layers)
+    if from_build is not None:
+        damage = check_store(index_dir, full=True, manifest=manifest)
+        if damage:
+            raise damage_error(index_dir, damage, then="fit")
     if state.load():
         log.info("resuming the full-space fit at %s, %d/%d examples", state.stage, state.done, len(rows))
     elif from_build is not None:  # the build pass summed the factors: only the correction pass is left
