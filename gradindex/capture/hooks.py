@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from torch import nn
 from gradindex.capture.layers import LayerInfo, layer_info, rule_for
 from gradindex.capture.projection import ProjectionSpec, projection_matrix
 from gradindex.capture.routing import ROUTES, choose_route
+from gradindex.capture.transform import LayerTransform
 
 
 def _with_ones(a: torch.Tensor, m: torch.Tensor | None, bias: bool) -> torch.Tensor:
@@ -101,9 +102,13 @@ class GradientCapture:
         weight_free: bool = True,
         collect_covariance: bool = False,
         collect_full_covariance: bool = False,
+        transforms: Mapping[str, LayerTransform] | None = None,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route {route!r} is not one of {ROUTES}")
+        if transforms and collect_covariance:
+            raise ValueError("covariance factors of transformed gradients are not supported; "
+                             "collect them without a transform")
         self.model = model
         self.modules = select_layers(model, layers)
         self.infos: dict[str, LayerInfo] = {n: layer_info(m) for n, m in self.modules.items()}
@@ -112,6 +117,11 @@ class GradientCapture:
         self.weight_free = weight_free
         self.collect_covariance = collect_covariance
         self.collect_full_covariance = collect_full_covariance
+        self.transforms: dict[str, LayerTransform] = dict(transforms or {})
+        """layer → change of coordinates applied before the projection (:mod:`gradindex.capture.transform`)."""
+        unknown = sorted(set(self.transforms) - set(self.modules))
+        if unknown:
+            raise ValueError(f"transforms given for layers {unknown} that are not hooked")
         self.route_counts: Counter = Counter()
         self._handles: list = []
         self._mask: torch.Tensor | None = None
@@ -144,7 +154,9 @@ class GradientCapture:
         if key not in self._proj:
             info = self.infos[name]
             n = info.n_in_total if side == "a" else info.n_out
-            self._proj[key] = projection_matrix(self.projection, name, side, n, device)
+            P = projection_matrix(self.projection, name, side, n, device)
+            t = self.transforms.get(name)
+            self._proj[key] = P if t is None else t.fold(side, P)
         return self._proj[key]
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -224,7 +236,8 @@ class GradientCapture:
         g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
         T = a.shape[1]
         m = self._token_weights(name, B, T, a)  # [B, T, 1], or None when every token counts
-        if self.projection.is_identity:
+        t = self.transforms.get(name)
+        if self.projection.is_identity or (t is not None and t.elementwise is not None):
             route = "materialized"
         else:
             route = route or self.route
@@ -241,6 +254,8 @@ class GradientCapture:
         else:
             a1 = _with_ones(a, m, info.bias)  # [B, T, N_i(+1)], padding zeroed
             G = torch.bmm(g.transpose(1, 2), a1)  # [B, N_o, N_i(+1)]
+            if t is not None:  # entrywise weights here; per-side scales are folded into P unless unprojected
+                G = t.dense(G, sides=self.projection.is_identity)
             if not self.projection.is_identity:
                 P_a = self.projection_for(name, "a", a.device)  # [k_a, N_i(+1)]
                 P_g = self.projection_for(name, "g", g.device)  # [k_g, N_o]

@@ -48,6 +48,20 @@ class ProjectionSpec:
         return d
 
     @classmethod
+    def from_dict(cls, d: dict) -> ProjectionSpec:
+        """The spec :meth:`to_dict` wrote (a manifest's ``build.projection``); one error for any bad one."""
+        try:
+            fields = dict(d)
+            version = fields.pop("stream_version", STREAM_VERSION)
+            if version == STREAM_VERSION:
+                return cls(**fields)
+            why = f"projection stream v{version}, this library draws v{STREAM_VERSION}"
+        except (TypeError, ValueError) as e:
+            why = f"a projection this library cannot read ({d!r}: {e})"
+        raise ValueError(f"the index was built with {why}; install the gradindex version that built it, "
+                         "or rebuild the index")
+
+    @classmethod
     def parse(cls, text: str, kind: str = "gaussian", seed: int = 0) -> ProjectionSpec:
         """Parse the CLI form: ``K`` (square), ``KAxKG`` or ``none``."""
         text = str(text).strip().lower()

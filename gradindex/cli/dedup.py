@@ -15,7 +15,7 @@ from gradindex.cli.common import user_errors
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
               help="JSONL file of groups (ids, keep, drop, kind, min_cosine, texts).")
-@click.option("--threshold", default=0.95, show_default=True, type=float,
+@click.option("--threshold", default=0.6, show_default=True, type=float,
               help="Gradient cosine at or above which two examples are near-duplicates.")
 @click.option("--method", default="graddot", show_default=True, type=click.Choice(["graddot", "kfac", "ekfac"]),
               help="Compare raw gradients, or gradients whitened by this preconditioner.")

@@ -16,7 +16,9 @@ from tqdm.auto import tqdm
 
 import gradindex
 from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.batch import batch_gradients, finite_rows
+from gradindex.capture.sampling import FISHERS
 from gradindex.checksum import check_files, move_aside, recorded
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint
@@ -29,6 +31,7 @@ from gradindex.manifest import (
     read_manifest,
     write_manifest,
 )
+from gradindex.model import resolve_pad_id
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.codes import check_storage
 
@@ -64,11 +67,28 @@ class BuildConfig:
     """Relative damping of the self-influence written with ``precondition``."""
     storage: str = "fp32"
     """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`)."""
+    fisher: str = "empirical"
+    """Factors of ``precondition`` from the observed labels (``empirical``, collected in this pass) or
+    from labels sampled from the model (``true``: a model pass of its own; stored rows keep the observed)."""
+    fisher_seed: int = 0
+    """Seed of the true Fisher's sampled labels."""
+    optimizer_state: str = ""
+    """Adam state of the training run (safetensors or torch ``state_dict``): store ``G ⊘ (√v + ε)``,
+    the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
+    adam_mode: str = "exact"
+    """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
 
     def __post_init__(self) -> None:
         check_storage(self.storage)
         if self.precondition not in ("none", "kfac", "ekfac"):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
+        if self.fisher not in FISHERS:
+            raise ValueError(f"fisher {self.fisher!r} is not one of {list(FISHERS)}")
+        if self.adam_mode not in ADAM_MODES:
+            raise ValueError(f"adam mode {self.adam_mode!r} is not one of {list(ADAM_MODES)}")
+        if self.optimizer_state and (self.precondition != "none" or self.collect_covariance):
+            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
+                             "K-FAC/EK-FAC are fitted on plain gradients: build those without it")
 
 
 @dataclass
@@ -83,7 +103,8 @@ def model_dtype(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
 
 
-def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig, data_fp: str) -> dict:
+def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig, data_fp: str,
+              optimizer: dict | None) -> dict:
     return {
         "model_fingerprint": model_fingerprint(model),
         "dtype": model_dtype(model),
@@ -97,6 +118,7 @@ def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: 
         "loss": LOSS_CONVENTION,
         "shard_size": cfg.shard_size,
         "batch_size": cfg.batch_size,
+        "optimizer": optimizer,
     }
 
 
@@ -166,10 +188,14 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     t0 = time.perf_counter()
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
+    transforms, optimizer = None, None
+    if cfg.optimizer_state:
+        transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.adam_mode, model, cfg.layers)
     capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route, weight_free=True,
-                              collect_covariance=cfg.collect_covariance or cfg.precondition != "none",
-                              collect_full_covariance=cfg.full_factors)
-    identity = _identity(model, capture, data, cfg, data_fp)
+                              collect_covariance=cfg.collect_covariance
+                              or (cfg.precondition != "none" and cfg.fisher == "empirical"),
+                              collect_full_covariance=cfg.full_factors, transforms=transforms)
+    identity = _identity(model, capture, data, cfg, data_fp, optimizer)
     old = prepare_out_dir(out, identity, overwrite)
     (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
     if old is not None:
@@ -181,7 +207,8 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         "model_id": model_id,
         "data_id": data_id,
         "build": identity,
-        "config": {**asdict(cfg), "projection": cfg.projection.to_dict()},
+        "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
+                   "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
         "dtype": identity["dtype"],
         "counts": {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
     }
@@ -191,7 +218,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         manifest["status"] = "building"
     write_manifest(out, manifest)
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = resolve_pad_id(model, tokenizer)
     N, S, B = len(data), cfg.shard_size, cfg.batch_size
     dims = {n: capture.dim(n) for n in capture.infos}
     nonfinite: set[int] = set(manifest.get("nonfinite_ids", []))
