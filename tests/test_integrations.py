@@ -120,3 +120,90 @@ def test_plain_loop_lr0_accumulation_equals_offline_build(tmp_path, gpt2_dir, to
         # the mean over the micro-batch's target tokens, divided by the accumulation steps
         scale = s.column("training/loss_scale")
         assert np.all(scale > 0) and np.all(scale < 1 / 2 / 4 + 1e-9)
+
+
+def _trainer(model, tokenizer, data, out, lr, callbacks=(), rows=True, accum=2, epochs=1, **kw):
+    pytest.importorskip("accelerate")
+    import datasets
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    ds = datasets.Dataset.from_dict({"input_ids": data.input_ids})
+    if rows:
+        ds = with_row_ids(ds)
+    args = TrainingArguments(str(out), per_device_train_batch_size=4, gradient_accumulation_steps=accum,
+                             learning_rate=lr, num_train_epochs=epochs, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+                             remove_unused_columns=not rows, **kw)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    return Trainer(model, args, train_dataset=ds, data_collator=collator, callbacks=list(callbacks))
+
+
+def test_trainer_callback_lr0_equals_offline_build_and_cli_works(tmp_path, gpt2_dir, tokenizer, data):
+    from gradindex.integrations import GradIndexCallback
+
+    off = _offline(gpt2_dir, tokenizer, data, tmp_path / "off")
+    model = _model(gpt2_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    jsonl = tmp_path / "train.jsonl"
+    records_from_texts(make_texts(N, seed=3, max_words=20)).to_json(jsonl)
+    cb = GradIndexCallback(tmp_path / "live", projection="8", shard_size=16, model_id=str(gpt2_dir),
+                           data_id=str(jsonl))
+    _trainer(model, tokenizer, data, tmp_path / "tr", lr=0.0, callbacks=[cb]).train()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ids, live = _rows(tmp_path / "live")
+    _, ref = _rows(off)
+    assert (ids == np.arange(N)).all()
+    assert_rows_close(live, ref, 1e-4)
+    m = cb.manifest
+    assert m["training"]["steps"] == N // 8 and not m["training"]["unseen_ids"]
+    with Store(tmp_path / "live") as s:
+        assert (s.column("training/times_seen") == 1).all()
+        # Trainer: the loss is divided by num_items_in_batch, one count over both micro-batches of a step
+        # (this transformers counts the unshifted labels, one more per row, when the config names no loss_type:
+        # the measured scale follows whatever the Trainer does)
+        ntok, steps, scale = s.column("num_tokens"), s.column("training/step"), s.column("training/loss_scale")
+        for st in np.unique(steps):
+            count = 1 / scale[steps == st]
+            assert np.allclose(count, np.round(count[0]), rtol=1e-6)
+            assert ntok[steps == st].sum() <= round(count[0]) <= ntok[steps == st].sum() + (steps == st).sum()
+    # the later stages run on it
+    from click.testing import CliRunner
+
+    from gradindex.cli import main
+
+    runner = CliRunner()
+    r = runner.invoke(main, ["precondition", str(tmp_path / "live"), "--method", "kfac", "--quiet"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(main, ["index", str(tmp_path / "live"), "--cpu-index"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(main, ["query", str(tmp_path / "live"), "--text", "the cat sat on a mat", "-k", "3",
+                             "--method", "kfac", "--json"])
+    assert r.exit_code == 0, r.output
+
+
+def test_trainer_parameters_bit_identical_with_and_without_callback(tmp_path, gpt2_dir, tokenizer, data):
+    from gradindex.integrations import GradIndexCallback
+
+    finals = []
+    for with_cb in (False, True):
+        model = _model(gpt2_dir)
+        cbs = [GradIndexCallback(tmp_path / "live", projection="8", shard_size=16,
+                                 save_optimizer_state=[2])] if with_cb else []
+        _trainer(model, tokenizer, data, tmp_path / f"tr{with_cb}", lr=1e-2, callbacks=cbs, rows=with_cb).train()
+        finals.append(model.state_dict())
+    for k in finals[0]:
+        assert torch.equal(finals[0][k], finals[1][k]), k
+    from safetensors.torch import load_file
+
+    st = load_file(tmp_path / "live" / "optimizer" / "step-0000002.safetensors")
+    assert "transformer.h.0.attn.c_attn.weight.exp_avg_sq" in st and len(st) == len(list(model.parameters()))
+
+
+def test_trainer_without_row_column_names_the_fix(tmp_path, gpt2_dir, tokenizer, data):
+    from gradindex.integrations import GradIndexCallback
+
+    cb = GradIndexCallback(tmp_path / "live")
+    t = _trainer(_model(gpt2_dir), tokenizer, data, tmp_path / "tr", lr=0.0, callbacks=[cb], rows=False)
+    with pytest.raises(ValueError, match="gradindex_row"):
+        t.train()
