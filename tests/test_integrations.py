@@ -207,3 +207,124 @@ def test_trainer_without_row_column_names_the_fix(tmp_path, gpt2_dir, tokenizer,
     t = _trainer(_model(gpt2_dir), tokenizer, data, tmp_path / "tr", lr=0.0, callbacks=[cb], rows=False)
     with pytest.raises(ValueError, match="gradindex_row"):
         t.train()
+
+
+def _func_grads(model, layer_names, ids, labels):
+    """Per-example ``G`` ``[N_o, N_i+1]`` of the summed token loss, from torch.func at the model's parameters."""
+    from torch.func import functional_call, grad
+
+    from gradindex.capture import layer_info
+    from gradindex.data import per_example_loss
+
+    mods = dict(model.named_modules())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    keys = [k for n in layer_names for k in (f"{n}.weight", f"{n}.bias")]
+
+    def loss_fn(p, x, y):
+        out = functional_call(model, {**params, **p}, (x,), {"use_cache": False})
+        return per_example_loss(out.logits, y)[0].sum()
+
+    x, y = torch.tensor([ids]), torch.tensor([labels])
+    g = grad(loss_fn)({k: params[k] for k in keys}, x, y)
+    return {n: layer_info(mods[n]).weight_grad_to_G(g[f"{n}.weight"], g[f"{n}.bias"]).reshape(-1).numpy()
+            for n in layer_names}
+
+
+def test_plain_loop_real_lr_rows_equal_torch_func_gradients_at_each_step(tmp_path, gpt2_dir, tokenizer, data):
+    model = _model(gpt2_dir)
+    snapshots = []  # parameters in force during each step's micro-batches
+    plain_loop(model, data, tokenizer.pad_token_id, lr=3e-2, epochs=2,
+               cap=lambda opt: GradIndexCapture(model, tmp_path / "live", optimizer=opt, projection="none",
+                                                keep_log=True, num_rows=N),
+               on_step=lambda m: snapshots.append({k: v.clone() for k, v in m.state_dict().items()}))
+    assert len(snapshots) == 2 * N // 8
+    from gradindex.integrations.capture_log import log_parts, read_columns
+
+    ids, live = _rows(tmp_path / "live")
+    with Store(tmp_path / "live") as s:
+        steps, lr, epoch = s.column("training/step"), s.column("training/lr"), s.column("training/epoch")
+        assert (s.column("training/times_seen") == 2).all()
+    assert (epoch == 1).all() and (steps >= N // 8).all() and np.allclose(lr, 3e-2)  # keep="last": epoch 2
+    (part,) = log_parts(tmp_path / "live")
+    assert len(read_columns(part)["ids"]) == 2 * N  # the log keeps both epochs
+    ref = _model(gpt2_dir).eval()
+    names = list(live)
+    for i in range(0, N, 5):
+        ref.load_state_dict(snapshots[int(steps[i])])
+        want = _func_grads(ref, names, data.input_ids[i], data.labels[i])
+        for n in names:
+            err = np.linalg.norm(live[n][i] - want[n]) / np.linalg.norm(want[n])
+            assert err < 1e-4, (i, n, err)
+    # the parameters moved between steps, so the check above is not the lr-0 one again
+    assert not torch.equal(snapshots[0]["transformer.h.0.attn.c_attn.weight"],
+                           snapshots[-1]["transformer.h.0.attn.c_attn.weight"])
+
+
+@pytest.mark.parametrize("arch,checkpointing", [("llama", None), ("gpt2", True), ("gpt2", False)])
+def test_llama_and_gradient_checkpointing_equal_offline_build(tmp_path, request, tokenizer, data, arch,
+                                                              checkpointing):
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    off = _offline(model_dir, tokenizer, data, tmp_path / "off")
+    model = _model(model_dir)
+    if checkpointing is not None:  # hooks also fire on the recomputed forward: rows must not double
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    plain_loop(model, data, tokenizer.pad_token_id,
+               cap=lambda opt: GradIndexCapture(model, tmp_path / "live", optimizer=opt, projection="8",
+                                                shard_size=16))
+    _, live = _rows(tmp_path / "live")
+    _, ref = _rows(off)
+    assert_rows_close(live, ref, 1e-4)
+
+
+def test_bf16_autocast_rows_match_offline_build_to_bf16_precision(tmp_path, gpt2_dir, tokenizer, data):
+    off = _offline(gpt2_dir, tokenizer, data, tmp_path / "off")
+    model = _model(gpt2_dir)
+    plain_loop(model, data, tokenizer.pad_token_id, autocast=True,
+               cap=lambda opt: GradIndexCapture(model, tmp_path / "live", optimizer=opt, projection="8",
+                                                shard_size=16))
+    _, live = _rows(tmp_path / "live")
+    _, ref = _rows(off)
+    assert_rows_close(live, ref, 5e-2)  # bf16 activations and output gradients: ~1e-2 per row
+    for n in live:  # the scale is undone: no systematic factor left
+        ratio = np.linalg.norm(live[n], axis=1) / np.linalg.norm(ref[n], axis=1)
+        assert abs(np.median(ratio) - 1) < 1e-2
+
+
+def test_bad_input_errors(tmp_path, gpt2_dir, tokenizer, data):
+    model = _model(gpt2_dir).train()
+    b = collate(data.input_ids[:4], data.labels[:4], tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="gradindex_row"), GradIndexCapture(model, tmp_path / "a"):
+        model(**b).loss.backward()
+    with pytest.raises(ValueError, match="4 examples"), GradIndexCapture(model, tmp_path / "b") as cap:
+        cap.batch([0, 1])
+        model(**b)
+    with pytest.raises(ValueError, match="per-example weights"), GradIndexCapture(model, tmp_path / "c") as cap:
+        cap.batch(range(4))
+        logits = model(**b).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), b["labels"][:, 1:], reduction="none")
+        (loss.sum(1) * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
+        cap.live.flush()
+    with torch.no_grad():  # peaky predictions: at uniform ones label smoothing is a pure rescaling
+        model.transformer.wte.weight.mul_(30)
+    with pytest.raises(ValueError, match="label smoothing"), GradIndexCapture(model, tmp_path / "c2") as cap:
+        cap.batch(range(4))
+        logits = model(**b).logits
+        torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), b["labels"][:, 1:],
+                                          label_smoothing=0.1).backward()
+        cap.live.flush()
+    model.transformer.h[0].requires_grad_(False)
+    model.transformer.wte.requires_grad_(False)
+    model.transformer.wpe.requires_grad_(False)
+    with pytest.raises(ValueError, match="frozen"), GradIndexCapture(model, tmp_path / "d") as cap:
+        cap.batch(range(4))
+        model(**b).loss.backward()
+        cap.live.flush()
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        GradIndexCapture(model, tmp_path / "f")
+    with pytest.raises(FileExistsError, match="refusing"):
+        GradIndexCapture(model, tmp_path / "f", overwrite=True)
+    assert (tmp_path / "f" / "notes.txt").exists()
+    with pytest.raises(TypeError, match="unknown capture option"):
+        GradIndexCapture(model, tmp_path / "e", projektion="8")
