@@ -8,15 +8,10 @@ from __future__ import annotations
 
 from gradindex.integrations.live import ROW_KEY, CaptureOptions, LiveCapture
 from gradindex.integrations.loop import GradIndexCapture
+from gradindex.integrations.rows import keep_rows, with_row_ids
 
-__all__ = ["ROW_KEY", "CaptureOptions", "GradIndexCallback", "GradIndexCapture", "LiveCapture", "with_row_ids"]
-
-
-def with_row_ids(dataset):
-    """``dataset`` (a ``datasets.Dataset``) with a ``gradindex_row`` column: each row's 0-based position."""
-    if ROW_KEY in dataset.column_names:
-        return dataset
-    return dataset.add_column(ROW_KEY, list(range(len(dataset))))
+__all__ = ["ROW_KEY", "CaptureOptions", "GradIndexCallback", "GradIndexCapture", "LiveCapture", "keep_rows",
+           "with_row_ids"]
 
 
 def __getattr__(name: str):

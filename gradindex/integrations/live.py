@@ -8,14 +8,16 @@ Per micro-batch (one forward and one backward of the user's loop):
 2. :class:`gradindex.capture.GradientCapture` (``weight_free=False``) hooks the chosen layers'
    outputs, so their per-example projected gradients are summed while the user's
    ``loss.backward()`` runs; no gradient or parameter of the loop is touched;
-3. a hook on the LM head's output measures the loss scale ``c``: whatever the loop's reduction
+3. a hook on the model's output logits measures the loss scale ``c``: whatever the loop's reduction
    (HF's mean over the batch's target tokens, ``num_items_in_batch`` under gradient accumulation,
    a division by the accumulation steps, a GradScaler's factor), the gradient it sends to the
    target logit of token ``t`` is ``c · (p_t − 1)``, so ``c`` is a least-squares fit over the
    batch's target tokens. Rows are divided by ``c`` and so equal the offline build's per-example
    gradients of the summed token loss (:data:`gradindex.store.builder.LOSS_CONVENTION`). A loss that
    is not one uniformly scaled sum of token cross-entropies (label smoothing, per-example weights)
-   fails the fit's check with an error at the first step;
+   fails the fit's check with an error at the first step. With a fused LM head (TRL's SFTTrainer
+   returns per-token ``log_probs`` instead of logits) the gradient of each target log-probability
+   is ``−c`` directly;
 4. at the next micro-batch (or the end) the rows go to the capture log; at the end the log becomes
    the store and the manifest (:mod:`gradindex.integrations.assemble`).
 
@@ -116,9 +118,15 @@ class _MicroBatch:
     labels: torch.Tensor | None
     mask: torch.Tensor | None
     fit: list = field(default_factory=list)
-    """``[Σ g_y (p_y-1), Σ (p_y-1)², residual check tensors]`` from the head's gradient."""
+    """Per backward through the output: ``(gradient at the targets, what it is c times, its dtype)``."""
     loss: torch.Tensor | None = None
     num_tokens: torch.Tensor | None = None
+
+
+def _field(output, name: str):
+    if isinstance(output, dict):
+        return output.get(name)
+    return getattr(output, name, None)
 
 
 def _tensor(x, name: str) -> torch.Tensor:
@@ -147,12 +155,6 @@ class LiveCapture:
         self.capture = GradientCapture(model, options.layers or None, self.spec, options.route, weight_free=False)
         self.dims = {n: self.capture.dim(n) for n in self.capture.infos}
         self.log = CaptureLog(rank_dir(self.out, 0), self.dims, part_rows=options.shard_size)
-        self.head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        if self.head is None and options.loss_scale is None:
-            raise ValueError(
-                f"{type(model).__name__} has no output embeddings (LM head) to measure the loss scale on; "
-                "pass loss_scale= the factor your loss puts on each example's summed token loss"
-            )
         self.step = 0
         self.epoch = 0.0
         self.optimizer = None
@@ -185,8 +187,8 @@ class LiveCapture:
         if not self._handles:
             self.capture.attach()
             self._handles.append(self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-            if self.head is not None and self.opt.loss_scale is None:
-                self._handles.append(self.head.register_forward_hook(self._head_hook))
+            if self.opt.loss_scale is None:
+                self._handles.append(self.model.register_forward_hook(self._output_hook, with_kwargs=True))
         return self
 
     def detach(self) -> None:
@@ -238,27 +240,43 @@ class LiveCapture:
         self.capture.set_mask(mask)
         return args, kwargs
 
-    def _head_hook(self, module: nn.Module, inputs: tuple, logits: torch.Tensor) -> None:
+    def _output_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        """Hook the tensor the loss is computed from: ``logits``, or the per-token ``log_probs`` of a fused head."""
         mb = self._pending
-        if mb is None or not torch.is_grad_enabled() or not logits.requires_grad or mb.labels is None:
+        if mb is None or not torch.is_grad_enabled() or mb.labels is None:
             return
+        logits, log_probs = _field(output, "logits"), _field(output, "log_probs")
+        if isinstance(logits, torch.Tensor) and logits.requires_grad:
+            self._hook_logits(mb, logits)
+        elif isinstance(log_probs, torch.Tensor) and log_probs.requires_grad:
+            self._hook_log_probs(mb, log_probs, _field(output, "label_mask"))
+
+    @staticmethod
+    def _hook_logits(mb: _MicroBatch, logits: torch.Tensor) -> None:
+        """The loss's gradient at the target logit of token ``t`` is ``c · (p_t − 1)``."""
         with torch.no_grad():
-            labels = mb.labels.to(logits.device)
-            y = labels[:, 1:]  # [B, T-1]
+            y = mb.labels.to(logits.device)[:, 1:]  # [B, T-1]
             valid = y != IGNORE
             yc = y.clamp(min=0).unsqueeze(-1)
             lg = logits[:, :-1].float()  # [B, T-1, V]
-            tok = (torch.logsumexp(lg, dim=-1) - lg.gather(-1, yc).squeeze(-1)) * valid  # [B, T-1] token losses
+            tok = (torch.logsumexp(lg, dim=-1) - lg.gather(-1, yc).squeeze(-1)) * valid  # token losses
             pm1 = torch.expm1(-tok) * valid  # p_y - 1 at targets, 0 elsewhere
-            mb.loss = tok.sum(1)
-            mb.num_tokens = valid.sum(1)
+            mb.loss, mb.num_tokens = tok.sum(1), valid.sum(1)
 
-        def grad_hook(g: torch.Tensor, mb=mb, yc=yc, pm1=pm1) -> None:
+        def grad_hook(g: torch.Tensor) -> None:
             with torch.no_grad():
-                gy = g[:, :-1].gather(-1, yc).squeeze(-1).float()  # [B, T-1]
-                mb.fit.append((gy, pm1, g.dtype))
+                mb.fit.append((g[:, :-1].gather(-1, yc).squeeze(-1).float(), pm1, g.dtype))
 
         logits.register_hook(grad_hook)
+
+    @staticmethod
+    def _hook_log_probs(mb: _MicroBatch, log_probs: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """A fused LM head (TRL) returns target log-probabilities ``[B, T-1]``: their gradient is ``−c``."""
+        with torch.no_grad():
+            valid = (mb.labels.to(log_probs.device)[:, 1:] != IGNORE) if mask is None else mask.bool()
+            w = -valid.float()
+            mb.loss, mb.num_tokens = -(log_probs.float() * valid).sum(1), valid.sum(1)
+        log_probs.register_hook(lambda g: mb.fit.append((g.float() * valid, w, g.dtype)))
 
     def _scale(self, mb: _MicroBatch) -> float:
         """The loss's factor ``c`` on each example's summed token loss, fitted on the head's gradient."""
@@ -266,8 +284,8 @@ class LiveCapture:
             return float(self.opt.loss_scale)
         if not mb.fit:
             raise ValueError(
-                "the LM head's output received no gradient, so the loss scale cannot be measured (is the loss "
-                "computed from the model's logits?); pass loss_scale= explicitly"
+                "the model's output logits (or a fused head's log_probs) received no gradient, so the loss scale "
+                "cannot be measured (is the loss computed from the model's output?); pass loss_scale= explicitly"
             )
         gy = sum(f[0] for f in mb.fit)
         pm1, dtype = mb.fit[0][1], mb.fit[0][2]
@@ -404,7 +422,7 @@ class LiveCapture:
             "training": {
                 "source": "in-loop capture (gradindex.integrations)",
                 "loss_scale": {
-                    "how": "given" if o.loss_scale is not None else "fitted on the LM head's gradient",
+                    "how": "given" if o.loss_scale is not None else "fitted on the output logits' gradient",
                     "undone": True,
                     "micro_batches": len(self._scales),
                     "min": float(scales.min()) if scales.size else None,
