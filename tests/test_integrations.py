@@ -95,7 +95,7 @@ def test_plain_loop_lr0_accumulation_equals_offline_build(tmp_path, gpt2_dir, to
 
     def cap(opt):
         holder["c"] = GradIndexCapture(model, tmp_path / "live", optimizer=opt, projection="8", shard_size=16,
-                                       num_rows=N)
+                                       record_loss=True, num_rows=N)
         return holder["c"]
 
     plain_loop(model, data, tokenizer.pad_token_id, cap=cap)

@@ -64,6 +64,8 @@ MISSING_ROWS = (
     "(Trainer: TrainingArguments(remove_unused_columns=False)); in a plain loop call "
     "capture.batch(row_ids) before the forward"
 )
+FIT_TOKENS = 4
+"""Target tokens per example whose logit gradient measures the loss scale."""
 SCALE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 """Largest residual of the loss-scale fit, relative to its largest term (bf16/fp16 gradients: 5e-2)."""
 
@@ -89,6 +91,8 @@ class CaptureOptions:
     """Which occurrence of a row seen in several epochs the store keeps: ``last`` or ``first``."""
     loss_scale: float | None = None
     """The loss's factor on each example's summed token loss, when it cannot be measured (see module doc)."""
+    record_loss: bool = False
+    """Store each example's summed token loss (a softmax over every position: ~5% of a step at vocab 8192)."""
     save_optimizer_state: Sequence[int] = ()
     """Save Adam's ``exp_avg_sq`` after these optimizer steps (``optimizer/step-NNNNNNN.safetensors``)."""
     keep_log: bool = False
@@ -251,21 +255,34 @@ class LiveCapture:
         elif isinstance(log_probs, torch.Tensor) and log_probs.requires_grad:
             self._hook_log_probs(mb, log_probs, _field(output, "label_mask"))
 
-    @staticmethod
-    def _hook_logits(mb: _MicroBatch, logits: torch.Tensor) -> None:
-        """The loss's gradient at the target logit of token ``t`` is ``c · (p_t − 1)``."""
+    def _hook_logits(self, mb: _MicroBatch, logits: torch.Tensor) -> None:
+        """The loss's gradient at the target logit of token ``t`` is ``c · (p_t − 1)``.
+
+        Each such equation gives ``c`` exactly, so a few target tokens per example suffice
+        (:data:`FIT_TOKENS`, spread over the example): a softmax over every position would cost
+        about half the LM head's matmul. ``record_loss`` takes every position (for the loss column).
+        """
         with torch.no_grad():
             y = mb.labels.to(logits.device)[:, 1:]  # [B, T-1]
             valid = y != IGNORE
-            yc = y.clamp(min=0).unsqueeze(-1)
-            lg = logits[:, :-1].float()  # [B, T-1, V]
-            tok = (torch.logsumexp(lg, dim=-1) - lg.gather(-1, yc).squeeze(-1)) * valid  # token losses
-            pm1 = torch.expm1(-tok) * valid  # p_y - 1 at targets, 0 elsewhere
-            mb.loss, mb.num_tokens = tok.sum(1), valid.sum(1)
+            if self.opt.record_loss:
+                pick = valid
+            else:
+                rank = valid.cumsum(1) - 1  # index of each target among its example's targets
+                stride = (valid.sum(1, keepdim=True) + FIT_TOKENS - 1) // FIT_TOKENS
+                pick = valid & (rank % stride.clamp(min=1) == 0)
+            b, t = pick.nonzero(as_tuple=True)  # [M] chosen target tokens
+            yt = y[b, t].unsqueeze(1)  # [M, 1]
+            lg = logits[b, t].float()  # [M, V]
+            tok = torch.logsumexp(lg, dim=-1) - lg.gather(1, yt).squeeze(1)  # [M] token losses
+            pm1 = torch.expm1(-tok)  # p_y - 1
+            if self.opt.record_loss:
+                mb.loss = torch.zeros(y.shape[0], device=tok.device).index_add_(0, b, tok)
+            mb.num_tokens = valid.sum(1)
 
         def grad_hook(g: torch.Tensor) -> None:
             with torch.no_grad():
-                mb.fit.append((g[:, :-1].gather(-1, yc).squeeze(-1).float(), pm1, g.dtype))
+                mb.fit.append((g[b, t].gather(1, yt).squeeze(1).float(), pm1, g.dtype))
 
         logits.register_hook(grad_hook)
 
