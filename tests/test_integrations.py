@@ -328,3 +328,20 @@ def test_bad_input_errors(tmp_path, gpt2_dir, tokenizer, data):
     assert (tmp_path / "f" / "notes.txt").exists()
     with pytest.raises(TypeError, match="unknown capture option"):
         GradIndexCapture(model, tmp_path / "e", projektion="8")
+
+
+def test_keep_rows_carries_ids_past_a_collator_and_refuses_packing():
+    from gradindex.integrations import keep_rows
+
+    def plain(examples):  # drops every column it does not know, as TRL's collator does
+        return {"input_ids": torch.tensor([e["input_ids"] for e in examples])}
+
+    def packing(examples):
+        return {"input_ids": torch.tensor([sum((e["input_ids"] for e in examples), [])])}
+
+    ex = [{"input_ids": [1, 2], ROW_KEY: 7}, {"input_ids": [3, 4], ROW_KEY: 2}]
+    assert keep_rows(plain)(ex)[ROW_KEY].tolist() == [7, 2]
+    with pytest.raises(ValueError, match="packing"):
+        keep_rows(packing)(ex)
+    with pytest.raises(ValueError, match="gradindex_row"):
+        keep_rows(plain)([{"input_ids": [1, 2]}])
