@@ -42,7 +42,7 @@ def _choose(ids: np.ndarray, step: np.ndarray, part: np.ndarray, local: np.ndarr
 
 
 def assemble_store(out_dir: str | Path, layer_dims: dict[str, int], n_rows: int, shard_size: int,
-                   keep: str = "last") -> Assembled:
+                   keep: str = "last", storage: str = "fp32") -> Assembled:
     """Write ``out_dir/store`` from ``out_dir/capture``; return what the manifest records."""
     if keep not in KEEP:
         raise ValueError(f"keep={keep!r} is not one of {KEEP}")
@@ -72,7 +72,7 @@ def assemble_store(out_dir: str | Path, layer_dims: dict[str, int], n_rows: int,
     S = shard_size
     for k in range((n_rows + S - 1) // S):
         start, end = k * S, min((k + 1) * S, n_rows)
-        w = ShardWriter(store / shard_name(k), start, end - start, layer_dims, data_fp)
+        w = ShardWriter(store / shard_name(k), start, end - start, layer_dims, data_fp, storage)
         if w.open():  # a leftover partial shard from a killed assembly: write it anew
             w.close()
             w.partial.unlink()
@@ -115,5 +115,4 @@ def _read_block(parts: list[Path], part: np.ndarray, local: np.ndarray, chosen: 
         uniq, inv = np.unique(loc, return_inverse=True)
         for key, vals in read_rows(parts[int(p)], uniq, list(layer_dims)):
             out[key][mine] = vals[inv]
-    out["ids"] = np.asarray(out["ids"])
     return out

@@ -50,7 +50,8 @@ from gradindex.integrations.assemble import assemble_store
 from gradindex.integrations.capture_log import CaptureLog, rank_dir
 from gradindex.integrations.optimizer_state import save_second_moments
 from gradindex.manifest import FORMAT_VERSION, manifest_path, write_manifest
-from gradindex.store.builder import LOSS_CONVENTION
+from gradindex.store.builder import LOSS_CONVENTION, model_dtype
+from gradindex.store.codes import check_storage
 
 log = logging.getLogger("gradindex")
 
@@ -83,6 +84,8 @@ class CaptureOptions:
     """Glob patterns of layers to hook; empty = every linear layer in the transformer blocks."""
     route: str = "auto"
     shard_size: int = 4096
+    storage: str = "fp32"
+    """Row codes in the store: ``fp32``, ``fp16``, ``int8`` or ``int4`` (:mod:`gradindex.store.codes`)."""
     max_length: int = 512
     """Recorded for queries (they truncate to it); training batches are taken as they come."""
     num_rows: int | None = None
@@ -155,6 +158,7 @@ class LiveCapture:
         self.out = Path(out_dir)
         self.opt = options
         self.spec = options.spec()
+        check_storage(options.storage)
         self._check_out_dir()
         self.capture = GradientCapture(model, options.layers or None, self.spec, options.route, weight_free=False)
         self.dims = {n: self.capture.dim(n) for n in self.capture.infos}
@@ -391,7 +395,7 @@ class LiveCapture:
             self.log.close()
         n = num_rows if num_rows is not None else self.opt.num_rows
         res = assemble_store(self.out, self.dims, n if n is not None else self._max_id() + 1,
-                             self.opt.shard_size, self.opt.keep)
+                             self.opt.shard_size, self.opt.keep, self.opt.storage)
         manifest = self._manifest(res, n if n is not None else self._max_id() + 1)
         write_manifest(self.out, manifest)
         if not self.opt.keep_log:
@@ -412,6 +416,8 @@ class LiveCapture:
         scales = np.asarray([s for s in self._scales if math.isfinite(s)])
         build = {
             "model_fingerprint": model_fingerprint(self.model),
+            "dtype": model_dtype(self.model),
+            "storage": o.storage,
             "data_fingerprint": res.data_fingerprint,
             "layers": {k: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
                            "rows": cap.dims(k)[0], "cols": cap.dims(k)[1]} for k, i in cap.infos.items()},
@@ -430,8 +436,9 @@ class LiveCapture:
             "build": build,
             "config": {"projection": self.spec.to_dict(), "layers": list(o.layers), "max_length": o.max_length,
                        "batch_size": self._max_batch, "route": o.route, "shard_size": o.shard_size,
+                       "storage": o.storage,
                        "collect_covariance": False, "precondition": "none"},
-            "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
+            "dtype": model_dtype(self.model),
             "counts": {"examples": n, "truncated": 0, "text_field": o.text_field,
                        "shards": (n + o.shard_size - 1) // o.shard_size},
             "nonfinite_ids": sorted(set(res.nonfinite) - set(res.unseen)) + res.unseen,
