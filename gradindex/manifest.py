@@ -20,6 +20,7 @@ IDENTITY_KEYS = {
     "data_fingerprint": "data set",
     "layers": "layer set",
     "projection": "projection",
+    "basis": "row basis",
     "max_length": "max length",
     "loss": "loss convention",
     "shard_size": "shard size",
@@ -60,6 +61,11 @@ def read_complete_manifest(index_dir: str | os.PathLike, then: str) -> dict[str,
             f"finish it with `{build_command(index_dir, manifest, extra='')}` (it resumes), then {then}"
         )
     return manifest
+
+
+def row_basis(manifest: dict[str, Any]) -> str:
+    """The basis the stored rows are in (``raw``, ``kfac`` or ``ekfac``; see gradindex.store.basis)."""
+    return str(manifest.get("build", {}).get("basis", {}).get("kind", "raw"))
 
 
 def write_manifest(index_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:

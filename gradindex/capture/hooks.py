@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -80,6 +80,23 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
     return {n: m for n, m in hookable.items() if n in chosen}
 
 
+def _check_transforms(
+    transforms: Mapping[str, Mapping[str, torch.Tensor]], infos: dict[str, LayerInfo]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Validate per-layer, per-side linear maps ``W`` ``[m, n]`` applied before the projection."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, sides in transforms.items():
+        if name not in infos:
+            raise ValueError(f"transform given for layer {name!r}, which is not hooked (hooked: {_examples(infos)})")
+        for side, W in sides.items():
+            n = infos[name].n_in_total if side == "a" else infos[name].n_out
+            if side not in ("a", "g") or W.ndim != 2 or W.shape[1] != n:
+                raise ValueError(f"transform of layer {name!r} side {side!r} must be [m, {n}] on side 'a' or 'g', "
+                                 f"got {tuple(W.shape)}")
+        out[name] = dict(sides)
+    return out
+
+
 def _examples(names: dict) -> str:
     shown = list(names)[:3]
     return ", ".join(repr(s) for s in shown) + (", ..." if len(names) > 3 else "")
@@ -100,6 +117,7 @@ class GradientCapture:
         route: str = "auto",
         weight_free: bool = True,
         collect_covariance: bool = False,
+        transforms: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route {route!r} is not one of {ROUTES}")
@@ -107,6 +125,7 @@ class GradientCapture:
         self.modules = select_layers(model, layers)
         self.infos: dict[str, LayerInfo] = {n: layer_info(m) for n, m in self.modules.items()}
         self.projection = projection
+        self.transforms = _check_transforms(transforms or {}, self.infos)
         self.route = route
         self.weight_free = weight_free
         self.collect_covariance = collect_covariance
@@ -115,7 +134,7 @@ class GradientCapture:
         self._mask: torch.Tensor | None = None
         self._records: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._grads: dict[str, torch.Tensor] = {}
-        self._proj: dict[tuple[str, str, str], torch.Tensor] = {}
+        self._proj: dict[tuple[str, str, str], torch.Tensor | None] = {}
         self._proj_a: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._mask_tokens: int | None = None
         self.cov_a: dict[str, torch.Tensor] = {}  # Σ_tokens ā āᵀ, float64
@@ -123,23 +142,42 @@ class GradientCapture:
         self.cov_tokens: dict[str, int] = {}
 
     # -- shapes -------------------------------------------------------------------------------
+    def side_size(self, name: str, side: str) -> int:
+        """Stored size of one side: ``k`` when projected, else the transform's rows, else the width."""
+        info = self.infos[name]
+        k = self.projection.layer_sizes(name)[0 if side == "a" else 1]
+        if k:
+            return k
+        W = self.transforms.get(name, {}).get(side)
+        if W is not None:
+            return int(W.shape[0])
+        return info.n_in_total if side == "a" else info.n_out
+
     def dims(self, name: str) -> tuple[int, int]:
         """``(rows, cols)`` of the stored per-example matrix of a layer (``k_g, k_a`` or ``N_o, N_i+1``)."""
-        info = self.infos[name]
-        if self.projection.is_identity:
-            return info.n_out, info.n_in_total
-        return self.projection.k_g, self.projection.k_a
+        return self.side_size(name, "g"), self.side_size(name, "a")
 
     def dim(self, name: str) -> int:
         r, c = self.dims(name)
         return r * c
 
-    def projection_for(self, name: str, side: str, device: torch.device) -> torch.Tensor:
+    def side_map(self, name: str, side: str, device: torch.device | str) -> torch.Tensor | None:
+        """``[k, n]`` map of one side's per-token vectors to the stored side.
+
+        ``P W`` (projection after the layer's transform ``W``), ``P``, ``W``, or ``None`` for an exact
+        side (no projection, no transform).
+        """
         key = (name, side, str(device))
         if key not in self._proj:
             info = self.infos[name]
+            W = self.transforms.get(name, {}).get(side)  # [m, n] or None
             n = info.n_in_total if side == "a" else info.n_out
-            self._proj[key] = projection_matrix(self.projection, name, side, n, device)
+            m = n if W is None else int(W.shape[0])
+            k = self.projection.layer_sizes(name)[0 if side == "a" else 1]
+            M = projection_matrix(self.projection, name, side, m) if k else None  # [k, m]
+            if W is not None:
+                M = W.float() if M is None else (M.double() @ W.double()).float()  # [k, n]
+            self._proj[key] = None if M is None else M.to(device)
         return self._proj[key]
 
     # -- lifetime -----------------------------------------------------------------------------
@@ -219,31 +257,33 @@ class GradientCapture:
         g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
         T = a.shape[1]
         m = self._token_weights(name, B, T, a)  # [B, T, 1], or None when every token counts
-        if self.projection.is_identity:
-            route = "materialized"
+        M_a = self.side_map(name, "a", a.device)  # [k_a, N_i(+1)] or None (exact side)
+        M_g = self.side_map(name, "g", g.device)  # [k_g, N_o] or None
+        if M_a is None and M_g is None:
+            route = "materialized"  # nothing to map: both routes are the same product
         else:
             route = route or self.route
             if route == "auto":
-                k_a, k_g = self.projection.k_a, self.projection.k_g
-                route = choose_route(B, T, info.n_in_total, info.n_out, k_a, k_g)
+                k_g, k_a = self.dims(name)
+                route = choose_route(B, T, info.n_in_total, info.n_out, k_a, k_g,
+                                     map_a=M_a is not None, map_g=M_g is not None)
         self.route_counts[route] += 1
         if route == "factorized":
-            ab = self._project_inputs(name, a, m)  # [B, T, k_a]
-            gb = g @ self.projection_for(name, "g", g.device).T  # [B, T, k_g]
+            ab = self._map_inputs(name, a, m)  # [B, T, k_a]
+            gb = g if M_g is None else g @ M_g.T  # [B, T, k_g]
             G = torch.bmm(gb.transpose(1, 2), ab)  # [B, k_g, k_a]
             if self.collect_covariance:
                 self._add_covariance(name, ab, gb, m)
         else:
             a1 = _with_ones(a, m, info.bias)  # [B, T, N_i(+1)], padding zeroed
             G = torch.bmm(g.transpose(1, 2), a1)  # [B, N_o, N_i(+1)]
-            if not self.projection.is_identity:
-                P_a = self.projection_for(name, "a", a.device)  # [k_a, N_i(+1)]
-                P_g = self.projection_for(name, "g", g.device)  # [k_g, N_o]
-                G = P_g @ (G @ P_a.T)  # [B, k_g, k_a]
-                if self.collect_covariance:
-                    self._add_covariance(name, self._project_inputs(name, a, m), g @ P_g.T, m)
-            elif self.collect_covariance:
-                self._add_covariance(name, a1, g, m)
+            if M_a is not None:
+                G = G @ M_a.T  # [B, N_o, k_a]
+            if M_g is not None:
+                G = M_g @ G  # [B, k_g, k_a]
+            if self.collect_covariance:
+                ab = a1 if M_a is None else self._map_inputs(name, a, m)
+                self._add_covariance(name, ab, g if M_g is None else g @ M_g.T, m)
         return G.reshape(B, -1)
 
     def _token_weights(self, name: str, B: int, T: int, a: torch.Tensor) -> torch.Tensor | None:
@@ -257,14 +297,16 @@ class GradientCapture:
             )
         return mask.to(a.device, a.dtype).unsqueeze(-1)
 
-    def _project_inputs(self, name: str, a: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        """``P_a [a, 1]`` per token ``[B, T, k_a]`` in one matmul (bias column folded in), masked."""
+    def _map_inputs(self, name: str, a: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        """``M_a [a, 1]`` per token ``[B, T, k_a]`` in one matmul (bias column folded in), masked."""
         key = (name, str(a.device))
         if key not in self._proj_a:
-            P_a = self.projection_for(name, "a", a.device)  # [k_a, N_i(+1)]
+            M_a = self.side_map(name, "a", a.device)  # [k_a, N_i(+1)] or None
+            if M_a is None:
+                return _with_ones(a, m, self.infos[name].bias)
             n_in = self.infos[name].n_in
-            bias = P_a[:, n_in].clone() if self.infos[name].bias else None  # [k_a]
-            self._proj_a[key] = (P_a[:, :n_in].T.contiguous(), bias)  # [N_i, k_a], [k_a]
+            bias = M_a[:, n_in].clone() if self.infos[name].bias else None  # [k_a]
+            self._proj_a[key] = (M_a[:, :n_in].T.contiguous(), bias)  # [N_i, k_a], [k_a]
         P_t, p_b = self._proj_a[key]
         B, T, n_in = a.shape
         a2 = a.reshape(B * T, n_in)

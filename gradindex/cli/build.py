@@ -22,7 +22,19 @@ from gradindex.store.codes import STORAGES
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.argument("data", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Index directory to write.")
-@click.option("--projection", default="16", show_default=True, help="K, KAxKG or none.")
+@click.option("--projection", default="16", show_default=True,
+              help="K, KAxKG, none, or auto (per-layer sizes from --budget).")
+@click.option("--budget", default="", help="Bytes per example for --projection auto: an integer, or a fraction "
+                                            "of the full float32 gradient such as 1/8 (default 1/8).")
+@click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
+              help="How --budget is spread over layers (docs/concepts.md).")
+@click.option("--projection-basis", "basis", default="raw", show_default=True, type=click.Choice(["raw", "kfac"]),
+              help="kfac: whiten each side by its damped full-space K-FAC factor before projecting "
+                   "(one factor pass first); rows then answer kfac/ekfac, not graddot.")
+@click.option("--basis-damping", default=0.1, show_default=True, type=float,
+              help="Relative damping of the kfac whitening.")
+@click.option("--fit-examples", default=0, show_default=True, type=int,
+              help="Examples sampled for the kfac basis's factor pass (0 = all).")
 @click.option("--projection-kind", type=click.Choice(["gaussian", "rademacher"]), default="gaussian", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int, help="Projection seed.")
 @click.option("--layers", multiple=True, help="Glob of layer names to hook (repeatable). Default: all block linears.")
@@ -49,16 +61,23 @@ from gradindex.store.codes import STORAGES
 @click.option("--no-index", is_flag=True, help="Skip the FAISS index stage (run `gradindex index` later).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
-def build(model_dir, data, out, projection, projection_kind, seed, layers, text_field, max_length,
-          batch_size, dtype, device, route, storage, shard_size, overwrite, repair, precondition, damping,
-          index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
+def build(model_dir, data, out, projection, budget, allocation, basis, basis_damping, fit_examples,
+          projection_kind, seed, layers, text_field, max_length, batch_size, dtype, device, route, storage,
+          shard_size, overwrite, repair, precondition, damping, index_type, whiten, normalize, train_size,
+          cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
-    spec = ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
+    auto = projection.strip().lower() == "auto"
+    if budget and not auto:
+        raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
+    spec = ProjectionSpec(kind=projection_kind, seed=seed) if auto else \
+        ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
                       route=route, shard_size=shard_size, storage=storage,
-                      precondition=precondition, damping=damping)
+                      precondition=precondition, damping=damping,
+                      budget=(budget or "1/8") if auto else 0, allocation=allocation, basis=basis,
+                      basis_damping=basis_damping, basis_examples=fit_examples)
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
         raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
@@ -73,8 +92,9 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
                                model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
                                overwrite=overwrite, progress=not quiet, repair=repair)
     m = res.manifest
+    row_bytes = 4 * sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
-               f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
+               f"({row_bytes} bytes per example) in {res.seconds:.1f} s ({res.examples_computed} computed now)")
     if m["nonfinite_ids"]:
         click.echo(f"warning: {len(m['nonfinite_ids'])} examples had non-finite gradients "
                    f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)

@@ -20,7 +20,6 @@ from tqdm.auto import tqdm
 
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import batch_gradients
-from gradindex.capture.projection import STREAM_VERSION
 from gradindex.data import Tokenized, load_records, token_hash, tokenize_records
 from gradindex.fingerprint import digest_bytes, model_fingerprint
 from gradindex.manifest import IndexMismatchError
@@ -84,14 +83,7 @@ def store_covariance(store: Store, layers: Sequence[str]) -> tuple[FactorSums, l
 
 
 def projection_from_manifest(manifest: dict) -> ProjectionSpec:
-    d = dict(manifest["build"]["projection"])
-    version = d.pop("stream_version", STREAM_VERSION)
-    if version != STREAM_VERSION:
-        raise ValueError(
-            f"the index was built with projection stream v{version}, this library draws v{STREAM_VERSION}; "
-            "install the gradindex version that built it, or rebuild the index"
-        )
-    return ProjectionSpec(**d)
+    return ProjectionSpec.from_dict(manifest["build"]["projection"])
 
 
 def model_covariance(
@@ -104,13 +96,15 @@ def model_covariance(
     batch_size: int = 8,
     route: str = "auto",
     progress: bool = False,
+    transforms: dict | None = None,
 ) -> FactorSums:
     """Factor sums from one forward/backward pass over ``data`` rows ``rows``, hooks as in the build."""
     sums = FactorSums()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
-    cap = GradientCapture(model, list(layers), projection, route, weight_free=True, collect_covariance=True)
+    cap = GradientCapture(model, list(layers), projection, route, weight_free=True, collect_covariance=True,
+                          transforms=transforms)
     if set(cap.infos) != set(layers):
         raise ValueError(f"the model's layers {sorted(cap.infos)} are not the index's {sorted(layers)}")
     rows = list(rows)

@@ -40,6 +40,7 @@ from gradindex.precondition.factors import (
 from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path, write_precond
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.store import Store
+from gradindex.store.basis import capture_transforms, index_basis
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
@@ -186,6 +187,7 @@ def _factor_sums(
 ) -> tuple[FactorSums, dict]:
     """Token sums of ``A`` and ``S``: from the build's covariance groups, else one model pass."""
     proj: ProjectionSpec = projection_from_manifest(manifest)
+    transforms = capture_transforms(index_basis(store.dir.parent, manifest))
     conf = manifest.get("config", {})
     bs, route = int(conf.get("batch_size", 8)), conf.get("route", "auto")
     skip = set(manifest.get("nonfinite_ids", []))
@@ -204,7 +206,7 @@ def _factor_sums(
         else:
             fdata = data if data is not None else load_build_data(manifest, tok)
             rows = [r for r in sample_rows(len(fdata), cfg.fit_examples, cfg.seed) if r not in skip]
-        sums = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress)
+        sums = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms)
         fit = {
             "source": "model pass",
             "data": cfg.fit_data or manifest.get("data_id", ""),
@@ -220,7 +222,7 @@ def _factor_sums(
             fdata = data if data is not None else load_build_data(manifest, tok)
             rows = [r for s, n in missing for r in range(s, s + n) if r not in skip]
             log.info("%d examples have no factors from the build pass; one model pass over them", len(rows))
-            extra = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress)
+            extra = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms)
             for n in layers:
                 if n in extra.A:
                     sums.add(n, extra.A[n], extra.S[n], extra.tokens[n])

@@ -15,17 +15,18 @@ import torch
 
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import batch_gradients
-from gradindex.capture.projection import STREAM_VERSION
 from gradindex.checksum import damage_error
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, Preconditioners, RowReader, query_vectors
-from gradindex.manifest import IndexMismatchError, build_command, identity_differences, read_manifest
+from gradindex.manifest import IndexMismatchError, build_command, identity_differences, read_manifest, row_basis
+from gradindex.methods import row_method
 from gradindex.precondition import parse_method, self_influence
 from gradindex.query import search as S
 from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
 from gradindex.query.texts import TrainingTexts
 from gradindex.store import Store
+from gradindex.store.basis import capture_transforms, index_basis, to_rows
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
@@ -104,6 +105,7 @@ class QueryEngine:
         self.indices = IndexSet(index_dir, self.manifest, self.n, chosen, use_gpu)
         self.rows = RowReader(self.store, list(self.indices.layers))
         self.pre = Preconditioners(index_dir)
+        self.basis = index_basis(index_dir, self.manifest)
         self._scales: dict[tuple, np.ndarray] = {}
         self.model, self.tokenizer, self.capture = model, tokenizer, None
         if load_model:
@@ -124,13 +126,14 @@ class QueryEngine:
         elif self.tokenizer is None:
             raise ValueError("pass the tokenizer with the model")
         build = self.manifest["build"]
-        proj = dict(build["projection"])
-        if proj.pop("stream_version", STREAM_VERSION) != STREAM_VERSION:
-            raise IndexMismatchError("the index was built with another projection stream version; rebuild it")
-        spec = ProjectionSpec(**proj)
+        try:
+            spec = ProjectionSpec.from_dict(build["projection"])
+        except ValueError as e:
+            raise IndexMismatchError(str(e)) from None
         route = self.manifest.get("config", {}).get("route", "auto")
         self.model.requires_grad_(False)
-        self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True)
+        self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True,
+                                       transforms=capture_transforms(self.basis))
         now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
@@ -183,7 +186,9 @@ class QueryEngine:
                 parts.append({n: v.float().cpu() for n, v in bg.grads.items()})
                 loss.append(bg.loss.float().cpu().numpy())
                 ntok.append(bg.num_tokens.cpu().numpy())
-        grads = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+        shapes = {n: (v["rows"], v["cols"]) for n, v in self.manifest["build"]["layers"].items()}
+        grads = {n: torch.from_numpy(to_rows(self.basis, n, torch.cat([p[n] for p in parts]).numpy(), shapes[n]))
+                 for n in parts[0]}
         if not all(torch.isfinite(v).all() for v in grads.values()):
             raise ValueError("a query's gradient is not finite (overflow in the model); try dtype float32")
         return grads, np.concatenate(loss), np.concatenate(ntok)
@@ -226,10 +231,11 @@ class QueryEngine:
                damping: float = 0.1, layers: Sequence[str] | str | None = None, lowest: int = 0,
                candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
                texts: bool = True) -> list[QueryResult]:
-        """Search with given per-layer query gradients ``{layer: [Q, D]}`` (projected, raw)."""
+        """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
-        self.pre.check(method)
-        base, selfnorm = parse_method(method)
+        op = row_method(method, row_basis(self.manifest))  # the operation on stored rows
+        self.pre.check(op)
+        base, selfnorm = parse_method(op)
         chosen = self.select_layers(layers)
         missing = [n for n in chosen if n not in grads]
         if missing:
@@ -261,8 +267,9 @@ class QueryEngine:
         t3 = time.perf_counter()
         out = []
         for top, low in ranked:
-            res = QueryResult(self._hits(top, chosen), self._hits(low, chosen), method,
-                              damping if base in ("kfac", "ekfac") else None, chosen, notes=list(notes))
+            used = damping if base in ("kfac", "ekfac") else (self.basis.damping if op != method else None)
+            res = QueryResult(self._hits(top, chosen), self._hits(low, chosen), method, used, chosen,
+                              notes=list(notes))
             res.seconds = {"precondition": t1 - t0, "search": t2 - t1, "rerank": t3 - t2}
             out.append(res)
         if texts and self.tokenizer is not None:

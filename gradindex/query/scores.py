@@ -9,6 +9,9 @@ measurements). For query rows ``q_l`` and stored rows ``t_l`` of the selected la
 * ``<method>-selfnorm``: the score divided by ``sqrt`` of the training example's self-influence
   under that method (same damping and layers), i.e. ``⟨H^{-1/2} q, H^{-1/2} t / ‖H^{-1/2} t‖⟩``.
   An example with zero self-influence (an all-zero row) scores 0.
+
+On an index whose rows are in a whitened basis the method names the influence asked for, and
+:func:`gradindex.methods.row_method` says which of these operations answers it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from gradindex.manifest import read_manifest
+from gradindex.manifest import read_manifest, row_basis
+from gradindex.methods import row_method
 from gradindex.model import resolve_device
 from gradindex.precondition import load_preconditioner, parse_method, self_influence
 from gradindex.precondition.ekfac import block_rows
@@ -43,8 +47,8 @@ def score_matrix(
     projection). ``layers``: default all the index's layers. Arithmetic runs on ``device``
     (``auto``: the GPU when present) in ``dtype`` (default float64 on CPU, float32 on GPU).
     """
-    base, selfnorm = parse_method(method)
     manifest = read_manifest(index_dir)
+    base, selfnorm = parse_method(row_method(method, row_basis(manifest)))
     shapes = layer_shapes(manifest)
     layers = selected_layers(manifest, layers)
     lacking = [n for n in layers if n not in query_grads]
