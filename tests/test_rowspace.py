@@ -1,0 +1,216 @@
+"""What a stored row holds: per-layer projection sizes from a budget, exact layers, the K-FAC-whitened basis.
+
+Rows are checked against torch.func per-example gradients mapped independently (projection
+matrices drawn per layer, whitening from factors computed here with plain forward hooks).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from test_capture import _G, _examples, _reference
+
+from gradindex.capture import GradientCapture, ProjectionSpec, projection_matrix
+from gradindex.capture.allocation import allocate, stored_numbers
+from gradindex.capture.batch import batch_gradients
+from gradindex.cli import main
+from gradindex.data import load_records, tokenize_records
+from gradindex.manifest import IndexMismatchError, read_manifest
+from gradindex.model import load_causal_lm
+from gradindex.pipeline import BuildConfig, IndexConfig, build_index
+from gradindex.query import QueryEngine
+from gradindex.query.scores import score_matrix
+from gradindex.store import Store
+from gradindex.store.basis import read_basis
+from gradindex.store.builder import build_store
+
+WIDTHS = {"small": (9, 8), "wide": (65, 256), "tall": (257, 64), "mid": (65, 64)}
+
+
+@pytest.mark.parametrize("rule", ["ratio", "equal"])
+@pytest.mark.parametrize("budget", [400, 4000, 40000])
+def test_allocation_spends_at_most_the_budget_and_keeps_small_layers_exact(rule, budget):
+    plan = allocate(WIDTHS, budget, rule)
+    assert set(plan) == set(WIDTHS)
+    used = stored_numbers(WIDTHS, plan)
+    assert used * 4 <= budget
+    assert used * 4 > budget / 4, "the plan wastes most of the budget"
+    for n, (k_a, k_g) in plan.items():
+        assert 0 <= k_a < WIDTHS[n][0] and 0 <= k_g < WIDTHS[n][1]
+    if rule == "equal" and budget >= 4000:
+        assert plan["small"] == (0, 0), "a layer narrower than k is stored exactly"
+
+
+def test_allocation_edges():
+    full = 4 * sum(a * g for a, g in WIDTHS.values())
+    assert allocate(WIDTHS, full, "ratio") == {n: (0, 0) for n in WIDTHS}
+    with pytest.raises(ValueError, match="below the minimum"):
+        allocate(WIDTHS, 8, "ratio")
+    with pytest.raises(ValueError, match="eigenvalues"):
+        allocate(WIDTHS, 4000, "spectrum")
+    ratio = allocate(WIDTHS, 20000, "ratio")
+    assert ratio["tall"][0] > ratio["mid"][0], "ratio: k grows with the side's width"
+    flat = {n: (np.ones(a), np.ones(g)) for n, (a, g) in WIDTHS.items()}
+    peaked = dict(flat, wide=(np.r_[1.0, np.zeros(64)], np.r_[1.0, np.zeros(255)]))
+    assert allocate(WIDTHS, 20000, "spectrum", spectra=peaked)["wide"] < \
+        allocate(WIDTHS, 20000, "spectrum", spectra=flat)["wide"]
+
+
+def test_per_layer_spec_draws_the_pinned_stream_and_round_trips():
+    uniform = ProjectionSpec(k_a=4, k_g=6, seed=3)
+    per_layer = ProjectionSpec(k_a=0, k_g=0, seed=3, sizes=(("x", 4, 6), ("y", 0, 2)))
+    for side, n in (("a", 10), ("g", 12)):
+        assert torch.equal(projection_matrix(uniform, "x", side, n), projection_matrix(per_layer, "x", side, n))
+    assert per_layer.layer_sizes("y") == (0, 2)
+    with pytest.raises(ValueError, match="not projected"):
+        projection_matrix(per_layer, "y", "a", 10)
+    assert ProjectionSpec.from_dict(json.loads(json.dumps(per_layer.to_dict()))) == per_layer
+
+
+def _mixed_spec(model) -> ProjectionSpec:
+    with GradientCapture(model) as cap:
+        names = list(cap.infos)
+    sizes = [(names[0], 0, 0), (names[1], 0, 5), (names[2], 7, 0)] + [(n, 6, 4) for n in names[3:]]
+    return ProjectionSpec(k_a=0, k_g=0, seed=4, sizes=tuple(sizes))
+
+
+def _expected(spec, name, G, W_a=None, W_g=None):
+    """``P_g W_g G W_aᵀ P_aᵀ`` with each factor present only where the spec/basis has it."""
+    k_a, k_g = spec.layer_sizes(name)
+    G = G.double()
+    if W_a is not None:
+        G = G @ torch.as_tensor(W_a).double().T
+    if W_g is not None:
+        G = torch.as_tensor(W_g).double() @ G
+    if k_a:
+        G = G @ projection_matrix(spec, name, "a", G.shape[1]).double().T
+    if k_g:
+        G = projection_matrix(spec, name, "g", G.shape[0]).double() @ G
+    return G
+
+
+@pytest.mark.parametrize("route", ["factorized", "materialized", "auto"])
+def test_mixed_per_layer_sizes_equal_torch_func_gradients(gpt2_dir, tokenizer, route):
+    """An exact layer, one-side-exact layers and projected ones in one capture, every route."""
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    spec = _mixed_spec(model)
+    ids, labels = _examples(tok)
+    ref = _reference(model, ids, labels)
+    model.requires_grad_(False)
+    with GradientCapture(model, projection=spec, route=route) as cap:
+        bg = batch_gradients(model, cap, ids, labels, tok.pad_token_id)
+    for name, rows in bg.grads.items():
+        assert rows.shape[1] == cap.dim(name)
+        for i in range(len(ids)):
+            e = _expected(spec, name, _G(cap, name, ref[i])).reshape(-1)
+            assert float((rows[i].double() - e).norm()) <= 1e-4 * float(e.norm()) + 1e-9, (name, i)
+    first = next(iter(cap.infos))
+    assert cap.dims(first) == (cap.infos[first].n_out, cap.infos[first].n_in_total)
+
+
+def _data(gpt2_dir, text_jsonl):
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    return model, tok, tokenize_records(load_records(text_jsonl), tok, 48)
+
+
+def test_budget_build_fits_indexes_and_queries_with_mixed_shapes(gpt2_dir, text_jsonl, tmp_path):
+    """A budget that leaves small layers exact: manifest shapes, stored rows, fit, index and query agree."""
+    model, tok, data = _data(gpt2_dir, text_jsonl)
+    out = tmp_path / "idx"
+    cfg = BuildConfig(budget="3/8", allocation="equal", shard_size=16, precondition="ekfac", max_length=48)
+    build_index(model, tok, data, out, cfg, index=IndexConfig(factory="Flat"), model_id=str(gpt2_dir),
+                data_id=str(text_jsonl), progress=False)
+    m = read_manifest(out)
+    spec = ProjectionSpec.from_dict(m["build"]["projection"])
+    shapes = {n: (v["rows"], v["cols"]) for n, v in m["build"]["layers"].items()}
+    assert {spec.layer_sizes(n) == (0, 0) for n in shapes} == {True, False}, "some layers exact, some projected"
+    assert len(set(shapes.values())) > 1
+    full = 4 * sum(v["n_out"] * (v["n_in"] + v["bias"]) for v in m["build"]["layers"].values())
+    assert 4 * sum(r * c for r, c in shapes.values()) <= full * 3 / 8
+    ref = _reference(model, data.input_ids[:3], data.labels[:3])
+    with Store(out) as st, GradientCapture(model, projection=spec) as cap:
+        assert st.dims == {n: r * c for n, (r, c) in shapes.items()}
+        rows = st.read_rows(np.arange(3))
+        for n in shapes:
+            for i in range(3):
+                e = _expected(spec, n, _G(cap, n, ref[i])).reshape(-1).numpy()
+                assert np.allclose(rows[n][i], e, rtol=1e-4, atol=1e-6 * np.abs(e).max()), n
+    with QueryEngine(out, gpt2_dir, device="cpu") as eng:
+        toks = eng.tokenize([data.input_ids[5]])
+        q, _, _ = eng.gradients(toks)
+        hit = eng.search(q, k=40, method="ekfac", texts=False)[0].hits
+        exact = score_matrix(out, q, "ekfac", device="cpu")[0]
+        assert [h.id for h in hit[:5]] == list(np.argsort(-exact, kind="stable")[:5])
+        assert np.allclose([h.score for h in hit], exact[[h.id for h in hit]], rtol=1e-4)
+    with pytest.raises(IndexMismatchError, match="projection differs"):
+        build_store(model, tok, data, out, BuildConfig(budget="1/16", allocation="equal", shard_size=16,
+                                                       max_length=48), progress=False)
+
+
+def _kfac_factors(model, data, names):
+    """Full-space ``A`` (inputs with the bias 1) from plain forward hooks, ``S`` from torch.func output grads."""
+    sums, toks = {}, 0
+    mods = dict(model.named_modules())
+    hooks = [mods[n].register_forward_hook(lambda m, i, o, n=n: sums.setdefault(n, []).append(i[0][0].double()))
+             for n in names]
+    with torch.no_grad():
+        for x in data.input_ids:
+            model(input_ids=torch.tensor([x]))
+            toks += len(x)
+    for h in hooks:
+        h.remove()
+    A = {}
+    for n in names:
+        a = torch.cat(sums[n])  # [tokens, N_i]
+        a1 = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], 1)
+        A[n] = (a1.T @ a1 / toks).numpy()
+    return A
+
+
+def test_kfac_basis_rows_methods_and_queries(gpt2_dir, text_jsonl, tmp_path):
+    """Whitened rows are ``P_g W_g G W_a P_aᵀ`` with ``W = (F + δ)^{-1/2}``; kfac is their dot product;
+    graddot is refused; the query applies the same maps."""
+    model, tok, data = _data(gpt2_dir, text_jsonl)
+    out = tmp_path / "w"
+    res = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--projection",
+                                    "auto", "--budget", "1/16", "--projection-basis", "kfac", "--shard-size",
+                                    "16", "--max-length", "48", "--device", "cpu", "--quiet",
+                                    "--precondition", "ekfac"])
+    assert res.exit_code == 0, res.output
+    m = read_manifest(out)
+    assert m["build"]["basis"]["kind"] == "kfac"
+    basis = read_basis(out)
+    names = list(m["build"]["layers"])
+    A = _kfac_factors(model, data, names)
+    for n in names[:2]:
+        lam, Q = np.linalg.eigh(A[n])
+        lam = np.clip(lam, 0, None)
+        W = (Q / np.sqrt(lam + 0.1 * lam.mean())) @ Q.T
+        assert np.allclose(basis.W_a[n], W, rtol=2e-3, atol=2e-3 * np.abs(W).max())
+    spec = ProjectionSpec.from_dict(m["build"]["projection"])
+    ref = _reference(model, data.input_ids[:2], data.labels[:2])
+    with Store(out) as st, GradientCapture(model, projection=spec) as cap:
+        rows = st.read_rows(np.arange(2))
+        for n in names:
+            for i in range(2):
+                e = _expected(spec, n, _G(cap, n, ref[i]), basis.W_a[n], basis.W_g[n]).reshape(-1).numpy()
+                assert np.allclose(rows[n][i], e, rtol=1e-3, atol=1e-4 * np.abs(e).max()), n
+    with QueryEngine(out, gpt2_dir, device="cpu") as eng:
+        q, _, _ = eng.gradients(eng.tokenize([data.input_ids[3]]))
+        with Store(out) as st:
+            own = st.read_rows(np.array([3]))
+        for n in names:
+            assert np.allclose(q[n][0].numpy(), own[n][0], rtol=1e-4, atol=1e-5 * np.abs(own[n]).max())
+        r = eng.search(q, k=3, method="kfac", texts=False)[0]
+        dots = sum(np.asarray(q[n], np.float64) @ Store(out).read_rows(np.arange(len(data)))[n].T.astype(np.float64)
+                   for n in names)[0]
+        assert r.hits[0].id == int(np.argmax(dots)) and r.damping == 0.1
+        assert eng.search(q, k=3, method="ekfac", texts=False)[0].hits
+        with pytest.raises(ValueError, match="not graddot"):
+            eng.search(q, k=3, method="graddot")
+    res = CliRunner().invoke(main, ["query", str(out), "--text", "the cat", "--method", "graddot", "--device", "cpu"])
+    assert res.exit_code != 0 and "Error:" in res.output and "kfac" in res.output and "Traceback" not in res.output
