@@ -19,6 +19,7 @@ from gradindex.capture.allocation import allocate, stored_numbers
 from gradindex.capture.batch import batch_gradients
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
+from gradindex.index import build_indices
 from gradindex.manifest import IndexMismatchError, read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, IndexConfig, build_index
@@ -202,15 +203,50 @@ def test_kfac_basis_rows_methods_and_queries(gpt2_dir, text_jsonl, tmp_path):
     with QueryEngine(out, gpt2_dir, device="cpu") as eng:
         q, _, _ = eng.gradients(eng.tokenize([data.input_ids[3]]))
         with Store(out) as st:
-            own = st.read_rows(np.array([3]))
+            every = st.read_rows(np.arange(len(data)))
         for n in names:
-            assert np.allclose(q[n][0].numpy(), own[n][0], rtol=1e-4, atol=1e-5 * np.abs(own[n]).max())
+            own = every[n][3]
+            assert np.allclose(q[n][0].numpy(), own, rtol=1e-4, atol=1e-5 * np.abs(own).max())
         r = eng.search(q, k=3, method="kfac", texts=False)[0]
-        dots = sum(np.asarray(q[n], np.float64) @ Store(out).read_rows(np.arange(len(data)))[n].T.astype(np.float64)
-                   for n in names)[0]
+        dots = sum(np.asarray(q[n], np.float64) @ every[n].T.astype(np.float64) for n in names)[0]
         assert r.hits[0].id == int(np.argmax(dots)) and r.damping == 0.1
         assert eng.search(q, k=3, method="ekfac", texts=False)[0].hits
         with pytest.raises(ValueError, match="not graddot"):
             eng.search(q, k=3, method="graddot")
     res = CliRunner().invoke(main, ["query", str(out), "--text", "the cat", "--method", "graddot", "--device", "cpu"])
     assert res.exit_code != 0 and "Error:" in res.output and "kfac" in res.output and "Traceback" not in res.output
+
+
+def test_compact_into_ekfac_eigenbasis_keeps_ekfac_scores(gpt2_dir, text_jsonl, tmp_path):
+    """Rows rotated and scaled by the fitted EK-FAC: their dot products are the source's EK-FAC scores."""
+    model, tok, data = _data(gpt2_dir, text_jsonl)
+    src, out = tmp_path / "src", tmp_path / "eig"
+    build_index(model, tok, data, src, BuildConfig(projection=ProjectionSpec(k_a=6, k_g=5, seed=1), shard_size=16,
+                                                   max_length=48, collect_covariance=True), progress=False)
+    args = ["compact", str(src), "--out", str(out), "--quiet", "--index-type", "Flat"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code != 0 and "Error:" in res.output and "--method ekfac" in res.output  # no fit yet
+    res = CliRunner().invoke(main, ["precondition", str(src), "--method", "ekfac", "--quiet", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert read_manifest(out)["build"]["basis"]["kind"] == "ekfac"
+    queries = [data.input_ids[7], data.input_ids[20]]
+    with _engine(src, model, tok) as a, \
+            _engine(out, model, tok) as b:
+        qa, _, _ = a.gradients(a.tokenize(queries))
+        qb, _, _ = b.gradients(b.tokenize(queries))
+        ref = score_matrix(src, qa, "ekfac", damping=0.1, device="cpu")
+        got = score_matrix(out, qb, "ekfac", device="cpu")
+        assert np.allclose(got, ref, rtol=1e-4, atol=1e-6 * np.abs(ref).max())
+        hits = b.search(qb, k=5, method="ekfac", texts=False)
+        assert [h.id for h in hits[0].hits] == list(np.argsort(-ref[0], kind="stable")[:5])
+        for bad in ("graddot", "kfac"):
+            with pytest.raises(ValueError, match="ekfac"):
+                b.search(qb, k=5, method=bad)
+
+
+def _engine(index_dir, model, tok):
+    if not (index_dir / "faiss").exists():
+        build_indices(index_dir, IndexConfig(factory="Flat"), progress=False)
+    return QueryEngine(index_dir, model=model, tokenizer=tok)
