@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +152,8 @@ def recipe_scores(Gt, Gq, factors, plan, seed, basis, bits: int, eigen: bool) ->
     return out
 
 
-def run(cfg: FidelityConfig, budgets, rules, seeds: int, log=print, check: bool = True) -> dict:
+def run(cfg: FidelityConfig, budgets, rules, seeds: int, log=print, check: bool = True,
+        basis_dampings: tuple[float, ...] = (), storages: tuple[str, ...] = ("int8", "int4")) -> dict:
     t0 = time.perf_counter()
     setup = make_setup(cfg)
     model = train_model(new_model(cfg, len(setup.tokenizer)), setup.train.input_ids, cfg, seed=0)
@@ -164,6 +166,7 @@ def run(cfg: FidelityConfig, budgets, rules, seeds: int, log=print, check: bool 
         f"{full_numbers} numbers ({4 * full_numbers} float32 bytes) per example")
     raw = kfac_basis({}, DAMPING)
     bases = {"raw": raw, "kfac": kfac_basis(factors, DAMPING)}
+    bases.update({f"kfac@{d:g}": kfac_basis(factors, d) for d in basis_dampings})
     spectra = bases["kfac"].spectra
     none = {n: (0, 0) for n in Gt}
     ref = recipe_scores(Gt, Gq, factors, none, 0, raw, 32, False)["ekfac"]
@@ -172,7 +175,7 @@ def run(cfg: FidelityConfig, budgets, rules, seeds: int, log=print, check: bool 
     def measure(budget, rule, basis, storage, eigen, plan, nseeds):
         bits = {"fp32": 32, "int8": 8, "int4": 4}[storage]
         res = [recipe_scores(Gt, Gq, factors, plan, s, bases[basis], bits, eigen) for s in range(nseeds)]
-        for method in (("ekfac", "dot") if basis == "kfac" and not eigen else ("ekfac",)):
+        for method in (("ekfac", "dot") if basis.startswith("kfac") and not eigen else ("ekfac",)):
             ag = [agreement(r[method], ref) for r in res]
             row = {"budget": budget, "allocation": rule, "basis": basis, "storage": storage,
                    "rows_in": "ekfac eigenbasis" if eigen else basis, "method": method,
@@ -187,13 +190,17 @@ def run(cfg: FidelityConfig, budgets, rules, seeds: int, log=print, check: bool 
 
     for budget in budgets:
         full_bytes = 4 * full_numbers
-        from fractions import Fraction
         b = int(full_bytes * Fraction(budget))
         for rule in rules:
             plan = allocate(layer_widths, b, rule, 4.0, spectra)
             for basis in ("raw", "kfac"):
                 measure(budget, rule, basis, "fp32", False, plan, seeds)
+            if rule == "ratio":
+                for d in basis_dampings:
+                    measure(budget, rule, f"kfac@{d:g}", "fp32", False, plan, seeds)
         for storage, bpn in (("int8", 1.0), ("int4", 0.5)):
+            if storage not in storages:
+                continue
             plan = allocate(layer_widths, b, "ratio", bpn, spectra)
             exact = all(v == (0, 0) for v in plan.values())
             for basis in ("raw", "kfac"):
@@ -247,15 +254,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a seconds-long smoke run (tiny model, few queries)")
     ap.add_argument("--seeds", type=int, default=2, help="projection seeds per recipe")
+    ap.add_argument("--budgets", default=",".join(BUDGETS), help="fractions of the full float32 bytes")
+    ap.add_argument("--rules", default=",".join(RULES), help="allocation rules")
+    ap.add_argument("--basis-dampings", default="", help="extra K-FAC whitening dampings (ratio rule, float32)")
+    ap.add_argument("--storages", default="int8,int4", help="coded storages to measure (empty: float32 only)")
+    ap.add_argument("--no-check", action="store_true", help="skip the library cross-check")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "rowspace.json"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     cfg = replace(FidelityConfig(), n_train=256, n_query=48)
-    budgets, rules, seeds = BUDGETS, RULES, a.seeds
+    budgets, rules, seeds = tuple(a.budgets.split(",")), tuple(a.rules.split(",")), a.seeds
     if a.quick:
         cfg = replace(cfg, n_train=24, n_query=6, max_tokens=16, vocab=300, n_embd=16, steps=8, batch=8)
         budgets, seeds = ("1/16",), 1
-    res = run(cfg, budgets, rules, seeds)
+    dampings = tuple(float(x) for x in a.basis_dampings.split(",") if x)
+    res = run(cfg, budgets, rules, seeds, check=not a.no_check, basis_dampings=dampings,
+              storages=tuple(x for x in a.storages.split(",") if x))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=1))
     print(f"wrote {a.out} ({res['seconds']} s)")

@@ -250,3 +250,24 @@ def _engine(index_dir, model, tok):
     if not (index_dir / "faiss").exists():
         build_indices(index_dir, IndexConfig(factory="Flat"), progress=False)
     return QueryEngine(index_dir, model=model, tokenizer=tok)
+
+
+@pytest.mark.slow
+def test_rowspace_benchmark_quick_mode_agrees_with_the_library(tmp_path):
+    """The benchmark's simulated recipes score exactly as an index built by the library does."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rowspace.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "rowspace.py"), "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {(r["allocation"], r["basis"], r["storage"]) for r in res["rows"]} >= {
+        ("equal", "raw", "fp32"), ("ratio", "kfac", "fp32"), ("spectrum", "raw", "fp32"), ("ratio", "raw", "int4")}
+    assert all(0 <= r["top10"] <= 1 and r["bytes"] > 0 for r in res["rows"])
+    assert min(res["library_check"]["score_correlation"].values()) > 0.999
