@@ -59,7 +59,7 @@ TOP = 10
 
 
 def capture_full(model, tok, data, batch: int = 16, covariance: bool = False):
-    """layer → ``[n, N_o, N_i+1]`` float64 full gradients (and full-space ``(A, S)`` token means)."""
+    """layer → ``[n, N_o, N_i+1]`` float32 full gradients (and full-space float64 ``(A, S)`` token means)."""
     model.requires_grad_(False)
     spec = ProjectionSpec(kind="none", k_a=0, k_g=0)
     cap = GradientCapture(model, None, spec, "materialized", weight_free=True, collect_covariance=covariance)
@@ -69,27 +69,38 @@ def capture_full(model, tok, data, batch: int = 16, covariance: bool = False):
             bg = batch_gradients(model, cap, data.input_ids[s:s + batch], data.labels[s:s + batch],
                                  tok.pad_token_id)
             for n, v in bg.grads.items():
-                out.setdefault(n, []).append(v.double().numpy())
+                out.setdefault(n, []).append(v.float().numpy())
     G = {n: np.concatenate(v).reshape(-1, *cap.dims(n)) for n, v in out.items()}
     factors = {n: ((cap.cov_a[n] / cap.cov_tokens[n]).numpy(), (cap.cov_g[n] / cap.cov_tokens[n]).numpy())
                for n in cap.cov_a} if covariance else None
     return G, factors
 
 
+def right(x: np.ndarray, M: np.ndarray) -> np.ndarray:
+    """``x @ M`` for a batch ``x`` ``[b, r, n]`` as one 2-D BLAS product (numpy's stacked matmul is slow)."""
+    b, r, n = x.shape
+    return (np.ascontiguousarray(x).reshape(b * r, n) @ M).reshape(b, r, -1)
+
+
+def left(M: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``M @ x`` for a batch ``x`` ``[b, n, c]``."""
+    return right(x.transpose(0, 2, 1), M.T).transpose(0, 2, 1)
+
+
 def ekfac_fit(rows: np.ndarray, A: np.ndarray, S: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(Q_S, Q_A, (Λ*+δ)^{-1/2})`` of one layer from its rows ``[n, k_g, k_a]`` and factors."""
-    _, Q_A = np.linalg.eigh(0.5 * (A + A.T))
-    _, Q_S = np.linalg.eigh(0.5 * (S + S.T))
-    R = Q_S.T @ rows @ Q_A
-    lam = (R**2).mean(0)
+    Q_A = np.linalg.eigh(0.5 * (A + A.T))[1].astype(np.float32)
+    Q_S = np.linalg.eigh(0.5 * (S + S.T))[1].astype(np.float32)
+    R = right(left(Q_S.T, rows), Q_A)
+    lam = (R.astype(np.float64) ** 2).mean(0)
     delta = DAMPING * lam.mean() if lam.mean() > 0 else DAMPING
-    return Q_S, Q_A, 1.0 / np.sqrt(lam + delta)
+    return Q_S, Q_A, (1.0 / np.sqrt(lam + delta)).astype(np.float32)
 
 
 def whitened(x: np.ndarray, fit) -> np.ndarray:
     """Rows ``[n, k_g, k_a]`` → EK-FAC whitened eigenbasis rows ``[n, k_g·k_a]``."""
     Q_S, Q_A, scale = fit
-    return ((Q_S.T @ x @ Q_A) * scale).reshape(len(x), -1)
+    return (right(left(Q_S.T, x), Q_A) * scale).reshape(len(x), -1)
 
 
 def quantize(x: np.ndarray, bits: int) -> np.ndarray:
@@ -130,25 +141,50 @@ def side_maps(layer, sizes, seed, basis):
 layer_widths: dict[str, tuple[int, int]] = {}
 
 
-def recipe_scores(Gt, Gq, factors, plan, seed, basis, bits: int, eigen: bool) -> dict[str, np.ndarray]:
-    """Scores ``[Q, N]`` of one recipe: ``ekfac`` (fitted on the rows) and, for a whitened basis, ``dot``."""
-    out = {"ekfac": 0.0, "dot": 0.0}
-    for n in Gt:
-        M_a, M_g = side_maps(n, plan[n], seed, basis)
-        A, S = factors[n]
-        t, q = Gt[n], Gq[n]
-        if M_a is not None:
-            t, q, A = t @ M_a.T, q @ M_a.T, M_a @ A @ M_a.T
-        if M_g is not None:
-            t, q, S = M_g @ t, M_g @ q, M_g @ S @ M_g.T
-        fit = ekfac_fit(t, A, S)
-        if eigen:  # rows stored in the whitened eigenbasis: ekfac is their dot product
-            wt, wq = whitened(t, fit), whitened(q, fit)
-            out["ekfac"] = out["ekfac"] + wq @ quantize(wt, bits).T
-            continue
-        tq = quantize(t.reshape(len(t), -1), bits).reshape(t.shape)
-        out["ekfac"] = out["ekfac"] + whitened(q, fit) @ whitened(tq, (fit[0], fit[1], fit[2])).T
-        out["dot"] = out["dot"] + q.reshape(len(q), -1) @ tq.reshape(len(tq), -1).T
+_MAPPED: dict = {}
+
+
+def mapped(Gt, Gq, factors, plan, seed, basis_name, basis) -> dict:
+    """Per layer: stored-space train and query rows ``[n, k_g, k_a]`` and the EK-FAC fitted on them (cached)."""
+    key = (tuple(sorted(plan.items())), seed, basis_name)
+    if key not in _MAPPED:
+        _MAPPED.clear()  # one recipe at a time: the rows of an exact plan are as large as the gradients
+        out = {}
+        for n in Gt:
+            M_a, M_g = side_maps(n, plan[n], seed, basis)
+            A, S = factors[n]
+            t, q = Gt[n], Gq[n]
+            if M_a is not None:
+                M_a = M_a.astype(np.float32)
+                t, q, A = right(t, M_a.T), right(q, M_a.T), M_a @ A @ M_a.T
+            if M_g is not None:
+                M_g = M_g.astype(np.float32)
+                t, q, S = left(M_g, t), left(M_g, q), M_g @ S @ M_g.T
+            out[n] = (t, q, ekfac_fit(t, A, S))
+        _MAPPED[key] = out
+    return _MAPPED[key]
+
+
+def recipe_scores(Gt, Gq, factors, plan, seed, basis_name, basis, variants) -> dict[tuple, np.ndarray]:
+    """Scores ``[Q, N]`` per ``(bits, eigen, method)`` for the storage variants ``(bits, eigen)`` of one recipe.
+
+    ``ekfac``: EK-FAC fitted on the rows; ``dot``: plain inner products of the rows (``--method kfac``
+    on a whitened index). ``eigen``: rows coded in the EK-FAC whitened eigenbasis (``gradindex compact``).
+    """
+    out: dict[tuple, np.ndarray] = {}
+
+    def add(key, v):
+        out[key] = out.get(key, 0.0) + v
+
+    for t, q, fit in mapped(Gt, Gq, factors, plan, seed, basis_name, basis).values():
+        wq = whitened(q, fit)
+        for bits, eigen in variants:
+            if eigen:
+                add((bits, True, "ekfac"), wq @ quantize(whitened(t, fit), bits).T)
+                continue
+            tq = quantize(t.reshape(len(t), -1), bits)
+            add((bits, False, "ekfac"), wq @ whitened(tq.reshape(t.shape), fit).T)
+            add((bits, False, "dot"), q.reshape(len(q), -1) @ tq.T)
     return out
 
 
@@ -169,43 +205,47 @@ def run(cfg: FidelityConfig, budgets, rules, seeds: int, log=print, check: bool 
     bases.update({f"kfac@{d:g}": kfac_basis(factors, d) for d in basis_dampings})
     spectra = bases["kfac"].spectra
     none = {n: (0, 0) for n in Gt}
-    ref = recipe_scores(Gt, Gq, factors, none, 0, raw, 32, False)["ekfac"]
+    ref = recipe_scores(Gt, Gq, factors, none, 0, "raw", raw, [(32, False)])[(32, False, "ekfac")]
     rows = []
+    bits_of = {"fp32": 32, "int8": 8, "int4": 4}
 
-    def measure(budget, rule, basis, storage, eigen, plan, nseeds):
-        bits = {"fp32": 32, "int8": 8, "int4": 4}[storage]
-        res = [recipe_scores(Gt, Gq, factors, plan, s, bases[basis], bits, eigen) for s in range(nseeds)]
-        for method in (("ekfac", "dot") if basis.startswith("kfac") and not eigen else ("ekfac",)):
-            ag = [agreement(r[method], ref) for r in res]
-            row = {"budget": budget, "allocation": rule, "basis": basis, "storage": storage,
-                   "rows_in": "ekfac eigenbasis" if eigen else basis, "method": method,
-                   "bytes": int(stored_numbers(layer_widths, plan) * bits / 8),
-                   "numbers": int(stored_numbers(layer_widths, plan)),
-                   "exact_layers": sum(1 for v in plan.values() if v == (0, 0)),
-                   "spearman": float(np.mean([a["spearman"] for a in ag])),
-                   "top10": float(np.mean([a["top10"] for a in ag]))}
-            rows.append(row)
-            log(f"  {budget:>5} {rule:<8} {basis:<4} {storage:<4} {row['rows_in']:<16} {method:<5} "
-                f"{row['bytes']:>8} B  spearman {row['spearman']:.3f}  top10 {row['top10']:.3f}")
+    def measure(budget, rule, basis, storages_here, plan, nseeds):
+        """Rows of one plan and basis for storages ``[(storage, eigen)]``, sharing the mapping and fit."""
+        variants = [(bits_of[st], eigen) for st, eigen in storages_here]
+        res = [recipe_scores(Gt, Gq, factors, plan, s, basis, bases[basis], variants) for s in range(nseeds)]
+        for storage, eigen in storages_here:
+            bits = bits_of[storage]
+            for method in (("ekfac", "dot") if basis.startswith("kfac") and not eigen else ("ekfac",)):
+                ag = [agreement(r[(bits, eigen, method)], ref) for r in res]
+                row = {"budget": budget, "allocation": rule, "basis": basis, "storage": storage,
+                       "rows_in": "ekfac eigenbasis" if eigen else basis, "method": method,
+                       "bytes": int(stored_numbers(layer_widths, plan) * bits / 8),
+                       "numbers": int(stored_numbers(layer_widths, plan)),
+                       "exact_layers": sum(1 for v in plan.values() if v == (0, 0)),
+                       "spearman": float(np.mean([a["spearman"] for a in ag])),
+                       "top10": float(np.mean([a["top10"] for a in ag]))}
+                rows.append(row)
+                log(f"  {budget:>5} {rule:<8} {basis:<9} {storage:<4} {row['rows_in']:<16} {method:<5} "
+                    f"{row['bytes']:>8} B  spearman {row['spearman']:.3f}  top10 {row['top10']:.3f}")
 
+    full_bytes = 4 * full_numbers
     for budget in budgets:
-        full_bytes = 4 * full_numbers
         b = int(full_bytes * Fraction(budget))
         for rule in rules:
             plan = allocate(layer_widths, b, rule, 4.0, spectra)
-            for basis in ("raw", "kfac"):
-                measure(budget, rule, basis, "fp32", False, plan, seeds)
-            if rule == "ratio":
-                for d in basis_dampings:
-                    measure(budget, rule, f"kfac@{d:g}", "fp32", False, plan, seeds)
+            for basis in ("raw", "kfac") + (tuple(f"kfac@{d:g}" for d in basis_dampings) if rule == "ratio" else ()):
+                measure(budget, rule, basis, [("fp32", False)], plan, seeds)
+        plans: dict[tuple, list[str]] = {}
         for storage, bpn in (("int8", 1.0), ("int4", 0.5)):
-            if storage not in storages:
-                continue
-            plan = allocate(layer_widths, b, "ratio", bpn, spectra)
+            if storage in storages:
+                plan = allocate(layer_widths, b, "ratio", bpn, spectra)
+                plans.setdefault(tuple(sorted(plan.items())), []).append(storage)
+        for key, group in plans.items():
+            plan = dict(key)
             exact = all(v == (0, 0) for v in plan.values())
             for basis in ("raw", "kfac"):
-                for eigen in (False, True):
-                    measure(budget, "ratio", basis, storage, eigen, plan, 1 if exact else seeds)
+                measure(budget, "ratio", basis, [(st, e) for st in group for e in (False, True)], plan,
+                        1 if exact else seeds)
     result = {"config": {"n_train": cfg.n_train, "n_query": cfg.n_query, "n_embd": cfg.n_embd,
                          "n_layer": cfg.n_layer, "steps": cfg.steps, "max_tokens": cfg.max_tokens,
                          "damping": DAMPING, "basis_damping": DAMPING, "proj_seeds": seeds,
@@ -243,9 +283,10 @@ def library_check(model, setup, Gt, Gq, factors, budget, log) -> dict:
         q = {n: np.concatenate(v) for n, v in q.items()}
         lib = {m: score_matrix(Path(d) / "idx", q, m, damping=DAMPING, device="cpu") for m in ("ekfac", "kfac")}
         plan = {n: spec.layer_sizes(n) for n in Gt}
-        sim = recipe_scores(Gt, Gq, factors, plan, spec.seed, basis, 32, False)
-    corr = {m: float(np.corrcoef(lib[m].ravel(), sim[k].ravel())[0, 1]) for m, k in (("ekfac", "ekfac"),
-                                                                                     ("kfac", "dot"))}
+        _MAPPED.clear()
+        sim = recipe_scores(Gt, Gq, factors, plan, spec.seed, "library", basis, [(32, False)])
+    corr = {m: float(np.corrcoef(lib[m].ravel(), sim[(32, False, k)].ravel())[0, 1])
+            for m, k in (("ekfac", "ekfac"), ("kfac", "dot"))}
     log(f"library check ({budget}, ratio, kfac basis): score correlation with the simulation {corr}")
     return {"budget": budget, "score_correlation": corr}
 

@@ -190,7 +190,7 @@ def test_kfac_basis_rows_methods_and_queries(gpt2_dir, text_jsonl, tmp_path):
     for n in names[:2]:
         lam, Q = np.linalg.eigh(A[n])
         lam = np.clip(lam, 0, None)
-        W = (Q / np.sqrt(lam + 0.1 * lam.mean())) @ Q.T
+        W = (Q / np.sqrt(lam + 1.0 * lam.mean())) @ Q.T
         assert np.allclose(basis.W_a[n], W, rtol=2e-3, atol=2e-3 * np.abs(W).max())
     spec = ProjectionSpec.from_dict(m["build"]["projection"])
     ref = _reference(model, data.input_ids[:2], data.labels[:2])
@@ -209,7 +209,7 @@ def test_kfac_basis_rows_methods_and_queries(gpt2_dir, text_jsonl, tmp_path):
             assert np.allclose(q[n][0].numpy(), own, rtol=1e-4, atol=1e-5 * np.abs(own).max())
         r = eng.search(q, k=3, method="kfac", texts=False)[0]
         dots = sum(np.asarray(q[n], np.float64) @ every[n].T.astype(np.float64) for n in names)[0]
-        assert r.hits[0].id == int(np.argmax(dots)) and r.damping == 0.1
+        assert r.hits[0].id == int(np.argmax(dots)) and r.damping == 1.0
         assert eng.search(q, k=3, method="ekfac", texts=False)[0].hits
         with pytest.raises(ValueError, match="not graddot"):
             eng.search(q, k=3, method="graddot")

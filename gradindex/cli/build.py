@@ -31,7 +31,7 @@ from gradindex.store.codes import STORAGES
 @click.option("--projection-basis", "basis", default="raw", show_default=True, type=click.Choice(["raw", "kfac"]),
               help="kfac: whiten each side by its damped full-space K-FAC factor before projecting "
                    "(one factor pass first); rows then answer kfac/ekfac, not graddot.")
-@click.option("--basis-damping", default=0.1, show_default=True, type=float,
+@click.option("--basis-damping", default=1.0, show_default=True, type=float,
               help="Relative damping of the kfac whitening.")
 @click.option("--fit-examples", default=0, show_default=True, type=int,
               help="Examples sampled for the kfac basis's factor pass (0 = all).")

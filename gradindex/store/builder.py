@@ -72,8 +72,9 @@ class BuildConfig:
     """How the budget is spread over layers: ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
     basis: str = "raw"
     """``raw``, or ``kfac``: whiten each side by its damped full-space factor before projection."""
-    basis_damping: float = 0.1
-    """Relative damping of the ``kfac`` whitening (a fraction of each factor's mean eigenvalue)."""
+    basis_damping: float = 1.0
+    """Relative damping of the ``kfac`` whitening (a fraction of each factor's mean eigenvalue); 1.0 kept
+    the most of full-space EK-FAC's top-10 in benchmarks/rowspace.py (0.01, 0.1, 0.3, 3, 10 measured)."""
     basis_examples: int = 0
     """Examples sampled for the factor pass of a ``kfac`` basis (0 = all)."""
     basis_seed: int = 0
