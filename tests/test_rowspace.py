@@ -244,6 +244,11 @@ def test_compact_into_ekfac_eigenbasis_keeps_ekfac_scores(gpt2_dir, text_jsonl, 
         for bad in ("graddot", "kfac"):
             with pytest.raises(ValueError, match="ekfac"):
                 b.search(qb, k=5, method=bad)
+    res = CliRunner().invoke(main, args[:3] + [str(tmp_path / "eig4"), "--storage", "int4", "--no-index", "--quiet"])
+    assert res.exit_code == 0, res.output
+    coded = score_matrix(tmp_path / "eig4", qb, "ekfac", device="cpu")
+    assert read_manifest(tmp_path / "eig4")["build"]["storage"] == "int4"
+    assert min(np.corrcoef(coded[i], ref[i])[0, 1] for i in range(len(ref))) > 0.95
 
 
 def _engine(index_dir, model, tok):

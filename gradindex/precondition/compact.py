@@ -25,14 +25,17 @@ from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
 from gradindex.store.basis import basis_path, index_basis, to_rows, write_basis
+from gradindex.store.codes import check_storage
 
 log = logging.getLogger("gradindex")
 COLUMNS = ("loss", "num_tokens", "finite", "token_hash")
 
 
 def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: float = 0.1,
-                       overwrite: bool = False, block: int = 1024, progress: bool = False) -> dict:
-    """Write ``out``: ``src``'s rows in the EK-FAC whitened eigenbasis; return its manifest."""
+                       storage: str | None = None, overwrite: bool = False, block: int = 1024,
+                       progress: bool = False) -> dict:
+    """Write ``out``: ``src``'s rows in the EK-FAC whitened eigenbasis, coded as ``storage``
+    (default: the source's); return its manifest."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     manifest = read_complete_manifest(src, "compact it")
@@ -43,6 +46,7 @@ def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: 
                                 f"`gradindex precondition {src} --method ekfac` first")
     if out.resolve() == src.resolve():
         raise ValueError("--out must be another directory (the source index is never modified)")
+    storage = check_storage(storage or manifest["build"].get("storage", "fp32"))
     shapes = layer_shapes(manifest)
     P = load_preconditioner(src, "ekfac")
     basis = index_basis(src, manifest)
@@ -53,7 +57,7 @@ def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: 
         basis.Q_S[n], basis.Q_A[n] = np.asarray(c["Q_S"], np.float64), np.asarray(c["Q_A"], np.float64)
         basis.scale[n] = 1.0 / np.sqrt(lam + absolute_damping(c["Lambda"], damping))
     new = {**manifest, "status": "building", "preconditioners": {},
-           "build": {**manifest["build"], "basis": {"kind": "ekfac", "damping": damping,
+           "build": {**manifest["build"], "storage": storage, "basis": {"kind": "ekfac", "damping": damping,
                                                     "from": manifest["build"].get("basis", {"kind": "raw"}),
                                                     "fit": manifest["preconditioners"]["ekfac"].get("fit", {})}}}
     _prepare(out, new, overwrite)
@@ -68,7 +72,7 @@ def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: 
             if final.exists():
                 bar.update(size)
                 continue
-            w = ShardWriter(final, first, size, store.dims, fp)
+            w = ShardWriter(final, first, size, store.dims, fp, storage)
             done = w.open()
             for ids, grads in store.iter_blocks(None, block, first + done):
                 if ids[0] >= first + size:
