@@ -1,7 +1,8 @@
 """Fidelity: the linear datamodeling score (LDS) of GradDot, cosine, K-FAC and EK-FAC attribution.
 
-Setup (all local, CPU). A byte-level BPE tokenizer and a small GPT-2 (built from a config) are
-trained on prose paragraphs of the Python standard library's docstrings (``fixtures/corpus.py``). The
+Setup (all local, CPU), per corpus. A byte-level BPE tokenizer and a small GPT-2 (built from a
+config) are trained on prose paragraphs of the Python standard library's docstrings, or of the GNU
+info manuals of Debian's essential packages (``fixtures/corpus.py``), with planted facts. The
 model trained on all N training examples is indexed with the library end to end
 (``build_store`` with ``precondition="ekfac"`` → ``score_matrix``); query gradients come from
 ``batch_gradients`` under a ``GradientCapture`` with the build's projection and layers.
@@ -28,8 +29,15 @@ what is missing. Results and their reading: benchmarks/README.md, "Fidelity".
 
 Usage::
 
-    python benchmarks/fidelity.py --workers 2   # full run (~13 min), writes benchmarks/results/fidelity.json
-    python benchmarks/fidelity.py --quick       # a smoke run of a few seconds
+    python benchmarks/fidelity.py               # both corpora + the compression study; writes
+                                                # benchmarks/results/fidelity.json and fidelity-bytes.png
+    python benchmarks/fidelity.py --quick       # a smoke run of a few seconds (stdlib, a handful of codecs)
+
+Planted facts: each corpus gets ``n_facts`` unusual sentences (``fixtures.corpus.FACTS``) as training
+examples; each has a query (its prompt, loss on its completion); ``fact_recall`` is the share of
+those queries whose planted example ranks first. ``top{k}_overlap`` and ``lds_share`` compare with
+full-space EK-FAC at ``damping``. The compression study (``_study.py``, codecs in
+``compression.py``) simulates stored codes on full-space gradients (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -46,14 +54,21 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
-import torch
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # numpy's BLAS: one thread
+    os.environ.setdefault(_v, "1")  # (--threads sets torch's); only effective before numpy loads
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+# this checkout's gradindex, not whichever one the environment has installed (e.g. editable)
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import datasets  # noqa: E402
+
 import gradindex  # noqa: E402
-from fixtures.corpus import corpus_hash, stdlib_paragraphs  # noqa: E402
+from fixtures.corpus import FACTS, corpus_hash, fact_document, gnu_info_paragraphs, stdlib_paragraphs  # noqa: E402
 from fixtures.tiny import save_model_dir, tiny_gpt2, train_tokenizer  # noqa: E402
 from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402
@@ -88,10 +103,10 @@ class FidelityConfig:
     batch: int = 32
     lr: float = 3e-3
     """Peak learning rate: linear warm-up over 10% of the steps, then linear decay to zero."""
-    n_subsets: int = 32
-    """M: random 50% subsets of the training set."""
-    retrain_seeds: int = 2
-    """R: retrainings per subset (batch order), averaged for the LDS."""
+    n_subsets: int = 20
+    """M: random 50% subsets of the training set (32 with R=2 gives a tighter ground truth, ~3× the time)."""
+    retrain_seeds: int = 1
+    """R: retrainings per subset (batch order), averaged for the LDS; R ≥ 2 also gives the noise ceiling."""
     subset_seed: int = 0
     projections: tuple[str, ...] = ("4", "8", "16", "32", "64", "none")
     """Projection sizes (``K``, ``KAxKG`` or ``none``) to index with."""
@@ -102,10 +117,22 @@ class FidelityConfig:
     damping: float = 0.1
     """Damping of the headline table (the library default)."""
     methods: tuple[str, ...] = METHODS
+    corpora: tuple[str, ...] = ("stdlib", "gnu-info")
+    """Corpora (``CORPORA``), each measured alone: its own tokenizer, model and retrainings."""
+    n_facts: int = 8
+    """Planted facts per corpus (``fixtures.corpus.FACTS``): training examples counted in ``n_train``."""
+    top_k: int = 10
+    """Top-k overlap with the reference (full-space EK-FAC at ``damping``)."""
+    study: bool = True
+    """Run the compression study (``compression.py``) on full-space gradients."""
+    study_seeds: int = 2
+    """Projection seeds per random codec of the study."""
+    study_grid: str = "full"
+    """``full`` or ``quick`` (a handful of codecs): the study's compressions (``_study.grid``)."""
 
     def retrain_key(self, corpus: str) -> str:
         keys = ("n_train", "n_query", "max_tokens", "vocab", "n_layer", "n_embd", "n_head", "init_seed",
-                "steps", "batch", "lr", "subset_seed")  # not M, R: a larger run extends the cache
+                "steps", "batch", "lr", "subset_seed", "n_facts")  # not M, R: a larger run extends the cache
         d = {k: getattr(self, k) for k in keys} | {"corpus": corpus, "torch": torch.__version__}
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -113,7 +140,12 @@ class FidelityConfig:
 DEFAULT_WORK = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gradindex" / "fidelity"
 QUICK = FidelityConfig(n_train=32, n_query=8, max_tokens=24, vocab=300, n_embd=32, steps=24, batch=16,
                        n_subsets=5, retrain_seeds=2, projections=("8", "none"), proj_seeds=1,
-                       dampings=(0.1,))
+                       dampings=(0.1,), corpora=("stdlib",), n_facts=2, top_k=5, study_grid="quick")
+CORPORA = {
+    "stdlib": (stdlib_paragraphs, "prose paragraphs of Python standard library docstrings (fixtures/corpus.py)"),
+    "gnu-info": (gnu_info_paragraphs, "prose paragraphs of the GNU info manuals of Debian's essential packages "
+                                      "(coreutils, diffutils, findutils, grep, sed, gzip; fixtures/corpus.py)"),
+}
 
 
 # -- data and training -----------------------------------------------------------------------------
@@ -123,21 +155,47 @@ class Setup:
     train: Tokenized
     query: Tokenized
     corpus: str
+    """Content hash of the training and query texts (facts included); part of the retraining cache key."""
+    name: str = "stdlib"
+    facts: tuple = ()
+    """Planted ``(prompt, completion)`` pairs."""
+    fact_rows: tuple[int, ...] = ()
+    """Training row of each planted fact."""
+    fact_query: Tokenized | None = None
+    """One query per fact: its prompt, with the loss on the completion only."""
+    paragraphs_hash: str = ""
 
 
-def make_setup(cfg: FidelityConfig) -> Setup:
-    """Tokenizer on the whole corpus; disjoint train / query paragraphs by a fixed permutation."""
-    paras = stdlib_paragraphs()
+def fact_positions(n_train: int, n_facts: int) -> list[int]:
+    """Training rows of the planted facts: evenly spread, never the first or last row."""
+    return [(j + 1) * n_train // (n_facts + 1) for j in range(n_facts)]
+
+
+def make_setup(cfg: FidelityConfig, corpus: str = "stdlib") -> Setup:
+    """Tokenizer on the whole corpus (facts included); disjoint train / query paragraphs by a fixed
+    permutation; ``n_facts`` planted fact documents take training rows :func:`fact_positions`."""
+    paras = CORPORA[corpus][0]()
     if cfg.n_train + cfg.n_query > len(paras):
-        raise ValueError(f"the corpus has {len(paras)} paragraphs; asked for "
+        raise ValueError(f"the corpus {corpus!r} has {len(paras)} paragraphs; asked for "
                          f"n_train + n_query = {cfg.n_train + cfg.n_query}")
-    tok = train_tokenizer(paras, vocab_size=cfg.vocab)
+    facts = FACTS[corpus][: cfg.n_facts]
+    if len(facts) < cfg.n_facts:
+        raise ValueError(f"corpus {corpus!r} has {len(FACTS[corpus])} planted facts; asked for {cfg.n_facts}")
+    docs = [fact_document(p, c) for p, c in facts]
+    tok = train_tokenizer(paras + docs, vocab_size=cfg.vocab)
     order = np.random.default_rng(0).permutation(len(paras))
-    tr = [paras[i] for i in order[: cfg.n_train]]
+    tr = [paras[i] for i in order[: cfg.n_train - len(facts)]]
+    rows = fact_positions(cfg.n_train, len(facts))
+    for r, d in zip(rows, docs, strict=True):
+        tr.insert(r, d)
     qu = [paras[i] for i in order[cfg.n_train: cfg.n_train + cfg.n_query]]
     train = tokenize_records(records_from_texts(tr), tok, cfg.max_tokens)
     query = tokenize_records(records_from_texts(qu), tok, cfg.max_tokens)
-    return Setup(tok, train, query, corpus_hash(paras))
+    fq = tokenize_records(datasets.Dataset.from_dict({"prompt": [p for p, _ in facts],
+                                                      "completion": [c for _, c in facts]}),
+                          tok, cfg.max_tokens) if facts else None
+    return Setup(tok, train, query, corpus_hash([corpus] + tr + ["\0query"] + qu), corpus, tuple(facts),
+                 tuple(rows), fq, corpus_hash(paras))
 
 
 def _padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,8 +213,10 @@ def new_model(cfg: FidelityConfig, vocab: int) -> torch.nn.Module:
 
 
 def train_model(model: torch.nn.Module, seqs: list[list[int]], cfg: FidelityConfig,
-                seed: int) -> torch.nn.Module:
-    """AdamW on the mean token loss, epochs of shuffled batches, warm-up then linear decay to zero."""
+                seed: int, optimizer_out: list | None = None) -> torch.nn.Module:
+    """AdamW on the mean token loss, epochs of shuffled batches, warm-up then linear decay to zero.
+
+    ``optimizer_out``, when given, receives the optimizer (its final state: benchmarks/adam_lds.py)."""
     ids, lens = _padded(seqs, 0)
     mask = torch.arange(ids.shape[1])[None, :] < lens[:, None]  # [n, T]
     labels = ids.masked_fill(~mask, IGNORE)
@@ -177,6 +237,8 @@ def train_model(model: torch.nn.Module, seqs: list[list[int]], cfg: FidelityConf
         out.loss.backward()
         opt.step()
         sched.step()
+    if optimizer_out is not None:
+        optimizer_out.append(opt)
     return model.eval()
 
 
@@ -383,12 +445,24 @@ def summarize(runs: list[dict], base: list[dict], kfac: list[dict] | None = None
 
 
 # -- driver ------------------------------------------------------------------------------------------
-def run(cfg: FidelityConfig, work: Path, workers: int = 1, threads: int = 1, log=print) -> dict:
-    """The whole benchmark; returns the results dictionary (also what ``--out`` gets)."""
-    t_start = time.perf_counter()
-    torch.set_num_threads(threads)
-    work.mkdir(parents=True, exist_ok=True)
-    setup = make_setup(cfg)
+def overlap_at_k(top: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """``[Q]`` ``|top_q ∩ ref_q| / k`` for top-k index rows ``top``, ``ref`` ``[Q, k]``."""
+    k = ref.shape[1]
+    return np.array([len(set(a) & set(b)) / k for a, b in zip(top, ref, strict=True)])
+
+
+def top_indices(score: np.ndarray, k: int) -> np.ndarray:
+    """``[Q, k]`` column indices of the k largest scores per row, best first (ties: lower index)."""
+    return np.argsort(-score, axis=1, kind="stable")[:, :k]
+
+
+def fact_recall(score: np.ndarray, rows: tuple[int, ...]) -> float:
+    """Share of fact queries (rows of ``score`` ``[F, N]``) whose planted training row ranks first."""
+    return float(np.mean(top_indices(score, 1)[:, 0] == np.asarray(rows)))
+
+
+def train_full_model(cfg: FidelityConfig, setup: Setup, work: Path, log=print):
+    """``(model, init state, info dict)``: the model trained on the whole training set."""
     vocab = len(setup.tokenizer)
     init = {k: v.clone() for k, v in new_model(cfg, vocab).state_dict().items()}
     t0 = time.perf_counter()
@@ -396,25 +470,43 @@ def run(cfg: FidelityConfig, work: Path, workers: int = 1, threads: int = 1, log
     model.load_state_dict(init)
     train_model(model, setup.train.input_ids, cfg, seed=1000)
     t_train = time.perf_counter() - t0
-    save_model_dir(model, setup.tokenizer, work / "model")
+    save_model_dir(model, setup.tokenizer, work / f"model-{setup.name}")
     full_train_loss = example_losses(model, setup.train)
     full_query_loss = example_losses(model, setup.query)
     tok_train = sum(len(x) - 1 for x in setup.train.input_ids)
     tok_query = sum(len(x) - 1 for x in setup.query.input_ids)
-    loss_tr, loss_q = full_train_loss.sum() / tok_train, full_query_loss.sum() / tok_query
-    log(f"model: {sum(p.numel() for p in model.parameters())} parameters, trained in {t_train:.1f} s; "
-        f"loss/token train {loss_tr:.3f}, query {loss_q:.3f}")
+    info = {"parameters": int(sum(p.numel() for p in model.parameters())),
+            "train_loss_per_token": float(full_train_loss.sum() / tok_train),
+            "query_loss_per_token": float(full_query_loss.sum() / tok_query),
+            "train_tokens": tok_train, "query_tokens": tok_query, "seconds": round(t_train, 1)}
+    log(f"[{setup.name}] model: {info['parameters']} parameters, trained in {t_train:.1f} s; loss/token "
+        f"train {info['train_loss_per_token']:.3f}, query {info['query_loss_per_token']:.3f}")
+    return model, init, info
 
+
+def run_corpus(cfg: FidelityConfig, corpus: str, work: Path, workers: int = 1, threads: int = 1,
+               log=print, retrain_only: bool = False) -> dict:
+    """One corpus: train, retrain (cached), score every method × projection with the library, then
+    (``cfg.study``) the compression study on full-space gradients. Returns the corpus's results."""
+    torch.set_num_threads(threads)
+    work.mkdir(parents=True, exist_ok=True)
+    setup = make_setup(cfg, corpus)
+    model, init, model_info = train_full_model(cfg, setup, work, log)
     masks, losses, t_retrain = retrained_losses(cfg, setup, init, work, workers, threads, log)
     ceiling = noise_ceiling(losses)
-    log(f"retrained {losses.shape[0]}x{losses.shape[1]} models ({t_retrain:.0f} s); seed-to-seed ceiling "
-        f"{ceiling if ceiling is None else round(ceiling, 3)}")
+    log(f"[{corpus}] retrained {losses.shape[0]}x{losses.shape[1]} models ({t_retrain:.0f} s); seed-to-seed "
+        f"ceiling {ceiling if ceiling is None else round(ceiling, 3)}")
+    if retrain_only:
+        return {}
 
     torch.set_num_threads(threads)
     raw: dict[tuple[str, str, float], list[dict]] = {}
     diagnostics: dict = {}
     build_s: dict[str, float] = {}
-    for proj in cfg.projections:
+    dims: dict[str, int] = {}
+    ref_top = None
+    projections = sorted(cfg.projections, key=lambda p: p != "none")  # the reference first
+    for proj in projections:
         n_seeds = 1 if proj == "none" else cfg.proj_seeds
         for ps in range(n_seeds):
             spec = ProjectionSpec.parse(proj, seed=ps)
@@ -422,68 +514,128 @@ def run(cfg: FidelityConfig, work: Path, workers: int = 1, threads: int = 1, log
             bcfg, secs = build_for(model, setup, spec, idx)
             build_s[proj] = build_s.get(proj, 0.0) + secs
             q = query_gradients(model, setup.tokenizer, setup.query, bcfg)
+            dims[proj] = int(sum(v.shape[1] for v in q.values()))
+            fq = query_gradients(model, setup.tokenizer, setup.fact_query, bcfg) if setup.facts else None
             if proj == "none":
                 diagnostics = curvature_diagnostics(idx, q)
             for method in cfg.methods:
                 for d in (cfg.dampings if method in FITTED else (cfg.damping,)):
                     s = scores(idx, q, method, d)
-                    raw.setdefault((method, proj, d), []).append(evaluate(s, masks, losses))
+                    ev = evaluate(s, masks, losses)
+                    ev["top"] = top_indices(s, cfg.top_k)
+                    if proj == "none" and method == "ekfac" and d == cfg.damping:
+                        ref_top = ev["top"]
+                    if fq is not None and d == cfg.damping:
+                        ev["fact_recall"] = fact_recall(scores(idx, fq, method, d), setup.fact_rows)
+                        if method != "cosine":
+                            ev["fact_recall_selfnorm"] = fact_recall(
+                                scores(idx, fq, method + "-selfnorm", d), setup.fact_rows)
+                    raw.setdefault((method, proj, d), []).append(ev)
             shutil.rmtree(idx)  # rebuilt on every run anyway; the full-space ones are large
-        log(f"projection {proj}: indexed and scored ({build_s[proj]:.1f} s)")
+        log(f"[{corpus}] projection {proj}: indexed and scored ({build_s[proj]:.1f} s)")
 
     table: dict[str, dict[str, dict]] = {}
     sweep: dict[str, dict[str, dict]] = {}
+    ref_lds = None
+    if ("ekfac", "none", cfg.damping) in raw:
+        ref_lds = float(raw[("ekfac", "none", cfg.damping)][0]["per_query"].mean())
     for (method, proj, d), runs in raw.items():
         summ = summarize(runs, raw[("graddot", proj, cfg.damping)],
                          raw.get(("kfac", proj, d)) if method == "ekfac" else None)
+        summ["bytes_per_example"] = 4 * dims[proj]
+        if ref_top is not None:
+            summ[f"top{cfg.top_k}_overlap"] = float(np.mean([overlap_at_k(r["top"], ref_top).mean() for r in runs]))
+        if ref_lds:
+            summ["lds_share"] = summ["lds"] / ref_lds
+        for key in ("fact_recall", "fact_recall_selfnorm"):
+            if key in runs[0]:
+                summ[key] = float(np.mean([r[key] for r in runs]))
+        summ["build_and_fit_seconds"] = round(build_s[proj] / len(runs), 2)
         if d == cfg.damping:
             table.setdefault(method, {})[proj] = summ
         if method in FITTED:
             sweep.setdefault(method, {}).setdefault(proj, {})[str(d)] = summ["lds"]
-    result = {
+    out = {
+        "corpus": {"source": CORPORA[corpus][1], "paragraphs_hash": setup.paragraphs_hash,
+                   "data_hash": setup.corpus, "train_tokens": model_info["train_tokens"],
+                   "query_tokens": model_info["query_tokens"],
+                   "facts": [{"prompt": p, "completion": c, "train_row": r}
+                             for (p, c), r in zip(setup.facts, setup.fact_rows, strict=True)]},
+        "model": {k: model_info[k] for k in ("parameters", "train_loss_per_token", "query_loss_per_token")},
+        "noise_ceiling": ceiling,
+        "diagnostics_full_space": diagnostics,
+        "lds": table,
+        "damping_sweep": sweep,
+        "seconds": {"train_full_model": model_info["seconds"],
+                    "retrain_total": round(t_retrain, 1),  # all retrainings, summed over the runs that cached them
+                    "build_and_fit": {k: round(v, 1) for k, v in build_s.items()}},
+    }
+    if cfg.study:
+        from _study import run_study
+
+        out["study"] = run_study(model, setup, masks, losses, cfg, log=log)
+    return out
+
+
+def run(cfg: FidelityConfig, work: Path, workers: int = 1, threads: int = 1, log=print,
+        retrain_only: bool = False) -> dict:
+    """The whole benchmark over ``cfg.corpora``; returns the results dictionary (what ``--out`` gets)."""
+    t_start = time.perf_counter()
+    corpora = {c: run_corpus(cfg, c, work, workers, threads, log, retrain_only) for c in cfg.corpora}
+    return {
         "benchmark": "fidelity",
         "config": asdict(cfg),
         "library_version": gradindex.__version__,
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "numpy": np.__version__, "threads": threads, "workers": workers},
-        "corpus": {"source": "prose paragraphs of Python standard library docstrings (fixtures/corpus.py)",
-                   "paragraphs_hash": setup.corpus, "train_tokens": tok_train, "query_tokens": tok_query},
-        "model": {"parameters": int(sum(p.numel() for p in model.parameters())),
-                  "train_loss_per_token": float(full_train_loss.sum() / tok_train),
-                  "query_loss_per_token": float(full_query_loss.sum() / tok_query)},
         "sign_convention": "score = <H^-1 g_query, g_train> (positive: including the example lowers the "
                            "query loss); LDS correlates subset sums of scores with MINUS the query loss",
-        "noise_ceiling": ceiling,
-        "diagnostics_full_space": diagnostics,
-        "lds": table,
-        "damping_sweep": sweep,
-        "seconds": {"train_full_model": round(t_train, 1),
-                    "retrain_total": round(t_retrain, 1),  # all retrainings, summed over the runs that cached them
-                    "build_and_fit": {k: round(v, 1) for k, v in build_s.items()},
-                    "total_this_run": round(time.perf_counter() - t_start, 1)},
+        "reference": f"full-space EK-FAC at relative damping {cfg.damping}: lds_share and top{cfg.top_k}_overlap "
+                     "are relative to it",
+        "corpora": corpora,
+        "seconds_total": round(time.perf_counter() - t_start, 1),
     }
-    return result
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One results dictionary from runs that differ only in their corpora (checked)."""
+    base = dict(results[0])
+    strip = lambda r: {k: v for k, v in r["config"].items() if k != "corpora"}  # noqa: E731
+    for r in results[1:]:
+        if strip(r) != strip(base):
+            raise ValueError("results to merge must share their configuration except the corpora")
+    base["corpora"] = {c: v for r in results for c, v in r["corpora"].items()}
+    base["config"] = {**base["config"], "corpora": list(base["corpora"])}
+    base["seconds_total"] = sum(r["seconds_total"] for r in results)
+    base["merged_from"] = len(results)
+    return base
 
 
 def format_table(result: dict) -> str:
-    """The LDS table: rows = methods, columns = projections, cells = mean ± seed spread."""
-    projs = list(result["config"]["projections"])
-    lines = [f"LDS (damping {result['config']['damping']}; mean ± seed spread; noise ceiling "
-             f"{result['noise_ceiling'] and round(result['noise_ceiling'], 3)})",
-             "method   " + "".join(f"{p:>18}" for p in projs)]
-    for method, row in result["lds"].items():
-        cells = "".join(f"{row[p]['lds']:>10.3f} ± {row[p]['seed_spread']:.3f}" for p in projs if p in row)
-        lines.append(f"{method:<9}" + cells)
-    base = result["lds"].get("graddot")
-    if base:
-        for method in ("kfac", "ekfac"):
-            if method in result["lds"]:
-                r = result["lds"][method]
-                ratios = [r[p]["lds"] / base[p]["lds"] if base[p]["lds"] else float("nan") for p in projs]
-                lines.append(f"{method}/graddot " + "".join(f"{x:>18.2f}" for x in ratios))
-    for method, per in result.get("damping_sweep", {}).items():
-        for p, vals in per.items():
-            lines.append(f"sweep {method:<6}{p:>5}: " + ", ".join(f"δ={d}: {v:.3f}" for d, v in vals.items()))
+    """Per corpus, the library's table: rows = methods, columns = projections, cells = LDS ± seed spread
+    / share of full-space EK-FAC / top-k overlap / fact recall@1; then the study's table."""
+    cfg = result["config"]
+    projs, k = list(cfg["projections"]), cfg["top_k"]
+    lines = []
+    for corpus, res in result["corpora"].items():
+        if not res:
+            continue
+        lines += [f"== {corpus}: LDS (damping {cfg['damping']}; mean ± seed spread; noise ceiling "
+                  f"{res['noise_ceiling'] and round(res['noise_ceiling'], 3)}) | share of full-space EK-FAC | "
+                  f"top-{k} overlap | fact recall@1",
+                  "method   " + "".join(f"{p:>34}" for p in projs)]
+        for method, row in res["lds"].items():
+            cells = "".join(f"{row[p]['lds']:>9.3f}±{row[p]['seed_spread']:.3f} {row[p].get('lds_share', 0):5.2f} "
+                            f"{row[p].get(f'top{k}_overlap', 0):5.2f} {row[p].get('fact_recall', 0):5.2f}"
+                            for p in projs if p in row)
+            lines.append(f"{method:<9}" + cells)
+        for method, per in res.get("damping_sweep", {}).items():
+            for p, vals in per.items():
+                lines.append(f"sweep {method:<6}{p:>5}: " + ", ".join(f"δ={d}: {v:.3f}" for d, v in vals.items()))
+        if res.get("study"):
+            from _study import format_study
+
+            lines.append(format_study(res["study"], k))
     return "\n".join(lines)
 
 
@@ -502,20 +654,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dampings", help="comma-separated relative dampings for K-FAC/EK-FAC")
     ap.add_argument("--workers", type=int, default=1, help="retraining processes")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--corpora", help=f"comma-separated, of {list(CORPORA)}")
+    ap.add_argument("--no-study", action="store_true", help="skip the compression study")
+    ap.add_argument("--study-grid", choices=("full", "quick"),
+                    help="the study's codecs (default: full; quick with --quick)")
+    ap.add_argument("--retrain-only", action="store_true", help="only fill the retrained-loss cache")
+    ap.add_argument("--plot", type=Path, default=None,
+                    help="LDS share vs bytes plot (default benchmarks/results/fidelity-bytes.png; none with --quick)")
+    ap.add_argument("--merge", nargs="+", type=Path,
+                    help="merge results files of the same configuration run on different corpora, then "
+                         "write --out and --plot (no measuring)")
     a = ap.parse_args(argv)
+    if a.merge:
+        result = merge_results([json.loads(p.read_text()) for p in a.merge])
     cfg = QUICK if a.quick else FidelityConfig()
     over = {"n_subsets": a.subsets, "retrain_seeds": a.retrain_seeds, "steps": a.steps,
             "proj_seeds": a.proj_seeds,
             "projections": tuple(a.projections.split(",")) if a.projections else None,
-            "dampings": tuple(float(x) for x in a.dampings.split(",")) if a.dampings else None}
+            "dampings": tuple(float(x) for x in a.dampings.split(",")) if a.dampings else None,
+            "corpora": tuple(a.corpora.split(",")) if a.corpora else None,
+            "study": False if a.no_study else None, "study_grid": a.study_grid}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
-    result = run(cfg, a.work_dir, a.workers, a.threads)
+    if not a.merge:
+        result = run(cfg, a.work_dir, a.workers, a.threads, retrain_only=a.retrain_only)
+    if a.retrain_only:
+        return 0
     print(format_table(result))
     out = a.out or (None if a.quick else Path("benchmarks/results/fidelity.json"))
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
+    plot = a.plot or (None if a.quick else Path("benchmarks/results/fidelity-bytes.png"))
+    if plot and cfg.study:
+        from _study import plot_study
+
+        plot_study(result, plot)
+        print(f"wrote {plot}")
     return 0
 
 

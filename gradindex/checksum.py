@@ -124,6 +124,17 @@ def forget(index_dir: str | os.PathLike, names: Iterable[str]) -> None:
         _write(index_dir, files)
 
 
+def rename_records(index_dir: str | os.PathLike, renames: dict[str, str], drop_prefix: str = "") -> None:
+    """Move records to new names (files that were renamed), first dropping those under ``drop_prefix``."""
+    files = read_checksums(index_dir)
+    if drop_prefix:
+        files = {n: e for n, e in files.items() if not n.startswith(drop_prefix)}
+    for old, new in renames.items():
+        if old in files:
+            files[new] = files.pop(old)
+    _write(index_dir, files)
+
+
 def check_files(index_dir: str | os.PathLike, names: Iterable[str], full: bool = True,
                 repair: str = "") -> list[Damage]:
     """Damage among recorded files ``names`` (a name with no record is not checked)."""

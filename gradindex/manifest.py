@@ -25,6 +25,7 @@ IDENTITY_KEYS = {
     "loss": "loss convention",
     "shard_size": "shard size",
     "batch_size": "batch size",
+    "optimizer": "optimizer preconditioning (--optimizer-state)",
 }
 
 

@@ -1,15 +1,21 @@
 """The method language: which scoring methods exist and how a method name is read.
 
 ``graddot`` and ``cosine`` need no curvature; ``kfac`` and ``ekfac`` need a fitted
-preconditioner; ``<method>-selfnorm`` divides by ``sqrt`` of the training example's
-self-influence. Parse a name once with :func:`parse_method` and pass the result down.
+preconditioner; ``adam`` is the inner product of rows stored Adam-preconditioned (an index
+built with ``--optimizer-state``, which answers only ``adam``); ``<method>-selfnorm`` divides
+by ``sqrt`` of the training example's self-influence. Parse a name once with
+:func:`parse_method` and pass the result down.
 """
 
 from __future__ import annotations
 
 BASE_METHODS = ("graddot", "cosine")
 FITTED_METHODS = ("kfac", "ekfac")
-METHODS = BASE_METHODS + FITTED_METHODS
+ADAM = "adam"
+"""Optimizer-aware influence: plain inner products of rows preconditioned by Adam's ``1/(√v + ε)``."""
+IDENTITY_METHODS = BASE_METHODS + (ADAM,)
+"""Methods whose preconditioner is the identity (on the rows as stored)."""
+METHODS = BASE_METHODS + FITTED_METHODS + (ADAM,)
 SELFNORM = "-selfnorm"
 ALL_METHODS = METHODS + tuple(m + SELFNORM for m in METHODS if m != "cosine")
 """Every method name: ``<method>-selfnorm`` divides by ``sqrt`` of the training example's self-influence."""
@@ -25,8 +31,13 @@ def parse_method(method: str) -> tuple[str, bool]:
     return base, selfnorm
 
 
+def adam_rows(manifest: dict) -> bool:
+    """Whether an index's rows are Adam-preconditioned (built with ``--optimizer-state``)."""
+    return bool(manifest.get("build", {}).get("optimizer"))
+
+
 ROW_METHODS = {
-    "raw": {m: m for m in METHODS},
+    "raw": {m: m for m in METHODS},  # graddot, cosine, kfac, ekfac, adam (on Adam-preconditioned rows)
     "kfac": {"kfac": "graddot", "ekfac": "ekfac"},
     "ekfac": {"ekfac": "graddot"},
 }
@@ -36,17 +47,23 @@ ROW_METHODS = {
 def row_method(method: str, basis: str = "raw") -> str:
     """The operation on stored rows that answers ``method`` on an index whose rows are in ``basis``.
 
-    Raw rows: every method is itself. K-FAC-whitened rows (``--projection-basis kfac``): their plain
-    inner product is K-FAC influence, so ``kfac`` is a dot product of rows and ``ekfac`` the EK-FAC
-    fitted on them; ``graddot``/``cosine`` are refused (the rows are not raw gradients). Rows in the
-    EK-FAC whitened eigenbasis (``gradindex compact --basis ekfac``): ``ekfac`` is their dot product.
+    Raw rows (plain or Adam-preconditioned gradients): every method is itself. K-FAC-whitened rows
+    (``--projection-basis kfac``): their plain inner product is K-FAC influence, so ``kfac`` is a
+    dot product of rows and ``ekfac`` the EK-FAC fitted on them; ``graddot``/``cosine`` are refused
+    (the rows are not raw gradients). Rows in the EK-FAC whitened eigenbasis (``gradindex compact
+    --basis ekfac``): ``ekfac`` is their dot product.
     """
     base, selfnorm = parse_method(method)
+    return row_base(base, basis, method) + (SELFNORM if selfnorm else "")
+
+
+def row_base(base: str, basis: str = "raw", method: str | None = None) -> str:
+    """:func:`row_method` of a parsed base method (``method``: the name asked for, for the error)."""
     table = ROW_METHODS.get(basis)
     if table is None:
         raise ValueError(f"row basis {basis!r} is not one of {list(ROW_METHODS)}; upgrade gradindex")
     if base not in table:
-        raise ValueError(f"method {method!r} does not apply to this index: its rows are stored in the {basis!r} "
-                         f"whitened basis, so plain inner products are {basis} influence, not {base}; use one of "
-                         f"{sorted(table)} (or rebuild with --projection-basis raw)")
-    return table[base] + (SELFNORM if selfnorm else "")
+        raise ValueError(f"method {method or base!r} does not apply to this index: its rows are stored in the "
+                         f"{basis!r} whitened basis, so plain inner products are {basis} influence, not {base}; "
+                         f"use one of {sorted(table)} (or rebuild with --projection-basis raw)")
+    return table[base]

@@ -26,6 +26,27 @@ def resolve_dtype(dtype: str) -> torch.dtype:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(set(DTYPES))}") from None
 
 
+def resolve_pad_id(model=None, tokenizer=None, pad_id: int | None = None) -> int:
+    """The token id padding is filled with: ``pad_id`` if given, else the tokenizer's pad token, else
+    the model config's ``pad_token_id`` or ``eos_token_id``, else 0.
+
+    Padded positions are masked out of attention and loss, so any valid id gives the same
+    gradients; pre-tokenized data and queries need no tokenizer for it.
+    """
+    if pad_id is not None:
+        return int(pad_id)
+    if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
+        return int(tokenizer.pad_token_id)
+    config = getattr(model, "config", None)
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, key, None)
+        if isinstance(value, list | tuple):
+            value = value[0] if value else None
+        if value is not None:
+            return int(value)
+    return 0
+
+
 def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device: str = "auto"):
     """``(model, tokenizer)`` from a local directory, model in eval mode on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM

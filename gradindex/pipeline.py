@@ -13,10 +13,10 @@ from pathlib import Path
 
 from torch import nn
 
+from gradindex.capture import GradientCapture
 from gradindex.data import Tokenized
-from gradindex.index import IndexBuildResult, IndexConfig, build_indices
+from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices, resolve_factory
 from gradindex.lock import index_lock
-from gradindex.manifest import read_manifest
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.store.builder import BuildConfig, BuildResult, build_store, refuse_foreign
 
@@ -41,16 +41,23 @@ def build_index(
     A killed run re-run with the same arguments resumes: each stage skips what is done.
     ``repair``: check every committed shard's whole-file hash and recompute the damaged ones
     (a plain re-run does the cheap sampled check only). Holds the directory's lock throughout.
+    An ``index.factory`` that cannot be trained on ``len(data)`` examples is refused before
+    capturing. The manifest is passed from stage to stage, never re-read.
     """
     refuse_foreign(Path(out_dir))
+    if index is not None:  # a factory that cannot work for this data is refused before the capture pass
+        capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route)
+        for name in capture.infos:
+            resolve_factory(index.factory, len(data), capture.dim(name))
     with index_lock(out_dir, "gradindex build"):
         t0 = time.perf_counter()
         res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
                           overwrite=overwrite, progress=progress, repair=repair)
-        if cfg.precondition != "none":
-            fit = FitConfig(method=cfg.precondition, damping=cfg.damping)
-            fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress)
-            res.manifest = read_manifest(out_dir)
+        if cfg.precondition != "none":  # updates res.manifest in place
+            fit = FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
+            fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
         res.seconds = time.perf_counter() - t0
-        idx = build_indices(out_dir, index, progress=progress) if index is not None else None
-    return res, idx
+        if index is None:
+            return res, None
+        with OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
+            return res, build_indices(ix, index, progress=progress)

@@ -71,6 +71,11 @@ def test_info_summarizes_the_index(built):
         assert word in out, word
     s = json.loads(run("info", built, "--json").stdout)
     assert s["index"]["types"] == ["Flat"] and s["data"]["examples"] == 40 and s["bytes"]["faiss"] > 0
+    assert s["methods"] == ["graddot", "cosine", "kfac", "ekfac", "graddot-selfnorm", "kfac-selfnorm",
+                            "ekfac-selfnorm"]
+    assert "ekfac-selfnorm" in out
+    res = run("query", built, "--text", "the cat sat on a mat", "--method", "ekfac-selfnorm", "-k", "2", "--json")
+    assert len(json.loads(res.stdout)) == 2  # every method info lists, query accepts
 
 
 def test_index_command_rebuilds_and_queries_still_agree(built, tmp_path):

@@ -30,20 +30,42 @@ def test_spearman_matches_hand_computed_values_with_ties():
     assert np.allclose(got, [4.5 / math.sqrt(22.5), -1.0])
 
 
-def test_quick_run_reports_every_method_and_projection_and_reuses_the_cache(tmp_path):
+def test_quick_run_reports_every_method_projection_and_codec_and_reuses_the_cache(tmp_path):
     fid = _fidelity()
     out = tmp_path / "fidelity.json"
     assert fid.main(["--quick", "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     cfg = res["config"]
-    assert set(res["lds"]) == set(cfg["methods"])
-    for method, row in res["lds"].items():
+    k = cfg["top_k"]
+    assert set(res["corpora"]) == set(cfg["corpora"])
+    cor = res["corpora"]["stdlib"]
+    assert set(cor["lds"]) == set(cfg["methods"])
+    for method, row in cor["lds"].items():
         assert set(row) == set(cfg["projections"]), method
         for cell in row.values():
             assert -1.0 <= cell["lds"] <= 1.0 and cell["seed_spread"] >= 0.0
             assert math.isfinite(cell["diff_vs_graddot"]) and cell["query_se"] >= 0.0
-    assert res["lds"]["graddot"]["none"]["diff_vs_graddot"] == 0.0
-    assert res["noise_ceiling"] is not None and res["diagnostics_full_space"]
+            assert 0.0 <= cell[f"top{k}_overlap"] <= 1.0 and 0.0 <= cell["fact_recall"] <= 1.0
+            assert cell["bytes_per_example"] > 0
+    assert cor["lds"]["graddot"]["none"]["diff_vs_graddot"] == 0.0
+    assert cor["noise_ceiling"] is not None and cor["diagnostics_full_space"]
+    assert len(cor["corpus"]["facts"]) == cfg["n_facts"]
+
+    # the reference is itself: full-space EK-FAC overlaps its own top-k fully, share 1
+    ref = cor["lds"]["ekfac"]["none"]
+    assert ref[f"top{k}_overlap"] == 1.0 and ref["lds_share"] == 1.0
+    # the study's own full-space capture reproduces the library's full-space EK-FAC
+    study = cor["study"]
+    assert abs(study["reference"]["lds"] - ref["lds"]) < 0.02
+    rows = {r["name"]: r for r in study["rows"]}
+    assert rows["raw fp32"]["lds_share"] > 0.999 and rows["raw fp32"][f"top{k}_overlap"] == 1.0
+    # int8 rows of the whole gradient keep the reference's quality; int4 in the whitened eigenbasis
+    # is at 1/8 of the float32 bytes (plus one scale per row and layer)
+    assert rows["raw int8"]["lds_share"] >= 0.9 and rows["raw int8"][f"top{k}_overlap"] >= 0.8
+    assert 0.125 <= rows["eigen int4"]["bytes_fraction"] <= 0.126
+    assert rows["eigen int4"]["lds_share"] >= 0.85
+    for r in study["rows"]:
+        assert r["bytes_per_example"] > 0 and -1.0 <= r["lds"] <= 1.0 and 0.0 <= r[f"top{k}_overlap"] <= 1.0
 
     # A second look at the retrained losses comes from the cache: nothing is retrained.
     q = fid.QUICK

@@ -64,7 +64,11 @@ def test_default_factory_follows_examples_and_dimension():
     assert default_factory(10_000_000, 256) == "IVF4096,PQ128x4fs"
     assert default_factory(1_000_000, 7) == "Flat"  # 7M floats
     assert default_factory(5_000_000, 7) == "IVF2048,SQ8"  # odd
-    assert default_factory(5_000, 4096) == "IVF64,PQ2048x4fs"
+    # Few examples: Flat, however wide the layer, while its vectors fit in 2 GiB (memory rule).
+    assert default_factory(512, 16_384) == default_factory(512, 66_049) == "Flat"
+    assert default_factory(5_000, 4096) == default_factory(49_999, 8192) == "Flat"
+    assert default_factory(40_000, 16_384) == "IVF256,PQ8192x4fs"  # 2.6 GB of float32
+    assert default_factory(50_000, 4096) == "IVF256,PQ2048x4fs"
 
 
 def test_flat_indices_hold_the_store_rows(store_dir, tmp_path):
@@ -127,11 +131,11 @@ def test_killed_index_build_resumes_where_it_stopped(store_dir, tmp_path, monkey
     with pytest.raises(KeyboardInterrupt):
         build_indices(d, cfg, progress=False)
     monkeypatch.setattr(index_build, "index_vectors", real)
-    partial = list((d / "faiss").glob("*.partial"))
+    partial = list((d / "faiss.new").glob("*.partial"))
     assert len(partial) == 1 and faiss.read_index(str(partial[0])).ntotal > 0
     res = build_indices(d, cfg, progress=False)
     assert 0 < res.rows_added < 8 * 40  # the first layer and part of the second were kept
-    assert not list((d / "faiss").glob("*.partial"))
+    assert not list((d / "faiss").glob("*.partial")) and not (d / "faiss.new").exists()
     fresh = _copy(store_dir, tmp_path / "fresh")
     build_indices(fresh, cfg, progress=False)
     for n in res.meta["layers"]:
@@ -146,8 +150,10 @@ def test_rebuild_is_skipped_when_up_to_date_and_done_when_settings_change(store_
     build_indices(d, IndexConfig(), progress=False)
     again = build_indices(d, IndexConfig(), progress=False)
     assert again.up_to_date and again.rows_added == 0
+    norms = (d / "faiss" / "norms.npy").stat().st_ino
     other = build_indices(d, IndexConfig(factory="HNSW8"), progress=False)
     assert not other.up_to_date and other.rows_added == 8 * 40
+    assert (d / "faiss" / "norms.npy").stat().st_ino == norms  # still valid: linked into the new set, not redone
     assert {e["factory"] for e in other.meta["layers"].values()} == {"HNSW8"}
 
 
@@ -195,6 +201,9 @@ def test_missing_or_corrupt_index_file_names_the_file_and_the_fix(indexed, tmp_p
     shutil.rmtree(d / "faiss")
     with pytest.raises(FileNotFoundError, match=r"no FAISS indices.*gradindex index"):
         _open(d)
+    (d / "faiss.new").mkdir()  # a first build that was killed
+    with pytest.raises(ValueError, match=r"first index build .*faiss.new.* did not finish; resume it with `gradindex"):
+        _open(d)
 
 
 def test_indices_built_from_another_store_are_refused(indexed, tmp_path):
@@ -224,3 +233,29 @@ def test_row_reader_reads_any_rows_like_h5py(indexed):
             np.testing.assert_array_equal(got[n], expect[n])
         with pytest.raises(IndexError, match=r"\[0, 40\)"):
             r.read(np.array([40]))
+
+
+def test_ivf_pq_training_prints_no_faiss_warnings(store_dir, tmp_path, capfd):
+    """40 rows train 4 lists and 8 PQ sub-quantizers of 16 centroids: FAISS warns per k-means
+    (147,691 lines for one real build) unless told the small sample is intended."""
+    d = _copy(store_dir, tmp_path)
+    capfd.readouterr()
+    res = build_indices(d, IndexConfig(factory="IVF4,PQ8x4fs", train_size=40), progress=False)
+    assert {e["factory"] for e in res.meta["layers"].values()} == {"IVF4,PQ8x4fs"}
+    err = capfd.readouterr().err
+    assert "WARNING" not in err, err[:500]
+
+
+def test_index_type_that_cannot_train_is_refused_before_capturing(gpt2_dir, text_jsonl, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from gradindex import pipeline
+    from gradindex.cli import main
+
+    monkeypatch.setattr(pipeline, "build_store", lambda *a, **k: pytest.fail("the capture pass ran"))
+    out = tmp_path / "idx"
+    r = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--index-type",
+                                  "IVF4096,Flat", "--device", "cpu", "--quiet"])
+    assert r.exit_code != 0 and r.exception is not None and isinstance(r.exception, SystemExit), r.output
+    assert "'IVF4096,Flat' needs at least 4096 examples to train on, the data set has 40" in r.output
+    assert "Traceback" not in r.output and not (out / "store").exists()

@@ -289,3 +289,123 @@ def test_gpu_search_equals_cpu_search(store_dir, tmp_path, engine, factory):
     for a, b in zip(got[False], got[True], strict=True):
         assert [h.id for h in a.hits + a.lowest] == [h.id for h in b.hits + b.lowest]
         np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], rtol=1e-9)
+
+
+def test_k_equal_to_n_on_an_approximate_index_returns_every_example(store_dir, tmp_path, engine):
+    """One IVF list of four visited per layer finds some rows only: k = N must still return all N,
+    ranked exactly, and say how."""
+    d = _indexed(store_dir, tmp_path, IndexConfig(factory="IVF4,Flat", train_size=40))
+    q, _, _ = engine.gradients(engine.tokenize(QUERIES))
+    with QueryEngine(d, model=engine.model, tokenizer=engine.tokenizer) as e:
+        ref = score_matrix(d, q, method="kfac")
+        res = e.search(q, k=40, method="kfac", nprobe=1, lowest=3)
+        _check_exact(res, ref, 40, 3)
+        assert "every example was scored exactly" in res[0].notes[-1]
+        one = e.layer_names[0]
+        few = e.search(q, k=9, method="kfac", nprobe=1, candidates=9, shortlist=9, layers=one)
+        assert [len(r.hits) for r in few] == [9, 9, 9]
+        widened = ["fewer than 9 candidates" in " ".join(r.notes) for r in few]
+        assert any(widened), "one list of ~10 rows should leave some query short"
+        ref = score_matrix(d, q, method="kfac", layers=[one])
+        _check_exact([r for r, w in zip(few, widened, strict=True) if w], ref[widened], 9)
+
+
+def test_failed_forced_rebuild_leaves_the_working_index(store_dir, tmp_path, engine, monkeypatch):
+    """`gradindex index --force` that dies mid-way, or between the renames of its swap, leaves a
+    complete set of indices answering queries exactly as before; the next build settles the swap."""
+    import os
+
+    from gradindex.cli.verify import verify_index
+    from gradindex.index import builder as index_build
+
+    d = _indexed(store_dir, tmp_path)
+    q, _, _ = engine.gradients(engine.tokenize(QUERIES))
+
+    def answers():
+        with QueryEngine(d, load_model=False) as e:
+            res = e.search(q, k=6, method="ekfac", lowest=2)
+            kinds = {li.factory for li in e.indices.layers.values()}
+        return [([h.id for h in r.hits + r.lowest], [h.score for h in r.hits]) for r in res], kinds
+
+    before, kinds = answers()
+    assert kinds == {"Flat"}
+    real, calls = index_build.index_vectors, {"n": 0}
+
+    def dying(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise OSError("No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(index_build, "index_vectors", dying)
+    with pytest.raises(OSError, match="No space left"):
+        build_indices(d, IndexConfig(factory="IVF4,Flat", train_size=40), progress=False, force=True)
+    monkeypatch.setattr(index_build, "index_vectors", real)
+    assert answers() == (before, {"Flat"})
+    assert verify_index(str(d))["damaged"] == []  # the live files still match their recorded hashes
+
+    real_replace = os.replace
+
+    def power_cut(src, dst):  # between `faiss → faiss.old` and `faiss.new → faiss`
+        if os.path.basename(src) == "faiss.new":
+            raise OSError("power cut")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", power_cut)
+    with pytest.raises(OSError, match="power cut"):
+        build_indices(d, IndexConfig(factory="IVF4,Flat", train_size=40), progress=False, force=True)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not (d / "faiss").exists() and (d / "faiss.old").exists()
+    after, kinds = answers()  # the complete new set answers: nprobe visits all 4 lists, so exactly
+    assert kinds == {"IVF4,Flat"} and [a[0] for a in after] == [b[0] for b in before]
+    np.testing.assert_allclose([s for a in after for s in a[1]], [s for b in before for s in b[1]], rtol=1e-9)
+    assert verify_index(str(d))["damaged"] == []
+    again = build_indices(d, IndexConfig(factory="IVF4,Flat", train_size=40), progress=False)
+    assert again.up_to_date and sorted(p.name for p in d.iterdir() if p.name.startswith("faiss")) == ["faiss"]
+    report = verify_index(str(d))  # the swap's hashes moved to faiss/: every live file recorded and intact
+    assert report["damaged"] == [] and report["unrecorded"] == []
+
+
+@pytest.mark.parametrize("method", ["graddot", "cosine", "ekfac-selfnorm"])
+def test_scores_of_every_example_equal_brute_force_and_the_ranked_hits(engine, method):
+    s = engine.scores(QUERIES, method=method)
+    assert s.shape == (3, 40) and s.dtype == np.float64
+    q, _, _ = engine.gradients(engine.tokenize(QUERIES))
+    if method in ("graddot", "cosine"):
+        np.testing.assert_allclose(s, _brute(engine.dir, q, method), rtol=1e-9, atol=1e-12)
+    else:  # checked against dense H^-1 products in tests/test_scores.py
+        np.testing.assert_allclose(s, score_matrix(engine.dir, q, method=method), rtol=1e-12)
+    np.testing.assert_array_equal(engine.scores(q, method=method), s)  # gradients given directly
+    _check_exact(engine.query_batch(QUERIES, k=40, method=method), s, 40)
+    mlp = [n for n in engine.layer_names if ".mlp." in n]
+    np.testing.assert_allclose(engine.scores(QUERIES, method=method, layers="*.mlp.*"),
+                               score_matrix(engine.dir, q, method=method, layers=mlp), rtol=1e-12)
+
+
+def test_token_id_queries_need_no_tokenizer(engine):
+    """The pad id comes from the model config (pad, else eos token) when no tokenizer is given."""
+    ids = engine.tokenizer("the cat sat on a mat", add_special_tokens=False)["input_ids"]
+    short = engine.tokenizer("red sun", add_special_tokens=False)["input_ids"]
+    with QueryEngine(engine.dir, model=engine.model) as e:
+        assert e.tokenizer is None and e.pad_id == engine.model.config.eos_token_id
+        got = e.query_batch([ids, short], k=5, texts=False)
+        with pytest.raises(ValueError, match="no tokenizer; pass tokenizer=, or give token ids"):
+            e.query("the cat sat on a mat")
+    want = engine.query_batch([ids, short], k=5)
+    for a, b in zip(got, want, strict=True):
+        assert [h.id for h in a.hits] == [h.id for h in b.hits]
+        np.testing.assert_allclose([h.score for h in a.hits], [h.score for h in b.hits], rtol=1e-6)
+
+
+def test_pretokenized_data_builds_without_a_tokenizer(store_dir, tmp_path, gpt2_dir, text_jsonl):
+    """The pad id comes from the model config: the store equals the one built with the tokenizer."""
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    data = tokenize_records(load_records(text_jsonl), tok, 512)
+    cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, precondition="ekfac")
+    out = tmp_path / "notok"
+    build_index(model, None, data, out, cfg, IndexConfig(), model_id=str(gpt2_dir), data_id=str(text_jsonl),
+                progress=False)
+    with Store(out) as a, Store(store_dir) as b:
+        got, want = a.read_rows(np.arange(40)), b.read_rows(np.arange(40))
+    for n in want:
+        np.testing.assert_array_equal(got[n], want[n])

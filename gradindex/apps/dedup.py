@@ -145,7 +145,7 @@ def find_duplicates(index_dir: str | os.PathLike, cfg: DedupConfig = DedupConfig
     manifest = read_complete_manifest(index_dir, "deduplicate")
     layers = selected_layers(manifest, layers)
     base, _ = parse_method(cfg.method)
-    pre = Preconditioners(index_dir)
+    pre = Preconditioners(index_dir, manifest)
     if base != "graddot":
         pre.check(base)
     with Store(index_dir) as store:

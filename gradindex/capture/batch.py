@@ -10,7 +10,8 @@ from torch import nn
 
 from gradindex.capture import GradientCapture
 from gradindex.capture.head import fused_per_example_loss, plain_head
-from gradindex.data import collate, per_example_loss
+from gradindex.capture.sampling import sample_targets
+from gradindex.data import IGNORE, collate, per_example_loss
 
 
 @dataclass
@@ -29,8 +30,12 @@ def batch_gradients(
     ids: list[list[int]],
     labels: list[list[int]],
     pad_id: int,
+    uniforms: torch.Tensor | None = None,
 ) -> BatchGradients:
     """Forward, summed per-example loss, weight-free backward, per-example gradients.
+
+    ``uniforms`` ``[B, T-1]`` (:func:`gradindex.capture.sampling.label_uniforms`) replace the
+    observed targets by targets sampled from the model (the true Fisher's labels; factors only).
 
     For the plain LM heads of :func:`gradindex.capture.head.plain_head` the head and the loss run fused
     (:func:`gradindex.capture.head.fused_per_example_loss`); other models go through their own logits.
@@ -43,13 +48,24 @@ def batch_gradients(
     with torch.enable_grad():
         if head is not None:
             hidden = model.base_model(**inputs)[0]  # [B, T, d]
-            loss, ntok = fused_per_example_loss(hidden, head, batch["labels"])
+            loss, ntok = fused_per_example_loss(hidden, head, batch["labels"], uniforms)
         else:
-            loss, ntok = per_example_loss(model(**inputs).logits, batch["labels"])
+            logits = model(**inputs).logits  # [B, T, V]
+            labels = batch["labels"] if uniforms is None else sampled_labels(logits, batch["labels"], uniforms)
+            loss, ntok = per_example_loss(logits, labels)
         capture.backward(loss.sum())
     grads = capture.pop()
     capture.set_mask(None)
     return BatchGradients(grads, loss.detach(), ntok)
+
+
+def sampled_labels(logits: torch.Tensor, labels: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` unshifted labels whose targets are drawn from ``softmax(logits)`` where ``labels`` has one."""
+    out = labels.clone()
+    has = labels[:, 1:] != IGNORE  # [B, T-1]
+    probs = torch.softmax(logits[:, :-1].detach().float(), dim=-1)[has]  # [N, V]
+    out[:, 1:][has] = sample_targets(probs, uniforms.to(logits.device)[has])
+    return out
 
 
 def finite_rows(grads: dict[str, np.ndarray]) -> np.ndarray:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gradindex.capture.sampling import sample_targets
 from gradindex.data import IGNORE
 
 PLAIN_HEAD_MODELS = frozenset({
@@ -48,11 +49,15 @@ def plain_head(model: nn.Module, hooked: set[nn.Module]) -> nn.Linear | None:
 
 
 class _TokenLossWithGrad(torch.autograd.Function):
-    """Token losses ``[N]`` of rows ``h`` ``[N, d]``; the gradient w.r.t. ``h`` is formed in forward."""
+    """Token losses ``[N]`` of rows ``h`` ``[N, d]``; the gradient w.r.t. ``h`` is formed in forward.
+
+    With uniforms ``u`` ``[N]``, each row's target is sampled from its own softmax
+    (:func:`gradindex.capture.sampling.sample_targets`) instead of read from ``targets``.
+    """
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor) -> torch.Tensor:
+                targets: torch.Tensor, u: torch.Tensor | None = None) -> torch.Tensor:
         N, V = h.shape[0], weight.shape[0]
         rows = max(MIN_ROWS, CHUNK_BYTES.get(h.device.type, 256 << 20) // (4 * V))
         loss = torch.empty(N, device=h.device, dtype=torch.float32)
@@ -63,9 +68,15 @@ class _TokenLossWithGrad(torch.autograd.Function):
             logits = h[s:e] @ w_t if bias is None else torch.addmm(bias, h[s:e], w_t)  # [n, V]
             logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V] fp32
             del logits
-            y = targets[s:e, None]  # [n, 1]
-            loss[s:e] = -logp.gather(1, y).squeeze(1)
-            dlogits = logp.exp_()  # softmax, in place
+            if u is None:
+                y = targets[s:e, None]  # [n, 1]
+                loss[s:e] = -logp.gather(1, y).squeeze(1)
+                dlogits = logp.exp_()  # softmax, in place
+            else:
+                dlogits = logp.exp()  # softmax
+                y = sample_targets(dlogits, u[s:e])[:, None]  # [n, 1]
+                loss[s:e] = -logp.gather(1, y).squeeze(1)
+                del logp
             dlogits.scatter_add_(1, y, torch.full_like(y, -1, dtype=dlogits.dtype))  # - onehot
             torch.mm(dlogits.to(h.dtype), weight, out=grad_h[s:e])  # [n, d]
         ctx.save_for_backward(grad_h)
@@ -75,16 +86,17 @@ class _TokenLossWithGrad(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: torch.Tensor):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype).unsqueeze(1), None, None, None
+        return grad_h * grad_loss.to(grad_h.dtype).unsqueeze(1), None, None, None, None
 
 
 def fused_per_example_loss(
-    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor
+    hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor, uniforms: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like :func:`gradindex.data.per_example_loss`, from the final hidden states ``[B, T, d]``.
 
     Returns ``[B]`` summed token losses (fp32; differentiable w.r.t. ``hidden``) and ``[B]``
     target counts. ``labels`` ``[B, T]`` are unshifted, ``IGNORE`` where there is no target.
+    ``uniforms`` ``[B, T-1]`` (optional) sample each target from the model instead (true Fisher).
     """
     B, T, d = hidden.shape
     targets = labels[:, 1:]  # [B, T-1]
@@ -94,7 +106,8 @@ def fused_per_example_loss(
     y = targets.reshape(-1).index_select(0, keep)  # [N]
     weight = head.weight.detach()
     bias = None if head.bias is None else head.bias.detach()
-    tok = _TokenLossWithGrad.apply(h, weight, bias, y)  # [N]
+    u = None if uniforms is None else uniforms.to(hidden.device).reshape(-1).index_select(0, keep)  # [N]
+    tok = _TokenLossWithGrad.apply(h, weight, bias, y, u)  # [N]
     example = torch.div(keep, max(T - 1, 1), rounding_mode="floor")  # [N]
     loss = torch.zeros(B, device=hidden.device, dtype=torch.float32).index_add(0, example, tok)
     return loss, has_target.sum(dim=1)

@@ -22,6 +22,7 @@ from torch import nn
 from gradindex.capture.layers import LayerInfo, layer_info, rule_for
 from gradindex.capture.projection import ProjectionSpec, projection_matrix
 from gradindex.capture.routing import ROUTES, choose_route
+from gradindex.capture.transform import SIDES, LayerTransform
 
 
 def _with_ones(a: torch.Tensor, m: torch.Tensor | None, bias: bool) -> torch.Tensor:
@@ -81,19 +82,27 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
 
 
 def _check_transforms(
-    transforms: Mapping[str, Mapping[str, torch.Tensor]], infos: dict[str, LayerInfo]
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Validate per-layer, per-side linear maps ``W`` ``[m, n]`` applied before the projection."""
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for name, sides in transforms.items():
+    transforms: Mapping[str, LayerTransform | Mapping[str, torch.Tensor]], infos: dict[str, LayerInfo]
+) -> dict[str, LayerTransform]:
+    """Validate per-layer transforms (a :class:`LayerTransform`, or ``{"a": M_a, "g": M_g}`` dense maps)."""
+    out: dict[str, LayerTransform] = {}
+    for name, t in transforms.items():
         if name not in infos:
             raise ValueError(f"transform given for layer {name!r}, which is not hooked (hooked: {_examples(infos)})")
-        for side, W in sides.items():
-            n = infos[name].n_in_total if side == "a" else infos[name].n_out
-            if side not in ("a", "g") or W.ndim != 2 or W.shape[1] != n:
-                raise ValueError(f"transform of layer {name!r} side {side!r} must be [m, {n}] on side 'a' or 'g', "
-                                 f"got {tuple(W.shape)}")
-        out[name] = dict(sides)
+        if not isinstance(t, LayerTransform):
+            t = LayerTransform.from_maps(dict(t))
+        info = infos[name]
+        for side in SIDES:
+            n = info.n_in_total if side == "a" else info.n_out
+            M, d = t.map(side), t.scale(side)
+            if M is not None and (M.ndim != 2 or M.shape[1] != n):
+                raise ValueError(f"transform of layer {name!r} side {side!r} must be [m, {n}], got {tuple(M.shape)}")
+            if d is not None and tuple(d.shape) != (n,):
+                raise ValueError(f"scales of layer {name!r} side {side!r} must be [{n}], got {tuple(d.shape)}")
+        if t.elementwise is not None and tuple(t.elementwise.shape) != (info.n_out, info.n_in_total):
+            raise ValueError(f"entrywise weights of layer {name!r} must be [{info.n_out}, {info.n_in_total}], "
+                             f"got {tuple(t.elementwise.shape)}")
+        out[name] = t
     return out
 
 
@@ -117,7 +126,7 @@ class GradientCapture:
         route: str = "auto",
         weight_free: bool = True,
         collect_covariance: bool = False,
-        transforms: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+        transforms: Mapping[str, LayerTransform | Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route {route!r} is not one of {ROUTES}")
@@ -126,6 +135,10 @@ class GradientCapture:
         self.infos: dict[str, LayerInfo] = {n: layer_info(m) for n, m in self.modules.items()}
         self.projection = projection
         self.transforms = _check_transforms(transforms or {}, self.infos)
+        """layer → change of coordinates applied before the projection (:mod:`gradindex.capture.transform`)."""
+        if collect_covariance and any(t.elementwise is not None for t in self.transforms.values()):
+            raise ValueError("covariance factors of entrywise-weighted gradients are not supported (the weights "
+                             "have no per-token form); collect them without --optimizer-state")
         self.route = route
         self.weight_free = weight_free
         self.collect_covariance = collect_covariance
@@ -148,10 +161,9 @@ class GradientCapture:
         k = self.projection.layer_sizes(name)[0 if side == "a" else 1]
         if k:
             return k
-        W = self.transforms.get(name, {}).get(side)
-        if W is not None:
-            return int(W.shape[0])
-        return info.n_in_total if side == "a" else info.n_out
+        n = info.n_in_total if side == "a" else info.n_out
+        t = self.transforms.get(name)
+        return n if t is None else t.out_size(side, n)
 
     def dims(self, name: str) -> tuple[int, int]:
         """``(rows, cols)`` of the stored per-example matrix of a layer (``k_g, k_a`` or ``N_o, N_i+1``)."""
@@ -164,21 +176,31 @@ class GradientCapture:
     def side_map(self, name: str, side: str, device: torch.device | str) -> torch.Tensor | None:
         """``[k, n]`` map of one side's per-token vectors to the stored side.
 
-        ``P W`` (projection after the layer's transform ``W``), ``P``, ``W``, or ``None`` for an exact
-        side (no projection, no transform).
+        ``P M`` (projection after the layer's side map ``M``: dense, or the diagonal of its scales), ``P``,
+        the dense ``M``, or ``None`` for an unprojected side with no dense map (its scales, if any, are
+        applied by :meth:`side_scale`).
         """
         key = (name, side, str(device))
         if key not in self._proj:
             info = self.infos[name]
-            W = self.transforms.get(name, {}).get(side)  # [m, n] or None
+            t = self.transforms.get(name)
             n = info.n_in_total if side == "a" else info.n_out
-            m = n if W is None else int(W.shape[0])
             k = self.projection.layer_sizes(name)[0 if side == "a" else 1]
-            M = projection_matrix(self.projection, name, side, m) if k else None  # [k, m]
-            if W is not None:
-                M = W.float() if M is None else (M.double() @ W.double()).float()  # [k, n]
+            if k:
+                m = n if t is None else t.out_size(side, n)
+                P = projection_matrix(self.projection, name, side, m)  # [k, m]
+                M = P if t is None else t.fold(side, P)  # [k, n]
+            else:
+                M = None if t is None or t.map(side) is None else t.map(side).float()  # [m, n]
             self._proj[key] = None if M is None else M.to(device)
         return self._proj[key]
+
+    def side_scale(self, name: str, side: str) -> torch.Tensor | None:
+        """``[n]`` scales of an unprojected side without a dense map (else folded into :meth:`side_map`)."""
+        t = self.transforms.get(name)
+        if t is None or t.map(side) is not None or self.projection.layer_sizes(name)[0 if side == "a" else 1]:
+            return None
+        return t.scale(side)
 
     # -- lifetime -----------------------------------------------------------------------------
     def attach(self) -> GradientCapture:
@@ -259,8 +281,12 @@ class GradientCapture:
         m = self._token_weights(name, B, T, a)  # [B, T, 1], or None when every token counts
         M_a = self.side_map(name, "a", a.device)  # [k_a, N_i(+1)] or None (exact side)
         M_g = self.side_map(name, "g", g.device)  # [k_g, N_o] or None
+        d_g = self.side_scale(name, "g")  # [N_o] or None
+        t = self.transforms.get(name)
         if M_a is None and M_g is None:
             route = "materialized"  # nothing to map: both routes are the same product
+        elif t is not None and t.elementwise is not None:
+            route = "materialized"  # entrywise weights have no per-token form
         else:
             route = route or self.route
             if route == "auto":
@@ -270,20 +296,26 @@ class GradientCapture:
         self.route_counts[route] += 1
         if route == "factorized":
             ab = self._map_inputs(name, a, m)  # [B, T, k_a]
-            gb = g if M_g is None else g @ M_g.T  # [B, T, k_g]
+            gb = self._map_outputs(g, M_g, d_g)  # [B, T, k_g]
             G = torch.bmm(gb.transpose(1, 2), ab)  # [B, k_g, k_a]
             if self.collect_covariance:
                 self._add_covariance(name, ab, gb, m)
         else:
             a1 = _with_ones(a, m, info.bias)  # [B, T, N_i(+1)], padding zeroed
             G = torch.bmm(g.transpose(1, 2), a1)  # [B, N_o, N_i(+1)]
+            if t is not None:
+                G = t.weight(G)  # entrywise weights first; side maps and scales below
             if M_a is not None:
                 G = G @ M_a.T  # [B, N_o, k_a]
+            else:
+                d_a = self.side_scale(name, "a")
+                G = G if d_a is None else G * d_a.to(G.device, G.dtype)
             if M_g is not None:
                 G = M_g @ G  # [B, k_g, k_a]
+            elif d_g is not None:
+                G = G * d_g.to(G.device, G.dtype)[:, None]
             if self.collect_covariance:
-                ab = a1 if M_a is None else self._map_inputs(name, a, m)
-                self._add_covariance(name, ab, g if M_g is None else g @ M_g.T, m)
+                self._add_covariance(name, self._map_inputs(name, a, m), self._map_outputs(g, M_g, d_g), m)
         return G.reshape(B, -1)
 
     def _token_weights(self, name: str, B: int, T: int, a: torch.Tensor) -> torch.Tensor | None:
@@ -303,7 +335,9 @@ class GradientCapture:
         if key not in self._proj_a:
             M_a = self.side_map(name, "a", a.device)  # [k_a, N_i(+1)] or None
             if M_a is None:
-                return _with_ones(a, m, self.infos[name].bias)
+                a1 = _with_ones(a, m, self.infos[name].bias)  # [B, T, N_i(+1)]
+                d_a = self.side_scale(name, "a")
+                return a1 if d_a is None else a1 * d_a.to(a1.device, a1.dtype)
             n_in = self.infos[name].n_in
             bias = M_a[:, n_in].clone() if self.infos[name].bias else None  # [k_a]
             self._proj_a[key] = (M_a[:, :n_in].T.contiguous(), bias)  # [N_i, k_a], [k_a]
@@ -312,6 +346,13 @@ class GradientCapture:
         a2 = a.reshape(B * T, n_in)
         ab = (a2 @ P_t if p_b is None else torch.addmm(p_b, a2, P_t)).view(B, T, -1)
         return ab if m is None else ab.mul_(m)
+
+    @staticmethod
+    def _map_outputs(g: torch.Tensor, M_g: torch.Tensor | None, d_g: torch.Tensor | None) -> torch.Tensor:
+        """``M_g g`` per token ``[B, T, k_g]``, or ``g`` scaled by ``d_g`` on an unprojected side."""
+        if M_g is not None:
+            return g @ M_g.T
+        return g if d_g is None else g * d_g.to(g.device, g.dtype)
 
     def _add_covariance(self, name: str, a: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
         """Add ``Σ a aᵀ`` and ``Σ g gᵀ`` over real tokens (``a`` already masked) to the factors."""

@@ -77,16 +77,18 @@ class ProjectionSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> ProjectionSpec:
-        """Inverse of :meth:`to_dict`; refuses another stream version."""
-        d = dict(d)
-        version = d.pop("stream_version", STREAM_VERSION)
-        if version != STREAM_VERSION:
-            raise ValueError(
-                f"the index was built with projection stream v{version}, this library draws v{STREAM_VERSION}; "
-                "install the gradindex version that built it, or rebuild the index"
-            )
-        sizes = tuple((n, int(v[0]), int(v[1])) for n, v in (d.pop("sizes", None) or {}).items())
-        return cls(**d, sizes=sizes)
+        """The spec :meth:`to_dict` wrote (a manifest's ``build.projection``); one error for any bad one."""
+        try:
+            fields = dict(d)
+            version = fields.pop("stream_version", STREAM_VERSION)
+            if version == STREAM_VERSION:
+                sizes = tuple((n, int(v[0]), int(v[1])) for n, v in (fields.pop("sizes", None) or {}).items())
+                return cls(**fields, sizes=sizes)
+            why = f"projection stream v{version}, this library draws v{STREAM_VERSION}"
+        except (TypeError, ValueError, AttributeError, IndexError) as e:
+            why = f"a projection this library cannot read ({d!r}: {e})"
+        raise ValueError(f"the index was built with {why}; install the gradindex version that built it, "
+                         "or rebuild the index")
 
     @classmethod
     def parse(cls, text: str, kind: str = "gaussian", seed: int = 0) -> ProjectionSpec:

@@ -57,14 +57,22 @@ from gradindex.store.codes import STORAGES
               help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too).")
 @click.option("--damping", default=0.1, show_default=True, type=float,
               help="Relative damping of the self-influence written with --precondition (and of --whiten).")
+@click.option("--fisher", default="empirical", show_default=True, type=click.Choice(["empirical", "true"]),
+              help="Factors of --precondition from the observed labels or from labels sampled from the model.")
+@click.option("--fisher-seed", default=0, show_default=True, type=int, help="Seed of --fisher true's labels.")
+@click.option("--optimizer-state", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="Adam state of the training run (.safetensors of '<param>.exp_avg_sq', or a torch "
+                   "optimizer state_dict, read with weights_only=True): store G/(sqrt(v)+eps), method adam.")
+@click.option("--adam-mode", default="exact", show_default=True, type=click.Choice(["exact", "factored"]),
+              help="exact: entrywise (materialized route); factored: rank-1 v per layer (factorized route).")
 @index_options
 @click.option("--no-index", is_flag=True, help="Skip the FAISS index stage (run `gradindex index` later).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def build(model_dir, data, out, projection, budget, allocation, basis, basis_damping, fit_examples,
           projection_kind, seed, layers, text_field, max_length, batch_size, dtype, device, route, storage,
-          shard_size, overwrite, repair, precondition, damping, index_type, whiten, normalize, train_size,
-          cpu_index, no_index, quiet):
+          shard_size, overwrite, repair, precondition, damping, fisher, fisher_seed, optimizer_state, adam_mode,
+          index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     auto = projection.strip().lower() == "auto"
     if budget and not auto:
@@ -75,7 +83,8 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
                       route=route, shard_size=shard_size, storage=storage,
-                      precondition=precondition, damping=damping,
+                      precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
+                      optimizer_state=optimizer_state or "", adam_mode=adam_mode,
                       budget=(budget or "1/8") if auto else 0, allocation=allocation, basis=basis,
                       basis_damping=basis_damping, basis_examples=fit_examples)
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)

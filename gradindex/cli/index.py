@@ -15,7 +15,8 @@ def index_options(fn):
     """Options shared by ``gradindex index`` and the index stage of ``gradindex build``."""
     fn = click.option("--index-type", default="auto", show_default=True,
                       help="FAISS factory string for every layer (Flat, IVF1024,PQ64, IVF1024,SQ8, "
-                           "HNSW32, ...); auto: Flat up to N*D = 2^24, else IVF-PQ.")(fn)
+                           "HNSW32, ...); auto: Flat below 50,000 examples (while a layer fits "
+                           "in 2 GiB) or up to N*D = 2^24, else IVF-PQ.")(fn)
     fn = click.option("--whiten", default="none", show_default=True,
                       type=click.Choice(["none", "kfac", "ekfac"]),
                       help="Index H^-1/2-whitened vectors of this fitted preconditioner "

@@ -44,7 +44,7 @@ def summary(index_dir: str) -> dict:
         "projection": b.get("projection"), "basis": b.get("basis", {"kind": "raw"}),
         "max_length": b.get("max_length"), "storage": b.get("storage", "fp32"),
         "layers": layers, "dims_total": sum(v["dim"] for v in layers.values()),
-        "methods": available_methods(d),
+        "methods": available_methods(d, selfnorm=True, manifest=m),
         "index": None if meta is None else {"status": meta.get("status"), "space": meta.get("space"),
                                             "types": sorted({e["factory"] for e in meta["layers"].values()})},
         "bytes": {"store": _size(d / "store"), "precond": _size(d / "precond"), "faiss": _size(d / "faiss")},

@@ -19,18 +19,21 @@ from gradindex.precondition import FITTED_METHODS, FitConfig, available_methods,
               help="Fit the factors on this data instead of the indexed data (one model pass).")
 @click.option("--fit-examples", default=0, show_default=True, type=int,
               help="Fit the factors on a random sample of this many examples (0 = all).")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of that sample.")
+@click.option("--fisher", default="empirical", show_default=True, type=click.Choice(["empirical", "true"]),
+              help="Factors from the observed labels, or from labels sampled from the model (one or two model "
+                   "passes; stored gradients keep the observed labels).")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of that sample and of --fisher true.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--precision", default="float64", show_default=True, type=click.Choice(["float64", "float32"]),
               help="Arithmetic of the store passes (float32 is faster on large unprojected layers).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
-def precondition(index_dir, method, damping, fit_data, fit_examples, seed, device, precision, quiet):
+def precondition(index_dir, method, damping, fit_data, fit_examples, fisher, seed, device, precision, quiet):
     """Fit K-FAC or EK-FAC on INDEX_DIR and write its self-influence."""
     cfg = FitConfig(method=method, damping=damping, fit_data=fit_data, fit_examples=fit_examples, seed=seed,
-                    device=device, precision=precision)
+                    fisher=fisher, device=device, precision=precision)
     entries = fit_preconditioner(index_dir, cfg, progress=not quiet)
     e = entries[method]
     click.echo(f"fitted {method} on {index_dir} in {e['seconds']:.1f} s (factors from the "
-               f"{e['fit']['source']}, {e['fit']['examples']} examples); "
+               f"{e['fit']['source']}, {e['fit']['examples']} examples, {fisher} Fisher); "
                f"methods now: {', '.join(available_methods(index_dir))}")

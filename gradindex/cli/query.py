@@ -10,6 +10,7 @@ import click
 from gradindex.cli import main
 from gradindex.cli.common import user_errors
 from gradindex.methods import ALL_METHODS
+from gradindex.precondition import available_methods
 from gradindex.query import QueryEngine, QueryResult, read_queries
 
 
@@ -71,7 +72,8 @@ def _json(r: QueryResult) -> list[dict]:
               help="File of queries, any format and fields `gradindex build` reads.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
 @click.option("-k", "k", default=10, show_default=True, type=int, help="Results per query.")
-@click.option("--method", default="graddot", show_default=True, type=click.Choice(list(ALL_METHODS)))
+@click.option("--method", default=None, type=click.Choice(list(ALL_METHODS)),
+              help="Scoring method (default: graddot; adam on an index built with --optimizer-state).")
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
 @click.option("--layers", multiple=True, help="Glob of layers to search (repeatable). Default: all.")
 @click.option("--lowest", default=0, show_default=True, type=int, help="Also the N most negative examples.")
@@ -87,14 +89,18 @@ def _json(r: QueryResult) -> list[dict]:
               help="Training data file, if it moved since the build.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")
 @click.option("--cpu-index", is_flag=True, help="Search on the CPU even when FAISS sees GPUs.")
+@click.option("--optimizer-state", default=None, type=click.Path(dir_okay=False),
+              help="The optimizer state of an Adam-preconditioned index, if it moved since the build.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON list of results per query (a line each).")
 @user_errors
 def query(index_dir, texts, prompt, completion, queries_file, text_field, k, method, damping, layers, lowest,
-          rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, as_json):
+          rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json):
     """Find the training examples in INDEX_DIR that most influenced each query."""
     qs = _queries(texts, prompt, completion, queries_file, text_field)
-    with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index) as engine:
+    with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
+                     optimizer_state=optimizer_state) as engine:
+        method = method or available_methods(index_dir)[0]
         results = engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
                                      lowest=lowest, rerank_full=rerank_full, candidates=candidates,
                                      shortlist=shortlist, nprobe=nprobe, text_field=text_field)

@@ -1,9 +1,11 @@
-"""Index: one FAISS inner-product index per layer, built from the store (DESIGN.md, "On disk")."""
+"""Index: one FAISS inner-product index per layer, built from the store (DESIGN.md, "On disk");
+:class:`OpenIndex`, an index directory opened once (manifest, store, preconditioners, indices)."""
 
 from gradindex.index.builder import IndexBuildResult, IndexConfig, build_indices
 from gradindex.index.factory import default_factory, resolve_factory
-from gradindex.index.files import FAISS_DIR, faiss_dir, layer_file, read_meta
+from gradindex.index.files import FAISS_DIR, faiss_dir, layer_file, live_dir, read_meta
 from gradindex.index.load import IndexSet, LayerIndex
+from gradindex.index.opened import OpenIndex, open_index
 from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, query_vectors
 
@@ -14,6 +16,7 @@ __all__ = [
     "IndexSet",
     "IndexSpace",
     "LayerIndex",
+    "OpenIndex",
     "Preconditioners",
     "RowReader",
     "build_indices",
@@ -21,6 +24,8 @@ __all__ = [
     "faiss_dir",
     "iter_layer",
     "layer_file",
+    "live_dir",
+    "open_index",
     "query_vectors",
     "read_meta",
     "resolve_factory",

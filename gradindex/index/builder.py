@@ -1,6 +1,7 @@
 """Build one FAISS index per layer from the store: streaming, memory-bounded, resumable.
 
-Files under ``INDEX_DIR/faiss/``:
+Files under ``INDEX_DIR/faiss/`` (written into ``faiss.new/`` and swapped in when complete:
+:mod:`gradindex.index.files`):
 
 * ``index.json``: the space (raw/whitened, normalized), the store identity it was built from,
   and per layer the factory string, file, vector count, size and default search knobs; its
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,7 @@ import faiss
 import numpy as np
 from tqdm.auto import tqdm
 
-from gradindex.checksum import damage_error, move_aside
+from gradindex.checksum import damage_error, forget, move_aside, record, recorded
 from gradindex.index import gpu
 from gradindex.index.factory import default_search_params, make_index, resolve_factory, train_size
 from gradindex.index.files import (
@@ -32,16 +34,20 @@ from gradindex.index.files import (
     NORMS,
     check_faiss,
     faiss_dir,
-    layer_file,
-    read_meta,
+    layer_path,
+    read_meta_at,
+    settle_swap,
+    staging_dir,
+    swap_in,
     write_index,
     write_json,
     write_norms,
 )
+from gradindex.index.opened import OpenIndex, open_index
 from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
 from gradindex.lock import index_lock
-from gradindex.manifest import FORMAT_VERSION, read_complete_manifest, read_manifest, write_manifest
+from gradindex.manifest import FORMAT_VERSION, write_manifest
 from gradindex.store import Store
 from gradindex.store.repair import check_store
 
@@ -77,74 +83,102 @@ class IndexBuildResult:
     up_to_date: bool = False
 
 
-def build_indices(index_dir: str | os.PathLike, cfg: IndexConfig = IndexConfig(),
+def build_indices(index_dir: str | os.PathLike | OpenIndex, cfg: IndexConfig = IndexConfig(),
                   progress: bool = True, force: bool = False) -> IndexBuildResult:
-    """Write ``faiss/<layer>.index`` for every stored layer (resuming an interrupted build)."""
-    with index_lock(index_dir, "gradindex index"):
-        return _build_indices(index_dir, cfg, progress, force)
+    """Write ``faiss/<layer>.index`` for every stored layer (resuming an interrupted build).
 
-
-def _build_indices(index_dir: str | os.PathLike, cfg: IndexConfig, progress: bool, force: bool) -> IndexBuildResult:
+    The new set is written into ``faiss.new/`` and swapped in only when complete, so a failed or
+    killed build (``force`` included) leaves the previous indices answering queries.
+    ``index_dir``: a path, or an :class:`OpenIndex` (its manifest and store are used as they are).
+    """
     t0 = time.perf_counter()
-    manifest = read_complete_manifest(index_dir, "build the indices")
+    ix, opened = open_index(index_dir, then="build the indices")
+    try:
+        with index_lock(ix.dir, "gradindex index"):
+            return _build(ix, cfg, progress, force, t0)
+    finally:
+        if opened:
+            ix.close()
+
+
+def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: float) -> IndexBuildResult:
+    index_dir, store, manifest, N = ix.dir, ix.store, ix.manifest, ix.n
     damage = check_store(index_dir, full=True, manifest=manifest)
     if damage:
         raise damage_error(index_dir, damage, then=f"`gradindex index {index_dir}`")
+    if N == 0:
+        raise ValueError(f"the store in {str(index_dir)!r} holds no examples; nothing to index")
+    space = cfg.space
+    if space.whiten != "none":
+        ix.pre.check(space.whiten)
+    factories = {n: resolve_factory(cfg.factory, N, store.dims[n]) for n in store.layers}
+    key = {"identity": manifest["build"], "examples": N, "space": space.to_dict(),
+           "preconditioner": manifest.get("preconditioners", {}).get(space.whiten),
+           "train_size": cfg.train_size, "seed": cfg.seed}
+    settle_swap(index_dir)
     for p in move_aside(index_dir, [x.file for x in check_faiss(index_dir) if x.problem != "missing"]):
         log.warning("%s is damaged; moved to %s and rebuilt", p.name, p.parent)
-    with Store(index_dir) as store:
-        N = len(store)
-        if N == 0:
-            raise ValueError(f"the store in {str(index_dir)!r} holds no examples; nothing to index")
-        space = cfg.space
-        pre = Preconditioners(index_dir)
-        if space.whiten != "none":
-            pre.check(space.whiten)
-        factories = {n: resolve_factory(cfg.factory, N, store.dims[n]) for n in store.layers}
-        key = {"identity": manifest["build"], "examples": N, "space": space.to_dict(),
-               "preconditioner": manifest.get("preconditioners", {}).get(space.whiten),
-               "train_size": cfg.train_size, "seed": cfg.seed}
-        out = faiss_dir(index_dir)
-        out.mkdir(exist_ok=True)
-        old = read_meta(index_dir)
-        if (not force and old and old.get("status") == "complete" and old.get("key") == key
-                and {n: e["factory"] for n, e in old["layers"].items()} == factories
-                and all(layer_file(index_dir, n).exists() for n in factories)):
-            return IndexBuildResult(out, old, time.perf_counter() - t0, 0, up_to_date=True)
-        same_key = old is not None and old.get("key") == key and not force
-        meta = {"format_version": FORMAT_VERSION, "status": "building", "key": key, "space": space.to_dict(),
-                "examples": N, "layers": dict(old["layers"]) if same_key else {},
-                "norms": old.get("norms") if same_key else None}
-        write_json(out / META, meta)
-        norms = _norms(store, out / NORMS, meta, progress)
-        write_json(out / META, meta)
-        inv = np.where(norms > 0, 1.0 / np.sqrt(np.maximum(norms, 1e-300)), 0.0).astype(np.float32)
-        bar = tqdm(total=N * len(store.layers), unit="vec", desc="index", disable=not progress,
-                   dynamic_ncols=True)
-        added = 0
-        try:
-            for n in store.layers:
-                entry = meta["layers"].get(n)
-                if entry and entry["factory"] == factories[n] and layer_file(index_dir, n).exists():
-                    bar.update(N)
-                    continue
-                bar.set_postfix_str(n)
-                index, k = _build_layer(store, n, factories[n], cfg, pre, inv if space.normalize else None,
-                                        layer_file(index_dir, n), {**key, "factory": factories[n]}, bar)
-                added += k
-                meta["layers"][n] = {
-                    "file": layer_file(index_dir, n).name, "factory": factories[n], "dim": store.dims[n],
-                    "ntotal": int(index.ntotal), "bytes": layer_file(index_dir, n).stat().st_size,
-                    "search": default_search_params(index)}
-                write_json(out / META, meta)
-                del index
-        finally:
-            bar.close()
+    live, out = faiss_dir(index_dir), staging_dir(index_dir)
+    old = read_meta_at(live)
+    if (not force and old and old.get("status") == "complete" and old.get("key") == key
+            and {n: e["factory"] for n, e in old["layers"].items()} == factories
+            and all(layer_path(live, n).exists() for n in factories)):
+        return IndexBuildResult(live, old, time.perf_counter() - t0, 0, up_to_date=True)
+    staged = read_meta_at(out) if out.exists() else None
+    meta = {"format_version": FORMAT_VERSION, "status": "building", "key": key, "space": space.to_dict(),
+            "examples": N, "layers": {}, "norms": None}
+    if staged is not None and staged.get("key") == key and not force:  # resume the interrupted build
+        meta["layers"], meta["norms"] = dict(staged["layers"]), staged.get("norms")
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        forget(index_dir, recorded(index_dir, f"{out.name}/"))
+        out.mkdir()
+        if old is not None and old.get("key") == key and not force:  # keep what is still valid
+            meta["norms"] = old.get("norms") if _carry(live, out, NORMS if old.get("norms") else None) else None
+            meta["layers"] = {n: e for n, e in old["layers"].items()
+                              if e["factory"] == factories.get(n) and _carry(live, out, e["file"])}
+    write_json(out / META, meta)
+    norms = _norms(store, out / NORMS, meta, progress)
+    write_json(out / META, meta)
+    inv = np.where(norms > 0, 1.0 / np.sqrt(np.maximum(norms, 1e-300)), 0.0).astype(np.float32)
+    bar = tqdm(total=N * len(store.layers), unit="vec", desc="index", disable=not progress, dynamic_ncols=True)
+    added = 0
+    try:
+        for n in store.layers:
+            path = layer_path(out, n)
+            entry = meta["layers"].get(n)
+            if entry and entry["factory"] == factories[n] and path.exists():
+                bar.update(N)
+                continue
+            bar.set_postfix_str(n)
+            index, k = _build_layer(store, n, factories[n], cfg, ix.pre, inv if space.normalize else None,
+                                    path, {**key, "factory": factories[n]}, bar)
+            added += k
+            meta["layers"][n] = {"file": path.name, "factory": factories[n], "dim": store.dims[n],
+                                 "ntotal": int(index.ntotal), "bytes": path.stat().st_size,
+                                 "search": default_search_params(index)}
+            write_json(out / META, meta)
+            del index
+    finally:
+        bar.close()
     meta["status"] = "complete"
     meta["seconds"] = time.perf_counter() - t0
     write_json(out / META, meta)
-    _register(index_dir, meta)
-    return IndexBuildResult(out, meta, meta["seconds"], added)
+    swap_in(index_dir)
+    _register(index_dir, manifest, meta)
+    return IndexBuildResult(live, meta, meta["seconds"], added)
+
+
+def _carry(src: Path, dst: Path, name: str | None) -> bool:
+    """Hard-link (else copy) ``src/name`` into ``dst`` and record its hash there; whether there was one."""
+    if not name or not (src / name).exists():
+        return False
+    try:
+        os.link(src / name, dst / name)
+    except OSError:
+        shutil.copy2(src / name, dst / name)
+    record(dst.parent, [dst / name], [f"{dst.name}/{name}"])
+    return True
 
 
 def _norms(store: Store, path: Path, meta: dict, progress: bool) -> np.ndarray:
@@ -160,7 +194,7 @@ def _norms(store: Store, path: Path, meta: dict, progress: bool) -> np.ndarray:
     for j, n in enumerate(tqdm(store.layers, desc="norms", disable=not progress, leave=False)):
         for s, x in iter_layer(store, n):
             sq[s:s + len(x), j] = np.einsum("ij,ij->i", x, x, dtype=np.float64)
-    write_norms(store.dir.parent, sq)
+    write_norms(path.parent, sq)
     meta["norms"] = {"file": path.name, "layers": list(store.layers)}
     return sq.sum(axis=1)
 
@@ -209,9 +243,8 @@ def _build_layer(store: Store, layer: str, factory: str, cfg: IndexConfig, pre: 
     return index, N - start
 
 
-def _register(index_dir: str | os.PathLike, meta: dict) -> None:
-    """Record the index types in the manifest (re-read first: other stages write it too)."""
-    manifest = read_manifest(index_dir)
+def _register(index_dir: Path, manifest: dict, meta: dict) -> None:
+    """Record the index types in the manifest (the open index's copy, then the file)."""
     manifest["index"] = {"space": meta["space"], "status": meta["status"],
                          "factories": sorted({e["factory"] for e in meta["layers"].values()}),
                          "bytes": int(sum(e["bytes"] for e in meta["layers"].values()))}

@@ -14,7 +14,7 @@ import torch
 from gradindex.checksum import damage_error
 from gradindex.index import gpu
 from gradindex.index.factory import apply_search_params, is_exhaustive
-from gradindex.index.files import FAISS_DIR, NORMS, check_faiss, index_command, layer_file, read_meta
+from gradindex.index.files import NORMS, check_faiss, index_command, layer_path, live_dir, read_meta_at, staging_dir
 from gradindex.index.space import IndexSpace
 from gradindex.manifest import IndexMismatchError, identity_differences
 
@@ -58,8 +58,10 @@ class LayerIndex:
         return ids
 
 
-def _check(meta: dict | None, index_dir: str | os.PathLike, manifest: dict, n: int) -> dict:
-    d = Path(index_dir) / FAISS_DIR
+def _check(meta: dict | None, d: Path, index_dir: str | os.PathLike, manifest: dict, n: int) -> dict:
+    if meta is None and staging_dir(index_dir).exists():
+        raise ValueError(f"the first index build in {str(staging_dir(index_dir))!r} did not finish; "
+                         f"resume it with `gradindex index {index_dir}`")
     if meta is None:
         raise FileNotFoundError(
             f"no FAISS indices in {str(d)!r} (index.json is missing); "
@@ -86,9 +88,9 @@ def _check(meta: dict | None, index_dir: str | os.PathLike, manifest: dict, n: i
     return meta
 
 
-def read_layer(index_dir: str | os.PathLike, layer: str, entry: dict, n: int) -> faiss.Index:
+def read_layer(index_dir: str | os.PathLike, folder: Path, layer: str, entry: dict, n: int) -> faiss.Index:
     """Read one layer's index file; a missing, truncated or corrupt file is a clear error."""
-    p = layer_file(index_dir, layer)
+    p = layer_path(folder, layer)
     if not p.exists():
         raise FileNotFoundError(f"FAISS index file {str(p)!r} is missing; {rebuild_hint(index_dir)}")
     size = p.stat().st_size
@@ -113,13 +115,14 @@ class IndexSet:
     def __init__(self, index_dir: str | os.PathLike, manifest: dict, n: int,
                  layers: Sequence[str] | None = None, use_gpu: bool = True):
         self.dir = Path(index_dir)
-        self.meta = _check(read_meta(index_dir), index_dir, manifest, n)
+        self.folder = live_dir(index_dir)
+        self.meta = _check(read_meta_at(self.folder), self.folder, index_dir, manifest, n)
         self.space = IndexSpace.from_dict(self.meta["space"])
         self.n = n
         self.all_layers = list(manifest["build"]["layers"])
         chosen = list(layers) if layers is not None else self.all_layers
         self.layers: dict[str, LayerIndex] = {}
-        damage = [x for x in check_faiss(index_dir, True, [layer_file(index_dir, n).name for n in chosen] + [NORMS])
+        damage = [x for x in check_faiss(index_dir, True, [layer_path(self.folder, n).name for n in chosen] + [NORMS])
                   if x.problem != "missing"]  # a missing file gets its own error below
         if damage:
             raise damage_error(index_dir, damage)
@@ -127,9 +130,9 @@ class IndexSet:
             entry = self.meta["layers"].get(name)
             if entry is None:
                 raise FileNotFoundError(f"no FAISS index for layer {name!r} in "
-                                        f"{str(self.dir / FAISS_DIR)!r}; " + rebuild_hint(index_dir))
-            index = read_layer(index_dir, name, entry, n)
-            li = LayerIndex(name, layer_file(index_dir, name), entry["factory"], index,
+                                        f"{str(self.folder)!r}; " + rebuild_hint(index_dir))
+            index = read_layer(index_dir, self.folder, name, entry, n)
+            li = LayerIndex(name, layer_path(self.folder, name), entry["factory"], index,
                             dict(entry.get("search", {})))
             if is_exhaustive(index):
                 flat = faiss.downcast_index(index)
@@ -144,7 +147,7 @@ class IndexSet:
         self.sq_norms = self._norms(index_dir)
 
     def _norms(self, index_dir) -> np.ndarray:
-        p = self.dir / FAISS_DIR / NORMS
+        p = self.folder / NORMS
         try:
             arr = np.load(p, mmap_mode="r")
         except (OSError, ValueError) as e:

@@ -24,7 +24,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from gradindex.precondition import available_methods, load_preconditioner, parse_method
+from gradindex.manifest import read_manifest
+from gradindex.methods import IDENTITY_METHODS, SELFNORM
+from gradindex.precondition import Preconditioner, available_methods, load_preconditioner
+from gradindex.precondition.preconditioner import check_rows_fit_method
 
 WHITEN = ("none", "kfac", "ekfac")
 @dataclass(frozen=True)
@@ -57,31 +60,49 @@ class IndexSpace:
 
 
 class Preconditioners:
-    """Loads each fitted preconditioner once and applies powers of it to ``[n, D]`` blocks."""
+    """Each fitted preconditioner of an index, loaded once, applying powers of it to ``[n, D]`` blocks.
 
-    def __init__(self, index_dir: str | os.PathLike):
+    Methods here are base names (``graddot``, ``cosine``, ``kfac``, ``ekfac``): parse a method
+    string once (:func:`gradindex.methods.parse_method`) and pass its base.
+    """
+
+    def __init__(self, index_dir: str | os.PathLike, manifest: dict | None = None):
         self.index_dir = index_dir
-        self._loaded: dict[str, object] = {}
+        self.manifest = manifest if manifest is not None else read_manifest(index_dir)
+        self._loaded: dict[str, Preconditioner] = {}
+        self._available: list[str] | None = None
 
-    def check(self, method: str) -> None:
-        base, selfnorm = parse_method(method)
-        methods = available_methods(self.index_dir, selfnorm)
-        if method not in methods:
+    def available(self) -> list[str]:
+        """Base methods this index answers (``graddot``, ``cosine`` and the fitted ones; ``adam``)."""
+        if self._available is None:
+            self._available = available_methods(self.index_dir, manifest=self.manifest)
+        return self._available
+
+    def check(self, base: str, selfnorm: bool = False) -> None:
+        """Refuse a method that is not fitted, naming the command that fits it."""
+        check_rows_fit_method(self.index_dir, self.manifest, base)
+        if base not in self.available():
+            shown = self.available() + ([m + SELFNORM for m in self.available() if m != "cosine"]
+                                        if selfnorm else [])
+            name = base + SELFNORM if selfnorm else base
             raise ValueError(
-                f"method {method!r} is not fitted for {str(self.index_dir)!r} (available: "
-                f"{', '.join(methods)}); fit it with "
+                f"method {name!r} is not fitted for {str(self.index_dir)!r} (available: "
+                f"{', '.join(shown)}); fit it with "
                 f"`gradindex precondition {self.index_dir} --method {base}`"
             )
 
+    def get(self, base: str) -> Preconditioner:
+        """The loaded preconditioner of a base method (identity for graddot/cosine)."""
+        if base not in self._loaded:
+            self.check(base)
+            self._loaded[base] = load_preconditioner(self.index_dir, base, manifest=self.manifest)
+        return self._loaded[base]
+
     def apply(self, method: str, layer: str, x: torch.Tensor, power: float, damping: float) -> torch.Tensor:
-        """``H^power x`` for the method's curvature (identity for graddot/cosine)."""
-        if method in ("graddot", "cosine", "none"):
+        """``H^power x`` for the base method's curvature (identity for graddot/cosine/adam)."""
+        if method in IDENTITY_METHODS or method == "none":
             return x
-        if method not in self._loaded:
-            self.check(method)
-            self._loaded[method] = load_preconditioner(self.index_dir, method)
-        out = self._loaded[method].apply(layer, x, power=power, damping=damping)
-        return out.to(x.dtype)
+        return self.get(method).apply(layer, x, power=power, damping=damping).to(x.dtype)
 
 
 def index_vectors(space: IndexSpace, pre: Preconditioners, layer: str, t: np.ndarray,

@@ -5,7 +5,8 @@ Two sources, summed the same way (``Σ_tokens``, then one division by the token 
 * the store: a build with ``collect_covariance`` (``gradindex build --precondition ...``) writes each
   shard's sums ``covariance/<layer>/{A,S}`` and token count, in the pass that writes the gradients;
 * the model: one forward/backward pass over (part of) the data with the same hooks and projection,
-  for shards built without them, or for a separate fit set.
+  for shards built without them, for a separate fit set, or for the true Fisher (``fisher='true'``:
+  targets sampled from the model, :mod:`gradindex.capture.sampling`, instead of the observed ones).
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from tqdm.auto import tqdm
 
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import batch_gradients
+from gradindex.capture.sampling import FISHERS, label_uniforms
 from gradindex.data import Tokenized, load_records, token_hash, tokenize_records
 from gradindex.fingerprint import digest_bytes, model_fingerprint
 from gradindex.manifest import IndexMismatchError
+from gradindex.model import resolve_pad_id
 from gradindex.store import Store
 
 
@@ -97,10 +100,19 @@ def model_covariance(
     route: str = "auto",
     progress: bool = False,
     transforms: dict | None = None,
+    fisher: str = "empirical",
+    seed: int = 0,
 ) -> FactorSums:
-    """Factor sums from one forward/backward pass over ``data`` rows ``rows``, hooks as in the build."""
+    """Factor sums from one forward/backward pass over ``data`` rows ``rows``, hooks as in the build.
+
+    ``fisher='true'`` takes each token's ``g`` from a target sampled from the model (seeded by
+    ``seed`` and the row), ``'empirical'`` from the observed one. ``transforms`` are the capture's
+    side maps of the index's row basis (factors of the mapped rows).
+    """
+    if fisher not in FISHERS:
+        raise ValueError(f"fisher {fisher!r} is not one of {list(FISHERS)}")
     sums = FactorSums()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = resolve_pad_id(model, tokenizer)
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
     cap = GradientCapture(model, list(layers), projection, route, weight_free=True, collect_covariance=True,
@@ -112,9 +124,9 @@ def model_covariance(
         with cap, tqdm(total=len(rows), unit="ex", desc="factors", disable=not progress) as bar:
             for s in range(0, len(rows), batch_size):
                 idx = rows[s : s + batch_size]
-                batch_gradients(
-                    model, cap, [data.input_ids[i] for i in idx], [data.labels[i] for i in idx], pad_id
-                )
+                ids = [data.input_ids[i] for i in idx]
+                u = label_uniforms(seed, idx, [len(x) for x in ids]) if fisher == "true" else None
+                batch_gradients(model, cap, ids, [data.labels[i] for i in idx], pad_id, u)
                 bar.update(len(idx))
     finally:
         for n, p in model.named_parameters():

@@ -4,6 +4,9 @@ Cost: the factors come from the build pass when it collected them (``--precondit
 time), else from one model pass; then one pass over the store for K-FAC (self-influence, and the
 GradDot norms), and a second one for EK-FAC (its self-influence needs the finished ``Λ*``).
 An EK-FAC fit also writes K-FAC, which the first store pass yields at no extra cost.
+With ``fisher='true'`` the factors and the EK-FAC correction come from labels sampled from the
+model: one model pass for ``A`` and ``S`` and, for EK-FAC, a second for ``Λ*``
+(:mod:`gradindex.precondition.fisher`); the store passes then only write self-influence.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import torch
 
 import gradindex
 from gradindex.capture import ProjectionSpec
+from gradindex.capture.sampling import FISHERS
 from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.lock import index_lock
 from gradindex.manifest import build_command, read_complete_manifest, read_manifest, write_manifest
-from gradindex.methods import FITTED_METHODS
+from gradindex.methods import FITTED_METHODS, adam_rows
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.ekfac import Basis, store_pass
@@ -38,6 +42,7 @@ from gradindex.precondition.factors import (
     store_covariance,
 )
 from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path, write_precond
+from gradindex.precondition.fisher import model_correction
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.store import Store
 from gradindex.store.basis import capture_transforms, index_basis
@@ -61,7 +66,10 @@ class FitConfig:
     fit_examples: int = 0
     """Fit the factors on a random sample of this many examples; 0 = all (a sample costs a model pass)."""
     seed: int = 0
-    """Seed of that sample."""
+    """Seed of that sample, and of the sampled labels of the true Fisher."""
+    fisher: str = "empirical"
+    """``empirical``: factors (and the EK-FAC correction) from the observed labels; ``true``: from
+    labels sampled from the model (Kronfluence's default; one or two model passes)."""
     device: str = "auto"
     """Where the model pass and the store passes run (``auto``: the GPU when there is one)."""
     precision: str = "float64"
@@ -76,6 +84,8 @@ class FitConfig:
             raise ValueError(
                 f"--damping must be > 0 (a fraction of the mean eigenvalue, e.g. 0.1), got {self.damping}"
             )
+        if self.fisher not in FISHERS:
+            raise ValueError(f"--fisher {self.fisher!r} is not one of {list(FISHERS)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {list(PRECISIONS)}")
 
@@ -87,19 +97,28 @@ def fit_preconditioner(
     tokenizer=None,
     data: Tokenized | None = None,
     progress: bool = False,
+    manifest: dict | None = None,
 ) -> dict:
     """Fit ``cfg.method`` on the index in ``index_dir``; return the manifest's ``preconditioners``.
 
     ``model``/``tokenizer``/``data`` (the build's own, already loaded) spare reloading them when a
     model pass is needed; otherwise they are loaded from the manifest and fingerprint-checked.
+    ``manifest``: the index's, when the caller holds it (the pipeline): it is used instead of
+    reading the file, and updated in place with the new entries before it is written.
     """
     with index_lock(index_dir, f"gradindex precondition --method {cfg.method}"):
-        return _fit(index_dir, cfg, model, tokenizer, data, progress)
+        return _fit(index_dir, cfg, model, tokenizer, data, progress, manifest)
 
 
-def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> dict:
+def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, manifest: dict | None) -> dict:
     t0 = time.perf_counter()
-    manifest = read_complete_manifest(index_dir, "fit")
+    held = manifest is not None and manifest.get("status") == "complete"
+    if not held:
+        manifest = read_complete_manifest(index_dir, "fit")
+    if adam_rows(manifest):
+        raise ValueError(f"the rows of {str(index_dir)!r} are Adam-preconditioned (built with --optimizer-state) "
+                         "and answer --method adam as they are; K-FAC/EK-FAC are fitted on an index of plain "
+                         "gradients: build one without --optimizer-state")
     damage = check_store(index_dir, full=True, manifest=manifest)
     if damage:
         raise damage_error(index_dir, damage, then="fit")
@@ -112,7 +131,7 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> d
                 f"the store in {str(index_dir)!r} does not match its manifest; recompute it with "
                 f"`{build_command(index_dir, manifest)}`"
             )
-        sums, fit = _factor_sums(manifest, store, layers, cfg, model, tokenizer, data, device, progress)
+        sums, fit, mp = _factor_sums(manifest, store, layers, cfg, model, tokenizer, data, device, progress)
         factors = {}
         for n, (A, S, tokens) in sums.means(layers).items():
             k_g, k_a = shapes[n]
@@ -135,10 +154,14 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> d
             for n, f in factors.items()
         }
         kw = dict(device=device, dtype=PRECISIONS[cfg.precision], block=cfg.block, progress=progress)
-        first = store_pass(store, layers, shapes, bases, correct=cfg.method == "ekfac", **kw)
+        empirical = cfg.fisher == "empirical"
+        first = store_pass(store, layers, shapes, bases, correct=cfg.method == "ekfac" and empirical, **kw)
         written = {"kfac": (factors, first.self_influence), "graddot": (None, first.sq_norms)}
         if cfg.method == "ekfac":
-            ek = {n: LayerFactors(**{**asdict(f), "Lambda": first.corrected[n]}) for n, f in factors.items()}
+            corrected = first.corrected if empirical else model_correction(
+                mp.model, mp.tokenizer, mp.data, mp.rows, layers, mp.projection, bases, cfg.seed, mp.batch_size,
+                mp.route, PRECISIONS[cfg.precision], progress, mp.transforms)
+            ek = {n: LayerFactors(**{**asdict(f), "Lambda": corrected[n]}) for n, f in factors.items()}
             ek_bases = {
                 n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
                 for n, f in ek.items()
@@ -149,7 +172,8 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> d
     for m, (fac, si) in written.items():
         write_precond(precond_path(index_dir, m), m, manifest, layers, fac, si, cfg.damping, fit)
     seconds = time.perf_counter() - t0
-    manifest = read_manifest(index_dir)  # fresh: another stage may have written meanwhile
+    if not held:
+        manifest = read_manifest(index_dir)  # fresh: another stage may have written meanwhile
     entries = manifest.setdefault("preconditioners", {})
     for m in written:
         if m == "graddot":
@@ -174,6 +198,20 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool) -> d
     return entries
 
 
+@dataclass
+class _ModelPass:
+    """What a factor pass over the model ran on, for a second pass over the same rows."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    data: Tokenized
+    rows: list[int]
+    projection: ProjectionSpec
+    batch_size: int
+    route: str
+    transforms: dict | None = None
+
+
 def _factor_sums(
     manifest: dict,
     store: Store,
@@ -184,13 +222,14 @@ def _factor_sums(
     data: Tokenized | None,
     device: torch.device,
     progress: bool,
-) -> tuple[FactorSums, dict]:
-    """Token sums of ``A`` and ``S``: from the build's covariance groups, else one model pass."""
+) -> tuple[FactorSums, dict, _ModelPass | None]:
+    """Token sums of ``A`` and ``S``: from the build's covariance groups, else one model pass (returned)."""
     proj: ProjectionSpec = projection_from_manifest(manifest)
     transforms = capture_transforms(index_basis(store.dir.parent, manifest))
     conf = manifest.get("config", {})
     bs, route = int(conf.get("batch_size", 8)), conf.get("route", "auto")
     skip = set(manifest.get("nonfinite_ids", []))
+    mp = None
 
     def need_model():
         nonlocal model, tokenizer
@@ -198,7 +237,7 @@ def _factor_sums(
             model, tokenizer = load_build_model(manifest, str(device))
         return model, tokenizer
 
-    if cfg.fit_data or cfg.fit_examples > 0:
+    if cfg.fit_data or cfg.fit_examples > 0 or cfg.fisher == "true":
         m, tok = need_model()
         if cfg.fit_data:
             fdata = load_build_data(manifest, tok, str(Path(cfg.fit_data)), check=False)
@@ -206,7 +245,8 @@ def _factor_sums(
         else:
             fdata = data if data is not None else load_build_data(manifest, tok)
             rows = [r for r in sample_rows(len(fdata), cfg.fit_examples, cfg.seed) if r not in skip]
-        sums = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms)
+        sums = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms,
+                                cfg.fisher, cfg.seed)
         fit = {
             "source": "model pass",
             "data": cfg.fit_data or manifest.get("data_id", ""),
@@ -214,6 +254,7 @@ def _factor_sums(
             "examples": len(rows),
             "sample_seed": cfg.seed,
         }
+        mp = _ModelPass(m, tok, fdata, [int(r) for r in rows], proj, bs, route, transforms)
     else:
         sums, missing = store_covariance(store, layers)
         source = "build pass"
@@ -222,7 +263,8 @@ def _factor_sums(
             fdata = data if data is not None else load_build_data(manifest, tok)
             rows = [r for s, n in missing for r in range(s, s + n) if r not in skip]
             log.info("%d examples have no factors from the build pass; one model pass over them", len(rows))
-            extra = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms)
+            extra = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms,
+                                     cfg.fisher, cfg.seed)
             for n in layers:
                 if n in extra.A:
                     sums.add(n, extra.A[n], extra.S[n], extra.tokens[n])
@@ -234,7 +276,10 @@ def _factor_sums(
             "data_fingerprint": manifest["build"]["data_fingerprint"],
             "examples": sums.examples,
         }
+    fit["fisher"] = cfg.fisher
+    if cfg.fisher == "true":
+        fit["fisher_seed"] = cfg.seed
     fit["tokens"] = {n: int(sums.tokens.get(n, 0)) for n in layers}
     # K-FAC of per-example gradients ≈ (tokens per example) × S ⊗ A; kept for reading magnitudes.
     fit["tokens_per_example"] = round(max(fit["tokens"].values()) / max(1, sums.examples), 3)
-    return sums, fit
+    return sums, fit, mp

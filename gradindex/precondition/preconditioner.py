@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
-from gradindex.methods import BASE_METHODS, FITTED_METHODS, SELFNORM, parse_method
+from gradindex.methods import ADAM, BASE_METHODS, FITTED_METHODS, IDENTITY_METHODS, SELFNORM, adam_rows, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power
 from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
 
@@ -30,12 +30,16 @@ def selected_layers(manifest: dict, layers: Sequence[str] | None) -> list[str]:
     return chosen
 
 
-def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
-    """Methods this index answers: ``graddot``, ``cosine``, and ``kfac``/``ekfac`` once fitted.
+def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False, manifest: dict | None = None) -> list[str]:
+    """Methods this index answers: ``graddot``, ``cosine``, and ``kfac``/``ekfac`` once fitted; only
+    ``adam`` when its rows are Adam-preconditioned.
 
     With ``selfnorm``, the self-normalized variants (``graddot-selfnorm``, ...) are listed too.
+    ``manifest``: the index's, when already read (else it is read).
     """
-    manifest = read_manifest(index_dir)
+    manifest = manifest if manifest is not None else read_manifest(index_dir)
+    if adam_rows(manifest):
+        return [ADAM] + ([ADAM + SELFNORM] if selfnorm else [])
     fitted = [
         m
         for m in FITTED_METHODS
@@ -111,18 +115,32 @@ class Preconditioner:
         return eigen_power(x.to(dtype), Q_S, Q_A, Lam, delta, power).to(x.dtype)
 
 
-def load_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditioner:
-    """The preconditioner of ``method`` (``-selfnorm`` variants load their base method)."""
+def check_rows_fit_method(index_dir: str | os.PathLike, manifest: dict, base: str) -> None:
+    """Refuse to mix: ``adam`` needs Adam-preconditioned rows, every other method plain ones."""
+    if adam_rows(manifest) and base != ADAM:
+        raise ValueError(f"the rows of {str(index_dir)!r} are Adam-preconditioned (built with --optimizer-state); "
+                         f"it answers --method adam only, not {base!r}: build another index without it")
+    if base == ADAM and not adam_rows(manifest):
+        raise ValueError(f"{str(index_dir)!r} holds plain gradients; --method adam needs an index built with "
+                         "`gradindex build ... --optimizer-state PATH`")
+
+
+def load_preconditioner(index_dir: str | os.PathLike, method: str, manifest: dict | None = None) -> Preconditioner:
+    """The preconditioner of ``method`` (``-selfnorm`` variants load their base method).
+
+    ``manifest``: the index's, when already read (else it is read).
+    """
     base, _ = parse_method(method)
-    manifest = read_manifest(index_dir)
+    manifest = manifest if manifest is not None else read_manifest(index_dir)
     shapes = layer_shapes(manifest)
-    if base in BASE_METHODS:
+    check_rows_fit_method(index_dir, manifest, base)
+    if base in IDENTITY_METHODS:
         return Preconditioner(base, shapes)
     path = precond_path(index_dir, base)
     if base not in manifest.get("preconditioners", {}) or not path.exists():
         raise FileNotFoundError(
             f"index {str(Path(index_dir))!r} has no {base} preconditioner (methods here: "
-            f"{available_methods(index_dir)}); add it with `gradindex precondition {index_dir} "
+            f"{available_methods(index_dir, manifest=manifest)}); add it with `gradindex precondition {index_dir} "
             f"--method {base}` (or build with `gradindex build ... --precondition {base}`)"
         )
     check_fingerprints(path, manifest, base)

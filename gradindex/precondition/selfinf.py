@@ -14,7 +14,12 @@ from gradindex.methods import parse_method
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import Basis, store_pass
 from gradindex.precondition.files import check_fingerprints, precond_path, read_self_influence
-from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner, selected_layers
+from gradindex.precondition.preconditioner import (
+    Preconditioner,
+    layer_shapes,
+    load_preconditioner,
+    selected_layers,
+)
 from gradindex.store import Store
 
 _CACHE: OrderedDict = OrderedDict()
@@ -42,19 +47,23 @@ def self_influence(
     layers: Sequence[str] | None = None,
     device: str = "auto",
     block: int = 1024,
+    manifest: dict | None = None,
+    preconditioner: Preconditioner | None = None,
 ) -> np.ndarray:
     """``[N]`` self-influence of every stored example under ``method``, summed over ``layers``.
 
     ``graddot``: ``‖Ĝ‖²``; ``kfac``/``ekfac``: ``⟨(H + δI)⁻¹ Ĝ, Ĝ⟩`` with ``δ = damping × mean(Λ)``;
     ``cosine``: 1 (0 for an all-zero row). Read from ``precond/<method>.h5`` when it was written
-    at this damping; otherwise computed with one pass over the store.
+    at this damping; otherwise computed with one pass over the store. ``manifest`` and
+    ``preconditioner`` (the method's, loaded): pass them when already at hand (an open index).
     """
     base, _ = parse_method(method)
-    manifest = read_manifest(index_dir)
+    manifest = manifest if manifest is not None else read_manifest(index_dir)
     shapes = layer_shapes(manifest)
     layers = selected_layers(manifest, layers)
     if base == "cosine":
-        return (self_influence(index_dir, "graddot", damping, layers, device, block) > 0).astype(np.float64)
+        si = self_influence(index_dir, "graddot", damping, layers, device, block, manifest=manifest)
+        return (si > 0).astype(np.float64)
     found = _stored(index_dir, base, manifest)
     if found is not None:
         d, names, per_layer = found
@@ -66,7 +75,7 @@ def self_influence(
             )
         if (base == "graddot" or np.isclose(d, damping, rtol=1e-12, atol=0.0)) and set(layers) <= set(names):
             return per_layer[:, [names.index(n) for n in layers]].sum(axis=1)
-    P = load_preconditioner(index_dir, base)
+    P = preconditioner if preconditioner is not None else load_preconditioner(index_dir, base, manifest)
     bases = None
     if not P.is_identity:
         bases = {

@@ -6,28 +6,27 @@ import fnmatch
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture
+from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
-from gradindex.checksum import damage_error
 from gradindex.fingerprint import model_fingerprint
-from gradindex.index import IndexSet, Preconditioners, RowReader, query_vectors
-from gradindex.manifest import IndexMismatchError, build_command, identity_differences, read_manifest, row_basis
-from gradindex.methods import row_method
-from gradindex.precondition import parse_method, self_influence
+from gradindex.index import OpenIndex, RowReader, open_index, query_vectors
+from gradindex.manifest import IndexMismatchError, identity_differences, row_basis
+from gradindex.methods import parse_method, row_base
+from gradindex.model import resolve_pad_id
 from gradindex.query import search as S
 from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
+from gradindex.query.scores import score_matrix
 from gradindex.query.texts import TrainingTexts
-from gradindex.store import Store
-from gradindex.store.basis import capture_transforms, index_basis, to_rows
-from gradindex.store.repair import check_store
+from gradindex.store.basis import capture_transforms, to_rows
 
 log = logging.getLogger("gradindex")
 
@@ -83,37 +82,40 @@ class QueryEngine:
     a model that differs from it (fingerprint, layers, projection) is refused. ``layers`` (glob
     patterns) loads only some layers' indices; ``data`` overrides where training texts are read;
     ``load_model=False`` opens a search-only engine (:meth:`search` on given gradients).
+    ``index`` is a path or an :class:`~gradindex.index.OpenIndex` (then shared, not closed here).
+    A ``model`` passed in needs a ``tokenizer`` only for text queries; token-id queries pad with
+    ``pad_id`` (default: the tokenizer's, else the model config's). ``optimizer_state`` overrides
+    where an Adam-preconditioned index's optimizer state is read (default: the path it was built
+    with; its hash must match).
     """
 
-    def __init__(self, index_dir: str | os.PathLike, model_dir: str | os.PathLike | None = None, *,
+    def __init__(self, index: str | os.PathLike | OpenIndex, model_dir: str | os.PathLike | None = None, *,
                  model=None, tokenizer=None, device: str = "auto", dtype: str | None = None,
                  data: str | os.PathLike | None = None, layers: Sequence[str] | None = None,
-                 use_gpu: bool = True, load_model: bool = True):
-        self.dir = Path(index_dir)
-        self.manifest = read_manifest(index_dir)
-        if self.manifest.get("status") != "complete":
-            raise ValueError(f"the index in {str(index_dir)!r} is incomplete (status "
-                             f"{self.manifest.get('status')!r}); finish it with "
-                             f"`{build_command(index_dir, self.manifest, extra='')}` (it resumes)")
-        damage = check_store(index_dir, full=False, manifest=self.manifest)
-        if damage:
-            raise damage_error(index_dir, damage, then="query")
-        self.store = Store(index_dir)
-        self.n = len(self.store)
-        self.layer_names = list(self.manifest["build"]["layers"])
-        chosen = self.select_layers(layers) if layers else None
-        self.indices = IndexSet(index_dir, self.manifest, self.n, chosen, use_gpu)
-        self.rows = RowReader(self.store, list(self.indices.layers))
-        self.pre = Preconditioners(index_dir)
-        self.basis = index_basis(index_dir, self.manifest)
-        self._scales: dict[tuple, np.ndarray] = {}
-        self.model, self.tokenizer, self.capture = model, tokenizer, None
-        if load_model:
-            self._open_model(model_dir, device, dtype)
-        self.texts = TrainingTexts(self.manifest, self.store, self.tokenizer, data)
+                 use_gpu: bool = True, load_model: bool = True, pad_id: int | None = None,
+                 optimizer_state: str | os.PathLike | None = None):
+        self.index, self._owns_index = open_index(index)
+        try:
+            self.dir, self.manifest, self.store = self.index.dir, self.index.manifest, self.index.store
+            self.n = self.index.n
+            self.layer_names = list(self.index.layers)
+            chosen = self.select_layers(layers) if layers else None
+            self.indices = self.index.load_indices(chosen, use_gpu)
+            self.rows = RowReader(self.store, list(self.indices.layers))
+            self.pre = self.index.pre
+            self.basis = self.index.basis
+            self._scales: dict[tuple, np.ndarray] = {}
+            self.model, self.tokenizer, self.capture = model, tokenizer, None
+            self.pad_id = pad_id
+            if load_model:
+                self._open_model(model_dir, device, dtype, optimizer_state)
+            self.texts = TrainingTexts(self.manifest, self.store, self.tokenizer, data)
+        except BaseException:
+            self.close()
+            raise
 
     # -- opening ------------------------------------------------------------------------------
-    def _open_model(self, model_dir, device: str, dtype: str | None) -> None:
+    def _open_model(self, model_dir, device: str, dtype: str | None, optimizer_state=None) -> None:
         if self.model is None:
             from gradindex.model import load_causal_lm
 
@@ -123,19 +125,21 @@ class QueryEngine:
                                         "pass its directory (model_dir= / --model)")
             dtype = dtype or self.manifest.get("dtype", "float32")
             self.model, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device)
-        elif self.tokenizer is None:
-            raise ValueError("pass the tokenizer with the model")
         build = self.manifest["build"]
         try:
-            spec = ProjectionSpec.from_dict(build["projection"])
+            spec = self.index.projection
         except ValueError as e:
             raise IndexMismatchError(str(e)) from None
         route = self.manifest.get("config", {}).get("route", "auto")
         self.model.requires_grad_(False)
+        transforms, optimizer = self._optimizer_transforms(optimizer_state)
+        if transforms is None:  # the row basis's side maps (an Adam index has the raw basis)
+            transforms = capture_transforms(self.basis)
         self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True,
-                                       transforms=capture_transforms(self.basis))
+                                       transforms=transforms)
         now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
+               "optimizer": optimizer,
                "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
                               "rows": self.capture.dims(n)[0], "cols": self.capture.dims(n)[1]}
                           for n, i in self.capture.infos.items()}}
@@ -144,7 +148,20 @@ class QueryEngine:
             raise IndexMismatchError(
                 f"this model does not fit the index in {str(self.dir)!r}: " + "; ".join(diffs)
                 + ". Query with the model the index was built from, or rebuild the index")
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if self.pad_id is None:
+            self.pad_id = resolve_pad_id(self.model, self.tokenizer)
+
+    def _optimizer_transforms(self, path) -> tuple[dict | None, dict | None]:
+        """The Adam transforms the build applied to every row, so queries get the same (or none)."""
+        rec = self.manifest["build"].get("optimizer")
+        if not rec:
+            return None, None
+        path = Path(path or self.manifest.get("config", {}).get("optimizer_state", ""))
+        if not path.is_file():
+            raise FileNotFoundError(f"this index's rows are Adam-preconditioned and queries need the same optimizer "
+                                    f"state, but {str(path)!r} is not there; pass it (optimizer_state= / "
+                                    "--optimizer-state)")
+        return adam_capture_transforms(path, rec["mode"], self.model, self.layer_names)
 
     def select_layers(self, patterns: Sequence[str] | str | None) -> list[str]:
         """Layer names matching glob ``patterns`` (all loaded layers when ``None``), model order."""
@@ -159,7 +176,8 @@ class QueryEngine:
         return out
 
     def close(self) -> None:
-        self.store.close()
+        if self._owns_index:
+            self.index.close()
 
     def __enter__(self) -> QueryEngine:
         return self
@@ -227,15 +245,30 @@ class QueryEngine:
                 r.seconds["rerank_full"] = time.perf_counter() - t1
         return results
 
+    def scores(self, queries, method: str = "graddot", damping: float = 0.1,
+               layers: Sequence[str] | str | None = None, text_field: str = "text") -> np.ndarray:
+        """``[Q, N]`` float64 exact scores of every query against every training example.
+
+        Column ``j`` is training example ``j``; row ``i`` is query ``i``. ``queries``: a batch as
+        :meth:`query_batch` takes it, or per-layer projected gradients ``{layer: [Q, D]}``.
+        The same numbers as the hits of :meth:`query_batch` (which ranks them), computed without
+        the FAISS indices by streaming the store (:func:`gradindex.query.scores.score_matrix`).
+        """
+        if isinstance(queries, Mapping):
+            grads = queries
+        else:
+            grads, _, _ = self.gradients(self.tokenize(as_records(queries, text_field), text_field))
+        return score_matrix(self.index, grads, method, damping, self.select_layers(layers))
+
     def search(self, grads: dict[str, torch.Tensor | np.ndarray], k: int = 10, method: str = "graddot",
                damping: float = 0.1, layers: Sequence[str] | str | None = None, lowest: int = 0,
                candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
                texts: bool = True) -> list[QueryResult]:
         """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
-        op = row_method(method, row_basis(self.manifest))  # the operation on stored rows
-        self.pre.check(op)
-        base, selfnorm = parse_method(op)
+        base, selfnorm = parse_method(method)
+        base = row_base(base, row_basis(self.manifest), method)  # the operation on stored rows
+        self.pre.check(base, selfnorm)
         chosen = self.select_layers(layers)
         missing = [n for n in chosen if n not in grads]
         if missing:
@@ -253,8 +286,14 @@ class QueryEngine:
         scale = self._selfnorm_scale(base, damping, chosen) if selfnorm else None
         t1 = time.perf_counter()
         cosine = base == "cosine"
+        want = max(k, lowest)
+        short = [False] * len(next(iter(m.values())))
         if all(self.indices.layers[n].exhaustive for n in chosen):
             cands = S.exhaustive_candidates(self.indices, chosen, u, cosine, k, lowest, scale)
+        elif want >= S.EXACT_SHARE * self.n:
+            cands = self._exact_candidates(q, method, damping, chosen, k, lowest)
+            notes.append(f"k={want} is {want / self.n:.0%} of the index's {self.n} examples: every example "
+                         "was scored exactly instead of searching the approximate indices")
         else:
             kc = max(candidates or S.DEFAULT_CANDIDATES, k, lowest)
             keep = max(shortlist or S.DEFAULT_SHORTLIST, k, lowest)
@@ -262,14 +301,23 @@ class QueryEngine:
             sel = self._selection_scale(base, chosen, scale)
             cands = S.ann_candidates(self.indices, self.rows, chosen, u, m, kc, kc if lowest else 0, keep,
                                      params, sel)
+            if any(len(c) < want for c in cands):
+                short_q = [j for j, c in enumerate(cands) if len(c) < want]
+                exact = self._exact_candidates({n: v[short_q] for n, v in q.items()}, method, damping, chosen,
+                                               k, lowest)
+                for j, c in zip(short_q, exact, strict=True):
+                    cands[j], short[j] = c, True
         t2 = time.perf_counter()
         ranked = S.rerank(self.rows, chosen, m, cosine, cands, k, lowest, scale)
         t3 = time.perf_counter()
         out = []
-        for top, low in ranked:
-            used = damping if base in ("kfac", "ekfac") else (self.basis.damping if op != method else None)
+        for (top, low), widened in zip(ranked, short, strict=True):
+            used = damping if base in ("kfac", "ekfac") else (self.basis.damping if self.basis.kind != "raw" else None)
             res = QueryResult(self._hits(top, chosen), self._hits(low, chosen), method, used, chosen,
                               notes=list(notes))
+            if widened:
+                res.notes.append(f"the approximate search found fewer than {want} candidates; every example "
+                                 "was scored exactly instead")
             res.seconds = {"precondition": t1 - t0, "search": t2 - t1, "rerank": t3 - t2}
             out.append(res)
         if texts and self.tokenizer is not None:
@@ -290,6 +338,11 @@ class QueryEngine:
         return [Hit(int(i), float(s), {n: float(v) for n, v in zip(layers, ls, strict=True)})
                 for i, s, ls in zip(r.ids, r.scores, r.layer_scores, strict=True)]
 
+    def _exact_candidates(self, q: dict[str, torch.Tensor], method: str, damping: float, layers: list[str],
+                          k: int, lowest: int) -> list[np.ndarray]:
+        """Candidates from exact scores of every example, streamed from the store (memory: a block)."""
+        return S.top_and_bottom(score_matrix(self.index, q, method, damping, layers), k, lowest)
+
     def _selection_scale(self, base: str, layers: list[str], scale: np.ndarray | None) -> np.ndarray | None:
         """Per-example factor of a layer's contribution: ``1/‖t‖`` for cosine, times ``scale``."""
         if base != "cosine":
@@ -302,7 +355,7 @@ class QueryEngine:
         """``[N]`` ``1/sqrt(self-influence)`` (0 for a zero row), computed once per setting."""
         key = (base, damping, tuple(layers))
         if key not in self._scales:
-            si = self_influence(self.dir, base, damping, layers)
+            si = self.index.self_influence(base, damping, layers)
             self._scales[key] = np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)
         return self._scales[key]
 

@@ -81,8 +81,13 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
     """Token ids and labels per record, truncated to the build's ``max_length`` (flagged).
 
     Records with the same fields are tokenized together by :func:`tokenize_records` (the build's
-    code, which also truncates and flags).
+    code, which also truncates and flags). Token-id records need no ``tokenizer`` (``None``).
     """
+    if tokenizer is None:
+        texts = [i for i, r in enumerate(records) if "input_ids" not in r]
+        if texts:
+            raise ValueError(f"query {texts[0]} is text ({_preview(records[texts[0]])}), and this engine has no "
+                             "tokenizer; pass tokenizer=, or give token ids")
     ids: list[list[int]] = [[] for _ in records]
     labels: list[list[int]] = [[] for _ in records]
     truncated = [False] * len(records)

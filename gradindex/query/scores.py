@@ -22,17 +22,15 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from gradindex.manifest import read_manifest, row_basis
-from gradindex.methods import row_method
+from gradindex.index import OpenIndex, open_index
+from gradindex.manifest import row_basis
+from gradindex.methods import parse_method, row_base
 from gradindex.model import resolve_device
-from gradindex.precondition import load_preconditioner, parse_method, self_influence
 from gradindex.precondition.ekfac import block_rows
-from gradindex.precondition.preconditioner import layer_shapes, selected_layers
-from gradindex.store import Store
 
 
 def score_matrix(
-    index_dir: str | os.PathLike,
+    index: str | os.PathLike | OpenIndex,
     query_grads: Mapping[str, torch.Tensor | np.ndarray],
     method: str = "graddot",
     damping: float = 0.1,
@@ -43,26 +41,36 @@ def score_matrix(
 ) -> np.ndarray:
     """``[Q, N]`` float64 scores of ``Q`` queries against every stored example (column = example id).
 
+    ``index``: an index directory, or an :class:`~gradindex.index.OpenIndex` (nothing is re-read).
     ``query_grads``: layer → ``[Q, D]`` projected query gradients (as captured with the index's
     projection). ``layers``: default all the index's layers. Arithmetic runs on ``device``
     (``auto``: the GPU when present) in ``dtype`` (default float64 on CPU, float32 on GPU).
     """
-    manifest = read_manifest(index_dir)
-    base, selfnorm = parse_method(row_method(method, row_basis(manifest)))
-    shapes = layer_shapes(manifest)
-    layers = selected_layers(manifest, layers)
+    ix, opened = open_index(index, then="score it")
+    try:
+        base, selfnorm = parse_method(method)
+        base = row_base(base, row_basis(ix.manifest), method)  # the operation on stored rows
+        return _scores(ix, query_grads, base, selfnorm, damping, layers, block, device, dtype)
+    finally:
+        if opened:
+            ix.close()
+
+
+def _scores(ix: OpenIndex, query_grads, base: str, selfnorm: bool, damping: float, layers, block: int,
+            device: str, dtype: torch.dtype | None) -> np.ndarray:
+    layers = ix.selected_layers(layers)
     lacking = [n for n in layers if n not in query_grads]
     if lacking:
         raise ValueError(f"query_grads has no rows for layers {lacking}; pass every selected layer, "
                          "or choose layers=")
     dev = resolve_device(device)
     dtype = dtype or (torch.float64 if dev.type == "cpu" else torch.float32)
-    P = load_preconditioner(index_dir, base)
+    P = ix.preconditioner(base)
     q: dict[str, torch.Tensor] = {}
     n_q = None
     for n in layers:
         x = torch.as_tensor(query_grads[n]).to(dev, dtype)  # [Q, D]
-        k_g, k_a = shapes[n]
+        k_g, k_a = ix.shapes[n]
         if x.ndim != 2 or x.shape[1] != k_g * k_a or (n_q is not None and x.shape[0] != n_q):
             raise ValueError(f"query rows of layer {n!r} must be [Q, {k_g * k_a}] with one Q for all layers; "
                              f"got {tuple(x.shape)}")
@@ -70,23 +78,23 @@ def score_matrix(
         q[n] = x if P.is_identity else P.apply(n, x, -1.0, damping)
     if base == "cosine":
         q_norm = torch.sqrt(sum(v.square().sum(1) for v in q.values()))  # [Q]
-    out = np.zeros((n_q, int(manifest["counts"]["examples"])))
-    with Store(index_dir) as store:
-        rows = block_rows(store.dims, layers, block)
-        for ids, grads in store.iter_blocks(layers, rows):
-            pos = store.positions(ids)
-            s = torch.zeros(n_q, len(ids), device=dev, dtype=dtype)  # [Q, n]
-            t_sq = torch.zeros(len(ids), device=dev, dtype=dtype)  # [n]
-            for n in layers:
-                t = torch.from_numpy(grads[n]).to(dev, dtype)  # [n, D]
-                s += q[n] @ t.T
-                if base == "cosine":
-                    t_sq += t.square().sum(1)
+    out = np.zeros((n_q, ix.n))
+    store = ix.store
+    rows = block_rows(store.dims, layers, block)
+    for ids, grads in store.iter_blocks(layers, rows):
+        pos = store.positions(ids)
+        s = torch.zeros(n_q, len(ids), device=dev, dtype=dtype)  # [Q, n]
+        t_sq = torch.zeros(len(ids), device=dev, dtype=dtype)  # [n]
+        for n in layers:
+            t = torch.from_numpy(grads[n]).to(dev, dtype)  # [n, D]
+            s += q[n] @ t.T
             if base == "cosine":
-                denom = q_norm[:, None] * t_sq.sqrt()[None, :]
-                s = torch.where(denom > 0, s / denom.clamp_min(torch.finfo(dtype).tiny), torch.zeros_like(s))
-            out[:, pos] = s.double().cpu().numpy()
+                t_sq += t.square().sum(1)
+        if base == "cosine":
+            denom = q_norm[:, None] * t_sq.sqrt()[None, :]
+            s = torch.where(denom > 0, s / denom.clamp_min(torch.finfo(dtype).tiny), torch.zeros_like(s))
+        out[:, pos] = s.double().cpu().numpy()
     if selfnorm:
-        si = self_influence(index_dir, base, damping, layers, device=str(dev))  # [N]
+        si = ix.self_influence(base, damping, layers)  # [N]
         out *= np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)[None, :]
     return out

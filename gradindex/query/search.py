@@ -28,6 +28,10 @@ DEFAULT_SHORTLIST = 100
 """Of those, kept per layer after exact per-layer scoring (queries' ``shortlist``)."""
 EXHAUSTIVE_MARGIN = 16
 """Extra candidates taken from exhaustive (float32) scores before the float64 re-rank."""
+EXACT_SHARE = 0.25
+"""When a query asks for at least this share of the examples, approximate layers are not searched:
+every example is scored exactly, streaming the store (an IVF search at the default ``nprobe``
+returned 289-511 of 512 rows for ``k = 512``); so is a query the ANN search found too few for."""
 
 
 def dots(t: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -68,6 +72,12 @@ def exhaustive_candidates(indices: IndexSet, layers: Sequence[str], u: dict[str,
         s = np.where(t > 0, s / np.where(t > 0, t, 1.0), 0.0)
     if scale is not None:
         s *= scale[None, :]
+    return top_and_bottom(s, n_top, n_low)
+
+
+def top_and_bottom(s: np.ndarray, n_top: int, n_low: int) -> list[np.ndarray]:
+    """Per row of summed scores ``s`` ``[Q, N]``, the ids of its top ``n_top`` and bottom ``n_low``
+    (each with a margin of :data:`EXHAUSTIVE_MARGIN` for the float64 re-rank to settle)."""
     N = s.shape[1]
     out = []
     for row in s:

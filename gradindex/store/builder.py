@@ -16,9 +16,11 @@ from tqdm.auto import tqdm
 
 import gradindex
 from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.batch import batch_gradients, finite_rows
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
+from gradindex.capture.sampling import FISHERS
 from gradindex.checksum import check_files, move_aside, recorded
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint
@@ -31,6 +33,7 @@ from gradindex.manifest import (
     read_manifest,
     write_manifest,
 )
+from gradindex.model import resolve_pad_id
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.basis import BASES, RowBasis, capture_transforms
 from gradindex.store.codes import check_storage
@@ -79,6 +82,16 @@ class BuildConfig:
     """Examples sampled for the factor pass of a ``kfac`` basis (0 = all)."""
     basis_seed: int = 0
     """Seed of that sample."""
+    fisher: str = "empirical"
+    """Factors of ``precondition`` from the observed labels (``empirical``, collected in this pass) or
+    from labels sampled from the model (``true``: a model pass of its own; stored rows keep the observed)."""
+    fisher_seed: int = 0
+    """Seed of the true Fisher's sampled labels."""
+    optimizer_state: str = ""
+    """Adam state of the training run (safetensors or torch ``state_dict``): store ``G ⊘ (√v + ε)``,
+    the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
+    adam_mode: str = "exact"
+    """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
 
     def __post_init__(self) -> None:
         check_storage(self.storage)
@@ -89,6 +102,16 @@ class BuildConfig:
                              "(the ekfac basis is a transcode after a fit: `gradindex compact`)")
         if self.allocation == "spectrum" and self.basis != "kfac":
             raise ValueError("allocation by spectrum needs the full-space factors: add --projection-basis kfac")
+        if self.fisher not in FISHERS:
+            raise ValueError(f"fisher {self.fisher!r} is not one of {list(FISHERS)}")
+        if self.adam_mode not in ADAM_MODES:
+            raise ValueError(f"adam mode {self.adam_mode!r} is not one of {list(ADAM_MODES)}")
+        if self.optimizer_state and (self.precondition != "none" or self.collect_covariance):
+            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
+                             "K-FAC/EK-FAC are fitted on plain gradients: build those without it")
+        if self.optimizer_state and self.basis != "raw":
+            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
+                             "the kfac basis whitens plain gradients: use --projection-basis raw with it")
 
 
 @dataclass
@@ -104,7 +127,7 @@ def model_dtype(model: nn.Module) -> str:
 
 
 def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: BuildConfig, data_fp: str,
-              basis: dict) -> dict:
+              basis: dict, optimizer: dict | None) -> dict:
     return {
         "model_fingerprint": model_fp,
         "dtype": model_dtype(model),
@@ -119,6 +142,7 @@ def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: Bu
         "loss": LOSS_CONVENTION,
         "shard_size": cfg.shard_size,
         "batch_size": cfg.batch_size,
+        "optimizer": optimizer,
     }
 
 
@@ -189,16 +213,21 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
     model_fp = model_fingerprint(model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = resolve_pad_id(model, tokenizer)
     infos = {n: layer_info(m) for n, m in select_layers(model, cfg.layers).items()}
     basis, write = RowBasis(), None
     if cfg.basis == "kfac":
         basis, write = full_space_basis(model, data, pad_id, out, cfg, model_fp, data_fp, progress)
     spec = sized_projection(cfg, infos, basis)
+    transforms, optimizer = capture_transforms(basis), None
+    if cfg.optimizer_state:  # (the kfac basis is refused with it: one transform per layer)
+        transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.adam_mode, model, cfg.layers)
     capture = GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
-                              collect_covariance=cfg.collect_covariance or cfg.precondition != "none",
-                              transforms=capture_transforms(basis))
-    identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp))
+                              collect_covariance=cfg.collect_covariance
+                              or (cfg.precondition != "none" and cfg.fisher == "empirical"),
+                              transforms=transforms)
+    identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
+                         optimizer)
     old = prepare_out_dir(out, identity, overwrite)
     (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
     if old is not None:
@@ -212,7 +241,9 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         "model_id": model_id,
         "data_id": data_id,
         "build": identity,
-        "config": {**asdict(cfg), "projection": cfg.projection.to_dict(), "budget": str(cfg.budget)},
+        "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
+                   "budget": str(cfg.budget),
+                   "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
         "dtype": identity["dtype"],
         "counts": {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
     }
