@@ -193,7 +193,7 @@ def make_setup(cfg: FidelityConfig, corpus: str = "stdlib") -> Setup:
     query = tokenize_records(records_from_texts(qu), tok, cfg.max_tokens)
     fq = tokenize_records(datasets.Dataset.from_dict({"prompt": [p for p, _ in facts],
                                                       "completion": [c for _, c in facts]}),
-                          tok, cfg.max_tokens) if facts else None
+                          tok, max(cfg.max_tokens, 64)) if facts else None  # never cut a fact's answer off
     return Setup(tok, train, query, corpus_hash([corpus] + tr + ["\0query"] + qu), corpus, tuple(facts),
                  tuple(rows), fq, corpus_hash(paras))
 

@@ -46,10 +46,26 @@ def load_records(path: str | os.PathLike) -> datasets.Dataset:
         )
     if p.stat().st_size == 0:
         raise ValueError(f"data file {str(p)!r} is empty; nothing to index")
+    if fmt in ("json", "csv"):
+        check_utf8(p, header=p.suffix.lower() == ".csv")
     try:
         return datasets.load_dataset(fmt, data_files=str(p), split="train")
     except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable files
         raise ValueError(f"could not read {str(p)!r} as {fmt}: {type(e).__name__}: {e}") from None
+
+
+def check_utf8(path: Path, header: bool = False) -> None:
+    """Refuse a text file that is not UTF-8, naming the file, line and row (``header``: CSV's first line)."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                row = n - 1 - int(header)
+                raise ValueError(
+                    f"{str(path)!r} is not UTF-8: line {n} (row {row}), byte {e.start} is {line[e.start]:#04x}; "
+                    "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
 
 
 def records_from_texts(texts: list[str]) -> datasets.Dataset:
@@ -72,12 +88,21 @@ class Tokenized:
 
 
 def tokenize_records(
-    ds: datasets.Dataset, tokenizer, max_length: int, text_field: str = "text"
+    ds: datasets.Dataset, tokenizer, max_length: int, text_field: str = "text", vocab_size: int | None = None,
+    require_targets: bool = True,
 ) -> Tokenized:
-    """Token ids and labels for each record (labels are unshifted; -100 = not a target)."""
+    """Token ids and labels for each record (labels are unshifted; -100 = not a target).
+
+    Refused with the row named (a ``ValueError``), never turned into a zero-gradient row: a missing,
+    null or non-string text, prompt or completion; a non-empty text that the tokenizer turns into no
+    tokens (a model folder without its tokenizer files); token ids that are negative or, with
+    ``vocab_size``, outside the vocabulary; and, with ``require_targets``, an example left with no
+    target token (an empty completion, a one-token text, a completion truncated away).
+    """
     if len(ds) == 0:
         raise ValueError("the data set is empty; nothing to index")
     cols = set(ds.column_names)
+    _check_one_format(ds, text_field)
     ids_out: list[list[int]] = []
     labels_out: list[list[int]] = []
     n_trunc = 0
@@ -85,25 +110,24 @@ def tokenize_records(
         field = "input_ids"
         labels_col = ds["labels"] if "labels" in cols else None
         for i, ids in enumerate(ds["input_ids"]):
-            ids = [int(t) for t in ids]
-            lab = [int(t) for t in labels_col[i]] if labels_col is not None else list(ids)
+            ids = _int_list(ids, i, "input_ids")
+            lab = _int_list(labels_col[i], i, "labels") if labels_col is not None else list(ids)
             if len(lab) != len(ids):
                 raise ValueError(f"record {i}: labels ({len(lab)}) and input_ids ({len(ids)}) differ in length")
+            _check_ids(ids, i, vocab_size)
             ids_out.append(ids)
             labels_out.append(lab)
     elif {"prompt", "completion"} <= cols:
         field = "prompt+completion"
-        for p, c in zip(ds["prompt"], ds["completion"]):
-            pi = tokenizer(p, add_special_tokens=False)["input_ids"]
-            ci = tokenizer(c, add_special_tokens=False)["input_ids"]
+        for i, (p, c) in enumerate(zip(ds["prompt"], ds["completion"])):
+            pi = _tokens(tokenizer, _text(p, i, "prompt"), i)
+            ci = _tokens(tokenizer, _text(c, i, "completion"), i)
             ids_out.append(pi + ci)
             labels_out.append([IGNORE] * len(pi) + ci)
     elif text_field in cols:
         field = text_field
-        for t in ds[text_field]:
-            if t is None:
-                t = ""
-            ids = tokenizer(str(t), add_special_tokens=False)["input_ids"]
+        for i, t in enumerate(ds[text_field]):
+            ids = _tokens(tokenizer, _text(t, i, text_field), i)
             ids_out.append(ids)
             labels_out.append(list(ids))
     else:
@@ -117,10 +141,81 @@ def tokenize_records(
             ids_out[i] = ids_out[i][:max_length]
             labels_out[i] = labels_out[i][:max_length]
             n_trunc += 1
+    if require_targets:
+        _check_targets(labels_out, truncated, max_length)
+    for i in range(len(ids_out)):
         if not ids_out[i]:  # keep row alignment: an empty example is one pad-free token
             ids_out[i] = [tokenizer.eos_token_id or 0]
             labels_out[i] = [IGNORE]
     return Tokenized(ids_out, labels_out, n_trunc, field, tuple(truncated))
+
+
+def _check_one_format(ds: datasets.Dataset, text_field: str) -> None:
+    """Refuse a file whose rows use different formats (text / prompt+completion / input_ids)."""
+    forms = {"input_ids": ("input_ids",), "prompt+completion": ("prompt", "completion"), text_field: (text_field,)}
+    forms = {k: v for k, v in forms.items() if all(c in ds.column_names for c in v)}
+    if len(forms) < 2:
+        return
+    cols = {c: ds[c] for v in forms.values() for c in v}
+    first: dict[str, int] = {}
+    for i in range(len(ds)):
+        have = [k for k, v in forms.items() if all(cols[c][i] is not None for c in v)]
+        if len(have) == 1:
+            first.setdefault(have[0], i)
+    if len(first) > 1:
+        (a, i), (b, j) = sorted(first.items(), key=lambda kv: kv[1])[:2]
+        raise ValueError(f"the data mixes formats: row {i} has {a!r}, row {j} has {b!r}; "
+                         "use one format per file")
+
+
+def _text(v, row: int, field: str) -> str:
+    if isinstance(v, str):
+        return v
+    what = "missing or null" if v is None else f"a {type(v).__name__}, not a string"
+    raise ValueError(f"row {row}: the {field!r} field is {what}; every row needs a string there "
+                     "(fix or drop that row)")
+
+
+def _tokens(tokenizer, text: str, row: int) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids and text.strip():
+        raise ValueError(
+            f"row {row}: a text of {len(text)} characters became no tokens: the tokenizer is missing or broken "
+            "(does the model folder hold its tokenizer files? save them with tokenizer.save_pretrained(MODEL_DIR))"
+        )
+    return list(ids)
+
+
+def _int_list(v, row: int, field: str) -> list[int]:
+    if v is None or isinstance(v, str | bytes) or not hasattr(v, "__iter__"):
+        raise ValueError(f"row {row}: {field!r} is {'null' if v is None else type(v).__name__}, not a list of ints")
+    try:
+        return [int(t) for t in v]
+    except (TypeError, ValueError):
+        raise ValueError(f"row {row}: {field!r} holds something other than integers") from None
+
+
+def _check_ids(ids: list[int], row: int, vocab_size: int | None) -> None:
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        rng = f"0..{vocab_size - 1}" if vocab_size is not None else ">= 0"
+        raise ValueError(f"row {row}: token id {bad[0]} is outside the model's vocabulary ({rng}); "
+                         "were these ids made with another tokenizer?")
+
+
+def _check_targets(labels: list[list[int]], truncated: list[bool], max_length: int) -> None:
+    """Refuse examples with no target token: their gradient would be a silent row of zeros."""
+    empty = [i for i, y in enumerate(labels) if not any(t != IGNORE for t in y[1:])]
+    if not empty:
+        return
+    i = empty[0]
+    why = (f"its targets were cut off at --max-length {max_length}" if truncated[i]
+           else "an empty completion or text, or a single token")
+    rows = ", ".join(map(str, empty[:10])) + (", ..." if len(empty) > 10 else "")
+    raise ValueError(
+        f"{len(empty)} row(s) have no target token to take a loss on (rows {rows}; row {i}: {why}); "
+        "their gradients would be zero: drop or fix those rows"
+    )
 
 
 def token_hash(ids: list[int], labels: list[int]) -> bytes:

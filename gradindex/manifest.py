@@ -17,11 +17,11 @@ IDENTITY_KEYS = {
     "dtype": "model dtype",
     "model_fingerprint": "model",
     "storage": "storage",
+    "max_length": "max length",
     "data_fingerprint": "data set",
     "layers": "layer set",
     "projection": "projection",
     "basis": "row basis",
-    "max_length": "max length",
     "loss": "loss convention",
     "shard_size": "shard size",
     "batch_size": "batch size",
@@ -45,12 +45,35 @@ def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
             "`gradindex build MODEL_DIR DATA --out INDEX_DIR`"
         )
     try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(
             f"{str(p)!r} is corrupt ({e}); replace the index: re-run the `gradindex build` that made it "
             "with --overwrite"
         ) from None
+    problem = shape_problem(manifest)
+    if problem:
+        raise ValueError(
+            f"{str(p)!r} is not a gradindex manifest ({problem}); replace the index: re-run the "
+            "`gradindex build` that made it with --overwrite"
+        )
+    return manifest
+
+
+def shape_problem(manifest: Any) -> str:
+    """What is wrong with the shape of a parsed manifest ('' when nothing is)."""
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    build = manifest.get("build")
+    if not isinstance(build, dict):
+        return "no 'build' object"
+    layers = build.get("layers")
+    if not isinstance(layers, dict) or not all(isinstance(v, dict) for v in layers.values()):
+        return "no 'build.layers' object of layer objects"
+    for key, kind in (("status", str), ("counts", dict), ("preconditioners", dict), ("nonfinite_ids", list)):
+        if key in manifest and not isinstance(manifest[key], kind):
+            return f"'{key}' is a {type(manifest[key]).__name__}, not a {kind.__name__}"
+    return ""
 
 
 def read_complete_manifest(index_dir: str | os.PathLike, then: str) -> dict[str, Any]:
@@ -90,6 +113,8 @@ def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDE
             continue
         if key in stored and key in given and stored[key] != given[key]:
             diffs.append(f"{words} differs (index: {_short(stored[key])}, now: {_short(given[key])})")
+            if key == "data_fingerprint" and any(d.startswith("max length differs") for d in diffs):
+                diffs[-1] += " (at least in part because the max length differs: tokens are cut there)"
     return diffs
 
 

@@ -9,6 +9,9 @@ by ``sqrt`` of the training example's self-influence. Parse a name once with
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 BASE_METHODS = ("graddot", "cosine")
 FITTED_METHODS = ("kfac", "ekfac")
 ADAM = "adam"
@@ -67,3 +70,26 @@ def row_base(base: str, basis: str = "raw", method: str | None = None) -> str:
                          f"{basis!r} whitened basis, so plain inner products are {basis} influence, not {base}; "
                          f"use one of {sorted(table)} (or rebuild with --projection-basis raw)")
     return table[base]
+
+
+def fitted_methods(manifest: dict, index_dir: str | os.PathLike) -> list[str]:
+    """Fitted methods the manifest registers whose file (``preconditioners[m]["file"]``) is on disk."""
+    entries = manifest.get("preconditioners") or {}
+    return [m for m in FITTED_METHODS
+            if isinstance(entries.get(m), dict) and (Path(index_dir) / str(entries[m].get("file", ""))).is_file()]
+
+
+def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
+    """Methods an index answers: ``graddot``, ``cosine``, fitted ones; with ``selfnorm`` their ``-selfnorm`` too.
+
+    An index of Adam-preconditioned rows answers ``adam`` only; one whose rows are in a whitened
+    basis answers the methods of :data:`ROW_METHODS` whose operation on its rows is available.
+    """
+    out = [ADAM] if adam_rows(manifest) else list(BASE_METHODS) + fitted_methods(manifest, index_dir)
+    basis = str((manifest.get("build", {}).get("basis") or {}).get("kind", "raw"))
+    if basis != "raw":
+        table = ROW_METHODS.get(basis, {})
+        out = [m for m in table if table[m] in out]
+    if selfnorm:
+        out += [m + SELFNORM for m in out if m != "cosine"]
+    return out

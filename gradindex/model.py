@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -11,12 +12,44 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    if device == "auto":
+_DEVICE = re.compile(r"(auto|cpu|mps|cuda(:\d+)?)")
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` (CUDA when torch sees a GPU, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or ``mps``."""
+    if isinstance(device, torch.device):
+        return device
+    d = str(device).strip().lower()
+    if not _DEVICE.fullmatch(d):
+        raise ValueError(f"device {device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+    if d == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
-    return torch.device(device)
+    if d.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
+        if ":" in d and int(d.split(":")[1]) >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    if d == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' asked for, but torch sees no MPS device; use --device cpu")
+    return torch.device(d)
+
+
+def max_positions(model) -> int | None:
+    """The most tokens the model's position embeddings take (``n_positions`` / ``max_position_embeddings``)."""
+    cfg = getattr(model, "config", None)
+    for key in ("n_positions", "max_position_embeddings", "n_ctx"):
+        v = getattr(cfg, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def vocab_size(model) -> int | None:
+    """Rows of the input embedding: token ids must be below this."""
+    try:
+        return int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:
@@ -63,8 +96,16 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
             f"{str(p)!r} holds a {config.model_type!r} model, which is not a causal LM; gradindex "
             "build needs a model that AutoModelForCausalLM loads (e.g. GPT-2, Llama)"
         )
-    model = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True)
-    model.to(resolve_device(device)).eval()
+    dev = resolve_device(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - safetensors, torch and transformers raise many types
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"could not load the weights in {str(p)!r} ({type(e).__name__}: {first}); the weights file is "
+            "missing, truncated or corrupt: save the model there again (model.save_pretrained)"
+        ) from None
+    model.to(dev).eval()
     return model, load_tokenizer(p)
 
 

@@ -1,6 +1,6 @@
 """The gradindex demo: train a small GPT-2 on local text with planted facts, index it, look up.
 
-Runs on a fresh machine with no network in a few minutes on 2 CPU cores:
+Runs on a fresh machine with no network (timing: README.md, "Quick start"):
 
 1. a corpus of real English (the Python standard library's docstrings) with three planted facts,
 2. a byte-level BPE tokenizer and a small GPT-2 built from a config, trained on it,
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -33,6 +34,8 @@ FACTS = [
     ("The annual festival of Varnholt is held on the", " ninth of Ember."),
 ]
 FACT_ROWS = [101, 433, 777]
+WORKDIR = "demo_out"
+"""The demo's outputs (README's commands use them): WORKDIR/model, WORKDIR/train.jsonl, WORKDIR/queries.jsonl."""
 
 
 def make_corpus() -> list[str]:
@@ -42,25 +45,42 @@ def make_corpus() -> list[str]:
     return docs
 
 
-def run(cmd: list[str]) -> None:
+def write_data(work: Path, docs: list[str]) -> tuple[Path, Path]:
+    """``work/train.jsonl`` (one ``text`` record per document) and ``work/queries.jsonl`` (the facts)."""
+    work.mkdir(parents=True, exist_ok=True)
+    data, queries = work / "train.jsonl", work / "queries.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    queries.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in FACTS))
+    return data, queries
+
+
+def run(cmd: list[str], show: bool = True) -> str:
+    """Run a CLI command (printed first); its output is shown, or returned when ``show`` is False."""
     print("$ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    subprocess.run(cmd, check=True)
+    if show:
+        subprocess.run(cmd, check=True)
+        return ""
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the CLI runs)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", default="demo_out")
+    ap.add_argument("--workdir", default=WORKDIR)
     ap.add_argument("--steps", type=int, default=200, help="Training steps (batch 16).")
     args = ap.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    t_start, cpu_start = time.time(), cpu_seconds()
 
     docs = make_corpus()
-    data = work / "train.jsonl"
-    with open(data, "w") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
+    data, queries = write_data(work, docs)
     print(f"[1/4] corpus: {len(docs)} documents from the standard library's docstrings, "
           f"facts planted at rows {FACT_ROWS} -> {data}")
 
@@ -83,22 +103,20 @@ def main() -> None:
         assert len(s) == len(docs), "one row per document"
 
     print("[4/4] which training documents taught the model each planted fact?", flush=True)
-    queries = work / "queries.jsonl"
-    with open(queries, "w") as f:
-        for prompt, completion in FACTS:
-            f.write(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
     found = {}
-    for method in ("graddot", "ekfac-selfnorm"):
-        cmd = ["gradindex", "query", str(index), "--queries", str(queries), "-k", "3", "--method", method]
-        run(cmd)
-        out = subprocess.run(cmd + ["--json"], check=True, capture_output=True, text=True).stdout.splitlines()
-        for row, line in zip(FACT_ROWS, out):
-            top = json.loads(line)[0]["id"]
-            found[method] = found.get(method, 0) + (top == row)
-            print(f"  -> {method}: top result for the fact of row {row} is row {top}"
-                  f"{' (the planted document)' if top == row else ' (missed)'}", flush=True)
+    for method in ("ekfac-selfnorm", "graddot"):
+        cmd = ["gradindex", "query", str(index), "--queries", str(queries), "-k", "3", "--method", method, "--json"]
+        out = run(cmd, show=False).splitlines()
+        for row, line, (prompt, completion) in zip(FACT_ROWS, out, FACTS):
+            top = json.loads(line)[0]
+            found[method] = found.get(method, 0) + (top["id"] == row)
+            print(f"  {method}: {prompt}{completion!r} -> row {top['id']}"
+                  f"{' (the planted document)' if top['id'] == row else f' (missed: planted in row {row})'}: "
+                  f"{top['text'][:60]!r}...", flush=True)
+    print("  (the same query as a table: drop --json)")
     summary = ", ".join(f"{m} {n}/{len(FACTS)}" for m, n in found.items())
-    print(f"done: planted documents ranked first: {summary}; the index is in {index}")
+    print(f"done in {time.time() - t_start:.0f} s ({cpu_seconds() - cpu_start:.0f} s of CPU): planted documents "
+          f"ranked first: {summary}; the index is in {index}")
     if found["ekfac-selfnorm"] < len(FACTS):
         raise SystemExit("EK-FAC (self-normalized) should rank every planted document first")
 

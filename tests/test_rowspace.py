@@ -276,3 +276,72 @@ def test_rowspace_benchmark_quick_mode_agrees_with_the_library(tmp_path):
         ("equal", "raw", "fp32"), ("ratio", "kfac", "fp32"), ("spectrum", "raw", "fp32"), ("ratio", "raw", "int4")}
     assert all(0 <= r["top10"] <= 1 and r["bytes"] > 0 for r in res["rows"])
     assert min(res["library_check"]["score_correlation"].values()) > 0.999
+
+
+# -- one capture transform: dense side maps (row basis) and Adam's scales/weights together ---------------
+def _mixed_transforms(cap, seed: int = 0):
+    """Layer → LayerTransform: a dense map on one side, scales on the other, entrywise weights on some."""
+    from gradindex.capture.transform import LayerTransform
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, (name, info) in enumerate(cap.infos.items()):
+        na, no = info.n_in_total, info.n_out
+        dense_a = torch.randn(na - 1 if i % 2 else na, na, generator=gen)  # a map may change the side's size
+        scale_g = torch.rand(no, generator=gen) + 0.5
+        W = torch.rand(no, na, generator=gen) + 0.5 if i % 3 == 0 else None
+        out[name] = LayerTransform(g=scale_g, map_a=dense_a, elementwise=W)
+    return out
+
+
+@pytest.mark.parametrize("route", ["factorized", "materialized", "auto"])
+def test_dense_maps_scales_and_entrywise_weights_equal_torch_func_gradients(gpt2_dir, tokenizer, route):
+    """Rows are ``P_g diag(d_g) (W ⊙ G) M_aᵀ P_aᵀ`` on exact, one-side-exact and projected layers alike."""
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    spec = _mixed_spec(model)
+    ids, labels = _examples(tok)
+    ref = _reference(model, ids, labels)
+    model.requires_grad_(False)
+    with GradientCapture(model) as probe:
+        transforms = _mixed_transforms(probe)
+    with GradientCapture(model, projection=spec, route=route, transforms=transforms) as cap:
+        bg = batch_gradients(model, cap, ids, labels, tok.pad_token_id)
+    for name, rows in bg.grads.items():
+        t = transforms[name]
+        assert rows.shape[1] == cap.dim(name)
+        for i in range(len(ids)):
+            G = _G(cap, name, ref[i]).double()
+            if t.elementwise is not None:
+                G = G * t.elementwise.double()
+            e = _expected(spec, name, G, W_a=t.map_a, W_g=torch.diag(t.g.double())).reshape(-1)
+            assert float((rows[i].double() - e).norm()) <= 1e-4 * float(e.norm()) + 1e-9, (name, i)
+    weighted = [n for n, t in transforms.items() if t.elementwise is not None]
+    assert cap.route_counts["materialized"] >= len(weighted), "entrywise weights need the materialized route"
+
+
+def test_covariance_with_a_transform_is_refused_only_for_entrywise_weights(gpt2_dir, tokenizer):
+    from gradindex.capture.transform import LayerTransform
+
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    spec = ProjectionSpec.parse("6x4", seed=1)
+    with GradientCapture(model) as probe:
+        transforms = _mixed_transforms(probe)
+    with pytest.raises(ValueError, match="entrywise"):
+        GradientCapture(model, projection=spec, collect_covariance=True, transforms=transforms)
+    maps = {n: LayerTransform(g=t.g, map_a=t.map_a) for n, t in transforms.items()}
+    ids, labels = _examples(tok)
+    model.requires_grad_(False)
+    with GradientCapture(model, projection=spec, collect_covariance=True, transforms=maps) as cap:
+        batch_gradients(model, cap, ids, labels, tok.pad_token_id)
+    name = next(iter(cap.infos))
+    P_a = projection_matrix(spec, name, "a", maps[name].map_a.shape[0]).double()
+    M_a = P_a @ maps[name].map_a.double()  # the factor is of mapped rows: M_a Σ ā āᵀ M_aᵀ
+    with GradientCapture(model, projection=ProjectionSpec.parse("none"), collect_covariance=True) as plain:
+        batch_gradients(model, plain, ids, labels, tok.pad_token_id)
+    expect = M_a @ plain.cov_a[name] @ M_a.T
+    assert torch.allclose(cap.cov_a[name], expect, rtol=1e-4, atol=1e-6 * float(expect.abs().max()))
+
+
+def test_optimizer_state_with_the_kfac_basis_is_refused():
+    with pytest.raises(ValueError, match="projection-basis raw"):
+        BuildConfig(optimizer_state="state.safetensors", basis="kfac")

@@ -2,20 +2,52 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
-from gradindex.capture import ProjectionSpec
 from gradindex.cli import main
-from gradindex.cli.common import data_options, user_errors
-from gradindex.cli.index import index_config, index_options, report
-from gradindex.data import load_records, tokenize_records
+from gradindex.cli.common import data_options, human_bytes, user_errors
+from gradindex.cli.index import check_index_type, index_config, index_options, report
 from gradindex.lock import index_lock
-from gradindex.model import load_causal_lm
-from gradindex.pipeline import BuildConfig, build_index
-from gradindex.store.builder import refuse_foreign
-from gradindex.store.codes import STORAGES
+
+STORAGES = ("fp32", "fp16", "int8", "int4")
+"""gradindex.store.codes.STORAGES, repeated so that start-up does not load the store (a test keeps them equal)."""
+
+
+def available_memory() -> int | None:
+    """Bytes of host memory available now (Linux ``MemAvailable``; else physical memory), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_capture_memory(model, spec, layers, batch_size: int, projection: str) -> None:
+    """Refuse, before allocating anything, a capture whose per-batch gradients cannot fit in memory."""
+    from gradindex.capture import layer_info, select_layers
+
+    infos = [layer_info(m) for m in select_layers(model, layers or None).values()]
+    if spec.is_identity:
+        per_example = sum(i.n_out * i.n_in_total for i in infos)
+    else:
+        per_example = len(infos) * spec.k_g * spec.k_a
+    need = 2 * 4 * batch_size * per_example  # float32 batch on the device and its host copy
+    free = available_memory()
+    if free is not None and need > free:
+        raise ValueError(
+            f"--projection {projection} stores {per_example:,} numbers per example: a batch of {batch_size} "
+            f"needs about {human_bytes(need)} of memory and {human_bytes(free)} is available; use a smaller "
+            "--projection (e.g. 16 to 64) or --batch-size"
+        )
 
 
 @main.command()
@@ -74,6 +106,12 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
           shard_size, overwrite, repair, precondition, damping, fisher, fisher_seed, optimizer_state, adam_mode,
           index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
+    from gradindex.capture import ProjectionSpec
+    from gradindex.data import load_records, tokenize_records
+    from gradindex.model import load_causal_lm, max_positions, resolve_device, vocab_size
+    from gradindex.pipeline import BuildConfig, build_index
+    from gradindex.store.builder import refuse_foreign
+
     auto = projection.strip().lower() == "auto"
     if budget and not auto:
         raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
@@ -81,19 +119,32 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
-    cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
-                      route=route, shard_size=shard_size, storage=storage,
-                      precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
-                      optimizer_state=optimizer_state or "", adam_mode=adam_mode,
-                      budget=(budget or "1/8") if auto else 0, allocation=allocation, basis=basis,
-                      basis_damping=basis_damping, basis_examples=fit_examples)
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
         raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
+    resolve_device(device)
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
         model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
-        data_tok = tokenize_records(load_records(data), tok, max_length, text_field)
+        if not auto:  # --projection auto stores what --budget buys
+            check_capture_memory(model, spec, layers, batch_size, projection)
+        records = load_records(data)
+        data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
+        positions = max_positions(model)
+        if positions is not None and max_length > positions and max(map(len, data_tok.input_ids)) > positions:
+            # longer examples would index past the position embeddings mid-capture: cut them there
+            click.echo(f"note: --max-length {max_length} is more than the model's {positions} positions; "
+                       f"using --max-length {positions}", err=True)
+            max_length = positions
+            data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
+        cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
+                          route=route, shard_size=shard_size, storage=storage,
+                          precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
+                          optimizer_state=optimizer_state or "", adam_mode=adam_mode,
+                          budget=(budget or "1/8") if auto else 0, allocation=allocation, basis=basis,
+                          basis_damping=basis_damping, basis_examples=fit_examples)
+        if not no_index:
+            check_index_type(index_type, len(data_tok))
         if data_tok.n_truncated:
             click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
                        f"--max-length {max_length} and were truncated", err=True)

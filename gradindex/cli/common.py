@@ -1,4 +1,9 @@
-"""Options and error handling shared by CLI commands."""
+"""Options and error handling shared by CLI commands.
+
+Command modules stay light: they import click and this module at start-up and the library
+(torch, transformers, faiss, datasets) only inside the command that runs, so ``--help``,
+``--version`` and ``info`` start in well under a second.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,18 @@ import click
 
 from gradindex.manifest import IndexMismatchError
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IndexMismatchError, TypeError, OSError)
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IndexMismatchError, TypeError, OSError, MemoryError)
+
+
+class UserError(click.ClickException):
+    """Bad input: one line ``Error: ...`` on stderr, exit code 2, no traceback."""
+
+    exit_code = 2
+
+
+def one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return msg or type(e).__name__
 
 
 def user_errors(fn):
@@ -19,7 +35,7 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except USER_ERRORS as e:
-            raise click.ClickException(str(e)) from e
+            raise UserError(one_line(e)) from e
 
     return wrapper
 
@@ -28,5 +44,13 @@ def data_options(fn):
     fn = click.option("--text-field", default="text", show_default=True,
                       help="Field holding the text (else 'prompt'+'completion' or 'input_ids').")(fn)
     fn = click.option("--max-length", default=512, show_default=True, type=int,
-                      help="Truncate examples to this many tokens.")(fn)
+                      help="Truncate examples to this many tokens (capped at the model's positions).")(fn)
     return fn
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

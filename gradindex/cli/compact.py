@@ -5,11 +5,9 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
+from gradindex.cli.build import STORAGES
 from gradindex.cli.common import user_errors
 from gradindex.cli.index import index_config, index_options, report
-from gradindex.index import build_indices
-from gradindex.precondition.compact import compact_eigenbasis
-from gradindex.store.codes import STORAGES
 
 
 @main.command()
@@ -29,6 +27,9 @@ from gradindex.store.codes import STORAGES
 def compact(index_dir, out, basis, damping, storage, overwrite, index_type, whiten, normalize, train_size, cpu_index,
             no_index, quiet):
     """Transcode INDEX_DIR's rows (after an EK-FAC fit) into a whitened basis, as a new index in OUT."""
+    from gradindex.index import build_indices
+    from gradindex.precondition.compact import compact_eigenbasis
+
     if whiten != "none":
         raise ValueError("--whiten does not apply: the compacted rows are already whitened")
     m = compact_eigenbasis(index_dir, out, damping=damping, storage=storage, overwrite=overwrite,

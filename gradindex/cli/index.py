@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import user_errors
-from gradindex.index import IndexConfig, IndexSpace, build_indices
+from gradindex.cli.common import human_bytes, user_errors
 
 
 def index_options(fn):
@@ -30,20 +30,30 @@ def index_options(fn):
     return fn
 
 
+def check_index_type(factory: str, n: int) -> None:
+    """Refuse, before any work, a FAISS type that needs more training rows than the ``n`` examples."""
+    need = []
+    m = re.search(r"IVF(\d+)", factory)
+    if m:
+        need.append((int(m.group(1)), f"{m.group(1)} lists"))
+    m = re.search(r"PQ\d+(?:x(\d+))?", factory)
+    if m:
+        need.append((1 << int(m.group(1) or 8), f"{1 << int(m.group(1) or 8)} PQ centroids"))
+    for rows, what in need:
+        if rows > n:
+            raise ValueError(f"--index-type {factory} has {what}, more than the {n} examples to train it on; "
+                             "use --index-type Flat (exact) or fewer lists")
+
+
 def index_config(index_type: str, whiten: str, damping: float, normalize: bool, train_size: int,
-                 cpu_index: bool) -> IndexConfig:
+                 cpu_index: bool):
+    """The :class:`gradindex.index.IndexConfig` of these options."""
+    from gradindex.index import IndexConfig, IndexSpace
+
     if train_size < 0:
         raise ValueError(f"--train-size must be >= 0, got {train_size}")
     space = IndexSpace(whiten=whiten, damping=damping, normalize=normalize)
     return IndexConfig(factory=index_type, space=space, train_size=train_size, gpu=not cpu_index)
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def report(res) -> str:
@@ -66,6 +76,10 @@ def report(res) -> str:
 @user_errors
 def index(index_dir, index_type, whiten, normalize, train_size, cpu_index, damping, seed, force, quiet):
     """(Re)build one FAISS index per layer of INDEX_DIR's store (resumes an interrupted build)."""
+    from gradindex.index import build_indices
+    from gradindex.manifest import read_manifest
+
+    check_index_type(index_type, int(read_manifest(index_dir).get("counts", {}).get("examples", 0)))
     cfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
     cfg = dataclasses.replace(cfg, seed=seed)
     click.echo(report(build_indices(index_dir, cfg, progress=not quiet, force=force)))

@@ -8,11 +8,25 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import user_errors
-from gradindex.cli.index import human_bytes
-from gradindex.index import read_meta
+from gradindex.cli.common import human_bytes, user_errors
 from gradindex.manifest import read_manifest
-from gradindex.precondition import available_methods
+from gradindex.methods import methods_of
+
+INDEX_META = Path("faiss") / "index.json"
+"""gradindex.index.files' ``faiss/index.json``, read here as plain JSON so that ``info`` does not load FAISS."""
+
+
+def _index_meta(d: Path) -> dict | None:
+    p = d / INDEX_META
+    if not p.exists():
+        return None
+    try:
+        meta = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(p)!r} is corrupt ({e}); rebuild it with `gradindex index {d}`") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("layers"), dict):
+        raise ValueError(f"{str(p)!r} is not a gradindex index description; rebuild it with `gradindex index {d}`")
+    return meta
 
 
 def _size(p: Path) -> int:
@@ -25,7 +39,7 @@ def summary(index_dir: str) -> dict:
     """A JSON-able summary of an index directory."""
     d = Path(index_dir)
     m = read_manifest(d)
-    meta = read_meta(d)
+    meta = _index_meta(d)
     b = m["build"]
     counts = m.get("counts", {})
     layers = {}
@@ -44,7 +58,7 @@ def summary(index_dir: str) -> dict:
         "projection": b.get("projection"), "basis": b.get("basis", {"kind": "raw"}),
         "max_length": b.get("max_length"), "storage": b.get("storage", "fp32"),
         "layers": layers, "dims_total": sum(v["dim"] for v in layers.values()),
-        "methods": available_methods(d, selfnorm=True, manifest=m),
+        "methods": methods_of(m, d, selfnorm=True),
         "index": None if meta is None else {"status": meta.get("status"), "space": meta.get("space"),
                                             "types": sorted({e["factory"] for e in meta["layers"].values()})},
         "bytes": {"store": _size(d / "store"), "precond": _size(d / "precond"), "faiss": _size(d / "faiss")},

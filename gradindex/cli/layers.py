@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import click
 
-from gradindex.capture import layer_info, select_layers
-from gradindex.capture.layers import rule_for
 from gradindex.cli import main
 from gradindex.cli.common import user_errors
-from gradindex.model import load_causal_lm
 
 
 @main.command()
@@ -17,6 +14,10 @@ from gradindex.model import load_causal_lm
 @user_errors
 def layers(model_dir, layers):
     """List the model's hookable linear layers; '*' marks the ones selected."""
+    from gradindex.capture import layer_info, select_layers
+    from gradindex.capture.layers import rule_for
+    from gradindex.model import load_causal_lm
+
     model, _ = load_causal_lm(model_dir, device="cpu")
     chosen = select_layers(model, layers or None)
     for name, mod in model.named_modules():

@@ -6,7 +6,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import user_errors
-from gradindex.precondition import FITTED_METHODS, FitConfig, available_methods, fit_preconditioner
+from gradindex.methods import FITTED_METHODS
 
 
 @main.command()
@@ -30,6 +30,8 @@ from gradindex.precondition import FITTED_METHODS, FitConfig, available_methods,
 @user_errors
 def precondition(index_dir, method, damping, fit_data, fit_examples, fisher, seed, device, precision, quiet):
     """Fit K-FAC or EK-FAC on INDEX_DIR and write its self-influence."""
+    from gradindex.precondition import FitConfig, available_methods, fit_preconditioner
+
     cfg = FitConfig(method=method, damping=damping, fit_data=fit_data, fit_examples=fit_examples, seed=seed,
                     fisher=fisher, device=device, precision=precision)
     entries = fit_preconditioner(index_dir, cfg, progress=not quiet)

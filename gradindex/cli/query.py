@@ -9,17 +9,18 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import user_errors
-from gradindex.methods import ALL_METHODS
-from gradindex.precondition import available_methods
-from gradindex.query import QueryEngine, QueryResult, read_queries
+from gradindex.methods import ALL_METHODS, methods_of
 
 
-def _queries(texts, prompt, completion, queries_file, text_field) -> list:
+def _queries(texts, prompt, completion, queries_file, text_field) -> list[dict]:
+    """Every query of the command line as a record dict (texts, the prompt/completion pair, the file's)."""
+    from gradindex.query import read_queries
+
     out: list = list(texts)
     if (prompt is None) != (completion is None):
         raise ValueError("--prompt and --completion go together (the loss is taken on the completion)")
     if prompt is not None:
-        out.append((prompt, completion))
+        out.append({"prompt": prompt, "completion": completion})
     if queries_file:
         out.extend(read_queries(queries_file))
     if not out:
@@ -42,7 +43,7 @@ def _describe(q: dict, text_field: str) -> str:
     return f"[{len(q.get('input_ids', []))} token ids]"
 
 
-def _print_result(i: int, q: str, r: QueryResult) -> None:
+def _print_result(i: int, q: str, r) -> None:
     width = max(40, shutil.get_terminal_size((100, 20)).columns - 30)
     where = f"{len(r.layers)} layers" if len(r.layers) > 1 else r.layers[0]
     click.echo(f"query {i + 1}: {_line(q, width)}")
@@ -57,7 +58,7 @@ def _print_result(i: int, q: str, r: QueryResult) -> None:
             click.echo(f"  {j + 1:>4}  {h.id:>8}  {h.score:>11.4g}  {_line(h.text, width)}")
 
 
-def _json(r: QueryResult) -> list[dict]:
+def _json(r) -> list[dict]:
     out = [{"rank": j + 1, "kind": "top", **h.to_dict()} for j, h in enumerate(r.hits)]
     out += [{"rank": j + 1, "kind": "lowest", **h.to_dict()} for j, h in enumerate(r.lowest)]
     return out
@@ -97,10 +98,12 @@ def _json(r: QueryResult) -> list[dict]:
 def query(index_dir, texts, prompt, completion, queries_file, text_field, k, method, damping, layers, lowest,
           rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json):
     """Find the training examples in INDEX_DIR that most influenced each query."""
+    from gradindex.query import QueryEngine
+
     qs = _queries(texts, prompt, completion, queries_file, text_field)
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
                      optimizer_state=optimizer_state) as engine:
-        method = method or available_methods(index_dir)[0]
+        method = method or methods_of(engine.manifest, engine.dir)[0]
         results = engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
                                      lowest=lowest, rerank_full=rerank_full, candidates=candidates,
                                      shortlist=shortlist, nprobe=nprobe, text_field=text_field)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
-from gradindex.methods import ADAM, BASE_METHODS, FITTED_METHODS, IDENTITY_METHODS, SELFNORM, adam_rows, parse_method
+from gradindex.methods import ADAM, IDENTITY_METHODS, adam_rows, methods_of, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power
 from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
 
@@ -38,17 +38,7 @@ def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False, mani
     ``manifest``: the index's, when already read (else it is read).
     """
     manifest = manifest if manifest is not None else read_manifest(index_dir)
-    if adam_rows(manifest):
-        return [ADAM] + ([ADAM + SELFNORM] if selfnorm else [])
-    fitted = [
-        m
-        for m in FITTED_METHODS
-        if m in manifest.get("preconditioners", {}) and precond_path(index_dir, m).exists()
-    ]
-    out = list(BASE_METHODS) + fitted
-    if selfnorm:
-        out += [m + SELFNORM for m in out if m != "cosine"]
-    return out
+    return methods_of(manifest, index_dir, selfnorm)
 
 
 class Preconditioner:

@@ -20,7 +20,7 @@ from gradindex.fingerprint import model_fingerprint
 from gradindex.index import OpenIndex, RowReader, open_index, query_vectors
 from gradindex.manifest import IndexMismatchError, identity_differences, row_basis
 from gradindex.methods import parse_method, row_base
-from gradindex.model import resolve_pad_id
+from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.query import search as S
 from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
@@ -190,7 +190,9 @@ class QueryEngine:
         """Records → tokens, truncated to the build's max length (flagged per query)."""
         self._need_model()
         recs = [as_record(q, text_field) if not isinstance(q, dict) else q for q in queries]
-        return tokenize_queries(recs, self.tokenizer, int(self.manifest["build"]["max_length"]), text_field)
+        max_length = int(self.manifest["build"]["max_length"])  # and no longer than the model's positions
+        max_length = min(max_length, max_positions(self.model) or max_length)
+        return tokenize_queries(recs, self.tokenizer, max_length, text_field, vocab_size=vocab_size(self.model))
 
     def gradients(self, tokens: QueryTokens) -> tuple[dict[str, torch.Tensor], np.ndarray, np.ndarray]:
         """Per-layer projected query gradients ``{layer: [Q, D]}`` (CPU float32), losses, token counts."""

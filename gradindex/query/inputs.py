@@ -77,7 +77,7 @@ def read_queries(path: str | os.PathLike) -> list[dict]:
 
 
 def tokenize_queries(records: list[dict], tokenizer, max_length: int,
-                     text_field: str = "text") -> QueryTokens:
+                     text_field: str = "text", vocab_size: int | None = None) -> QueryTokens:
     """Token ids and labels per record, truncated to the build's ``max_length`` (flagged).
 
     Records with the same fields are tokenized together by :func:`tokenize_records` (the build's
@@ -96,7 +96,8 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
         groups.setdefault(tuple(sorted(rec)), []).append(i)
     for members in groups.values():
         ds = datasets.Dataset.from_list([records[i] for i in members])
-        tok = tokenize_records(ds, tokenizer, max_length, text_field)
+        tok = tokenize_records(ds, tokenizer, max_length, text_field, vocab_size=vocab_size,
+                               require_targets=False)
         for j, i in enumerate(members):
             ids[i], labels[i], truncated[i] = tok.input_ids[j], tok.labels[j], tok.truncated[j]
     for i, y in enumerate(labels):
