@@ -23,7 +23,7 @@ def model_fingerprint(model: nn.Module) -> str:
     h = hashlib.blake2b(digest_size=16)
     cfg = getattr(model, "config", None)
     if cfg is not None:
-        skip = ("torch_dtype", "dtype", "_name_or_path", "transformers_version")
+        skip = ("torch_dtype", "dtype", "_name_or_path", "transformers_version", "use_cache")  # use_cache: runtime
         d = {k: v for k, v in cfg.to_dict().items() if k not in skip}
         h.update(json.dumps(d, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():

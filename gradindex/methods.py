@@ -79,15 +79,16 @@ def fitted_methods(manifest: dict, index_dir: str | os.PathLike) -> list[str]:
             if isinstance(entries.get(m), dict) and (Path(index_dir) / str(entries[m].get("file", ""))).is_file()]
 
 
-def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
+def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = False, rows: bool = False) -> list[str]:
     """Methods an index answers: ``graddot``, ``cosine``, fitted ones; with ``selfnorm`` their ``-selfnorm`` too.
 
     An index of Adam-preconditioned rows answers ``adam`` only; one whose rows are in a whitened
-    basis answers the methods of :data:`ROW_METHODS` whose operation on its rows is available.
+    basis answers the methods of :data:`ROW_METHODS` whose operation on its rows is available
+    (``rows=True``: the operations on the stored rows themselves, whatever their basis).
     """
     out = [ADAM] if adam_rows(manifest) else list(BASE_METHODS) + fitted_methods(manifest, index_dir)
     basis = str((manifest.get("build", {}).get("basis") or {}).get("kind", "raw"))
-    if basis != "raw":
+    if basis != "raw" and not rows:
         table = ROW_METHODS.get(basis, {})
         out = [m for m in table if table[m] in out]
     if selfnorm:

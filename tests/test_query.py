@@ -273,7 +273,7 @@ def test_full_gradient_rerank_equals_torch_func_dot_products(engine, func_truth)
     ref = func_truth.numpy()
     np.testing.assert_allclose([h.full_score for h in r.hits], ref[[h.id for h in r.hits]], rtol=1e-4)
     assert [h.full_score for h in r.hits] == sorted((h.full_score for h in r.hits), reverse=True)
-    with pytest.raises(ValueError, match="full-gradient re-ranking supports"):
+    with pytest.raises(FileNotFoundError, match="no full-space kfac curvature"):
         engine.query("the cat sat on a mat", method="kfac", rerank_full=3)
 
 

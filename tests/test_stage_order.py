@@ -16,7 +16,7 @@ STAGES = {
     "index": 4,
     "query": 5,
     "pipeline": 6, "apps": 6,
-    "integrations": 7, "cli": 7,
+    "integrations": 7, "cli": 7, "__main__": 7,
 }
 
 

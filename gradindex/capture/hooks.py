@@ -126,6 +126,7 @@ class GradientCapture:
         route: str = "auto",
         weight_free: bool = True,
         collect_covariance: bool = False,
+        collect_full_covariance: bool = False,
         transforms: Mapping[str, LayerTransform | Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         if route not in ROUTES:
@@ -142,6 +143,7 @@ class GradientCapture:
         self.route = route
         self.weight_free = weight_free
         self.collect_covariance = collect_covariance
+        self.collect_full_covariance = collect_full_covariance
         self.route_counts: Counter = Counter()
         self._handles: list = []
         self._mask: torch.Tensor | None = None
@@ -153,6 +155,9 @@ class GradientCapture:
         self.cov_a: dict[str, torch.Tensor] = {}  # Σ_tokens ā āᵀ, float64
         self.cov_g: dict[str, torch.Tensor] = {}  # Σ_tokens ḡ ḡᵀ, float64
         self.cov_tokens: dict[str, int] = {}
+        self.full_a: dict[str, torch.Tensor] = {}  # Σ_tokens a aᵀ, unprojected (bias column included), float64
+        self.full_g: dict[str, torch.Tensor] = {}  # Σ_tokens g gᵀ, unprojected, float64
+        self.full_tokens: dict[str, int] = {}
 
     # -- shapes -------------------------------------------------------------------------------
     def side_size(self, name: str, side: str) -> int:
@@ -316,7 +321,30 @@ class GradientCapture:
                 G = G * d_g.to(G.device, G.dtype)[:, None]
             if self.collect_covariance:
                 self._add_covariance(name, self._map_inputs(name, a, m), self._map_outputs(g, M_g, d_g), m)
+        if self.collect_full_covariance:
+            self._add_full_covariance(name, a, g, m)
         return G.reshape(B, -1)
+
+    def _add_full_covariance(self, name: str, a: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
+        """Add the unprojected ``Σ a aᵀ`` (with the bias column) and ``Σ g gᵀ`` over real tokens."""
+        a1 = _with_ones(a, m, self.infos[name].bias)
+        a2 = a1.reshape(-1, a1.shape[-1])
+        g2 = (g if m is None else g * m).reshape(-1, g.shape[-1])
+        ca, cg, n = (a2.T @ a2).double(), (g2.T @ g2).double(), self._tokens(a, m)
+        if name in self.full_a:
+            self.full_a[name] += ca
+            self.full_g[name] += cg
+            self.full_tokens[name] += n
+        else:
+            self.full_a[name], self.full_g[name], self.full_tokens[name] = ca, cg, n
+
+    def _tokens(self, a: torch.Tensor, m: torch.Tensor | None) -> int:
+        """Real tokens in the batch (one host sync per batch, not per layer)."""
+        if m is None:
+            return a.shape[0] * a.shape[1]
+        if self._mask_tokens is None:
+            self._mask_tokens = int(self._mask.sum())
+        return self._mask_tokens
 
     def _token_weights(self, name: str, B: int, T: int, a: torch.Tensor) -> torch.Tensor | None:
         mask = self._mask
@@ -360,12 +388,7 @@ class GradientCapture:
         g2 = (g if m is None else g * m).reshape(-1, g.shape[-1])  # padding tokens carry no curvature
         ca = (a2.T @ a2).double()
         cg = (g2.T @ g2).double()
-        if m is None:
-            n = a.shape[0] * a.shape[1]
-        else:
-            if self._mask_tokens is None:  # one host sync per batch, not per layer
-                self._mask_tokens = int(self._mask.sum())
-            n = self._mask_tokens
+        n = self._tokens(a, m)
         if name in self.cov_a:
             self.cov_a[name] += ca
             self.cov_g[name] += cg

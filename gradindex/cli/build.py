@@ -89,6 +89,9 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
               help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too).")
 @click.option("--damping", default=0.1, show_default=True, type=float,
               help="Relative damping of the self-influence written with --precondition (and of --whiten).")
+@click.option("--full-factors", is_flag=True,
+              help="Also sum full-space (unprojected) K-FAC factors in the capture pass, so that "
+                   "`gradindex precondition --space full` needs one model pass instead of two.")
 @click.option("--fisher", default="empirical", show_default=True, type=click.Choice(["empirical", "true"]),
               help="Factors of --precondition from the observed labels or from labels sampled from the model.")
 @click.option("--fisher-seed", default=0, show_default=True, type=int, help="Seed of --fisher true's labels.")
@@ -104,7 +107,7 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
 def build(model_dir, data, out, projection, budget, allocation, basis, basis_damping, fit_examples,
           projection_kind, seed, layers, text_field, max_length, batch_size, dtype, device, route, storage,
           shard_size, overwrite, repair, precondition, damping, fisher, fisher_seed, optimizer_state, adam_mode,
-          index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
+          full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex.capture import ProjectionSpec
     from gradindex.data import load_records, tokenize_records
@@ -140,7 +143,7 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
                           route=route, shard_size=shard_size, storage=storage,
                           precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
-                          optimizer_state=optimizer_state or "", adam_mode=adam_mode,
+                          optimizer_state=optimizer_state or "", adam_mode=adam_mode, full_factors=full_factors,
                           budget=(budget or "1/8") if auto else 0, allocation=allocation, basis=basis,
                           basis_damping=basis_damping, basis_examples=fit_examples)
         if not no_index:

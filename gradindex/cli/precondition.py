@@ -26,16 +26,25 @@ from gradindex.methods import FITTED_METHODS
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--precision", default="float64", show_default=True, type=click.Choice(["float64", "float32"]),
               help="Arithmetic of the store passes (float32 is faster on large unprojected layers).")
+@click.option("--space", default="stored", show_default=True, type=click.Choice(["stored", "full"]),
+              help="stored: curvature of the index's rows; full: unprojected factors (+ EK-FAC correction) "
+                   "from two model passes, for --rerank-full.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
-def precondition(index_dir, method, damping, fit_data, fit_examples, fisher, seed, device, precision, quiet):
-    """Fit K-FAC or EK-FAC on INDEX_DIR and write its self-influence."""
+def precondition(index_dir, method, damping, fit_data, fit_examples, fisher, seed, device, precision, space, quiet):
+    """Fit K-FAC or EK-FAC on INDEX_DIR and write its self-influence (stored space)."""
     from gradindex.precondition import FitConfig, available_methods, fit_preconditioner
+    from gradindex.precondition.fullspace import full_space_methods
 
     cfg = FitConfig(method=method, damping=damping, fit_data=fit_data, fit_examples=fit_examples, seed=seed,
-                    fisher=fisher, device=device, precision=precision)
+                    fisher=fisher, device=device, precision=precision, space=space)
     entries = fit_preconditioner(index_dir, cfg, progress=not quiet)
     e = entries[method]
+    if space == "full":
+        click.echo(f"fitted full-space {method} on {index_dir} in {e['seconds']:.1f} s ({e['fit']['examples']} "
+                   f"examples, two model passes); full-space re-rank methods now: "
+                   f"{', '.join(full_space_methods(index_dir))}")
+        return
     click.echo(f"fitted {method} on {index_dir} in {e['seconds']:.1f} s (factors from the "
                f"{e['fit']['source']}, {e['fit']['examples']} examples, {fisher} Fisher); "
                f"methods now: {', '.join(available_methods(index_dir))}")

@@ -79,7 +79,8 @@ def _json(r) -> list[dict]:
 @click.option("--layers", multiple=True, help="Glob of layers to search (repeatable). Default: all.")
 @click.option("--lowest", default=0, show_default=True, type=int, help="Also the N most negative examples.")
 @click.option("--rerank-full", default=0, show_default=True, type=int,
-              help="Re-rank the top N with full (unprojected) gradients (graddot, cosine).")
+              help="Re-rank the index's top N candidates in full (unprojected) space, any method "
+                   "(kfac/ekfac need `gradindex precondition INDEX --method M --space full`).")
 @click.option("--candidates", default=None, type=int, help="ANN results per layer (default 2000).")
 @click.option("--shortlist", default=None, type=int,
               help="Of those, kept per layer after exact per-layer scoring (default 100).")

@@ -19,6 +19,7 @@ from gradindex.index.load import IndexSet
 from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
 from gradindex.manifest import read_complete_manifest
+from gradindex.methods import methods_of
 from gradindex.precondition import Preconditioner, self_influence
 from gradindex.precondition.preconditioner import layer_shapes, selected_layers
 from gradindex.store import Store
@@ -86,8 +87,7 @@ class OpenIndex:
 
     def methods(self, selfnorm: bool = False) -> list[str]:
         """Methods this index answers (with ``selfnorm``, the ``-selfnorm`` variants too)."""
-        base = self.pre.available()
-        return base + ([m + "-selfnorm" for m in base if m != "cosine"] if selfnorm else [])
+        return methods_of(self.manifest, self.dir, selfnorm)
 
     def preconditioner(self, base: str) -> Preconditioner:
         """A base method's preconditioner, loaded once (identity for graddot/cosine)."""

@@ -9,6 +9,7 @@
 from gradindex.methods import ALL_METHODS, FITTED_METHODS, METHODS, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.fit import FitConfig, fit_preconditioner
+from gradindex.precondition.fullspace import fit_full_space, full_space_methods, load_full_preconditioner
 from gradindex.precondition.preconditioner import Preconditioner, available_methods, load_preconditioner
 from gradindex.precondition.selfinf import self_influence
 
@@ -22,8 +23,11 @@ __all__ = [
     "available_methods",
     "eigen_power",
     "eigendecompose",
+    "fit_full_space",
     "fit_preconditioner",
+    "full_space_methods",
     "kfac_eigenvalues",
+    "load_full_preconditioner",
     "load_preconditioner",
     "parse_method",
     "self_influence",

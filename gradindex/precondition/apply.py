@@ -14,10 +14,14 @@ import torch
 
 
 def eigendecompose(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(λ ascending [k], Q [k, k])`` of a symmetric matrix, in float64 on the symmetrized input."""
-    M = np.asarray(M, dtype=np.float64)
-    lam, Q = np.linalg.eigh(0.5 * (M + M.T))
-    return lam, Q
+    """``(λ ascending [k], Q [k, k])`` of a symmetric matrix, in float64 on the symmetrized input.
+
+    LAPACK through torch, which honours ``torch.set_num_threads`` (NumPy's OpenBLAS spawns its own
+    threads: 13 s against 0.9 s for a 1025² matrix on a shared 2-core machine).
+    """
+    M = torch.as_tensor(np.asarray(M, dtype=np.float64))
+    lam, Q = torch.linalg.eigh(0.5 * (M + M.T))
+    return lam.numpy(), Q.numpy()
 
 
 def kfac_eigenvalues(lam_S: np.ndarray, lam_A: np.ndarray) -> np.ndarray:

@@ -174,6 +174,11 @@ def load_build_model(manifest: dict, device: str = "auto"):
 def load_build_data(manifest: dict, tokenizer, path: str | None = None, check: bool = True) -> Tokenized:
     """Re-tokenize the build's data (or ``path``) as the build did; check its fingerprint."""
     path = path or manifest.get("data_id", "")
+    if not path:
+        raise FileNotFoundError(
+            "this index records no data file (manifest 'data_id' is empty: captured in training without "
+            "data_id=), and this step needs the data; pass --fit-data FILE, or capture with data_id=FILE"
+        )
     max_length = int(manifest["build"]["max_length"])
     data = tokenize_records(load_records(path), tokenizer, max_length, text_field_of(manifest))
     if check and data_fingerprint(data) != manifest["build"]["data_fingerprint"]:

@@ -10,7 +10,7 @@ Layout (one file per method; ``graddot.h5`` holds only the self-influence column
                      lambda_S [k_g], Q_S [k_g,k_g]  same for S
                      Lambda [k_g,k_a]               eigenvalues used: λ_S λ_Aᵀ (kfac) or Λ* (ekfac)
                      attrs tokens, examples, rows (k_g), cols (k_a)
-    self_influence [N]            Σ_layers ⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩ at attr ``damping`` (float64)
+    self_influence [N]            (not in full-space files) Σ_layers ⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩ at attr ``damping`` (float64)
     self_influence_layers [N, L]  the same per layer, columns in ``layer_names`` order
 
 Files are written to ``.h5.tmp``, hashed into ``checksums.json`` (:mod:`gradindex.checksum`) and
@@ -73,11 +73,11 @@ def write_precond(
     manifest: dict,
     layer_names: list[str],
     factors: dict[str, LayerFactors] | None,
-    self_influence: np.ndarray,
+    self_influence: np.ndarray | None,
     damping: float,
     fit: dict,
 ) -> None:
-    """Write one method's file atomically. ``self_influence`` ``[N, L]`` per layer."""
+    """Write one method's file atomically. ``self_influence`` ``[N, L]`` per layer (full-space fits: none)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with h5py.File(tmp, "w") as f:
@@ -99,14 +99,18 @@ def write_precond(
                 grp.attrs["tokens"] = int(lf.tokens)
                 grp.attrs["examples"] = int(lf.examples)
                 grp.attrs["rows"], grp.attrs["cols"] = lf.Lambda.shape
-        f["self_influence_layers"] = np.asarray(self_influence, dtype=np.float64)
-        f["self_influence"] = np.asarray(self_influence, dtype=np.float64).sum(axis=1)
+        if self_influence is not None:
+            f["self_influence_layers"] = np.asarray(self_influence, dtype=np.float64)
+            f["self_influence"] = np.asarray(self_influence, dtype=np.float64).sum(axis=1)
     record(path.parent.parent, [tmp], [f"{PRECOND_DIR}/{path.name}"])
     os.replace(tmp, path)
 
 
 def refit_command(index_dir: str | os.PathLike, manifest: dict, name: str) -> str:
     """The command that rewrites ``precond/<name>.h5`` (an EK-FAC fit rewrites all three files)."""
+    if name.endswith("-full"):  # full-space curvature (gradindex.precondition.fullspace)
+        method = "ekfac" if "ekfac" in manifest.get("full_space", {}) else name.removesuffix("-full")
+        return f"gradindex precondition {index_dir} --method {method} --space full"
     fitted = manifest.get("preconditioners", {})
     method = name if name in fitted else ("ekfac" if "ekfac" in fitted else "kfac")
     damping = fitted.get(method, {}).get("damping", 0.1)
@@ -136,7 +140,8 @@ def check_fingerprints(path: Path, manifest: dict, method: str) -> None:
     if diffs:
         raise IndexMismatchError(
             f"{str(path)!r} was fitted on another {', '.join(diffs)} than this index's store; refit it "
-            f"with `gradindex precondition {path.parent.parent} --method {method}`"
+            f"with `gradindex precondition {path.parent.parent} --method {method}"
+            f"{' --space full' if path.stem.endswith('-full') else ''}`"
         )
 
 

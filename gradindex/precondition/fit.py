@@ -43,6 +43,7 @@ from gradindex.precondition.factors import (
 )
 from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path, write_precond
 from gradindex.precondition.fisher import model_correction
+from gradindex.precondition.fullspace import fit_full_space
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.store import Store
 from gradindex.store.basis import capture_transforms, index_basis
@@ -51,6 +52,7 @@ from gradindex.store.repair import check_store
 log = logging.getLogger("gradindex")
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
 FITTED_ON = ("model_fingerprint", "data_fingerprint", "projection")
+SPACES = ("stored", "full")
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,10 @@ class FitConfig:
     """Arithmetic of the store passes' rotations (sums are float64 either way); float32 is ~2× faster."""
     block: int = 1024
     """Rows per block of the store passes (capped so a block stays under 256 MiB)."""
+    space: str = "stored"
+    """``stored``: curvature of the store's rows (projected or not); ``full``: full-space (unprojected)
+    factors and EK-FAC correction from two model passes (:mod:`gradindex.precondition.fullspace`),
+    for full-space re-ranking, beside the stored-space fit."""
 
     def __post_init__(self) -> None:
         if self.method not in FITTED_METHODS:
@@ -84,6 +90,8 @@ class FitConfig:
             raise ValueError(
                 f"--damping must be > 0 (a fraction of the mean eigenvalue, e.g. 0.1), got {self.damping}"
             )
+        if self.space not in SPACES:
+            raise ValueError(f"--space {self.space!r} is not one of {list(SPACES)}")
         if self.fisher not in FISHERS:
             raise ValueError(f"--fisher {self.fisher!r} is not one of {list(FISHERS)}")
         if self.precision not in PRECISIONS:
@@ -103,10 +111,14 @@ def fit_preconditioner(
 
     ``model``/``tokenizer``/``data`` (the build's own, already loaded) spare reloading them when a
     model pass is needed; otherwise they are loaded from the manifest and fingerprint-checked.
+    ``cfg.space == 'full'`` fits full-space curvature instead and returns the manifest's ``full_space``.
     ``manifest``: the index's, when the caller holds it (the pipeline): it is used instead of
     reading the file, and updated in place with the new entries before it is written.
     """
-    with index_lock(index_dir, f"gradindex precondition --method {cfg.method}"):
+    space = " --space full" if cfg.space == "full" else ""
+    with index_lock(index_dir, f"gradindex precondition --method {cfg.method}{space}"):
+        if cfg.space == "full":
+            return fit_full_space(index_dir, cfg, model, tokenizer, data, progress)
         return _fit(index_dir, cfg, model, tokenizer, data, progress, manifest)
 
 

@@ -21,6 +21,7 @@ from gradindex.index import OpenIndex, RowReader, open_index, query_vectors
 from gradindex.manifest import IndexMismatchError, identity_differences, row_basis
 from gradindex.methods import parse_method, row_base
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
+from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
 from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
@@ -105,6 +106,7 @@ class QueryEngine:
             self.pre = self.index.pre
             self.basis = self.index.basis
             self._scales: dict[tuple, np.ndarray] = {}
+            self._full_pre: dict[str, Preconditioner] = {}
             self.model, self.tokenizer, self.capture = model, tokenizer, None
             self.pad_id = pad_id
             if load_model:
@@ -224,16 +226,23 @@ class QueryEngine:
         """Answer a batch of queries: capture, precondition, search, exact re-rank, texts.
 
         ``k`` results per query (best first), ``lowest`` most negative ones on request,
-        ``rerank_full`` top results re-ranked with full gradients (graddot/cosine);
+        ``rerank_full=C``: the top ``C`` candidates of the index re-scored in full (unprojected)
+        space under ``method`` (:mod:`gradindex.query.full`; ``kfac``/``ekfac`` need the full-space
+        fit, ``gradindex precondition --space full``), the best ``k`` of them returned;
         ``candidates`` (ANN results per layer), ``shortlist`` (kept per layer after exact
         per-layer scoring) and the index's ``nprobe`` tune the ANN search (docs/query.md).
         """
         t0 = time.perf_counter()
+        if rerank_full < 0:
+            raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
+        full_pre = self.full_preconditioner(method) if rerank_full else None
+        rerank_full = min(rerank_full, self.n)
         tokens = self.tokenize(as_records(queries, text_field), text_field)
         grads, loss, ntok = self.gradients(tokens)
         t_grad = time.perf_counter() - t0
-        results = self.search(grads, k=k, method=method, damping=damping, layers=layers, lowest=lowest,
-                              candidates=candidates, shortlist=shortlist, nprobe=nprobe, texts=texts)
+        results = self.search(grads, k=max(k, rerank_full), method=method, damping=damping, layers=layers,
+                              lowest=lowest, candidates=candidates, shortlist=shortlist, nprobe=nprobe,
+                              texts=texts)
         for j, r in enumerate(results):
             r.num_tokens, r.loss, r.truncated = int(ntok[j]), float(loss[j]), tokens.truncated[j]
             r.seconds["gradient"] = t_grad
@@ -243,10 +252,17 @@ class QueryEngine:
                 log.info(r.notes[-1])
             if rerank_full:
                 t1 = time.perf_counter()
-                self._rerank_full(r, (tokens.input_ids[j], tokens.labels[j]), rerank_full)
+                self._rerank_full(r, (tokens.input_ids[j], tokens.labels[j]), rerank_full, full_pre, damping)
                 r.seconds["rerank_full"] = time.perf_counter() - t1
+            r.hits = r.hits[:k]
         return results
 
+    def full_preconditioner(self, method: str) -> Preconditioner:
+        """The full-space preconditioner of ``method`` (identity for graddot/cosine), loaded once."""
+        base, _ = parse_method(method)
+        if base not in self._full_pre:
+            self._full_pre[base] = load_full_preconditioner(self.dir, base)
+        return self._full_pre[base]
     def scores(self, queries, method: str = "graddot", damping: float = 0.1,
                layers: Sequence[str] | str | None = None, text_field: str = "text") -> np.ndarray:
         """``[Q, N]`` float64 exact scores of every query against every training example.
@@ -361,7 +377,8 @@ class QueryEngine:
             self._scales[key] = np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)
         return self._scales[key]
 
-    def _rerank_full(self, res: QueryResult, query: tuple[list[int], list[int]], top: int) -> None:
+    def _rerank_full(self, res: QueryResult, query: tuple[list[int], list[int]], top: int,
+                     pre: Preconditioner, damping: float) -> None:
         hits = res.hits[:top]
         ids, labels, ok = self.texts.tokens(np.array([h.id for h in hits], dtype=np.int64))
         if len(ids) != len(hits) or not ok.all():
@@ -369,7 +386,7 @@ class QueryEngine:
             raise ValueError("full-gradient re-ranking needs the training data the index was built from "
                              f"({why}); pass data= / --data")
         scores = full_gradient_scores(self.model, res.layers, query, (ids, labels), self.pad_id, res.method,
-                                      int(self.manifest.get("config", {}).get("batch_size", 8)))
+                                      int(self.manifest.get("config", {}).get("batch_size", 8)), pre, damping)
         for h, s in zip(hits, scores, strict=True):
             h.full_score = float(s)
         res.hits = sorted(hits, key=lambda h: (-h.full_score, h.id)) + res.hits[top:]

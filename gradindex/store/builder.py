@@ -62,6 +62,9 @@ class BuildConfig:
     """Examples per store file; also the most a torn file can cost on resume."""
     collect_covariance: bool = False
     """Accumulate K-FAC factors (A, S) per shard in the same pass."""
+    full_factors: bool = False
+    """Also sum the full-space (unprojected) ``A`` and ``S`` per shard in this pass, so that
+    ``gradindex precondition --space full`` needs only its correction pass."""
     precondition: str = "none"
     """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass)."""
     damping: float = 0.1
@@ -225,7 +228,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     capture = GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
                               collect_covariance=cfg.collect_covariance
                               or (cfg.precondition != "none" and cfg.fisher == "empirical"),
-                              transforms=transforms)
+                              collect_full_covariance=cfg.full_factors, transforms=transforms)
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer)
     old = prepare_out_dir(out, identity, overwrite)
@@ -271,7 +274,8 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                     continue
                 w = ShardWriter(path, start, end - start, dims, data_fp, cfg.storage)
                 done = w.open()
-                if capture.collect_covariance and done:  # factors need the whole shard: redo it
+                if (capture.collect_covariance or capture.collect_full_covariance) and done:  # factors need
+                    # the whole shard: redo it
                     w.close()
                     w.partial.unlink()
                     done = w.open()
@@ -295,7 +299,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                     )
                     computed += e - s
                     bar.update(e - s)
-                if capture.collect_covariance:
+                if capture.collect_covariance or capture.collect_full_covariance:
                     _write_covariance(w, capture)
                 w.seal()
                 commits.append(hashing.submit(w.commit))
@@ -324,15 +328,20 @@ def _move_damaged_aside(out: Path, full: bool) -> None:
 
 
 def _write_covariance(w: ShardWriter, capture: GradientCapture) -> None:
-    """Store the shard's Σ ā āᵀ, Σ ḡ ḡᵀ and token counts, then reset the accumulators."""
-    g = w.file.create_group("covariance")
-    for n in capture.infos:
-        if n in capture.cov_a:
-            grp = g.create_group(n)
-            grp["A"] = capture.cov_a[n].cpu().numpy()
-            grp["S"] = capture.cov_g[n].cpu().numpy()
-            grp.attrs["tokens"] = capture.cov_tokens[n]
-    capture.cov_a.clear()
-    capture.cov_g.clear()
-    capture.cov_tokens.clear()
+    """Store the shard's Σ ā āᵀ, Σ ḡ ḡᵀ and token counts (``covariance``; unprojected:
+    ``covariance_full``), then reset the accumulators."""
+    for group, (A, S, T) in (("covariance", (capture.cov_a, capture.cov_g, capture.cov_tokens)),
+                             ("covariance_full", (capture.full_a, capture.full_g, capture.full_tokens))):
+        if not A:
+            continue
+        g = w.file.create_group(group)
+        for n in capture.infos:
+            if n in A:
+                grp = g.create_group(n)
+                grp["A"] = A[n].cpu().numpy()
+                grp["S"] = S[n].cpu().numpy()
+                grp.attrs["tokens"] = T[n]
+        A.clear()
+        S.clear()
+        T.clear()
 

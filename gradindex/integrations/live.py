@@ -1,0 +1,465 @@
+"""Per-example gradients from the backward a training loop already runs: the core of both front ends.
+
+Per micro-batch (one forward and one backward of the user's loop):
+
+1. a forward pre-hook on the model takes the batch's training row ids (the ``gradindex_row``
+   input, removed before the model sees it, or :meth:`LiveCapture.batch`), labels and attention
+   mask, and the step, epoch and learning rate in force;
+2. :class:`gradindex.capture.GradientCapture` (``weight_free=False``) hooks the chosen layers'
+   outputs, so their per-example projected gradients are summed while the user's
+   ``loss.backward()`` runs; no gradient or parameter of the loop is touched;
+3. a hook on the model's output logits measures the loss scale ``c``: whatever the loop's reduction
+   (HF's mean over the batch's target tokens, ``num_items_in_batch`` under gradient accumulation,
+   a division by the accumulation steps, a GradScaler's factor), the gradient it sends to the
+   target logit of token ``t`` is ``c · (p_t − 1)``, so ``c`` is a least-squares fit over the
+   batch's target tokens. Rows are divided by ``c`` and so equal the offline build's per-example
+   gradients of the summed token loss (:data:`gradindex.store.builder.LOSS_CONVENTION`). A loss that
+   is not one uniformly scaled sum of token cross-entropies (label smoothing, per-example weights)
+   fails the fit's check with an error at the first step. With a fused LM head (TRL's SFTTrainer
+   returns per-token ``log_probs`` instead of logits) the gradient of each target log-probability
+   is ``−c`` directly;
+4. at the next micro-batch (or the end) the rows go to the capture log; at the end the log becomes
+   the store and the manifest (:mod:`gradindex.integrations.assemble`).
+
+In a causal LM with an attention mask, the output gradient of example ``i`` only involves example
+``i``'s tokens (no layer mixes examples), so the per-example sums are exact; the tests check it
+against the offline build (GPT-2, Llama, padded batches).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import gradindex
+from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture.batch import finite_rows
+from gradindex.data import IGNORE, token_hash
+from gradindex.fingerprint import model_fingerprint
+from gradindex.integrations.assemble import assemble_store
+from gradindex.integrations.capture_log import CaptureLog, rank_dir
+from gradindex.integrations.optimizer_state import save_second_moments
+from gradindex.manifest import FORMAT_VERSION, manifest_path, write_manifest
+from gradindex.store.builder import LOSS_CONVENTION, model_dtype
+from gradindex.store.codes import check_storage
+
+log = logging.getLogger("gradindex")
+
+ROW_KEY = "gradindex_row"
+"""Name of the batch input that carries each example's training row id."""
+MISSING_ROWS = (
+    "the training batch carries no row ids, so its gradients cannot be mapped back to training rows; "
+    f"add a column '{ROW_KEY}' with each example's position in the training data set "
+    f"(dataset.map(lambda _, i: {{'{ROW_KEY}': i}}, with_indices=True), or "
+    "gradindex.integrations.with_row_ids(dataset)) and keep it through the collator "
+    "(Trainer: TrainingArguments(remove_unused_columns=False)); in a plain loop call "
+    "capture.batch(row_ids) before the forward"
+)
+FIT_TOKENS = 4
+"""Target tokens per example whose logit gradient measures the loss scale."""
+SCALE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+"""Largest residual of the loss-scale fit, relative to its largest term (bf16/fp16 gradients: 5e-2)."""
+
+
+@dataclass
+class CaptureOptions:
+    """What :class:`LiveCapture` is told; the first six are ``gradindex build``'s options."""
+
+    projection: str | ProjectionSpec = "16"
+    """``K``, ``KAxKG`` or ``none`` (or a :class:`ProjectionSpec`)."""
+    projection_kind: str = "gaussian"
+    seed: int = 0
+    """Projection seed."""
+    layers: Sequence[str] = ()
+    """Glob patterns of layers to hook; empty = every linear layer in the transformer blocks."""
+    route: str = "auto"
+    shard_size: int = 4096
+    storage: str = "fp32"
+    """Row codes in the store: ``fp32``, ``fp16``, ``int8`` or ``int4`` (:mod:`gradindex.store.codes`)."""
+    max_length: int = 512
+    """Recorded for queries (they truncate to it); training batches are taken as they come."""
+    num_rows: int | None = None
+    """Rows of the training data set (default: the Trainer's ``train_dataset``, else max id + 1)."""
+    keep: str = "last"
+    """Which occurrence of a row seen in several epochs the store keeps: ``last`` or ``first``."""
+    loss_scale: float | None = None
+    """The loss's factor on each example's summed token loss, when it cannot be measured (see module doc)."""
+    record_loss: bool = False
+    """Store each example's summed token loss (a softmax over every position: ~5% of a step at vocab 8192)."""
+    save_optimizer_state: Sequence[int] = ()
+    """Save Adam's ``exp_avg_sq`` after these optimizer steps (``optimizer/step-NNNNNNN.safetensors``)."""
+    keep_log: bool = False
+    """Keep ``capture/`` (every occurrence of every row, with its step) after the store is written."""
+    model_id: str = ""
+    """Model directory recorded in the manifest (queries and fits load it; save the trained model there)."""
+    data_id: str = ""
+    """Training data file recorded in the manifest (queries show its texts)."""
+    text_field: str = "text"
+    overwrite: bool = False
+    """Replace a non-empty ``out_dir``."""
+    extra: dict = field(default_factory=dict)
+
+    def spec(self) -> ProjectionSpec:
+        if isinstance(self.projection, ProjectionSpec):
+            return self.projection
+        return ProjectionSpec.parse(self.projection, kind=self.projection_kind, seed=self.seed)
+
+
+@dataclass
+class _MicroBatch:
+    rows: np.ndarray
+    step: int
+    epoch: float
+    lr: float
+    input_ids: torch.Tensor
+    labels: torch.Tensor | None
+    mask: torch.Tensor | None
+    fit: list = field(default_factory=list)
+    """Per backward through the output: ``(gradient at the targets, what it is c times, its dtype)``."""
+    loss: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
+
+
+def _field(output, name: str):
+    if isinstance(output, dict):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def _tensor(x, name: str) -> torch.Tensor:
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    try:
+        return torch.as_tensor(x)
+    except Exception:  # noqa: BLE001
+        raise TypeError(f"batch input {name!r} of type {type(x).__name__} is not a tensor") from None
+
+
+class LiveCapture:
+    """Hooks on a model in training; rows to ``out_dir/capture``, then the store at :meth:`close`."""
+
+    def __init__(self, model: nn.Module, out_dir: str | os.PathLike, options: CaptureOptions):
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise ValueError("in-loop capture under torch.distributed is not supported yet; capture on one process")
+        if options.keep not in ("last", "first"):
+            raise ValueError(f"keep={options.keep!r} is not one of ['last', 'first']")
+        self.model = model
+        self.out = Path(out_dir)
+        self.opt = options
+        self.spec = options.spec()
+        check_storage(options.storage)
+        self._check_out_dir()
+        self.capture = GradientCapture(model, options.layers or None, self.spec, options.route, weight_free=False)
+        self.dims = {n: self.capture.dim(n) for n in self.capture.infos}
+        self.log = CaptureLog(rank_dir(self.out, 0), self.dims, part_rows=options.shard_size)
+        self.step = 0
+        self.epoch = 0.0
+        self.optimizer = None
+        self._lr = float("nan")
+        self._next: dict | None = None
+        self._pending: _MicroBatch | None = None
+        self._handles: list = []
+        self._scales: list[float] = []
+        self._max_batch = 0
+        self._saved_states: list[dict] = []
+        self._t0 = time.perf_counter()
+        self.closed = False
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _check_out_dir(self) -> None:
+        if self.out.exists() and any(self.out.iterdir()):
+            if not self.opt.overwrite:
+                raise FileExistsError(
+                    f"output directory {str(self.out)!r} is not empty; choose another out_dir, or pass "
+                    "overwrite=True to replace it"
+                )
+            if not manifest_path(self.out).exists() and not (self.out / "capture").exists():
+                raise FileExistsError(
+                    f"{str(self.out)!r} holds files that are not a gradindex index; refusing to delete them"
+                )
+            shutil.rmtree(self.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def attach(self) -> LiveCapture:
+        if not self._handles:
+            self.capture.attach()
+            self._handles.append(self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+            if self.opt.loss_scale is None:
+                self._handles.append(self.model.register_forward_hook(self._output_hook, with_kwargs=True))
+        return self
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.capture.detach()
+
+    def set_optimizer(self, optimizer) -> None:
+        """Read the learning rate from ``optimizer``; count its steps when the front end does not."""
+        self.optimizer = optimizer
+
+    # -- per micro-batch ----------------------------------------------------------------------
+    def batch(self, row_ids, labels=None, attention_mask=None) -> None:
+        """Row ids (and labels/mask, when the model is not given them) of the next forward."""
+        self._next = {"rows": row_ids, "labels": labels, "attention_mask": attention_mask}
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
+        rows = kwargs.pop(ROW_KEY, None)
+        if not torch.is_grad_enabled():
+            self._next = None
+            return args, kwargs
+        self.flush()
+        given = self._next or {}
+        self._next = None
+        rows = given.get("rows") if rows is None else rows
+        if rows is None:
+            raise ValueError(MISSING_ROWS)
+        ids = _tensor(kwargs.get("input_ids", args[0] if args else None), "input_ids")
+        if ids is None:
+            raise ValueError("the model was called without input_ids; gradindex captures token models only")
+        labels = _tensor(kwargs.get("labels", given.get("labels")), "labels")
+        mask = _tensor(kwargs.get("attention_mask", given.get("attention_mask")), "attention_mask")
+        rows = np.asarray(torch.as_tensor(rows).detach().cpu(), dtype=np.int64).reshape(-1)
+        B = ids.shape[0]
+        if rows.shape[0] != B:
+            raise ValueError(
+                f"{rows.shape[0]} row ids for a batch of {B} examples; a collator that packs or splits "
+                f"examples loses the mapping to training rows (keep one '{ROW_KEY}' per example)"
+            )
+        if labels is None and self.opt.loss_scale is None:
+            raise ValueError(
+                "the batch has no labels, so the loss scale cannot be measured; pass labels to the model, "
+                "or to capture.batch(row_ids, labels=...)"
+            )
+        self._max_batch = max(self._max_batch, B)
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else self._lr
+        self._pending = _MicroBatch(rows, self.step, float(self.epoch), float(lr), ids, labels, mask)
+        self.capture.set_mask(mask)
+        return args, kwargs
+
+    def _output_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        """Hook the tensor the loss is computed from: ``logits``, or the per-token ``log_probs`` of a fused head."""
+        mb = self._pending
+        if mb is None or not torch.is_grad_enabled() or mb.labels is None:
+            return
+        logits, log_probs = _field(output, "logits"), _field(output, "log_probs")
+        if isinstance(logits, torch.Tensor) and logits.requires_grad:
+            self._hook_logits(mb, logits)
+        elif isinstance(log_probs, torch.Tensor) and log_probs.requires_grad:
+            self._hook_log_probs(mb, log_probs, _field(output, "label_mask"))
+
+    def _hook_logits(self, mb: _MicroBatch, logits: torch.Tensor) -> None:
+        """The loss's gradient at the target logit of token ``t`` is ``c · (p_t − 1)``.
+
+        Each such equation gives ``c`` exactly, so a few target tokens per example suffice
+        (:data:`FIT_TOKENS`, spread over the example): a softmax over every position would cost
+        about half the LM head's matmul. ``record_loss`` takes every position (for the loss column).
+        """
+        with torch.no_grad():
+            y = mb.labels.to(logits.device)[:, 1:]  # [B, T-1]
+            valid = y != IGNORE
+            if self.opt.record_loss:
+                pick = valid
+            else:
+                rank = valid.cumsum(1) - 1  # index of each target among its example's targets
+                stride = (valid.sum(1, keepdim=True) + FIT_TOKENS - 1) // FIT_TOKENS
+                pick = valid & (rank % stride.clamp(min=1) == 0)
+            b, t = pick.nonzero(as_tuple=True)  # [M] chosen target tokens
+            yt = y[b, t].unsqueeze(1)  # [M, 1]
+            lg = logits[b, t].float()  # [M, V]
+            tok = torch.logsumexp(lg, dim=-1) - lg.gather(1, yt).squeeze(1)  # [M] token losses
+            pm1 = torch.expm1(-tok)  # p_y - 1
+            if self.opt.record_loss:
+                mb.loss = torch.zeros(y.shape[0], device=tok.device).index_add_(0, b, tok)
+            mb.num_tokens = valid.sum(1)
+
+        def grad_hook(g: torch.Tensor) -> None:
+            with torch.no_grad():
+                mb.fit.append((g[b, t].gather(1, yt).squeeze(1).float(), pm1, g.dtype))
+
+        logits.register_hook(grad_hook)
+
+    @staticmethod
+    def _hook_log_probs(mb: _MicroBatch, log_probs: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """A fused LM head (TRL) returns target log-probabilities ``[B, T-1]``: their gradient is ``−c``."""
+        with torch.no_grad():
+            valid = (mb.labels.to(log_probs.device)[:, 1:] != IGNORE) if mask is None else mask.bool()
+            w = -valid.float()
+            mb.loss, mb.num_tokens = -(log_probs.float() * valid).sum(1), valid.sum(1)
+        log_probs.register_hook(lambda g: mb.fit.append((g.float() * valid, w, g.dtype)))
+
+    def _scale(self, mb: _MicroBatch) -> float:
+        """The loss's factor ``c`` on each example's summed token loss, fitted on the head's gradient."""
+        if self.opt.loss_scale is not None:
+            return float(self.opt.loss_scale)
+        if not mb.fit:
+            raise ValueError(
+                "the model's output logits (or a fused head's log_probs) received no gradient, so the loss scale "
+                "cannot be measured (is the loss computed from the model's output?); pass loss_scale= explicitly"
+            )
+        gy = sum(f[0] for f in mb.fit)
+        pm1, dtype = mb.fit[0][1], mb.fit[0][2]
+        den = float((pm1 * pm1).sum())
+        if den == 0.0:
+            return float("nan")  # no target token with p < 1: nothing to learn from this batch
+        c = float((gy * pm1).sum()) / den
+        resid = float((gy - c * pm1).abs().max())
+        tol = SCALE_TOLERANCE.get(dtype, 5e-2)
+        if resid > tol * abs(c) * float(pm1.abs().max()) + 1e-30:
+            raise ValueError(
+                f"the training loss is not a uniformly scaled sum of token cross-entropies (fit residual "
+                f"{resid:.3g} against {abs(c) * float(pm1.abs().max()):.3g}: label smoothing, per-token or "
+                "per-example weights?); gradindex stores gradients of the summed token loss: pass loss_scale= "
+                "if the loss is one, or turn the weighting off while capturing"
+            )
+        return c
+
+    def flush(self) -> None:
+        """Write the finished micro-batch's rows to the capture log."""
+        mb, self._pending = self._pending, None
+        if mb is None:
+            return
+        grads = self.capture.pop()
+        self.capture.set_mask(None)
+        if not grads:
+            log.warning("a forward with gradients enabled had no backward through the hooked layers; "
+                        "its %d rows were not captured", len(mb.rows))
+            return
+        missing = [n for n in self.dims if n not in grads]
+        if missing:
+            raise ValueError(
+                f"hooked layers {missing[:3]}{'...' if len(missing) > 3 else ''} received no gradient in the "
+                "backward (frozen?); leave them out with layers=[...] patterns"
+            )
+        c = self._scale(mb)
+        self._scales.append(c)
+        B = len(mb.rows)
+        ok_c = math.isfinite(c) and c != 0.0
+        out = {n: (v / c if ok_c else v * 0.0).cpu().numpy() for n, v in grads.items()}
+        finite = finite_rows(out) & ok_c
+        for n in out:
+            out[n][~finite] = 0.0
+        loss = mb.loss.cpu().numpy() if mb.loss is not None else np.full(B, np.nan, np.float32)
+        ntok = mb.num_tokens.cpu().numpy() if mb.num_tokens is not None else self._num_tokens(mb)
+        self.log.append(
+            out, self._hashes(mb),
+            ids=mb.rows, step=np.full(B, mb.step), epoch=np.full(B, mb.epoch), lr=np.full(B, mb.lr),
+            loss_scale=np.full(B, c), loss=loss, num_tokens=ntok, finite=finite,
+        )
+
+    @staticmethod
+    def _num_tokens(mb: _MicroBatch) -> np.ndarray:
+        if mb.labels is None:
+            return np.zeros(len(mb.rows), np.int32)
+        return (mb.labels[:, 1:] != IGNORE).sum(1).cpu().numpy()
+
+    @staticmethod
+    def _hashes(mb: _MicroBatch) -> np.ndarray:
+        """Each example's :func:`gradindex.data.token_hash` of its real (unpadded) tokens and labels."""
+        ids = mb.input_ids.cpu()
+        labels = mb.labels.cpu() if mb.labels is not None else ids
+        keep = mb.mask.cpu().bool() if mb.mask is not None else torch.ones_like(ids, dtype=torch.bool)
+        out = [token_hash(ids[i][keep[i]].tolist(), labels[i][keep[i]].tolist()) for i in range(ids.shape[0])]
+        return np.frombuffer(b"".join(out), np.uint8).reshape(-1, 16)
+
+    # -- steps --------------------------------------------------------------------------------
+    def optimizer_stepped(self, optimizer=None) -> None:
+        """One optimizer update is done: later rows belong to the next step; save state if asked."""
+        self.flush()
+        self.step += 1
+        if self.step in set(self.opt.save_optimizer_state):
+            opt = optimizer if optimizer is not None else self.optimizer
+            self._saved_states.append(save_second_moments(opt, self.model, self.out, self.step))
+
+    # -- the end ------------------------------------------------------------------------------
+    def close(self, num_rows: int | None = None) -> dict:
+        """Flush, remove the hooks, write the store and the manifest; return the manifest."""
+        if self.closed:
+            return {}
+        self.closed = True
+        try:
+            self.flush()
+        finally:
+            self.detach()
+            self.log.close()
+        n = num_rows if num_rows is not None else self.opt.num_rows
+        res = assemble_store(self.out, self.dims, n if n is not None else self._max_id() + 1,
+                             self.opt.shard_size, self.opt.keep, self.opt.storage)
+        manifest = self._manifest(res, n if n is not None else self._max_id() + 1)
+        write_manifest(self.out, manifest)
+        if not self.opt.keep_log:
+            shutil.rmtree(self.out / "capture", ignore_errors=True)
+        if res.unseen:
+            log.warning("%d training rows were never seen by the loop; stored as zeros and listed in "
+                        "manifest.json 'training.unseen_ids'", len(res.unseen))
+        return manifest
+
+    def _max_id(self) -> int:
+        from gradindex.integrations.capture_log import log_parts, read_columns
+
+        ids = [read_columns(p, ("ids",))["ids"] for p in log_parts(self.out)]
+        return int(max((x.max() for x in ids if x.size), default=-1))
+
+    def _manifest(self, res, n: int) -> dict:
+        cap, o = self.capture, self.opt
+        scales = np.asarray([s for s in self._scales if math.isfinite(s)])
+        build = {
+            "model_fingerprint": model_fingerprint(self.model),
+            "dtype": model_dtype(self.model),
+            "storage": o.storage,
+            "data_fingerprint": res.data_fingerprint,
+            "layers": {k: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
+                           "rows": cap.dims(k)[0], "cols": cap.dims(k)[1]} for k, i in cap.infos.items()},
+            "projection": self.spec.to_dict(),
+            "max_length": o.max_length,
+            "loss": LOSS_CONVENTION,
+            "shard_size": o.shard_size,
+            "batch_size": self._max_batch,
+        }
+        return {
+            "format_version": FORMAT_VERSION,
+            "library_version": gradindex.__version__,
+            "status": "complete",
+            "model_id": o.model_id,
+            "data_id": o.data_id,
+            "build": build,
+            "config": {"projection": self.spec.to_dict(), "layers": list(o.layers), "max_length": o.max_length,
+                       "batch_size": self._max_batch, "route": o.route, "shard_size": o.shard_size,
+                       "storage": o.storage,
+                       "collect_covariance": False, "precondition": "none"},
+            "dtype": model_dtype(self.model),
+            "counts": {"examples": n, "truncated": 0, "text_field": o.text_field,
+                       "shards": (n + o.shard_size - 1) // o.shard_size},
+            "nonfinite_ids": sorted(set(res.nonfinite) - set(res.unseen)) + res.unseen,
+            "routes": dict(cap.route_counts),
+            "training": {
+                "source": "in-loop capture (gradindex.integrations)",
+                "loss_scale": {
+                    "how": "given" if o.loss_scale is not None else "fitted on the output logits' gradient",
+                    "undone": True,
+                    "micro_batches": len(self._scales),
+                    "min": float(scales.min()) if scales.size else None,
+                    "max": float(scales.max()) if scales.size else None,
+                    "per_row": "store column training/loss_scale",
+                },
+                "steps": self.step,
+                "keep": o.keep,
+                "times_seen_max": res.seen_max,
+                "log_rows": res.log_rows,
+                "unseen_ids": res.unseen,
+                "optimizer_state": self._saved_states,
+                "seconds": round(time.perf_counter() - self._t0, 3),
+                **o.extra,
+            },
+        }

@@ -1,0 +1,81 @@
+"""The plain-PyTorch-loop form: a context manager around the user's unchanged loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from torch import nn
+
+from gradindex.integrations.live import CaptureOptions, LiveCapture
+
+
+def capture_options(options: dict) -> CaptureOptions:
+    """:class:`CaptureOptions` from keyword arguments, naming any that is not one."""
+    known = {f.name for f in dataclasses.fields(CaptureOptions)}
+    bad = sorted(set(options) - known)
+    if bad:
+        raise TypeError(f"unknown capture option(s) {bad}; options are {sorted(known - {'extra'})}")
+    return CaptureOptions(**options)
+
+
+class GradIndexCapture:
+    """Capture per-example projected gradients inside a plain training loop::
+
+        with GradIndexCapture(model, "my-index", optimizer=opt, projection="16") as cap:
+            for epoch in range(E):
+                cap.epoch = epoch
+                for batch in loader:                        # each batch carries "gradindex_row"
+                    loss = model(**batch).loss / accum      # the model drops "gradindex_row"
+                    loss.backward()
+                    ...opt.step(); opt.zero_grad()
+
+    Row ids come with the batch (the ``gradindex_row`` input, removed before the model's forward
+    runs) or from :meth:`batch` called before the forward. With ``optimizer`` given, steps and the
+    learning rate are read from it (a step post-hook). The store and manifest are written when the
+    block exits normally; after an exception the rows so far stay in ``out_dir/capture``.
+    Options: :class:`gradindex.integrations.live.CaptureOptions`.
+    """
+
+    def __init__(self, model: nn.Module, out_dir: str | os.PathLike, optimizer=None, **options):
+        self.live = LiveCapture(model, out_dir, capture_options(options))
+        self.optimizer = optimizer
+        self.manifest: dict = {}
+        self._opt_handle = None
+        if optimizer is not None:
+            self.live.set_optimizer(optimizer)
+
+    @property
+    def epoch(self) -> float:
+        return self.live.epoch
+
+    @epoch.setter
+    def epoch(self, value: float) -> None:
+        self.live.epoch = value
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates done so far (the ``step`` of the rows being captured)."""
+        return self.live.step
+
+    def batch(self, row_ids, labels=None, attention_mask=None) -> None:
+        """Row ids of the next forward's examples (and its labels/mask if the model is not given them)."""
+        self.live.batch(row_ids, labels, attention_mask)
+
+    def __enter__(self) -> GradIndexCapture:
+        self.live.attach()
+        if self.optimizer is not None:
+            self._opt_handle = self.optimizer.register_step_post_hook(
+                lambda opt, args, kwargs: self.live.optimizer_stepped(opt))
+        elif self.live.opt.save_optimizer_state:
+            raise ValueError("save_optimizer_state needs the optimizer: pass optimizer= to GradIndexCapture")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._opt_handle is not None:
+            self._opt_handle.remove()
+        if exc_type is not None:
+            self.live.detach()
+            self.live.log.close()
+            return
+        self.manifest = self.live.close()

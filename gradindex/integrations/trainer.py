@@ -1,0 +1,71 @@
+"""The ``transformers.Trainer`` form (TRL's ``SFTTrainer`` is a Trainer too): a callback."""
+
+from __future__ import annotations
+
+import os
+
+from transformers import TrainerCallback
+
+from gradindex.integrations.live import MISSING_ROWS, ROW_KEY, LiveCapture
+from gradindex.integrations.loop import capture_options
+
+
+class GradIndexCallback(TrainerCallback):
+    """Capture every training example's projected gradient from the Trainer's own backward::
+
+        train = with_row_ids(train)          # a 'gradindex_row' column: each row's position
+        args = TrainingArguments(..., remove_unused_columns=False)
+        trainer = Trainer(model, args, train_dataset=train, data_collator=collator,
+                          callbacks=[GradIndexCallback("my-index", projection="16")])
+        trainer.train()                      # the store and manifest are written at the end
+
+    Options are ``gradindex build``'s (``projection``, ``layers``, ``seed``, ...) and those of
+    :class:`gradindex.integrations.live.CaptureOptions`. Rows carry the step (``state.global_step``
+    before the update), the epoch (``state.epoch``) and the learning rate of their update.
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, **options):
+        self.out_dir = out_dir
+        self.options = capture_options(options)
+        self.live: LiveCapture | None = None
+        self.manifest: dict = {}
+        self._num_rows: int | None = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kw):
+        dataset = getattr(train_dataloader, "dataset", None)
+        cols = getattr(dataset, "column_names", None)
+        if cols is not None and ROW_KEY not in cols:
+            raise ValueError(MISSING_ROWS)
+        if cols is not None and args.remove_unused_columns:
+            raise ValueError(
+                f"TrainingArguments(remove_unused_columns=True) drops the '{ROW_KEY}' column before the "
+                "collator, so gradients cannot be mapped to training rows; set remove_unused_columns=False "
+                "(and give the data set only the columns the collator takes)"
+            )
+        if self.options.num_rows is None and dataset is not None and hasattr(dataset, "__len__"):
+            self._num_rows = len(dataset)
+        if not self.options.model_id:
+            self.options.model_id = str(args.output_dir)
+        self.live = LiveCapture(model, self.out_dir, self.options)
+        self.live.set_optimizer(optimizer)
+        self.live.step = state.global_step
+        self.live.epoch = state.epoch or 0.0
+        self.live.attach()
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.live.step = state.global_step
+        self.live.epoch = state.epoch or 0.0
+
+    def on_substep_end(self, args, state, control, **kw):
+        self.live.flush()
+
+    def on_pre_optimizer_step(self, args, state, control, **kw):
+        self.live.flush()
+
+    def on_step_end(self, args, state, control, optimizer=None, **kw):
+        self.live.optimizer_stepped(optimizer)
+        self.live.step = state.global_step
+
+    def on_train_end(self, args, state, control, **kw):
+        if self.live is not None and not self.live.closed:
+            self.manifest = self.live.close(self._num_rows)

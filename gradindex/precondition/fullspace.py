@@ -1,0 +1,343 @@
+"""Full-space (unprojected) K-FAC and EK-FAC, from two model passes, never forming a per-example gradient.
+
+Per hooked layer, with ``a_t`` ``[N_i(+1)]`` and ``g_t`` ``[N_o]`` the per-token factors
+(:mod:`gradindex.capture.tokens`) and ``G_n = Σ_t g_t a_tᵀ``:
+
+1. factor pass: ``A = mean_tokens a aᵀ``, ``S = mean_tokens g gᵀ`` (float32 products per batch,
+   float64 sums); eigendecompose in float64: ``A = Q_A Λ_A Q_Aᵀ``, ``S = Q_S Λ_S Q_Sᵀ``;
+2. correction pass (EK-FAC): ``Λ*_ij = mean_n (Q_Sᵀ G_n Q_A)²_ij`` with
+   ``Q_Sᵀ G_n Q_A = Σ_t (Q_Sᵀ g_t)(Q_Aᵀ a_t)ᵀ``: the factorized "projection" by the eigenbases, done
+   per token in the model pass in float32, squared per example and summed in float64.
+
+Cost per example and layer: ``T (N_i² + N_o²)`` for each pass's products plus ``T N_i N_o`` for the
+rotated outer products, against ``N_o N_i (N_o + N_i)`` per example for rotating dense gradients.
+
+A build with ``BuildConfig(full_factors=True)`` (``gradindex build --full-factors``) sums ``A`` and
+``S`` in its capture pass (store group ``covariance_full``); the fit then skips its factor pass.
+
+Output, beside the stored-space files: ``precond/kfac-full.h5`` and (EK-FAC) ``precond/ekfac-full.h5``,
+the same layout as ``precond/<method>.h5`` with ``[N_o, N_i(+1)]`` matrices and no self-influence,
+registered in the manifest under ``full_space``. Progress is checkpointed to
+``precond/full-space.state.npz`` every ``checkpoint_seconds``; a killed fit re-run with the same
+settings resumes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+import gradindex
+from gradindex.capture.batch import batch_gradients
+from gradindex.capture.tokens import TokenCapture
+from gradindex.checksum import damage_error
+from gradindex.data import Tokenized
+from gradindex.fingerprint import digest_bytes
+from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
+from gradindex.methods import BASE_METHODS, parse_method
+from gradindex.precondition.apply import eigendecompose, kfac_eigenvalues
+from gradindex.precondition.factors import (
+    data_fingerprint,
+    load_build_data,
+    load_build_model,
+    sample_rows,
+)
+from gradindex.precondition.files import (
+    PRECOND_DIR,
+    LayerFactors,
+    check_fingerprints,
+    precond_path,
+    read_layers,
+    write_precond,
+)
+from gradindex.precondition.preconditioner import Preconditioner
+from gradindex.store import Store
+from gradindex.store.repair import check_store
+
+log = logging.getLogger("gradindex")
+FULL = "-full"
+STATE = "full-space.state.npz"
+
+
+def full_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
+    """layer → ``(N_o, N_i(+1))`` of its full-space gradient matrix, model order."""
+    return {n: (int(v["n_out"]), int(v["n_in"]) + int(bool(v["bias"]))) for n, v in manifest["build"]["layers"].items()}
+
+
+def full_path(index_dir: str | os.PathLike, method: str) -> Path:
+    return precond_path(index_dir, method + FULL)
+
+
+class _FactorSums:
+    """Visitor of the factor pass: ``Σ a aᵀ`` and ``Σ g gᵀ`` per layer (float64)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int]]):
+        self.A = {n: np.zeros((c, c)) for n, (_, c) in shapes.items()}
+        self.S = {n: np.zeros((r, r)) for n, (r, _) in shapes.items()}
+
+    def __call__(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
+        a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+        self.A[name] += (a2.T @ a2).double().cpu().numpy()
+        self.S[name] += (g2.T @ g2).double().cpu().numpy()
+
+
+class _CorrectionSums:
+    """Visitor of the correction pass: ``Σ_n (Q_Sᵀ G_n Q_A)²`` per layer, rotated per token in float32."""
+
+    def __init__(self, bases: dict[str, tuple[np.ndarray, np.ndarray]], device: torch.device):
+        self.Q = {n: (torch.as_tensor(qs, dtype=torch.float32, device=device),
+                      torch.as_tensor(qa, dtype=torch.float32, device=device)) for n, (qs, qa) in bases.items()}
+        self.sums = {n: np.zeros((qs.shape[0], qa.shape[0])) for n, (qs, qa) in bases.items()}
+
+    def __call__(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
+        Q_S, Q_A = self.Q[name]
+        R = torch.bmm((g @ Q_S).transpose(1, 2), a @ Q_A)  # [B, N_o, N_i(+1)] = Q_Sᵀ G_b Q_A
+        self.sums[name] += R.square_().sum(0).double().cpu().numpy()
+
+
+def build_pass_factors(index_dir: str | os.PathLike, layers: list[str]) -> tuple[dict, int] | None:
+    """``({"A/<layer>": Σ a aᵀ, "S/<layer>": Σ g gᵀ}, tokens)`` summed over the shards' ``covariance_full``
+    groups (a build with ``full_factors``), or ``None`` unless every shard has finite ones."""
+    with Store(index_dir) as store:
+        paths = list(store.paths)
+    arrays: dict[str, np.ndarray] = {}
+    tokens = 0
+    for path in paths:
+        with h5py.File(path, "r") as f:
+            grp = f.get("covariance_full")
+            if grp is None or any(n not in grp for n in layers):
+                return None
+            for n in layers:
+                for side in ("A", "S"):
+                    x = grp[n][side][:]
+                    if not np.isfinite(x).all():
+                        return None
+                    key = f"{side}/{n}"
+                    arrays[key] = arrays[key] + x if key in arrays else x
+            tokens += int(grp[layers[0]].attrs["tokens"])
+    return arrays, tokens
+
+
+def _batches(rows: np.ndarray, start: int, size: int):
+    for s in range(start, len(rows), size):
+        yield s, rows[s:s + size]
+
+
+def _model_pass(model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: list[str], visit, start: int,
+                batch_size: int, desc: str, progress: bool, checkpoint) -> int:
+    """Forward + weight-free backward over ``rows[start:]``; ``checkpoint(done)`` now and then; tokens seen."""
+    tokens = 0
+    with TokenCapture(model, layers, visit) as cap, \
+            tqdm(total=len(rows), initial=start, unit="ex", desc=desc, disable=not progress) as bar:
+        for s, idx in _batches(rows, start, batch_size):
+            ids = [data.input_ids[i] for i in idx]
+            batch_gradients(model, cap, ids, [data.labels[i] for i in idx], pad_id)
+            tokens += sum(len(x) for x in ids)
+            bar.update(len(idx))
+            checkpoint(s + len(idx), tokens)
+    return tokens
+
+
+class _State:
+    """The resumable state of a fit: stage, rows done, sums; saved atomically to ``precond/`` now and then."""
+
+    def __init__(self, path: Path, key: str, every: float):
+        self.path, self.key, self.every = path, key, every
+        self.stage, self.done, self.tokens = "factors", 0, 0
+        self.arrays: dict[str, np.ndarray] = {}
+        self._last = time.monotonic()
+
+    def load(self) -> bool:
+        if not self.path.exists():
+            return False
+        try:
+            with np.load(self.path, allow_pickle=False) as z:
+                if str(z["key"]) != self.key:
+                    return False
+                self.stage, self.done, self.tokens = str(z["stage"]), int(z["done"]), int(z["tokens"])
+                self.arrays = {k[2:]: z[k] for k in z.files if k.startswith("a:")}
+        except (OSError, ValueError, KeyError):  # torn file: start over
+            return False
+        return True
+
+    def save(self) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp.npz")
+        np.savez(tmp, key=self.key, stage=self.stage, done=self.done, tokens=self.tokens,
+                 **{f"a:{k}": v for k, v in self.arrays.items()})
+        os.replace(tmp, self.path)
+        self._last = time.monotonic()
+
+    def maybe_save(self, force: bool = False) -> None:
+        if force or time.monotonic() - self._last >= self.every:
+            self.save()
+
+
+def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None, data: Tokenized | None = None,
+                   progress: bool = False, checkpoint_seconds: float = 60.0) -> dict:
+    """Fit full-space K-FAC (and EK-FAC when ``cfg.method == 'ekfac'``); return the manifest's ``full_space``.
+
+    ``cfg`` is a :class:`~gradindex.precondition.fit.FitConfig`; its ``fit_data`` / ``fit_examples``
+    choose the fit set as for the stored-space fit (default: every finite indexed example).
+    """
+    t0 = time.perf_counter()
+    manifest = read_complete_manifest(index_dir, "fit")
+    shapes = full_shapes(manifest)
+    layers = list(shapes)
+    if model is None or tokenizer is None:
+        model, tokenizer = load_build_model(manifest, cfg.device)
+    device = next(model.parameters()).device
+    skip = set(manifest.get("nonfinite_ids", []))
+    if cfg.fit_data:
+        data = load_build_data(manifest, tokenizer, str(Path(cfg.fit_data)), check=False)
+        rows = sample_rows(len(data), cfg.fit_examples, cfg.seed)
+        source = cfg.fit_data
+    else:
+        data = data if data is not None else load_build_data(manifest, tokenizer)
+        rows = np.array([r for r in sample_rows(len(data), cfg.fit_examples, cfg.seed) if int(r) not in skip],
+                        dtype=np.int64)
+        source = manifest.get("data_id", "")
+    if len(rows) == 0:
+        raise ValueError("the fit set is empty; pass --fit-data with examples, or a larger --fit-examples")
+    bs = int(manifest.get("config", {}).get("batch_size", 8))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    fp = data_fingerprint(data)
+    key = digest_bytes([json.dumps([manifest["build"]["model_fingerprint"], fp, layers, rows.tolist(), bs,
+                                    cfg.method]).encode()])
+    (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
+    state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
+    from_build = None if (cfg.fit_data or cfg.fit_examples) else build_pass_factors(index_dir, layers)
+    if from_build is not None:
+        damage = check_store(index_dir, full=True, manifest=manifest)
+        if damage:
+            raise damage_error(index_dir, damage, then="fit")
+    if state.load():
+        log.info("resuming the full-space fit at %s, %d/%d examples", state.stage, state.done, len(rows))
+    elif from_build is not None:  # the build pass summed the factors: only the correction pass is left
+        state.arrays, state.tokens = from_build
+        state.stage = "correction" if cfg.method == "ekfac" else "done"
+    was = {n: p.requires_grad for n, p in model.named_parameters()}
+    model.requires_grad_(False)
+    phases: dict[str, list[float]] = {}
+    clock = [time.perf_counter(), time.process_time()]
+
+    def lap(name: str) -> None:
+        now = [time.perf_counter(), time.process_time()]
+        phases[name] = [round(now[0] - clock[0], 3), round(now[1] - clock[1], 3)]
+        clock[:] = now
+
+    try:
+        if state.stage == "factors":
+            fs = _FactorSums(shapes)
+            for n in layers:
+                if f"A/{n}" in state.arrays:
+                    fs.A[n], fs.S[n] = state.arrays[f"A/{n}"].copy(), state.arrays[f"S/{n}"].copy()
+
+            def ckpt(done: int, tokens: int, base=state.tokens) -> None:
+                state.done, state.tokens = done, base + tokens
+                state.arrays = {**{f"A/{n}": fs.A[n] for n in layers}, **{f"S/{n}": fs.S[n] for n in layers}}
+                state.maybe_save(done == len(rows))
+
+            _model_pass(model, pad_id, data, rows, layers, fs, state.done, bs, "full-space factors", progress, ckpt)
+            state.stage, state.done = ("correction" if cfg.method == "ekfac" else "done"), 0
+            state.maybe_save(force=True)
+            lap("factor_pass")
+        tokens = state.tokens
+        factors = {}
+        for n in layers:
+            A, S = state.arrays[f"A/{n}"] / tokens, state.arrays[f"S/{n}"] / tokens
+            if not (np.isfinite(A).all() and np.isfinite(S).all()):
+                raise ValueError(f"the full-space factors of layer {n!r} are not finite; some fit examples have "
+                                 "non-finite activations or gradients (fit on others with --fit-data)")
+            lam_A, Q_A = eigendecompose(A)
+            lam_S, Q_S = eigendecompose(S)
+            factors[n] = LayerFactors(A, S, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, len(rows))
+        written = {"kfac": factors}
+        lap("eigendecomposition")
+        if cfg.method == "ekfac":
+            cs = _CorrectionSums({n: (f.Q_S, f.Q_A) for n, f in factors.items()}, device)
+            for n in layers:
+                if f"C/{n}" in state.arrays:
+                    cs.sums[n] = state.arrays[f"C/{n}"].copy()
+            if state.stage == "correction":
+                keep = {k: v for k, v in state.arrays.items() if not k.startswith("C/")}
+
+                def ckpt2(done: int, _tokens: int) -> None:
+                    state.done = done
+                    state.arrays = {**keep, **{f"C/{n}": cs.sums[n] for n in layers}}
+                    state.maybe_save(done == len(rows))
+
+                _model_pass(model, pad_id, data, rows, layers, cs, state.done, bs, "eigenvalue correction",
+                            progress, ckpt2)
+            written["ekfac"] = {n: LayerFactors(**{**asdict(f), "Lambda": cs.sums[n] / len(rows)})
+                                for n, f in factors.items()}
+            lap("correction_pass")
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(was[n])
+    fit = {"source": "model pass" if from_build is None else "build pass + model pass", "space": "full",
+           "data": source, "data_fingerprint": fp,
+           "examples": int(len(rows)), "tokens": {n: int(tokens) for n in layers},
+           "tokens_per_example": round(tokens / len(rows), 3),
+           "phase_seconds": phases}  # [wall, process CPU] of each phase run now
+    if cfg.fit_examples:
+        fit["sample_seed"] = cfg.seed
+    for m, fac in written.items():
+        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit)
+    seconds = time.perf_counter() - t0
+    manifest = read_manifest(index_dir)
+    entries = manifest.setdefault("full_space", {})
+    for m in written:
+        entries[m] = {"file": f"{PRECOND_DIR}/{m}{FULL}.h5", "fit": fit, "config": asdict(cfg),
+                      "seconds": round(seconds, 3), "library_version": gradindex.__version__}
+    write_manifest(index_dir, manifest)
+    state.path.unlink(missing_ok=True)
+    log.info("fitted full-space %s on %s in %.1f s", "+".join(written), index_dir, seconds)
+    return entries
+
+
+def full_space_methods(index_dir: str | os.PathLike) -> list[str]:
+    """Methods whose full-space curvature this index has (``graddot``, ``cosine`` always)."""
+    manifest = read_manifest(index_dir)
+    out = list(BASE_METHODS)
+    unprojected = manifest["build"]["projection"].get("kind") == "none"
+    for m in ("kfac", "ekfac"):
+        if (m in manifest.get("full_space", {}) and full_path(index_dir, m).exists()) or (
+                unprojected and m in manifest.get("preconditioners", {}) and precond_path(index_dir, m).exists()):
+            out.append(m)
+    return out
+
+
+def load_full_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditioner:
+    """The full-space preconditioner of ``method`` over ``[N_o, N_i(+1)]`` rows.
+
+    From ``precond/<method>-full.h5``, or, for an unprojected index, its stored-space fit (the same
+    space). ``graddot``/``cosine`` (and their ``-selfnorm``) give the identity.
+    """
+    base, _ = parse_method(method)
+    manifest = read_manifest(index_dir)
+    shapes = full_shapes(manifest)
+    if base in BASE_METHODS:
+        return Preconditioner(base, shapes)
+    path = full_path(index_dir, base)
+    if not (base in manifest.get("full_space", {}) and path.exists()):
+        if manifest["build"]["projection"].get("kind") == "none" and base in manifest.get("preconditioners", {}):
+            path = precond_path(index_dir, base)
+        else:
+            raise FileNotFoundError(
+                f"index {str(Path(index_dir))!r} has no full-space {base} curvature; add it with "
+                f"`gradindex precondition {index_dir} --method {base} --space full`")
+    check_fingerprints(path, manifest, base)
+    curv = read_layers(path)
+    if set(curv) != set(shapes):
+        raise ValueError(f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it "
+                         f"with `gradindex precondition {index_dir} --method {base} --space full`")
+    return Preconditioner(base, shapes, curv)

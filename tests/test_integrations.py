@@ -1,0 +1,347 @@
+"""In-loop capture (plain loop and HF Trainer) against the offline build and torch.func gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gradindex.capture import ProjectionSpec
+from gradindex.data import collate, records_from_texts, tokenize_records
+from gradindex.integrations import ROW_KEY, GradIndexCapture, with_row_ids
+from gradindex.store import Store
+from gradindex.store.builder import BuildConfig, build_store
+from tests.conftest import make_texts
+
+N = 32
+
+
+@pytest.fixture(scope="module")
+def data(tokenizer):
+    return tokenize_records(records_from_texts(make_texts(N, seed=3, max_words=20)), tokenizer, 64)
+
+
+def _model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+
+
+def _offline(model_dir, tokenizer, data, out, projection="8"):
+    model = _model(model_dir).eval()
+    cfg = BuildConfig(projection=ProjectionSpec.parse(projection), shard_size=16, batch_size=8)
+    build_store(model, tokenizer, data, out, cfg, progress=False)
+    return out
+
+
+def _rows(index_dir) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    with Store(index_dir) as s:
+        ids, blocks = zip(*s.iter_blocks())
+        return np.concatenate(ids), {n: np.concatenate([b[n] for b in blocks]) for n in s.layers}
+
+
+def assert_rows_close(a: dict, b: dict, rtol: float) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        err = np.linalg.norm(a[n] - b[n], axis=1) / np.maximum(np.linalg.norm(b[n], axis=1), 1e-30)
+        assert err.max() < rtol, (n, float(err.max()))
+
+
+def plain_loop(model, data, pad_id, cap=None, steps_per_epoch=None, lr=0.0, accum=2, micro=4, epochs=1,
+               seed=0, autocast=False, on_step=None):
+    """A user's loop: shuffled micro-batches, HF mean loss / accum, AdamW. Returns the losses."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    if cap is not None:
+        cap = cap(opt)
+    losses = []
+    ctx = cap if cap is not None else _Null()
+    with ctx:
+        model.train()
+        for epoch in range(epochs):
+            if cap is not None:
+                cap.epoch = epoch
+            order = torch.randperm(len(data), generator=g).tolist()
+            for k in range(0, len(order), micro):
+                idx = order[k:k + micro]
+                b = collate([data.input_ids[i] for i in idx], [data.labels[i] for i in idx], pad_id)
+                if cap is not None:
+                    b[ROW_KEY] = torch.tensor(idx)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = model(**b).loss / accum
+                loss.backward()
+                losses.append(loss.item())
+                if (k // micro + 1) % accum == 0:
+                    if on_step is not None:
+                        on_step(model)
+                    opt.step()
+                    opt.zero_grad()
+    return losses
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return None
+
+
+def test_plain_loop_lr0_accumulation_equals_offline_build(tmp_path, gpt2_dir, tokenizer, data):
+    off = _offline(gpt2_dir, tokenizer, data, tmp_path / "off")
+    model = _model(gpt2_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    holder = {}
+
+    def cap(opt):
+        holder["c"] = GradIndexCapture(model, tmp_path / "live", optimizer=opt, projection="8", shard_size=16,
+                                       record_loss=True, num_rows=N)
+        return holder["c"]
+
+    plain_loop(model, data, tokenizer.pad_token_id, cap=cap)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ids_l, live = _rows(tmp_path / "live")
+    ids_o, ref = _rows(off)
+    assert (ids_l == np.arange(N)).all() and (ids_o == ids_l).all()
+    assert_rows_close(live, ref, 1e-4)
+    m = holder["c"].manifest
+    from gradindex.manifest import read_manifest
+
+    mo = read_manifest(off)
+    assert m["build"]["data_fingerprint"] == mo["build"]["data_fingerprint"]
+    assert m["build"]["model_fingerprint"] == mo["build"]["model_fingerprint"]
+    assert m["training"]["steps"] == N // 8 and m["training"]["unseen_ids"] == []
+    with Store(tmp_path / "live") as s, Store(off) as so:
+        np.testing.assert_allclose(s.column("loss"), so.column("loss"), rtol=1e-4)
+        assert (s.column("num_tokens") == so.column("num_tokens")).all()
+        steps = s.column("training/step")
+        assert sorted(np.bincount(steps).tolist()) == [8] * (N // 8)  # 8 rows (2 micro-batches) per step
+        # the mean over the micro-batch's target tokens, divided by the accumulation steps
+        scale = s.column("training/loss_scale")
+        assert np.all(scale > 0) and np.all(scale < 1 / 2 / 4 + 1e-9)
+
+
+def _trainer(model, tokenizer, data, out, lr, callbacks=(), rows=True, accum=2, epochs=1, **kw):
+    pytest.importorskip("accelerate")
+    import datasets
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    ds = datasets.Dataset.from_dict({"input_ids": data.input_ids})
+    if rows:
+        ds = with_row_ids(ds)
+    args = TrainingArguments(str(out), per_device_train_batch_size=4, gradient_accumulation_steps=accum,
+                             learning_rate=lr, num_train_epochs=epochs, report_to=[], use_cpu=True,
+                             save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+                             remove_unused_columns=not rows, **kw)
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    return Trainer(model, args, train_dataset=ds, data_collator=collator, callbacks=list(callbacks))
+
+
+def test_trainer_callback_lr0_equals_offline_build_and_cli_works(tmp_path, gpt2_dir, tokenizer, data):
+    from gradindex.integrations import GradIndexCallback
+
+    off = _offline(gpt2_dir, tokenizer, data, tmp_path / "off")
+    model = _model(gpt2_dir)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    jsonl = tmp_path / "train.jsonl"
+    records_from_texts(make_texts(N, seed=3, max_words=20)).to_json(jsonl)
+    cb = GradIndexCallback(tmp_path / "live", projection="8", shard_size=16, model_id=str(gpt2_dir),
+                           data_id=str(jsonl))
+    _trainer(model, tokenizer, data, tmp_path / "tr", lr=0.0, callbacks=[cb]).train()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ids, live = _rows(tmp_path / "live")
+    _, ref = _rows(off)
+    assert (ids == np.arange(N)).all()
+    assert_rows_close(live, ref, 1e-4)
+    m = cb.manifest
+    assert m["training"]["steps"] == N // 8 and not m["training"]["unseen_ids"]
+    with Store(tmp_path / "live") as s:
+        assert (s.column("training/times_seen") == 1).all()
+        # Trainer: the loss is divided by num_items_in_batch, one count over both micro-batches of a step
+        # (this transformers counts the unshifted labels, one more per row, when the config names no loss_type:
+        # the measured scale follows whatever the Trainer does)
+        ntok, steps, scale = s.column("num_tokens"), s.column("training/step"), s.column("training/loss_scale")
+        for st in np.unique(steps):
+            count = 1 / scale[steps == st]
+            assert np.allclose(count, np.round(count[0]), rtol=1e-6)
+            assert ntok[steps == st].sum() <= round(count[0]) <= ntok[steps == st].sum() + (steps == st).sum()
+    # the later stages run on it
+    from click.testing import CliRunner
+
+    from gradindex.cli import main
+
+    runner = CliRunner()
+    r = runner.invoke(main, ["precondition", str(tmp_path / "live"), "--method", "kfac", "--quiet"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(main, ["index", str(tmp_path / "live"), "--cpu-index"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(main, ["query", str(tmp_path / "live"), "--text", "the cat sat on a mat", "-k", "3",
+                             "--method", "kfac", "--json"])
+    assert r.exit_code == 0, r.output
+
+
+def test_trainer_parameters_bit_identical_with_and_without_callback(tmp_path, gpt2_dir, tokenizer, data):
+    from gradindex.integrations import GradIndexCallback
+
+    finals = []
+    for with_cb in (False, True):
+        model = _model(gpt2_dir)
+        cbs = [GradIndexCallback(tmp_path / "live", projection="8", shard_size=16,
+                                 save_optimizer_state=[2])] if with_cb else []
+        _trainer(model, tokenizer, data, tmp_path / f"tr{with_cb}", lr=1e-2, callbacks=cbs, rows=with_cb).train()
+        finals.append(model.state_dict())
+    for k in finals[0]:
+        assert torch.equal(finals[0][k], finals[1][k]), k
+    from safetensors.torch import load_file
+
+    st = load_file(tmp_path / "live" / "optimizer" / "step-0000002.safetensors")
+    assert "transformer.h.0.attn.c_attn.weight.exp_avg_sq" in st and len(st) == len(list(model.parameters()))
+
+
+def test_trainer_without_row_column_names_the_fix(tmp_path, gpt2_dir, tokenizer, data):
+    from gradindex.integrations import GradIndexCallback
+
+    cb = GradIndexCallback(tmp_path / "live")
+    t = _trainer(_model(gpt2_dir), tokenizer, data, tmp_path / "tr", lr=0.0, callbacks=[cb], rows=False)
+    with pytest.raises(ValueError, match="gradindex_row"):
+        t.train()
+
+
+def _func_grads(model, layer_names, ids, labels):
+    """Per-example ``G`` ``[N_o, N_i+1]`` of the summed token loss, from torch.func at the model's parameters."""
+    from torch.func import functional_call, grad
+
+    from gradindex.capture import layer_info
+    from gradindex.data import per_example_loss
+
+    mods = dict(model.named_modules())
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    keys = [k for n in layer_names for k in (f"{n}.weight", f"{n}.bias")]
+
+    def loss_fn(p, x, y):
+        out = functional_call(model, {**params, **p}, (x,), {"use_cache": False})
+        return per_example_loss(out.logits, y)[0].sum()
+
+    x, y = torch.tensor([ids]), torch.tensor([labels])
+    g = grad(loss_fn)({k: params[k] for k in keys}, x, y)
+    return {n: layer_info(mods[n]).weight_grad_to_G(g[f"{n}.weight"], g[f"{n}.bias"]).reshape(-1).numpy()
+            for n in layer_names}
+
+
+def test_plain_loop_real_lr_rows_equal_torch_func_gradients_at_each_step(tmp_path, gpt2_dir, tokenizer, data):
+    model = _model(gpt2_dir)
+    snapshots = []  # parameters in force during each step's micro-batches
+    plain_loop(model, data, tokenizer.pad_token_id, lr=3e-2, epochs=2,
+               cap=lambda opt: GradIndexCapture(model, tmp_path / "live", optimizer=opt, projection="none",
+                                                keep_log=True, num_rows=N),
+               on_step=lambda m: snapshots.append({k: v.clone() for k, v in m.state_dict().items()}))
+    assert len(snapshots) == 2 * N // 8
+    from gradindex.integrations.capture_log import log_parts, read_columns
+
+    ids, live = _rows(tmp_path / "live")
+    with Store(tmp_path / "live") as s:
+        steps, lr, epoch = s.column("training/step"), s.column("training/lr"), s.column("training/epoch")
+        assert (s.column("training/times_seen") == 2).all()
+    assert (epoch == 1).all() and (steps >= N // 8).all() and np.allclose(lr, 3e-2)  # keep="last": epoch 2
+    (part,) = log_parts(tmp_path / "live")
+    assert len(read_columns(part)["ids"]) == 2 * N  # the log keeps both epochs
+    ref = _model(gpt2_dir).eval()
+    names = list(live)
+    for i in range(0, N, 5):
+        ref.load_state_dict(snapshots[int(steps[i])])
+        want = _func_grads(ref, names, data.input_ids[i], data.labels[i])
+        for n in names:
+            err = np.linalg.norm(live[n][i] - want[n]) / np.linalg.norm(want[n])
+            assert err < 1e-4, (i, n, err)
+    # the parameters moved between steps, so the check above is not the lr-0 one again
+    assert not torch.equal(snapshots[0]["transformer.h.0.attn.c_attn.weight"],
+                           snapshots[-1]["transformer.h.0.attn.c_attn.weight"])
+
+
+@pytest.mark.parametrize("arch,checkpointing", [("llama", None), ("gpt2", True), ("gpt2", False)])
+def test_llama_and_gradient_checkpointing_equal_offline_build(tmp_path, request, tokenizer, data, arch,
+                                                              checkpointing):
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    off = _offline(model_dir, tokenizer, data, tmp_path / "off")
+    model = _model(model_dir)
+    if checkpointing is not None:  # hooks also fire on the recomputed forward: rows must not double
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    plain_loop(model, data, tokenizer.pad_token_id,
+               cap=lambda opt: GradIndexCapture(model, tmp_path / "live", optimizer=opt, projection="8",
+                                                shard_size=16))
+    _, live = _rows(tmp_path / "live")
+    _, ref = _rows(off)
+    assert_rows_close(live, ref, 1e-4)
+
+
+def test_bf16_autocast_rows_match_offline_build_to_bf16_precision(tmp_path, gpt2_dir, tokenizer, data):
+    off = _offline(gpt2_dir, tokenizer, data, tmp_path / "off")
+    model = _model(gpt2_dir)
+    plain_loop(model, data, tokenizer.pad_token_id, autocast=True,
+               cap=lambda opt: GradIndexCapture(model, tmp_path / "live", optimizer=opt, projection="8",
+                                                shard_size=16))
+    _, live = _rows(tmp_path / "live")
+    _, ref = _rows(off)
+    assert_rows_close(live, ref, 5e-2)  # bf16 activations and output gradients: ~1e-2 per row
+    for n in live:  # the scale is undone: no systematic factor left
+        ratio = np.linalg.norm(live[n], axis=1) / np.linalg.norm(ref[n], axis=1)
+        assert abs(np.median(ratio) - 1) < 1e-2
+
+
+def test_bad_input_errors(tmp_path, gpt2_dir, tokenizer, data):
+    model = _model(gpt2_dir).train()
+    b = collate(data.input_ids[:4], data.labels[:4], tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="gradindex_row"), GradIndexCapture(model, tmp_path / "a"):
+        model(**b).loss.backward()
+    with pytest.raises(ValueError, match="4 examples"), GradIndexCapture(model, tmp_path / "b") as cap:
+        cap.batch([0, 1])
+        model(**b)
+    with pytest.raises(ValueError, match="per-example weights"), GradIndexCapture(model, tmp_path / "c") as cap:
+        cap.batch(range(4))
+        logits = model(**b).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), b["labels"][:, 1:], reduction="none")
+        (loss.sum(1) * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
+        cap.live.flush()
+    with torch.no_grad():  # peaky predictions: at uniform ones label smoothing is a pure rescaling
+        model.transformer.wte.weight.mul_(30)
+    with pytest.raises(ValueError, match="label smoothing"), GradIndexCapture(model, tmp_path / "c2") as cap:
+        cap.batch(range(4))
+        logits = model(**b).logits
+        torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), b["labels"][:, 1:],
+                                          label_smoothing=0.1).backward()
+        cap.live.flush()
+    model.transformer.h[0].requires_grad_(False)
+    model.transformer.wte.requires_grad_(False)
+    model.transformer.wpe.requires_grad_(False)
+    with pytest.raises(ValueError, match="frozen"), GradIndexCapture(model, tmp_path / "d") as cap:
+        cap.batch(range(4))
+        model(**b).loss.backward()
+        cap.live.flush()
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        GradIndexCapture(model, tmp_path / "f")
+    with pytest.raises(FileExistsError, match="refusing"):
+        GradIndexCapture(model, tmp_path / "f", overwrite=True)
+    assert (tmp_path / "f" / "notes.txt").exists()
+    with pytest.raises(TypeError, match="unknown capture option"):
+        GradIndexCapture(model, tmp_path / "e", projektion="8")
+
+
+def test_keep_rows_carries_ids_past_a_collator_and_refuses_packing():
+    from gradindex.integrations import keep_rows
+
+    def plain(examples):  # drops every column it does not know, as TRL's collator does
+        return {"input_ids": torch.tensor([e["input_ids"] for e in examples])}
+
+    def packing(examples):
+        return {"input_ids": torch.tensor([sum((e["input_ids"] for e in examples), [])])}
+
+    ex = [{"input_ids": [1, 2], ROW_KEY: 7}, {"input_ids": [3, 4], ROW_KEY: 2}]
+    assert keep_rows(plain)(ex)[ROW_KEY].tolist() == [7, 2]
+    with pytest.raises(ValueError, match="packing"):
+        keep_rows(packing)(ex)
+    with pytest.raises(ValueError, match="gradindex_row"):
+        keep_rows(plain)([{"input_ids": [1, 2]}])
