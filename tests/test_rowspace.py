@@ -345,3 +345,39 @@ def test_covariance_with_a_transform_is_refused_only_for_entrywise_weights(gpt2_
 def test_optimizer_state_with_the_kfac_basis_is_refused():
     with pytest.raises(ValueError, match="projection-basis raw"):
         BuildConfig(optimizer_state="state.safetensors", basis="kfac")
+
+
+def test_verify_names_a_flipped_byte_in_the_row_basis(gpt2_dir, text_jsonl, tmp_path):
+    """``basis.h5`` is hashed into checksums.json when written; ``gradindex verify`` names a flipped byte."""
+    model, tok, data = _data(gpt2_dir, text_jsonl)
+    out = tmp_path / "idx"
+    build_store(model, tok, data, out, BuildConfig(projection=ProjectionSpec.parse("4"), basis="kfac",
+                                                   basis_examples=8, shard_size=16, max_length=48), progress=False)
+    ok = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert ok.exit_code == 0, ok.output
+    report = json.loads(ok.output)
+    assert report["damaged"] == [] and "basis.h5" not in report["unrecorded"]
+    path = out / "basis.h5"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    bad = CliRunner().invoke(main, ["verify", str(out)])
+    assert bad.exit_code == 1, bad.output
+    assert "DAMAGED basis.h5" in bad.output, bad.output
+    assert "--projection-basis kfac" in bad.output and "--overwrite" in bad.output, "the repair rebuilds the basis"
+
+
+def test_the_resume_command_names_the_budget_basis_and_optimizer_options():
+    from gradindex.manifest import build_command
+
+    m = {"model_id": "M", "data_id": "D", "config": {"budget": "1/16", "allocation": "equal",
+                                                     "optimizer_state": "/s/adam.safetensors", "adam_mode": "factored"},
+         "build": {"projection": {"kind": "gaussian", "k_a": 0, "k_g": 0, "seed": 3, "sizes": {"h.0.mlp": [4, 0]}},
+                   "basis": {"kind": "kfac", "damping": 0.3, "examples": 8}}}
+    cmd = build_command("IDX", m)
+    for part in ("--projection auto", "--budget 1/16", "--allocation equal", "--projection-basis kfac",
+                 "--basis-damping 0.3", "--fit-examples 8", "--optimizer-state /s/adam.safetensors",
+                 "--adam-mode factored", "--seed 3"):
+        assert part in cmd, (part, cmd)
+    plain = build_command("IDX", {"build": {"projection": {"kind": "gaussian", "k_a": 8, "k_g": 6, "seed": 0}}})
+    assert "--projection 8x6" in plain and "--budget" not in plain and "basis" not in plain

@@ -24,6 +24,8 @@ import h5py
 import numpy as np
 import torch
 
+from gradindex.checksum import Damage, check_files, damage_error, record
+
 BASIS_FILE = "basis.h5"
 BASES = ("raw", "kfac", "ekfac")
 
@@ -88,6 +90,7 @@ def write_basis(index_dir: str | os.PathLike, basis: RowBasis, identity: dict) -
                     g[key] = np.asarray(d[name], np.float32 if key.startswith("W") else np.float64)
             if name in basis.spectra:
                 g["lam_a"], g["lam_s"] = basis.spectra[name]
+    record(index_dir, [tmp], [BASIS_FILE])  # checksums.json, as for shards and preconditioner files
     os.replace(tmp, path)
 
 
@@ -109,11 +112,33 @@ def read_basis(index_dir: str | os.PathLike, identity: dict | None = None) -> Ro
     return b
 
 
+def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
+    """The command that rewrites a damaged ``basis.h5``: the compact that made it, or the build."""
+    from gradindex.manifest import build_command
+
+    source = (manifest.get("compact") or {}).get("source")
+    if source:
+        damping = (manifest.get("build", {}).get("basis") or {}).get("damping", 0.1)
+        return f"gradindex compact {source} --out {index_dir} --damping {damping} --overwrite"
+    return build_command(index_dir, manifest, extra="--overwrite")
+
+
+def check_basis(index_dir: str | os.PathLike, manifest: dict, full: bool = True) -> list[Damage]:
+    """Damage of ``basis.h5`` against its recorded hash (none when the index has no basis file)."""
+    kind = (manifest.get("build", {}).get("basis") or {}).get("kind", "raw")
+    if kind == "raw" and not basis_path(index_dir).exists():
+        return []
+    return check_files(index_dir, [BASIS_FILE], full, basis_repair(index_dir, manifest))
+
+
 def index_basis(index_dir: str | os.PathLike, manifest: dict) -> RowBasis:
     """The basis the manifest says the rows are in; an error if its file is missing."""
     kind = manifest["build"].get("basis", {}).get("kind", "raw")
     if kind == "raw":
         return RowBasis()
+    damage = check_basis(index_dir, manifest, full=False)  # the cheap sampled check, as for shards
+    if damage:
+        raise damage_error(index_dir, damage, then="query it")
     b = read_basis(index_dir)
     if b is None:
         raise FileNotFoundError(f"{str(basis_path(index_dir))!r} is missing, but the index's rows are in the "
