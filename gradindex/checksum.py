@@ -1,8 +1,9 @@
 """Content hashes of an index directory's data files, kept in ``INDEX_DIR/checksums.json``.
 
-Every committed store shard, every preconditioner file and every FAISS file (and ``norms.npy``)
-is hashed once when written, and the hash is kept *outside* the file it protects (a file that
-carried its own hash would vouch for any complete replacement of itself)::
+Every committed store shard, every preconditioner file, the row basis (``basis.h5``) and every
+FAISS file (and ``norms.npy``) is hashed once when written, and the hash is kept *outside* the
+file it protects (a file that carried its own hash would vouch for any complete replacement of
+itself)::
 
     {"version": 1, "files": {"store/shard-00000.h5": {"bytes": N, "blake2b": "...", "sample": "..."}}}
 

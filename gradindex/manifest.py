@@ -21,6 +21,7 @@ IDENTITY_KEYS = {
     "data_fingerprint": "data set",
     "layers": "layer set",
     "projection": "projection",
+    "basis": "row basis",
     "loss": "loss convention",
     "shard_size": "shard size",
     "batch_size": "batch size",
@@ -86,6 +87,11 @@ def read_complete_manifest(index_dir: str | os.PathLike, then: str) -> dict[str,
     return manifest
 
 
+def row_basis(manifest: dict[str, Any]) -> str:
+    """The basis the stored rows are in (``raw``, ``kfac`` or ``ekfac``; see gradindex.store.basis)."""
+    return str(manifest.get("build", {}).get("basis", {}).get("kind", "raw"))
+
+
 def write_manifest(index_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
     """Write atomically: a killed write leaves the previous manifest intact."""
     p = manifest_path(index_dir)
@@ -124,7 +130,14 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     kind = proj.get("kind", "gaussian")
     args = ["gradindex", "build", m.get("model_id") or "MODEL_DIR", m.get("data_id") or "DATA",
             "--out", str(index_dir),
-            "--projection", "none" if kind == "none" else f"{proj.get('k_a')}x{proj.get('k_g')}"]
+            "--projection", "none" if kind == "none" else "auto" if proj.get("sizes")
+            else f"{proj.get('k_a')}x{proj.get('k_g')}"]
+    if kind != "none" and proj.get("sizes"):
+        args += ["--budget", str(c.get("budget", "1/8")), "--allocation", str(c.get("allocation", "ratio"))]
+    basis = m.get("build", {}).get("basis") or {}
+    if basis.get("kind", "raw") == "kfac":
+        args += ["--projection-basis", "kfac", "--basis-damping", str(basis.get("damping", 1.0)),
+                 "--fit-examples", str(basis.get("examples", 0))]
     if kind != "none":
         args += ["--projection-kind", kind]
     args += ["--seed", str(proj.get("seed", 0))]
@@ -138,4 +151,8 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
              "--storage", c.get("storage", "fp32"), "--shard-size", str(c.get("shard_size", 4096))]
     if c.get("precondition", "none") != "none":
         args += ["--precondition", c["precondition"], "--damping", str(c.get("damping", 0.1))]
+        if c.get("fisher", "empirical") != "empirical":
+            args += ["--fisher", c["fisher"], "--fisher-seed", str(c.get("fisher_seed", 0))]
+    if c.get("optimizer_state"):
+        args += ["--optimizer-state", c["optimizer_state"], "--adam-mode", str(c.get("adam_mode", "exact"))]
     return shlex.join(args + ["--no-index"]) + (f" {extra}" if extra else "")

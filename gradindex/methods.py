@@ -39,6 +39,39 @@ def adam_rows(manifest: dict) -> bool:
     return bool(manifest.get("build", {}).get("optimizer"))
 
 
+ROW_METHODS = {
+    "raw": {m: m for m in METHODS},  # graddot, cosine, kfac, ekfac, adam (on Adam-preconditioned rows)
+    "kfac": {"kfac": "graddot", "ekfac": "ekfac"},
+    "ekfac": {"ekfac": "graddot"},
+}
+"""Per row basis (manifest ``build.basis.kind``): method asked for → operation on the stored rows."""
+
+
+def row_method(method: str, basis: str = "raw") -> str:
+    """The operation on stored rows that answers ``method`` on an index whose rows are in ``basis``.
+
+    Raw rows (plain or Adam-preconditioned gradients): every method is itself. K-FAC-whitened rows
+    (``--projection-basis kfac``): their plain inner product is K-FAC influence, so ``kfac`` is a
+    dot product of rows and ``ekfac`` the EK-FAC fitted on them; ``graddot``/``cosine`` are refused
+    (the rows are not raw gradients). Rows in the EK-FAC whitened eigenbasis (``gradindex compact
+    --basis ekfac``): ``ekfac`` is their dot product.
+    """
+    base, selfnorm = parse_method(method)
+    return row_base(base, basis, method) + (SELFNORM if selfnorm else "")
+
+
+def row_base(base: str, basis: str = "raw", method: str | None = None) -> str:
+    """:func:`row_method` of a parsed base method (``method``: the name asked for, for the error)."""
+    table = ROW_METHODS.get(basis)
+    if table is None:
+        raise ValueError(f"row basis {basis!r} is not one of {list(ROW_METHODS)}; upgrade gradindex")
+    if base not in table:
+        raise ValueError(f"method {method or base!r} does not apply to this index: its rows are stored in the "
+                         f"{basis!r} whitened basis, so plain inner products are {basis} influence, not {base}; "
+                         f"use one of {sorted(table)} (or rebuild with --projection-basis raw)")
+    return table[base]
+
+
 def fitted_methods(manifest: dict, index_dir: str | os.PathLike) -> list[str]:
     """Fitted methods the manifest registers whose file (``preconditioners[m]["file"]``) is on disk."""
     entries = manifest.get("preconditioners") or {}
@@ -46,12 +79,18 @@ def fitted_methods(manifest: dict, index_dir: str | os.PathLike) -> list[str]:
             if isinstance(entries.get(m), dict) and (Path(index_dir) / str(entries[m].get("file", ""))).is_file()]
 
 
-def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = False) -> list[str]:
+def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = False, rows: bool = False) -> list[str]:
     """Methods an index answers: ``graddot``, ``cosine``, fitted ones; with ``selfnorm`` their ``-selfnorm`` too.
 
-    An index of Adam-preconditioned rows answers ``adam`` only.
+    An index of Adam-preconditioned rows answers ``adam`` only; one whose rows are in a whitened
+    basis answers the methods of :data:`ROW_METHODS` whose operation on its rows is available
+    (``rows=True``: the operations on the stored rows themselves, whatever their basis).
     """
     out = [ADAM] if adam_rows(manifest) else list(BASE_METHODS) + fitted_methods(manifest, index_dir)
+    basis = str((manifest.get("build", {}).get("basis") or {}).get("kind", "raw"))
+    if basis != "raw" and not rows:
+        table = ROW_METHODS.get(basis, {})
+        out = [m for m in table if table[m] in out]
     if selfnorm:
         out += [m + SELFNORM for m in out if m != "cosine"]
     return out

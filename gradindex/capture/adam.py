@@ -237,6 +237,5 @@ def adam_capture_transforms(path: str | os.PathLike, mode: str, model: nn.Module
     modules = select_layers(model, layers)
     device = next(model.parameters()).device
     out = adam_transforms(moments, modules, {n: layer_info(m) for n, m in modules.items()}, mode)
-    out = {n: LayerTransform(*(None if x is None else x.to(device) for x in (t.g, t.a, t.elementwise)))
-           for n, t in out.items()}
+    out = {n: t.to(device) for n, t in out.items()}
     return out, optimizer_record(moments, mode)

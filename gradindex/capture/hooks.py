@@ -22,7 +22,7 @@ from torch import nn
 from gradindex.capture.layers import LayerInfo, layer_info, rule_for
 from gradindex.capture.projection import ProjectionSpec, projection_matrix
 from gradindex.capture.routing import ROUTES, choose_route
-from gradindex.capture.transform import LayerTransform
+from gradindex.capture.transform import SIDES, LayerTransform
 
 
 def _with_ones(a: torch.Tensor, m: torch.Tensor | None, bias: bool) -> torch.Tensor:
@@ -81,6 +81,31 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
     return {n: m for n, m in hookable.items() if n in chosen}
 
 
+def _check_transforms(
+    transforms: Mapping[str, LayerTransform | Mapping[str, torch.Tensor]], infos: dict[str, LayerInfo]
+) -> dict[str, LayerTransform]:
+    """Validate per-layer transforms (a :class:`LayerTransform`, or ``{"a": M_a, "g": M_g}`` dense maps)."""
+    out: dict[str, LayerTransform] = {}
+    for name, t in transforms.items():
+        if name not in infos:
+            raise ValueError(f"transform given for layer {name!r}, which is not hooked (hooked: {_examples(infos)})")
+        if not isinstance(t, LayerTransform):
+            t = LayerTransform.from_maps(dict(t))
+        info = infos[name]
+        for side in SIDES:
+            n = info.n_in_total if side == "a" else info.n_out
+            M, d = t.map(side), t.scale(side)
+            if M is not None and (M.ndim != 2 or M.shape[1] != n):
+                raise ValueError(f"transform of layer {name!r} side {side!r} must be [m, {n}], got {tuple(M.shape)}")
+            if d is not None and tuple(d.shape) != (n,):
+                raise ValueError(f"scales of layer {name!r} side {side!r} must be [{n}], got {tuple(d.shape)}")
+        if t.elementwise is not None and tuple(t.elementwise.shape) != (info.n_out, info.n_in_total):
+            raise ValueError(f"entrywise weights of layer {name!r} must be [{info.n_out}, {info.n_in_total}], "
+                             f"got {tuple(t.elementwise.shape)}")
+        out[name] = t
+    return out
+
+
 def _examples(names: dict) -> str:
     shown = list(names)[:3]
     return ", ".join(repr(s) for s in shown) + (", ..." if len(names) > 3 else "")
@@ -102,32 +127,29 @@ class GradientCapture:
         weight_free: bool = True,
         collect_covariance: bool = False,
         collect_full_covariance: bool = False,
-        transforms: Mapping[str, LayerTransform] | None = None,
+        transforms: Mapping[str, LayerTransform | Mapping[str, torch.Tensor]] | None = None,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route {route!r} is not one of {ROUTES}")
-        if transforms and collect_covariance:
-            raise ValueError("covariance factors of transformed gradients are not supported; "
-                             "collect them without a transform")
         self.model = model
         self.modules = select_layers(model, layers)
         self.infos: dict[str, LayerInfo] = {n: layer_info(m) for n, m in self.modules.items()}
         self.projection = projection
+        self.transforms = _check_transforms(transforms or {}, self.infos)
+        """layer → change of coordinates applied before the projection (:mod:`gradindex.capture.transform`)."""
+        if collect_covariance and any(t.elementwise is not None for t in self.transforms.values()):
+            raise ValueError("covariance factors of entrywise-weighted gradients are not supported (the weights "
+                             "have no per-token form); collect them without --optimizer-state")
         self.route = route
         self.weight_free = weight_free
         self.collect_covariance = collect_covariance
         self.collect_full_covariance = collect_full_covariance
-        self.transforms: dict[str, LayerTransform] = dict(transforms or {})
-        """layer → change of coordinates applied before the projection (:mod:`gradindex.capture.transform`)."""
-        unknown = sorted(set(self.transforms) - set(self.modules))
-        if unknown:
-            raise ValueError(f"transforms given for layers {unknown} that are not hooked")
         self.route_counts: Counter = Counter()
         self._handles: list = []
         self._mask: torch.Tensor | None = None
         self._records: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._grads: dict[str, torch.Tensor] = {}
-        self._proj: dict[tuple[str, str, str], torch.Tensor] = {}
+        self._proj: dict[tuple[str, str, str], torch.Tensor | None] = {}
         self._proj_a: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._mask_tokens: int | None = None
         self.cov_a: dict[str, torch.Tensor] = {}  # Σ_tokens ā āᵀ, float64
@@ -138,26 +160,52 @@ class GradientCapture:
         self.full_tokens: dict[str, int] = {}
 
     # -- shapes -------------------------------------------------------------------------------
+    def side_size(self, name: str, side: str) -> int:
+        """Stored size of one side: ``k`` when projected, else the transform's rows, else the width."""
+        info = self.infos[name]
+        k = self.projection.layer_sizes(name)[0 if side == "a" else 1]
+        if k:
+            return k
+        n = info.n_in_total if side == "a" else info.n_out
+        t = self.transforms.get(name)
+        return n if t is None else t.out_size(side, n)
+
     def dims(self, name: str) -> tuple[int, int]:
         """``(rows, cols)`` of the stored per-example matrix of a layer (``k_g, k_a`` or ``N_o, N_i+1``)."""
-        info = self.infos[name]
-        if self.projection.is_identity:
-            return info.n_out, info.n_in_total
-        return self.projection.k_g, self.projection.k_a
+        return self.side_size(name, "g"), self.side_size(name, "a")
 
     def dim(self, name: str) -> int:
         r, c = self.dims(name)
         return r * c
 
-    def projection_for(self, name: str, side: str, device: torch.device) -> torch.Tensor:
+    def side_map(self, name: str, side: str, device: torch.device | str) -> torch.Tensor | None:
+        """``[k, n]`` map of one side's per-token vectors to the stored side.
+
+        ``P M`` (projection after the layer's side map ``M``: dense, or the diagonal of its scales), ``P``,
+        the dense ``M``, or ``None`` for an unprojected side with no dense map (its scales, if any, are
+        applied by :meth:`side_scale`).
+        """
         key = (name, side, str(device))
         if key not in self._proj:
             info = self.infos[name]
-            n = info.n_in_total if side == "a" else info.n_out
-            P = projection_matrix(self.projection, name, side, n, device)
             t = self.transforms.get(name)
-            self._proj[key] = P if t is None else t.fold(side, P)
+            n = info.n_in_total if side == "a" else info.n_out
+            k = self.projection.layer_sizes(name)[0 if side == "a" else 1]
+            if k:
+                m = n if t is None else t.out_size(side, n)
+                P = projection_matrix(self.projection, name, side, m)  # [k, m]
+                M = P if t is None else t.fold(side, P)  # [k, n]
+            else:
+                M = None if t is None or t.map(side) is None else t.map(side).float()  # [m, n]
+            self._proj[key] = None if M is None else M.to(device)
         return self._proj[key]
+
+    def side_scale(self, name: str, side: str) -> torch.Tensor | None:
+        """``[n]`` scales of an unprojected side without a dense map (else folded into :meth:`side_map`)."""
+        t = self.transforms.get(name)
+        if t is None or t.map(side) is not None or self.projection.layer_sizes(name)[0 if side == "a" else 1]:
+            return None
+        return t.scale(side)
 
     # -- lifetime -----------------------------------------------------------------------------
     def attach(self) -> GradientCapture:
@@ -236,34 +284,43 @@ class GradientCapture:
         g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
         T = a.shape[1]
         m = self._token_weights(name, B, T, a)  # [B, T, 1], or None when every token counts
+        M_a = self.side_map(name, "a", a.device)  # [k_a, N_i(+1)] or None (exact side)
+        M_g = self.side_map(name, "g", g.device)  # [k_g, N_o] or None
+        d_g = self.side_scale(name, "g")  # [N_o] or None
         t = self.transforms.get(name)
-        if self.projection.is_identity or (t is not None and t.elementwise is not None):
-            route = "materialized"
+        if M_a is None and M_g is None:
+            route = "materialized"  # nothing to map: both routes are the same product
+        elif t is not None and t.elementwise is not None:
+            route = "materialized"  # entrywise weights have no per-token form
         else:
             route = route or self.route
             if route == "auto":
-                k_a, k_g = self.projection.k_a, self.projection.k_g
-                route = choose_route(B, T, info.n_in_total, info.n_out, k_a, k_g)
+                k_g, k_a = self.dims(name)
+                route = choose_route(B, T, info.n_in_total, info.n_out, k_a, k_g,
+                                     map_a=M_a is not None, map_g=M_g is not None)
         self.route_counts[route] += 1
         if route == "factorized":
-            ab = self._project_inputs(name, a, m)  # [B, T, k_a]
-            gb = g @ self.projection_for(name, "g", g.device).T  # [B, T, k_g]
+            ab = self._map_inputs(name, a, m)  # [B, T, k_a]
+            gb = self._map_outputs(g, M_g, d_g)  # [B, T, k_g]
             G = torch.bmm(gb.transpose(1, 2), ab)  # [B, k_g, k_a]
             if self.collect_covariance:
                 self._add_covariance(name, ab, gb, m)
         else:
             a1 = _with_ones(a, m, info.bias)  # [B, T, N_i(+1)], padding zeroed
             G = torch.bmm(g.transpose(1, 2), a1)  # [B, N_o, N_i(+1)]
-            if t is not None:  # entrywise weights here; per-side scales are folded into P unless unprojected
-                G = t.dense(G, sides=self.projection.is_identity)
-            if not self.projection.is_identity:
-                P_a = self.projection_for(name, "a", a.device)  # [k_a, N_i(+1)]
-                P_g = self.projection_for(name, "g", g.device)  # [k_g, N_o]
-                G = P_g @ (G @ P_a.T)  # [B, k_g, k_a]
-                if self.collect_covariance:
-                    self._add_covariance(name, self._project_inputs(name, a, m), g @ P_g.T, m)
-            elif self.collect_covariance:
-                self._add_covariance(name, a1, g, m)
+            if t is not None:
+                G = t.weight(G)  # entrywise weights first; side maps and scales below
+            if M_a is not None:
+                G = G @ M_a.T  # [B, N_o, k_a]
+            else:
+                d_a = self.side_scale(name, "a")
+                G = G if d_a is None else G * d_a.to(G.device, G.dtype)
+            if M_g is not None:
+                G = M_g @ G  # [B, k_g, k_a]
+            elif d_g is not None:
+                G = G * d_g.to(G.device, G.dtype)[:, None]
+            if self.collect_covariance:
+                self._add_covariance(name, self._map_inputs(name, a, m), self._map_outputs(g, M_g, d_g), m)
         if self.collect_full_covariance:
             self._add_full_covariance(name, a, g, m)
         return G.reshape(B, -1)
@@ -300,19 +357,30 @@ class GradientCapture:
             )
         return mask.to(a.device, a.dtype).unsqueeze(-1)
 
-    def _project_inputs(self, name: str, a: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        """``P_a [a, 1]`` per token ``[B, T, k_a]`` in one matmul (bias column folded in), masked."""
+    def _map_inputs(self, name: str, a: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        """``M_a [a, 1]`` per token ``[B, T, k_a]`` in one matmul (bias column folded in), masked."""
         key = (name, str(a.device))
         if key not in self._proj_a:
-            P_a = self.projection_for(name, "a", a.device)  # [k_a, N_i(+1)]
+            M_a = self.side_map(name, "a", a.device)  # [k_a, N_i(+1)] or None
+            if M_a is None:
+                a1 = _with_ones(a, m, self.infos[name].bias)  # [B, T, N_i(+1)]
+                d_a = self.side_scale(name, "a")
+                return a1 if d_a is None else a1 * d_a.to(a1.device, a1.dtype)
             n_in = self.infos[name].n_in
-            bias = P_a[:, n_in].clone() if self.infos[name].bias else None  # [k_a]
-            self._proj_a[key] = (P_a[:, :n_in].T.contiguous(), bias)  # [N_i, k_a], [k_a]
+            bias = M_a[:, n_in].clone() if self.infos[name].bias else None  # [k_a]
+            self._proj_a[key] = (M_a[:, :n_in].T.contiguous(), bias)  # [N_i, k_a], [k_a]
         P_t, p_b = self._proj_a[key]
         B, T, n_in = a.shape
         a2 = a.reshape(B * T, n_in)
         ab = (a2 @ P_t if p_b is None else torch.addmm(p_b, a2, P_t)).view(B, T, -1)
         return ab if m is None else ab.mul_(m)
+
+    @staticmethod
+    def _map_outputs(g: torch.Tensor, M_g: torch.Tensor | None, d_g: torch.Tensor | None) -> torch.Tensor:
+        """``M_g g`` per token ``[B, T, k_g]``, or ``g`` scaled by ``d_g`` on an unprojected side."""
+        if M_g is not None:
+            return g @ M_g.T
+        return g if d_g is None else g * d_g.to(g.device, g.dtype)
 
     def _add_covariance(self, name: str, a: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
         """Add ``Σ a aᵀ`` and ``Σ g gᵀ`` over real tokens (``a`` already masked) to the factors."""

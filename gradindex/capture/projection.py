@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -31,19 +31,47 @@ class ProjectionSpec:
     """Rows of ``P_g`` (output-gradient side); ignored when ``kind == 'none'``."""
     seed: int = 0
     """Seed of the stream; with the layer's name and side it fixes every matrix."""
+    sizes: tuple[tuple[str, int, int], ...] = ()
+    """Per-layer ``(layer, k_a, k_g)`` overriding ``k_a``/``k_g`` (see :mod:`gradindex.capture.allocation`);
+    a size of 0 leaves that side of that layer unprojected (exact)."""
 
     def __post_init__(self) -> None:
         if self.kind not in PROJECTION_KINDS:
             raise ValueError(f"projection kind {self.kind!r} is not one of {PROJECTION_KINDS}")
-        if self.kind != "none" and (self.k_a < 1 or self.k_g < 1):
+        if self.kind != "none" and not self.sizes and (self.k_a < 1 or self.k_g < 1):
             raise ValueError(f"projection sizes must be positive, got k_a={self.k_a}, k_g={self.k_g}")
+        object.__setattr__(self, "sizes", tuple((str(n), int(a), int(g)) for n, a, g in self.sizes))
+        bad = [s for s in self.sizes if s[1] < 0 or s[2] < 0]
+        if bad:
+            raise ValueError(f"per-layer projection sizes must be >= 0 (0 = exact side), got {bad}")
 
     @property
     def is_identity(self) -> bool:
         return self.kind == "none"
 
+    def layer_sizes(self, layer: str) -> tuple[int, int]:
+        """``(k_a, k_g)`` of one layer; 0 on a side means that side is not projected."""
+        if self.is_identity:
+            return 0, 0
+        for n, ka, kg in self.sizes:
+            if n == layer:
+                return ka, kg
+        if self.sizes:
+            raise KeyError(f"layer {layer!r} has no size in this per-layer projection")
+        return self.k_a, self.k_g
+
+    def describe(self) -> str:
+        """Short human form: ``16x16``, ``none`` or ``per-layer (N layers)``."""
+        if self.is_identity:
+            return "none"
+        if self.sizes:
+            return f"per-layer ({len(self.sizes)} layers)"
+        return f"{self.k_a}x{self.k_g}"
+
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {"kind": self.kind, "k_a": self.k_a, "k_g": self.k_g, "seed": self.seed}
+        if self.sizes:
+            d["sizes"] = {n: [ka, kg] for n, ka, kg in self.sizes}
         d["stream_version"] = STREAM_VERSION
         return d
 
@@ -54,9 +82,10 @@ class ProjectionSpec:
             fields = dict(d)
             version = fields.pop("stream_version", STREAM_VERSION)
             if version == STREAM_VERSION:
-                return cls(**fields)
+                sizes = tuple((n, int(v[0]), int(v[1])) for n, v in (fields.pop("sizes", None) or {}).items())
+                return cls(**fields, sizes=sizes)
             why = f"projection stream v{version}, this library draws v{STREAM_VERSION}"
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError, IndexError) as e:
             why = f"a projection this library cannot read ({d!r}: {e})"
         raise ValueError(f"the index was built with {why}; install the gradindex version that built it, "
                          "or rebuild the index")
@@ -111,6 +140,9 @@ def projection_matrix(
     """The ``[k, n]`` matrix for one layer side (``'a'`` inputs, ``'g'`` output gradients)."""
     if side not in ("a", "g"):
         raise ValueError(f"side must be 'a' or 'g', got {side!r}")
-    k = spec.k_a if side == "a" else spec.k_g
+    k_a, k_g = spec.layer_sizes(layer)
+    k = k_a if side == "a" else k_g
+    if k < 1:
+        raise ValueError(f"side {side!r} of layer {layer!r} is not projected in this spec")
     arr = _matrix_np(spec.seed, layer, side, k, n, spec.kind)
     return torch.from_numpy(arr).to(device)

@@ -54,7 +54,19 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.argument("data", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Index directory to write.")
-@click.option("--projection", default="16", show_default=True, help="K, KAxKG or none.")
+@click.option("--projection", default="16", show_default=True,
+              help="K, KAxKG, none, or auto (per-layer sizes from --budget).")
+@click.option("--budget", default="", help="Bytes per example for --projection auto: an integer, or a fraction "
+                                            "of the full float32 gradient such as 1/8 (default 1/8).")
+@click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
+              help="How --budget is spread over layers (docs/concepts.md).")
+@click.option("--projection-basis", "basis", default="raw", show_default=True, type=click.Choice(["raw", "kfac"]),
+              help="kfac: whiten each side by its damped full-space K-FAC factor before projecting "
+                   "(one factor pass first); rows then answer kfac/ekfac, not graddot.")
+@click.option("--basis-damping", default=1.0, show_default=True, type=float,
+              help="Relative damping of the kfac whitening.")
+@click.option("--fit-examples", default=0, show_default=True, type=int,
+              help="Examples sampled for the kfac basis's factor pass (0 = all).")
 @click.option("--projection-kind", type=click.Choice(["gaussian", "rademacher"]), default="gaussian", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int, help="Projection seed.")
 @click.option("--layers", multiple=True, help="Glob of layer names to hook (repeatable). Default: all block linears.")
@@ -92,10 +104,10 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
 @click.option("--no-index", is_flag=True, help="Skip the FAISS index stage (run `gradindex index` later).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
-def build(model_dir, data, out, projection, projection_kind, seed, layers, text_field, max_length,
-          batch_size, dtype, device, route, storage, shard_size, overwrite, repair, precondition, damping,
-          fisher, fisher_seed, optimizer_state, adam_mode, full_factors, index_type, whiten, normalize, train_size,
-          cpu_index, no_index, quiet):
+def build(model_dir, data, out, projection, budget, allocation, basis, basis_damping, fit_examples,
+          projection_kind, seed, layers, text_field, max_length, batch_size, dtype, device, route, storage,
+          shard_size, overwrite, repair, precondition, damping, fisher, fisher_seed, optimizer_state, adam_mode,
+          full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex.capture import ProjectionSpec
     from gradindex.data import load_records, tokenize_records
@@ -103,7 +115,11 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
     from gradindex.pipeline import BuildConfig, build_index
     from gradindex.store.builder import refuse_foreign
 
-    spec = ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
+    auto = projection.strip().lower() == "auto"
+    if budget and not auto:
+        raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
+    spec = ProjectionSpec(kind=projection_kind, seed=seed) if auto else \
+        ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
@@ -113,7 +129,8 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
         model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
-        check_capture_memory(model, spec, layers, batch_size, projection)
+        if not auto:  # --projection auto stores what --budget buys
+            check_capture_memory(model, spec, layers, batch_size, projection)
         records = load_records(data)
         data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
         positions = max_positions(model)
@@ -126,7 +143,9 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
         cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
                           route=route, shard_size=shard_size, storage=storage,
                           precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
-                          optimizer_state=optimizer_state or "", adam_mode=adam_mode, full_factors=full_factors)
+                          optimizer_state=optimizer_state or "", adam_mode=adam_mode, full_factors=full_factors,
+                          budget=(budget or "1/8") if auto else 0, allocation=allocation, basis=basis,
+                          basis_damping=basis_damping, basis_examples=fit_examples)
         if not no_index:
             check_index_type(index_type, len(data_tok))
         if data_tok.n_truncated:
@@ -136,8 +155,9 @@ def build(model_dir, data, out, projection, projection_kind, seed, layers, text_
                                model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
                                overwrite=overwrite, progress=not quiet, repair=repair)
     m = res.manifest
+    row_bytes = 4 * sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
-               f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
+               f"({row_bytes} bytes per example) in {res.seconds:.1f} s ({res.examples_computed} computed now)")
     if m["nonfinite_ids"]:
         click.echo(f"warning: {len(m['nonfinite_ids'])} examples had non-finite gradients "
                    f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)

@@ -55,8 +55,8 @@ def summary(index_dir: str) -> dict:
         "data": {"id": m.get("data_id"), "examples": counts.get("examples"),
                  "truncated": counts.get("truncated"), "field": counts.get("text_field"),
                  "nonfinite": len(m.get("nonfinite_ids", []))},
-        "projection": b.get("projection"), "max_length": b.get("max_length"),
-        "storage": b.get("storage", "fp32"),
+        "projection": b.get("projection"), "basis": b.get("basis", {"kind": "raw"}),
+        "max_length": b.get("max_length"), "storage": b.get("storage", "fp32"),
         "layers": layers, "dims_total": sum(v["dim"] for v in layers.values()),
         "methods": methods_of(m, d, selfnorm=True),
         "index": None if meta is None else {"status": meta.get("status"), "space": meta.get("space"),
@@ -76,7 +76,10 @@ def info(index_dir, as_json):
         click.echo(json.dumps(s, indent=2))
         return
     p = s["projection"] or {}
-    proj = "none" if p.get("kind") == "none" else f"{p.get('kind')} {p.get('k_g')}x{p.get('k_a')}"
+    proj = ("none" if p.get("kind") == "none" else f"{p.get('kind')} per layer" if p.get("sizes")
+            else f"{p.get('kind')} {p.get('k_g')}x{p.get('k_a')}")
+    if s["basis"].get("kind", "raw") != "raw":
+        proj += f", rows in the {s['basis']['kind']} whitened basis"
     click.echo(f"index      {s['dir']} ({s['status']}, gradindex {s['library_version']})")
     mo = s["model"]
     click.echo(f"model      {mo['id']} ({mo['dtype']}, fingerprint {str(mo['fingerprint'])[:12]})")

@@ -19,15 +19,16 @@ def verify_index(index_dir: str) -> dict:
     from gradindex.manifest import read_manifest
     from gradindex.precondition.files import PRECOND_DIR, check_precond
     from gradindex.store import STORE_DIR
+    from gradindex.store.basis import BASIS_FILE, check_basis
     from gradindex.store.repair import check_store
 
     d = Path(index_dir)
     manifest = read_manifest(d)
-    damage = check_store(d, True, manifest) + check_precond(d, manifest) + check_faiss(d)
+    damage = check_store(d, True, manifest) + check_precond(d, manifest) + check_faiss(d) + check_basis(d, manifest)
     files = read_checksums(d)
     on_disk = [str(p.relative_to(d)) for sub, pat in ((STORE_DIR, "shard-*.h5"), (PRECOND_DIR, "*.h5"),
                                                       (FAISS_DIR, "*.index"), (FAISS_DIR, "norms.npy"))
-               for p in sorted((d / sub).glob(pat))]
+               for p in sorted((d / sub).glob(pat))] + ([BASIS_FILE] if (d / BASIS_FILE).exists() else [])
     bad = {x.file for x in damage}
     return {"index": str(d), "damaged": [vars(x) for x in damage],
             "verified": sum(1 for n in files if n not in bad),
@@ -39,7 +40,7 @@ def verify_index(index_dir: str) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @user_errors
 def verify(index_dir, as_json):
-    """Hash every store shard, preconditioner and FAISS file of INDEX_DIR; exit 1 if any is damaged."""
+    """Hash every store shard, preconditioner, row basis and FAISS file of INDEX_DIR; exit 1 if any is damaged."""
     r = verify_index(index_dir)
     if as_json:
         click.echo(json.dumps(r, indent=2))

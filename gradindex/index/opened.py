@@ -19,9 +19,11 @@ from gradindex.index.load import IndexSet
 from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
 from gradindex.manifest import read_complete_manifest
+from gradindex.methods import methods_of
 from gradindex.precondition import Preconditioner, self_influence
 from gradindex.precondition.preconditioner import layer_shapes, selected_layers
 from gradindex.store import Store
+from gradindex.store.basis import RowBasis, index_basis
 from gradindex.store.repair import check_store
 
 
@@ -50,6 +52,7 @@ class OpenIndex:
         self.indices: IndexSet | None = None
         self._rows: RowReader | None = None
         self._projection: ProjectionSpec | None = None
+        self._basis: RowBasis | None = None
         self._self_influence: dict[tuple, np.ndarray] = {}
 
     # -- parts, each made once ------------------------------------------------------------------
@@ -59,6 +62,13 @@ class OpenIndex:
         if self._projection is None:
             self._projection = ProjectionSpec.from_dict(self.manifest["build"]["projection"])
         return self._projection
+
+    @property
+    def basis(self) -> RowBasis:
+        """The basis the stored rows are in (``basis.h5``, read once; empty for raw rows)."""
+        if self._basis is None:
+            self._basis = index_basis(self.dir, self.manifest)
+        return self._basis
 
     @property
     def rows(self) -> RowReader:
@@ -77,8 +87,7 @@ class OpenIndex:
 
     def methods(self, selfnorm: bool = False) -> list[str]:
         """Methods this index answers (with ``selfnorm``, the ``-selfnorm`` variants too)."""
-        base = self.pre.available()
-        return base + ([m + "-selfnorm" for m in base if m != "cosine"] if selfnorm else [])
+        return methods_of(self.manifest, self.dir, selfnorm)
 
     def preconditioner(self, base: str) -> Preconditioner:
         """A base method's preconditioner, loaded once (identity for graddot/cosine)."""

@@ -73,9 +73,9 @@ class Preconditioners:
         self._available: list[str] | None = None
 
     def available(self) -> list[str]:
-        """Base methods this index answers (``graddot``, ``cosine`` and the fitted ones; ``adam``)."""
+        """Operations on the stored rows (``graddot``, ``cosine`` and the fitted ones; ``adam``)."""
         if self._available is None:
-            self._available = available_methods(self.index_dir, manifest=self.manifest)
+            self._available = available_methods(self.index_dir, manifest=self.manifest, rows=True)
         return self._available
 
     def check(self, base: str, selfnorm: bool = False) -> None:

@@ -99,13 +99,15 @@ def model_covariance(
     batch_size: int = 8,
     route: str = "auto",
     progress: bool = False,
+    transforms: dict | None = None,
     fisher: str = "empirical",
     seed: int = 0,
 ) -> FactorSums:
     """Factor sums from one forward/backward pass over ``data`` rows ``rows``, hooks as in the build.
 
     ``fisher='true'`` takes each token's ``g`` from a target sampled from the model (seeded by
-    ``seed`` and the row), ``'empirical'`` from the observed one.
+    ``seed`` and the row), ``'empirical'`` from the observed one. ``transforms`` are the capture's
+    side maps of the index's row basis (factors of the mapped rows).
     """
     if fisher not in FISHERS:
         raise ValueError(f"fisher {fisher!r} is not one of {list(FISHERS)}")
@@ -113,7 +115,8 @@ def model_covariance(
     pad_id = resolve_pad_id(model, tokenizer)
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
-    cap = GradientCapture(model, list(layers), projection, route, weight_free=True, collect_covariance=True)
+    cap = GradientCapture(model, list(layers), projection, route, weight_free=True, collect_covariance=True,
+                          transforms=transforms)
     if set(cap.infos) != set(layers):
         raise ValueError(f"the model's layers {sorted(cap.infos)} are not the index's {sorted(layers)}")
     rows = list(rows)

@@ -37,12 +37,16 @@ def model_correction(
     route: str = "auto",
     dtype: torch.dtype = torch.float64,
     progress: bool = False,
+    transforms: dict | None = None,
 ) -> dict[str, np.ndarray]:
-    """layer → ``Λ*`` ``[k_g, k_a]`` (float64) of sampled-target gradients over ``rows`` (finite ones)."""
+    """layer → ``Λ*`` ``[k_g, k_a]`` (float64) of sampled-target gradients over ``rows`` (finite ones).
+
+    ``transforms`` are the capture's side maps of the index's row basis, as in the factor pass.
+    """
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
-    cap = GradientCapture(model, list(layers), projection, route, weight_free=True)
+    cap = GradientCapture(model, list(layers), projection, route, weight_free=True, transforms=transforms)
     dev = next(model.parameters()).device
     mats = {n: (torch.as_tensor(bases[n].Q_S, dtype=dtype, device=dev),
                 torch.as_tensor(bases[n].Q_A, dtype=dtype, device=dev)) for n in layers}

@@ -46,6 +46,7 @@ from gradindex.precondition.fisher import model_correction
 from gradindex.precondition.fullspace import fit_full_space
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.store import Store
+from gradindex.store.basis import capture_transforms, index_basis
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
@@ -171,7 +172,7 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
         if cfg.method == "ekfac":
             corrected = first.corrected if empirical else model_correction(
                 mp.model, mp.tokenizer, mp.data, mp.rows, layers, mp.projection, bases, cfg.seed, mp.batch_size,
-                mp.route, PRECISIONS[cfg.precision], progress)
+                mp.route, PRECISIONS[cfg.precision], progress, mp.transforms)
             ek = {n: LayerFactors(**{**asdict(f), "Lambda": corrected[n]}) for n, f in factors.items()}
             ek_bases = {
                 n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
@@ -220,6 +221,7 @@ class _ModelPass:
     projection: ProjectionSpec
     batch_size: int
     route: str
+    transforms: dict | None = None
 
 
 def _factor_sums(
@@ -235,6 +237,7 @@ def _factor_sums(
 ) -> tuple[FactorSums, dict, _ModelPass | None]:
     """Token sums of ``A`` and ``S``: from the build's covariance groups, else one model pass (returned)."""
     proj: ProjectionSpec = projection_from_manifest(manifest)
+    transforms = capture_transforms(index_basis(store.dir.parent, manifest))
     conf = manifest.get("config", {})
     bs, route = int(conf.get("batch_size", 8)), conf.get("route", "auto")
     skip = set(manifest.get("nonfinite_ids", []))
@@ -254,7 +257,8 @@ def _factor_sums(
         else:
             fdata = data if data is not None else load_build_data(manifest, tok)
             rows = [r for r in sample_rows(len(fdata), cfg.fit_examples, cfg.seed) if r not in skip]
-        sums = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, cfg.fisher, cfg.seed)
+        sums = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms,
+                                cfg.fisher, cfg.seed)
         fit = {
             "source": "model pass",
             "data": cfg.fit_data or manifest.get("data_id", ""),
@@ -262,7 +266,7 @@ def _factor_sums(
             "examples": len(rows),
             "sample_seed": cfg.seed,
         }
-        mp = _ModelPass(m, tok, fdata, [int(r) for r in rows], proj, bs, route)
+        mp = _ModelPass(m, tok, fdata, [int(r) for r in rows], proj, bs, route, transforms)
     else:
         sums, missing = store_covariance(store, layers)
         source = "build pass"
@@ -271,7 +275,8 @@ def _factor_sums(
             fdata = data if data is not None else load_build_data(manifest, tok)
             rows = [r for s, n in missing for r in range(s, s + n) if r not in skip]
             log.info("%d examples have no factors from the build pass; one model pass over them", len(rows))
-            extra = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress)
+            extra = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms,
+                                     cfg.fisher, cfg.seed)
             for n in layers:
                 if n in extra.A:
                     sums.add(n, extra.A[n], extra.S[n], extra.tokens[n])

@@ -30,15 +30,17 @@ def selected_layers(manifest: dict, layers: Sequence[str] | None) -> list[str]:
     return chosen
 
 
-def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False, manifest: dict | None = None) -> list[str]:
+def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False, manifest: dict | None = None,
+                      rows: bool = False) -> list[str]:
     """Methods this index answers: ``graddot``, ``cosine``, and ``kfac``/``ekfac`` once fitted; only
     ``adam`` when its rows are Adam-preconditioned.
 
     With ``selfnorm``, the self-normalized variants (``graddot-selfnorm``, ...) are listed too.
-    ``manifest``: the index's, when already read (else it is read).
+    ``manifest``: the index's, when already read (else it is read). ``rows``: the operations on the
+    stored rows (:func:`gradindex.methods.row_base`), not the methods an index in a whitened basis answers.
     """
     manifest = manifest if manifest is not None else read_manifest(index_dir)
-    return methods_of(manifest, index_dir, selfnorm)
+    return methods_of(manifest, index_dir, selfnorm, rows)
 
 
 class Preconditioner:

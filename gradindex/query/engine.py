@@ -18,8 +18,8 @@ from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import OpenIndex, RowReader, open_index, query_vectors
-from gradindex.manifest import IndexMismatchError, identity_differences
-from gradindex.methods import parse_method
+from gradindex.manifest import IndexMismatchError, identity_differences, row_basis
+from gradindex.methods import parse_method, row_base
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
@@ -27,6 +27,7 @@ from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
 from gradindex.query.scores import score_matrix
 from gradindex.query.texts import TrainingTexts
+from gradindex.store.basis import capture_transforms, to_rows
 
 log = logging.getLogger("gradindex")
 
@@ -103,6 +104,7 @@ class QueryEngine:
             self.indices = self.index.load_indices(chosen, use_gpu)
             self.rows = RowReader(self.store, list(self.indices.layers))
             self.pre = self.index.pre
+            self.basis = self.index.basis
             self._scales: dict[tuple, np.ndarray] = {}
             self._full_pre: dict[str, Preconditioner] = {}
             self.model, self.tokenizer, self.capture = model, tokenizer, None
@@ -126,10 +128,15 @@ class QueryEngine:
             dtype = dtype or self.manifest.get("dtype", "float32")
             self.model, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device)
         build = self.manifest["build"]
-        spec = self.index.projection
+        try:
+            spec = self.index.projection
+        except ValueError as e:
+            raise IndexMismatchError(str(e)) from None
         route = self.manifest.get("config", {}).get("route", "auto")
         self.model.requires_grad_(False)
         transforms, optimizer = self._optimizer_transforms(optimizer_state)
+        if transforms is None:  # the row basis's side maps (an Adam index has the raw basis)
+            transforms = capture_transforms(self.basis)
         self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True,
                                        transforms=transforms)
         now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
@@ -201,7 +208,9 @@ class QueryEngine:
                 parts.append({n: v.float().cpu() for n, v in bg.grads.items()})
                 loss.append(bg.loss.float().cpu().numpy())
                 ntok.append(bg.num_tokens.cpu().numpy())
-        grads = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+        shapes = {n: (v["rows"], v["cols"]) for n, v in self.manifest["build"]["layers"].items()}
+        grads = {n: torch.from_numpy(to_rows(self.basis, n, torch.cat([p[n] for p in parts]).numpy(), shapes[n]))
+                 for n in parts[0]}
         if not all(torch.isfinite(v).all() for v in grads.values()):
             raise ValueError("a query's gradient is not finite (overflow in the model); try dtype float32")
         return grads, np.concatenate(loss), np.concatenate(ntok)
@@ -273,9 +282,10 @@ class QueryEngine:
                damping: float = 0.1, layers: Sequence[str] | str | None = None, lowest: int = 0,
                candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
                texts: bool = True) -> list[QueryResult]:
-        """Search with given per-layer query gradients ``{layer: [Q, D]}`` (projected, raw)."""
+        """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
         base, selfnorm = parse_method(method)
+        base = row_base(base, row_basis(self.manifest), method)  # the operation on stored rows
         self.pre.check(base, selfnorm)
         chosen = self.select_layers(layers)
         missing = [n for n in chosen if n not in grads]
@@ -320,8 +330,9 @@ class QueryEngine:
         t3 = time.perf_counter()
         out = []
         for (top, low), widened in zip(ranked, short, strict=True):
-            res = QueryResult(self._hits(top, chosen), self._hits(low, chosen), method,
-                              damping if base in ("kfac", "ekfac") else None, chosen, notes=list(notes))
+            used = damping if base in ("kfac", "ekfac") else (self.basis.damping if self.basis.kind != "raw" else None)
+            res = QueryResult(self._hits(top, chosen), self._hits(low, chosen), method, used, chosen,
+                              notes=list(notes))
             if widened:
                 res.notes.append(f"the approximate search found fewer than {want} candidates; every example "
                                  "was scored exactly instead")

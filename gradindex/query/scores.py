@@ -9,6 +9,9 @@ measurements). For query rows ``q_l`` and stored rows ``t_l`` of the selected la
 * ``<method>-selfnorm``: the score divided by ``sqrt`` of the training example's self-influence
   under that method (same damping and layers), i.e. ``⟨H^{-1/2} q, H^{-1/2} t / ‖H^{-1/2} t‖⟩``.
   An example with zero self-influence (an all-zero row) scores 0.
+
+On an index whose rows are in a whitened basis the method names the influence asked for, and
+:func:`gradindex.methods.row_method` says which of these operations answers it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import numpy as np
 import torch
 
 from gradindex.index import OpenIndex, open_index
-from gradindex.methods import parse_method
+from gradindex.manifest import row_basis
+from gradindex.methods import parse_method, row_base
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import block_rows
 
@@ -42,9 +46,10 @@ def score_matrix(
     projection). ``layers``: default all the index's layers. Arithmetic runs on ``device``
     (``auto``: the GPU when present) in ``dtype`` (default float64 on CPU, float32 on GPU).
     """
-    base, selfnorm = parse_method(method)
     ix, opened = open_index(index, then="score it")
     try:
+        base, selfnorm = parse_method(method)
+        base = row_base(base, row_basis(ix.manifest), method)  # the operation on stored rows
         return _scores(ix, query_grads, base, selfnorm, damping, layers, block, device, dtype)
     finally:
         if opened:

@@ -18,6 +18,8 @@ import gradindex
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.batch import batch_gradients, finite_rows
+from gradindex.capture.hooks import select_layers
+from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
 from gradindex.checksum import check_files, move_aside, recorded
 from gradindex.data import Tokenized, token_hash
@@ -33,7 +35,9 @@ from gradindex.manifest import (
 )
 from gradindex.model import resolve_pad_id
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
+from gradindex.store.basis import BASES, RowBasis, capture_transforms
 from gradindex.store.codes import check_storage
+from gradindex.store.sizing import basis_identity, full_space_basis, sized_projection
 
 log = logging.getLogger("gradindex")
 
@@ -67,6 +71,20 @@ class BuildConfig:
     """Relative damping of the self-influence written with ``precondition``."""
     storage: str = "fp32"
     """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`)."""
+    budget: int | str = 0
+    """Bytes per example for per-layer projection sizes (``--projection auto``): an integer, or a
+    fraction of the full gradient's float32 bytes such as ``"1/8"``; 0 = ``projection`` as given."""
+    allocation: str = "ratio"
+    """How the budget is spread over layers: ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
+    basis: str = "raw"
+    """``raw``, or ``kfac``: whiten each side by its damped full-space factor before projection."""
+    basis_damping: float = 1.0
+    """Relative damping of the ``kfac`` whitening (a fraction of each factor's mean eigenvalue); 1.0 kept
+    the most of full-space EK-FAC's top-10 in benchmarks/rowspace.py (0.01, 0.1, 0.3, 3, 10 measured)."""
+    basis_examples: int = 0
+    """Examples sampled for the factor pass of a ``kfac`` basis (0 = all)."""
+    basis_seed: int = 0
+    """Seed of that sample."""
     fisher: str = "empirical"
     """Factors of ``precondition`` from the observed labels (``empirical``, collected in this pass) or
     from labels sampled from the model (``true``: a model pass of its own; stored rows keep the observed)."""
@@ -82,6 +100,11 @@ class BuildConfig:
         check_storage(self.storage)
         if self.precondition not in ("none", "kfac", "ekfac"):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
+        if self.basis not in BASES[:2]:
+            raise ValueError(f"build basis {self.basis!r} is not one of {list(BASES[:2])} "
+                             "(the ekfac basis is a transcode after a fit: `gradindex compact`)")
+        if self.allocation == "spectrum" and self.basis != "kfac":
+            raise ValueError("allocation by spectrum needs the full-space factors: add --projection-basis kfac")
         if self.fisher not in FISHERS:
             raise ValueError(f"fisher {self.fisher!r} is not one of {list(FISHERS)}")
         if self.adam_mode not in ADAM_MODES:
@@ -89,6 +112,9 @@ class BuildConfig:
         if self.optimizer_state and (self.precondition != "none" or self.collect_covariance):
             raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
                              "K-FAC/EK-FAC are fitted on plain gradients: build those without it")
+        if self.optimizer_state and self.basis != "raw":
+            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
+                             "the kfac basis whitens plain gradients: use --projection-basis raw with it")
 
 
 @dataclass
@@ -103,17 +129,18 @@ def model_dtype(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
 
 
-def _identity(model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig, data_fp: str,
-              optimizer: dict | None) -> dict:
+def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: BuildConfig, data_fp: str,
+              basis: dict, optimizer: dict | None) -> dict:
     return {
-        "model_fingerprint": model_fingerprint(model),
+        "model_fingerprint": model_fp,
         "dtype": model_dtype(model),
         "storage": cfg.storage,
         "data_fingerprint": data_fp,
         "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
                        "rows": capture.dims(n)[0], "cols": capture.dims(n)[1]}
                    for n, i in capture.infos.items()},
-        "projection": cfg.projection.to_dict(),
+        "projection": capture.projection.to_dict(),
+        "basis": basis,
         "max_length": cfg.max_length,
         "loss": LOSS_CONVENTION,
         "shard_size": cfg.shard_size,
@@ -188,18 +215,28 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     t0 = time.perf_counter()
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
-    transforms, optimizer = None, None
-    if cfg.optimizer_state:
+    model_fp = model_fingerprint(model)
+    pad_id = resolve_pad_id(model, tokenizer)
+    infos = {n: layer_info(m) for n, m in select_layers(model, cfg.layers).items()}
+    basis, write = RowBasis(), None
+    if cfg.basis == "kfac":
+        basis, write = full_space_basis(model, data, pad_id, out, cfg, model_fp, data_fp, progress)
+    spec = sized_projection(cfg, infos, basis)
+    transforms, optimizer = capture_transforms(basis), None
+    if cfg.optimizer_state:  # (the kfac basis is refused with it: one transform per layer)
         transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.adam_mode, model, cfg.layers)
-    capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route, weight_free=True,
+    capture = GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
                               collect_covariance=cfg.collect_covariance
                               or (cfg.precondition != "none" and cfg.fisher == "empirical"),
                               collect_full_covariance=cfg.full_factors, transforms=transforms)
-    identity = _identity(model, capture, data, cfg, data_fp, optimizer)
+    identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
+                         optimizer)
     old = prepare_out_dir(out, identity, overwrite)
     (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
     if old is not None:
         _move_damaged_aside(out, repair)
+    if write is not None:
+        write()
     manifest = {
         "format_version": FORMAT_VERSION,
         "library_version": gradindex.__version__,
@@ -208,6 +245,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         "data_id": data_id,
         "build": identity,
         "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
+                   "budget": str(cfg.budget),
                    "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
         "dtype": identity["dtype"],
         "counts": {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
@@ -218,7 +256,6 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         manifest["status"] = "building"
     write_manifest(out, manifest)
 
-    pad_id = resolve_pad_id(model, tokenizer)
     N, S, B = len(data), cfg.shard_size, cfg.batch_size
     dims = {n: capture.dim(n) for n in capture.infos}
     nonfinite: set[int] = set(manifest.get("nonfinite_ids", []))

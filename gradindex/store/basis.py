@@ -1,0 +1,167 @@
+"""``basis.h5``: the linear maps that put stored rows in a whitened basis (writer and reader).
+
+Two kinds, recorded in the manifest as ``build.basis``:
+
+* ``kfac`` (``gradindex build --projection-basis kfac``): before the random projection each side
+  is whitened by its damped full-space factor, ``W_a = (A + δ_A)^{-1/2}``, ``W_g = (S + δ_S)^{-1/2}``
+  (``δ = damping × mean eigenvalue``), with ``A``, ``S`` from one model pass before capture. Rows
+  are ``P_g W_g G W_a P_aᵀ``, so their inner products approximate K-FAC influence.
+* ``ekfac`` (``gradindex compact IDX --basis ekfac``): after an EK-FAC fit, rows are rotated into
+  the Kronecker eigenbasis and scaled, ``(Q_Sᵀ Ĝ Q_A) ⊙ (Λ* + δ)^{-1/2}``, so plain inner products
+  are EK-FAC influence and the row's numbers are evenly scaled (what low-bit codes need).
+
+The query applies the same maps: :func:`capture_transforms` before projection (capture hook),
+:func:`to_rows` after it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+import torch
+
+from gradindex.checksum import Damage, check_files, damage_error, record
+
+BASIS_FILE = "basis.h5"
+BASES = ("raw", "kfac", "ekfac")
+
+
+@dataclass
+class RowBasis:
+    """The per-layer maps of an index's basis (empty dicts for a raw index)."""
+
+    kind: str = "raw"
+    """``raw``, ``kfac`` (whitened before projection) or ``ekfac`` (eigenbasis after projection)."""
+    damping: float = 0.0
+    """Relative damping of the whitening."""
+    W_a: dict[str, np.ndarray] = field(default_factory=dict)
+    """layer → ``[N_i+1, N_i+1]`` input-side whitening (before projection)."""
+    W_g: dict[str, np.ndarray] = field(default_factory=dict)
+    """layer → ``[N_o, N_o]`` output-side whitening (before projection)."""
+    Q_S: dict[str, np.ndarray] = field(default_factory=dict)
+    """layer → ``[k_g, k_g]`` eigenvectors applied after projection (``ekfac``)."""
+    Q_A: dict[str, np.ndarray] = field(default_factory=dict)
+    """layer → ``[k_a, k_a]`` eigenvectors applied after projection (``ekfac``)."""
+    scale: dict[str, np.ndarray] = field(default_factory=dict)
+    """layer → ``[k_g, k_a]`` ``(Λ* + δ)^{-1/2}`` (``ekfac``)."""
+    spectra: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """layer → eigenvalues of the full-space ``(A, S)`` (``kfac``), kept for allocation by spectrum."""
+
+
+def basis_path(index_dir: str | os.PathLike) -> Path:
+    return Path(index_dir) / BASIS_FILE
+
+
+def inverse_sqrt(M: np.ndarray, damping: float) -> tuple[np.ndarray, np.ndarray]:
+    """``((M + δI)^{-1/2}, eigenvalues of M)`` with ``δ = damping × mean eigenvalue``, float64."""
+    lam, Q = np.linalg.eigh(0.5 * (M + M.T))
+    lam = np.clip(lam, 0.0, None)
+    delta = damping * float(lam.mean()) if lam.mean() > 0 else damping
+    return (Q / np.sqrt(lam + delta)) @ Q.T, lam
+
+
+def kfac_basis(factors: dict[str, tuple[np.ndarray, np.ndarray]], damping: float) -> RowBasis:
+    """The ``kfac`` basis from full-space ``layer → (A, S)`` means."""
+    b = RowBasis(kind="kfac", damping=damping)
+    for n, (A, S) in factors.items():
+        b.W_a[n], lam_a = inverse_sqrt(np.asarray(A, np.float64), damping)
+        b.W_g[n], lam_s = inverse_sqrt(np.asarray(S, np.float64), damping)
+        b.spectra[n] = (lam_a, lam_s)
+    return b
+
+
+def write_basis(index_dir: str | os.PathLike, basis: RowBasis, identity: dict) -> None:
+    """Write atomically (``.partial`` then rename); ``identity`` is stored to be checked on reuse."""
+    path = basis_path(index_dir)
+    tmp = path.with_name(path.name + ".partial")
+    with h5py.File(tmp, "w") as f:
+        f.attrs["kind"], f.attrs["damping"] = basis.kind, basis.damping
+        for k, v in identity.items():
+            f.attrs["id_" + k] = str(v)
+        for name in dict.fromkeys([*basis.W_a, *basis.Q_S]):
+            g = f.create_group(name)
+            for key, d in (("W_a", basis.W_a), ("W_g", basis.W_g), ("Q_S", basis.Q_S), ("Q_A", basis.Q_A),
+                           ("scale", basis.scale)):
+                if name in d:
+                    g[key] = np.asarray(d[name], np.float32 if key.startswith("W") else np.float64)
+            if name in basis.spectra:
+                g["lam_a"], g["lam_s"] = basis.spectra[name]
+    record(index_dir, [tmp], [BASIS_FILE])  # checksums.json, as for shards and preconditioner files
+    os.replace(tmp, path)
+
+
+def read_basis(index_dir: str | os.PathLike, identity: dict | None = None) -> RowBasis | None:
+    """The index's basis, or ``None`` when there is no file (or, with ``identity``, a stale one)."""
+    path = basis_path(index_dir)
+    if not path.exists():
+        return None
+    with h5py.File(path, "r") as f:
+        if identity is not None and any(f.attrs.get("id_" + k) != str(v) for k, v in identity.items()):
+            return None
+        b = RowBasis(kind=str(f.attrs["kind"]), damping=float(f.attrs["damping"]))
+        for name, g in f.items():
+            for key, d in (("W_a", b.W_a), ("W_g", b.W_g), ("Q_S", b.Q_S), ("Q_A", b.Q_A), ("scale", b.scale)):
+                if key in g:
+                    d[name] = g[key][:]
+            if "lam_a" in g:
+                b.spectra[name] = (g["lam_a"][:], g["lam_s"][:])
+    return b
+
+
+def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
+    """The command that rewrites a damaged ``basis.h5``: the compact that made it, or the build."""
+    from gradindex.manifest import build_command
+
+    source = (manifest.get("compact") or {}).get("source")
+    if source:
+        damping = (manifest.get("build", {}).get("basis") or {}).get("damping", 0.1)
+        return f"gradindex compact {source} --out {index_dir} --damping {damping} --overwrite"
+    return build_command(index_dir, manifest, extra="--overwrite")
+
+
+def check_basis(index_dir: str | os.PathLike, manifest: dict, full: bool = True) -> list[Damage]:
+    """Damage of ``basis.h5`` against its recorded hash (none when the index has no basis file)."""
+    kind = (manifest.get("build", {}).get("basis") or {}).get("kind", "raw")
+    if kind == "raw" and not basis_path(index_dir).exists():
+        return []
+    return check_files(index_dir, [BASIS_FILE], full, basis_repair(index_dir, manifest))
+
+
+def index_basis(index_dir: str | os.PathLike, manifest: dict) -> RowBasis:
+    """The basis the manifest says the rows are in; an error if its file is missing."""
+    kind = manifest["build"].get("basis", {}).get("kind", "raw")
+    if kind == "raw":
+        return RowBasis()
+    damage = check_basis(index_dir, manifest, full=False)  # the cheap sampled check, as for shards
+    if damage:
+        raise damage_error(index_dir, damage, then="query it")
+    b = read_basis(index_dir)
+    if b is None:
+        raise FileNotFoundError(f"{str(basis_path(index_dir))!r} is missing, but the index's rows are in the "
+                                f"{kind!r} basis; rebuild the index")
+    return b
+
+
+def capture_transforms(basis: RowBasis | None) -> dict[str, dict[str, torch.Tensor]]:
+    """Per-layer, per-side maps for :class:`~gradindex.capture.GradientCapture` ``transforms=``."""
+    if basis is None:
+        return {}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for n in basis.W_a:
+        out[n] = {"a": torch.from_numpy(np.asarray(basis.W_a[n], np.float32)),
+                  "g": torch.from_numpy(np.asarray(basis.W_g[n], np.float32))}
+    return out
+
+
+def to_rows(basis: RowBasis | None, layer: str, x: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Captured projected rows ``[n, k_g·k_a]`` → stored rows (the ``ekfac`` rotation and scale; else as is)."""
+    if basis is None or layer not in basis.Q_S:
+        return x
+    k_g, k_a = shape
+    X = np.asarray(x, np.float64).reshape(-1, k_g, k_a)
+    R = basis.Q_S[layer].T @ X @ basis.Q_A[layer] * basis.scale[layer]  # [n, k_g, k_a]
+    return R.reshape(len(X), -1).astype(np.float32)
