@@ -68,3 +68,22 @@ def text_jsonl(tmp_path_factory):
         for t in make_texts(40, seed=2):
             f.write(json.dumps({"text": t}) + "\n")
     return p
+
+
+@pytest.fixture(scope="session")
+def audit_index(tmp_path_factory, gpt2_dir, text_jsonl):
+    """A complete tiny GPT-2 index (float32 store, EK-FAC fitted, flat FAISS) for the apps' tests."""
+    from gradindex.capture import ProjectionSpec
+    from gradindex.data import load_records, tokenize_records
+    from gradindex.index import build_indices
+    from gradindex.model import load_causal_lm
+    from gradindex.pipeline import BuildConfig, build_index
+
+    out = tmp_path_factory.mktemp("audit") / "index"
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    data = tokenize_records(load_records(text_jsonl), tok, 64)
+    cfg = BuildConfig(projection=ProjectionSpec(k_a=8, k_g=8, seed=3), shard_size=16, precondition="ekfac",
+                      max_length=64)
+    build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
+    build_indices(out, progress=False)
+    return out

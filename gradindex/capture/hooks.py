@@ -128,6 +128,7 @@ class GradientCapture:
         collect_covariance: bool = False,
         collect_full_covariance: bool = False,
         transforms: Mapping[str, LayerTransform | Mapping[str, torch.Tensor]] | None = None,
+        keep_tokens: bool = False,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route {route!r} is not one of {ROUTES}")
@@ -144,6 +145,9 @@ class GradientCapture:
         self.weight_free = weight_free
         self.collect_covariance = collect_covariance
         self.collect_full_covariance = collect_full_covariance
+        self.keep_tokens = keep_tokens
+        """Also keep each layer's per-token factors of every batch (:meth:`pop_tokens`)."""
+        self._token_parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self.route_counts: Counter = Counter()
         self._handles: list = []
         self._mask: torch.Tensor | None = None
@@ -219,6 +223,7 @@ class GradientCapture:
             h.remove()
         self._handles.clear()
         self._records.clear()
+        self._token_parts.clear()
 
     def __enter__(self) -> GradientCapture:
         return self.attach()
@@ -248,6 +253,12 @@ class GradientCapture:
         self._records.clear()
         return out
 
+    def pop_tokens(self) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """With ``keep_tokens``: per layer, the :meth:`token_factors` of each call of the layer since
+        the last ``pop_tokens`` (one per call; a layer run twice in a forward has two)."""
+        out, self._token_parts = self._token_parts, {}
+        return out
+
     # -- internals ----------------------------------------------------------------------------
     def _forward_hook(self, name: str):
         def hook(module: nn.Module, inputs: tuple, output: torch.Tensor):
@@ -267,6 +278,8 @@ class GradientCapture:
 
     def _accumulate(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
         G = self.layer_gradient(name, a, g)
+        if self.keep_tokens:
+            self._token_parts.setdefault(name, []).append(self.token_factors(name, a, g))
         prev = self._grads.get(name)
         self._grads[name] = G if prev is None else prev + G
 
@@ -345,6 +358,26 @@ class GradientCapture:
         if self._mask_tokens is None:
             self._mask_tokens = int(self._mask.sum())
         return self._mask_tokens
+
+    def token_factors(self, name: str, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's per-token factors ``(ḡ [B, T, rows], ā [B, T, cols])``, fp32, with
+        ``Σ_t ḡ_t ā_tᵀ`` equal to :meth:`layer_gradient` (reshaped ``[B, rows, cols]``).
+
+        ``ḡ_t = M_g g_t`` and ``ā_t = M_a [a_t, 1]`` (the side maps: projection and per-side
+        transforms; scales only on an unmapped side), weighted by the current mask, so padding
+        tokens have ``ā_t = 0``. An entrywise transform has no per-token form and is refused.
+        """
+        t = self.transforms.get(name)
+        if t is not None and t.elementwise is not None:
+            raise ValueError(f"layer {name!r} has an entrywise gradient transform (exact optimizer-aware "
+                             "influence), which does not split into per-token terms; use a factored one")
+        info = self.infos[name]
+        B = a.shape[0]
+        a = a.reshape(B, -1, info.n_in).float()  # [B, T, N_i]
+        g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
+        m = self._token_weights(name, B, a.shape[1], a)  # [B, T, 1] or None
+        gb = self._map_outputs(g, self.side_map(name, "g", g.device), self.side_scale(name, "g"))
+        return gb, self._map_inputs(name, a, m)
 
     def _token_weights(self, name: str, B: int, T: int, a: torch.Tensor) -> torch.Tensor | None:
         mask = self._mask

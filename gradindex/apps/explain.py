@@ -1,0 +1,197 @@
+"""Token-level explanations: which tokens of a training example (and of the query) make its score.
+
+A layer's per-example gradient is a sum over tokens, ``Ĝ = Σ_t ḡ_t ā_tᵀ`` (``ḡ_t = P_g g_t``,
+``ā_t = P_a a_t``), so the score ``⟨M q, Ĝ⟩`` of a training example splits exactly into one term
+per training token::
+
+    score_t = Σ_layers ⟨M q, ḡ_t ā_tᵀ⟩ = Σ_layers ḡ_tᵀ (M q) ā_t
+
+with ``M`` the method's ``H⁻¹`` (identity for graddot), applied to the query as the engine does.
+The factors are rebuilt on demand by re-running the example through the model with the engine's
+own capture (:meth:`gradindex.capture.GradientCapture.token_factors`). The query side is the same
+decomposition over the query's tokens against the training example's stored vector ``t``:
+``Σ_layers ḡ_sᵀ (M t) ā_s`` (``M`` is symmetric, so ``⟨q, M t⟩ = ⟨M q, t⟩``). Both sides sum to
+the example's score (up to the storage code's rounding when the store is not float32).
+
+Token ``t``'s term is the part of the score carried by the layers' inputs at position ``t``;
+``g_t`` there collects the losses of every later target token (attention mixes positions), so a
+prompt token with no loss of its own can still carry score.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gradindex.capture.batch import batch_gradients
+from gradindex.data import IGNORE
+from gradindex.index.space import query_vectors
+from gradindex.methods import parse_method
+from gradindex.query import QueryEngine
+from gradindex.query.inputs import as_records
+
+METHODS = ("graddot", "kfac", "ekfac")
+
+# per layer, one (ḡ [T, rows], ā [T, cols]) pair per call of the layer
+Factors = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+@dataclass
+class TokenScores:
+    """One sequence's tokens with the score each carries."""
+
+    ids: list[int]
+    tokens: list[str]
+    """Each token decoded on its own (joined, they give the text back)."""
+    scores: list[float]
+    """Each token's term of the score, summed over layers."""
+    target: list[bool]
+    """Whether the loss is taken on the token (prompt and first tokens are not targets)."""
+    layer_totals: dict[str, float]
+    """Each layer's sum over tokens."""
+
+    @property
+    def total(self) -> float:
+        return float(np.sum(self.scores, dtype=np.float64))
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "ids": self.ids, "scores": self.scores, "target": self.target,
+                "total": self.total, "layer_totals": self.layer_totals}
+
+
+@dataclass
+class Explanation:
+    """Why training example ``id`` scores what it does for a query."""
+
+    id: int
+    score: float
+    """The example's exact score from its stored vector (what the engine ranks by)."""
+    method: str
+    damping: float | None
+    layers: list[str]
+    train: TokenScores
+    """The training example's tokens; they sum to ``score``."""
+    query: TokenScores
+    """The query's tokens against the example's stored vector; they sum to ``score``."""
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "score": self.score, "method": self.method, "damping": self.damping,
+                "layers": self.layers, "train": self.train.to_dict(), "query": self.query.to_dict()}
+
+
+class Explainer:
+    """Token-level explanations on an open :class:`QueryEngine` (model and preconditioners resident).
+
+    Training examples' factors are cached (``cache`` examples, least recently used dropped), so a
+    report that explains the same example for many queries re-runs it once. Not thread-safe (the
+    engine is not).
+    """
+
+    def __init__(self, engine: QueryEngine, cache: int = 256):
+        if engine.capture is None:
+            raise ValueError("token explanations re-run examples through the model: open the engine with it "
+                             "(load_model=True)")
+        self.engine = engine
+        self.cache = cache
+        self._factors: OrderedDict[int, tuple[list[int], list[int], Factors]] = OrderedDict()
+
+    # -- factors ------------------------------------------------------------------------------
+    def factors(self, ids: list[list[int]], labels: list[list[int]]) -> tuple[dict[str, torch.Tensor], list[Factors]]:
+        """Per-layer projected gradients ``{layer: [B, D]}`` and each example's per-token factors."""
+        e = self.engine
+        cap = e.capture
+        B = int(e.manifest.get("config", {}).get("batch_size", 8))
+        grads: list[dict[str, torch.Tensor]] = []
+        out: list[Factors] = []
+        keep = cap.keep_tokens
+        cap.keep_tokens = True
+        try:
+            with cap:
+                for s in range(0, len(ids), B):
+                    bg = batch_gradients(e.model, cap, ids[s:s + B], labels[s:s + B], e.pad_id)
+                    parts = cap.pop_tokens()
+                    grads.append({n: v.float().cpu() for n, v in bg.grads.items()})
+                    for j, x in enumerate(ids[s:s + B]):
+                        T = len(x)
+                        out.append({n: [(gb[j, :T].cpu(), ab[j, :T].cpu()) for gb, ab in calls]
+                                    for n, calls in parts.items()})
+        finally:
+            cap.keep_tokens = keep
+        return {n: torch.cat([g[n] for g in grads]) for n in grads[0]}, out
+
+    def _train_factors(self, ids: list[int]) -> list[tuple[list[int], list[int], Factors]]:
+        todo = [i for i in dict.fromkeys(ids) if i not in self._factors]
+        if todo:
+            tok_ids, labels, ok = self.engine.texts.tokens(np.array(todo, dtype=np.int64))
+            if len(tok_ids) != len(todo) or not ok.all():
+                why = self.engine.texts.problem or "its rows changed since the build"
+                raise ValueError("explaining a training example re-runs it, which needs the training data the "
+                                 f"index was built from ({why}); pass data= / --data")
+            _, facs = self.factors(tok_ids, labels)
+            for i, x, y, f in zip(todo, tok_ids, labels, facs, strict=True):
+                self._factors[i] = (x, y, f)
+        out = []
+        for i in ids:
+            self._factors.move_to_end(i)
+            out.append(self._factors[i])
+        while len(self._factors) > max(self.cache, len(set(ids))):
+            self._factors.popitem(last=False)
+        return out
+
+    # -- explanations -------------------------------------------------------------------------
+    def explain(self, query, ids: Sequence[int] | int, method: str = "graddot", damping: float = 0.1,
+                layers: Sequence[str] | str | None = None, text_field: str = "text") -> list[Explanation]:
+        """One explanation per training row in ``ids`` for ``query`` (any form ``QueryEngine.query`` takes)."""
+        e = self.engine
+        base, selfnorm = parse_method(method)
+        if selfnorm or base not in METHODS:
+            raise ValueError(f"token explanations split a score linear in both gradients: method is one of "
+                             f"{', '.join(METHODS)}, not {method!r}")
+        e.pre.check(method)
+        ids = [ids] if isinstance(ids, int | np.integer) else [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < e.n]
+        if bad:
+            raise ValueError(f"training ids {bad[:3]} are not in the index (0..{e.n - 1})")
+        chosen = e.select_layers(layers)
+        tokens = e.tokenize(as_records([query], text_field), text_field)
+        q_ids, q_labels = tokens.input_ids[0], tokens.labels[0]
+        q_grads, (q_fac,) = self.factors([q_ids], [q_labels])
+        m, _, _ = query_vectors(e.indices.space, e.pre, base, damping, {n: q_grads[n] for n in chosen})
+        stored = e.store.read_rows(np.array(ids, dtype=np.int64), chosen) if ids else {}
+        out = []
+        for j, (i, (x, y, fac)) in enumerate(zip(ids, self._train_factors(ids), strict=True)):
+            train = self._scores(x, y, fac, {n: m[n][0] for n in chosen})
+            t = {n: torch.from_numpy(np.ascontiguousarray(stored[n][j:j + 1], dtype=np.float64)) for n in chosen}
+            mt = {n: e.pre.apply(base, n, t[n], -1.0, damping)[0].numpy() for n in chosen}
+            query_side = self._scores(q_ids, q_labels, q_fac, mt)
+            score = float(sum(float(np.dot(m[n][0], stored[n][j].astype(np.float64))) for n in chosen))
+            out.append(Explanation(i, score, base, damping if base != "graddot" else None, chosen, train,
+                                   query_side))
+        return out
+
+    def _scores(self, ids: list[int], labels: list[int], fac: Factors, vec: dict[str, np.ndarray]) -> TokenScores:
+        """Per-token terms ``Σ_layers ḡ_tᵀ V ā_t`` of one sequence against per-layer vectors ``V``."""
+        T = len(ids)
+        total = np.zeros(T, dtype=np.float64)
+        layer_totals = {}
+        for n, v in vec.items():
+            rows, cols = self.engine.capture.dims(n)
+            V = torch.from_numpy(np.asarray(v, dtype=np.float64).reshape(rows, cols))
+            s = torch.zeros(T, dtype=torch.float64)
+            for gb, ab in fac[n]:
+                s += ((gb.double() @ V) * ab.double()).sum(dim=1)
+            total += s.numpy()
+            layer_totals[n] = float(s.sum())
+        tok = self.engine.tokenizer
+        return TokenScores(list(ids), [tok.decode([t], clean_up_tokenization_spaces=False) for t in ids],
+                           total.tolist(), [t > 0 and lab != IGNORE for t, lab in enumerate(labels)], layer_totals)
+
+
+def explain(engine: QueryEngine, query, ids: Sequence[int] | int, method: str = "graddot", damping: float = 0.1,
+            layers: Sequence[str] | str | None = None, text_field: str = "text") -> list[Explanation]:
+    """Token-level explanations of training rows ``ids`` for ``query`` (see :class:`Explainer`)."""
+    return Explainer(engine).explain(query, ids, method, damping, layers, text_field)

@@ -1,0 +1,60 @@
+"""``gradindex explain INDEX_DIR``: which tokens of a training example (and of the query) make its score."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from gradindex.cli import main
+from gradindex.cli.common import user_errors
+
+
+def _show(title: str, ts, top: int) -> None:
+    order = sorted(range(len(ts.scores)), key=lambda t: -abs(ts.scores[t]))[:top]
+    click.echo(f"  {title} (sum {ts.total:.6g}; largest |term| first):")
+    for t in order:
+        mark = "" if ts.target[t] else "  (not a target)"
+        click.echo(f"    {t:>4}  {ts.scores[t]:>+12.4e}  {ts.tokens[t]!r}{mark}")
+
+
+@main.command()
+@click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--query", "--text", "text", default=None, help="The query text (loss on every next token).")
+@click.option("--prompt", default=None, help="Query prompt (no loss), with --completion.")
+@click.option("--completion", default=None, help="Query completion (the loss is taken on it).")
+@click.option("--id", "ids", multiple=True, type=int, required=True,
+              help="Training example (row) to explain; repeatable.")
+@click.option("--method", default="graddot", show_default=True, type=click.Choice(["graddot", "kfac", "ekfac"]))
+@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
+@click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
+@click.option("--top", default=10, show_default=True, type=int, help="Tokens shown per side (text output).")
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
+              help="Model directory (default: the one the index was built with).")
+@click.option("--data", default=None, type=click.Path(), help="Training data file, if it moved since the build.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per example (a line each), every token.")
+@user_errors
+def explain(index_dir, text, prompt, completion, ids, method, damping, layers, top, model_dir, data, device,
+            as_json):
+    """Split the score of training example(s) --id for a query into one term per token, both sides."""
+    from gradindex.apps.explain import Explainer
+    from gradindex.query import QueryEngine
+
+    if (prompt is None) != (completion is None):
+        raise ValueError("--prompt and --completion go together (the loss is taken on the completion)")
+    if (text is None) == (prompt is None):
+        raise ValueError("give one query: --query TEXT, or --prompt P --completion C")
+    query = text if text is not None else (prompt, completion)
+    with QueryEngine(index_dir, model_dir, device=device, data=data) as engine:
+        out = Explainer(engine).explain(query, list(ids), method, damping, list(layers) or None)
+    for e in out:
+        if as_json:
+            click.echo(json.dumps(e.to_dict()))
+            continue
+        where = f"{len(e.layers)} layers" if len(e.layers) > 1 else e.layers[0]
+        click.echo(f"training example {e.id}: score {e.score:.6g} ({e.method}"
+                   f"{f', damping {e.damping}' if e.damping is not None else ''}; {where})")
+        click.echo(f"  text: {' '.join(''.join(e.train.tokens).split())[:200]}")
+        _show("training tokens", e.train, top)
+        _show("query tokens", e.query, top)
