@@ -1,0 +1,218 @@
+"""An HTTP JSON API over one resident :class:`QueryEngine` (model, indices and preconditioners loaded
+once), with a small web page to type a query and see the top training examples as token heatmaps.
+
+Endpoints: ``POST /query``, ``GET /example/{id}``, ``GET /health``, ``GET /`` (the page). With a
+token, ``/query`` and ``/example`` need ``Authorization: Bearer <token>`` (401 otherwise); the
+page and ``/health`` hold no data and stay open. The engine is not thread-safe, so requests are
+answered one at a time behind a lock; a request that waits longer than ``busy_timeout`` for it
+gets 503. No endpoint reads or writes a file the client names.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+
+import numpy as np
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from gradindex.apps.explain import METHODS as EXPLAIN_METHODS
+from gradindex.apps.explain import Explainer
+from gradindex.apps.html import LEGEND, page
+from gradindex.methods import ALL_METHODS
+from gradindex.query import QueryEngine
+
+log = logging.getLogger("gradindex")
+
+MAX_TEXT = 20_000
+"""Characters of a query text (or prompt + completion); longer is refused (the index truncates tokens)."""
+MAX_K = 1000
+
+
+class QueryRequest(BaseModel):
+    """One query in one of the forms of ``gradindex query``, and how to answer it."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str | None = Field(None, min_length=1, max_length=MAX_TEXT, description="Loss on every next token.")
+    prompt: str | None = Field(None, max_length=MAX_TEXT, description="No loss; with completion.")
+    completion: str | None = Field(None, min_length=1, max_length=MAX_TEXT, description="Loss on it.")
+    input_ids: list[int] | None = Field(None, min_length=2, max_length=MAX_TEXT)
+    labels: list[int] | None = Field(None, description="With input_ids: -100 where no loss is taken.")
+    k: int = Field(10, ge=1, le=MAX_K)
+    method: str = "graddot"
+    damping: float = Field(0.1, gt=0, le=1e6)
+    layers: list[str] | None = Field(None, max_length=1000)
+    lowest: int = Field(0, ge=0, le=MAX_K)
+    explain: int = Field(0, ge=0, le=50, description="Explain the top N results token by token (graddot, kfac, ekfac).")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> QueryRequest:
+        forms = [self.text is not None, self.prompt is not None or self.completion is not None,
+                 self.input_ids is not None]
+        if sum(forms) != 1:
+            raise ValueError("give exactly one query: text, prompt + completion, or input_ids")
+        if (self.prompt is None) != (self.completion is None):
+            raise ValueError("prompt and completion go together (the loss is taken on the completion)")
+        if self.labels is not None and (self.input_ids is None or len(self.labels) != len(self.input_ids)):
+            raise ValueError("labels go with input_ids, one per token")
+        if self.method not in ALL_METHODS:
+            raise ValueError(f"method {self.method!r} is not one of {', '.join(ALL_METHODS)}")
+        if self.explain and self.method not in EXPLAIN_METHODS:
+            raise ValueError(f"explain works for {', '.join(EXPLAIN_METHODS)}, not {self.method!r}")
+        return self
+
+    def record(self) -> dict:
+        if self.text is not None:
+            return {"text": self.text}
+        if self.prompt is not None:
+            return {"prompt": self.prompt, "completion": self.completion}
+        rec: dict = {"input_ids": self.input_ids}
+        if self.labels is not None:
+            rec["labels"] = self.labels
+        return rec
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for e in exc.errors():
+        loc = ".".join(str(x) for x in e.get("loc", ()) if x not in ("body",))
+        msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request"
+
+
+def create_app(engine: QueryEngine, token: str | None = None, busy_timeout: float = 30.0) -> FastAPI:
+    """The FastAPI app over ``engine`` (which it does not close)."""
+    app = FastAPI(title="gradindex", description="Which training examples made the model say this?",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    lock = threading.Lock()
+    explainer = Explainer(engine)
+    num_tokens = engine.store.column("num_tokens")
+    losses = engine.store.column("loss")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": _validation_message(exc)}, status_code=422)
+
+    def auth(request: Request) -> None:
+        if token is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), token.encode())):
+            raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    def serialized(fn, *args):
+        if not lock.acquire(timeout=busy_timeout):
+            raise HTTPException(503, f"busy: no answer within {busy_timeout:g} s; retry later")
+        try:
+            return fn(*args)
+        except (ValueError, TypeError) as e:
+            raise HTTPException(400, str(e)) from e
+        finally:
+            lock.release()
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok", "examples": engine.n, "layers": len(engine.select_layers(None)),
+                "methods": [m for m in ALL_METHODS if _fitted(engine, m)]}
+
+    @app.post("/query", dependencies=[Depends(auth)])
+    def query(req: QueryRequest) -> dict:
+        def run() -> dict:
+            t0 = time.perf_counter()
+            rec = req.record()
+            r = engine.query(rec, k=req.k, method=req.method, damping=req.damping, layers=req.layers,
+                             lowest=req.lowest)
+            out = r.to_dict()
+            if req.explain and r.hits:
+                top = r.hits[:req.explain]
+                exps = explainer.explain(rec, [h.id for h in top], req.method, req.damping, r.layers)
+                for h, e in zip(out["hits"], exps, strict=False):
+                    h["explanation"] = {"tokens": e.train.tokens, "scores": e.train.scores,
+                                        "query_tokens": e.query.tokens, "query_scores": e.query.scores}
+            out["seconds"]["total"] = time.perf_counter() - t0
+            return out
+
+        return serialized(run)
+
+    @app.get("/example/{example_id}", dependencies=[Depends(auth)])
+    def example(example_id: int) -> dict:
+        if not 0 <= example_id < engine.n:
+            raise HTTPException(404, f"no training example {example_id}: ids are 0..{engine.n - 1}")
+
+        def run() -> dict:
+            text = engine.texts.texts(np.array([example_id], dtype=np.int64))[0]
+            return {"id": example_id, "text": text, "num_tokens": int(num_tokens[example_id]),
+                    "loss": float(losses[example_id]), "note": engine.texts.problem}
+
+        return serialized(run)
+
+    @app.get("/", response_class=HTMLResponse)
+    def index() -> str:
+        methods = [m for m in ALL_METHODS if _fitted(engine, m) and m in EXPLAIN_METHODS]
+        return _PAGE.replace("__METHODS__", "".join(f"<option>{m}</option>" for m in methods)).replace(
+            "__N__", str(engine.n)).replace("__AUTH__", "block" if token else "none")
+
+    return app
+
+
+def _fitted(engine: QueryEngine, method: str) -> bool:
+    try:
+        engine.pre.check(method)
+        return True
+    except ValueError:
+        return False
+
+
+_BODY = """
+<h1>gradindex</h1><p class="muted">Which of the __N__ training examples made the model say this?</p>
+<form id="f"><p><label>Query text<br><textarea id="text" rows="3" style="width:100%"></textarea></label></p>
+<p><label>or prompt <input id="prompt" size="40"></label> <label>completion <input id="completion" size="40">
+</label></p><p><label>k <input id="k" type="number" value="5" min="1" max="100" style="width:4em"></label>
+<label>method <select id="method">__METHODS__</select></label>
+<span style="display:__AUTH__"><label>token
+<input id="token" type="text" autocomplete="off" spellcheck="false" size="16"></label></span>
+<button type="submit">Find</button></p></form>
+""" + LEGEND + """<div id="status" class="muted"></div><div id="out"></div>
+"""
+
+_SCRIPT = """
+function gxRun(){var st=document.getElementById('status'),out=document.getElementById('out');
+var body={k:parseInt(document.getElementById('k').value||'5'),method:document.getElementById('method').value};
+var t=document.getElementById('text').value,p=document.getElementById('prompt').value,
+c=document.getElementById('completion').value;if(t){body.text=t;}else{body.prompt=p;body.completion=c;}
+body.explain=body.k;var h={'Content-Type':'application/json'},tok=document.getElementById('token').value;
+if(tok){h.Authorization='Bearer '+tok;}st.textContent='searching...';out.innerHTML='';
+fetch('/query',{method:'POST',headers:h,body:JSON.stringify(body)}).then(function(r){
+return r.json().then(function(j){return [r.status,j];});}).then(function(a){var j=a[1];
+if(a[0]!==200){st.textContent='error '+a[0]+': '+j.detail;return;}
+st.textContent=j.hits.length+' results, method '+j.method+', '+j.num_tokens+' target tokens, '
++(j.seconds.total*1000).toFixed(0)+' ms';
+j.hits.forEach(function(hit,i){var d=document.createElement('div'),hd=document.createElement('h3');
+hd.textContent='#'+(i+1)+'  id '+hit.id+'  score '+hit.score.toPrecision(4);d.appendChild(hd);
+if(hit.explanation){d.appendChild(gxHeat(hit.explanation.tokens,hit.explanation.scores));
+var q=document.createElement('details'),s=document.createElement('summary');s.textContent='query tokens';
+q.appendChild(s);q.appendChild(gxHeat(hit.explanation.query_tokens,hit.explanation.query_scores));d.appendChild(q);}
+else{var pre=document.createElement('div');pre.className='heat';pre.textContent=hit.text||'(text unavailable)';
+d.appendChild(pre);}out.appendChild(d);});}).catch(function(e){st.textContent='request failed: '+e;});}
+document.getElementById('f').addEventListener('submit',function(ev){ev.preventDefault();gxRun();});
+(function(){var u=new URLSearchParams(window.location.search);['text','prompt','completion','k','method']
+.forEach(function(n){if(u.get(n)!==null){document.getElementById(n).value=u.get(n);}});
+if(u.get('text')||u.get('completion')){gxRun();}})();
+"""
+
+_PAGE = page("gradindex", _BODY, _SCRIPT)
+
+
+def serve(engine: QueryEngine, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
+          busy_timeout: float = 30.0) -> None:
+    """Run the server until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine, token, busy_timeout), host=host, port=port, log_level="warning")

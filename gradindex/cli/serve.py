@@ -1,0 +1,41 @@
+"""``gradindex serve INDEX_DIR``: an HTTP JSON API and a web page over a resident query engine."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from gradindex.cli import main
+from gradindex.cli.common import user_errors
+
+
+@main.command()
+@click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind (loopback by default; 0.0.0.0 exposes it to the network).")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--token", default=None, help="Require 'Authorization: Bearer TOKEN' on /query and /example "
+              "(default: $GRADINDEX_TOKEN if set).")
+@click.option("--busy-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds a request waits for the engine before answering 503.")
+@click.option("--layers", multiple=True, help="Glob of layers to load (repeatable). Default: all.")
+@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
+              help="Model directory (default: the one the index was built with).")
+@click.option("--data", default=None, type=click.Path(), help="Training data file, if it moved since the build.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")
+@click.option("--cpu-index", is_flag=True, help="Search on the CPU even when FAISS sees GPUs.")
+@user_errors
+def serve(index_dir, host, port, token, busy_timeout, layers, model_dir, data, device, cpu_index):
+    """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /."""
+    from gradindex.apps.serve import serve as run
+    from gradindex.query import QueryEngine
+
+    token = token or os.environ.get("GRADINDEX_TOKEN") or None
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    with QueryEngine(index_dir, model_dir, device=device, data=data, layers=list(layers) or None,
+                     use_gpu=not cpu_index) as engine:
+        click.echo(f"serving {index_dir} ({engine.n} examples) on http://{host}:{port}/"
+                   f"{' (bearer token required)' if token else ''}; Ctrl-C stops", err=True)
+        run(engine, host, port, token, busy_timeout)
