@@ -108,6 +108,15 @@ def test_bearer_token(engine):
     assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
 
 
+def test_busy_engine_answers_503(engine):
+    app = create_app(engine, busy_timeout=0.05)
+    c = TestClient(app)
+    with app.state.lock:  # another request holds the engine
+        r = c.post("/query", json={"text": "the cat sat", "k": 2})
+    assert r.status_code == 503 and "busy" in r.json()["detail"]
+    assert c.post("/query", json={"text": "the cat sat", "k": 2}).status_code == 200
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

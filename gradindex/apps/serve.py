@@ -91,6 +91,7 @@ def create_app(engine: QueryEngine, token: str | None = None, busy_timeout: floa
     app = FastAPI(title="gradindex", description="Which training examples made the model say this?",
                   docs_url=None, redoc_url=None, openapi_url=None)
     lock = threading.Lock()
+    app.state.lock = lock  # the engine's turn; held while a request is answered
     explainer = Explainer(engine)
     num_tokens = engine.store.column("num_tokens")
     losses = engine.store.column("loss")
