@@ -157,17 +157,19 @@ class Explainer:
         if bad:
             raise ValueError(f"training ids {bad[:3]} are not in the index (0..{e.n - 1})")
         chosen = e.select_layers(layers)
+        if not ids:
+            return []
         tokens = e.tokenize(as_records([query], text_field), text_field)
         q_ids, q_labels = tokens.input_ids[0], tokens.labels[0]
         q_grads, (q_fac,) = self.factors([q_ids], [q_labels])
         m, _, _ = query_vectors(e.indices.space, e.pre, base, damping, {n: q_grads[n] for n in chosen})
-        stored = e.store.read_rows(np.array(ids, dtype=np.int64), chosen) if ids else {}
+        stored = e.store.read_rows(np.array(ids, dtype=np.int64), chosen)
+        mt = {n: e.pre.apply(base, n, torch.from_numpy(stored[n].astype(np.float64)), -1.0, damping).numpy()
+              for n in chosen}  # M t of every example, [n, D] per layer
         out = []
         for j, (i, (x, y, fac)) in enumerate(zip(ids, self._train_factors(ids), strict=True)):
             train = self._scores(x, y, fac, {n: m[n][0] for n in chosen})
-            t = {n: torch.from_numpy(np.ascontiguousarray(stored[n][j:j + 1], dtype=np.float64)) for n in chosen}
-            mt = {n: e.pre.apply(base, n, t[n], -1.0, damping)[0].numpy() for n in chosen}
-            query_side = self._scores(q_ids, q_labels, q_fac, mt)
+            query_side = self._scores(q_ids, q_labels, q_fac, {n: mt[n][j] for n in chosen})
             score = float(sum(float(np.dot(m[n][0], stored[n][j].astype(np.float64))) for n in chosen))
             out.append(Explanation(i, score, base, damping if base != "graddot" else None, chosen, train,
                                    query_side))
