@@ -43,8 +43,8 @@ class ReportConfig:
     layers: tuple[str, ...] | None = None
     outliers: int = 20
     """Examples shown by self-influence."""
-    dedup_threshold: float | None = 0.95
-    """Gradient cosine of near-duplicates (``None``: no duplicate search)."""
+    dedup_threshold: float | None = DedupConfig.threshold
+    """Gradient cosine of near-duplicates, ``gradindex dedup``'s default (``None``: no duplicate search)."""
     sample: int = 20000
     """Training rows whose scores make each query's score distribution (all of them when fewer)."""
     text_field: str = "text"

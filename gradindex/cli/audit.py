@@ -20,8 +20,8 @@ from gradindex.cli.common import user_errors
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
 @click.option("--outliers", default=20, show_default=True, type=int, help="Outliers shown (by self-influence).")
-@click.option("--dedup-threshold", default=0.95, show_default=True, type=float,
-              help="Gradient cosine of near-duplicate groups.")
+@click.option("--dedup-threshold", default=None, type=float,
+              help="Gradient cosine of near-duplicate groups (default: gradindex dedup's).")
 @click.option("--no-dedup", is_flag=True, help="Skip the duplicate search.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
 @click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
@@ -40,8 +40,10 @@ def audit(index_dir, queries_file, out_dir, k, method, damping, layers, outliers
     from gradindex.apps.report import ReportConfig, build_report
     from gradindex.query import QueryEngine, read_queries
 
+    dedup = {"dedup_threshold": None} if no_dedup else (
+        {} if dedup_threshold is None else {"dedup_threshold": dedup_threshold})
     cfg = ReportConfig(k=k, method=method, damping=damping, layers=tuple(layers) or None, outliers=outliers,
-                       dedup_threshold=None if no_dedup else dedup_threshold, text_field=text_field)
+                       text_field=text_field, **dedup)
     queries = read_queries(queries_file)
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index) as engine:
         summary = build_report(engine, queries, out_dir, cfg)
