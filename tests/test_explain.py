@@ -18,6 +18,7 @@ from gradindex.cli import main
 from gradindex.data import collate, per_example_loss
 from gradindex.model import load_causal_lm
 from gradindex.query import QueryEngine
+from tests.test_adam import trained  # noqa: F401  (fixture)
 
 QUERY = ("the cat sat on", " a mat near old town")
 
@@ -139,3 +140,23 @@ def test_cli_explain(audit_index):
     assert "training example 3" in res.output and "query tokens" in res.output
     res = runner.invoke(main, ["explain", str(audit_index), "--text", "the cat", "--id", "99999"])
     assert res.exit_code != 0 and "Error: training ids [99999] are not in the index" in res.output
+
+
+def test_adam_index_factored_splits_and_exact_is_refused(tmp_path, trained):  # noqa: F811
+    """Adam's per-side scales are folded into the projection, so the split still sums to the score;
+    the exact (entrywise) transform has no per-token form and says so."""
+    from gradindex.index import IndexConfig
+    from tests.test_adam import _build
+
+    out = tmp_path / "adam"
+    _build(trained, out, index=IndexConfig(), optimizer_state=str(trained["st"]), adam_mode="factored")
+    with QueryEngine(out, device="cpu", use_gpu=False) as eng:
+        r = eng.query("the cat sat on a mat", k=3, method="adam")
+        got = Explainer(eng).explain("the cat sat on a mat", [h.id for h in r.hits], method="adam")
+        for h, e in zip(r.hits, got, strict=True):
+            assert _rel(e.train.total, h.score) < 1e-5 and _rel(e.query.total, h.score) < 1e-5
+    exact = tmp_path / "exact"
+    _build(trained, exact, index=IndexConfig(), optimizer_state=str(trained["st"]), adam_mode="exact")
+    with QueryEngine(exact, device="cpu", use_gpu=False) as eng:
+        with pytest.raises(ValueError, match="does not split into per-token terms"):
+            Explainer(eng).explain("the cat sat on a mat", [0], method="adam")

@@ -89,6 +89,9 @@ def test_example_and_health(client, engine):
     ({"text": "the cat sat", "layers": ["nope.*"]}, 400, "match no indexed layer"),
     ({"text": "the cat sat", "method": "cosine", "explain": 2}, 422, "explain works for graddot"),
     ({"input_ids": [3, 4], "labels": [-100, -100]}, 400, "no target token"),
+    ({"input_ids": [3, 99999]}, 422, "outside the model's vocabulary"),
+    ({"input_ids": [3, 4], "labels": [-5, 4]}, 422, "outside the model's vocabulary"),
+    ({"input_ids": [3, 4], "labels": [4]}, 422, "labels go with input_ids, one per token"),
 ])
 def test_bad_input_is_a_clear_4xx(client, body, code, msg):
     r = client.post("/query", json=body)

@@ -6,7 +6,7 @@ per training token::
 
     score_t = Σ_layers ⟨M q, ḡ_t ā_tᵀ⟩ = Σ_layers ḡ_tᵀ (M q) ā_t
 
-with ``M`` the method's ``H⁻¹`` (identity for graddot), applied to the query as the engine does.
+with ``M`` the method's ``H⁻¹`` (identity for graddot and adam), applied to the query as the engine does.
 The factors are rebuilt on demand by re-running the example through the model with the engine's
 own capture (:meth:`gradindex.capture.GradientCapture.token_factors`). The query side is the same
 decomposition over the query's tokens against the training example's stored vector ``t``:
@@ -34,7 +34,8 @@ from gradindex.methods import parse_method
 from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records
 
-METHODS = ("graddot", "kfac", "ekfac")
+METHODS = ("graddot", "kfac", "ekfac", "adam")
+"""Methods whose score splits per token (``adam``: an index built with factored Adam preconditioning)."""
 
 # per layer, one (ḡ [T, rows], ā [T, cols]) pair per call of the layer
 Factors = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -171,7 +172,7 @@ class Explainer:
             train = self._scores(x, y, fac, {n: m[n][0] for n in chosen})
             query_side = self._scores(q_ids, q_labels, q_fac, {n: mt[n][j] for n in chosen})
             score = float(sum(float(np.dot(m[n][0], stored[n][j].astype(np.float64))) for n in chosen))
-            out.append(Explanation(i, score, base, damping if base != "graddot" else None, chosen, train,
+            out.append(Explanation(i, score, base, damping if base in ("kfac", "ekfac") else None, chosen, train,
                                    query_side))
         return out
 

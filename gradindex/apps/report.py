@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gradindex.apps.dedup import DedupConfig, find_duplicates
-from gradindex.apps.explain import METHODS, Explainer
+from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, heatmap, page, table
 from gradindex.apps.outliers import rank_outliers
 from gradindex.index.space import query_vectors
@@ -31,6 +31,9 @@ from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records
 
 log = logging.getLogger("gradindex")
+
+METHODS = ("graddot", "kfac", "ekfac")
+"""Methods of a report (scores, explanations, self-influence and dedup all take them)."""
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,7 @@ def create_app(engine: QueryEngine, token: str | None = None, busy_timeout: floa
     lock = threading.Lock()
     app.state.lock = lock  # the engine's turn; held while a request is answered
     explainer = Explainer(engine)
+    vocab = engine.model.get_input_embeddings().num_embeddings
     num_tokens = engine.store.column("num_tokens")
     losses = engine.store.column("loss")
 
@@ -125,6 +126,12 @@ def create_app(engine: QueryEngine, token: str | None = None, busy_timeout: floa
 
     @app.post("/query", dependencies=[Depends(auth)])
     def query(req: QueryRequest) -> dict:
+        bad = [i for i in (req.input_ids or []) if not 0 <= i < vocab]
+        bad += [i for i in (req.labels or []) if i != -100 and not 0 <= i < vocab]
+        if bad:
+            raise HTTPException(422, f"token ids {bad[:3]} are outside the model's vocabulary (0..{vocab - 1}; "
+                                     "labels may also be -100)")
+
         def run() -> dict:
             t0 = time.perf_counter()
             rec = req.record()

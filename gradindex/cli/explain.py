@@ -25,7 +25,8 @@ def _show(title: str, ts, top: int) -> None:
 @click.option("--completion", default=None, help="Query completion (the loss is taken on it).")
 @click.option("--id", "ids", multiple=True, type=int, required=True,
               help="Training example (row) to explain; repeatable.")
-@click.option("--method", default="graddot", show_default=True, type=click.Choice(["graddot", "kfac", "ekfac"]))
+@click.option("--method", default="graddot", show_default=True, type=click.Choice(["graddot", "kfac", "ekfac", "adam"]),
+              help="adam: an index built with --optimizer-state (factored).")
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
 @click.option("--top", default=10, show_default=True, type=int, help="Tokens shown per side (text output).")
