@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -91,6 +92,7 @@ def main() -> int:
         print(f"{out} already holds this example (delete it to make it again)")
         return 0
 
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads cost 10-50x on a shared CPU
     import torch
 
     from fixtures.tiny import save_model_dir, tiny_gpt2, train_lm, train_tokenizer
