@@ -51,7 +51,7 @@ def _type(p: click.Parameter) -> str:
 
 def _default(p: click.Option) -> str:
     v = p.to_info_dict().get("default")  # click >= 8.2 keeps an UNSET sentinel in p.default; this gives None
-    if p.is_flag or p.required or v is None or v == () or v == [] or callable(v):
+    if p.is_flag or p.required or v is None or v in ((), [], "") or callable(v):
         return ""
     if isinstance(v, (list, tuple)):
         v = ", ".join(map(str, v))

@@ -10,7 +10,7 @@ Rules, each a one-parameter family searched for the largest member within the bu
 * ``spectrum``: each side ``k ∝`` its effective rank (``(Σλ)²/Σλ²`` of its factor), capped at the
   width; needs the factors' eigenvalues.
 
-``benchmarks/rowspace.py`` measures them against full-space EK-FAC; docs/concepts.md gives the curve.
+``benchmarks/rowspace.py`` measures them against full-space EK-FAC; docs/math.md ("What a row holds") gives the curve.
 """
 
 from __future__ import annotations

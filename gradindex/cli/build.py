@@ -59,7 +59,7 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
 @click.option("--budget", default="", help="Bytes per example for --projection auto: an integer, or a fraction "
                                             "of the full float32 gradient such as 1/8 (default 1/8).")
 @click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
-              help="How --budget is spread over layers (docs/concepts.md).")
+              help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
 @click.option("--projection-basis", "basis", default="raw", show_default=True, type=click.Choice(["raw", "kfac"]),
               help="kfac: whiten each side by its damped full-space K-FAC factor before projecting "
                    "(one factor pass first); rows then answer kfac/ekfac, not graddot.")
