@@ -11,6 +11,7 @@ terminal-wrapped ``--help`` text, so it does not depend on the terminal width.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def render_command(cmd: click.Command, path: list[str], parent: click.Context) -
     usage = " ".join([*path, *cmd.collect_usage_pieces(ctx)])
     out = [f"## `{' '.join(path[1:])}`", "", "```", usage, "```", ""]
     if cmd.help:
-        out += [cmd.help.strip(), ""]
+        out += [inspect.cleandoc(cmd.help), ""]
     args = [p for p in cmd.get_params(ctx) if isinstance(p, click.Argument)]
     if args:
         out += ["Arguments: " + ", ".join(f"`{a.human_readable_name}` ({_type(a)})" for a in args) + ".", ""]

@@ -75,6 +75,7 @@ def test_tutorials_run_and_find_what_was_planted(tmp_path):
     assert sorted(r["id"] for r in rows) == list(range(64))
     ranks = json.loads(re.search(r"loss per token: corrupted rows at ranks (\[.*?\])", out["2-audit"]).group(1))
     assert sum(r <= 16 for r in ranks) >= 3, out["2-audit"]
+    assert (ex / "report" / "report.html").stat().st_size > 0 and (ex / "report" / "summary.json").exists()
 
     # 3: both exact copies grouped, nothing else than planted copies dropped, the written file matches.
     groups = [json.loads(line) for line in (ex / "groups.jsonl").read_text().splitlines()]
