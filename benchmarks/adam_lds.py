@@ -45,28 +45,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fidelity as F  # noqa: E402
 
 from fixtures.tiny import save_model_dir  # noqa: E402
-from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
+from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.capture.adam import adam_capture_transforms, save_second_moments  # noqa: E402
-from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.pipeline import BuildConfig, build_index  # noqa: E402
 from gradindex.precondition import FitConfig, fit_preconditioner  # noqa: E402
 
 
 def query_gradients(model, tokenizer, query, bcfg: BuildConfig) -> dict[str, np.ndarray]:
     """layer → ``[Q, D]`` query rows, with the build's Adam transform when it had one."""
-    model.requires_grad_(False)
     transforms = None
     if bcfg.optimizer_state:
         transforms, _ = adam_capture_transforms(bcfg.optimizer_state, bcfg.adam_mode, model, bcfg.layers)
-    cap = GradientCapture(model, bcfg.layers, bcfg.projection, bcfg.route, weight_free=True, transforms=transforms)
-    out: dict[str, list[np.ndarray]] = {}
-    with cap:
-        for s in range(0, len(query), bcfg.batch_size):
-            bg = batch_gradients(model, cap, query.input_ids[s: s + bcfg.batch_size],
-                                 query.labels[s: s + bcfg.batch_size], tokenizer.pad_token_id)
-            for n, v in bg.grads.items():
-                out.setdefault(n, []).append(v.cpu().numpy())
-    return {n: np.concatenate(v) for n, v in out.items()}
+    return F.query_gradients(model, tokenizer, query, bcfg, transforms)
 
 
 def _build(model, setup, bcfg: BuildConfig, out: Path) -> float:

@@ -325,11 +325,12 @@ def retrained_losses(cfg: FidelityConfig, setup: Setup, init: dict, work: Path, 
 
 
 # -- attribution -------------------------------------------------------------------------------------
-def query_gradients(model: torch.nn.Module, tokenizer, query: Tokenized,
-                    bcfg: BuildConfig) -> dict[str, np.ndarray]:
-    """layer → ``[Q, D]`` query gradients, captured exactly as the build captured training gradients."""
+def query_gradients(model: torch.nn.Module, tokenizer, query: Tokenized, bcfg: BuildConfig,
+                    transforms: dict | None = None) -> dict[str, np.ndarray]:
+    """layer → ``[Q, D]`` query gradients, captured exactly as the build captured training gradients
+    (``transforms``: the build's capture transforms, e.g. Adam's, when it had any)."""
     model.requires_grad_(False)
-    cap = GradientCapture(model, bcfg.layers, bcfg.projection, bcfg.route, weight_free=True)
+    cap = GradientCapture(model, bcfg.layers, bcfg.projection, bcfg.route, weight_free=True, transforms=transforms)
     out: dict[str, list[np.ndarray]] = {}
     with cap:
         for s in range(0, len(query), bcfg.batch_size):
