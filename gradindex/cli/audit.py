@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import user_errors
+from gradindex.cli.common import engine_options, user_errors
 
 
 @main.command()
@@ -24,11 +24,7 @@ from gradindex.cli.common import user_errors
               help="Gradient cosine of near-duplicate groups (default: gradindex dedup's).")
 @click.option("--no-dedup", is_flag=True, help="Skip the duplicate search.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
-@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-              help="Model directory (default: the one the index was built with).")
-@click.option("--data", default=None, type=click.Path(), help="Training data file, if it moved since the build.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")
-@click.option("--cpu-index", is_flag=True, help="Search on the CPU even when FAISS sees GPUs.")
+@engine_options()
 @user_errors
 def audit(index_dir, queries_file, out_dir, k, method, damping, layers, outliers, dedup_threshold, no_dedup,
           text_field, model_dir, data, device, cpu_index):

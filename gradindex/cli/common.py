@@ -48,6 +48,21 @@ def data_options(fn):
     return fn
 
 
+def engine_options(cpu_index: bool = True):
+    """``--model``, ``--data``, ``--device`` (and ``--cpu-index``): how a command opens a query engine."""
+
+    def deco(fn):
+        if cpu_index:
+            fn = click.option("--cpu-index", is_flag=True, help="Search on the CPU even when FAISS sees GPUs.")(fn)
+        fn = click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")(fn)
+        fn = click.option("--data", default=None, type=click.Path(),
+                          help="Training data file, if it moved since the build.")(fn)
+        return click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
+                            help="Model directory (default: the one the index was built with).")(fn)
+
+    return deco
+
+
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

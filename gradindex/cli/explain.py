@@ -7,7 +7,7 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import user_errors
+from gradindex.cli.common import engine_options, user_errors
 
 
 def _show(title: str, ts, top: int) -> None:
@@ -30,10 +30,7 @@ def _show(title: str, ts, top: int) -> None:
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
 @click.option("--top", default=10, show_default=True, type=int, help="Tokens shown per side (text output).")
-@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-              help="Model directory (default: the one the index was built with).")
-@click.option("--data", default=None, type=click.Path(), help="Training data file, if it moved since the build.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")
+@engine_options(cpu_index=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per example (a line each), every token.")
 @user_errors
 def explain(index_dir, text, prompt, completion, ids, method, damping, layers, top, model_dir, data, device,

@@ -8,7 +8,7 @@ import shutil
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import user_errors
+from gradindex.cli.common import engine_options, user_errors
 from gradindex.methods import ALL_METHODS, methods_of
 
 
@@ -85,12 +85,7 @@ def _json(r) -> list[dict]:
 @click.option("--shortlist", default=None, type=int,
               help="Of those, kept per layer after exact per-layer scoring (default 100).")
 @click.option("--nprobe", default=None, type=int, help="IVF lists to visit per layer (default: the index's).")
-@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-              help="Model directory (default: the one the index was built with).")
-@click.option("--data", default=None, type=click.Path(),
-              help="Training data file, if it moved since the build.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")
-@click.option("--cpu-index", is_flag=True, help="Search on the CPU even when FAISS sees GPUs.")
+@engine_options()
 @click.option("--optimizer-state", default=None, type=click.Path(dir_okay=False),
               help="The optimizer state of an Adam-preconditioned index, if it moved since the build.")
 @click.option("--json", "as_json", is_flag=True,

@@ -7,7 +7,7 @@ import os
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import user_errors
+from gradindex.cli.common import engine_options, user_errors
 
 
 @main.command()
@@ -20,11 +20,7 @@ from gradindex.cli.common import user_errors
 @click.option("--busy-timeout", default=30.0, show_default=True, type=float,
               help="Seconds a request waits for the engine before answering 503.")
 @click.option("--layers", multiple=True, help="Glob of layers to load (repeatable). Default: all.")
-@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-              help="Model directory (default: the one the index was built with).")
-@click.option("--data", default=None, type=click.Path(), help="Training data file, if it moved since the build.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")
-@click.option("--cpu-index", is_flag=True, help="Search on the CPU even when FAISS sees GPUs.")
+@engine_options()
 @user_errors
 def serve(index_dir, host, port, token, busy_timeout, layers, model_dir, data, device, cpu_index):
     """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /."""
