@@ -28,7 +28,7 @@ from gradindex.apps.html import LEGEND, heatmap, page, table
 from gradindex.apps.outliers import rank_outliers
 from gradindex.index.space import query_vectors
 from gradindex.query import QueryEngine
-from gradindex.query.inputs import as_records
+from gradindex.query.inputs import as_records, describe
 
 log = logging.getLogger("gradindex")
 
@@ -58,14 +58,6 @@ class ReportConfig:
         if self.k < 1 or self.outliers < 0 or self.sample < 1:
             raise ValueError(f"k and sample must be >= 1 and outliers >= 0 (got k={self.k}, "
                              f"outliers={self.outliers}, sample={self.sample})")
-
-
-def _describe(rec: dict, text_field: str) -> str:
-    if rec.get(text_field) is not None:
-        return str(rec[text_field])
-    if "prompt" in rec:
-        return f"{rec['prompt']}‖{rec.get('completion', '')}"
-    return f"[{len(rec.get('input_ids', []))} token ids]"
 
 
 def _png(fig) -> str:
@@ -155,7 +147,7 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
         exps = ex.explain(rec, [h.id for h in hits], cfg.method, cfg.damping, layers, cfg.text_field)
         q_tokens = exps[0].query.tokens if exps else []
         per_query.append({
-            "query": rec, "text": _describe(rec, cfg.text_field), "num_tokens": r.num_tokens, "loss": r.loss,
+            "query": rec, "text": describe(rec, cfg.text_field, sep="‖"), "num_tokens": r.num_tokens, "loss": r.loss,
             "query_tokens": q_tokens, "notes": r.notes,
             "hits": [_hit_row(j + 1, h, e, "top") for j, (h, e) in enumerate(zip(r.hits, exps, strict=False))],
             "lowest": [_hit_row(j + 1, h, e, "lowest")

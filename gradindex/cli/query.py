@@ -35,14 +35,6 @@ def _line(text: str | None, width: int) -> str:
     return s if len(s) <= width else s[: max(0, width - 3)] + "..."
 
 
-def _describe(q: dict, text_field: str) -> str:
-    if q.get(text_field) is not None:
-        return str(q[text_field])
-    if "prompt" in q:
-        return f"{q['prompt']}|{q.get('completion', '')}"
-    return f"[{len(q.get('input_ids', []))} token ids]"
-
-
 def _print_result(i: int, q: str, r) -> None:
     width = max(40, shutil.get_terminal_size((100, 20)).columns - 30)
     where = f"{len(r.layers)} layers" if len(r.layers) > 1 else r.layers[0]
@@ -95,6 +87,7 @@ def query(index_dir, texts, prompt, completion, queries_file, text_field, k, met
           rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json):
     """Find the training examples in INDEX_DIR that most influenced each query."""
     from gradindex.query import QueryEngine
+    from gradindex.query.inputs import describe
 
     qs = _queries(texts, prompt, completion, queries_file, text_field)
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
@@ -110,4 +103,4 @@ def query(index_dir, texts, prompt, completion, queries_file, text_field, k, met
         if as_json:
             click.echo(json.dumps(_json(r)))
         else:
-            _print_result(i, _describe(q, text_field), r)
+            _print_result(i, describe(q, text_field), r)

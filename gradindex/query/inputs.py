@@ -109,6 +109,15 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
     return QueryTokens(records, ids, labels, truncated)
 
 
+def describe(rec: dict, text_field: str = "text", sep: str = "|") -> str:
+    """A query record as one line of text: its text, ``prompt<sep>completion``, or its token count."""
+    if rec.get(text_field) is not None:
+        return str(rec[text_field])
+    if "prompt" in rec:
+        return f"{rec['prompt']}{sep}{rec.get('completion', '')}"
+    return f"[{len(rec.get('input_ids', []))} token ids]"
+
+
 def _preview(rec: dict, n: int = 40) -> str:
     s = repr(rec)
     return s if len(s) <= n else s[: n - 3] + "..."
