@@ -98,7 +98,7 @@ def read_checksums(index_dir: str | os.PathLike) -> dict[str, dict]:
         ) from None
 
 
-def _write(index_dir: str | os.PathLike, files: dict[str, dict]) -> None:
+def write_checksums(index_dir: str | os.PathLike, files: dict[str, dict]) -> None:
     p = Path(index_dir) / CHECKSUMS
     tmp = p.with_name(p.name + ".tmp")
     tmp.write_text(json.dumps({"version": VERSION, "files": dict(sorted(files.items()))}, indent=1))
@@ -113,7 +113,7 @@ def record(index_dir: str | os.PathLike, paths: Iterable[Path], names: Iterable[
     files = read_checksums(d)
     for p, n in zip(paths, names, strict=True):
         files[n] = entry(Path(p))
-    _write(d, files)
+    write_checksums(d, files)
 
 
 def forget(index_dir: str | os.PathLike, names: Iterable[str]) -> None:
@@ -122,7 +122,7 @@ def forget(index_dir: str | os.PathLike, names: Iterable[str]) -> None:
     if names:
         for n in names:
             del files[n]
-        _write(index_dir, files)
+        write_checksums(index_dir, files)
 
 
 def rename_records(index_dir: str | os.PathLike, renames: dict[str, str], drop_prefix: str = "") -> None:
@@ -133,7 +133,7 @@ def rename_records(index_dir: str | os.PathLike, renames: dict[str, str], drop_p
     for old, new in renames.items():
         if old in files:
             files[new] = files.pop(old)
-    _write(index_dir, files)
+    write_checksums(index_dir, files)
 
 
 def check_files(index_dir: str | os.PathLike, names: Iterable[str], full: bool = True,

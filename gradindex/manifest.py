@@ -26,6 +26,7 @@ IDENTITY_KEYS = {
     "shard_size": "shard size",
     "batch_size": "batch size",
     "optimizer": "optimizer preconditioning (--optimizer-state)",
+    "transcode": "row transcode (--transcode, with its --storage and --damping)",
 }
 
 

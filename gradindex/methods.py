@@ -10,6 +10,7 @@ by ``sqrt`` of the training example's self-influence. Parse a name once with
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 BASE_METHODS = ("graddot", "cosine")
@@ -94,3 +95,14 @@ def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = Fa
     if selfnorm:
         out += [m + SELFNORM for m in out if m != "cosine"]
     return out
+
+
+PREFERRED = ("ekfac", "kfac", ADAM, "graddot")
+"""The method a command uses when none is given: the first one the index answers (EK-FAC kept the
+most of leave-one-out quality in benchmarks/fidelity.py; docs/math.md)."""
+
+
+def default_method(manifest: dict, index_dir: str | os.PathLike, prefer: Sequence[str] = PREFERRED) -> str:
+    """The first method of ``prefer`` the index answers (else the first one it answers)."""
+    answers = methods_of(manifest, index_dir)
+    return next((m for m in prefer if m in answers), answers[0])

@@ -18,6 +18,7 @@ from gradindex.data import Tokenized
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices, resolve_factory
 from gradindex.lock import index_lock
 from gradindex.precondition import FitConfig, fit_preconditioner
+from gradindex.precondition.compact import finish_transcode, transcode_in_place
 from gradindex.store.builder import BuildConfig, BuildResult, build_store, refuse_foreign
 
 __all__ = ["BuildConfig", "BuildResult", "IndexConfig", "build_index"]
@@ -39,6 +40,8 @@ def build_index(
     """Store every example's gradient, fit ``cfg.precondition`` (if any), then index (if ``index``).
 
     A killed run re-run with the same arguments resumes: each stage skips what is done.
+    ``cfg.transcode="ekfac"``: after the fit, the rows are rewritten in place in the EK-FAC
+    whitened eigenbasis as ``cfg.storage`` codes (the CLI's default; see docs/math.md).
     ``repair``: check every committed shard's whole-file hash and recompute the damaged ones
     (a plain re-run does the cheap sampled check only). Holds the directory's lock throughout.
     An ``index.factory`` that cannot be trained on ``len(data)`` examples is refused before
@@ -48,14 +51,18 @@ def build_index(
     if index is not None:  # a factory that cannot work for this data is refused before the capture pass
         capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route)
         for name in capture.infos:
-            resolve_factory(index.factory, len(data), capture.dim(name))
+            resolve_factory(index.factory, len(data), capture.dim(name), cfg.storage)
     with index_lock(out_dir, "gradindex build"):
         t0 = time.perf_counter()
+        if not overwrite:
+            finish_transcode(out_dir)  # a swap that a kill interrupted
         res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
                           overwrite=overwrite, progress=progress, repair=repair)
-        if cfg.precondition != "none":  # updates res.manifest in place
+        if cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
             fit = FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
             fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
+        if cfg.transcode == "ekfac" and not res.manifest.get("transcode"):
+            res.manifest = transcode_in_place(out_dir, cfg.damping, cfg.storage, progress=progress)
         res.seconds = time.perf_counter() - t0
         if index is None:
             return res, None

@@ -4,7 +4,8 @@ Runs on a fresh machine with no network (timing: README.md, "Quick start"):
 
 1. a corpus of real English (the Python standard library's docstrings) with three planted facts,
 2. a byte-level BPE tokenizer and a small GPT-2 built from a config, trained on it,
-3. ``gradindex build`` (capture, store, EK-FAC preconditioner, per-layer FAISS indices),
+3. ``gradindex build`` with its defaults (capture, EK-FAC fit, rows rewritten in its whitened
+   eigenbasis as 4-bit codes, per-layer FAISS indices),
 4. ``gradindex query`` for each planted fact: the top result is the document that holds it.
 
 Every step runs the real CLI, and prints the command first so you can run it yourself.
@@ -96,15 +97,15 @@ def main() -> None:
 
     index = work / "index"
     print("[3/4] building the index", flush=True)
-    run(["gradindex", "build", str(model_dir), str(data), "--out", str(index), "--projection", "32",
-         "--max-length", "128", "--batch-size", "8", "--precondition", "ekfac", "--overwrite"])
+    run(["gradindex", "build", str(model_dir), str(data), "--out", str(index), "--max-length", "128",
+         "--batch-size", "8", "--overwrite"])
     run(["gradindex", "info", str(index)])
     with Store(index) as s:
         assert len(s) == len(docs), "one row per document"
 
     print("[4/4] which training documents taught the model each planted fact?", flush=True)
     found = {}
-    for method in ("ekfac-selfnorm", "graddot"):
+    for method in ("ekfac-selfnorm", "ekfac"):
         cmd = ["gradindex", "query", str(index), "--queries", str(queries), "-k", "3", "--method", method, "--json"]
         out = run(cmd, show=False).splitlines()
         for row, line, (prompt, completion) in zip(FACT_ROWS, out, FACTS):

@@ -65,7 +65,7 @@ def test_store_rows_match_in_memory_capture(gpt2_dir, text_jsonl, tmp_path):
 def _build_cmd(model_dir, data, out, storage="fp32"):
     return [sys.executable, "-m", "gradindex.cli", "build", str(model_dir), str(data), "--out", str(out),
             "--projection", "8", "--batch-size", "4", "--shard-size", "16", "--quiet", "--device", "cpu",
-            "--storage", storage]
+            "--storage", storage, "--precondition", "none"]
 
 
 @pytest.mark.slow
@@ -308,7 +308,7 @@ def test_overwrite_replaces_the_index_whatever_it_holds(gpt2_dir, text_jsonl, tm
     assert r.exit_code == 0 and "(40 computed now)" in r.output
     # other settings that a plain resume refuses
     r = CliRunner().invoke(main, [str(a) for a in args + ["--storage", "int8"]])
-    assert r.exit_code != 0 and "storage differs" in r.output
+    assert r.exit_code != 0 and "transcode (--transcode, with its --storage and --damping) differs" in r.output
     r = _cli(*args, "--storage", "int8", "--dtype", "bfloat16", "--overwrite")
     assert r.exit_code == 0
     m = read_manifest(out)

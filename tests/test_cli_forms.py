@@ -37,7 +37,7 @@ def short_model(tmp_path_factory, tokenizer):
 def built(tmp_path_factory, short_model, text_jsonl):
     out = tmp_path_factory.mktemp("forms") / "index"
     args = ("build", short_model, text_jsonl, "--out", out, "--projection", "4", "--precondition", "ekfac",
-            "--device", "cpu", "--quiet")  # the default --max-length 512 > 16 positions
+            "--transcode", "none", "--storage", "fp32", "--device", "cpu", "--quiet")  # the default --max-length 512 > 16 positions
     res = run(*args)
     assert f"note: --max-length 512 is more than the model's {POSITIONS} positions; using --max-length " \
            f"{POSITIONS}" in res.stderr
@@ -50,19 +50,19 @@ def built(tmp_path_factory, short_model, text_jsonl):
 
 def test_a_max_length_that_fits_is_kept(built, short_model, text_jsonl, tmp_path):
     res = run("build", short_model, text_jsonl, "--out", tmp_path / "i", "--projection", "4", "--max-length", "8",
-              "--device", "cpu", "--quiet", "--no-index")
+              "--device", "cpu", "--quiet", "--no-index", "--precondition", "none", "--storage", "fp32")
     assert "note: --max-length" not in res.stderr and read_manifest(tmp_path / "i")["build"]["max_length"] == 8
 
 
 def test_a_refused_resume_names_the_max_length_before_the_data(short_model, text_jsonl, tmp_path):
     out = tmp_path / "i"
     run("build", short_model, text_jsonl, "--out", out, "--projection", "4", "--max-length", "8", "--device", "cpu",
-        "--quiet", "--no-index")
+        "--quiet", "--no-index", "--precondition", "none", "--storage", "fp32")
     m = read_manifest(out)
     m["status"] = "building"  # as a build killed mid-capture leaves it
     write_manifest(out, m)
     res = run("build", short_model, text_jsonl, "--out", out, "--projection", "4", "--max-length", "12",
-              "--device", "cpu", "--quiet", "--no-index", ok=False)
+              "--device", "cpu", "--quiet", "--no-index", "--precondition", "none", "--storage", "fp32", ok=False)
     err = res.output.split("Error: ")[1]
     assert err.index("max length differs (index: 8, now: 12)") < err.index("data set differs")
     assert "because the max length differs" in err
@@ -142,7 +142,8 @@ def test_data_that_fits_keeps_max_length_and_long_queries_are_cut_at_the_positio
     data = tmp_path / "short.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in make_texts(12, seed=3, max_words=4)))
     out = tmp_path / "i"
-    res = run("build", short_model, data, "--out", out, "--projection", "4", "--device", "cpu", "--quiet")
+    res = run("build", short_model, data, "--out", out, "--projection", "4", "--device", "cpu", "--quiet",
+              "--precondition", "none", "--storage", "fp32")
     assert "note: --max-length" not in res.stderr and read_manifest(out)["build"]["max_length"] == 512
     long_query = " ".join(["the cat sat on a mat"] * 10)  # far more than 16 tokens
     res = run("query", out, "--text", long_query, "-k", "2", "--device", "cpu")

@@ -22,7 +22,7 @@ def run(*args, ok: bool = True):
 def built(tmp_path_factory, gpt2_dir, text_jsonl):
     out = tmp_path_factory.mktemp("cli") / "index"
     res = run("build", gpt2_dir, text_jsonl, "--out", out, "--projection", "4", "--shard-size", "16",
-              "--precondition", "ekfac", "--device", "cpu", "--quiet")
+              "--precondition", "ekfac", "--transcode", "none", "--storage", "fp32", "--device", "cpu", "--quiet")
     assert "indices built" in res.output and "Flat" in res.output
     return out
 
@@ -104,9 +104,12 @@ def test_errors_name_the_problem_and_the_fix(built, tmp_path, gpt2_dir, text_jso
     victim.write_bytes(b"junk")
     err = run("query", d, "--text", "the cat sat", ok=False).output
     assert victim.name in err and f"gradindex index {d}" in err
-    err = run("build", gpt2_dir, text_jsonl, "--out", tmp_path / "w", "--whiten", "kfac", ok=False).output
+    err = run("build", gpt2_dir, text_jsonl, "--out", tmp_path / "w", "--whiten", "kfac", "--precondition", "none",
+              ok=False).output
     assert "--whiten kfac needs that preconditioner" in err
+    err = run("build", gpt2_dir, text_jsonl, "--out", tmp_path / "w", "--whiten", "kfac", ok=False).output
+    assert "already whitened" in err and "--transcode none" in err
     nix = run("build", gpt2_dir, text_jsonl, "--out", tmp_path / "n", "--projection", "4", "--no-index",
-              "--device", "cpu", "--quiet").output
+              "--precondition", "none", "--device", "cpu", "--quiet").output
     assert "indices" not in nix
     assert "no FAISS indices" in run("query", tmp_path / "n", "--text", "the cat sat", ok=False).output

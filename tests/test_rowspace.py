@@ -180,7 +180,7 @@ def test_kfac_basis_rows_methods_and_queries(gpt2_dir, text_jsonl, tmp_path):
     res = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--projection",
                                     "auto", "--budget", "1/16", "--projection-basis", "kfac", "--shard-size",
                                     "16", "--max-length", "48", "--device", "cpu", "--quiet",
-                                    "--precondition", "ekfac"])
+                                    "--precondition", "ekfac", "--storage", "fp32"])
     assert res.exit_code == 0, res.output
     m = read_manifest(out)
     assert m["build"]["basis"]["kind"] == "kfac"

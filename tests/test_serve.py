@@ -44,7 +44,7 @@ def test_answers_equal_the_engines(client, engine, body, query):
     r = client.post("/query", json=body)
     assert r.status_code == 200, r.text
     got = r.json()
-    ref = engine.query(query, k=body["k"], method=body.get("method", "graddot"), damping=body.get("damping", 0.1),
+    ref = engine.query(query, k=body["k"], method=body.get("method", "ekfac"), damping=body.get("damping", 0.1),
                        lowest=body.get("lowest", 0)).to_dict()
     for key in ("hits", "lowest"):
         assert [h["id"] for h in got[key]] == [h["id"] for h in ref[key]]
@@ -155,7 +155,7 @@ def test_serve_subprocess_end_to_end_and_its_page(audit_index, engine, tmp_path)
                 time.sleep(0.5)
         assert h["examples"] == engine.n
         got = _get(base + "/query", {"text": "the cat sat on a mat", "k": 3})
-        assert [x["id"] for x in got["hits"]] == [x.id for x in engine.query("the cat sat on a mat", k=3).hits]
+        assert [x["id"] for x in got["hits"]] == [x.id for x in engine.query("the cat sat on a mat", k=3, method="ekfac").hits]
         chromium, why = find_chromium()
         if chromium is None:
             pytest.skip(f"server checked; no headless Chromium for its page: {why}")

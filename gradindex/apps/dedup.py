@@ -28,8 +28,8 @@ from tqdm.auto import tqdm
 from gradindex.index.factory import default_nlist
 from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
-from gradindex.manifest import read_complete_manifest
-from gradindex.methods import parse_method
+from gradindex.manifest import read_complete_manifest, row_basis
+from gradindex.methods import parse_method, row_base
 from gradindex.precondition.preconditioner import selected_layers
 from gradindex.store import Store
 
@@ -38,10 +38,12 @@ log = logging.getLogger("gradindex")
 
 @dataclass(frozen=True)
 class DedupConfig:
-    threshold: float = 0.6
-    """Cosine at or above which two examples' gradients count as near-duplicates. 0.6 groups 90% of
-    planted near copies (two words replaced) and no pair of different paragraphs on one topic
-    (benchmarks/audit.py; with ``method='ekfac'``, 0.5 groups all near copies and no topic pair)."""
+    threshold: float | None = None
+    """Cosine at or above which two examples' gradients count as near-duplicates; None: 0.6 for
+    ``graddot``, 0.5 for whitened gradients (``kfac``/``ekfac``, and the rows of an index stored in
+    the EK-FAC eigenbasis). 0.6 groups 90% of planted near copies (two words replaced) and no pair
+    of different paragraphs on one topic (benchmarks/audit.py; with ``method='ekfac'``, 0.5 groups
+    all near copies and no topic pair)."""
     method: str = "graddot"
     """``graddot`` (raw gradients) or ``kfac``/``ekfac`` (whitened by ``H^{-1/2}`` first)."""
     damping: float = 0.1
@@ -58,8 +60,15 @@ class DedupConfig:
     seed: int = 0
     block: int = 8192
 
+    @property
+    def cut(self) -> float:
+        """The cosine threshold in use (``threshold``, or the method's default)."""
+        if self.threshold is not None:
+            return float(self.threshold)
+        return 0.6 if parse_method(self.method)[0] == "graddot" else 0.5
+
     def __post_init__(self) -> None:
-        if not -1.0 <= self.threshold <= 1.0:
+        if not -1.0 <= self.cut <= 1.0:
             raise ValueError(f"--threshold is a cosine in [-1, 1], got {self.threshold}")
         if self.neighbors < 1 or self.sketch < 0:
             raise ValueError("--neighbors must be >= 1 and --sketch >= 0")
@@ -145,6 +154,7 @@ def find_duplicates(index_dir: str | os.PathLike, cfg: DedupConfig = DedupConfig
     manifest = read_complete_manifest(index_dir, "deduplicate")
     layers = selected_layers(manifest, layers)
     base, _ = parse_method(cfg.method)
+    base = row_base(base, row_basis(manifest), cfg.method)  # whitened rows: ekfac is their plain cosine
     pre = Preconditioners(index_dir, manifest)
     if base != "graddot":
         pre.check(base)
@@ -169,7 +179,7 @@ def find_duplicates(index_dir: str | os.PathLike, cfg: DedupConfig = DedupConfig
                 vecs[ids] = u
                 bar.update(len(ids))
         t1 = time.perf_counter()
-        pairs = _candidate_pairs(vecs, nonzero, cfg, cfg.threshold - (cfg.margin if R is not None else 1e-4))
+        pairs = _candidate_pairs(vecs, nonzero, cfg, cfg.cut - (cfg.margin if R is not None else 1e-4))
         del vecs
         t2 = time.perf_counter()
         confirmed, cosines = _confirm(store, layers, pre, base, cfg, pairs)
@@ -222,7 +232,7 @@ def _confirm(store: Store, layers, pre, method, cfg: DedupConfig, pairs: np.ndar
         u = _unit_rows(reader.read(ids), layers, pre, method, cfg.damping)
         inv = inv.reshape(-1, 2)
         c = np.einsum("ij,ij->i", u[inv[:, 0]].astype(np.float64), u[inv[:, 1]].astype(np.float64))
-        ok = c >= cfg.threshold
+        ok = c >= cfg.cut
         keep.append(p[ok])
         cos.append(c[ok])
     return np.concatenate(keep), np.concatenate(cos)

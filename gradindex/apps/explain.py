@@ -30,9 +30,11 @@ import torch
 from gradindex.capture.batch import batch_gradients
 from gradindex.data import IGNORE
 from gradindex.index.space import query_vectors
-from gradindex.methods import parse_method
+from gradindex.manifest import row_basis
+from gradindex.methods import parse_method, row_base
 from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records
+from gradindex.store.basis import rows_dual, to_rows
 
 METHODS = ("graddot", "kfac", "ekfac", "adam")
 """Methods whose score splits per token (``adam``: an index built with factored Adam preconditioning)."""
@@ -152,7 +154,8 @@ class Explainer:
         if selfnorm or base not in METHODS:
             raise ValueError(f"token explanations split a score linear in both gradients: method is one of "
                              f"{', '.join(METHODS)}, not {method!r}")
-        e.pre.check(method)
+        on_rows = row_base(base, row_basis(e.manifest), method)  # whitened rows: e.g. ekfac = graddot on them
+        e.pre.check(on_rows)
         ids = [ids] if isinstance(ids, int | np.integer) else [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < e.n]
         if bad:
@@ -163,17 +166,23 @@ class Explainer:
         tokens = e.tokenize(as_records([query], text_field), text_field)
         q_ids, q_labels = tokens.input_ids[0], tokens.labels[0]
         q_grads, (q_fac,) = self.factors([q_ids], [q_labels])
-        m, _, _ = query_vectors(e.indices.space, e.pre, base, damping, {n: q_grads[n] for n in chosen})
+        shapes = {n: e.capture.dims(n) for n in chosen}
+        q_rows = {n: torch.from_numpy(to_rows(e.basis, n, q_grads[n].numpy(), shapes[n])) for n in chosen}
+        m, _, _ = query_vectors(e.indices.space, e.pre, on_rows, damping, q_rows)
         stored = e.store.read_rows(np.array(ids, dtype=np.int64), chosen)
-        mt = {n: e.pre.apply(base, n, torch.from_numpy(stored[n].astype(np.float64)), -1.0, damping).numpy()
+        mt = {n: e.pre.apply(on_rows, n, torch.from_numpy(stored[n].astype(np.float64)), -1.0, damping).numpy()
               for n in chosen}  # M t of every example, [n, D] per layer
+
+        def captured(vec: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # against stored → against captured rows
+            return {n: rows_dual(e.basis, n, v, shapes[n]) for n, v in vec.items()}
+
+        used = damping if on_rows in ("kfac", "ekfac") else (e.basis.damping if on_rows != base else None)
         out = []
         for j, (i, (x, y, fac)) in enumerate(zip(ids, self._train_factors(ids), strict=True)):
-            train = self._scores(x, y, fac, {n: m[n][0] for n in chosen})
-            query_side = self._scores(q_ids, q_labels, q_fac, {n: mt[n][j] for n in chosen})
+            train = self._scores(x, y, fac, captured({n: m[n][0] for n in chosen}))
+            query_side = self._scores(q_ids, q_labels, q_fac, captured({n: mt[n][j] for n in chosen}))
             score = float(sum(float(np.dot(m[n][0], stored[n][j].astype(np.float64))) for n in chosen))
-            out.append(Explanation(i, score, base, damping if base in ("kfac", "ekfac") else None, chosen, train,
-                                   query_side))
+            out.append(Explanation(i, score, base, used, chosen, train, query_side))
         return out
 
     def _scores(self, ids: list[int], labels: list[int], fac: Factors, vec: dict[str, np.ndarray]) -> TokenScores:

@@ -46,8 +46,10 @@ class ReportConfig:
     layers: tuple[str, ...] | None = None
     outliers: int = 20
     """Examples shown by self-influence."""
-    dedup_threshold: float | None = DedupConfig.threshold
-    """Gradient cosine of near-duplicates, ``gradindex dedup``'s default (``None``: no duplicate search)."""
+    dedup: bool = True
+    """Search for duplicate groups."""
+    dedup_threshold: float | None = None
+    """Gradient cosine of near-duplicates (``None``: ``gradindex dedup``'s default for the method)."""
     sample: int = 20000
     """Training rows whose scores make each query's score distribution (all of them when fewer)."""
     text_field: str = "text"
@@ -177,15 +179,16 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
     flagged = np.zeros(engine.n, dtype=bool)
     flagged[[o["id"] for o in top_out]] = True
     groups = []
-    if cfg.dedup_threshold is not None:
-        dcfg = DedupConfig(threshold=cfg.dedup_threshold, method=cfg.method, damping=cfg.damping)
+    dcfg = DedupConfig(threshold=cfg.dedup_threshold, method=cfg.method, damping=cfg.damping)
+    if cfg.dedup:
         res = find_duplicates(engine.dir, dcfg, layers)
         ids = sorted({i for g in res.groups for i in g.ids})
         by_id = dict(zip(ids, engine.texts.texts(np.array(ids, dtype=np.int64)), strict=True)) if ids else {}
         groups = [{**g.to_dict(), "texts": [by_id.get(i) for i in g.ids]} for g in res.groups]
     plots = _plots(sample, [q["text"] for q in per_query], ranking.self_influence, flagged)
     summary = {"index": str(engine.dir), "examples": engine.n, "queries": len(per_query),
-               "config": asdict(cfg), "layers": layers, "overall": overall[:100], "outliers": top_out,
+               "config": {**asdict(cfg), "dedup_threshold": dcfg.cut if cfg.dedup else None}, "layers": layers,
+               "overall": overall[:100], "outliers": top_out,
                "duplicate_groups": groups,
                "score_sample": {"rows": int(sample.shape[1]), "mean": sample.mean(1).tolist(),
                                 "std": sample.std(1).tolist()},
@@ -231,7 +234,7 @@ def render_html(summary: dict, per_query: list[dict], plots: dict[str, str]) -> 
                        [[o["id"], o["self_influence"], o["per_token"], o["num_tokens"], o["loss"],
                          o["text"] or "(text unavailable)"] for o in summary["outliers"]]))
     parts.append("<h2>Duplicate groups</h2>")
-    if cfg["dedup_threshold"] is None:
+    if not cfg.get("dedup", True) or cfg["dedup_threshold"] is None:
         parts.append("<p class='muted'>Not searched.</p>")
     elif not summary["duplicate_groups"]:
         parts.append(f"<p class='muted'>None at gradient cosine ≥ {cfg['dedup_threshold']}.</p>")

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gradindex.apps.explain import METHODS as EXPLAIN_METHODS
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, page
-from gradindex.methods import ALL_METHODS
+from gradindex.methods import ALL_METHODS, default_method
 from gradindex.query import QueryEngine
 
 log = logging.getLogger("gradindex")
@@ -44,7 +44,7 @@ class QueryRequest(BaseModel):
     input_ids: list[int] | None = Field(None, min_length=2, max_length=MAX_TEXT)
     labels: list[int] | None = Field(None, description="With input_ids: -100 where no loss is taken.")
     k: int = Field(10, ge=1, le=MAX_K)
-    method: str = "graddot"
+    method: str | None = Field(None, description="Default: ekfac where the index answers it, else graddot.")
     damping: float = Field(0.1, gt=0, le=1e6)
     layers: list[str] | None = Field(None, max_length=1000)
     lowest: int = Field(0, ge=0, le=MAX_K)
@@ -60,9 +60,9 @@ class QueryRequest(BaseModel):
             raise ValueError("prompt and completion go together (the loss is taken on the completion)")
         if self.labels is not None and (self.input_ids is None or len(self.labels) != len(self.input_ids)):
             raise ValueError("labels go with input_ids, one per token")
-        if self.method not in ALL_METHODS:
+        if self.method is not None and self.method not in ALL_METHODS:
             raise ValueError(f"method {self.method!r} is not one of {', '.join(ALL_METHODS)}")
-        if self.explain and self.method not in EXPLAIN_METHODS:
+        if self.explain and self.method is not None and self.method not in EXPLAIN_METHODS:
             raise ValueError(f"explain works for {', '.join(EXPLAIN_METHODS)}, not {self.method!r}")
         return self
 
@@ -135,12 +135,13 @@ def create_app(engine: QueryEngine, token: str | None = None, busy_timeout: floa
         def run() -> dict:
             t0 = time.perf_counter()
             rec = req.record()
-            r = engine.query(rec, k=req.k, method=req.method, damping=req.damping, layers=req.layers,
+            method = req.method or default_method(engine.manifest, engine.dir)
+            r = engine.query(rec, k=req.k, method=method, damping=req.damping, layers=req.layers,
                              lowest=req.lowest)
             out = r.to_dict()
             if req.explain and r.hits:
                 top = r.hits[:req.explain]
-                exps = explainer.explain(rec, [h.id for h in top], req.method, req.damping, r.layers)
+                exps = explainer.explain(rec, [h.id for h in top], method, req.damping, r.layers)
                 for h, e in zip(out["hits"], exps, strict=False):
                     h["explanation"] = {"tokens": e.train.tokens, "scores": e.train.scores,
                                         "query_tokens": e.query.tokens, "query_scores": e.query.scores}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import engine_options, user_errors
+from gradindex.cli.common import engine_options, index_method, user_errors
 
 
 @main.command()
@@ -16,7 +16,8 @@ from gradindex.cli.common import engine_options, user_errors
               help="Directory for report.html, queries.jsonl and summary.json.")
 @click.option("-k", "--k", "k", default=10, show_default=True, type=int,
               help="Most helpful and most harmful examples per query.")
-@click.option("--method", default="graddot", show_default=True, type=click.Choice(["graddot", "kfac", "ekfac"]))
+@click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
+              help="Scoring method (default: ekfac where the index answers it, else graddot).")
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
 @click.option("--outliers", default=20, show_default=True, type=int, help="Outliers shown (by self-influence).")
@@ -36,10 +37,8 @@ def audit(index_dir, queries_file, out_dir, k, method, damping, layers, outliers
     from gradindex.apps.report import ReportConfig, build_report
     from gradindex.query import QueryEngine, read_queries
 
-    dedup = {"dedup_threshold": None} if no_dedup else (
-        {} if dedup_threshold is None else {"dedup_threshold": dedup_threshold})
-    cfg = ReportConfig(k=k, method=method, damping=damping, layers=tuple(layers) or None, outliers=outliers,
-                       text_field=text_field, **dedup)
+    cfg = ReportConfig(k=k, method=method or index_method(index_dir), damping=damping, layers=tuple(layers) or None,
+                       outliers=outliers, text_field=text_field, dedup=not no_dedup, dedup_threshold=dedup_threshold)
     queries = read_queries(queries_file)
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index) as engine:
         summary = build_report(engine, queries, out_dir, cfg)

@@ -54,10 +54,11 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.argument("data", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Index directory to write.")
-@click.option("--projection", default="16", show_default=True,
+@click.option("--projection", default="auto", show_default=True,
               help="K, KAxKG, none, or auto (per-layer sizes from --budget).")
 @click.option("--budget", default="", help="Bytes per example for --projection auto: an integer, or a fraction "
-                                            "of the full float32 gradient such as 1/8 (default 1/8).")
+                                            "of the full float32 gradient such as 1/8 (default: 1/8, at most "
+                                            "256 KiB; the whole gradient where that buys it).")
 @click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
               help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
 @click.option("--projection-basis", "basis", default="raw", show_default=True, type=click.Choice(["raw", "kfac"]),
@@ -75,8 +76,9 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--route", default="auto", show_default=True, type=click.Choice(["auto", "factorized", "materialized"]))
-@click.option("--storage", default="fp32", show_default=True, type=click.Choice(list(STORAGES)),
-              help="Row codes on disk: float32, float16, or int8/int4 with a per-row scale (2x/4x/8x smaller).")
+@click.option("--storage", default="auto", show_default=True, type=click.Choice(["auto", *STORAGES]),
+              help="Row codes on disk: float32, float16, or int8/int4 with a per-row scale (2x/4x/8x smaller). "
+                   "auto: int4 for rows transcoded into the EK-FAC eigenbasis, else int8.")
 @click.option("--shard-size", default=4096, show_default=True, type=int, help="Examples per store file.")
 @click.option("--overwrite", is_flag=True,
               help="Replace whatever index is in --out (everything is recomputed; a killed --overwrite "
@@ -84,9 +86,14 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
 @click.option("--repair", is_flag=True,
               help="Check every committed shard's whole-file hash and recompute the damaged or missing ones "
                    "(a plain re-run does a cheap sampled check). Damaged files are kept in --out/damaged/.")
-@click.option("--precondition", default="none", show_default=True,
-              type=click.Choice(["none", "kfac", "ekfac"]),
-              help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too).")
+@click.option("--precondition", default="auto", show_default=True,
+              type=click.Choice(["auto", "none", "kfac", "ekfac"]),
+              help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too). "
+                   "auto: ekfac (none with --optimizer-state).")
+@click.option("--transcode", default="auto", show_default=True, type=click.Choice(["auto", "ekfac", "none"]),
+              help="ekfac: after the EK-FAC fit, rewrite the rows in place in its whitened eigenbasis at "
+                   "--damping (plain inner products = EK-FAC; what low-bit codes need). auto: ekfac when "
+                   "--precondition is ekfac on raw rows. The index then answers --method ekfac.")
 @click.option("--damping", default=0.1, show_default=True, type=float,
               help="Relative damping of the self-influence written with --precondition (and of --whiten).")
 @click.option("--full-factors", is_flag=True,
@@ -106,8 +113,8 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
 @user_errors
 def build(model_dir, data, out, projection, budget, allocation, basis, basis_damping, fit_examples,
           projection_kind, seed, layers, text_field, max_length, batch_size, dtype, device, route, storage,
-          shard_size, overwrite, repair, precondition, damping, fisher, fisher_seed, optimizer_state, adam_mode,
-          full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
+          shard_size, overwrite, repair, precondition, transcode, damping, fisher, fisher_seed, optimizer_state,
+          adam_mode, full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex.capture import ProjectionSpec
     from gradindex.data import load_records, tokenize_records
@@ -116,6 +123,12 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     from gradindex.store.builder import refuse_foreign
 
     auto = projection.strip().lower() == "auto"
+    if precondition == "auto":
+        precondition = "none" if optimizer_state else "ekfac"
+    if transcode == "auto":
+        transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
+    if storage == "auto":
+        storage = "int4" if transcode == "ekfac" else "int8"
     if budget and not auto:
         raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
     spec = ProjectionSpec(kind=projection_kind, seed=seed) if auto else \
@@ -123,6 +136,9 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
+    if not no_index and whiten != "none" and transcode == "ekfac":
+        raise ValueError(f"--whiten {whiten} does not apply: the rows are transcoded into the EK-FAC whitened "
+                         "eigenbasis (already whitened); drop --whiten, or add --transcode none")
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
         raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
     resolve_device(device)
@@ -144,8 +160,8 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
                           route=route, shard_size=shard_size, storage=storage,
                           precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
                           optimizer_state=optimizer_state or "", adam_mode=adam_mode, full_factors=full_factors,
-                          budget=(budget or "1/8") if auto else 0, allocation=allocation, basis=basis,
-                          basis_damping=basis_damping, basis_examples=fit_examples)
+                          budget=(budget or "auto") if auto else 0, transcode=transcode, allocation=allocation,
+                          basis=basis, basis_damping=basis_damping, basis_examples=fit_examples)
         if not no_index:
             check_index_type(index_type, len(data_tok))
         if data_tok.n_truncated:
@@ -154,10 +170,15 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else icfg,
                                model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
                                overwrite=overwrite, progress=not quiet, repair=repair)
+    from gradindex.store.sizing import bytes_per_number
+
     m = res.manifest
-    row_bytes = 4 * sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
+    numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
+    row_bytes = int(numbers * bytes_per_number(m["build"]["storage"]))
+    rows = "in the ekfac eigenbasis, " if m.get("transcode") else ""
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
-               f"({row_bytes} bytes per example) in {res.seconds:.1f} s ({res.examples_computed} computed now)")
+               f"({numbers:,} numbers, {rows}{m['build']['storage']}: {human_bytes(row_bytes)} per example) "
+               f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
     if m["nonfinite_ids"]:
         click.echo(f"warning: {len(m['nonfinite_ids'])} examples had non-finite gradients "
                    f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)

@@ -69,3 +69,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} GiB"
+
+
+def index_method(index_dir, prefer=None) -> str:
+    """The method a command uses on ``index_dir`` when none is given (:func:`gradindex.methods.default_method`)."""
+    from gradindex.manifest import read_manifest
+    from gradindex.methods import PREFERRED, default_method
+
+    return default_method(read_manifest(index_dir), index_dir, prefer or PREFERRED)

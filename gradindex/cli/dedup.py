@@ -8,17 +8,19 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import user_errors
+from gradindex.cli.common import index_method, user_errors
 
 
 @main.command()
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
               help="JSONL file of groups (ids, keep, drop, kind, min_cosine, texts).")
-@click.option("--threshold", default=0.6, show_default=True, type=float,
-              help="Gradient cosine at or above which two examples are near-duplicates.")
-@click.option("--method", default="graddot", show_default=True, type=click.Choice(["graddot", "kfac", "ekfac"]),
-              help="Compare raw gradients, or gradients whitened by this preconditioner.")
+@click.option("--threshold", default=None, type=float,
+              help="Gradient cosine at or above which two examples are near-duplicates "
+                   "(default: 0.6 for graddot, 0.5 for whitened gradients).")
+@click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
+              help="Compare raw gradients, or gradients whitened by this preconditioner "
+                   "(default: graddot; ekfac on an index stored in the EK-FAC eigenbasis).")
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping of the whitening.")
 @click.option("--neighbors", default=16, show_default=True, type=int, help="Neighbours proposed per example.")
 @click.option("--sketch", default=256, show_default=True, type=int,
@@ -34,6 +36,7 @@ def dedup(index_dir, out, threshold, method, damping, neighbors, sketch, data, m
     from gradindex.apps.dedup import DedupConfig, find_duplicates
     from gradindex.apps.texts import row_texts
 
+    method = method or index_method(index_dir, prefer=("graddot", "ekfac", "kfac"))
     cfg = DedupConfig(threshold=threshold, method=method, damping=damping, neighbors=neighbors, sketch=sketch)
     res = find_duplicates(index_dir, cfg, progress=not quiet)
     ids = sorted({i for g in res.groups for i in g.ids})

@@ -7,7 +7,7 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import engine_options, user_errors
+from gradindex.cli.common import engine_options, index_method, user_errors
 
 
 def _show(title: str, ts, top: int) -> None:
@@ -25,8 +25,9 @@ def _show(title: str, ts, top: int) -> None:
 @click.option("--completion", default=None, help="Query completion (the loss is taken on it).")
 @click.option("--id", "ids", multiple=True, type=int, required=True,
               help="Training example (row) to explain; repeatable.")
-@click.option("--method", default="graddot", show_default=True, type=click.Choice(["graddot", "kfac", "ekfac", "adam"]),
-              help="adam: an index built with --optimizer-state (factored).")
+@click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac", "adam"]),
+              help="Default: ekfac where the index answers it, else graddot; adam: an index built with "
+                   "--optimizer-state (factored).")
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
 @click.option("--top", default=10, show_default=True, type=int, help="Tokens shown per side (text output).")
@@ -45,6 +46,7 @@ def explain(index_dir, text, prompt, completion, ids, method, damping, layers, t
         raise ValueError("give one query: --query TEXT, or --prompt P --completion C")
     query = text if text is not None else (prompt, completion)
     with QueryEngine(index_dir, model_dir, device=device, data=data) as engine:
+        method = method or index_method(index_dir)
         out = Explainer(engine).explain(query, list(ids), method, damping, list(layers) or None)
     for e in out:
         if as_json:

@@ -7,13 +7,13 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import user_errors
+from gradindex.cli.common import index_method, user_errors
 
 
 @main.command()
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
-@click.option("--method", default="ekfac", show_default=True,
-              type=click.Choice(["graddot", "kfac", "ekfac"]), help="Self-influence under this method.")
+@click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
+              help="Self-influence under this method (default: ekfac where the index answers it, else graddot).")
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
 @click.option("--by", default="self_influence", show_default=True,
               type=click.Choice(["self_influence", "per_token"]),
@@ -43,7 +43,7 @@ def outliers(index_dir, method, damping, by, top, layers, data, model_dir, no_te
         chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in layers)]
         if not chosen:
             raise ValueError(f"--layers {list(layers)} match no layer of the index (they look like {names[:2]})")
-    ranking = rank_outliers(index_dir, method, damping, chosen)
+    ranking = rank_outliers(index_dir, method or index_method(index_dir), damping, chosen)
     rows = ranking.top(top, by)
     texts, problem = ([None] * len(rows), None) if no_text else row_texts(index_dir, [r["id"] for r in rows],
                                                                           data, model_dir)

@@ -9,7 +9,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import engine_options, user_errors
-from gradindex.methods import ALL_METHODS, methods_of
+from gradindex.methods import ALL_METHODS, default_method
 
 
 def _queries(texts, prompt, completion, queries_file, text_field) -> list[dict]:
@@ -66,7 +66,8 @@ def _json(r) -> list[dict]:
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
 @click.option("-k", "k", default=10, show_default=True, type=int, help="Results per query.")
 @click.option("--method", default=None, type=click.Choice(list(ALL_METHODS)),
-              help="Scoring method (default: graddot; adam on an index built with --optimizer-state).")
+              help="Scoring method (default: ekfac where the index answers it, else graddot; adam on an "
+                   "index built with --optimizer-state).")
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
 @click.option("--layers", multiple=True, help="Glob of layers to search (repeatable). Default: all.")
 @click.option("--lowest", default=0, show_default=True, type=int, help="Also the N most negative examples.")
@@ -92,7 +93,7 @@ def query(index_dir, texts, prompt, completion, queries_file, text_field, k, met
     qs = _queries(texts, prompt, completion, queries_file, text_field)
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
                      optimizer_state=optimizer_state) as engine:
-        method = method or methods_of(engine.manifest, engine.dir)[0]
+        method = method or default_method(engine.manifest, engine.dir)
         results = engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
                                      lowest=lowest, rerank_full=rerank_full, candidates=candidates,
                                      shortlist=shortlist, nprobe=nprobe, text_field=text_field)

@@ -111,7 +111,8 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
     space = cfg.space
     if space.whiten != "none":
         ix.pre.check(space.whiten)
-    factories = {n: resolve_factory(cfg.factory, N, store.dims[n]) for n in store.layers}
+    storage = manifest["build"].get("storage", "fp32")
+    factories = {n: resolve_factory(cfg.factory, N, store.dims[n], storage) for n in store.layers}
     key = {"identity": manifest["build"], "examples": N, "space": space.to_dict(),
            "preconditioner": manifest.get("preconditioners", {}).get(space.whiten),
            "train_size": cfg.train_size, "seed": cfg.seed}

@@ -14,6 +14,11 @@ a pure function of the number of examples ``N`` and the layer's dimension ``D``:
   depends most on the share of lists visited, so the default ``nprobe`` is ``nlist/4``, then on
   the code precision (8-bit PQ trains ~50x slower on a CPU for little gain; benchmarks/query.py).
 
+Over a store of low-bit codes the exhaustive index holds scalar codes of the same width instead
+of ``Flat`` (``SQfp16``, ``SQ8``, ``SQ4`` for ``fp16``, ``int8``, ``int4`` rows: 2×, 4×, 8×
+smaller), so the index does not undo the store's saving; its candidates are re-ranked exactly
+from the store like an IVF's.
+
 GPU FAISS has no fast-scan codes: there, pass a factory string such as ``IVF1024,PQ64``.
 """
 
@@ -37,20 +42,24 @@ def default_nlist(n: int) -> int:
     return int(max(16, min(nlist, 65536, max(16, n // 39))))
 
 
-def default_factory(n: int, dim: int) -> str:
-    """The factory string gradindex uses for ``n`` vectors of dimension ``dim`` (module doc)."""
+EXHAUSTIVE = {"fp32": "Flat", "fp16": "SQfp16", "int8": "SQ8", "int4": "SQ4"}
+"""The exhaustive index over a store of each row code."""
+
+
+def default_factory(n: int, dim: int, storage: str = "fp32") -> str:
+    """The factory string gradindex uses for ``n`` vectors of dimension ``dim`` stored as ``storage`` (module doc)."""
     if n * dim <= FLAT_MAX_FLOATS or (n < FLAT_MAX_ROWS and 4 * n * dim <= FLAT_MAX_BYTES):
-        return "Flat"
+        return EXHAUSTIVE.get(storage, "Flat")
     if dim % 2 == 0:
         return f"IVF{default_nlist(n)},PQ{dim // 2}x4fs"
     return f"IVF{default_nlist(n)},SQ8"
 
 
-def resolve_factory(factory: str, n: int, dim: int) -> str:
+def resolve_factory(factory: str, n: int, dim: int, storage: str = "fp32") -> str:
     """``auto`` (or empty) → :func:`default_factory`; otherwise the string itself, checked
     against the dimension and against ``n`` (an IVF needs a point per list to train on)."""
     if not factory or factory.lower() == "auto":
-        return default_factory(n, dim)
+        return default_factory(n, dim, storage)
     need = min_train_points(make_index(factory, dim))
     if n < need:
         raise ValueError(

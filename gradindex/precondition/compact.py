@@ -1,4 +1,5 @@
-"""Transcode an index's store into the EK-FAC whitened eigenbasis (``gradindex compact IDX --basis ekfac``).
+"""Transcode an index's store into the EK-FAC whitened eigenbasis (``gradindex compact IDX --basis ekfac``,
+and in place at the end of ``gradindex build``, whose default it is).
 
 Each stored row ``Ĝ`` becomes ``(Q_Sᵀ Ĝ Q_A) ⊙ (Λ* + δ)^{-1/2}`` with the index's fitted EK-FAC
 (``δ = damping × mean Λ*``). Plain inner products of the new rows are EK-FAC influence at that
@@ -7,10 +8,16 @@ int4 codes of whitened rows keep ~99% of full-space EK-FAC's quality). The new i
 to another directory through the store's own writer (:class:`gradindex.store.ShardWriter`), shard
 by shard, so a killed transcode resumes; the source is never modified. Its ``basis.h5`` holds the
 source's pre-projection maps (if any) and the rotation, so queries are mapped the same way.
+
+:func:`transcode_in_place` does the same inside one index directory: it compacts into
+``INDEX_DIR/eigenbasis.partial/``, then swaps the new store in under a journal
+(``transcode.json``) so that a kill at any point resumes, and keeps the EK-FAC/K-FAC fits (they
+answer token explanations and self-influence at the fitted damping).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -20,11 +27,13 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from gradindex.manifest import manifest_path, read_complete_manifest, row_basis, write_manifest
+from gradindex.checksum import read_checksums, write_checksums
+from gradindex.manifest import manifest_path, read_complete_manifest, read_manifest, row_basis, write_manifest
 from gradindex.precondition.apply import absolute_damping
+from gradindex.precondition.files import PRECOND_DIR
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
-from gradindex.store.basis import basis_path, index_basis, to_rows, write_basis
+from gradindex.store.basis import BASIS_FILE, index_basis, to_rows, write_basis
 from gradindex.store.codes import check_storage
 
 log = logging.getLogger("gradindex")
@@ -61,8 +70,8 @@ def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: 
                                                     "from": manifest["build"].get("basis", {"kind": "raw"}),
                                                     "fit": manifest["preconditioners"]["ekfac"].get("fit", {})}}}
     _prepare(out, new, overwrite)
+    write_manifest(out, new)  # first: a kill from here on leaves an unfinished compact that a re-run resumes
     write_basis(out, basis, {"source": manifest["build"]["data_fingerprint"], "damping": damping})
-    write_manifest(out, new)
     (out / STORE_DIR).mkdir(exist_ok=True)
     fp = manifest["build"]["data_fingerprint"]
     with Store(src) as store, tqdm(total=len(store), unit="ex", desc="compact", disable=not progress) as bar:
@@ -95,7 +104,7 @@ def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
         out.mkdir(parents=True, exist_ok=True)
         return
     same = False
-    if manifest_path(out).exists() and basis_path(out).exists():
+    if manifest_path(out).exists():
         from gradindex.manifest import read_manifest
 
         old = read_manifest(out)
@@ -107,3 +116,68 @@ def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
                               "--overwrite to replace it")
     shutil.rmtree(out)
     out.mkdir(parents=True)
+
+
+STAGING = "eigenbasis.partial"
+"""The compacted copy an in-place transcode writes before it swaps it in."""
+JOURNAL = "transcode.json"
+"""Present while the swap runs: a re-run finishes it."""
+_RAW_OLD = "raw.old"
+_SWAPPED = (STORE_DIR, BASIS_FILE)
+"""What moves from the staging copy into the index (its manifest and checksums are merged)."""
+_STALE = ("faiss", "damaged", f"{PRECOND_DIR}/graddot.h5")
+"""What was computed from the raw rows and does not hold for the new ones (moved out too)."""
+
+
+def transcode_in_place(index_dir: str | os.PathLike, damping: float = 0.1, storage: str = "int4",
+                       progress: bool = False) -> dict:
+    """Rewrite ``index_dir``'s rows in the EK-FAC whitened eigenbasis as ``storage`` codes; return the manifest.
+
+    Needs a complete index with an EK-FAC fit. The raw rows are replaced (the fits are kept); the
+    manifest's ``transcode`` section keeps the raw build's identity, so a re-run of the same build
+    is recognised as done and another one is refused. Resumable at every step.
+    """
+    d = Path(index_dir)
+    finish_transcode(d)
+    manifest = read_complete_manifest(d, "transcode it")
+    if row_basis(manifest) == "ekfac":
+        return manifest
+    staging = d / STAGING
+    new = compact_eigenbasis(d, staging, damping=damping, storage=storage, overwrite=True,  # resumed if the same
+                             progress=progress)
+    final = {**new, "preconditioners": manifest.get("preconditioners", {}),
+             "transcode": {"source_build": manifest["build"], "damping": damping, "storage": new["build"]["storage"],
+                           "seconds": new["compact"]["seconds"]}}
+    final.pop("compact", None)
+    (d / JOURNAL).write_text(json.dumps({"manifest": final}, default=str))
+    finish_transcode(d)
+    log.info("rows of %s transcoded in place into the ekfac eigenbasis (%s)", d, storage)
+    return read_manifest(d)
+
+
+def finish_transcode(index_dir: str | os.PathLike) -> None:
+    """Complete (or, with no journal, do nothing for) an in-place transcode's swap; idempotent."""
+    d = Path(index_dir)
+    journal = d / JOURNAL
+    if not journal.exists():
+        return
+    final = json.loads(journal.read_text())["manifest"]
+    staging, old = d / STAGING, d / _RAW_OLD
+    if row_basis(read_manifest(d)) != "ekfac":  # the commit point (the manifest write) is not reached yet
+        old.mkdir(exist_ok=True)
+        for name in (*_SWAPPED, *_STALE):  # raw rows out (with what was computed from them) ...
+            if (d / name).exists() and not (old / name).exists() and ((staging / name).exists() or name in _STALE):
+                (old / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(d / name, old / name)
+        for name in _SWAPPED:  # ... the eigenbasis rows in
+            if (staging / name).exists() and not (d / name).exists():
+                os.replace(staging / name, d / name)
+        sums = {n: e for n, e in read_checksums(d).items() if not n.startswith((*_SWAPPED, *_STALE))}
+        sums.update({n: e for n, e in read_checksums(staging).items() if n.startswith((f"{STORE_DIR}/",
+                                                                                      BASIS_FILE))})
+        write_checksums(d, sums)
+        write_manifest(d, final)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    journal.unlink(missing_ok=True)
+

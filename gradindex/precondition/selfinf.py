@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from gradindex.manifest import read_manifest
-from gradindex.methods import parse_method
+from gradindex.manifest import read_manifest, row_basis
+from gradindex.methods import ROW_METHODS, parse_method
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import Basis, store_pass
 from gradindex.precondition.files import check_fingerprints, precond_path, read_self_influence
@@ -53,12 +53,17 @@ def self_influence(
     """``[N]`` self-influence of every stored example under ``method``, summed over ``layers``.
 
     ``graddot``: ``‖Ĝ‖²``; ``kfac``/``ekfac``: ``⟨(H + δI)⁻¹ Ĝ, Ĝ⟩`` with ``δ = damping × mean(Λ)``;
-    ``cosine``: 1 (0 for an all-zero row). Read from ``precond/<method>.h5`` when it was written
-    at this damping; otherwise computed with one pass over the store. ``manifest`` and
-    ``preconditioner`` (the method's, loaded): pass them when already at hand (an open index).
+    ``cosine``: 1 (0 for an all-zero row). On rows stored in a whitened basis, the method is
+    the operation on those rows (:func:`gradindex.methods.row_base`) at the basis's baked damping.
+    Read from ``precond/<method>.h5`` when it was written at this damping; otherwise computed with
+    one pass over the store. ``manifest`` and ``preconditioner`` (the method's, loaded): pass them
+    when already at hand (an open index).
     """
     base, _ = parse_method(method)
     manifest = manifest if manifest is not None else read_manifest(index_dir)
+    on_rows = ROW_METHODS.get(row_basis(manifest), {}).get(base, base)  # whitened rows: ekfac = their norm
+    if on_rows != base:  # (a name the table lacks is already the operation on the rows, as the engine asks)
+        return self_influence(index_dir, on_rows, damping, layers, device, block, manifest=manifest)
     shapes = layer_shapes(manifest)
     layers = selected_layers(manifest, layers)
     if base == "cosine":

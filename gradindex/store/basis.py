@@ -165,3 +165,13 @@ def to_rows(basis: RowBasis | None, layer: str, x: np.ndarray, shape: tuple[int,
     X = np.asarray(x, np.float64).reshape(-1, k_g, k_a)
     R = basis.Q_S[layer].T @ X @ basis.Q_A[layer] * basis.scale[layer]  # [n, k_g, k_a]
     return R.reshape(len(X), -1).astype(np.float32)
+
+
+def rows_dual(basis: RowBasis | None, layer: str, v: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """A vector ``v`` dotted with stored rows → the vector giving the same number on captured rows:
+    ``⟨v, to_rows(x)⟩ = ⟨rows_dual(v), x⟩`` (``Q_S (V ⊙ scale) Q_Aᵀ``; as is outside the ``ekfac`` rotation)."""
+    if basis is None or layer not in basis.Q_S:
+        return np.asarray(v)
+    k_g, k_a = shape
+    V = np.asarray(v, np.float64).reshape(k_g, k_a) * basis.scale[layer]
+    return (basis.Q_S[layer] @ V @ basis.Q_A[layer].T).reshape(-1)

@@ -95,6 +95,15 @@ class BuildConfig:
     the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
     adam_mode: str = "exact"
     """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
+    transcode: str = "none"
+    """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
+    eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
+    store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw."""
+
+    @property
+    def capture_storage(self) -> str:
+        """Codes of the captured rows: ``storage``, or float16 when they are transcoded afterwards."""
+        return "fp16" if self.transcode == "ekfac" else self.storage
 
     def __post_init__(self) -> None:
         check_storage(self.storage)
@@ -112,6 +121,13 @@ class BuildConfig:
         if self.optimizer_state and (self.precondition != "none" or self.collect_covariance):
             raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
                              "K-FAC/EK-FAC are fitted on plain gradients: build those without it")
+        if self.transcode not in ("none", "ekfac"):
+            raise ValueError(f"transcode {self.transcode!r} is not one of ['none', 'ekfac']")
+        if self.transcode == "ekfac" and self.precondition != "ekfac":
+            raise ValueError("rows are transcoded into the EK-FAC eigenbasis after an EK-FAC fit: add "
+                             "--precondition ekfac, or --transcode none")
+        if self.transcode == "ekfac" and self.basis != "raw":
+            raise ValueError("--transcode ekfac rotates raw rows; with --projection-basis kfac use --transcode none")
         if self.optimizer_state and self.basis != "raw":
             raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
                              "the kfac basis whitens plain gradients: use --projection-basis raw with it")
@@ -134,7 +150,7 @@ def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: Bu
     return {
         "model_fingerprint": model_fp,
         "dtype": model_dtype(model),
-        "storage": cfg.storage,
+        "storage": cfg.capture_storage,
         "data_fingerprint": data_fp,
         "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
                        "rows": capture.dims(n)[0], "cols": capture.dims(n)[1]}
@@ -146,6 +162,8 @@ def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: Bu
         "shard_size": cfg.shard_size,
         "batch_size": cfg.batch_size,
         "optimizer": optimizer,
+        **({"transcode": {"basis": cfg.transcode, "storage": cfg.storage, "damping": cfg.damping}}
+           if cfg.transcode != "none" else {}),
     }
 
 
@@ -177,7 +195,11 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool) -> dict | None:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         return None
     old = read_manifest(out)
-    diffs = identity_differences(old.get("build", {}), identity)
+    transcoded = old.get("transcode")  # rows rewritten in place after the build: compare the build that made them
+    diffs = identity_differences(transcoded["source_build"] if transcoded else old.get("build", {}), identity)
+    if transcoded and "transcode" not in identity:
+        diffs.append(f"its rows were transcoded into the {old['build'].get('basis', {}).get('kind')} eigenbasis "
+                     "after the build (the default) and this build asks for raw rows (--transcode none)")
     if diffs:
         raise IndexMismatchError(
             f"{str(out)!r} holds another index, so it cannot be resumed: " + "; ".join(diffs)
@@ -232,6 +254,8 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer)
     old = prepare_out_dir(out, identity, overwrite)
+    if old is not None and old.get("transcode") and old.get("status") == "complete":
+        return BuildResult(out, old, time.perf_counter() - t0, 0)  # built and transcoded already
     (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
     if old is not None:
         _move_damaged_aside(out, repair)
@@ -272,7 +296,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                 if path.exists():
                     bar.update(end - start)
                     continue
-                w = ShardWriter(path, start, end - start, dims, data_fp, cfg.storage)
+                w = ShardWriter(path, start, end - start, dims, data_fp, cfg.capture_storage)
                 done = w.open()
                 if (capture.collect_covariance or capture.collect_full_covariance) and done:  # factors need
                     # the whole shard: redo it

@@ -24,11 +24,16 @@ from gradindex.store.basis import RowBasis, kfac_basis, read_basis, write_basis
 from gradindex.store.codes import code_dtype
 
 FLOAT32_BYTES = 4
+DEFAULT_BUDGET_CAP = 256 << 10
+"""``auto`` budget: 1/8 of the full float32 gradient, at most this many bytes per example."""
 
 
 def parse_budget(budget: int | str, full_bytes: int) -> int:
-    """Bytes per example: an integer (``65536``) or a fraction of ``full_bytes`` (``"1/8"``, ``"0.125"``)."""
+    """Bytes per example: an integer (``65536``), a fraction of ``full_bytes`` (``"1/8"``, ``"0.125"``),
+    or ``auto``: ``min(full_bytes / 8, 256 KiB)`` (int4 codes of the whole gradient where it is that small)."""
     text = str(budget).strip()
+    if text.lower() == "auto":
+        return min(full_bytes // 8, DEFAULT_BUDGET_CAP)
     try:
         if "/" in text or "." in text:
             frac = Fraction(text)

@@ -1,0 +1,185 @@
+"""The default build: rows transcoded in place into the EK-FAC whitened eigenbasis (int4), resumable."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gradindex.capture import ProjectionSpec
+from gradindex.checksum import read_checksums
+from gradindex.cli import main
+from gradindex.data import load_records, tokenize_records
+from gradindex.index import IndexConfig, default_factory
+from gradindex.manifest import IndexMismatchError, read_manifest, row_basis
+from gradindex.model import load_causal_lm
+from gradindex.pipeline import BuildConfig, build_index
+from gradindex.precondition import compact
+from gradindex.precondition.compact import JOURNAL, STAGING, compact_eigenbasis, transcode_in_place
+from gradindex.query import QueryEngine
+from gradindex.query.scores import score_matrix
+from gradindex.store import Store
+
+RAW = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
+                  shard_size=16, max_length=48, transcode="ekfac")
+
+
+def _data(gpt2_dir, text_jsonl):
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    return model, tok, tokenize_records(load_records(text_jsonl), tok, 48)
+
+
+def _rows(index_dir) -> dict[str, np.ndarray]:
+    with Store(index_dir) as st:
+        return {n: st.read_rows(np.arange(len(st)), [n])[n] for n in st.layers}
+
+
+@pytest.fixture(scope="module")
+def built(gpt2_dir, text_jsonl, tmp_path_factory):
+    """The default index, and the two-step reference: a raw float16 build compacted into int4."""
+    model, tok, data = _data(gpt2_dir, text_jsonl)
+    d = tmp_path_factory.mktemp("transcode")
+    res, _ = build_index(model, tok, data, d / "idx", RAW, index=IndexConfig(), progress=False)
+    raw = dataclasses.replace(RAW, storage="fp16", transcode="none", budget=0, projection=ProjectionSpec.parse("none"))
+    build_index(model, tok, data, d / "raw", raw, index=IndexConfig(), progress=False)
+    compact_eigenbasis(d / "raw", d / "ref", damping=RAW.damping, storage="int4")
+    return model, tok, data, d, res
+
+
+def test_default_build_equals_the_two_step_compact(built):
+    model, tok, data, d, res = built
+    m = read_manifest(d / "idx")
+    assert row_basis(m) == "ekfac" and m["build"]["storage"] == "int4" and m["status"] == "complete"
+    assert m["transcode"]["source_build"]["storage"] == "fp16"
+    assert res.manifest["build"] == m["build"]
+    assert not (d / "idx" / STAGING).exists() and not (d / "idx" / JOURNAL).exists()
+    assert not (d / "idx" / "raw.old").exists() and not (d / "idx" / "precond" / "graddot.h5").exists()
+    assert sorted(m["preconditioners"]) == ["ekfac", "kfac"]  # kept for explanations
+    # every layer stored whole: the auto budget (1/8 of float32) buys all numbers at int4
+    assert all(v["rows"] == v["n_out"] and v["cols"] == v["n_in"] + v["bias"] for v in m["build"]["layers"].values())
+    got, ref = _rows(d / "idx"), _rows(d / "ref")
+    for n in ref:
+        np.testing.assert_array_equal(got[n], ref[n])
+    files = read_checksums(d / "idx")
+    assert all(n.startswith(("store/", "basis.h5", "precond/", "faiss/")) for n in files)
+    assert not any(n == "precond/graddot.h5" for n in files)
+    res = CliRunner().invoke(main, ["verify", str(d / "idx")])
+    assert res.exit_code == 0, res.output
+
+
+def test_default_index_answers_ekfac_close_to_the_raw_fit(built):
+    model, tok, data, d, _ = built
+    with QueryEngine(d / "idx", model=model, tokenizer=tok) as e:
+        q, _, _ = e.gradients(e.tokenize([data.input_ids[3], data.input_ids[11]]))
+        got = score_matrix(d / "idx", q, "ekfac", device="cpu")
+        hits = e.search(q, k=5, method="ekfac", texts=False)
+        assert [h.id for h in hits[0].hits] == list(np.argsort(-got[0], kind="stable")[:5])
+    with QueryEngine(d / "raw", model=model, tokenizer=tok) as e:
+        qr, _, _ = e.gradients(e.tokenize([data.input_ids[3], data.input_ids[11]]))
+    ref = score_matrix(d / "raw", qr, "ekfac", damping=RAW.damping, device="cpu")
+    for i in range(len(ref)):
+        assert np.corrcoef(got[i], ref[i])[0, 1] > 0.97
+
+
+def test_rerun_is_done_and_another_build_is_refused(built):
+    model, tok, data, d, _ = built
+    res, _ = build_index(model, tok, data, d / "idx", RAW, progress=False)
+    assert res.examples_computed == 0 and row_basis(res.manifest) == "ekfac"
+    for other, words in ((dataclasses.replace(RAW, transcode="none", storage="fp16"), "raw rows"),
+                         (dataclasses.replace(RAW, storage="int8"), "row transcode")):
+        with pytest.raises(IndexMismatchError, match=words):
+            build_index(model, tok, data, d / "idx", other, progress=False)
+
+
+@pytest.mark.parametrize("crash_at", [1, 2, 4, 7, 8, 9, 10, 11, 12])
+def test_a_kill_during_the_swap_resumes_to_the_same_rows(built, tmp_path, monkeypatch, crash_at):
+    model, tok, data, d, _ = built
+    whole = dataclasses.replace(RAW, budget=0, projection=ProjectionSpec.parse("none"))  # as d / "raw" was built
+    work = tmp_path / "idx"
+    shutil.copytree(d / "raw", work)
+    m = read_manifest(work)  # the raw build, as the default build leaves it before the transcode
+    m["build"]["transcode"] = {"basis": "ekfac", "storage": "int4", "damping": RAW.damping}
+    (work / "manifest.json").write_text(json.dumps(m))
+    calls = {"n": 0}
+    real = compact.os.replace
+
+    def dying(a, b):
+        calls["n"] += 1
+        if calls["n"] == crash_at:
+            raise KeyboardInterrupt("killed")
+        return real(a, b)
+
+    monkeypatch.setattr(compact.os, "replace", dying)
+    with pytest.raises(KeyboardInterrupt):
+        transcode_in_place(work, RAW.damping, "int4")
+    monkeypatch.setattr(compact.os, "replace", real)
+    assert (work / "manifest.json").exists()
+    build_index(model, tok, data, work, whole, progress=False)  # the re-run finishes the swap
+    assert row_basis(read_manifest(work)) == "ekfac"
+    got, ref = _rows(work), _rows(d / "ref")
+    for n in ref:
+        np.testing.assert_array_equal(got[n], ref[n])
+    assert not (work / JOURNAL).exists() and not (work / STAGING).exists()
+
+
+def test_default_cli_build_then_every_command_on_it(gpt2_dir, text_jsonl, tmp_path):
+    out = str(tmp_path / "idx")
+    r = CliRunner()
+    res = r.invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", out, "--max-length", "48", "--quiet",
+                          "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert "ekfac eigenbasis, int4" in res.output
+    m = read_manifest(out)
+    assert row_basis(m) == "ekfac" and m["build"]["storage"] == "int4"
+    assert {e["factory"] for e in json.loads((tmp_path / "idx" / "faiss" / "index.json").read_text())["layers"]
+            .values()} == {"SQ4"}
+    res = r.invoke(main, ["query", out, "--text", "the cat sat on a mat", "-k", "3", "--json", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    first = json.loads(res.output.splitlines()[0])
+    assert len(first) == 3 and [h["rank"] for h in first] == [1, 2, 3]
+    res = r.invoke(main, ["query", out, "--text", "the cat sat on a mat", "--method", "ekfac-selfnorm", "--device",
+                          "cpu"])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(main, ["outliers", out, "--top", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(main, ["dedup", out, "--out", str(tmp_path / "g.jsonl"), "--quiet"])
+    assert res.exit_code == 0, res.output
+    res = r.invoke(main, ["explain", out, "--query", "the cat sat on a mat", "--id", "2", "--json", "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    ex = json.loads(res.output.splitlines()[0])
+    assert ex["method"] == "ekfac"
+    # the per-token terms add up to the score of the example's recomputed (unquantized) row: close to the
+    # int4-coded score
+    assert sum(ex["train"]["scores"]) == pytest.approx(ex["score"], rel=0.1, abs=1e-3 * abs(ex["score"]) + 1e-9)
+    res = r.invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", out, "--max-length", "48", "--quiet",
+                          "--device", "cpu", "--transcode", "none"])
+    assert res.exit_code == 2 and "raw rows" in res.output, res.output
+
+
+def test_explanations_on_eigenbasis_rows_sum_to_the_score(built, tmp_path):
+    """Stored exactly (float32 in the eigenbasis), per-token terms add up to the example's score."""
+    from gradindex.apps.explain import Explainer
+
+    model, tok, data, d, _ = built
+    cfg = dataclasses.replace(RAW, storage="fp32")
+    build_index(model, tok, data, tmp_path / "f32", cfg, index=IndexConfig(), progress=False)
+    with QueryEngine(tmp_path / "f32", model=model, tokenizer=tok, data=None) as e:
+        e.texts.tokens = lambda ids: ([data.input_ids[i] for i in ids], [data.labels[i] for i in ids],
+                                      np.ones(len(ids), bool))
+        out = Explainer(e).explain("the cat sat on a mat", [0, 5], "ekfac")
+        q, _, _ = e.gradients(e.tokenize(["the cat sat on a mat"]))
+        scores = score_matrix(tmp_path / "f32", q, "ekfac", device="cpu")[0]
+    for x in out:
+        assert x.score == pytest.approx(scores[x.id], rel=1e-4)
+        assert sum(x.train.scores) == pytest.approx(x.score, rel=1e-4)
+        assert sum(x.query.scores) == pytest.approx(x.score, rel=1e-4)
+
+
+def test_exhaustive_factory_follows_the_row_codes():
+    assert default_factory(40, 16) == "Flat"
+    assert [default_factory(40, 16, s) for s in ("fp16", "int8", "int4")] == ["SQfp16", "SQ8", "SQ4"]
+    assert default_factory(1_000_000, 256, "int4") == "IVF1024,PQ128x4fs"
