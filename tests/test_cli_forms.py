@@ -37,7 +37,8 @@ def short_model(tmp_path_factory, tokenizer):
 def built(tmp_path_factory, short_model, text_jsonl):
     out = tmp_path_factory.mktemp("forms") / "index"
     args = ("build", short_model, text_jsonl, "--out", out, "--projection", "4", "--precondition", "ekfac",
-            "--transcode", "none", "--storage", "fp32", "--device", "cpu", "--quiet")  # the default --max-length 512 > 16 positions
+            "--transcode", "none", "--storage", "fp32", "--device", "cpu",
+            "--quiet")  # the default --max-length 512 > 16 positions
     res = run(*args)
     assert f"note: --max-length 512 is more than the model's {POSITIONS} positions; using --max-length " \
            f"{POSITIONS}" in res.stderr
