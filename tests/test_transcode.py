@@ -71,18 +71,29 @@ def test_default_build_equals_the_two_step_compact(built):
     assert res.exit_code == 0, res.output
 
 
-def test_default_index_answers_ekfac_close_to_the_raw_fit(built):
+def test_default_index_keeps_full_space_ekfac_ranking(built):
+    """The CI-sized regression check of the default's quality: against exhaustive EK-FAC on the whole
+    (float16) gradient, the default index's scores rank the training set alike and share the top."""
     model, tok, data, d, _ = built
+    qs = [data.input_ids[i] for i in range(0, 40, 5)]
     with QueryEngine(d / "idx", model=model, tokenizer=tok) as e:
-        q, _, _ = e.gradients(e.tokenize([data.input_ids[3], data.input_ids[11]]))
+        q, _, _ = e.gradients(e.tokenize(qs))
         got = score_matrix(d / "idx", q, "ekfac", device="cpu")
         hits = e.search(q, k=5, method="ekfac", texts=False)
         assert [h.id for h in hits[0].hits] == list(np.argsort(-got[0], kind="stable")[:5])
     with QueryEngine(d / "raw", model=model, tokenizer=tok) as e:
-        qr, _, _ = e.gradients(e.tokenize([data.input_ids[3], data.input_ids[11]]))
+        qr, _, _ = e.gradients(e.tokenize(qs))
     ref = score_matrix(d / "raw", qr, "ekfac", damping=RAW.damping, device="cpu")
-    for i in range(len(ref)):
-        assert np.corrcoef(got[i], ref[i])[0, 1] > 0.97
+    rho = [np.corrcoef(_ranks(got[i]), _ranks(ref[i]))[0, 1] for i in range(len(qs))]
+    top = [len(set(np.argsort(-got[i])[:5]) & set(np.argsort(-ref[i])[:5])) / 5 for i in range(len(qs))]
+    print(f"default vs full-space EK-FAC: Spearman {np.mean(rho):.3f} (min {min(rho):.3f}), top-5 {np.mean(top):.2f}")
+    assert np.mean(rho) >= 0.97 and min(rho) >= 0.9 and np.mean(top) >= 0.8
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    r = np.empty(len(x))
+    r[np.argsort(x, kind="stable")] = np.arange(len(x))
+    return r
 
 
 def test_rerun_is_done_and_another_build_is_refused(built):

@@ -162,9 +162,13 @@ def to_rows(basis: RowBasis | None, layer: str, x: np.ndarray, shape: tuple[int,
     if basis is None or layer not in basis.Q_S:
         return x
     k_g, k_a = shape
-    X = np.asarray(x, np.float64).reshape(-1, k_g, k_a)
-    R = basis.Q_S[layer].T @ X @ basis.Q_A[layer] * basis.scale[layer]  # [n, k_g, k_a]
-    return R.reshape(len(X), -1).astype(np.float32)
+    X = torch.from_numpy(np.ascontiguousarray(x, np.float32)).reshape(-1, k_g, k_a)
+    f32 = {k: torch.from_numpy(np.asarray(d[layer], np.float32)) for k, d in
+           (("Q_S", basis.Q_S), ("Q_A", basis.Q_A), ("scale", basis.scale))}
+    # float32 (3x faster than float64 here; the relative error, ~1e-6, is far below any stored code's)
+    Y = (X.reshape(-1, k_a) @ f32["Q_A"]).reshape(-1, k_g, k_a)
+    R = torch.matmul(f32["Q_S"].T, Y) * f32["scale"]  # [n, k_g, k_a]
+    return R.reshape(len(X), -1).numpy()
 
 
 def rows_dual(basis: RowBasis | None, layer: str, v: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
