@@ -18,11 +18,13 @@ Writers hold the directory's lock (:mod:`gradindex.lock`), so updates never race
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,24 +107,35 @@ def write_checksums(index_dir: str | os.PathLike, files: dict[str, dict]) -> Non
     os.replace(tmp, p)
 
 
+@contextlib.contextmanager
+def _updating(index_dir: str | os.PathLike) -> Iterator[None]:
+    """Serialise read-modify-write of ``checksums.json`` between processes (the ranks of one build)."""
+    fd = os.open(Path(index_dir) / ".checksums.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def record(index_dir: str | os.PathLike, paths: Iterable[Path], names: Iterable[str] | None = None) -> None:
     """Hash ``paths`` and record them (under ``names``, default their paths relative to the index)."""
     d = Path(index_dir)
     paths = list(paths)
     names = list(names) if names is not None else [str(Path(p).relative_to(d)) for p in paths]
-    files = read_checksums(d)
-    for p, n in zip(paths, names, strict=True):
-        files[n] = entry(Path(p))
-    write_checksums(d, files)
+    new = {n: entry(Path(p)) for p, n in zip(paths, names, strict=True)}  # hashed outside the lock
+    with _updating(d):
+        write_checksums(d, {**read_checksums(d), **new})
 
 
 def forget(index_dir: str | os.PathLike, names: Iterable[str]) -> None:
-    files = read_checksums(index_dir)
-    names = [n for n in names if n in files]
-    if names:
-        for n in names:
-            del files[n]
-        write_checksums(index_dir, files)
+    with _updating(index_dir):
+        files = read_checksums(index_dir)
+        names = [n for n in names if n in files]
+        if names:
+            for n in names:
+                del files[n]
+            write_checksums(index_dir, files)
 
 
 def rename_records(index_dir: str | os.PathLike, renames: dict[str, str], drop_prefix: str = "") -> None:

@@ -18,8 +18,11 @@ def model_fingerprint(model: nn.Module) -> str:
     Every value counts: one changed weight anywhere changes the fingerprint. Values are hashed in
     the dtype they are loaded in, so a float32 and a bfloat16 load of one checkpoint differ (their
     gradients do too); the build identity records that dtype separately, so a mismatch is named.
-    Costs one streaming read of the weights (``benchmarks/fingerprint.py``).
+    Costs one streaming read of the weights (``benchmarks/fingerprint.py``). Under FSDP2 every rank
+    must call it (each sharded parameter is gathered in turn); ``DistributedDataParallel``'s wrapper
+    is looked through, so a wrapped and a plain model hash alike.
     """
+    model = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     h = hashlib.blake2b(digest_size=16)
     cfg = getattr(model, "config", None)
     if cfg is not None:
@@ -28,6 +31,8 @@ def model_fingerprint(model: nn.Module) -> str:
         h.update(json.dumps(d, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():
         h.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
+        if hasattr(p, "full_tensor"):  # a DTensor sharded by FSDP2: gathered (a collective: every rank calls this)
+            p = p.full_tensor()
         flat = p.detach().reshape(-1)
         step = max(1, _CHUNK // flat.element_size())
         for s in range(0, flat.numel(), step):

@@ -26,8 +26,17 @@ class IndexBusyError(OSError):
 
 @contextlib.contextmanager
 def index_lock(index_dir: str | os.PathLike, what: str) -> Iterator[None]:
-    """Hold the directory's write lock (creating the directory) for the ``with`` block."""
+    """Hold the directory's write lock (creating the directory) for the ``with`` block.
+
+    Under ``torchrun`` only rank 0 takes it: the other ranks are the same job, writing their own shards.
+    """
+    from gradindex import distributed
+
     d = Path(index_dir)
+    if distributed.rank() != 0:
+        d.mkdir(parents=True, exist_ok=True)
+        yield
+        return
     created = not d.exists()
     d.mkdir(parents=True, exist_ok=True)
     key = str(d.resolve())

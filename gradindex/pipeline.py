@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
+from gradindex import distributed
 from gradindex.capture import GradientCapture
 from gradindex.data import Tokenized
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices, resolve_factory
@@ -54,17 +55,31 @@ def build_index(
             resolve_factory(index.factory, len(data), capture.dim(name), cfg.storage)
     with index_lock(out_dir, "gradindex build"):
         t0 = time.perf_counter()
-        if not overwrite:
+        if not overwrite and distributed.rank() == 0:
             finish_transcode(out_dir)  # a swap that a kill interrupted
+        distributed.barrier()
         res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
                           overwrite=overwrite, progress=progress, repair=repair)
-        if cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
-            fit = FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
-            fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
-        if cfg.transcode == "ekfac" and not res.manifest.get("transcode"):
-            res.manifest = transcode_in_place(out_dir, cfg.damping, cfg.storage, progress=progress)
-        res.seconds = time.perf_counter() - t0
-        if index is None:
+        if distributed.rank() > 0:  # under torchrun: the fit, transcode and indices read the store, on rank 0
+            distributed.barrier()
+            res.seconds = time.perf_counter() - t0
             return res, None
-        with OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
-            return res, build_indices(ix, index, progress=progress)
+        try:
+            return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0)
+        finally:
+            distributed.barrier()
+
+
+def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfig | None, res: BuildResult,
+            progress: bool, t0: float) -> tuple[BuildResult, IndexBuildResult | None]:
+    """The stages after the capture: fit, transcode, FAISS indices (one process)."""
+    if cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
+        fit = FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
+        fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
+    if cfg.transcode == "ekfac" and not res.manifest.get("transcode"):
+        res.manifest = transcode_in_place(out_dir, cfg.damping, cfg.storage, progress=progress)
+    res.seconds = time.perf_counter() - t0
+    if index is None:
+        return res, None
+    with OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
+        return res, build_indices(ix, index, progress=progress)

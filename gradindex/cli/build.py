@@ -116,6 +116,7 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
           shard_size, overwrite, repair, precondition, transcode, damping, fisher, fisher_seed, optimizer_state,
           adam_mode, full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
+    from gradindex import distributed
     from gradindex.capture import ProjectionSpec
     from gradindex.data import load_records, tokenize_records
     from gradindex.model import load_causal_lm, max_positions, resolve_device, vocab_size
@@ -142,6 +143,9 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
         raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
     resolve_device(device)
+    if distributed.init_from_env(device):  # under torchrun: each rank captures its share of the shards
+        device = distributed.local_device(device)
+        quiet = quiet or distributed.rank() > 0
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
         model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
@@ -172,6 +176,8 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
                                overwrite=overwrite, progress=not quiet, repair=repair)
     from gradindex.store.sizing import bytes_per_number
 
+    if distributed.rank() > 0:
+        return
     m = res.manifest
     numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
     row_bytes = int(numbers * bytes_per_number(m["build"]["storage"]))

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 import gradindex
+from gradindex import distributed
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import finite_rows
 from gradindex.data import IGNORE, token_hash
@@ -149,20 +150,17 @@ class LiveCapture:
     """Hooks on a model in training; rows to ``out_dir/capture``, then the store at :meth:`close`."""
 
     def __init__(self, model: nn.Module, out_dir: str | os.PathLike, options: CaptureOptions):
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
-            raise ValueError("in-loop capture under torch.distributed is not supported yet; capture on one process")
         if options.keep not in ("last", "first"):
             raise ValueError(f"keep={options.keep!r} is not one of ['last', 'first']")
-        self.model = model
+        self.model = distributed.unwrap(model)  # hooks go on the model the wrapper calls
         self.out = Path(out_dir)
         self.opt = options
         self.spec = options.spec()
         check_storage(options.storage)
         self._check_out_dir()
-        self.capture = GradientCapture(model, options.layers or None, self.spec, options.route, weight_free=False)
+        self.capture = GradientCapture(self.model, options.layers or None, self.spec, options.route, weight_free=False)
         self.dims = {n: self.capture.dim(n) for n in self.capture.infos}
-        self.log = CaptureLog(rank_dir(self.out, 0), self.dims, part_rows=options.shard_size)
+        self.log = CaptureLog(rank_dir(self.out, distributed.rank()), self.dims, part_rows=options.shard_size)
         self.step = 0
         self.epoch = 0.0
         self.optimizer = None
@@ -178,6 +176,18 @@ class LiveCapture:
 
     # -- set-up -------------------------------------------------------------------------------
     def _check_out_dir(self) -> None:
+        """Rank 0 checks (and with ``overwrite`` clears) the directory while the other ranks wait."""
+        try:
+            err = None
+            if distributed.rank() == 0:
+                self._prepare_out_dir()
+        except (FileExistsError, OSError) as e:
+            err = e
+        err = distributed.broadcast(err)
+        if err is not None:
+            raise err
+
+    def _prepare_out_dir(self) -> None:
         if self.out.exists() and any(self.out.iterdir()):
             if not self.opt.overwrite:
                 raise FileExistsError(
@@ -393,13 +403,25 @@ class LiveCapture:
         finally:
             self.detach()
             self.log.close()
+        fingerprint = model_fingerprint(self.model)  # on every rank: FSDP2 gathers each parameter
+        stats = distributed.gather((self._scales, self._max_batch, self.step))
+        distributed.barrier()  # every rank's capture log is complete: rank 0 assembles them
+        if distributed.rank() > 0:
+            self.manifest = distributed.broadcast(None)
+            return self.manifest
+        self._scales = [c for sc, _, _ in stats for c in sc]
+        self._max_batch = max(b for _, b, _ in stats)
         n = num_rows if num_rows is not None else self.opt.num_rows
-        res = assemble_store(self.out, self.dims, n if n is not None else self._max_id() + 1,
-                             self.opt.shard_size, self.opt.keep, self.opt.storage)
-        manifest = self._manifest(res, n if n is not None else self._max_id() + 1)
-        write_manifest(self.out, manifest)
-        if not self.opt.keep_log:
-            shutil.rmtree(self.out / "capture", ignore_errors=True)
+        manifest: dict = {}
+        try:
+            res = assemble_store(self.out, self.dims, n if n is not None else self._max_id() + 1,
+                                 self.opt.shard_size, self.opt.keep, self.opt.storage)
+            manifest = self._manifest(res, n if n is not None else self._max_id() + 1, fingerprint)
+            write_manifest(self.out, manifest)
+            if not self.opt.keep_log:
+                shutil.rmtree(self.out / "capture", ignore_errors=True)
+        finally:
+            self.manifest = distributed.broadcast(manifest)  # ({} to the others when this failed)
         if res.unseen:
             log.warning("%d training rows were never seen by the loop; stored as zeros and listed in "
                         "manifest.json 'training.unseen_ids'", len(res.unseen))
@@ -411,11 +433,11 @@ class LiveCapture:
         ids = [read_columns(p, ("ids",))["ids"] for p in log_parts(self.out)]
         return int(max((x.max() for x in ids if x.size), default=-1))
 
-    def _manifest(self, res, n: int) -> dict:
+    def _manifest(self, res, n: int, fingerprint: str) -> dict:
         cap, o = self.capture, self.opt
         scales = np.asarray([s for s in self._scales if math.isfinite(s)])
         build = {
-            "model_fingerprint": model_fingerprint(self.model),
+            "model_fingerprint": fingerprint,
             "dtype": model_dtype(self.model),
             "storage": o.storage,
             "data_fingerprint": res.data_fingerprint,
@@ -454,6 +476,7 @@ class LiveCapture:
                     "per_row": "store column training/loss_scale",
                 },
                 "steps": self.step,
+                "ranks": distributed.world_size(),
                 "keep": o.keep,
                 "times_seen_max": res.seen_max,
                 "log_rows": res.log_rows,

@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from gradindex import distributed
+
 OPTIMIZER_DIR = "optimizer"
 KEY_SUFFIX = ".exp_avg_sq"
 
@@ -28,7 +30,9 @@ def second_moments(optimizer, model: nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for p, st in inner.state.items():
         if "exp_avg_sq" in st and id(p) in names:
-            out[names[id(p)] + KEY_SUFFIX] = st["exp_avg_sq"].detach().float().cpu().contiguous()
+            v = st["exp_avg_sq"]
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v  # FSDP2-sharded state: gathered (collective)
+            out[names[id(p)] + KEY_SUFFIX] = v.detach().float().cpu().contiguous()
     if not out:
         raise ValueError(
             f"the optimizer ({type(inner).__name__}) holds no 'exp_avg_sq' state for the model's parameters; "
@@ -43,10 +47,13 @@ def save_second_moments(optimizer, model: nn.Module, out_dir: str | Path, step: 
 
     if optimizer is None:
         raise ValueError("save_optimizer_state needs the optimizer: pass optimizer= to GradIndexCapture")
-    tensors = second_moments(optimizer, model)
+    tensors = second_moments(optimizer, distributed.unwrap(model))  # every rank (FSDP2 gathers)
     path = optimizer_state_path(out_dir, step)
+    entry = {"step": step, "file": f"{OPTIMIZER_DIR}/{path.name}", "tensors": len(tensors)}
+    if distributed.rank() > 0:  # the state is the same on every rank: rank 0 writes it
+        return entry
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
     save_file(tensors, str(tmp), metadata={"step": str(step), "key_format": "<param name>.exp_avg_sq"})
     tmp.replace(path)
-    return {"step": step, "file": f"{OPTIMIZER_DIR}/{path.name}", "tensors": len(tensors)}
+    return entry

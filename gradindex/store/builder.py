@@ -15,6 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import gradindex
+from gradindex import distributed
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.batch import batch_gradients, finite_rows
@@ -169,12 +170,12 @@ def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: Bu
 
 def _contents(out: Path) -> list[Path]:
     """What an output directory holds, besides its lock file."""
-    return [p for p in out.iterdir() if p.name != LOCK] if out.is_dir() else []
+    return [p for p in out.iterdir() if p.name not in (LOCK, ".checksums.lock")] if out.is_dir() else []
 
 
 def refuse_foreign(out: Path) -> None:
-    """Refuse (writing nothing) a non-empty directory that holds no gradindex index."""
-    if _contents(out) and not manifest_path(out).exists():
+    """Refuse (writing nothing) a non-empty directory that holds no gradindex index (rank 0 checks for all)."""
+    if distributed.rank() == 0 and _contents(out) and not manifest_path(out).exists():
         raise FileExistsError(
             f"output directory {str(out)!r} is not empty and holds no gradindex index; "
             "choose another --out (nothing was written)"
@@ -253,14 +254,16 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                               collect_full_covariance=cfg.full_factors, transforms=transforms)
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer)
-    old = prepare_out_dir(out, identity, overwrite)
+    old = _on_rank0(lambda: prepare_out_dir(out, identity, overwrite))  # (it may delete: one rank does it)
     if old is not None and old.get("transcode") and old.get("status") == "complete":
         return BuildResult(out, old, time.perf_counter() - t0, 0)  # built and transcoded already
-    (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
-    if old is not None:
-        _move_damaged_aside(out, repair)
-    if write is not None:
-        write()
+    lead = distributed.rank() == 0
+    if lead:
+        (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
+        if old is not None:
+            _move_damaged_aside(out, repair)
+        if write is not None:
+            write()
     manifest = {
         "format_version": FORMAT_VERSION,
         "library_version": gradindex.__version__,
@@ -278,7 +281,9 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         manifest = {**old, **{k: v for k, v in manifest.items() if k not in ("counts",)},
                     "counts": {**old.get("counts", {}), **manifest["counts"]}}
         manifest["status"] = "building"
-    write_manifest(out, manifest)
+    if lead:
+        write_manifest(out, manifest)
+    distributed.barrier()  # the other ranks write their shards once rank 0 has set the directory up
 
     N, S, B = len(data), cfg.shard_size, cfg.batch_size
     dims = {n: capture.dim(n) for n in capture.infos}
@@ -286,14 +291,14 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     computed = 0
     model.requires_grad_(False)
     shards = [(k, k * S, min((k + 1) * S, N)) for k in range((N + S - 1) // S)]
-    bar = tqdm(total=N, unit="ex", desc="capture", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=N, unit="ex", desc="capture", disable=not progress or distributed.rank() > 0, dynamic_ncols=True)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="gradindex-hash")  # commits overlap the next capture
     commits: list[Future] = []
     try:
         with capture:
             for k, start, end in shards:
                 path = out / STORE_DIR / shard_name(k)
-                if path.exists():
+                if path.exists() or not distributed.owned(k):  # done, or another rank's (round-robin)
                     bar.update(end - start)
                     continue
                 w = ShardWriter(path, start, end - start, dims, data_fp, cfg.capture_storage)
@@ -335,13 +340,38 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     finally:
         hashing.shutdown(wait=True)
         bar.close()
+    parts = distributed.gather((sorted(nonfinite), dict(capture.route_counts), computed))
     seconds = time.perf_counter() - t0
+    routes: dict[str, int] = {}
+    for _, r, _ in parts:
+        for key, v in r.items():
+            routes[key] = routes.get(key, 0) + v
     manifest["status"] = "complete"
-    manifest["nonfinite_ids"] = sorted(nonfinite)
-    manifest["routes"] = dict(capture.route_counts)
+    manifest["nonfinite_ids"] = sorted({i for ids, _, _ in parts for i in ids})
+    manifest["routes"] = routes
     manifest["counts"]["shards"] = len(shards)
-    write_manifest(out, manifest)
-    return BuildResult(out, manifest, seconds, computed)
+    if distributed.world_size() > 1:
+        manifest["counts"]["ranks"] = distributed.world_size()
+    if lead:
+        write_manifest(out, manifest)
+    distributed.barrier()
+    return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
+
+
+def _on_rank0(fn):
+    """``fn()`` on rank 0, its result (or its error, raised) on every rank; plain ``fn()`` on one process."""
+    if distributed.world_size() == 1:
+        return fn()
+    out, err = None, None
+    if distributed.rank() == 0:
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 -- re-raised on every rank below
+            err = e
+    out, err = distributed.broadcast((out, err))
+    if err is not None:
+        raise err
+    return out
 
 
 def _move_damaged_aside(out: Path, full: bool) -> None:

@@ -1,0 +1,88 @@
+"""Ranks under ``torchrun``: who writes what when a build or an in-loop capture runs on several processes.
+
+gradindex needs no collective of its own for the gradients: each rank captures its own examples
+(from activations and output gradients, however the parameters are sharded) and writes its own
+files; rank 0 writes what is shared (the manifest, the preconditioner, the FAISS indices) once the
+others are done. This module is the little that needs ``torch.distributed``: the rank and world
+size, a barrier, gathering small Python objects, and starting the process group that ``torchrun``
+describes in the environment (``gradindex build`` does so when it runs under ``torchrun``).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def active() -> bool:
+    """Whether a process group with more than one rank is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (on every rank); ``[obj]`` on one process."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def init_from_env(device: str = "cpu") -> bool:
+    """Start the process group ``torchrun`` describes (``WORLD_SIZE`` > 1), once; return whether one runs.
+
+    Backend ``nccl`` for CUDA devices, else ``gloo``. Each rank uses CUDA device ``LOCAL_RANK``.
+    """
+    if active():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available():
+        return False
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # rank 0 alone fits, transcodes and indexes while the others wait at a barrier: allow it hours
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=6))
+    return True
+
+
+def local_device(device: str) -> str:
+    """``cuda`` → this rank's ``cuda:LOCAL_RANK`` under ``torchrun``; anything else as given."""
+    if active() and device in ("cuda", "auto") and torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
+def owned(k: int) -> bool:
+    """Whether this rank captures shard ``k`` (round-robin over ranks)."""
+    return k % world_size() == rank()
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside a ``DistributedDataParallel`` wrapper (FSDP2 shards in place: as is)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

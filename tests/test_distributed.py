@@ -1,0 +1,96 @@
+"""Builds on several processes (torchrun, gloo, 2 CPU ranks) equal the single-process build, row by row."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradindex.manifest import read_manifest, write_manifest
+from gradindex.store import STORE_DIR, shard_name
+from tests.conftest import make_texts
+from tests.test_integrations import _rows, assert_rows_close
+
+ROOT = Path(__file__).resolve().parents[1]
+N = 24
+pytestmark = pytest.mark.slow
+
+
+def torchrun(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def cli(*args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "gradindex", *args], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dist")
+    p = d / "train.jsonl"
+    p.write_text("".join(json.dumps({"text": t}) + "\n" for t in make_texts(N, seed=7, max_words=16)))
+    return d, p
+
+
+def test_torchrun_build_equals_one_process_and_a_lost_shard_resumes(gpt2_dir, data):
+    d, train = data
+    common = [str(gpt2_dir), str(train), "--shard-size", "4", "--device", "cpu", "--quiet"]
+    cli("build", *common, "--out", str(d / "one"))  # the default: EK-FAC, eigenbasis int4, indices
+    out = torchrun("-m", "gradindex", "build", *common, "--out", str(d / "two"))
+    assert out.count("examples x 8 layers") == 1  # rank 0 reports
+    one, two = read_manifest(d / "one"), read_manifest(d / "two")
+    assert one["build"] == two["build"] and two["counts"]["ranks"] == 2
+    ids1, r1 = _rows(d / "one")
+    ids2, r2 = _rows(d / "two")
+    assert (ids1 == ids2).all()
+    for n in r1:
+        np.testing.assert_array_equal(r1[n], r2[n])
+    # raw rows: lose a shard of rank 1's, as a rank that died mid-run leaves it; the same command redoes it alone
+    raw = [*common, "--out", str(d / "raw"), "--transcode", "none", "--precondition", "none", "--storage", "fp32",
+           "--no-index"]
+    torchrun("-m", "gradindex", "build", *raw)
+    ref = _rows(d / "raw")[1]
+    (d / "raw" / STORE_DIR / shard_name(3)).unlink()
+    m = read_manifest(d / "raw")
+    m["status"] = "building"
+    write_manifest(d / "raw", m)
+    out = torchrun("-m", "gradindex", "build", *raw, "--repair")
+    assert "(4 computed now)" in out, out
+    ids, again = _rows(d / "raw")
+    assert (ids == np.arange(N)).all()
+    for n in ref:
+        np.testing.assert_array_equal(ref[n], again[n])
+    assert "intact; 6 files verified" in cli("verify", str(d / "raw"))
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_in_loop_capture_under_ddp_and_fsdp_equals_the_offline_build(gpt2_dir, data, wrap):
+    d, train = data
+    common = ["--model", str(gpt2_dir), "--data", str(train), "--projection", "8", "--device", "cpu"]
+    if not (d / "offline").exists():
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        subprocess.run([sys.executable, "builders/offline.py", *common, "--out", str(d / "offline"), "--no-index"],
+                       cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    out = torchrun("builders/torchrun_loop.py", *common, "--out", str(d / wrap), "--lr", "0", "--batch-size", "4",
+                   "--wrap", wrap)
+    assert f"captured {N} examples over 3 steps on 2 ranks ({wrap})" in out, out
+    ids, live = _rows(d / wrap)
+    assert (ids == np.arange(N)).all()
+    assert_rows_close(live, _rows(d / "offline")[1], 1e-4)
+    m, off = read_manifest(d / wrap), read_manifest(d / "offline")
+    assert m["build"]["model_fingerprint"] == off["build"]["model_fingerprint"]  # FSDP2 shards are gathered
+    assert m["training"]["ranks"] == 2
