@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import click
 
@@ -65,9 +66,9 @@ def _json(r) -> list[dict]:
               help="File of queries, any format and fields `gradindex build` reads.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
 @click.option("-k", "k", default=10, show_default=True, type=int, help="Results per query.")
-@click.option("--method", default=None, type=click.Choice(list(ALL_METHODS)),
+@click.option("--method", default=None, type=click.Choice([*ALL_METHODS, "tracin"]),
               help="Scoring method (default: ekfac where the index answers it, else graddot; adam on an "
-                   "index built with --optimizer-state).")
+                   "index built with --optimizer-state; tracin on a `gradindex trajectory` index).")
 @click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
 @click.option("--layers", multiple=True, help="Glob of layers to search (repeatable). Default: all.")
 @click.option("--lowest", default=0, show_default=True, type=int, help="Also the N most negative examples.")
@@ -87,16 +88,36 @@ def _json(r) -> list[dict]:
 def query(index_dir, texts, prompt, completion, queries_file, text_field, k, method, damping, layers, lowest,
           rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json):
     """Find the training examples in INDEX_DIR that most influenced each query."""
-    from gradindex.query import QueryEngine
-    from gradindex.query.inputs import describe
-
     qs = _queries(texts, prompt, completion, queries_file, text_field)
+    if (Path(index_dir) / "trajectory.json").is_file():  # a TracIn index over checkpoints
+        from gradindex.apps.tracin import TracInEngine
+
+        if method not in (None, "tracin"):
+            raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method tracin, "
+                             f"not {method}")
+        with TracInEngine(index_dir, device=device, data=data) as engine:
+            results = engine.query_batch(qs, k=k, lowest=lowest, layers=layers or None)
+    else:
+        results = _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist,
+                          nprobe, model_dir, data, device, cpu_index, optimizer_state, text_field)
+    _show(qs, results, text_field, as_json)
+
+
+def _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist, nprobe,
+            model_dir, data, device, cpu_index, optimizer_state, text_field) -> list:
+    from gradindex.query import QueryEngine
+
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
                      optimizer_state=optimizer_state) as engine:
         method = method or default_method(engine.manifest, engine.dir)
-        results = engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
-                                     lowest=lowest, rerank_full=rerank_full, candidates=candidates,
-                                     shortlist=shortlist, nprobe=nprobe, text_field=text_field)
+        return engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
+                                  lowest=lowest, rerank_full=rerank_full, candidates=candidates,
+                                  shortlist=shortlist, nprobe=nprobe, text_field=text_field)
+
+
+def _show(qs, results, text_field, as_json) -> None:
+    from gradindex.query.inputs import describe
+
     notes = list(dict.fromkeys(n for r in results for n in r.notes))
     for n in notes:
         click.echo(f"note: {n}", err=True)

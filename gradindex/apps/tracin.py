@@ -1,0 +1,156 @@
+"""TracIn-CP over saved checkpoints: ``score(q, t) = Σ_c η_c ⟨g_q^c, g_t^c⟩``.
+
+A trajectory index is a directory holding one ordinary index per checkpoint (``ckpt-NN/``, raw
+rows, built with the same data, layers and projection) and ``trajectory.json`` listing each
+checkpoint's model directory, training step and learning rate ``η_c``::
+
+    gradindex trajectory train.jsonl --out traj --checkpoint run/checkpoint-100 --checkpoint run/checkpoint-200 ...
+    gradindex query traj --method tracin --text "..."
+
+A query's gradient is taken under every checkpoint's model; its scores are the ``η_c``-weighted
+sum of each checkpoint's exact GradDot scores over the whole store (equivalently one inner product
+of the concatenated ``√η_c g^c`` vectors). The learning rate comes from ``--lr`` or from the
+checkpoint's ``trainer_state.json`` (the HF Trainer's log of the step); checkpoints must be given
+in training order (their steps, where known, must increase).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gradindex.data import Tokenized
+from gradindex.pipeline import BuildConfig, IndexConfig, build_index
+from gradindex.query import QueryEngine
+from gradindex.query.engine import Hit, QueryResult
+from gradindex.query.scores import score_matrix
+
+TRAJECTORY = "trajectory.json"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    model: str
+    """The checkpoint's model directory."""
+    lr: float
+    """Learning rate ``η_c`` of the updates it stands for."""
+    step: int | None = None
+
+
+def is_trajectory(index_dir: str | os.PathLike) -> bool:
+    return (Path(index_dir) / TRAJECTORY).is_file()
+
+
+def checkpoint_step(model_dir: str | os.PathLike) -> int | None:
+    """The training step of a checkpoint: ``trainer_state.json``'s ``global_step``, else ``checkpoint-N``."""
+    d = Path(model_dir)
+    state = d / "trainer_state.json"
+    if state.is_file():
+        return int(json.loads(state.read_text()).get("global_step", 0))
+    m = re.search(r"(\d+)$", d.name)
+    return int(m.group(1)) if m else None
+
+
+def trainer_lr(model_dir: str | os.PathLike) -> float | None:
+    """The learning rate the HF Trainer logged last before this checkpoint, if it saved its state."""
+    state = Path(model_dir) / "trainer_state.json"
+    if not state.is_file():
+        return None
+    logged = [e["learning_rate"] for e in json.loads(state.read_text()).get("log_history", []) if "learning_rate" in e]
+    return float(logged[-1]) if logged else None
+
+
+def checkpoints(models: list[str], lrs: list[float]) -> list[Checkpoint]:
+    """Checked checkpoints: one learning rate each (given, or from ``trainer_state.json``), in training order."""
+    if not models:
+        raise ValueError("give at least one --checkpoint")
+    if lrs and len(lrs) not in (1, len(models)):
+        raise ValueError(f"{len(models)} checkpoints and {len(lrs)} learning rates: give one --lr per checkpoint "
+                         "(or one for all)")
+    out = []
+    for i, m in enumerate(models):
+        lr = lrs[i if len(lrs) > 1 else 0] if lrs else trainer_lr(m)
+        if lr is None:
+            raise ValueError(f"checkpoint {m!r} has no learning rate: pass --lr for each checkpoint (its "
+                             "trainer_state.json, which would give it, is missing or logs none)")
+        if not (lr > 0 and np.isfinite(lr)):
+            raise ValueError(f"learning rate {lr} of checkpoint {m!r} must be positive")
+        out.append(Checkpoint(str(Path(m).resolve()), float(lr), checkpoint_step(m)))
+    steps = [c.step for c in out]
+    if None not in steps and any(b <= a for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"checkpoints are not in training order (steps {steps}); list them from the first "
+                         "to the last")
+    return out
+
+
+def build_trajectory(ckpts: list[Checkpoint], data: Tokenized, out_dir: str | os.PathLike, cfg: BuildConfig,
+                     load, data_id: str = "", index: IndexConfig | None = None, progress: bool = True) -> dict:
+    """One raw-row index per checkpoint under ``out_dir``; ``load(model_dir) -> (model, tokenizer)``."""
+    if cfg.transcode != "none" or cfg.basis != "raw" or cfg.optimizer_state:
+        raise ValueError("TracIn sums GradDot over checkpoints: build raw rows (--transcode none, "
+                         "--projection-basis raw, no --optimizer-state)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, c in enumerate(ckpts):
+        model, tok = load(c.model)
+        build_index(model, tok, data, out / f"ckpt-{i:02d}", cfg, index=index or IndexConfig(), model_id=c.model,
+                    data_id=data_id, progress=progress)
+        entries.append({"model": c.model, "lr": c.lr, "step": c.step, "index": f"ckpt-{i:02d}"})
+    meta = {"kind": "tracin", "checkpoints": entries}
+    tmp = out / (TRAJECTORY + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, out / TRAJECTORY)
+    return meta
+
+
+class TracInEngine:
+    """Query engines of every checkpoint, answering ``tracin`` by the weighted sum of exact GradDot scores."""
+
+    def __init__(self, index_dir: str | os.PathLike, device: str = "auto", data: str | None = None):
+        self.dir = Path(index_dir)
+        self.meta = json.loads((self.dir / TRAJECTORY).read_text())
+        self.lrs = np.array([c["lr"] for c in self.meta["checkpoints"]], np.float64)
+        self.engines = [QueryEngine(self.dir / c["index"], c["model"], device=device, data=data)
+                        for c in self.meta["checkpoints"]]
+        sizes = {e.n for e in self.engines}
+        if len(sizes) != 1:
+            raise ValueError(f"the checkpoints' indices hold different numbers of examples {sorted(sizes)}")
+        self.n = sizes.pop()
+
+    def scores(self, queries: list, layers=None) -> np.ndarray:
+        """``[Q, N]`` TracIn scores of every training example."""
+        total = np.zeros((len(queries), self.n))
+        for lr, e in zip(self.lrs, self.engines, strict=True):
+            grads, _, _ = e.gradients(e.tokenize(queries))
+            total += lr * score_matrix(e.index, grads, "graddot", layers=e.select_layers(layers))
+        return total
+
+    def query_batch(self, queries: list, k: int = 10, lowest: int = 0, layers=None) -> list[QueryResult]:
+        s = self.scores(queries, layers)
+        first = self.engines[-1]
+        out = []
+        for row in s:
+            order = np.lexsort((np.arange(self.n), -row))
+            top, low = order[:k], np.lexsort((np.arange(self.n), row))[:lowest]
+            ids = np.concatenate([top, low]).astype(np.int64)
+            texts = dict(zip(ids.tolist(), first.texts.texts(ids), strict=True)) if len(ids) else {}
+            out.append(QueryResult([Hit(int(i), float(row[i]), {}, texts.get(int(i))) for i in top],
+                                   [Hit(int(i), float(row[i]), {}, texts.get(int(i))) for i in low],
+                                   "tracin", None, first.select_layers(layers)))
+        return out
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+    def __enter__(self) -> TracInEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
