@@ -117,6 +117,11 @@ def is_exhaustive(index: faiss.Index) -> bool:
     return type(faiss.downcast_index(index)) in (faiss.IndexFlat, faiss.IndexFlatIP)
 
 
+def is_coded_exhaustive(index: faiss.Index) -> bool:
+    """Whether the index scans every vector's scalar codes (``SQ8``, ``SQ4``, ``SQfp16``): exhaustive, approximate."""
+    return type(faiss.downcast_index(index)) is faiss.IndexScalarQuantizer
+
+
 def train_size(index: faiss.Index, n: int, requested: int = 0) -> int:
     """Rows sampled for training: ``requested`` if set, else 64 per IVF list (≥ 16384), ≤ n."""
     if index.is_trained:

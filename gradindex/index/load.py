@@ -13,7 +13,7 @@ import torch
 
 from gradindex.checksum import damage_error
 from gradindex.index import gpu
-from gradindex.index.factory import apply_search_params, is_exhaustive
+from gradindex.index.factory import apply_search_params, is_coded_exhaustive, is_exhaustive
 from gradindex.index.files import NORMS, check_faiss, index_command, layer_path, live_dir, read_meta_at, staging_dir
 from gradindex.index.space import IndexSpace
 from gradindex.manifest import IndexMismatchError, identity_differences
@@ -37,12 +37,21 @@ class LayerIndex:
     device_vectors: list[torch.Tensor] = field(default_factory=list)
     """Row shards of ``vectors`` on the GPUs, when there are any."""
 
+    coded: bool = False
+    """A scalar-quantizer index scanned whole (``SQ4``...): every score, from the codes (approximate)."""
+
     @property
     def exhaustive(self) -> bool:
-        return self.vectors is not None
+        return self.vectors is not None or self.coded
 
     def scores(self, u: np.ndarray) -> np.ndarray:
         """``[Q, N]`` float32 inner products of queries ``u`` ``[Q, D]`` with every vector."""
+        if self.coded:  # FAISS's SIMD scan of the codes, every example returned
+            n = self.index.ntotal
+            d, i = self.index.search(np.ascontiguousarray(u, np.float32), n)
+            out = np.zeros((len(u), n), np.float32)
+            np.put_along_axis(out, np.where(i >= 0, i, 0), np.where(i >= 0, d, 0.0), axis=1)
+            return out
         if self.device_vectors:
             parts = [(torch.from_numpy(u).to(x.device) @ x.T).cpu() for x in self.device_vectors]
             return torch.cat(parts, dim=1).numpy()
@@ -142,6 +151,7 @@ class IndexSet:
                     li.device_vectors = [torch.from_numpy(li.vectors[s[0]:s[-1] + 1]).to(f"cuda:{i}")
                                          for i, s in enumerate(shards) if len(s)]
             else:
+                li.coded = is_coded_exhaustive(index)
                 li.index = gpu.for_search(index, use_gpu)
             self.layers[name] = li
         self.sq_norms = self._norms(index_dir)

@@ -307,7 +307,11 @@ class QueryEngine:
         want = max(k, lowest)
         short = [False] * len(next(iter(m.values())))
         if all(self.indices.layers[n].exhaustive for n in chosen):
-            cands = S.exhaustive_candidates(self.indices, chosen, u, cosine, k, lowest, scale)
+            # scores from scalar codes are approximate: a shortlist of them goes to the exact re-rank
+            coded = any(self.indices.layers[n].coded for n in chosen)
+            wide = (shortlist or S.coded_shortlist(max(k, lowest))) if coded else 0
+            cands = S.exhaustive_candidates(self.indices, chosen, u, cosine, max(k, wide),
+                                            max(lowest, wide if lowest else 0), scale)
         elif want >= S.EXACT_SHARE * self.n:
             cands = self._exact_candidates(q, method, damping, chosen, k, lowest)
             notes.append(f"k={want} is {want / self.n:.0%} of the index's {self.n} examples: every example "
