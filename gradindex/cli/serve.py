@@ -17,12 +17,19 @@ from gradindex.cli.common import engine_options, user_errors
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--token", default=None, help="Require 'Authorization: Bearer TOKEN' on /query and /example "
               "(default: $GRADINDEX_TOKEN if set).")
-@click.option("--busy-timeout", default=30.0, show_default=True, type=float,
-              help="Seconds a request waits for the engine before answering 503.")
+@click.option("--request-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a request may take, waiting included, before it is answered 504.")
+@click.option("--queue-size", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Requests that may wait for the engine; more are answered 503 with Retry-After.")
+@click.option("--max-batch", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Queries answered together in one gradient pass (1: one at a time).")
+@click.option("--batch-window", default=0.002, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds the worker waits after a query for others to batch with it.")
 @click.option("--layers", multiple=True, help="Glob of layers to load (repeatable). Default: all.")
 @engine_options()
 @user_errors
-def serve(index_dir, host, port, token, busy_timeout, layers, model_dir, data, device, cpu_index):
+def serve(index_dir, host, port, token, request_timeout, queue_size, max_batch, batch_window, layers, model_dir, data,
+          device, cpu_index):
     """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /."""
     from gradindex.apps.serve import serve as run
     from gradindex.query import QueryEngine
@@ -34,4 +41,4 @@ def serve(index_dir, host, port, token, busy_timeout, layers, model_dir, data, d
                      use_gpu=not cpu_index) as engine:
         click.echo(f"serving {index_dir} ({engine.n} examples) on http://{host}:{port}/"
                    f"{' (bearer token required)' if token else ''}; Ctrl-C stops", err=True)
-        run(engine, host, port, token, busy_timeout)
+        run(engine, host, port, token, request_timeout, queue_size, max_batch, batch_window)
