@@ -183,6 +183,20 @@ def test_full_queue_is_503_a_late_request_504_and_the_server_answers_after(engin
     assert c.get("/example/2").status_code == 200
 
 
+def test_an_engine_error_is_a_500_with_its_message_and_the_next_query_is_answered(engine, monkeypatch):
+    c = TestClient(create_app(engine))
+
+    def boom(*a, **kw):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine, "query_batch", boom)
+    r = c.post("/query", json={"text": "the cat sat", "k": 2})
+    assert r.status_code == 500 and r.json()["detail"] == "internal error: RuntimeError: out of memory"
+    monkeypatch.undo()
+    assert c.post("/query", json={"text": "the cat sat", "k": 2}).status_code == 200
+    assert c.get("/health").json()["served"]["failed"] == 1
+
+
 class _Engine:
     """A stand-in for QueryEngine.query_batch that records its calls (the batcher's logic alone)."""
 
@@ -251,6 +265,15 @@ def test_batcher_outlives_engine_errors_and_stops_cleanly():
     assert held.future.result(timeout=10)["hits"] and waiting.future.cancelled()
     b._thread.join(10)
     assert not b._thread.is_alive()
+
+
+def test_cli_refuses_bad_queue_options(audit_index):
+    from click.testing import CliRunner
+
+    from gradindex.cli import main
+
+    r = CliRunner().invoke(main, ["serve", str(audit_index), "--queue-size", "0"])
+    assert r.exit_code != 0 and "--queue-size and --max-batch >= 1" in r.output
 
 
 def _free_port() -> int:

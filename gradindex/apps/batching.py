@@ -45,6 +45,7 @@ class QueryJob:
     record: dict
     k: int
     settings: dict
+    """Keyword arguments of ``query_batch`` besides ``k`` (lists of strings are fine)."""
     finish: Callable[[QueryResult], Any] | None = None
 
 
@@ -180,12 +181,19 @@ class Batcher:
             self._query(group)
 
     def _key(self, q: QueryJob) -> tuple:
-        s = q.settings
-        layers = tuple(s["layers"]) if s.get("layers") is not None else None
+        """Jobs with equal keys share one engine call: equal settings, and ``k`` unless it may be shared."""
         shared = self._share_k and q.k <= self.engine.n
-        return (s["method"], float(s["damping"]), layers, int(s.get("lowest", 0)), None if shared else q.k)
+        settings = tuple(sorted((n, tuple(v) if isinstance(v, list) else v) for n, v in q.settings.items()))
+        return settings, None if shared else q.k
 
     def _query(self, group: list[Job]) -> None:
+        now = time.monotonic()  # an earlier group of this batch may have taken long
+        for job in [j for j in group if now > j.deadline]:
+            self.stats.skipped += 1
+            job.future.set_exception(Expired("the request's time limit passed while it waited"))
+        group = [j for j in group if now <= j.deadline]
+        if not group:
+            return
         qs = [j.work for j in group]
         try:
             results = self.engine.query_batch([q.record for q in qs], k=max(q.k for q in qs), **qs[0].settings)

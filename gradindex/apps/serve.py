@@ -132,6 +132,9 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
             raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
         except (ValueError, TypeError) as e:
             raise HTTPException(400, str(e)) from e
+        except Exception as e:  # the worker goes on; this request failed inside the engine
+            log.error("request failed: %s: %s", type(e).__name__, e)
+            raise HTTPException(500, f"internal error: {type(e).__name__}: {e}") from e
 
     @app.get("/health")
     async def health() -> dict:
