@@ -1,5 +1,6 @@
-"""The query server on a real tiny GPT-2 index: answers equal QueryEngine's, bad input is a clear 4xx,
-the bearer token is enforced; `gradindex serve` end to end in a subprocess, its page in headless Chromium."""
+"""The query server on a real tiny GPT-2 index: answers equal QueryEngine's (one at a time and batched),
+bad input is a clear 4xx, the bearer token is enforced, a full queue is 503 and a late request 504;
+`gradindex serve` end to end in a subprocess, its page in headless Chromium."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import quote
 
 import pytest
 from fastapi.testclient import TestClient
 
 from fixtures.browser import find_chromium, load, visible_text
-from gradindex.apps.serve import create_app
-from gradindex.query import QueryEngine
+from gradindex.apps.batching import Batcher, Expired, Job, QueryJob
+from gradindex.apps.serve import QueryRequest, create_app
+from gradindex.query import Hit, QueryEngine, QueryResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,13 +116,164 @@ def test_bearer_token(engine):
     assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
 
 
-def test_busy_engine_answers_503(engine):
-    app = create_app(engine, busy_timeout=0.05)
+def _same_answer(got: dict, ref: dict) -> None:
+    for key in ("hits", "lowest"):
+        assert [h["id"] for h in got[key]] == [h["id"] for h in ref[key]]
+        assert [h["score"] for h in got[key]] == pytest.approx([h["score"] for h in ref[key]], rel=1e-6)
+        assert [h["text"] for h in got[key]] == [h["text"] for h in ref[key]]
+    assert got["method"] == ref["method"] and got["num_tokens"] == ref["num_tokens"]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6) and got["notes"] == ref["notes"]
+
+
+def _wait(cond, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out waiting"
+        time.sleep(0.01)
+
+
+def test_concurrent_queries_are_answered_in_one_batch_each_equal_to_one_at_a_time(engine):
+    bodies = [{"text": "the cat sat on a mat", "k": 3}, {"text": "dog ran far away from home and ate fish", "k": 5},
+              {"prompt": "green hills near", "completion": " old town river", "k": 2},
+              {"input_ids": [5, 9, 12, 40, 7, 8], "labels": [-100, -100, 12, 40, 7, 8], "k": 4},
+              {"text": "blue sky with red sun", "k": 4, "method": "kfac"},
+              {"text": "bread at noon under blue sky", "k": 3, "lowest": 2},
+              {"text": "the dog sat on the cat", "k": 3, "explain": 1}]
+    app = create_app(engine, max_batch=len(bodies), batch_window=30.0)  # the worker waits for all of them
     c = TestClient(app)
-    with app.state.lock:  # another request holds the engine
-        r = c.post("/query", json={"text": "the cat sat", "k": 2})
-    assert r.status_code == 503 and "busy" in r.json()["detail"]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        got = list(pool.map(lambda b: c.post("/query", json=b), bodies))
+    assert [r.status_code for r in got] == [200] * len(bodies), [r.text for r in got]
+    served = c.get("/health").json()["served"]
+    # groups: ekfac (k shared: the index is exhaustive) x5 with the explained one, kfac, ekfac lowest=2
+    assert served["batches"] == 3 and served["queries"] == len(bodies) and served["largest_batch"] == 5
+    for body, r in zip(bodies, got, strict=True):
+        q = QueryRequest(**body)
+        ref = engine.query(q.record(), k=q.k, method=q.method or "ekfac", lowest=q.lowest).to_dict()
+        ans = r.json()
+        _same_answer(ans, ref)
+        assert ans["batch"] == (5 if q.method is None and q.lowest == 0 else 1)
+        assert ans["seconds"]["queue"] >= 0 and ans["seconds"]["total"] >= ans["seconds"]["queue"]
+        assert ("explanation" in ans["hits"][0]) == bool(q.explain)
+
+
+def test_full_queue_is_503_a_late_request_504_and_the_server_answers_after(engine):
+    app = create_app(engine, queue_size=2, max_batch=1, batch_window=0, request_timeout=1.0)
+    c, batcher = TestClient(app), app.state.batcher
+    body = {"text": "the cat sat", "k": 2}
+    with ThreadPoolExecutor(3) as pool:
+        with batcher.turn:  # the engine is busy: the worker holds one request, two wait in the queue
+            waiting = [pool.submit(c.post, "/query", json=body) for _ in range(3)]
+            _wait(lambda: batcher.answering == 1 and batcher.depth() == 2)
+            r = c.post("/query", json=body)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "queue is full" in r.json()["detail"]
+            late = [f.result(timeout=30) for f in waiting]
+        assert [x.status_code for x in late] == [504] * 3
+        assert "time limit (1 s)" in late[0].json()["detail"]
+    _wait(lambda: batcher.stats.skipped == 3)  # the worker dropped the three unwanted queries unanswered
+    r = c.post("/query", json=body)
+    assert r.status_code == 200
+    _same_answer(r.json(), engine.query("the cat sat", k=2, method="ekfac").to_dict())
+    h = c.get("/health").json()
+    assert h["queue"] == {"depth": 0, "answering": 0, "size": 2, "max_batch": 1, "window_s": 0,
+                          "request_timeout_s": 1.0}
+    assert {k: h["served"][k] for k in ("rejected", "timed_out", "skipped", "queries", "batches")} == {
+        "rejected": 1, "timed_out": 3, "skipped": 3, "queries": 1, "batches": 1}
+    assert c.get("/example/2").status_code == 200
+
+
+def test_an_engine_error_is_a_500_with_its_message_and_the_next_query_is_answered(engine, monkeypatch):
+    c = TestClient(create_app(engine))
+
+    def boom(*a, **kw):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(engine, "query_batch", boom)
+    r = c.post("/query", json={"text": "the cat sat", "k": 2})
+    assert r.status_code == 500 and r.json()["detail"] == "internal error: RuntimeError: out of memory"
+    monkeypatch.undo()
     assert c.post("/query", json={"text": "the cat sat", "k": 2}).status_code == 200
+    assert c.get("/health").json()["served"]["failed"] == 1
+
+
+class _Engine:
+    """A stand-in for QueryEngine.query_batch that records its calls (the batcher's logic alone)."""
+
+    def __init__(self, exhaustive: bool, n: int = 50):
+        self.n, self.calls = n, []
+        self.indices = SimpleNamespace(layers={"a": SimpleNamespace(exhaustive=exhaustive)})
+
+    def query_batch(self, records, k, method, damping, layers, lowest):
+        self.calls.append(([r["text"] for r in records], k, method, lowest))
+        if any(r["text"] == "bad" for r in records):
+            raise ValueError("no target token")
+        if any(r["text"] == "boom" for r in records):
+            raise RuntimeError("boom")
+        return [QueryResult([Hit(i, float(k - i), {}) for i in range(k)], [], method, damping, [], num_tokens=len(r))
+                for r in records]
+
+
+def _job(text: str, k: int = 3, method: str = "ekfac", lowest: int = 0, life: float = 30.0) -> Job:
+    settings = {"method": method, "damping": 0.1, "layers": None, "lowest": lowest}
+    return Job(QueryJob({"text": text}, k, settings), deadline=time.monotonic() + life)
+
+
+@pytest.mark.parametrize("exhaustive", [True, False])
+def test_batcher_groups_equal_settings_and_a_bad_query_fails_alone(exhaustive):
+    eng = _Engine(exhaustive)
+    b = Batcher(eng, max_batch=8, queue_size=8, window=30.0)
+    with b.turn:
+        jobs = [_job("a", 3), _job("b", 5), _job("bad", 3), _job("c", 2, method="kfac"), _job("d", 3, lowest=1),
+                _job("e", 99), _job("f", 1, life=-1), Job(lambda: "called", deadline=time.monotonic() + 30)]
+        assert all(b.submit(j) for j in jobs)
+        assert not b.submit(_job("g"))  # full
+    out = [j.future.exception(timeout=10) or j.future.result() for j in jobs]
+    assert [len(o["hits"]) for o in out[:2]] == [3, 5] and [len(out[3]["hits"]), len(out[4]["hits"])] == [2, 3]
+    assert isinstance(out[2], ValueError) and isinstance(out[6], Expired) and out[7] == "called"
+    assert len(out[5]["hits"]) == 99  # k > n: a group of its own (the engine's note is per k)
+    calls = sorted((tuple(t), k) for t, k, _, _ in eng.calls)
+    if exhaustive:  # k is shared (the largest): an exhaustive search's top k does not depend on it
+        first = [(("a", "b", "bad"), 5), (("a",), 3), (("b",), 5), (("bad",), 3)]  # then one at a time
+    else:  # ANN candidates may depend on k: only equal k share a call
+        first = [(("a", "bad"), 3), (("a",), 3), (("b",), 5), (("bad",), 3)]
+    assert calls == sorted(first + [(("c",), 2), (("d",), 3), (("e",), 99)])
+    assert b.stats.to_dict() | {"mean_batch": 0} == {
+        "batches": 5, "queries": 5, "calls": 1, "largest_batch": 1, "rejected": 1,
+        "timed_out": 0, "skipped": 1, "failed": 1, "mean_batch": 0}
+    b.stop()
+    assert not b.submit(_job("late"))
+
+
+def test_batcher_outlives_engine_errors_and_stops_cleanly():
+    eng = _Engine(True)
+    b = Batcher(eng, max_batch=4, queue_size=4, window=0)
+    boom, ok = _job("boom"), _job("a")
+    b.submit(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        boom.future.result(timeout=10)
+    b.submit(ok)
+    assert len(ok.future.result(timeout=10)["hits"]) == 3
+    with b.turn:
+        held, waiting = _job("x"), _job("y")
+        b.submit(held)
+        _wait(lambda: b.depth() == 0)  # the worker took it and waits for its turn
+        b.submit(waiting)
+        waiting.future.cancel()  # its client gave up
+        threading.Thread(target=b.stop, daemon=True).start()
+        _wait(lambda: b._stopped)
+    assert held.future.result(timeout=10)["hits"] and waiting.future.cancelled()
+    b._thread.join(10)
+    assert not b._thread.is_alive()
+
+
+def test_cli_refuses_bad_queue_options(audit_index):
+    from click.testing import CliRunner
+
+    from gradindex.cli import main
+
+    r = CliRunner().invoke(main, ["serve", str(audit_index), "--queue-size", "0"])
+    assert r.exit_code != 0 and "--queue-size and --max-batch >= 1" in r.output
 
 
 def _free_port() -> int:

@@ -3,16 +3,17 @@ once), with a small web page to type a query and see the top training examples a
 
 Endpoints: ``POST /query``, ``GET /example/{id}``, ``GET /health``, ``GET /`` (the page). With a
 token, ``/query`` and ``/example`` need ``Authorization: Bearer <token>`` (401 otherwise); the
-page and ``/health`` hold no data and stay open. The engine is not thread-safe, so requests are
-answered one at a time behind a lock; a request that waits longer than ``busy_timeout`` for it
-gets 503. No endpoint reads or writes a file the client names.
+page and ``/health`` hold no data and stay open. The engine is not thread-safe: one worker thread
+owns it (:mod:`gradindex.apps.batching`) and answers the queries waiting together in one gradient
+pass; a full queue answers 503 (``Retry-After``), a request past ``request_timeout`` 504. No
+endpoint reads or writes a file the client names.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-import threading
 import time
 
 import numpy as np
@@ -21,11 +22,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gradindex.apps.batching import Batcher, Expired, Job, QueryJob, Stopped
 from gradindex.apps.explain import METHODS as EXPLAIN_METHODS
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, page
 from gradindex.methods import ALL_METHODS, default_method
-from gradindex.query import QueryEngine
+from gradindex.query import QueryEngine, QueryResult
 
 log = logging.getLogger("gradindex")
 
@@ -86,22 +88,27 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def create_app(engine: QueryEngine, token: str | None = None, busy_timeout: float = 30.0) -> FastAPI:
-    """The FastAPI app over ``engine`` (which it does not close)."""
+def create_app(engine: QueryEngine, token: str | None = None, request_timeout: float = 30.0, queue_size: int = 64,
+               max_batch: int = 16, batch_window: float = 0.002) -> FastAPI:
+    """The FastAPI app over ``engine`` (which it does not close); ``app.state.batcher`` owns the engine."""
+    if not request_timeout > 0:
+        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
     app = FastAPI(title="gradindex", description="Which training examples made the model say this?",
                   docs_url=None, redoc_url=None, openapi_url=None)
-    lock = threading.Lock()
-    app.state.lock = lock  # the engine's turn; held while a request is answered
+    batcher = Batcher(engine, max_batch=max_batch, queue_size=queue_size, window=batch_window)
+    app.state.batcher = batcher
     explainer = Explainer(engine)
     vocab = engine.model.get_input_embeddings().num_embeddings
     num_tokens = engine.store.column("num_tokens")
     losses = engine.store.column("loss")
+    fitted = [m for m in ALL_METHODS if _fitted(engine, m)]
+    default = default_method(engine.manifest, engine.dir)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return JSONResponse({"detail": _validation_message(exc)}, status_code=422)
 
-    def auth(request: Request) -> None:
+    async def auth(request: Request) -> None:
         if token is None:
             return
         got = request.headers.get("authorization", "")
@@ -109,62 +116,80 @@ def create_app(engine: QueryEngine, token: str | None = None, busy_timeout: floa
             raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
                                 headers={"WWW-Authenticate": "Bearer"})
 
-    def serialized(fn, *args):
-        if not lock.acquire(timeout=busy_timeout):
-            raise HTTPException(503, f"busy: no answer within {busy_timeout:g} s; retry later")
+    async def answer(job: Job):
+        """Queue ``job`` and wait for the worker's answer, within the request's time limit."""
+        if not batcher.submit(job):
+            raise HTTPException(503, f"busy: {batcher.queue_size} requests are already waiting (the queue is "
+                                     "full); retry in a second", headers={"Retry-After": "1"})
         try:
-            return fn(*args)
+            return await asyncio.wait_for(asyncio.wrap_future(job.future), max(0.0, job.deadline - time.monotonic()))
+        except (asyncio.TimeoutError, Expired):
+            job.future.cancel()  # the worker skips it if it has not started it
+            batcher.note_timeout()
+            raise HTTPException(504, f"no answer within the request time limit ({request_timeout:g} s): the "
+                                     "server is busy or the query is slow; retry later") from None
+        except Stopped as e:
+            raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
         except (ValueError, TypeError) as e:
             raise HTTPException(400, str(e)) from e
-        finally:
-            lock.release()
+        except Exception as e:  # the worker goes on; this request failed inside the engine
+            log.error("request failed: %s: %s", type(e).__name__, e)
+            raise HTTPException(500, f"internal error: {type(e).__name__}: {e}") from e
 
     @app.get("/health")
-    def health() -> dict:
+    async def health() -> dict:
         return {"status": "ok", "examples": engine.n, "layers": len(engine.select_layers(None)),
-                "methods": [m for m in ALL_METHODS if _fitted(engine, m)]}
+                "methods": fitted,
+                "queue": {"depth": batcher.depth(), "answering": batcher.answering, "size": batcher.queue_size,
+                          "max_batch": batcher.max_batch, "window_s": batcher.window,
+                          "request_timeout_s": request_timeout},
+                "served": batcher.stats.to_dict()}
 
     @app.post("/query", dependencies=[Depends(auth)])
-    def query(req: QueryRequest) -> dict:
+    async def query(req: QueryRequest) -> dict:
+        t0 = time.monotonic()
         bad = [i for i in (req.input_ids or []) if not 0 <= i < vocab]
         bad += [i for i in (req.labels or []) if i != -100 and not 0 <= i < vocab]
         if bad:
             raise HTTPException(422, f"token ids {bad[:3]} are outside the model's vocabulary (0..{vocab - 1}; "
                                      "labels may also be -100)")
+        rec = req.record()
+        method = req.method or default
+        if req.explain and method not in EXPLAIN_METHODS:
+            raise HTTPException(422, f"explain works for {', '.join(EXPLAIN_METHODS)}, not {method!r}")
 
-        def run() -> dict:
-            t0 = time.perf_counter()
-            rec = req.record()
-            method = req.method or default_method(engine.manifest, engine.dir)
-            r = engine.query(rec, k=req.k, method=method, damping=req.damping, layers=req.layers,
-                             lowest=req.lowest)
+        def explained(r: QueryResult) -> dict:
             out = r.to_dict()
-            if req.explain and r.hits:
-                top = r.hits[:req.explain]
-                exps = explainer.explain(rec, [h.id for h in top], method, req.damping, r.layers)
+            if r.hits:
+                exps = explainer.explain(rec, [h.id for h in r.hits[:req.explain]], method, req.damping, r.layers)
                 for h, e in zip(out["hits"], exps, strict=False):
                     h["explanation"] = {"tokens": e.train.tokens, "scores": e.train.scores,
                                         "query_tokens": e.query.tokens, "query_scores": e.query.scores}
-            out["seconds"]["total"] = time.perf_counter() - t0
             return out
 
-        return serialized(run)
+        settings = {"method": method, "damping": req.damping, "layers": req.layers, "lowest": req.lowest}
+        job = Job(QueryJob(rec, req.k, settings, explained if req.explain else None), deadline=t0 + request_timeout)
+        out = await answer(job)
+        out["batch"] = job.batch
+        out["seconds"]["queue"] = job.started - job.queued
+        out["seconds"]["total"] = time.monotonic() - t0
+        return out
 
     @app.get("/example/{example_id}", dependencies=[Depends(auth)])
-    def example(example_id: int) -> dict:
+    async def example(example_id: int) -> dict:
         if not 0 <= example_id < engine.n:
             raise HTTPException(404, f"no training example {example_id}: ids are 0..{engine.n - 1}")
 
-        def run() -> dict:
+        def read() -> dict:
             text = engine.texts.texts(np.array([example_id], dtype=np.int64))[0]
             return {"id": example_id, "text": text, "num_tokens": int(num_tokens[example_id]),
                     "loss": float(losses[example_id]), "note": engine.texts.problem}
 
-        return serialized(run)
+        return await answer(Job(read, deadline=time.monotonic() + request_timeout))
 
     @app.get("/", response_class=HTMLResponse)
-    def index() -> str:
-        methods = [m for m in ALL_METHODS if _fitted(engine, m) and m in EXPLAIN_METHODS]
+    async def index() -> str:
+        methods = [m for m in fitted if m in EXPLAIN_METHODS]
         return _PAGE.replace("__METHODS__", "".join(f"<option>{m}</option>" for m in methods)).replace(
             "__N__", str(engine.n)).replace("__AUTH__", "block" if token else "none")
 
@@ -220,8 +245,13 @@ _PAGE = page("gradindex", _BODY, _SCRIPT)
 
 
 def serve(engine: QueryEngine, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
-          busy_timeout: float = 30.0) -> None:
+          request_timeout: float = 30.0, queue_size: int = 64, max_batch: int = 16,
+          batch_window: float = 0.002) -> None:
     """Run the server until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, token, busy_timeout), host=host, port=port, log_level="warning")
+    app = create_app(engine, token, request_timeout, queue_size, max_batch, batch_window)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        app.state.batcher.stop()

@@ -17,12 +17,19 @@ from gradindex.cli.common import engine_options, user_errors
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--token", default=None, help="Require 'Authorization: Bearer TOKEN' on /query and /example "
               "(default: $GRADINDEX_TOKEN if set).")
-@click.option("--busy-timeout", default=30.0, show_default=True, type=float,
-              help="Seconds a request waits for the engine before answering 503.")
+@click.option("--request-timeout", default=30.0, show_default=True, type=float,
+              help="Seconds a request may take, waiting included, before it is answered 504.")
+@click.option("--queue-size", default=64, show_default=True, type=int,
+              help="Requests that may wait for the engine; more are answered 503 with Retry-After.")
+@click.option("--max-batch", default=16, show_default=True, type=int,
+              help="Queries answered together in one gradient pass (1: one at a time).")
+@click.option("--batch-window", default=0.002, show_default=True, type=float,
+              help="Seconds the worker waits after a query for others to batch with it.")
 @click.option("--layers", multiple=True, help="Glob of layers to load (repeatable). Default: all.")
 @engine_options()
 @user_errors
-def serve(index_dir, host, port, token, busy_timeout, layers, model_dir, data, device, cpu_index):
+def serve(index_dir, host, port, token, request_timeout, queue_size, max_batch, batch_window, layers, model_dir, data,
+          device, cpu_index):
     """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /."""
     from gradindex.apps.serve import serve as run
     from gradindex.query import QueryEngine
@@ -30,8 +37,11 @@ def serve(index_dir, host, port, token, busy_timeout, layers, model_dir, data, d
     token = token or os.environ.get("GRADINDEX_TOKEN") or None
     if not 0 < port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {port}")
+    if not (request_timeout > 0 and queue_size >= 1 and max_batch >= 1 and batch_window >= 0):
+        raise ValueError("--request-timeout must be > 0, --queue-size and --max-batch >= 1, --batch-window >= 0; "
+                         f"got {request_timeout:g}, {queue_size}, {max_batch}, {batch_window:g}")
     with QueryEngine(index_dir, model_dir, device=device, data=data, layers=list(layers) or None,
                      use_gpu=not cpu_index) as engine:
         click.echo(f"serving {index_dir} ({engine.n} examples) on http://{host}:{port}/"
                    f"{' (bearer token required)' if token else ''}; Ctrl-C stops", err=True)
-        run(engine, host, port, token, busy_timeout)
+        run(engine, host, port, token, request_timeout, queue_size, max_batch, batch_window)
