@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     for p in parts:
         merged.merge_from(faiss.clone_index(p), 0)  # ids kept: each part added its global ids
     t_merge = time.perf_counter() - t0
-    shards = faiss.IndexShards(args.dim, True, False)  # threaded; successive_ids off: each part keeps its ids
+    shards = faiss.IndexShards(args.dim, False, False)  # successive_ids off: each part keeps its global ids
     for p in parts:
         shards.add_shard(p)
 
