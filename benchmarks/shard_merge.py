@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     t_one = time.perf_counter() - t0
 
     parts, t_parts = [], []
-    for r, part in enumerate(np.array_split(ids, args.ranks)):
+    for part in np.array_split(ids, args.ranks):
         t0 = time.perf_counter()
         p = faiss.deserialize_index(blob)
         p.add_with_ids(x[part], part)

@@ -77,17 +77,22 @@ def test_torchrun_build_equals_one_process_and_a_lost_shard_resumes(gpt2_dir, da
     assert "intact; 6 files verified" in cli("verify", str(d / "raw"))
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp", "trainer"])
 def test_in_loop_capture_under_ddp_and_fsdp_equals_the_offline_build(gpt2_dir, data, wrap):
+    """builders/torchrun_loop.py with DDP and FSDP2, and builders/hf_trainer.py (the Trainer's own DDP)."""
     d, train = data
     common = ["--model", str(gpt2_dir), "--data", str(train), "--projection", "8", "--device", "cpu"]
     if not (d / "offline").exists():
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         subprocess.run([sys.executable, "builders/offline.py", *common, "--out", str(d / "offline"), "--no-index"],
                        cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
-    out = torchrun("builders/torchrun_loop.py", *common, "--out", str(d / wrap), "--lr", "0", "--batch-size", "4",
-                   "--wrap", wrap)
-    assert f"captured {N} examples over 3 steps on 2 ranks ({wrap})" in out, out
+    if wrap == "trainer":
+        out = torchrun("builders/hf_trainer.py", *common, "--out", str(d / wrap), "--lr", "0", "--batch-size", "4")
+        assert f"captured {N} examples over 3 steps" in out, out
+    else:
+        out = torchrun("builders/torchrun_loop.py", *common, "--out", str(d / wrap), "--lr", "0", "--batch-size",
+                       "4", "--wrap", wrap)
+        assert f"captured {N} examples over 3 steps on 2 ranks ({wrap})" in out, out
     ids, live = _rows(d / wrap)
     assert (ids == np.arange(N)).all()
     assert_rows_close(live, _rows(d / "offline")[1], 1e-4)
