@@ -251,3 +251,35 @@ def test_factors_from_the_build_pass_skip_the_factor_pass(tmp_path, gpt2_dir, te
 class _EagerState(fs._State):
     def __init__(self, path, key, every):
         super().__init__(path, key, 0.0)
+
+
+@pytest.mark.parametrize("block", [3, 7, 64])  # blocks that do not divide the width; one block
+def test_gram_by_upper_blocks_equals_the_full_product(block):
+    g = torch.Generator().manual_seed(0)
+    acc = torch.zeros(20, 20, dtype=torch.float64)
+    xs = [torch.randn(50, 20, generator=g) for _ in range(3)]
+    for x in xs:
+        fs.add_gram(acc, x, block)
+    want = sum((x.double().T @ x.double()).numpy() for x in xs)
+    got = fs.upper_to_symmetric(acc.numpy())
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(got, got.T)
+
+
+def test_correction_pass_replays_the_head_gradients_of_the_factor_pass(tmp_path, gpt2_dir, text_jsonl, monkeypatch):
+    d = _index(tmp_path / "idx", gpt2_dir, text_jsonl)
+    calls = []
+    real = fs.batch_gradients
+
+    def counting(*args, **kw):
+        calls.append((kw.get("keep_head_grad", False), kw.get("head_grad") is not None))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fs, "batch_gradients", counting)
+    fit_preconditioner(d, FitConfig(method="ekfac", space="full"))
+    half = len(calls) // 2
+    assert calls == [(True, False)] * half + [(False, True)] * half and half == 5  # 40 examples, batches of 8
+    calls.clear()
+    monkeypatch.setattr(fs, "HEAD_CACHE_BYTES", 0)  # nothing fits: the correction pass runs the head itself
+    fit_preconditioner(d, FitConfig(method="ekfac", space="full"))
+    assert calls[half:] == [(False, False)] * half

@@ -41,3 +41,32 @@ def test_fused_path_applies_only_to_plain_unhooked_heads():
     assert plain_head(model, set()) is model.lm_head
     assert plain_head(model, {model.lm_head}) is None  # a hooked head must run its own forward
     assert plain_head(model.transformer, set()) is None  # not a known LM class
+
+
+def test_replayed_head_gradient_gives_the_same_per_token_factors():
+    """A second pass given the first pass's gradient w.r.t. the final hidden states skips the head and the loss
+    and hands the visitor the same per-token factors, bit for bit (padding and masked prompts included)."""
+    from gradindex.capture.batch import batch_gradients
+    from gradindex.capture.tokens import TokenCapture
+
+    model = tiny_gpt2(vocab_size=300, n_layer=2, n_embd=32).requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (40, 7, 33)]
+    labels = [list(x) for x in ids]
+    labels[0][:10] = [IGNORE] * 10
+    seen: list[dict] = [{}, {}]
+    for k in range(2):
+        with TokenCapture(model, None, lambda n, a, gr, k=k: seen[k].__setitem__(n, (a.clone(), gr.clone()))) as cap:
+            if k == 0:
+                first = batch_gradients(model, cap, ids, labels, 0, keep_head_grad=True)
+                assert first.head_grad.shape == (3, 40, 32) and first.loss is not None
+            else:
+                again = batch_gradients(model, cap, ids, labels, 0, head_grad=first.head_grad)
+                assert again.loss is None and again.head_grad is None
+    assert seen[0].keys() == seen[1].keys() and len(seen[0]) == 8
+    for n in seen[0]:
+        for x, y in zip(seen[0][n], seen[1][n], strict=True):
+            assert torch.equal(x, y), n
+    with pytest.raises(ValueError, match="no plain LM head"):
+        with TokenCapture(model.transformer, None, lambda *a: None) as cap:
+            batch_gradients(model.transformer, cap, ids, labels, 0, keep_head_grad=True)

@@ -18,10 +18,12 @@ from gradindex.data import IGNORE, collate, per_example_loss
 class BatchGradients:
     grads: dict[str, torch.Tensor]
     """layer → ``[B, D]`` float32 per-example projected gradients."""
-    loss: torch.Tensor
-    """``[B]`` per-example summed token loss."""
-    num_tokens: torch.Tensor
-    """``[B]`` target-token counts."""
+    loss: torch.Tensor | None
+    """``[B]`` per-example summed token loss (``None`` when the head was skipped)."""
+    num_tokens: torch.Tensor | None
+    """``[B]`` target-token counts (``None`` when the head was skipped)."""
+    head_grad: torch.Tensor | None = None
+    """With ``keep_head_grad``: ``[B, T, d]`` gradient of the summed loss w.r.t. the final hidden states."""
 
 
 def batch_gradients(
@@ -31,6 +33,8 @@ def batch_gradients(
     labels: list[list[int]],
     pad_id: int,
     uniforms: torch.Tensor | None = None,
+    head_grad: torch.Tensor | None = None,
+    keep_head_grad: bool = False,
 ) -> BatchGradients:
     """Forward, summed per-example loss, weight-free backward, per-example gradients.
 
@@ -39,24 +43,34 @@ def batch_gradients(
 
     For the plain LM heads of :func:`gradindex.capture.head.plain_head` the head and the loss run fused
     (:func:`gradindex.capture.head.fused_per_example_loss`); other models go through their own logits.
+    With such a head, ``keep_head_grad`` also returns the gradient w.r.t. the final hidden states
+    (``head_grad``), and passing it back as ``head_grad`` for the same batch skips the head and the
+    loss (a second pass over the same examples: the same gradients, the loss is not computed).
     """
     device = next(model.parameters()).device
     batch = {k: v.to(device) for k, v in collate(ids, labels, pad_id).items()}
     capture.set_mask(batch["attention_mask"])
     head = plain_head(model, set(capture.modules.values()))
+    if head is None and (head_grad is not None or keep_head_grad):
+        raise ValueError(f"{type(model).__name__} has no plain LM head to skip (plain_head)")
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    loss = ntok = kept = None
     with torch.enable_grad():
         if head is not None:
             hidden = model.base_model(**inputs)[0]  # [B, T, d]
-            loss, ntok = fused_per_example_loss(hidden, head, batch["labels"], uniforms)
+            if head_grad is not None:
+                capture.backward(hidden, grad_output=head_grad.to(hidden.device, hidden.dtype))
+            else:
+                loss, ntok = fused_per_example_loss(hidden, head, batch["labels"], uniforms)
+                kept = capture.backward(loss.sum(), inputs=(hidden,) if keep_head_grad else ())
         else:
             logits = model(**inputs).logits  # [B, T, V]
             labels = batch["labels"] if uniforms is None else sampled_labels(logits, batch["labels"], uniforms)
             loss, ntok = per_example_loss(logits, labels)
-        capture.backward(loss.sum())
+            capture.backward(loss.sum())
     grads = capture.pop()
     capture.set_mask(None)
-    return BatchGradients(grads, loss.detach(), ntok)
+    return BatchGradients(grads, None if loss is None else loss.detach(), ntok, kept[0] if kept else None)
 
 
 def sampled_labels(logits: torch.Tensor, labels: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -237,15 +237,21 @@ class GradientCapture:
         self._mask = mask
         self._mask_tokens = None
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Weight-free backward: gradients w.r.t. hooked outputs only, fed to the accumulator."""
+    def backward(self, loss: torch.Tensor, grad_output: torch.Tensor | None = None,
+                 inputs: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, ...]:
+        """Weight-free backward: gradients w.r.t. hooked outputs only, fed to the accumulator.
+
+        ``grad_output``: the gradient to start from when ``loss`` is not a scalar (e.g. a cached
+        gradient of the final hidden states); ``inputs``: more tensors whose gradients are returned.
+        """
         if not self._records:
             raise RuntimeError("no hooked layer ran with gradients enabled since the last backward")
         outs = [r[2] for r in self._records]
-        grads = torch.autograd.grad(loss, outs, allow_unused=True)
+        grads = torch.autograd.grad(loss, outs + list(inputs), grad_outputs=grad_output, allow_unused=True)
         records, self._records = self._records, []
-        for (name, a, out), g in zip(records, grads, strict=True):
+        for (name, a, out), g in zip(records, grads[:len(outs)], strict=True):
             self._accumulate(name, a, torch.zeros_like(out) if g is None else g)
+        return tuple(grads[len(outs):])
 
     def pop(self) -> dict[str, torch.Tensor]:
         """Per-example gradients of the last batch: layer name → ``[B, D]`` float32."""

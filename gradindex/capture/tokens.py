@@ -33,6 +33,10 @@ class TokenCapture(GradientCapture):
                          weight_free=True)
         self.visit = visit
 
+    def set_mask(self, mask: torch.Tensor | None) -> None:
+        """As :meth:`GradientCapture.set_mask`; a batch without padding is not masked (the same factors)."""
+        super().set_mask(None if mask is not None and bool(mask.all()) else mask)
+
     def _accumulate(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
         info = self.infos[name]
         B = a.shape[0]

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 import gradindex
 from gradindex.capture.batch import batch_gradients
+from gradindex.capture.head import plain_head
 from gradindex.capture.tokens import TokenCapture
 from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
@@ -77,31 +78,97 @@ def full_path(index_dir: str | os.PathLike, method: str) -> Path:
     return precond_path(index_dir, method + FULL)
 
 
-class _FactorSums:
-    """Visitor of the factor pass: ``Σ a aᵀ`` and ``Σ g gᵀ`` per layer (float64)."""
+GRAM_BLOCK = 128
+"""Rows of one block of the upper triangle of ``xᵀ x`` on the CPU: summing only the blocks on and
+above the diagonal costs ~60% of the whole product at widths 768-1025 (one thread)."""
 
-    def __init__(self, shapes: dict[str, tuple[int, int]]):
-        self.A = {n: np.zeros((c, c)) for n, (_, c) in shapes.items()}
-        self.S = {n: np.zeros((r, r)) for n, (r, _) in shapes.items()}
+HEAD_CACHE_BYTES = 1 << 30
+"""At most this many bytes of the factor pass's gradients w.r.t. the final hidden states are kept
+(on the CPU) for the correction pass, which then skips the LM head and the loss on those batches."""
+
+
+def add_gram(acc: torch.Tensor, x: torch.Tensor, block: int) -> None:
+    """``acc += xᵀ x`` on and above the diagonal (``x`` ``[n, k]``, ``acc`` ``[k, k]``), in blocks of
+    ``block`` rows; below the diagonal blocks ``acc`` is left alone (see :func:`upper_to_symmetric`)."""
+    k = x.shape[1]
+    if block >= k:
+        acc.add_(x.T @ x)
+        return
+    for i in range(0, k, block):
+        acc[i:i + block, i:].add_(x[:, i:i + block].T @ x[:, i:])
+
+
+def upper_to_symmetric(acc: np.ndarray) -> np.ndarray:
+    """The symmetric matrix whose upper triangle (diagonal included) is that of ``acc``."""
+    return np.triu(acc) + np.triu(acc, 1).T
+
+
+class _FactorSums:
+    """Visitor of the factor pass: ``Σ a aᵀ`` and ``Σ g gᵀ`` per layer, float32 products per batch summed
+    in float64 on the model's device (upper triangles only: :func:`add_gram`)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int]], device: torch.device):
+        z = dict(dtype=torch.float64, device=device)
+        self.A = {n: torch.zeros((c, c), **z) for n, (_, c) in shapes.items()}
+        self.S = {n: torch.zeros((r, r), **z) for n, (r, _) in shapes.items()}
+        self.block = GRAM_BLOCK if device.type == "cpu" else 1 << 62
 
     def __call__(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
-        a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-        self.A[name] += (a2.T @ a2).double().cpu().numpy()
-        self.S[name] += (g2.T @ g2).double().cpu().numpy()
+        add_gram(self.A[name], a.reshape(-1, a.shape[-1]), self.block)
+        add_gram(self.S[name], g.reshape(-1, g.shape[-1]), self.block)
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        for n in self.A:
+            if f"A/{n}" in arrays:
+                self.A[n].copy_(torch.from_numpy(arrays[f"A/{n}"]))
+                self.S[n].copy_(torch.from_numpy(arrays[f"S/{n}"]))
+
+    def arrays(self, symmetric: bool = False) -> dict[str, np.ndarray]:
+        """``{"A/<layer>": ..., "S/<layer>": ...}`` as float64 numpy: the raw sums, or ``symmetric`` ones."""
+        f = upper_to_symmetric if symmetric else np.asarray
+        return {**{f"A/{n}": f(v.cpu().numpy()) for n, v in self.A.items()},
+                **{f"S/{n}": f(v.cpu().numpy()) for n, v in self.S.items()}}
 
 
 class _CorrectionSums:
-    """Visitor of the correction pass: ``Σ_n (Q_Sᵀ G_n Q_A)²`` per layer, rotated per token in float32."""
+    """Visitor of the correction pass: ``Σ_n (Q_Sᵀ G_n Q_A)²`` per layer, rotated per token in float32
+    (``Q_Sᵀ G_b Q_A = (g_b Q_S)ᵀ (a_b Q_A)``), squares summed in float64 on the model's device."""
 
     def __init__(self, bases: dict[str, tuple[np.ndarray, np.ndarray]], device: torch.device):
         self.Q = {n: (torch.as_tensor(qs, dtype=torch.float32, device=device),
                       torch.as_tensor(qa, dtype=torch.float32, device=device)) for n, (qs, qa) in bases.items()}
-        self.sums = {n: np.zeros((qs.shape[0], qa.shape[0])) for n, (qs, qa) in bases.items()}
+        self.sums = {n: torch.zeros((qs.shape[0], qa.shape[0]), dtype=torch.float64, device=device)
+                     for n, (qs, qa) in bases.items()}
 
     def __call__(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
         Q_S, Q_A = self.Q[name]
         R = torch.bmm((g @ Q_S).transpose(1, 2), a @ Q_A)  # [B, N_o, N_i(+1)] = Q_Sᵀ G_b Q_A
-        self.sums[name] += R.square_().sum(0).double().cpu().numpy()
+        self.sums[name].add_(R.square_().sum(0))
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        for n, v in self.sums.items():
+            if f"C/{n}" in arrays:
+                v.copy_(torch.from_numpy(arrays[f"C/{n}"]))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f"C/{n}": v.cpu().numpy() for n, v in self.sums.items()}
+
+
+class _HeadGrads:
+    """Per batch (by its first row), the factor pass's gradient w.r.t. the final hidden states, on the CPU,
+    up to ``budget`` bytes; the correction pass replays it instead of running the LM head and the loss."""
+
+    def __init__(self, budget: int):
+        self.budget, self.bytes, self.grads = budget, 0, {}
+
+    def put(self, key: int, grad: torch.Tensor) -> None:
+        size = grad.numel() * grad.element_size()
+        if self.bytes + size <= self.budget:
+            self.grads[key] = grad.detach().cpu()
+            self.bytes += size
+
+    def pop(self, key: int) -> torch.Tensor | None:
+        return self.grads.pop(key, None)
 
 
 def build_pass_factors(index_dir: str | os.PathLike, layers: list[str]) -> tuple[dict, int] | None:
@@ -133,14 +200,26 @@ def _batches(rows: np.ndarray, start: int, size: int):
 
 
 def _model_pass(model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: list[str], visit, start: int,
-                batch_size: int, desc: str, progress: bool, checkpoint) -> int:
-    """Forward + weight-free backward over ``rows[start:]``; ``checkpoint(done)`` now and then; tokens seen."""
+                batch_size: int, desc: str, progress: bool, checkpoint, heads: _HeadGrads | None = None,
+                record: bool = False) -> int:
+    """Forward + weight-free backward over ``rows[start:]``; ``checkpoint(done)`` now and then; tokens seen.
+
+    With ``heads`` (and a plain LM head, :func:`~gradindex.capture.head.plain_head`): ``record`` keeps
+    each batch's gradient w.r.t. the final hidden states there; otherwise a batch found there skips the
+    head and the loss (the same per-token factors, bit for bit).
+    """
     tokens = 0
     with TokenCapture(model, layers, visit) as cap, \
             tqdm(total=len(rows), initial=start, unit="ex", desc=desc, disable=not progress) as bar:
+        if heads is not None and plain_head(model, set(cap.modules.values())) is None:
+            heads = None
         for s, idx in _batches(rows, start, batch_size):
             ids = [data.input_ids[i] for i in idx]
-            batch_gradients(model, cap, ids, [data.labels[i] for i in idx], pad_id)
+            known = None if heads is None or record else heads.pop(s)
+            bg = batch_gradients(model, cap, ids, [data.labels[i] for i in idx], pad_id, head_grad=known,
+                                 keep_head_grad=heads is not None and record)
+            if bg.head_grad is not None:
+                heads.put(s, bg.head_grad)
             tokens += sum(len(x) for x in ids)
             bar.update(len(idx))
             checkpoint(s + len(idx), tokens)
@@ -176,8 +255,11 @@ class _State:
         os.replace(tmp, self.path)
         self._last = time.monotonic()
 
-    def maybe_save(self, force: bool = False) -> None:
+    def maybe_save(self, force: bool = False, arrays=None) -> None:
+        """Save when forced or due; ``arrays()`` (when given) gives the sums to save, only then."""
         if force or time.monotonic() - self._last >= self.every:
+            if arrays is not None:
+                self.arrays = arrays()
             self.save()
 
 
@@ -235,18 +317,18 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         clock[:] = now
 
     try:
+        heads = _HeadGrads(HEAD_CACHE_BYTES)
         if state.stage == "factors":
-            fs = _FactorSums(shapes)
-            for n in layers:
-                if f"A/{n}" in state.arrays:
-                    fs.A[n], fs.S[n] = state.arrays[f"A/{n}"].copy(), state.arrays[f"S/{n}"].copy()
+            fs = _FactorSums(shapes, device)
+            fs.load(state.arrays)
 
             def ckpt(done: int, tokens: int, base=state.tokens) -> None:
                 state.done, state.tokens = done, base + tokens
-                state.arrays = {**{f"A/{n}": fs.A[n] for n in layers}, **{f"S/{n}": fs.S[n] for n in layers}}
-                state.maybe_save(done == len(rows))
+                state.maybe_save(done == len(rows), fs.arrays)
 
-            _model_pass(model, pad_id, data, rows, layers, fs, state.done, bs, "full-space factors", progress, ckpt)
+            _model_pass(model, pad_id, data, rows, layers, fs, state.done, bs, "full-space factors", progress, ckpt,
+                        heads, record=cfg.method == "ekfac")
+            state.arrays = fs.arrays(symmetric=True)
             state.stage, state.done = ("correction" if cfg.method == "ekfac" else "done"), 0
             state.maybe_save(force=True)
             lap("factor_pass")
@@ -264,20 +346,18 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         lap("eigendecomposition")
         if cfg.method == "ekfac":
             cs = _CorrectionSums({n: (f.Q_S, f.Q_A) for n, f in factors.items()}, device)
-            for n in layers:
-                if f"C/{n}" in state.arrays:
-                    cs.sums[n] = state.arrays[f"C/{n}"].copy()
+            cs.load(state.arrays)
             if state.stage == "correction":
                 keep = {k: v for k, v in state.arrays.items() if not k.startswith("C/")}
 
                 def ckpt2(done: int, _tokens: int) -> None:
                     state.done = done
-                    state.arrays = {**keep, **{f"C/{n}": cs.sums[n] for n in layers}}
-                    state.maybe_save(done == len(rows))
+                    state.maybe_save(done == len(rows), lambda: {**keep, **cs.arrays()})
 
                 _model_pass(model, pad_id, data, rows, layers, cs, state.done, bs, "eigenvalue correction",
-                            progress, ckpt2)
-            written["ekfac"] = {n: LayerFactors(**{**asdict(f), "Lambda": cs.sums[n] / len(rows)})
+                            progress, ckpt2, heads)
+            sums = cs.arrays()
+            written["ekfac"] = {n: LayerFactors(**{**asdict(f), "Lambda": sums[f"C/{n}"] / len(rows)})
                                 for n, f in factors.items()}
             lap("correction_pass")
     finally:
