@@ -5,6 +5,9 @@ On the shared workload (TARGETS.md), one thread, in one run:
 * floor: bare forward + backward over the same batches (HF mean loss, weight gradients);
 * gradindex: ``fit_preconditioner(FitConfig(method="ekfac", space="full"))`` on a 16x16 index of the
   same data (the index build itself is not timed): factor pass, eigendecomposition, correction pass;
+* gradindex_after_full_factors (``--build-factors``, default): the same fit on a 16x16 index built with
+  ``full_factors=True``, which summed ``A`` and ``S`` in its capture pass: eigendecomposition and
+  correction pass only; ``full_factors_build_extra_seconds`` is what that adds to the build;
 * kronfluence: ``Analyzer.fit_all_factors`` with ``FactorArguments(strategy="ekfac")`` (covariance,
   eigendecomposition, lambda), run by ``benchmarks/kronfluence_ekfac.py`` in its own venv
   (``--kronfluence-python``), same model (Conv1D → equal nn.Linear), data, loss and batch size.
@@ -13,7 +16,7 @@ Also compares the two fits' corrected eigenvalues on one layer (``Λ*`` is invar
 signs). Writes ``benchmarks/results/fullspace.json``.
 
     python benchmarks/fullspace.py                       # shared workload (~15 min on 2 shared cores)
-    python benchmarks/fullspace.py --sequences 32 --quick-out /tmp/fs.json   # a smoke run
+    python benchmarks/fullspace.py --sequences 32 --no-kronfluence --out /tmp/fs.json   # a smoke run
 """
 
 from __future__ import annotations
@@ -78,6 +81,10 @@ def main() -> int:
                     help="also run Kronfluence on this many sequences, to split its fixed and per-sequence "
                          "costs and extrapolate every side to 512 sequences")
     ap.add_argument("--kronfluence-python", default=KRON_PY)
+    ap.add_argument("--no-kronfluence", action="store_true", help="skip Kronfluence (gradindex and the floor only)")
+    ap.add_argument("--build-factors", action=argparse.BooleanOptionalAction, default=True,
+                    help="also fit on an index built with --full-factors (the fit is then the correction pass "
+                         "alone) and report what collecting them adds to the build")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "fullspace.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -95,18 +102,34 @@ def main() -> int:
     print(f"floor {wall['floor']:.1f} s (CPU {cpu['floor']:.1f} s)", flush=True)
     data = Tokenized(ids.tolist(), ids.tolist(), 0, "input_ids")
     tok = SimpleNamespace(pad_token_id=0)
+    builds: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = BuildConfig(projection=ProjectionSpec(k_a=16, k_g=16), max_length=128, batch_size=8, shard_size=4096)
-        build_store(model, tok, data, tmp, cfg, model_id="shared-workload", data_id="random", progress=False)
-        t0, c0 = time.perf_counter(), time.process_time()
-        entries = fit_preconditioner(tmp, FitConfig(method="ekfac", space="full"), model, tok, data)
-        wall["gradindex"], cpu["gradindex"] = time.perf_counter() - t0, time.process_time() - c0
-        phases = entries["ekfac"]["fit"]["phase_seconds"]
-        ours = load_full_preconditioner(tmp, "ekfac").curvature[DUMP]["Lambda"]
-    print(f"gradindex full-space EK-FAC {wall['gradindex']:.1f} s (CPU {cpu['gradindex']:.1f} s) {phases}",
-          flush=True)
-    res["gradindex_phases"] = phases
+        for full_factors in ((False, True) if args.build_factors else (False,)):
+            out = Path(tmp) / f"idx-{int(full_factors)}"
+            cfg = BuildConfig(projection=ProjectionSpec(k_a=16, k_g=16), max_length=128, batch_size=8,
+                              shard_size=4096, full_factors=full_factors)
+            t0, c0 = time.perf_counter(), time.process_time()
+            build_store(model, tok, data, out, cfg, model_id="shared-workload", data_id="random", progress=False)
+            builds[full_factors] = (time.perf_counter() - t0, time.process_time() - c0)
+        key = "gradindex"
+        for full_factors in builds:
+            t0, c0 = time.perf_counter(), time.process_time()
+            idx = Path(tmp) / f"idx-{int(full_factors)}"
+            entries = fit_preconditioner(idx, FitConfig(method="ekfac", space="full"), model, tok, data)
+            wall[key], cpu[key] = time.perf_counter() - t0, time.process_time() - c0
+            phases = entries["ekfac"]["fit"]["phase_seconds"]
+            print(f"{key} full-space EK-FAC {wall[key]:.1f} s (CPU {cpu[key]:.1f} s) {phases}", flush=True)
+            res[f"{key}_phases"] = phases
+            if not full_factors:
+                ours = load_full_preconditioner(idx, "ekfac").curvature[DUMP]["Lambda"]
+            key = "gradindex_after_full_factors"
+    if args.build_factors:
+        # what --full-factors adds to the (untimed) 16x16 build that the fit belongs to
+        res["full_factors_build_extra_seconds"] = {"wall": builds[True][0] - builds[False][0],
+                                                   "cpu": builds[True][1] - builds[False][1]}
     try:
+        if args.no_kronfluence:
+            raise ValueError("skipped (--no-kronfluence)")
         k = kronfluence(args.kronfluence_python, args.sequences, dump=True)
         wall["kronfluence"], cpu["kronfluence"] = k["seconds"], k["cpu_seconds"]
         res["kronfluence"] = {"ran": True, "lambda_max_rel_diff_" + DUMP:
@@ -125,6 +148,11 @@ def main() -> int:
     if "kronfluence" in cpu:
         res["kronfluence_over_gradindex"] = {"wall": wall["kronfluence"] / wall["gradindex"],
                                              "cpu": cpu["kronfluence"] / cpu["gradindex"]}
+        if "gradindex_after_full_factors" in cpu:
+            after, extra = cpu["gradindex_after_full_factors"], res["full_factors_build_extra_seconds"]["cpu"]
+            res["kronfluence_over_gradindex_after_full_factors"] = {
+                "wall": wall["kronfluence"] / wall["gradindex_after_full_factors"],
+                "cpu": cpu["kronfluence"] / after, "cpu_counting_the_build_extra": cpu["kronfluence"] / (after + extra)}
     small = res.get("kronfluence", {}).get("small")
     if small and args.sequences != 512:
         # CPU seconds at 512 sequences: Kronfluence fixed + per-sequence from its two sizes; gradindex's
@@ -132,7 +160,7 @@ def main() -> int:
         n, m = args.sequences, small["sequences"]
         per = (cpu["kronfluence"] - small["cpu_seconds"]) / (n - m)
         kron512 = cpu["kronfluence"] + per * (512 - n)
-        eig = phases["eigendecomposition"][1]
+        eig = res["gradindex_phases"]["eigendecomposition"][1]
         ours512 = eig + (cpu["gradindex"] - eig) * 512 / n
         res["extrapolated_cpu_seconds_512"] = {"floor": cpu["floor"] * 512 / n, "gradindex": ours512,
                                                "kronfluence": kron512, "kronfluence_over_gradindex": kron512 / ours512}

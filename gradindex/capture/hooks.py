@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from gradindex.capture.gram import add_gram, gram_block
 from gradindex.capture.layers import LayerInfo, layer_info, rule_for
 from gradindex.capture.projection import ProjectionSpec, projection_matrix
 from gradindex.capture.routing import ROUTES, choose_route
@@ -159,8 +160,10 @@ class GradientCapture:
         self.cov_a: dict[str, torch.Tensor] = {}  # Σ_tokens ā āᵀ, float64
         self.cov_g: dict[str, torch.Tensor] = {}  # Σ_tokens ḡ ḡᵀ, float64
         self.cov_tokens: dict[str, int] = {}
-        self.full_a: dict[str, torch.Tensor] = {}  # Σ_tokens a aᵀ, unprojected (bias column included), float64
-        self.full_g: dict[str, torch.Tensor] = {}  # Σ_tokens g gᵀ, unprojected, float64
+        # Σ_tokens a aᵀ (bias column included) and Σ_tokens g gᵀ, unprojected, float64; upper triangles only
+        # (gradindex.capture.gram: read them with upper_to_symmetric)
+        self.full_a: dict[str, torch.Tensor] = {}
+        self.full_g: dict[str, torch.Tensor] = {}
         self.full_tokens: dict[str, int] = {}
 
     # -- shapes -------------------------------------------------------------------------------
@@ -349,13 +352,15 @@ class GradientCapture:
         a1 = _with_ones(a, m, self.infos[name].bias)
         a2 = a1.reshape(-1, a1.shape[-1])
         g2 = (g if m is None else g * m).reshape(-1, g.shape[-1])
-        ca, cg, n = (a2.T @ a2).double(), (g2.T @ g2).double(), self._tokens(a, m)
-        if name in self.full_a:
-            self.full_a[name] += ca
-            self.full_g[name] += cg
-            self.full_tokens[name] += n
-        else:
-            self.full_a[name], self.full_g[name], self.full_tokens[name] = ca, cg, n
+        if name not in self.full_a:
+            z = dict(dtype=torch.float64, device=a.device)
+            self.full_a[name] = torch.zeros(a2.shape[1], a2.shape[1], **z)
+            self.full_g[name] = torch.zeros(g2.shape[1], g2.shape[1], **z)
+            self.full_tokens[name] = 0
+        block = gram_block(a.device)
+        add_gram(self.full_a[name], a2, block)
+        add_gram(self.full_g[name], g2, block)
+        self.full_tokens[name] += self._tokens(a, m)
 
     def _tokens(self, a: torch.Tensor, m: torch.Tensor | None) -> int:
         """Real tokens in the batch (one host sync per batch, not per layer)."""

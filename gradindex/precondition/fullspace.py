@@ -3,14 +3,18 @@
 Per hooked layer, with ``a_t`` ``[N_i(+1)]`` and ``g_t`` ``[N_o]`` the per-token factors
 (:mod:`gradindex.capture.tokens`) and ``G_n = Σ_t g_t a_tᵀ``:
 
-1. factor pass: ``A = mean_tokens a aᵀ``, ``S = mean_tokens g gᵀ`` (float32 products per batch,
-   float64 sums); eigendecompose in float64: ``A = Q_A Λ_A Q_Aᵀ``, ``S = Q_S Λ_S Q_Sᵀ``;
+1. factor pass: ``A = mean_tokens a aᵀ``, ``S = mean_tokens g gᵀ`` (float32 products per batch over
+   the blocks on and above the diagonal only, float64 sums on the model's device); eigendecompose in
+   float64: ``A = Q_A Λ_A Q_Aᵀ``, ``S = Q_S Λ_S Q_Sᵀ``;
 2. correction pass (EK-FAC): ``Λ*_ij = mean_n (Q_Sᵀ G_n Q_A)²_ij`` with
    ``Q_Sᵀ G_n Q_A = Σ_t (Q_Sᵀ g_t)(Q_Aᵀ a_t)ᵀ``: the factorized "projection" by the eigenbases, done
    per token in the model pass in float32, squared per example and summed in float64.
 
-Cost per example and layer: ``T (N_i² + N_o²)`` for each pass's products plus ``T N_i N_o`` for the
-rotated outer products, against ``N_o N_i (N_o + N_i)`` per example for rotating dense gradients.
+Cost per example and layer: ``T (N_i² + N_o²) / 2`` for the factor pass's products and
+``T (N_i² + N_o²) + T N_i N_o`` for the correction's, against ``N_o N_i (N_o + N_i)`` per example for
+rotating dense gradients. The factor pass keeps each batch's gradient w.r.t. the final hidden states
+(``[B, T, d]``, up to :data:`HEAD_CACHE_BYTES`), so the correction pass skips the LM head and the loss
+(a third of a weight-free model pass at a vocabulary of 8192) and gets the same ``g_t`` bit for bit.
 
 A build with ``BuildConfig(full_factors=True)`` (``gradindex build --full-factors``) sums ``A`` and
 ``S`` in its capture pass (store group ``covariance_full``); the fit then skips its factor pass.
@@ -38,6 +42,7 @@ from tqdm.auto import tqdm
 
 import gradindex
 from gradindex.capture.batch import batch_gradients
+from gradindex.capture.gram import add_gram, gram_block, upper_to_symmetric
 from gradindex.capture.head import plain_head
 from gradindex.capture.tokens import TokenCapture
 from gradindex.checksum import damage_error
@@ -78,40 +83,20 @@ def full_path(index_dir: str | os.PathLike, method: str) -> Path:
     return precond_path(index_dir, method + FULL)
 
 
-GRAM_BLOCK = 128
-"""Rows of one block of the upper triangle of ``xᵀ x`` on the CPU: summing only the blocks on and
-above the diagonal costs ~60% of the whole product at widths 768-1025 (one thread)."""
-
 HEAD_CACHE_BYTES = 1 << 30
 """At most this many bytes of the factor pass's gradients w.r.t. the final hidden states are kept
 (on the CPU) for the correction pass, which then skips the LM head and the loss on those batches."""
 
 
-def add_gram(acc: torch.Tensor, x: torch.Tensor, block: int) -> None:
-    """``acc += xᵀ x`` on and above the diagonal (``x`` ``[n, k]``, ``acc`` ``[k, k]``), in blocks of
-    ``block`` rows; below the diagonal blocks ``acc`` is left alone (see :func:`upper_to_symmetric`)."""
-    k = x.shape[1]
-    if block >= k:
-        acc.add_(x.T @ x)
-        return
-    for i in range(0, k, block):
-        acc[i:i + block, i:].add_(x[:, i:i + block].T @ x[:, i:])
-
-
-def upper_to_symmetric(acc: np.ndarray) -> np.ndarray:
-    """The symmetric matrix whose upper triangle (diagonal included) is that of ``acc``."""
-    return np.triu(acc) + np.triu(acc, 1).T
-
-
 class _FactorSums:
     """Visitor of the factor pass: ``Σ a aᵀ`` and ``Σ g gᵀ`` per layer, float32 products per batch summed
-    in float64 on the model's device (upper triangles only: :func:`add_gram`)."""
+    in float64 on the model's device (upper triangles only: :func:`~gradindex.capture.gram.add_gram`)."""
 
     def __init__(self, shapes: dict[str, tuple[int, int]], device: torch.device):
         z = dict(dtype=torch.float64, device=device)
         self.A = {n: torch.zeros((c, c), **z) for n, (_, c) in shapes.items()}
         self.S = {n: torch.zeros((r, r), **z) for n, (r, _) in shapes.items()}
-        self.block = GRAM_BLOCK if device.type == "cpu" else 1 << 62
+        self.block = gram_block(device)
 
     def __call__(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
         add_gram(self.A[name], a.reshape(-1, a.shape[-1]), self.block)

@@ -19,6 +19,7 @@ from gradindex import distributed
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.batch import batch_gradients, finite_rows
+from gradindex.capture.gram import upper_to_symmetric
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
@@ -389,11 +390,12 @@ def _write_covariance(w: ShardWriter, capture: GradientCapture) -> None:
         if not A:
             continue
         g = w.file.create_group(group)
+        read = upper_to_symmetric if group == "covariance_full" else np.asarray  # full: upper triangles summed
         for n in capture.infos:
             if n in A:
                 grp = g.create_group(n)
-                grp["A"] = A[n].cpu().numpy()
-                grp["S"] = S[n].cpu().numpy()
+                grp["A"] = read(A[n].cpu().numpy())
+                grp["S"] = read(S[n].cpu().numpy())
                 grp.attrs["tokens"] = T[n]
         A.clear()
         S.clear()
