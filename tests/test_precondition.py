@@ -232,3 +232,22 @@ def test_preconditioner_fitted_on_another_model_is_refused(tmp_path, exact_index
     assert (
         json.loads(attrs["fp_model_fingerprint"]) == read_manifest(exact_index)["build"]["model_fingerprint"]
     )
+
+
+def test_auto_precision_rotates_wide_layers_in_float32_to_the_float64_fit(tmp_path, exact_index, monkeypatch):
+    from gradindex.precondition import fit as fit_mod
+
+    shapes = {"wide": (1024, 257), "narrow": (64, 65)}
+    assert fit_mod.layer_dtypes("auto", shapes) == {"wide": torch.float32, "narrow": torch.float64}
+    assert set(fit_mod.layer_dtypes("float64", shapes).values()) == {torch.float64}
+    assert FitConfig().precision == "auto"
+    idx = tmp_path / "idx"
+    shutil.copytree(exact_index, idx)
+    monkeypatch.setattr(fit_mod, "AUTO_FLOAT32_NUMBERS", 0)  # every layer of the tiny model counts as wide
+    fit_preconditioner(idx, FitConfig(method="ekfac"))  # exact_index: the same fit in float64 (its layers are narrow)
+    for n in read_manifest(idx)["build"]["layers"]:
+        a, b = _file(idx, "ekfac", n), _file(exact_index, "ekfac", n)
+        np.testing.assert_array_equal(a["Q_A"], b["Q_A"])  # the factors and eigenbases do not depend on it
+        assert 0 < _rel(a["Lambda"], b["Lambda"]) < 1e-5, n  # float32 rotations: round-off only
+    for m in ("kfac", "ekfac", "graddot"):
+        np.testing.assert_allclose(self_influence(idx, m), self_influence(exact_index, m), rtol=1e-5)

@@ -65,11 +65,12 @@ def store_pass(
     bases: dict[str, Basis] | None = None,
     correct: bool = False,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float64,
+    dtype: torch.dtype | dict[str, torch.dtype] = torch.float64,
     block: int = 1024,
     progress: bool = False,
 ) -> PassResult:
-    """One streaming pass over the store; see the module docstring. ``shapes``: layer → ``(k_g, k_a)``."""
+    """One streaming pass over the store; see the module docstring. ``shapes``: layer → ``(k_g, k_a)``;
+    ``dtype``: of the rotations, one for all layers or per layer (sums are float64 either way)."""
     layers = list(layers)
     N, L = len(store), len(layers)
     finite = store.column("finite").astype(bool)
@@ -78,14 +79,15 @@ def store_pass(
     if correct and not need_rot:
         raise ValueError("the eigenvalue correction needs the eigenbases")
     dev = torch.device(device)
+    dtypes = dtype if isinstance(dtype, dict) else {n: dtype for n in layers}
     mats = {}
     if need_rot:
         for n in layers:
-            b = bases[n]
+            b, dt = bases[n], dtypes[n]
             mats[n] = (
-                torch.as_tensor(b.Q_S, dtype=dtype, device=dev),
-                torch.as_tensor(b.Q_A, dtype=dtype, device=dev),
-                None if b.Lam is None else torch.as_tensor(b.Lam, dtype=dtype, device=dev),
+                torch.as_tensor(b.Q_S, dtype=dt, device=dev),
+                torch.as_tensor(b.Q_A, dtype=dt, device=dev),
+                None if b.Lam is None else torch.as_tensor(b.Lam, dtype=dt, device=dev),
                 b.delta,
             )
     sums = {n: torch.zeros(shapes[n], dtype=torch.float64, device=dev) for n in layers} if correct else None
@@ -98,8 +100,8 @@ def store_pass(
             keep = torch.as_tensor(finite[pos], device=dev)
             for j, n in enumerate(layers):
                 k_g, k_a = shapes[n]
-                x = torch.from_numpy(grads[n]).to(dev, dtype)  # [n, k_g·k_a]
-                sq[pos, j] = x.square().sum(1).double().cpu().numpy()
+                x = torch.from_numpy(grads[n]).to(dev, dtypes[n])  # [n, k_g·k_a]
+                sq[pos, j] = x.double().square().sum(1).cpu().numpy()
                 if not need_rot:
                     continue
                 Q_S, Q_A, Lam, delta = mats[n]

@@ -35,21 +35,23 @@ def model_correction(
     seed: int = 0,
     batch_size: int = 8,
     route: str = "auto",
-    dtype: torch.dtype = torch.float64,
+    dtype: torch.dtype | dict[str, torch.dtype] = torch.float64,
     progress: bool = False,
     transforms: dict | None = None,
 ) -> dict[str, np.ndarray]:
     """layer → ``Λ*`` ``[k_g, k_a]`` (float64) of sampled-target gradients over ``rows`` (finite ones).
 
-    ``transforms`` are the capture's side maps of the index's row basis, as in the factor pass.
+    ``dtype``: of the rotations, one for all layers or per layer. ``transforms`` are the capture's side
+    maps of the index's row basis, as in the factor pass.
     """
+    dtypes = dtype if isinstance(dtype, dict) else {n: dtype for n in layers}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
     cap = GradientCapture(model, list(layers), projection, route, weight_free=True, transforms=transforms)
     dev = next(model.parameters()).device
-    mats = {n: (torch.as_tensor(bases[n].Q_S, dtype=dtype, device=dev),
-                torch.as_tensor(bases[n].Q_A, dtype=dtype, device=dev)) for n in layers}
+    mats = {n: (torch.as_tensor(bases[n].Q_S, dtype=dtypes[n], device=dev),
+                torch.as_tensor(bases[n].Q_A, dtype=dtypes[n], device=dev)) for n in layers}
     sums = {n: torch.zeros(mats[n][0].shape[0], mats[n][1].shape[0], dtype=torch.float64, device=dev)
             for n in layers}
     rows, n_ok = list(rows), 0
@@ -64,7 +66,7 @@ def model_correction(
                 n_ok += int(ok.sum())
                 for n in layers:
                     Q_S, Q_A = mats[n]
-                    R = rotate(grads[n][ok].to(dtype).view(-1, Q_S.shape[0], Q_A.shape[0]), Q_S, Q_A)
+                    R = rotate(grads[n][ok].to(dtypes[n]).view(-1, Q_S.shape[0], Q_A.shape[0]), Q_S, Q_A)
                     sums[n] += R.square().sum(0).double()
                 bar.update(len(idx))
     finally:

@@ -50,7 +50,11 @@ from gradindex.store.basis import capture_transforms, index_basis
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
-PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
+PRECISIONS = {"float64": torch.float64, "float32": torch.float32, "auto": None}
+AUTO_FLOAT32_NUMBERS = 1 << 16
+"""``precision="auto"``: a layer whose stored matrix has more numbers than this is rotated in float32
+(an unprojected layer of a real model: the store passes' cost, ``k_g k_a (k_g + k_a)`` per row, is
+there; float32 is 2-2.4× faster), the others in float64."""
 FITTED_ON = ("model_fingerprint", "data_fingerprint", "projection")
 SPACES = ("stored", "full")
 
@@ -74,8 +78,10 @@ class FitConfig:
     labels sampled from the model (Kronfluence's default; one or two model passes)."""
     device: str = "auto"
     """Where the model pass and the store passes run (``auto``: the GPU when there is one)."""
-    precision: str = "float64"
-    """Arithmetic of the store passes' rotations (sums are float64 either way); float32 is ~2× faster."""
+    precision: str = "auto"
+    """Arithmetic of the store passes' rotations (sums are float64 either way): ``float64``, ``float32``
+    (2-2.4× faster on wide layers; round-off ~1e-7 relative) or ``auto``: float32 for the layers whose
+    rows have more than :data:`AUTO_FLOAT32_NUMBERS` numbers, float64 for the others."""
     block: int = 1024
     """Rows per block of the store passes (capped so a block stays under 256 MiB)."""
     space: str = "stored"
@@ -96,6 +102,13 @@ class FitConfig:
             raise ValueError(f"--fisher {self.fisher!r} is not one of {list(FISHERS)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {list(PRECISIONS)}")
+
+
+def layer_dtypes(precision: str, shapes: dict[str, tuple[int, int]]) -> dict[str, torch.dtype]:
+    """layer → the dtype of its store-pass rotations under ``precision`` (see :data:`AUTO_FLOAT32_NUMBERS`)."""
+    if precision != "auto":
+        return {n: PRECISIONS[precision] for n in shapes}
+    return {n: torch.float32 if r * c > AUTO_FLOAT32_NUMBERS else torch.float64 for n, (r, c) in shapes.items()}
 
 
 def fit_preconditioner(
@@ -165,14 +178,15 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
             n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
             for n, f in factors.items()
         }
-        kw = dict(device=device, dtype=PRECISIONS[cfg.precision], block=cfg.block, progress=progress)
+        dtypes = layer_dtypes(cfg.precision, shapes)
+        kw = dict(device=device, dtype=dtypes, block=cfg.block, progress=progress)
         empirical = cfg.fisher == "empirical"
         first = store_pass(store, layers, shapes, bases, correct=cfg.method == "ekfac" and empirical, **kw)
         written = {"kfac": (factors, first.self_influence), "graddot": (None, first.sq_norms)}
         if cfg.method == "ekfac":
             corrected = first.corrected if empirical else model_correction(
                 mp.model, mp.tokenizer, mp.data, mp.rows, layers, mp.projection, bases, cfg.seed, mp.batch_size,
-                mp.route, PRECISIONS[cfg.precision], progress, mp.transforms)
+                mp.route, dtypes, progress, mp.transforms)
             ek = {n: LayerFactors(**{**asdict(f), "Lambda": corrected[n]}) for n, f in factors.items()}
             ek_bases = {
                 n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
