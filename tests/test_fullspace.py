@@ -206,31 +206,40 @@ def test_no_full_space_fit_is_a_clear_error(tmp_path, gpt2_dir, text_jsonl):
     assert res.exit_code != 0 and "Error: " in res.output and "--space full" in res.output, res.output
 
 
-def test_killed_full_space_fit_resumes(tmp_path, gpt2_dir, text_jsonl, monkeypatch):
+@pytest.mark.parametrize("stage", ["factors", "correction"])
+def test_killed_full_space_fit_resumes(tmp_path, gpt2_dir, text_jsonl, monkeypatch, stage):
+    """Killed part-way through either model pass (the factor pass checkpoints upper-triangle sums and its
+    head gradients are lost), a re-run resumes and writes the same curvature as an uninterrupted fit."""
     d = _index(tmp_path / "idx", gpt2_dir, text_jsonl)
     ref_dir = tmp_path / "ref"
     shutil.copytree(d, ref_dir)
     fit_preconditioner(ref_dir, FitConfig(method="ekfac", space="full"))
     calls = {"n": 0}
-    real = fs._CorrectionSums.__call__
+    visitor = fs._FactorSums if stage == "factors" else fs._CorrectionSums
+    real = visitor.__call__
 
     def dying(self, name, a, g):
         calls["n"] += 1
-        if calls["n"] > 12:  # part-way through the correction pass
+        if calls["n"] > 12:  # part-way through the pass
             raise KeyboardInterrupt
         real(self, name, a, g)
 
-    monkeypatch.setattr(fs._CorrectionSums, "__call__", dying)
+    monkeypatch.setattr(visitor, "__call__", dying)
     monkeypatch.setattr(fs, "_State", _EagerState)
     with pytest.raises(KeyboardInterrupt):
         fit_preconditioner(d, FitConfig(method="ekfac", space="full"))
     state = np.load(d / "precond" / fs.STATE)
-    assert str(state["stage"]) == "correction" and 0 < int(state["done"]) < 40
-    monkeypatch.setattr(fs._CorrectionSums, "__call__", real)
+    assert str(state["stage"]) == stage and 0 < int(state["done"]) < 40
+    monkeypatch.setattr(visitor, "__call__", real)
     fit_preconditioner(d, FitConfig(method="ekfac", space="full"))
     a, b = load_full_preconditioner(d, "ekfac"), load_full_preconditioner(ref_dir, "ekfac")
-    for n in a.layers:
-        np.testing.assert_allclose(a.curvature[n]["Lambda"], b.curvature[n]["Lambda"], rtol=1e-10, atol=0)
+    import h5py
+
+    with h5py.File(fs.full_path(d, "ekfac"), "r") as fa, h5py.File(fs.full_path(ref_dir, "ekfac"), "r") as fb:
+        for n in a.layers:
+            np.testing.assert_allclose(a.curvature[n]["Lambda"], b.curvature[n]["Lambda"], rtol=1e-10, atol=0)
+            for key in ("A", "S"):
+                np.testing.assert_allclose(fa["layers"][n][key][:], fb["layers"][n][key][:], rtol=1e-12, atol=0)
 
 
 def test_factors_from_the_build_pass_skip_the_factor_pass(tmp_path, gpt2_dir, text_jsonl):
