@@ -62,7 +62,10 @@ def batch_gradients(
                 capture.backward(hidden, grad_output=head_grad.to(hidden.device, hidden.dtype))
             else:
                 loss, ntok = fused_per_example_loss(hidden, head, batch["labels"], uniforms)
-                kept = capture.backward(loss.sum(), inputs=(hidden,) if keep_head_grad else ())
+                if keep_head_grad:
+                    (kept,) = capture.backward(loss.sum(), inputs=(hidden,))
+                else:
+                    capture.backward(loss.sum())
         else:
             logits = model(**inputs).logits  # [B, T, V]
             labels = batch["labels"] if uniforms is None else sampled_labels(logits, batch["labels"], uniforms)
@@ -70,7 +73,7 @@ def batch_gradients(
             capture.backward(loss.sum())
     grads = capture.pop()
     capture.set_mask(None)
-    return BatchGradients(grads, None if loss is None else loss.detach(), ntok, kept[0] if kept else None)
+    return BatchGradients(grads, None if loss is None else loss.detach(), ntok, kept)
 
 
 def sampled_labels(logits: torch.Tensor, labels: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
