@@ -47,8 +47,21 @@ def batch_gradients(
     (``head_grad``), and passing it back as ``head_grad`` for the same batch skips the head and the
     loss (a second pass over the same examples: the same gradients, the loss is not computed).
     """
+    return tensor_batch_gradients(model, capture, collate(ids, labels, pad_id), uniforms, head_grad, keep_head_grad)
+
+
+def tensor_batch_gradients(
+    model: nn.Module,
+    capture: GradientCapture,
+    batch: dict[str, torch.Tensor],
+    uniforms: torch.Tensor | None = None,
+    head_grad: torch.Tensor | None = None,
+    keep_head_grad: bool = False,
+) -> BatchGradients:
+    """:func:`batch_gradients` of an already collated batch: ``input_ids``, ``attention_mask`` and
+    unshifted ``labels`` ``[B, T]`` (``IGNORE`` where there is no target), moved to the model's device."""
     device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in collate(ids, labels, pad_id).items()}
+    batch = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")}
     capture.set_mask(batch["attention_mask"])
     head = plain_head(model, set(capture.modules.values()))
     if head is None and (head_grad is not None or keep_head_grad):

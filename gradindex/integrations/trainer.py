@@ -69,3 +69,38 @@ class GradIndexCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         if self.live is not None and not self.live.closed:
             self.manifest = self.live.close(self._num_rows)
+
+
+class SelectionCallback(TrainerCallback):
+    """Online data selection inside the Trainer (:mod:`gradindex.integrations.selection`)::
+
+        trainer = Trainer(model, args, train_dataset=train, data_collator=collator,
+                          callbacks=[SelectionCallback(target, TopFraction(0.25))])
+
+    ``target`` and ``policy`` as :class:`gradindex.integrations.selection.OnlineSelector` takes them, and
+    its keyword options. Each training forward is scored in a pre-hook of the model, at the parameters
+    of that forward; dropped examples get weight 0 on the logits' gradient (the batch keeps its shape,
+    so no training compute is saved; the logged loss is the unweighted one). ``refresh_every`` counts
+    the Trainer's optimizer steps. The selector is :attr:`selector` (its ``stats``, ``last_scores``).
+    """
+
+    def __init__(self, target, policy, **options):
+        from gradindex.integrations.selection import OnlineSelector
+
+        if "optimizer" in options:
+            raise TypeError("SelectionCallback counts the Trainer's steps itself; do not pass optimizer=")
+        self._make = lambda model: OnlineSelector(model, target, policy, **options)
+        self.selector = None
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        self.selector = self._make(model)
+        self.selector.count_batches = False
+        self.selector.step = state.global_step
+        self.selector.attach()
+
+    def on_step_end(self, args, state, control, **kw):
+        self.selector.step = state.global_step
+
+    def on_train_end(self, args, state, control, **kw):
+        if self.selector is not None:
+            self.selector.close()
