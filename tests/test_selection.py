@@ -44,8 +44,9 @@ def _batch(seqs: list[list[int]]) -> dict:
 TARGET = _seqs(6, seed=11)
 
 
-def _projected_func_grads(model, layers: list[str], ids: list[int], labels: list[int]) -> torch.Tensor:
-    """One example's projected gradient of its summed token loss, concatenated over ``layers``, via torch.func."""
+def _projected_func_grads(model, layers: list[str], ids: list[int], labels: list[int], scales=None) -> torch.Tensor:
+    """One example's projected gradient of its summed token loss, concatenated over ``layers``, via torch.func
+    (``scales``: layer → per-side ``(s_g [N_o], s_a [N_i+1])`` applied to ``G`` before the projection)."""
     from torch.func import functional_call, grad
 
     mods = dict(model.named_modules())
@@ -61,17 +62,19 @@ def _projected_func_grads(model, layers: list[str], ids: list[int], labels: list
     for n in layers:
         info = layer_info(mods[n])
         G = info.weight_grad_to_G(g[f"{n}.weight"], g[f"{n}.bias"]).double()  # [N_o, N_i+1]
+        if scales is not None:
+            G = scales[n][0][:, None] * G * scales[n][1][None, :]
         P_g = projection_matrix(SPEC, n, "g", info.n_out).double()
         P_a = projection_matrix(SPEC, n, "a", info.n_in_total).double()
         out.append((P_g @ G @ P_a.T).reshape(-1))
     return torch.cat(out)
 
 
-def _reference(model, layers, batch_seqs, score="cosine", damping=None):
+def _reference(model, layers, batch_seqs, score="cosine", damping=None, scales=None):
     """Scores of ``batch_seqs`` against the mean-token-loss gradient of :data:`TARGET`, computed independently."""
     model.eval()
-    t = sum(_projected_func_grads(model, layers, s, s) for s in TARGET) / sum(len(s) - 1 for s in TARGET)
-    g = torch.stack([_projected_func_grads(model, layers, s, s) for s in batch_seqs])  # [B, D]
+    t = sum(_projected_func_grads(model, layers, s, s, scales) for s in TARGET) / sum(len(s) - 1 for s in TARGET)
+    g = torch.stack([_projected_func_grads(model, layers, s, s, scales) for s in batch_seqs])  # [B, D]
     if damping is not None:  # diagonal: the first batch's mean squared per-example gradients
         v = g.pow(2).mean(0)
         d = (v + damping * v.mean()).rsqrt()
@@ -95,6 +98,44 @@ def test_scores_equal_torch_func_projected_gradients_against_the_target_mean(sco
     assert ntok.tolist() == [len(s) - 1 for s in seqs]
     if score == "dot":  # scores are not all alike, so the policy tests below choose something
         assert got.max() - got.min() > 0.1 * got.abs().max()
+
+
+def test_adam_preconditioned_scores_equal_the_factored_second_moment_by_hand():
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+    model.train()
+    for i in range(2):  # an optimizer state to read
+        model(**_batch(_seqs(4, seed=40 + i))).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    sel = OnlineSelector(model, TARGET, KeepAll(), projection=SPEC, precondition="adam", optimizer=opt)
+    seqs = _seqs(5, seed=3)
+    got, _ = sel.score(_batch(seqs))
+    scales = {}
+    for n, mod in _hooked(model):
+        V = torch.cat([opt.state[mod.weight]["exp_avg_sq"].T, opt.state[mod.bias]["exp_avg_sq"][:, None]], 1).double()
+        r, c = V.sum(1), V.sum(0)  # Adafactor's rank-1 V = r c^T / sum(r); sqrt(V) = rho gamma^T
+        rho, gamma = (r / r.sum().sqrt()).sqrt(), (c / r.sum().sqrt()).sqrt()
+        scales[n] = ((1 / (rho + 1e-3)).sqrt(), (1 / (gamma + 1e-3)).sqrt())  # Gamma^(1/2), sqrt(eps) = 1e-3
+    want = _reference(model, sel.layers, seqs, "cosine", scales=scales)
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-6), (got, want)
+    plain = _reference(model, sel.layers, seqs, "cosine")
+    assert not torch.allclose(got.double(), plain, rtol=1e-2)  # the preconditioner changed the scores
+    with pytest.raises(ValueError, match="optimizer"):
+        OnlineSelector(model, TARGET, KeepAll(), precondition="adam")
+
+
+def test_adam_preconditioning_waits_for_the_optimizer_state():
+    model = _gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    sel = OnlineSelector(model, TARGET, TopFraction(0.5), projection=SPEC, precondition="adam", optimizer=opt)
+    for b in SelectingLoader([_batch(_seqs(4, seed=50 + i)) for i in range(3)], sel):
+        model(**b).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    # step 0 had no state (plain target); step 1 refreshed with it; refresh_every=0 then keeps it
+    assert sel.stats["refreshes"] == 2 and sel.refreshed_at == 1 and sel.capture.transforms
 
 
 def test_policies_choose_as_specified():

@@ -10,9 +10,12 @@ Per micro-batch, before the loop's own forward:
    projected gradient ``g_i`` of its summed token loss, per hooked layer;
 2. a **score** against the target gradient ``t``: the gradient of the target set's mean token loss,
    projected the same way (recomputed every ``refresh_every`` steps): ``cosine`` (default),
-   ``⟨g_i, t⟩ / (‖g_i‖ ‖t‖)`` over the hooked layers concatenated, or ``dot``; with
-   ``precondition="diagonal"`` both are taken after dividing every coordinate by ``√v``, an
-   Adam-like running mean of the training examples' squared projected gradients;
+   ``⟨g_i, t⟩ / (‖g_i‖ ‖t‖)`` over the hooked layers concatenated, or ``dot``. Optionally
+   preconditioned: ``precondition="adam"`` takes both gradients through ``Γ^½``, ``Γ = 1/(√V + ε)``
+   from the loop's Adam second moments factored per side and folded into the projection (so
+   ``⟨Γ g_i, t⟩``, the first-order change of the target loss under an Adam-like step on ``i``);
+   ``"diagonal"`` divides every projected coordinate by ``√v``, a running mean of the training
+   examples' squared projected gradients (no optimizer needed);
 3. a **policy** turns the scores into per-example weights: :class:`TopFraction`, :class:`Threshold`
    (0/1 keeps) or :class:`Reweight` (softmax or clipped scores); :class:`RandomFraction` (no
    scoring pass) is the baseline of the same size;
@@ -48,7 +51,7 @@ from gradindex.capture.batch import batch_gradients, tensor_batch_gradients
 from gradindex.data import IGNORE
 
 SCORES = ("cosine", "dot")
-PRECONDITIONERS = ("none", "diagonal")
+PRECONDITIONERS = ("none", "adam", "diagonal")
 
 
 # -- policies -------------------------------------------------------------------------------------
@@ -197,8 +200,10 @@ class OnlineSelector:
     :class:`Threshold`, :class:`Reweight`, :class:`RandomFraction`, :class:`KeepAll` or any callable
     ``(scores [B], B) -> weights [B]`` with a ``needs_scores`` attribute. ``refresh_every``: steps between
     recomputations of the target gradient (0: once, at the first batch); steps are the optimizer's
-    updates when ``optimizer`` is given (or the Trainer's), else scored batches. ``projection``,
-    ``projection_kind``, ``seed``, ``layers`` and ``route`` are ``gradindex build``'s.
+    updates when ``optimizer`` is given (or the Trainer's), else scored batches (``count_steps=False``:
+    the caller sets :attr:`step`). ``projection``, ``projection_kind``, ``seed``, ``layers`` and ``route``
+    are ``gradindex build``'s. ``precondition``: ``none``, ``adam`` (the optimizer's second moments, see
+    :meth:`_adam_transforms`) or ``diagonal`` (:meth:`_update_moment`, with ``beta`` and ``damping``).
     """
 
     def __init__(
@@ -220,6 +225,7 @@ class OnlineSelector:
         route: str = "auto",
         target_batch_size: int = 16,
         optimizer=None,
+        count_steps: bool = True,
     ) -> None:
         if score not in SCORES:
             raise ValueError(f"score {score!r} is not one of {list(SCORES)}")
@@ -236,8 +242,14 @@ class OnlineSelector:
         self.target_ids, self.target_labels = _target_lists(target, target_labels)
         spec = projection if isinstance(projection, ProjectionSpec) else ProjectionSpec.parse(
             projection, kind=projection_kind, seed=seed)
-        self.capture = GradientCapture(self.model, layers or None, spec, route, weight_free=True)
+        self.spec, self.route, self.layer_patterns = spec, route, layers or None
+        self.capture = GradientCapture(self.model, self.layer_patterns, spec, route, weight_free=True)
         self.layers = list(self.capture.modules)
+        self.optimizer = optimizer
+        """Whose Adam second moments ``precondition='adam'`` reads (the Trainer's, with :class:`SelectionCallback`)."""
+        if precondition == "adam" and optimizer is None:
+            raise ValueError("precondition='adam' reads the optimizer's second moments: pass optimizer=")
+        self._adam_missing = False
         self.target: dict[str, torch.Tensor] | None = None
         """layer → ``[D]`` gradient of the target set's mean token loss (projected), at the last refresh."""
         self.second_moment: dict[str, torch.Tensor] | None = None
@@ -254,9 +266,9 @@ class OnlineSelector:
         self._handles: list = []
         self._output_handle = None
         self._opt_handle = None
-        self.count_batches = optimizer is None
+        self.count_batches = optimizer is None and count_steps
         """Whether each scored batch counts as a step (no optimizer to count updates, no Trainer to tell)."""
-        if optimizer is not None:
+        if optimizer is not None and count_steps:
             self._opt_handle = optimizer.register_step_post_hook(lambda *a: self._stepped())
 
     def _stepped(self) -> None:
@@ -287,6 +299,9 @@ class OnlineSelector:
     def refresh(self) -> dict[str, torch.Tensor]:
         """Recompute :attr:`target` at the current parameters: one scoring pass over the target set."""
         t0 = time.perf_counter()
+        if self.precondition == "adam":
+            self.capture = GradientCapture(self.model, self.layer_patterns, self.spec, self.route, weight_free=True,
+                                           transforms=self._adam_transforms())
         sums: dict[str, torch.Tensor] = {}
         tokens = 0
         B = self.target_batch_size
@@ -305,8 +320,39 @@ class OnlineSelector:
         self.stats["refresh_s"] += time.perf_counter() - t0
         return self.target
 
+    def _adam_transforms(self) -> dict:
+        """Per hooked layer, ``Γ^½`` with ``Γ = 1/(√V + ε)`` factored per side (Adafactor's rank-1 ``V``, as
+        ``gradindex build --optimizer-state --adam-mode factored``), from the optimizer's live ``exp_avg_sq``.
+
+        Both the target's and the examples' gradients get it, so ``⟨Γ^½ g_i, Γ^½ t⟩ = ⟨Γ g_i, t⟩``: the first-order
+        change of the target loss under an Adam-like step on example ``i``. A layer with no state yet (before the
+        first update) is left as it is, and the target is refreshed again once the state exists.
+        """
+        from gradindex.capture.adam import adam_transform
+        from gradindex.capture.transform import LayerTransform
+
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the torch optimizer
+        eps = {id(p): g.get("eps", 1e-8) for g in opt.param_groups for p in g["params"]}
+        out = {}
+        self._adam_missing = False
+        for name, mod in self.capture.modules.items():
+            info = self.capture.infos[name]
+            params = [mod.weight] + ([mod.bias] if info.bias else [])
+            states = [opt.state.get(q, {}).get("exp_avg_sq") for q in params]
+            if any(v is None for v in states):
+                self._adam_missing = True
+                continue
+            V = info.weight_grad_to_G(states[0].double(), states[1].double() if info.bias else None)
+            t = adam_transform(V, float(eps[id(mod.weight)]), "factored")
+            out[name] = LayerTransform(g=t.g.sqrt(), a=t.a.sqrt()).to(mod.weight.device)
+        return out
+
     def _maybe_refresh(self) -> None:
-        if self.target is None or (self.refresh_every > 0 and self.step - self.refreshed_at >= self.refresh_every):
+        if self.target is None:
+            self.refresh()
+            return
+        due = self.refresh_every > 0 and self.step - self.refreshed_at >= self.refresh_every
+        if due or (self._adam_missing and self.step > self.refreshed_at):
             self.refresh()
 
     # -- scores ---------------------------------------------------------------------------------

@@ -81,20 +81,22 @@ class SelectionCallback(TrainerCallback):
     its keyword options. Each training forward is scored in a pre-hook of the model, at the parameters
     of that forward; dropped examples get weight 0 on the logits' gradient (the batch keeps its shape,
     so no training compute is saved; the logged loss is the unweighted one). ``refresh_every`` counts
-    the Trainer's optimizer steps. The selector is :attr:`selector` (its ``stats``, ``last_scores``).
+    the Trainer's optimizer steps; ``precondition="adam"`` reads the Trainer's optimizer. The selector is
+    :attr:`selector` (its ``stats``, ``last_scores``).
     """
 
     def __init__(self, target, policy, **options):
         from gradindex.integrations.selection import OnlineSelector
 
-        if "optimizer" in options:
-            raise TypeError("SelectionCallback counts the Trainer's steps itself; do not pass optimizer=")
-        self._make = lambda model: OnlineSelector(model, target, policy, **options)
+        if "optimizer" in options or "count_steps" in options:
+            raise TypeError("SelectionCallback takes the Trainer's optimizer and counts its steps itself; "
+                            "do not pass optimizer= or count_steps=")
+        self._make = lambda model, opt: OnlineSelector(model, target, policy, optimizer=opt, count_steps=False,
+                                                       **options)
         self.selector = None
 
-    def on_train_begin(self, args, state, control, model=None, **kw):
-        self.selector = self._make(model)
-        self.selector.count_batches = False
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
+        self.selector = self._make(model, optimizer)
         self.selector.step = state.global_step
         self.selector.attach()
 
