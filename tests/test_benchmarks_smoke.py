@@ -44,3 +44,20 @@ def test_capture_benchmark_quick_mode_writes_every_figure(tmp_path):
         assert r["auto_over_best"] == pytest.approx(r["math_ms"]["auto"] / r["math_ms"]["best_per_layer"])
         assert (r["auto_over_best"] > 1.0) == bool(r["layers_misrouted"])
     assert "floor" in proc.stdout and "routing sweep" in proc.stdout
+
+
+@pytest.mark.slow
+def test_selection_benchmark_quick_mode_writes_its_table_and_plot(tmp_path):
+    out, png = tmp_path / "selection.json", tmp_path / "selection.png"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "selection.py"), "--quick", "--out", str(out), "--plot", str(png)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["overhead"]["overhead"]) == {"keep_all", "top_25%"} and png.stat().st_size > 0
+    sel = res["selection"]
+    assert set(sel["table"]) == {"selected", "selected_plain", "all", "random"}
+    for arm, runs in sel["runs"].items():
+        assert len(runs) == 2 and sel["table"][arm]["target_loss"]["values"] == [r["target_loss"] for r in runs]
+        kept = 16 * 6 if arm == "all" else 4 * 6  # 16 candidates per step, 6 steps, 25% kept
+        assert all(r["examples_trained"] == kept for r in runs), arm

@@ -78,3 +78,15 @@ def test_trl_sft_recipe(setup):
     # TRL's fused LM head (chunked log-prob kernel) computes its own backward: on CPU its per-example
     # gradients differ from the plain head's by ~0.5% (tokens, losses and the loss scale agree)
     assert_rows_close(live, _rows(d / "offline")[1], 2e-2)
+
+
+@pytest.mark.slow
+def test_select_plain_loop_recipe_trains_on_the_kept_fraction(setup, tmp_path):
+    d, common = setup
+    target = tmp_path / "target.jsonl"
+    target.write_text("".join(json.dumps({"text": t}) + "\n" for t in make_texts(6, seed=9, max_words=12)))
+    args = [a for a in common if a != "--projection" and a != "8"]
+    out = run("builders/select_plain_loop.py", *args, "--projection", "8", "--target", str(target),
+              "--out", str(tmp_path / "model"), "--batch-size", "8", "--keep", "0.5", "--refresh-every", "1")
+    assert f"trained on {N // 2} of {N} examples (top)" in out and "3 target refreshes" in out
+    assert (tmp_path / "model" / "config.json").exists()
