@@ -261,6 +261,8 @@ class OnlineSelector:
         self.last_scores: torch.Tensor | None = None
         self.last_weights: torch.Tensor | None = None
         self.stats = {"batches": 0, "examples": 0, "kept": 0, "refreshes": 0, "scoring_s": 0.0, "refresh_s": 0.0}
+        """Batches and examples weighed, examples kept (weight > 0), target refreshes, and the seconds spent
+        scoring training batches and refreshing the target."""
         self._busy = False
         self._armed: torch.Tensor | None = None
         self._handles: list = []
@@ -393,8 +395,8 @@ class OnlineSelector:
 
     def score(self, batch: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B]`` scores of a batch's examples (CPU float32) and their target-token counts."""
-        t0 = time.perf_counter()
         self._maybe_refresh()
+        t0 = time.perf_counter()
         grads, ntok = self.example_gradients(batch)
         if self.precondition == "diagonal":
             self._update_moment(grads)
