@@ -171,17 +171,40 @@ def dedup_experiment(work: Path, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95), per
                        "stay near 0 (different paragraphs of one module)"}
 
 
+def _memory_mb() -> dict[str, float]:
+    """This process's resident memory now, MB: anonymous, and file-backed (mapped files: store rows, libraries)."""
+    out = {}
+    for line in open("/proc/self/status"):
+        if line.startswith(("RssAnon:", "RssFile:")):
+            out[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return out
+
+
 def _scale_run(store: str, q) -> None:
-    """Child process: one timed ``find_duplicates``; its own peak RSS."""
+    """Child process: one timed ``find_duplicates``; its own peak RSS (and, sampled every 0.1 s, the peaks
+    of its anonymous memory and of its file-backed pages: the mapped store rows, libraries)."""
+    import threading
+
     import faiss
 
     faiss.omp_set_num_threads(os.cpu_count() or 1)
+    peaks, done = {"RssAnon": 0.0, "RssFile": 0.0}, threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.1):
+            for k, v in _memory_mb().items():
+                peaks[k] = max(peaks[k], v)
+
+    threading.Thread(target=sample, daemon=True).start()
     l0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     r = find_duplicates(store, DedupConfig(threshold=SCALE_THRESHOLD), progress=False)
-    q.put({"seconds": time.perf_counter() - t0, "parts_s": r.seconds, "groups": len(r.groups),
+    secs = time.perf_counter() - t0
+    done.set()
+    q.put({"seconds": secs, "parts_s": r.seconds, "groups": len(r.groups),
            "grouped_examples": int(sum(len(g.ids) for g in r.groups)), "pairs_proposed": r.pairs_proposed,
            "pairs_checked": r.pairs_checked, "pairs_confirmed": r.pairs_confirmed, "peak_rss_mb": peak_rss_mb(),
+           "peak_anon_mb": peaks["RssAnon"], "peak_file_backed_mb": peaks["RssFile"],
            "load_avg_1min": [round(l0, 2), round(os.getloadavg()[0], 2)],
            "group_of": {i: j for j, g in enumerate(r.groups) for i in g.ids}})
 

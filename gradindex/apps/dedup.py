@@ -7,10 +7,12 @@ cosine is the one the influence geometry sees) is at least ``threshold``. Exact 
 
 Scales to millions of rows with bounded memory: one pass over the store writes a seeded Gaussian
 sketch of each unit vector (``sketch`` numbers, a JL projection: sketched cosines are within about
-``2/√sketch`` of the true ones); a FAISS k-nearest-neighbour search over the sketches proposes
-pairs whose sketched cosine clears ``threshold - margin``; each proposed pair is then checked
-exactly on the stored rows; union-find over the confirmed pairs gives the groups. With
-``sketch=0`` the candidates come from the full vectors (exact kNN while they fit in memory).
+``2/√sketch`` of the true ones); a k-nearest-neighbour search over the sketches proposes pairs
+whose sketched cosine clears ``threshold - margin`` (exact FAISS flat search up to ``exact_max``
+rows; beyond, :func:`ivf_neighbors`, an IVF self-join done as one matrix product per list); each
+proposed pair is then checked exactly on the stored rows (in IVF-list order, so a list's rows are
+read together, and skipping pairs whose members are already joined); union-find over the confirmed
+pairs gives the groups. With ``sketch=0`` the candidates come from the full vectors.
 """
 
 from __future__ import annotations
@@ -90,7 +92,8 @@ class Group:
     kind: str
     """``exact`` (identical tokens), ``near`` (gradient cosine ≥ threshold) or ``exact+near``."""
     min_cosine: float | None
-    """Smallest confirmed cosine of a pair joining the group (``None`` for exact-only groups)."""
+    """Smallest exact cosine of the confirmed pairs that joined the group (``None`` for exact-only groups;
+    pairs whose members were already joined are not checked)."""
 
     @property
     def keep(self) -> int:
@@ -281,6 +284,10 @@ def _candidate_pairs(vecs: np.ndarray, nonzero: np.ndarray, cfg: DedupConfig, fl
     return live[pairs]
 
 
+KMEANS_POINTS, KMEANS_ITER = 32, 10
+"""Training of the self-join's lists: rows sampled per list, k-means iterations."""
+
+
 def ivf_lists(n: int, nprobe: int) -> int:
     """IVF lists of the self-join over ``n`` rows: the power of two nearest ``√(nprobe·n)``, 16 to n/16."""
     return int(max(16, min(2 ** round(np.log2(np.sqrt(max(1, nprobe * n)))), n // 16, 65536)))
@@ -300,9 +307,9 @@ def ivf_neighbors(x: np.ndarray, k: int, floor: float, nprobe: int = 8, seed: in
     nlist = nlist or ivf_lists(N, nprobe)
     nprobe = min(nprobe, nlist)
     rng = np.random.default_rng(seed)
-    km = faiss.Kmeans(d, nlist, niter=10, spherical=True, seed=seed, max_points_per_centroid=32,
+    km = faiss.Kmeans(d, nlist, niter=KMEANS_ITER, spherical=True, seed=seed, max_points_per_centroid=KMEANS_POINTS,
                       min_points_per_centroid=1)
-    km.train(x[np.sort(rng.choice(N, min(N, 32 * nlist), replace=False))])
+    km.train(x[np.sort(rng.choice(N, min(N, KMEANS_POINTS * nlist), replace=False))])
     quant = faiss.IndexFlatIP(d)
     quant.add(km.centroids)
     probes = np.concatenate([quant.search(x[s:s + block], nprobe)[1] for s in range(0, N, block)])
