@@ -171,7 +171,120 @@ def dedup_experiment(work: Path, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95), per
                        "stay near 0 (different paragraphs of one module)"}
 
 
-def scale_experiment(work: Path, sizes: list[int]) -> list[dict]:
+def _memory_mb() -> dict[str, float]:
+    """This process's resident memory now, MB: anonymous, and file-backed (mapped files: store rows, libraries)."""
+    out = {}
+    for line in open("/proc/self/status"):
+        if line.startswith(("RssAnon:", "RssFile:")):
+            out[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return out
+
+
+def _scale_run(store: str, q) -> None:
+    """Child process: one timed ``find_duplicates``; its own peak RSS (and, sampled every 0.1 s, the peaks
+    of its anonymous memory and of its file-backed pages: the mapped store rows, libraries)."""
+    import threading
+
+    import faiss
+
+    faiss.omp_set_num_threads(os.cpu_count() or 1)
+    peaks, done = {"RssAnon": 0.0, "RssFile": 0.0}, threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.1):
+            for k, v in _memory_mb().items():
+                peaks[k] = max(peaks[k], v)
+
+    threading.Thread(target=sample, daemon=True).start()
+    l0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    r = find_duplicates(store, DedupConfig(threshold=SCALE_THRESHOLD), progress=False)
+    secs = time.perf_counter() - t0
+    done.set()
+    q.put({"seconds": secs, "parts_s": r.seconds, "groups": len(r.groups),
+           "grouped_examples": int(sum(len(g.ids) for g in r.groups)), "pairs_proposed": r.pairs_proposed,
+           "pairs_checked": r.pairs_checked, "pairs_confirmed": r.pairs_confirmed, "peak_rss_mb": peak_rss_mb(),
+           "peak_anon_mb": peaks["RssAnon"], "peak_file_backed_mb": peaks["RssFile"],
+           "load_avg_1min": [round(l0, 2), round(os.getloadavg()[0], 2)],
+           "group_of": {i: j for j, g in enumerate(r.groups) for i in g.ids}})
+
+
+def _ivf_flat_pairs(x: np.ndarray, k: int, floor: float, seed: int = 0, block: int = 8192) -> np.ndarray:
+    """The candidate search before the IVF self-join (FAISS IVFFlat, nlist √N, nprobe 8): for comparison."""
+    import faiss
+
+    from gradindex.index.factory import default_nlist
+
+    nlist = default_nlist(len(x))
+    index = faiss.IndexIVFFlat(faiss.IndexFlatIP(x.shape[1]), x.shape[1], nlist, faiss.METRIC_INNER_PRODUCT)
+    rng = np.random.default_rng(seed)
+    index.train(x[rng.choice(len(x), min(len(x), 64 * nlist), replace=False)])
+    index.nprobe = max(8, nlist // 64)
+    index.add(x)
+    out = []
+    for s in range(0, len(x), block):
+        sims, nbr = index.search(x[s:s + block], k + 1)
+        rows = np.repeat(np.arange(s, s + len(sims)), k + 1)
+        ok = (nbr.ravel() >= 0) & (sims.ravel() >= floor) & (nbr.ravel() != rows)
+        a, b = rows[ok], nbr.ravel()[ok]
+        out.append(np.stack([np.minimum(a, b), np.maximum(a, b)], axis=1))
+    return np.unique(np.concatenate(out), axis=0)
+
+
+def candidate_recall(store: Path, sample: int, group_of: dict[int, int], before: bool) -> dict:
+    """Pairs proposed by the large-N search (and, with ``before``, by the old IVFFlat search) against exact kNN
+    over all rows for ``sample`` random rows, per band of sketched cosine; and the share of those exact pairs
+    that pass the threshold whose members the timed run grouped together."""
+    import faiss
+
+    from gradindex.apps.dedup import _candidate_pairs, _confirm, _space, candidate_floor, candidate_vectors
+    from gradindex.store import Store
+
+    cfg = DedupConfig(threshold=SCALE_THRESHOLD, exact_max=0)
+    x, nonzero, _ = candidate_vectors(store, cfg)
+    N, floor, k = len(x), candidate_floor(cfg), cfg.neighbors
+    t0 = time.perf_counter()
+    found = {"ivf_join": _candidate_pairs(x, nonzero, cfg, floor)}
+    secs = {"ivf_join": time.perf_counter() - t0}
+    if before:
+        t0 = time.perf_counter()
+        found["ivf_flat_before"] = _ivf_flat_pairs(x, k, floor)
+        secs["ivf_flat_before"] = time.perf_counter() - t0
+    q = np.sort(np.random.default_rng(1).choice(N, min(sample, N), replace=False))
+    index = faiss.IndexFlatIP(x.shape[1])
+    index.add(x)
+    t0 = time.perf_counter()
+    sims, nbr = map(np.concatenate, zip(*(index.search(x[q[s:s + 4096]], k + 1) for s in range(0, len(q), 4096)),
+                                         strict=True))
+    t_exact = time.perf_counter() - t0
+    del index, x
+    ok = (nbr >= 0) & (nbr != q[:, None]) & (sims >= floor)
+    a, b, s = np.repeat(q, k + 1).reshape(nbr.shape)[ok], nbr[ok], sims[ok]
+    key, first = np.unique(np.minimum(a, b) * N + np.maximum(a, b), return_index=True)
+    s = s[first]
+    bands = {f">={lo:g}": s >= lo for lo in (floor, SCALE_THRESHOLD, 0.98)}
+    out = {"sample": len(q), "exact_knn_s": t_exact, "search_s": secs, "exact_pairs": {b: int(m.sum()) for b, m in
+                                                                                         bands.items()}}
+    for name, pairs in found.items():
+        hit = np.isin(key, pairs[:, 0] * N + pairs[:, 1])
+        out[f"recall_{name}"] = {b: float(hit[m].mean()) if m.any() else None for b, m in bands.items()}
+        out[f"pairs_{name}"] = len(pairs)
+    layers, base, pre = _space(store, cfg, None)
+    truth = np.stack([key // N, key % N], axis=1)
+    with Store(store) as st:
+        conf, _, _ = _confirm(st, layers, pre, base, cfg, truth, np.arange(N))
+    same = [i in group_of and group_of[i] == group_of.get(j) for i, j in conf.tolist()]
+    out["exact_pairs_over_threshold"] = len(conf)
+    out["grouped_share"] = float(np.mean(same)) if same else None
+    return out
+
+
+SCALE_THRESHOLD = 0.95
+
+
+def scale_experiment(work: Path, sizes: list[int], sample: int = 20000, before_max: int = 100_000) -> list[dict]:
+    import multiprocessing as mp
+
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import query as qb
 
@@ -181,11 +294,19 @@ def scale_experiment(work: Path, sizes: list[int]) -> list[dict]:
     out = []
     for n in sizes:
         store = qb.synthetic_store(work / "scale", base, n)
-        t0 = time.perf_counter()
-        r = find_duplicates(store, DedupConfig(threshold=0.95), progress=True)
-        out.append({"examples": n, "seconds": time.perf_counter() - t0, "parts_s": r.seconds,
-                    "groups": len(r.groups), "pairs_proposed": r.pairs_proposed, "peak_rss_mb": peak_rss_mb()})
-        log(f"dedup scale {n}: {out[-1]}")
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=_scale_run, args=(str(store), q))
+        p.start()
+        r = q.get()
+        p.join()
+        group_of = r.pop("group_of")
+        r = {"examples": n, "threshold": SCALE_THRESHOLD, "cpus": os.cpu_count(), **r}
+        log(f"dedup scale {n}: {r}")
+        if sample:
+            r["recall"] = candidate_recall(store, sample if n <= 100_000 else sample // 4, group_of, n <= before_max)
+            log(f"dedup scale {n} recall: {r['recall']}")
+        out.append(r)
     return out
 
 
@@ -194,6 +315,8 @@ def main() -> None:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gradindex-audit-bench"))
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--scale", type=int, nargs="*", default=[])
+    ap.add_argument("--recall-sample", type=int, default=20000,
+                    help="rows checked against exact kNN at each --scale size (a quarter beyond 100k); 0: none")
     ap.add_argument("--skip", nargs="*", default=[], choices=["outliers", "dedup"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "audit.json")
     args = ap.parse_args()
@@ -212,7 +335,7 @@ def main() -> None:
     if "dedup" not in args.skip:
         res["dedup"] = dedup_experiment(args.work_dir)
     if args.scale:
-        res["dedup_scale"] = scale_experiment(args.work_dir, args.scale)
+        res["dedup_scale"] = scale_experiment(args.work_dir, args.scale, args.recall_sample)
     args.out.write_text(json.dumps(res, indent=2))
     log(f"wrote {args.out}")
 

@@ -123,6 +123,7 @@ def synthetic_store(work: Path, base: Path, n: int, shard: int = 1 << 16, block:
     with Store(base) as s:
         X = s.read_rows(np.arange(len(s)))  # {layer: [n0, D]}
         layers, n0 = s.layers, len(s)
+        base_hash = s.column("token_hash")
     log(f"writing a {n}-row store ({n * sum(x.shape[1] for x in X.values()) * 4 / 2**30:.1f} GiB)")
     rng = np.random.default_rng(1)
     fp = f"synthetic-{n}"
@@ -138,12 +139,16 @@ def synthetic_store(work: Path, base: Path, n: int, shard: int = 1 << 16, block:
             c = rng.normal(0.0, 1 / np.sqrt(3), (e - s, 3)).astype(np.float32)
             real = ids < n0
             grads = {}
+            th = np.zeros((e - s, 16), np.uint8)  # synthetic rows: distinct hashes (row id), real rows: their own
+            th[:, :8] = ids.astype("<u8").view(np.uint8).reshape(-1, 8)
+            th[:, 8:] = 0xFF
+            th[real] = base_hash[ids[real]]
             for m in layers:
                 g = np.einsum("bk,bkd->bd", c, X[m][j])
                 g[real] = X[m][ids[real]]
                 grads[m] = g
             w.append(ids, grads, loss=np.zeros(e - s, np.float32), num_tokens=np.ones(e - s, np.int32),
-                     finite=np.ones(e - s, bool), token_hash=np.zeros((e - s, 16), np.uint8))
+                     finite=np.ones(e - s, bool), token_hash=th)
         w.finish()
     m = read_manifest(base)
     m["build"]["data_fingerprint"] = fp
