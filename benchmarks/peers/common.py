@@ -5,8 +5,9 @@ transformers only — nothing from gradindex. The workload is written once by ``
 (``save_pretrained`` model + token ids as ``.npy``) and every adapter loads those same bytes.
 
 An adapter defines ``METHODS = {name: fn}``, each ``fn(w: Workload, queries: list[int], clock: Clock)
--> dict[int, np.ndarray]`` returning ``{Q: scores [Q, N]}`` (the first ``Q`` queries against every
-training sequence) and timing its phases with ``clock.phase(...)``; ``adapter_main(METHODS)`` does the
+-> dict`` returning ``{Q: scores [Q, N]}`` (the first ``Q`` queries against every training sequence;
+``"Q-tag"`` keys for untimed extra variants) and timing its phases with ``clock.phase(...)``
+(``build``, then ``query_Q``); ``adapter_main(METHODS)`` does the
 rest: one thread, argument parsing, the result JSON and the ``.npy`` files, errors as a result.
 """
 
@@ -109,9 +110,19 @@ def summed_lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return lp.view(ids.shape[0], -1).sum(1)
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident set so far, MiB (Linux ``ru_maxrss`` is KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def peak_rss_mb(pid: int | str = "self") -> float:
+    """A process's peak resident set so far, MiB: ``VmHWM`` of its memory map.
+
+    Not ``ru_maxrss``: that survives ``exec``, so a child forked from a large parent reports the
+    parent's size. Falls back to it where ``/proc`` is missing.
+    """
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if pid == "self" else 0.0
 
 
 @dataclass
@@ -131,7 +142,7 @@ class Clock:
             self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - c0
 
 
-Method = Callable[[Workload, list[int], Clock], dict[int, np.ndarray]]
+Method = Callable[[Workload, list[int], Clock], dict]
 
 
 def package_versions(*names: str) -> dict[str, str]:
@@ -169,12 +180,12 @@ def adapter_main(methods: dict[str, Method], packages: tuple[str, ...] = ()) -> 
         res["rss_loaded_mb"] = peak_rss_mb()
         queries = [int(q) for q in args.queries.split(",")]
         scores = methods[args.method](w, queries, clock)
-        for q, s in scores.items():
+        for key, s in scores.items():  # Q, or "Q-tag" for an extra untimed variant (a reference)
+            q = int(str(key).split("-")[0])
             s = np.asarray(s, dtype=np.float64)
             if s.shape != (q, len(w.train)):
-                raise ValueError(f"{args.method}: scores for {q} queries have shape {s.shape}, "
-                                 f"expected {(q, len(w.train))}")
-            np.save(out / f"scores_{q}.npy", s)
+                raise ValueError(f"{args.method}: scores {key!r} have shape {s.shape}, expected {(q, len(w.train))}")
+            np.save(out / f"scores_{key}.npy", s)
         res["ok"] = True
         rc = 0
     except Exception as e:  # the harness records why and moves on

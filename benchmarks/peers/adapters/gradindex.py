@@ -6,7 +6,8 @@ the method has one) into a temporary index directory (no FAISS indices: every sc
 and projection, weight-free backward), then :func:`gradindex.query.scores.score_matrix`
 (preconditioning, exact scores streamed from the store). Projected methods store
 16x16 = 256 numbers per layer; ``-full`` methods store the whole gradient (with Conv1D's bias
-column) and fit in that space.
+column) and fit in that space. ``graddot-full`` also writes, untimed, the same scores without the
+bias column (``scores_Q-nobias.npy``): the reference for peers that keep no bias gradient.
 """
 
 from __future__ import annotations
@@ -40,6 +41,18 @@ def query_gradients(ix: OpenIndex, model, ids: list[list[int]], batch_size: int)
     return {n: torch.cat([p[n].float() for p in parts]) for n in ix.layers}
 
 
+def without_bias(ix: OpenIndex, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Unprojected query rows with each layer's bias column (the last of ``[N_o, N_i + 1]``) zeroed:
+    their inner products with the stored rows are the weight-only GradDot of peers without a bias column."""
+    out = {}
+    for n, g in grads.items():
+        k_g, k_a = ix.shapes[n]
+        g = g.reshape(len(g), k_g, k_a).clone()
+        g[..., -1] = 0
+        out[n] = g.reshape(len(g), -1)
+    return out
+
+
 def method(name: str, projection: str, precondition: str):
     def run(w: Workload, queries: list[int], clock: Clock) -> dict:
         seqs = w.train.tolist()
@@ -57,6 +70,8 @@ def method(name: str, projection: str, precondition: str):
                     with clock.phase(f"query_{q}"):
                         grads = query_gradients(ix, w.model, w.queries[:q].tolist(), w.batch_size)
                         out[q] = score_matrix(ix, grads, method=name)
+                    if name == "graddot" and projection == "none":  # untimed: the reference of bias-free peers
+                        out[f"{q}-nobias"] = score_matrix(ix, without_bias(ix, grads), method=name)
             finally:
                 ix.close()
         return out
