@@ -107,8 +107,8 @@ def python_of(peer: str, venvs: Path) -> Path:
 
 
 def installed_versions(python: Path, packages: tuple[str, ...]) -> dict[str, str]:
-    code = ("import json, importlib.metadata as m, sys\nout = {}\nfor n in sys.argv[1:]:\n    try: out[n] = m.version(n)\n"
-            "    except m.PackageNotFoundError: pass\nprint(json.dumps(out))")
+    code = ("import json, importlib.metadata as m, sys\nout = {}\nfor n in sys.argv[1:]:\n"
+            "    try: out[n] = m.version(n)\n    except m.PackageNotFoundError: pass\nprint(json.dumps(out))")
     p = subprocess.run([str(python), "-c", code, *packages], capture_output=True, text=True, timeout=120)
     return json.loads(p.stdout) if p.returncode == 0 else {}
 

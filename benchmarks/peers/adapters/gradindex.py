@@ -6,8 +6,11 @@ the method has one) into a temporary index directory (no FAISS indices: every sc
 and projection, weight-free backward), then :func:`gradindex.query.scores.score_matrix`
 (preconditioning, exact scores streamed from the store). Projected methods store
 16x16 = 256 numbers per layer; ``-full`` methods store the whole gradient (with Conv1D's bias
-column) and fit in that space. ``graddot-full`` also writes, untimed, the same scores without the
-bias column (``scores_Q-nobias.npy``): the reference for peers that keep no bias gradient.
+column): ``kfac-full``/``ekfac-full`` fit full-space curvature from the model (``FitConfig(space="full")``,
+factors summed in the build pass) and precondition each query once; ``-full-store`` fit the same
+curvature from the stored rows instead (dense float64 rotations of every stored gradient: slower).
+``graddot-full`` also writes, untimed, the same scores without the bias column
+(``scores_Q-nobias.npy``): the reference for peers that keep no bias gradient.
 """
 
 from __future__ import annotations
@@ -20,15 +23,15 @@ from types import SimpleNamespace
 HERE = Path(__file__).resolve().parent
 sys.path[0:1] = [str(HERE.parent), str(HERE.parents[2])]  # common.py's folder and the repository, not this folder
 
-from common import Clock, Workload, adapter_main  # noqa: E402
-
 import torch  # noqa: E402
+from common import Clock, Workload, adapter_main  # noqa: E402
 
 from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.data import Tokenized  # noqa: E402
 from gradindex.index import OpenIndex  # noqa: E402
 from gradindex.pipeline import BuildConfig, build_index  # noqa: E402
+from gradindex.precondition import FitConfig, fit_preconditioner, load_full_preconditioner  # noqa: E402
 from gradindex.query.scores import score_matrix  # noqa: E402
 
 
@@ -79,13 +82,48 @@ def method(name: str, projection: str, precondition: str):
     return run
 
 
+def full_space(name: str):
+    """Full-space K-FAC / EK-FAC the cheap way: an unprojected store whose build pass also sums the full-space
+    factors (``full_factors``), ``FitConfig(space="full")`` (eigendecompositions, plus EK-FAC's correction
+    pass), then each query's full gradient preconditioned once and scored against every stored row."""
+
+    def run(w: Workload, queries: list[int], clock: Clock) -> dict:
+        seqs = w.train.tolist()
+        data = Tokenized(seqs, [list(s) for s in seqs], 0, "input_ids")
+        tok = SimpleNamespace(pad_token_id=0)
+        cfg = BuildConfig(projection=ProjectionSpec.parse("none"), max_length=w.train.shape[1],
+                          batch_size=w.batch_size, full_factors=True)
+        out = {}
+        with tempfile.TemporaryDirectory(prefix="gradindex-peers-") as d:
+            index = Path(d) / "index"
+            with clock.phase("build"):
+                build_index(w.model, tok, data, index, cfg, model_id=str(w.root / "model"), data_id="random",
+                            progress=False)
+                fit_preconditioner(index, FitConfig(method=name, space="full"), w.model, tok, data)
+                pre = load_full_preconditioner(index, name)
+                ix = OpenIndex(index)
+            try:
+                for q in queries:
+                    with clock.phase(f"query_{q}"):
+                        grads = query_gradients(ix, w.model, w.queries[:q].tolist(), w.batch_size)
+                        grads = {n: pre.apply(n, g.double(), -1.0, 0.1) for n, g in grads.items()}
+                        out[q] = score_matrix(ix, grads, method="graddot")
+            finally:
+                ix.close()
+        return out
+
+    return run
+
+
 METHODS = {
     "graddot-proj": method("graddot", "16x16", "none"),
     "kfac-proj": method("kfac", "16x16", "kfac"),
     "ekfac-proj": method("ekfac", "16x16", "ekfac"),
     "graddot-full": method("graddot", "none", "none"),
-    "kfac-full": method("kfac", "none", "kfac"),
-    "ekfac-full": method("ekfac", "none", "ekfac"),
+    "kfac-full": full_space("kfac"),
+    "ekfac-full": full_space("ekfac"),
+    "kfac-full-store": method("kfac", "none", "kfac"),
+    "ekfac-full-store": method("ekfac", "none", "ekfac"),
 }
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ HERE = Path(__file__).resolve().parent
 sys.path[0] = str(HERE.parent)  # common.py's folder instead of this one, whose names shadow the peers' packages
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 from common import Clock, Workload, adapter_main, conv1d_to_linear, summed_lm_loss  # noqa: E402
 
 
