@@ -384,6 +384,19 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def render(out_dir: Path, venvs: Path) -> dict:
+    """Rewrite ``peers.md`` and ``peers.png`` from ``peers.json``, its install records refreshed from ``venvs``."""
+    res = json.loads((out_dir / "peers.json").read_text())
+    res["install"] = {p: install_record(p, venvs) for p in res["install"]}
+    for r in res["summary"]["rows"]:
+        if "query_s" in r:
+            r["query_s"] = {int(k): v for k, v in r["query_s"].items()}
+    (out_dir / "peers.json").write_text(json.dumps(res, indent=1, default=str))
+    (out_dir / "peers.md").write_text(markdown(res))
+    plot(res, out_dir / "peers.png")
+    return res
+
+
 # -- main ---------------------------------------------------------------------------------------
 
 
@@ -392,7 +405,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--peers", default="all", help=f"'all' or a comma list of {', '.join(ORDER)}")
     ap.add_argument("--methods", default="", help="only these methods (comma list, e.g. graddot-proj,ekfac-full)")
     ap.add_argument("--install", action="store_true", help="(re)create each chosen peer's venv first")
+    ap.add_argument("--install-only", action="store_true", help="install the chosen peers, then stop")
     ap.add_argument("--install-budget", type=float, default=900, help="seconds per peer's install")
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite peers.md/.png from --out-dir's peers.json, with --venvs' install records")
     ap.add_argument("--venvs", type=Path, default=ROOT / ".peers-venvs", help="where the peers' venvs live")
     ap.add_argument("--quick", action="store_true", help="tiny workload (16 sequences): a smoke test")
     ap.add_argument("--queries", default="", help="query counts, in the order they run (default: all, then 1)")
@@ -416,12 +432,16 @@ def main(argv: list[str] | None = None) -> dict:
     timeout = args.timeout or (120 if args.quick else 600)
     if max(queries) > size["queries"]:
         raise SystemExit(f"--queries asks for {max(queries)} queries; the workload has {size['queries']}")
+    if args.render:
+        return render(args.out_dir, args.venvs)
     load0 = list(os.getloadavg())
-    if args.install:
+    if args.install or args.install_only:
         for p in peers:
             if p != "gradindex":
                 install(p, args.venvs, args.install_budget)
     records = {p: install_record(p, args.venvs) for p in peers}
+    if args.install_only:
+        return records
 
     import torch
     from capture import Workload, make_model, make_sequences
