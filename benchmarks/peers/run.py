@@ -220,6 +220,17 @@ def run_cell(peer: str, method: str, python: Path, workload: Path, queries: list
             time.sleep(0.2)
     p.returncode = os.waitstatus_to_exitcode(status)
     cell.process_seconds = time.perf_counter() - t0
+    (out / "process.json").write_text(json.dumps({"seconds": cell.process_seconds, "rss_peak_mb": cell.rss_peak_mb,
+                                                  "returncode": p.returncode, "why": cell.why}))
+    return read_cell(cell, out, p.returncode)
+
+
+def read_cell(cell: Cell, out: Path, returncode: int | None = None) -> Cell:
+    """The cell's result files in ``out`` (also those of an earlier, interrupted run kept with ``--keep``)."""
+    if returncode is None:  # resumed: what the parent recorded when this cell ended
+        rec = json.loads((out / "process.json").read_text())
+        cell.process_seconds, cell.rss_peak_mb, cell.why = rec["seconds"], rec["rss_peak_mb"], rec["why"]
+        returncode = rec["returncode"]
     res_file = out / "result.json"
     if res_file.exists():
         res = json.loads(res_file.read_text())
@@ -232,7 +243,7 @@ def run_cell(peer: str, method: str, python: Path, workload: Path, queries: list
             cell.why = res.get("error", "failed")
     elif not cell.why:
         tail = (out / "log.txt").read_text()[-1500:]
-        cell.why = f"exit {p.returncode}, no result: {tail}"
+        cell.why = f"exit {returncode}, no result: {tail}"
     for f in out.glob("scores_*.npy"):
         cell.scores[f.stem.removeprefix("scores_")] = np.load(f)
     state = "ok" if cell.ok else f"FAILED: {cell.why.splitlines()[-1] if cell.why else ''}"
@@ -414,7 +425,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--queries", default="", help="query counts, in the order they run (default: all, then 1)")
     ap.add_argument("--timeout", type=float, default=0, help="seconds per cell (default 600; 120 with --quick)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS, help="where peers.json/.md/.png go")
-    ap.add_argument("--keep", type=Path, default=None, help="keep the workload and every cell's output here")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="keep the workload and every cell's output here; a run kept there and interrupted "
+                         "resumes at its first unfinished cell")
     return ap.parse_args(argv)
 
 
@@ -448,11 +461,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     work = args.keep or Path(tempfile.mkdtemp(prefix="gradindex-peers-"))
+    meta = work / "workload" / "meta.json"
+    resume = args.keep is not None and meta.exists() and json.loads(meta.read_text()) == size
     w = Workload(layers=size["layers"], width=size["width"], heads=size["heads"], vocab=size["vocab"],
                  seq_len=size["seq_len"], sequences=size["train"], batch_size=size["batch_size"], seed=size["seed"])
     seqs = np.array(make_sequences(w, size["train"] + size["queries"], size["seq_len"]))
-    save_workload(make_model(w, size["positions"]), seqs[:size["train"]], seqs[size["train"]:], size,
-                  work / "workload")
+    if not resume:  # else: a run kept with --keep goes on where it stopped, on the same bytes
+        save_workload(make_model(w, size["positions"]), seqs[:size["train"]], seqs[size["train"]:], size,
+                      work / "workload")
     plan = [("floor", "floor")]
     for p in peers:
         plan += [(p, m) for m in PEERS[p].methods if not methods or m in methods]
@@ -464,9 +480,13 @@ def main(argv: list[str] | None = None) -> dict:
             if p != "floor" and not records[p].get("ok"):
                 cells.append(Cell(p, m, why=f"not installed: {records[p].get('why', '')}"))
                 continue
+            out = work / "runs" / f"{i:02d}-{p}-{m}"
+            if resume and (out / "process.json").exists():
+                cells.append(read_cell(Cell(p, m), out))
+                print(f"  {cells[-1].key:<28} (kept from the interrupted run)", flush=True)
+                continue
             python = Path(sys.executable) if p == "floor" else python_of(p, args.venvs)
-            cells.append(run_cell(p, m, python, work / "workload", queries, timeout,
-                                  work / "runs" / f"{i:02d}-{p}-{m}"))
+            cells.append(run_cell(p, m, python, work / "workload", queries, timeout, out))
     finally:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
