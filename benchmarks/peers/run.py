@@ -388,6 +388,7 @@ def plot(res: dict, path: Path) -> None:
     ax.axvline(s["floor_seconds"], color="k", ls="--", lw=1)
     ax.text(s["floor_seconds"], y[0] + 0.8, " floor", fontsize=8)
     ax.set_xscale("log")
+    ax.set_xlim(left=0.5 * min(r["total_s"] for r in rows))
     ax.set_xlabel(f"seconds, one thread (solid: build; hatched: {max(res['queries'])} queries); label: × floor")
     ax.set_title("Attribution on the shared workload, side by side", fontsize=10)
     fig.tight_layout()
