@@ -54,6 +54,22 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def on_rank0(fn):
+    """``fn()`` on rank 0, its result (or its error, raised) on every rank; plain ``fn()`` on one process."""
+    if world_size() == 1:
+        return fn()
+    out, err = None, None
+    if rank() == 0:
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 -- re-raised on every rank below
+            err = e
+    out, err = broadcast((out, err))
+    if err is not None:
+        raise err
+    return out
+
+
 def init_from_env(device: str = "cpu") -> bool:
     """Start the process group ``torchrun`` describes (``WORLD_SIZE`` > 1), once; return whether one runs.
 

@@ -177,15 +177,7 @@ class LiveCapture:
     # -- set-up -------------------------------------------------------------------------------
     def _check_out_dir(self) -> None:
         """Rank 0 checks (and with ``overwrite`` clears) the directory while the other ranks wait."""
-        try:
-            err = None
-            if distributed.rank() == 0:
-                self._prepare_out_dir()
-        except (FileExistsError, OSError) as e:
-            err = e
-        err = distributed.broadcast(err)
-        if err is not None:
-            raise err
+        distributed.on_rank0(self._prepare_out_dir)
 
     def _prepare_out_dir(self) -> None:
         if self.out.exists() and any(self.out.iterdir()):

@@ -255,7 +255,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                               collect_full_covariance=cfg.full_factors, transforms=transforms)
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer)
-    old = _on_rank0(lambda: prepare_out_dir(out, identity, overwrite))  # (it may delete: one rank does it)
+    old = distributed.on_rank0(lambda: prepare_out_dir(out, identity, overwrite))  # (it may delete: one rank does it)
     if old is not None and old.get("transcode") and old.get("status") == "complete":
         return BuildResult(out, old, time.perf_counter() - t0, 0)  # built and transcoded already
     lead = distributed.rank() == 0
@@ -358,21 +358,6 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     distributed.barrier()
     return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
 
-
-def _on_rank0(fn):
-    """``fn()`` on rank 0, its result (or its error, raised) on every rank; plain ``fn()`` on one process."""
-    if distributed.world_size() == 1:
-        return fn()
-    out, err = None, None
-    if distributed.rank() == 0:
-        try:
-            out = fn()
-        except Exception as e:  # noqa: BLE001 -- re-raised on every rank below
-            err = e
-    out, err = distributed.broadcast((out, err))
-    if err is not None:
-        raise err
-    return out
 
 
 def _move_damaged_aside(out: Path, full: bool) -> None:
