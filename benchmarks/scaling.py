@@ -39,29 +39,25 @@ LENGTHS = [128, 256, 512, 1024, 2048]
 
 
 def child(layers: int, width: int, length: int, n: int, method: str) -> dict:
-    """One measurement, in this (child) process."""
+    """One measurement, in this (child) process, on capture.py's workload (random ids, GPT-2 from a config)."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
-    from fixtures.tiny import tiny_gpt2
+    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+    from capture import Workload, make_model, make_sequences, run_floor
+
     from gradindex.capture import ProjectionSpec
-    from gradindex.data import Tokenized, collate
+    from gradindex.data import Tokenized
     from gradindex.pipeline import BuildConfig, build_index
 
     torch.set_num_threads(1)
-    model = tiny_gpt2(vocab_size=8192, n_layer=layers, n_embd=width, n_head=max(4, width // 64),
-                      n_positions=max(128, length))
+    w = Workload(layers=layers, width=width, heads=max(4, width // 64), seq_len=length, sequences=n,
+                 batch_size=8 if length <= 256 else max(1, 2048 // length))
+    model = make_model(w, max(128, length))
     params = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(0)
-    ids = [torch.randint(0, 8192, (length,), generator=g).tolist() for _ in range(n)]
-    batch = 8 if length <= 256 else max(1, 2048 // length)
+    ids, batch = make_sequences(w, n, length), w.batch_size
     t0 = time.perf_counter()
     if method == "floor":
-        model.train()
-        for s in range(0, n, batch):
-            b = collate(ids[s:s + batch], ids[s:s + batch], 0)
-            model(**b).loss.backward()
-            model.zero_grad(set_to_none=True)
+        run_floor(model, ids, batch)
         store = 0
     else:
         kind, k = method.split("-")

@@ -23,6 +23,9 @@ METHODS = BASE_METHODS + FITTED_METHODS + (ADAM,)
 SELFNORM = "-selfnorm"
 ALL_METHODS = METHODS + tuple(m + SELFNORM for m in METHODS if m != "cosine")
 """Every method name: ``<method>-selfnorm`` divides by ``sqrt`` of the training example's self-influence."""
+DEFAULT_DAMPING = 0.1
+"""Relative damping of ``kfac``/``ekfac`` (a fraction of each layer's mean eigenvalue) unless one is given:
+the default of every API and CLI option, and what a record that names none had."""
 
 
 def parse_method(method: str) -> tuple[str, bool]:

@@ -382,6 +382,28 @@ def test_scores_of_every_example_equal_brute_force_and_the_ranked_hits(engine, m
                                score_matrix(engine.dir, q, method=method, layers=mlp), rtol=1e-12)
 
 
+def test_exact_scores_need_no_faiss_indices(store_dir, tmp_path, engine):
+    """An index whose FAISS indices were never built (or whose first build did not finish) answers exact
+    scores; only a search asks for the indices, naming the command that builds them."""
+    d = tmp_path / "index"
+    shutil.copytree(store_dir, d)
+    shutil.rmtree(d / "faiss", ignore_errors=True)
+    q, _, _ = engine.gradients(engine.tokenize(QUERIES))
+    mlp = [n for n in engine.layer_names if ".mlp." in n]
+    with QueryEngine(d, model=engine.model, tokenizer=engine.tokenizer, layers="*.mlp.*") as e:
+        assert e.layers == mlp
+        np.testing.assert_allclose(e.scores(QUERIES, method="ekfac"), score_matrix(d, q, "ekfac", layers=mlp),
+                                   rtol=1e-12)
+        with pytest.raises(FileNotFoundError, match=r"no FAISS indices.*searching needs them.*`gradindex index"):
+            e.query(QUERIES[0])
+    (d / "faiss.new").mkdir()  # a first index build that was killed
+    with QueryEngine(d, load_model=False) as e:
+        np.testing.assert_allclose(e.scores(q, method="kfac-selfnorm"), score_matrix(d, q, "kfac-selfnorm"),
+                                   rtol=1e-12)
+        with pytest.raises(ValueError, match="did not finish; resume it with `gradindex index"):
+            e.search(q)
+
+
 def test_token_id_queries_need_no_tokenizer(engine):
     """The pad id comes from the model config (pad, else eos token) when no tokenizer is given."""
     ids = engine.tokenizer("the cat sat on a mat", add_special_tokens=False)["input_ids"]

@@ -176,14 +176,17 @@ def test_explanations_on_eigenbasis_rows_sum_to_the_score(built, tmp_path):
     from gradindex.apps.explain import Explainer
 
     model, tok, data, d, _ = built
-    cfg = dataclasses.replace(RAW, storage="fp32")
+    cfg = dataclasses.replace(RAW, storage="fp32")  # the rows bake in RAW.damping; queries ask for 0.05
     build_index(model, tok, data, tmp_path / "f32", cfg, index=IndexConfig(), progress=False)
     with QueryEngine(tmp_path / "f32", model=model, tokenizer=tok, data=None) as e:
         e.texts.tokens = lambda ids: ([data.input_ids[i] for i in ids], [data.labels[i] for i in ids],
                                       np.ones(len(ids), bool))
-        out = Explainer(e).explain("the cat sat on a mat", [0, 5], "ekfac")
+        out = Explainer(e).explain("the cat sat on a mat", [0, 5], "ekfac", damping=0.05)
         q, _, _ = e.gradients(e.tokenize(["the cat sat on a mat"]))
         scores = score_matrix(tmp_path / "f32", q, "ekfac", device="cpu")[0]
+        found = e.query("the cat sat on a mat", k=2, method="ekfac", damping=0.05, texts=False)
+    assert found.damping == RAW.damping != 0.05  # what the scores used, on both paths
+    assert [x.damping for x in out] == [RAW.damping] * 2
     for x in out:
         assert x.score == pytest.approx(scores[x.id], rel=1e-4)
         assert sum(x.train.scores) == pytest.approx(x.score, rel=1e-4)
@@ -194,3 +197,17 @@ def test_exhaustive_factory_follows_the_row_codes():
     assert default_factory(40, 16) == "Flat"
     assert [default_factory(40, 16, s) for s in ("fp16", "int8", "int4")] == ["SQfp16", "SQ8", "SQ4"]
     assert default_factory(1_000_000, 256, "int4") == "IVF1024,PQ128x4fs"
+
+
+def test_damping_used_is_the_querys_or_the_one_the_rows_bake_in():
+    """What a result reports: the query's damping where curvature is applied to the rows, the rows' own
+    where they are whitened and the method is their plain inner product, none where no curvature enters."""
+    from gradindex.store.basis import RowBasis
+
+    raw, kfac, eig = RowBasis(), RowBasis("kfac", 1.0), RowBasis("ekfac", 0.3)
+    assert [raw.damping_used(m, 0.05) for m in ("graddot", "cosine", "adam", "kfac", "ekfac")] == \
+        [None, None, None, 0.05, 0.05]
+    assert [kfac.damping_used(m, 0.05) for m in ("kfac", "ekfac")] == [1.0, 0.05]
+    assert eig.damping_used("ekfac", 0.05) == 0.3
+    with pytest.raises(ValueError, match="does not apply to this index"):
+        eig.damping_used("graddot", 0.05)

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
 from gradindex.manifest import read_complete_manifest, row_basis
-from gradindex.methods import parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
 from gradindex.precondition.preconditioner import selected_layers
 from gradindex.store import Store
 
@@ -47,7 +47,7 @@ class DedupConfig:
     all near copies and no topic pair)."""
     method: str = "graddot"
     """``graddot`` (raw gradients) or ``kfac``/``ekfac`` (whitened by ``H^{-1/2}`` first)."""
-    damping: float = 0.1
+    damping: float = DEFAULT_DAMPING
     """Relative damping of the whitening."""
     neighbors: int = 16
     """Nearest neighbours proposed per example (a group larger than this is still found through

@@ -31,7 +31,7 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.data import IGNORE
 from gradindex.index.space import query_vectors
 from gradindex.manifest import row_basis
-from gradindex.methods import parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
 from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records
 from gradindex.store.basis import rows_dual, to_rows
@@ -146,7 +146,7 @@ class Explainer:
         return out
 
     # -- explanations -------------------------------------------------------------------------
-    def explain(self, query, ids: Sequence[int] | int, method: str = "graddot", damping: float = 0.1,
+    def explain(self, query, ids: Sequence[int] | int, method: str = "graddot", damping: float = DEFAULT_DAMPING,
                 layers: Sequence[str] | str | None = None, text_field: str = "text") -> list[Explanation]:
         """One explanation per training row in ``ids`` for ``query`` (any form ``QueryEngine.query`` takes)."""
         e = self.engine
@@ -176,13 +176,12 @@ class Explainer:
         def captured(vec: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # against stored → against captured rows
             return {n: rows_dual(e.basis, n, v, shapes[n]) for n, v in vec.items()}
 
-        used = damping if on_rows in ("kfac", "ekfac") else (e.basis.damping if on_rows != base else None)
         out = []
         for j, (i, (x, y, fac)) in enumerate(zip(ids, self._train_factors(ids), strict=True)):
             train = self._scores(x, y, fac, captured({n: m[n][0] for n in chosen}))
             query_side = self._scores(q_ids, q_labels, q_fac, captured({n: mt[n][j] for n in chosen}))
             score = float(sum(float(np.dot(m[n][0], stored[n][j].astype(np.float64))) for n in chosen))
-            out.append(Explanation(i, score, base, used, chosen, train, query_side))
+            out.append(Explanation(i, score, base, e.basis.damping_used(base, damping), chosen, train, query_side))
         return out
 
     def _scores(self, ids: list[int], labels: list[int], fac: Factors, vec: dict[str, np.ndarray]) -> TokenScores:
@@ -203,7 +202,8 @@ class Explainer:
                            total.tolist(), [t > 0 and lab != IGNORE for t, lab in enumerate(labels)], layer_totals)
 
 
-def explain(engine: QueryEngine, query, ids: Sequence[int] | int, method: str = "graddot", damping: float = 0.1,
-            layers: Sequence[str] | str | None = None, text_field: str = "text") -> list[Explanation]:
+def explain(engine: QueryEngine, query, ids: Sequence[int] | int, method: str = "graddot",
+            damping: float = DEFAULT_DAMPING, layers: Sequence[str] | str | None = None,
+            text_field: str = "text") -> list[Explanation]:
     """Token-level explanations of training rows ``ids`` for ``query`` (see :class:`Explainer`)."""
     return Explainer(engine).explain(query, ids, method, damping, layers, text_field)

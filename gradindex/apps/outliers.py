@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradindex.manifest import read_complete_manifest
-from gradindex.methods import parse_method
+from gradindex.methods import DEFAULT_DAMPING, parse_method
 from gradindex.precondition import self_influence
 from gradindex.store import Store
 
@@ -49,7 +49,7 @@ class OutlierRanking:
                  "loss": float(self.loss[i])} for i in ids]
 
 
-def rank_outliers(index_dir: str | os.PathLike, method: str = "ekfac", damping: float = 0.1,
+def rank_outliers(index_dir: str | os.PathLike, method: str = "ekfac", damping: float = DEFAULT_DAMPING,
                   layers: Sequence[str] | None = None) -> OutlierRanking:
     """Self-influence of every stored example under ``method`` (``graddot``, ``kfac``, ``ekfac``)."""
     base, selfnorm = parse_method(method)

@@ -27,6 +27,7 @@ from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, heatmap, page, table
 from gradindex.apps.outliers import rank_outliers
 from gradindex.index.space import query_vectors
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records, describe
 
@@ -42,7 +43,7 @@ class ReportConfig:
     """Most helpful and most harmful examples per query."""
     method: str = "graddot"
     """``graddot``, ``kfac`` or ``ekfac`` (scores, explanations and self-influence)."""
-    damping: float = 0.1
+    damping: float = DEFAULT_DAMPING
     layers: tuple[str, ...] | None = None
     outliers: int = 20
     """Examples shown by self-influence."""

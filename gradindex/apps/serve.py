@@ -26,7 +26,7 @@ from gradindex.apps.batching import Batcher, Expired, Job, QueryJob, Stopped
 from gradindex.apps.explain import METHODS as EXPLAIN_METHODS
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, page
-from gradindex.methods import ALL_METHODS, default_method
+from gradindex.methods import ALL_METHODS, DEFAULT_DAMPING, default_method
 from gradindex.query import QueryEngine, QueryResult
 
 log = logging.getLogger("gradindex")
@@ -47,7 +47,7 @@ class QueryRequest(BaseModel):
     labels: list[int] | None = Field(None, description="With input_ids: -100 where no loss is taken.")
     k: int = Field(10, ge=1, le=MAX_K)
     method: str | None = Field(None, description="Default: ekfac where the index answers it, else graddot.")
-    damping: float = Field(0.1, gt=0, le=1e6)
+    damping: float = Field(DEFAULT_DAMPING, gt=0, le=1e6)
     layers: list[str] | None = Field(None, max_length=1000)
     lowest: int = Field(0, ge=0, le=MAX_K)
     explain: int = Field(0, ge=0, le=50, description="Explain the top N results token by token (graddot, kfac, ekfac).")

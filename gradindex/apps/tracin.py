@@ -28,7 +28,6 @@ from gradindex.data import Tokenized
 from gradindex.pipeline import BuildConfig, IndexConfig, build_index
 from gradindex.query import QueryEngine
 from gradindex.query.engine import Hit, QueryResult
-from gradindex.query.scores import score_matrix
 
 TRAJECTORY = "trajectory.json"
 
@@ -127,22 +126,20 @@ class TracInEngine:
         """``[Q, N]`` TracIn scores of every training example."""
         total = np.zeros((len(queries), self.n))
         for lr, e in zip(self.lrs, self.engines, strict=True):
-            grads, _, _ = e.gradients(e.tokenize(queries))
-            total += lr * score_matrix(e.index, grads, "graddot", layers=e.select_layers(layers))
+            total += lr * e.scores(queries, "graddot", layers=layers)
         return total
 
     def query_batch(self, queries: list, k: int = 10, lowest: int = 0, layers=None) -> list[QueryResult]:
         s = self.scores(queries, layers)
-        first = self.engines[-1]
+        last = self.engines[-1]
+        chosen = last.select_layers(layers)
         out = []
         for row in s:
-            order = np.lexsort((np.arange(self.n), -row))
-            top, low = order[:k], np.lexsort((np.arange(self.n), row))[:lowest]
-            ids = np.concatenate([top, low]).astype(np.int64)
-            texts = dict(zip(ids.tolist(), first.texts.texts(ids), strict=True)) if len(ids) else {}
-            out.append(QueryResult([Hit(int(i), float(row[i]), {}, texts.get(int(i))) for i in top],
-                                   [Hit(int(i), float(row[i]), {}, texts.get(int(i))) for i in low],
-                                   "tracin", None, first.select_layers(layers)))
+            top = np.lexsort((np.arange(self.n), -row))[:k]
+            ids = np.concatenate([top, np.lexsort((np.arange(self.n), row))[:lowest]]).astype(np.int64)
+            texts = last.texts.texts(ids) if len(ids) else []
+            hits = [Hit(int(i), float(row[i]), {}, t) for i, t in zip(ids, texts, strict=True)]
+            out.append(QueryResult(hits[:len(top)], hits[len(top):], "tracin", None, chosen))
         return out
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import engine_options, index_method, user_errors
+from gradindex.cli.common import damping_option, engine_options, index_method, user_errors
 
 
 @main.command()
@@ -18,7 +18,7 @@ from gradindex.cli.common import engine_options, index_method, user_errors
               help="Most helpful and most harmful examples per query.")
 @click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
               help="Scoring method (default: ekfac where the index answers it, else graddot).")
-@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
+@damping_option()
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
 @click.option("--outliers", default=20, show_default=True, type=int, help="Outliers shown (by self-influence).")
 @click.option("--dedup-threshold", default=None, type=float,

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import data_options, human_bytes, user_errors
+from gradindex.cli.common import damping_option, data_options, human_bytes, user_errors
 from gradindex.cli.index import check_index_type, index_config, index_options, report
 from gradindex.lock import index_lock
 
@@ -94,8 +94,7 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
               help="ekfac: after the EK-FAC fit, rewrite the rows in place in its whitened eigenbasis at "
                    "--damping (plain inner products = EK-FAC; what low-bit codes need). auto: ekfac when "
                    "--precondition is ekfac on raw rows. The index then answers --method ekfac.")
-@click.option("--damping", default=0.1, show_default=True, type=float,
-              help="Relative damping of the self-influence written with --precondition (and of --whiten).")
+@damping_option("Relative damping of the self-influence written with --precondition (and of --whiten).")
 @click.option("--full-factors", is_flag=True,
               help="Also sum full-space (unprojected) K-FAC factors in the capture pass, so that "
                    "`gradindex precondition --space full` needs one model pass instead of two.")

@@ -12,6 +12,7 @@ import functools
 import click
 
 from gradindex.manifest import IndexMismatchError
+from gradindex.methods import DEFAULT_DAMPING
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IndexMismatchError, TypeError, OSError, MemoryError)
 
@@ -46,6 +47,11 @@ def data_options(fn):
     fn = click.option("--max-length", default=512, show_default=True, type=int,
                       help="Truncate examples to this many tokens (capped at the model's positions).")(fn)
     return fn
+
+
+def damping_option(help: str = "Relative damping (kfac, ekfac)."):
+    """``--damping``, a fraction of each layer's mean eigenvalue (default :data:`gradindex.methods.DEFAULT_DAMPING`)."""
+    return click.option("--damping", default=DEFAULT_DAMPING, show_default=True, type=float, help=help)
 
 
 def engine_options(cpu_index: bool = True):

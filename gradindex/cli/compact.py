@@ -6,7 +6,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.build import STORAGES
-from gradindex.cli.common import user_errors
+from gradindex.cli.common import damping_option, user_errors
 from gradindex.cli.index import index_config, index_options, report
 
 
@@ -15,8 +15,7 @@ from gradindex.cli.index import index_config, index_options, report
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="New index directory to write.")
 @click.option("--basis", default="ekfac", show_default=True, type=click.Choice(["ekfac"]),
               help="ekfac: rotate rows into the fitted EK-FAC eigenbasis and scale by (Λ*+δ)^-1/2.")
-@click.option("--damping", default=0.1, show_default=True, type=float,
-              help="Relative damping δ baked into the rows (queries use it; --method ekfac).")
+@damping_option("Relative damping δ baked into the rows (queries use it; --method ekfac).")
 @click.option("--storage", default=None, type=click.Choice(list(STORAGES)),
               help="Row codes of the new store (default: the source's); int4 keeps ~99% of EK-FAC in this basis.")
 @click.option("--overwrite", is_flag=True, help="Replace another index in --out.")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import index_method, user_errors
+from gradindex.cli.common import damping_option, index_method, user_errors
 
 
 @main.command()
@@ -21,7 +21,7 @@ from gradindex.cli.common import index_method, user_errors
 @click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
               help="Compare raw gradients, or gradients whitened by this preconditioner "
                    "(default: graddot; ekfac on an index stored in the EK-FAC eigenbasis).")
-@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping of the whitening.")
+@damping_option("Relative damping of the whitening.")
 @click.option("--neighbors", default=16, show_default=True, type=int, help="Neighbours proposed per example.")
 @click.option("--sketch", default=256, show_default=True, type=int,
               help="Numbers per example in the candidate search (0: full vectors).")

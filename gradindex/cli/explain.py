@@ -7,7 +7,7 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import engine_options, index_method, user_errors
+from gradindex.cli.common import damping_option, engine_options, index_method, user_errors
 
 
 def _show(title: str, ts, top: int) -> None:
@@ -28,7 +28,7 @@ def _show(title: str, ts, top: int) -> None:
 @click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac", "adam"]),
               help="Default: ekfac where the index answers it, else graddot; adam: an index built with "
                    "--optimizer-state (factored).")
-@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
+@damping_option()
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
 @click.option("--top", default=10, show_default=True, type=int, help="Tokens shown per side (text output).")
 @engine_options(cpu_index=False)

@@ -8,7 +8,7 @@ import re
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import human_bytes, user_errors
+from gradindex.cli.common import damping_option, human_bytes, user_errors
 
 
 def index_options(fn):
@@ -69,7 +69,7 @@ def report(res) -> str:
 @main.command()
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
 @index_options
-@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping of --whiten.")
+@damping_option("Relative damping of --whiten.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of the training sample.")
 @click.option("--force", is_flag=True, help="Rebuild even when the indices are up to date.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")

@@ -7,14 +7,14 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import index_method, user_errors
+from gradindex.cli.common import damping_option, index_method, user_errors
 
 
 @main.command()
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
               help="Self-influence under this method (default: ekfac where the index answers it, else graddot).")
-@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
+@damping_option()
 @click.option("--by", default="self_influence", show_default=True,
               type=click.Choice(["self_influence", "per_token"]),
               help="Rank by self-influence, or by self-influence per target token.")

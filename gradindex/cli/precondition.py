@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import user_errors
+from gradindex.cli.common import damping_option, user_errors
 from gradindex.methods import FITTED_METHODS
 
 
@@ -13,8 +13,7 @@ from gradindex.methods import FITTED_METHODS
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--method", required=True, type=click.Choice(list(FITTED_METHODS)),
               help="kfac, or ekfac (which writes kfac too).")
-@click.option("--damping", default=0.1, show_default=True, type=float,
-              help="Relative damping of the self-influence written now (queries choose their own).")
+@damping_option("Relative damping of the self-influence written now (queries choose their own).")
 @click.option("--fit-data", default="", type=click.Path(dir_okay=True),
               help="Fit the factors on this data instead of the indexed data (one model pass).")
 @click.option("--fit-examples", default=0, show_default=True, type=int,

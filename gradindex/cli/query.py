@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import engine_options, user_errors
+from gradindex.cli.common import damping_option, engine_options, user_errors
 from gradindex.methods import ALL_METHODS, default_method
 
 
@@ -69,7 +69,7 @@ def _json(r) -> list[dict]:
 @click.option("--method", default=None, type=click.Choice([*ALL_METHODS, "tracin"]),
               help="Scoring method (default: ekfac where the index answers it, else graddot; adam on an "
                    "index built with --optimizer-state; tracin on a `gradindex trajectory` index).")
-@click.option("--damping", default=0.1, show_default=True, type=float, help="Relative damping (kfac, ekfac).")
+@damping_option()
 @click.option("--layers", multiple=True, help="Glob of layers to search (repeatable). Default: all.")
 @click.option("--lowest", default=0, show_default=True, type=int, help="Also the N most negative examples.")
 @click.option("--rerank-full", default=0, show_default=True, type=int,

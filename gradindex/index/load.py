@@ -73,8 +73,8 @@ def _check(meta: dict | None, d: Path, index_dir: str | os.PathLike, manifest: d
                          f"resume it with `gradindex index {index_dir}`")
     if meta is None:
         raise FileNotFoundError(
-            f"no FAISS indices in {str(d)!r} (index.json is missing); "
-            f"build them with `gradindex index {index_dir}`"
+            f"no FAISS indices in {str(d)!r} (index.json is missing): searching needs them (exact scores, "
+            f"QueryEngine.scores / score_matrix, do not); build them with `gradindex index {index_dir}`"
         )
     if meta.get("status") != "complete":
         raise ValueError(

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
-from gradindex.methods import IDENTITY_METHODS, SELFNORM
+from gradindex.methods import DEFAULT_DAMPING, IDENTITY_METHODS, SELFNORM
 from gradindex.precondition import Preconditioner, available_methods, load_preconditioner
 from gradindex.precondition.preconditioner import check_rows_fit_method
 
@@ -36,7 +36,7 @@ class IndexSpace:
 
     whiten: str = "none"
     """``none`` (raw vectors) or the preconditioner whose ``H^{-1/2}`` whitens them."""
-    damping: float = 0.1
+    damping: float = DEFAULT_DAMPING
     """Relative damping of the whitening (ignored when ``whiten='none'``)."""
     normalize: bool = False
     """Divide each example's vectors by its all-layer norm (cosine search without bias)."""
@@ -55,7 +55,7 @@ class IndexSpace:
 
     @classmethod
     def from_dict(cls, d: dict) -> IndexSpace:
-        return cls(whiten=d.get("whiten", "none"), damping=d.get("damping") or 0.1,
+        return cls(whiten=d.get("whiten", "none"), damping=d.get("damping") or DEFAULT_DAMPING,
                    normalize=bool(d.get("normalize", False)))
 
 

@@ -6,7 +6,7 @@
 ``⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩`` for every stored example. See docs/preconditioning.md.
 """
 
-from gradindex.methods import ALL_METHODS, FITTED_METHODS, METHODS, parse_method
+from gradindex.methods import ALL_METHODS, DEFAULT_DAMPING, FITTED_METHODS, METHODS, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.fit import FitConfig, fit_preconditioner
 from gradindex.precondition.fullspace import fit_full_space, full_space_methods, load_full_preconditioner
@@ -15,6 +15,7 @@ from gradindex.precondition.selfinf import self_influence
 
 __all__ = [
     "ALL_METHODS",
+    "DEFAULT_DAMPING",
     "FITTED_METHODS",
     "METHODS",
     "FitConfig",

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gradindex.methods import DEFAULT_DAMPING
+
 
 def eigendecompose(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(λ ascending [k], Q [k, k])`` of a symmetric matrix, in float64 on the symmetrized input.
@@ -32,7 +34,8 @@ def kfac_eigenvalues(lam_S: np.ndarray, lam_A: np.ndarray) -> np.ndarray:
 def absolute_damping(Lam: np.ndarray | torch.Tensor, damping: float) -> float:
     """``δ = damping × mean(Λ)`` (relative damping); ``damping`` itself when ``Λ`` is all zero."""
     if not damping > 0:
-        raise ValueError(f"damping must be > 0 (a fraction of the mean eigenvalue, e.g. 0.1), got {damping}")
+        raise ValueError(f"damping must be > 0 (a fraction of the mean eigenvalue, e.g. {DEFAULT_DAMPING}), "
+                         f"got {damping}")
     mean = float(Lam.mean())
     return damping * mean if mean > 0 else float(damping)
 

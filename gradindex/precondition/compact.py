@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from gradindex.checksum import read_checksums, write_checksums
 from gradindex.manifest import manifest_path, read_complete_manifest, read_manifest, row_basis, write_manifest
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.files import PRECOND_DIR
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
@@ -40,7 +41,7 @@ log = logging.getLogger("gradindex")
 COLUMNS = ("loss", "num_tokens", "finite", "token_hash")
 
 
-def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: float = 0.1,
+def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: float = DEFAULT_DAMPING,
                        storage: str | None = None, overwrite: bool = False, block: int = 1024,
                        progress: bool = False) -> dict:
     """Write ``out``: ``src``'s rows in the EK-FAC whitened eigenbasis, coded as ``storage``
@@ -129,7 +130,7 @@ _STALE = ("faiss", "damaged", f"{PRECOND_DIR}/graddot.h5")
 """What was computed from the raw rows and does not hold for the new ones (moved out too)."""
 
 
-def transcode_in_place(index_dir: str | os.PathLike, damping: float = 0.1, storage: str = "int4",
+def transcode_in_place(index_dir: str | os.PathLike, damping: float = DEFAULT_DAMPING, storage: str = "int4",
                        progress: bool = False) -> dict:
     """Rewrite ``index_dir``'s rows in the EK-FAC whitened eigenbasis as ``storage`` codes; return the manifest.
 

@@ -31,6 +31,7 @@ import numpy as np
 import gradindex
 from gradindex.checksum import Damage, check_files, damage_error, record
 from gradindex.manifest import IndexMismatchError
+from gradindex.methods import DEFAULT_DAMPING
 
 PRECOND_DIR = "precond"
 FORMAT_VERSION = 1
@@ -113,7 +114,7 @@ def refit_command(index_dir: str | os.PathLike, manifest: dict, name: str) -> st
         return f"gradindex precondition {index_dir} --method {method} --space full"
     fitted = manifest.get("preconditioners", {})
     method = name if name in fitted else ("ekfac" if "ekfac" in fitted else "kfac")
-    damping = fitted.get(method, {}).get("damping", 0.1)
+    damping = fitted.get(method, {}).get("damping", DEFAULT_DAMPING)
     return f"gradindex precondition {index_dir} --method {method} --damping {damping}"
 
 

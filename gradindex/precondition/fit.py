@@ -27,7 +27,7 @@ from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.lock import index_lock
 from gradindex.manifest import build_command, read_complete_manifest, read_manifest, write_manifest
-from gradindex.methods import FITTED_METHODS, adam_rows
+from gradindex.methods import DEFAULT_DAMPING, FITTED_METHODS, adam_rows
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.ekfac import Basis, store_pass
@@ -65,7 +65,7 @@ class FitConfig:
 
     method: str = "kfac"
     """``kfac`` or ``ekfac`` (an EK-FAC fit writes K-FAC too: both come from one store pass)."""
-    damping: float = 0.1
+    damping: float = DEFAULT_DAMPING
     """Relative damping of the self-influence written with the fit (queries pick their own)."""
     fit_data: str = ""
     """Fit the factors on this data file instead of the indexed data (costs a model pass)."""
@@ -94,7 +94,7 @@ class FitConfig:
             raise ValueError(f"--method {self.method!r} is not one of {list(FITTED_METHODS)}")
         if not self.damping > 0:
             raise ValueError(
-                f"--damping must be > 0 (a fraction of the mean eigenvalue, e.g. 0.1), got {self.damping}"
+                f"--damping must be > 0 (a fraction of the mean eigenvalue, e.g. {DEFAULT_DAMPING}), got {self.damping}"
             )
         if self.space not in SPACES:
             raise ValueError(f"--space {self.space!r} is not one of {list(SPACES)}")

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
-from gradindex.methods import ADAM, IDENTITY_METHODS, adam_rows, methods_of, parse_method
+from gradindex.methods import ADAM, DEFAULT_DAMPING, IDENTITY_METHODS, adam_rows, methods_of, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power
 from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
 
@@ -66,7 +66,7 @@ class Preconditioner:
     def is_identity(self) -> bool:
         return self.curvature is None
 
-    def delta(self, layer: str, damping: float = 0.1) -> float:
+    def delta(self, layer: str, damping: float = DEFAULT_DAMPING) -> float:
         """Absolute damping ``δ = damping × mean(Λ)`` of a layer."""
         if self.curvature is None:
             return 0.0
@@ -86,7 +86,7 @@ class Preconditioner:
             )
         return self._dev[key]
 
-    def apply(self, layer: str, x: torch.Tensor, power: float = -1.0, damping: float = 0.1) -> torch.Tensor:
+    def apply(self, layer: str, x: torch.Tensor, power: float = -1.0, damping: float = DEFAULT_DAMPING) -> torch.Tensor:
         """``(H + δI)^power x`` for rows ``x`` ``[n, D]`` of one layer → ``[n, D]``.
 
         ``power=-1`` is ``H⁻¹`` (influence), ``-0.5`` the whitening ``H^{-1/2}``. Computed on

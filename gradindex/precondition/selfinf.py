@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest, row_basis
-from gradindex.methods import ROW_METHODS, parse_method
+from gradindex.methods import DEFAULT_DAMPING, ROW_METHODS, parse_method
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import Basis, store_pass
 from gradindex.precondition.files import check_fingerprints, precond_path, read_self_influence
@@ -43,7 +43,7 @@ def _stored(index_dir, method: str, manifest: dict) -> tuple[float, list[str], n
 def self_influence(
     index_dir: str | os.PathLike,
     method: str,
-    damping: float = 0.1,
+    damping: float = DEFAULT_DAMPING,
     layers: Sequence[str] | None = None,
     device: str = "auto",
     block: int = 1024,

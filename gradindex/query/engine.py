@@ -17,9 +17,9 @@ from gradindex.capture import GradientCapture
 from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
 from gradindex.fingerprint import model_fingerprint
-from gradindex.index import OpenIndex, RowReader, open_index, query_vectors
+from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
 from gradindex.manifest import IndexMismatchError, identity_differences, row_basis
-from gradindex.methods import parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
@@ -81,8 +81,10 @@ class QueryEngine:
 
     ``model_dir`` defaults to the model the index was built with (``manifest['model_id']``);
     a model that differs from it (fingerprint, layers, projection) is refused. ``layers`` (glob
-    patterns) loads only some layers' indices; ``data`` overrides where training texts are read;
-    ``load_model=False`` opens a search-only engine (:meth:`search` on given gradients).
+    patterns) keeps only some layers (and loads only their indices); ``data`` overrides where
+    training texts are read; ``load_model=False`` opens a search-only engine (:meth:`search` or
+    :meth:`scores` on given gradients). The FAISS indices are read at the first search
+    (:attr:`indices`); exact :meth:`scores` never read them, so they work before `gradindex index`.
     ``index`` is a path or an :class:`~gradindex.index.OpenIndex` (then shared, not closed here).
     A ``model`` passed in needs a ``tokenizer`` only for text queries; token-id queries pad with
     ``pad_id`` (default: the tokenizer's, else the model config's). ``optimizer_state`` overrides
@@ -100,9 +102,10 @@ class QueryEngine:
             self.dir, self.manifest, self.store = self.index.dir, self.index.manifest, self.index.store
             self.n = self.index.n
             self.layer_names = list(self.index.layers)
-            chosen = self.select_layers(layers) if layers else None
-            self.indices = self.index.load_indices(chosen, use_gpu)
-            self.rows = RowReader(self.store, list(self.indices.layers))
+            self.layers = self.select_layers(layers)
+            """The layers this engine answers on (every indexed layer unless ``layers`` chose some), model order."""
+            self._use_gpu = use_gpu
+            self.rows = RowReader(self.store, self.layers)
             self.pre = self.index.pre
             self.basis = self.index.basis
             self._scales: dict[tuple, np.ndarray] = {}
@@ -167,7 +170,7 @@ class QueryEngine:
 
     def select_layers(self, patterns: Sequence[str] | str | None) -> list[str]:
         """Layer names matching glob ``patterns`` (all loaded layers when ``None``), model order."""
-        have = list(self.indices.layers) if hasattr(self, "indices") else self.layer_names
+        have = getattr(self, "layers", self.layer_names)
         if not patterns:
             return have
         patterns = [patterns] if isinstance(patterns, str) else list(patterns)
@@ -176,6 +179,12 @@ class QueryEngine:
             raise ValueError(f"layer patterns {patterns} match no indexed layer; layers look like "
                              f"{have[:2]} ({len(have)} in all, see `gradindex info {self.dir}`)")
         return out
+
+    @property
+    def indices(self) -> IndexSet:
+        """The FAISS indices of :attr:`layers`, loaded on first use: :meth:`search` (and so :meth:`query`)
+        needs them, exact :meth:`scores` do not (an index built with ``--no-index`` answers those)."""
+        return self.index.load_indices(self.layers, self._use_gpu)
 
     def close(self) -> None:
         if self._owns_index:
@@ -219,7 +228,7 @@ class QueryEngine:
         """One query (text, ``(prompt, completion)``, token ids or record); see :meth:`query_batch`."""
         return self.query_batch([query], **kwargs)[0]
 
-    def query_batch(self, queries, k: int = 10, method: str = "graddot", damping: float = 0.1,
+    def query_batch(self, queries, k: int = 10, method: str = "graddot", damping: float = DEFAULT_DAMPING,
                     layers: Sequence[str] | str | None = None, lowest: int = 0, rerank_full: int = 0,
                     candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
                     texts: bool = True, text_field: str = "text") -> list[QueryResult]:
@@ -263,7 +272,7 @@ class QueryEngine:
         if base not in self._full_pre:
             self._full_pre[base] = load_full_preconditioner(self.dir, base)
         return self._full_pre[base]
-    def scores(self, queries, method: str = "graddot", damping: float = 0.1,
+    def scores(self, queries, method: str = "graddot", damping: float = DEFAULT_DAMPING,
                layers: Sequence[str] | str | None = None, text_field: str = "text") -> np.ndarray:
         """``[Q, N]`` float64 exact scores of every query against every training example.
 
@@ -279,14 +288,15 @@ class QueryEngine:
         return score_matrix(self.index, grads, method, damping, self.select_layers(layers))
 
     def search(self, grads: dict[str, torch.Tensor | np.ndarray], k: int = 10, method: str = "graddot",
-               damping: float = 0.1, layers: Sequence[str] | str | None = None, lowest: int = 0,
+               damping: float = DEFAULT_DAMPING, layers: Sequence[str] | str | None = None, lowest: int = 0,
                candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
                texts: bool = True) -> list[QueryResult]:
         """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
-        base, selfnorm = parse_method(method)
-        base = row_base(base, row_basis(self.manifest), method)  # the operation on stored rows
+        asked, selfnorm = parse_method(method)
+        base = row_base(asked, row_basis(self.manifest), method)  # the operation on stored rows
         self.pre.check(base, selfnorm)
+        used = self.basis.damping_used(asked, damping)
         chosen = self.select_layers(layers)
         missing = [n for n in chosen if n not in grads]
         if missing:
@@ -334,7 +344,6 @@ class QueryEngine:
         t3 = time.perf_counter()
         out = []
         for (top, low), widened in zip(ranked, short, strict=True):
-            used = damping if base in ("kfac", "ekfac") else (self.basis.damping if self.basis.kind != "raw" else None)
             res = QueryResult(self._hits(top, chosen), self._hits(low, chosen), method, used, chosen,
                               notes=list(notes))
             if widened:

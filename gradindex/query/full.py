@@ -22,7 +22,7 @@ from torch import nn
 
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.tokens import TokenCapture
-from gradindex.methods import parse_method
+from gradindex.methods import DEFAULT_DAMPING, parse_method
 from gradindex.precondition.apply import damped
 from gradindex.precondition.preconditioner import Preconditioner
 
@@ -49,7 +49,7 @@ def full_gradient_scores(
     method: str = "graddot",
     batch_size: int = 8,
     pre: Preconditioner | None = None,
-    damping: float = 0.1,
+    damping: float = DEFAULT_DAMPING,
     dtype: torch.dtype = torch.float32,
 ) -> np.ndarray:
     """``[n]`` float64 full-space scores of one query against ``n`` training examples (module docstring).

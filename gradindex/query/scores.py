@@ -24,7 +24,7 @@ import torch
 
 from gradindex.index import OpenIndex, open_index
 from gradindex.manifest import row_basis
-from gradindex.methods import parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import block_rows
 
@@ -33,7 +33,7 @@ def score_matrix(
     index: str | os.PathLike | OpenIndex,
     query_grads: Mapping[str, torch.Tensor | np.ndarray],
     method: str = "graddot",
-    damping: float = 0.1,
+    damping: float = DEFAULT_DAMPING,
     layers: Sequence[str] | None = None,
     block: int = 4096,
     device: str = "auto",

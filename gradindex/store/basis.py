@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from gradindex.checksum import Damage, check_files, damage_error, record
+from gradindex.methods import DEFAULT_DAMPING, FITTED_METHODS, row_base
 
 BASIS_FILE = "basis.h5"
 BASES = ("raw", "kfac", "ekfac")
@@ -50,6 +51,19 @@ class RowBasis:
     """layer → ``[k_g, k_a]`` ``(Λ* + δ)^{-1/2}`` (``ekfac``)."""
     spectra: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     """layer → eigenvalues of the full-space ``(A, S)`` (``kfac``), kept for allocation by spectrum."""
+
+    def damping_used(self, base: str, damping: float) -> float | None:
+        """The relative damping behind scores of a base method asked for on these rows (what results report).
+
+        The query's ``damping`` where a fitted preconditioner is applied to the rows (:func:`row_base`
+        ``kfac``/``ekfac``); the one the rows bake in where the method is their plain inner product
+        (``ekfac`` on a compacted or transcoded index, ``kfac`` on a ``kfac`` basis: the query's
+        ``damping`` plays no part there); ``None`` where no curvature enters (graddot, cosine, adam).
+        """
+        on_rows = row_base(base, self.kind)
+        if on_rows in FITTED_METHODS:
+            return damping
+        return self.damping if on_rows != base else None
 
 
 def basis_path(index_dir: str | os.PathLike) -> Path:
@@ -118,7 +132,7 @@ def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
 
     source = (manifest.get("compact") or {}).get("source")
     if source:
-        damping = (manifest.get("build", {}).get("basis") or {}).get("damping", 0.1)
+        damping = (manifest.get("build", {}).get("basis") or {}).get("damping", DEFAULT_DAMPING)
         return f"gradindex compact {source} --out {index_dir} --damping {damping} --overwrite"
     return build_command(index_dir, manifest, extra="--overwrite")
 

@@ -35,6 +35,7 @@ from gradindex.manifest import (
     read_manifest,
     write_manifest,
 )
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_pad_id
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.basis import BASES, RowBasis, capture_transforms
@@ -69,7 +70,7 @@ class BuildConfig:
     ``gradindex precondition --space full`` needs only its correction pass."""
     precondition: str = "none"
     """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass)."""
-    damping: float = 0.1
+    damping: float = DEFAULT_DAMPING
     """Relative damping of the self-influence written with ``precondition``."""
     storage: str = "fp32"
     """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`)."""
