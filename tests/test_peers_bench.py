@@ -87,3 +87,44 @@ def test_quick_run_writes_the_floor_and_gradindex_rows(tmp_path):
         assert f"| gradindex | {r['method']} | {r['build_s']:.1f} |" in md and f"| {r['total_s']:.1f} |" in md
     assert "Floor (bare forward + backward)" in md
     assert (tmp_path / "peers.png").stat().st_size > 1000
+
+
+def test_dattri_logra_keeps_its_batch_metadata_out_of_the_working_directory(tmp_path, monkeypatch):
+    """dattri's LoGra writes ``batch_metadata.json`` into ``cache_dir``, the working directory when none is
+    given (dattri 0.3's ``MetadataManager(cache_dir or ".")``); a stand-in with that behaviour shows where."""
+    import importlib.util
+    import types
+
+    from common import Clock, Workload
+
+    from fixtures.tiny import tiny_gpt2
+
+    seen = {}
+
+    class LoGraAttributor:
+        def __init__(self, task, layer_names, hessian, device, proj_dim, offload, cache_dir=None):
+            self.dir = Path(cache_dir or ".")
+
+        def cache(self, train):
+            seen["n"] = sum(len(b["input_ids"]) for b in train)
+            (self.dir / "batch_metadata.json").write_text("{}")
+            seen["written"] = (self.dir / "batch_metadata.json").resolve()
+
+        def attribute(self, train, test):
+            return torch.zeros(seen["n"], sum(len(b["input_ids"]) for b in test))
+
+    fake = {"dattri": types.ModuleType("dattri"), "dattri.algorithm": types.ModuleType("dattri.algorithm"),
+            "dattri.algorithm.logra": types.SimpleNamespace(LoGraAttributor=LoGraAttributor),
+            "dattri.task": types.SimpleNamespace(AttributionTask=lambda **kw: kw)}
+    for name, mod in fake.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    spec = importlib.util.spec_from_file_location("dattri_adapter", ROOT / "benchmarks/peers/adapters/dattri.py")
+    adapter = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the adapter puts its harness folder first
+    spec.loader.exec_module(adapter)
+    ids = torch.randint(64, (6, 8), generator=torch.Generator().manual_seed(0))
+    w = Workload(tiny_gpt2(vocab_size=64, n_layer=1, n_embd=16, n_head=2), ids, ids[:2], {"batch_size": 4}, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    out = adapter.METHODS["graddot-proj"](w, [2, 1], Clock())
+    assert {k: v.shape for k, v in out.items()} == {2: (2, 6), 1: (1, 6)}
+    assert list(tmp_path.iterdir()) == [] and not seen["written"].exists()  # written in a temp dir, removed

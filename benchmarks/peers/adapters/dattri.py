@@ -4,7 +4,8 @@ dattri's hook-based attributors track ``nn.Linear``, so each block ``Conv1D`` be
 ``nn.Linear``. Loss: next-token cross-entropy summed per sequence.
 
 * ``graddot-proj``: ``LoGraAttributor(hessian="Identity", proj_dim=256)`` — a factored Gaussian
-  projection to 16x16 = 256 numbers per layer; ``build`` = ``cache`` over the training batches,
+  projection to 16x16 = 256 numbers per layer; ``build`` = ``cache`` over the training batches
+  (its ``batch_metadata.json`` in a temporary ``cache_dir``, not the working directory),
   ``query_Q`` = ``attribute`` against the first ``Q`` queries. dattri takes the query's loss from the
   model's own output (HF's mean over the batch's tokens): one positive scale for all queries of a
   batch, which no ranking sees.
@@ -18,6 +19,7 @@ dattri's hook-based attributors track ``nn.Linear``, so each block ``Conv1D`` be
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -55,15 +57,16 @@ def logra(hessian: str):
 
         train = DataLoader(Rows(w.train), batch_size=w.batch_size, shuffle=False)
         out = {}
-        with clock.phase("build"):
-            task = AttributionTask(loss_func=loss, model=w.model, checkpoints=w.model.state_dict())
-            attributor = LoGraAttributor(task=task, layer_names=tracked, hessian=hessian, device="cpu",
-                                         proj_dim=256, offload="cpu")
-            attributor.cache(train)
-        for q in queries:
-            with clock.phase(f"query_{q}"):
-                test = DataLoader(Rows(w.queries[:q]), batch_size=w.batch_size, shuffle=False)
-                out[q] = attributor.attribute(train, test).T.double().numpy()  # [N, Q] → [Q, N]
+        with tempfile.TemporaryDirectory(prefix="dattri-logra-") as cache:  # its batch_metadata.json (default: ".")
+            with clock.phase("build"):
+                task = AttributionTask(loss_func=loss, model=w.model, checkpoints=w.model.state_dict())
+                attributor = LoGraAttributor(task=task, layer_names=tracked, hessian=hessian, device="cpu",
+                                             proj_dim=256, offload="cpu", cache_dir=cache)
+                attributor.cache(train)
+            for q in queries:
+                with clock.phase(f"query_{q}"):
+                    test = DataLoader(Rows(w.queries[:q]), batch_size=w.batch_size, shuffle=False)
+                    out[q] = attributor.attribute(train, test).T.double().numpy()  # [N, Q] → [Q, N]
         return out
 
     return run
