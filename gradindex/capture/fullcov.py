@@ -20,9 +20,8 @@ class FullCovariance(GradientCapture):
 
     def layer_gradient(self, name: str, a: torch.Tensor, g: torch.Tensor, route: str | None = None) -> torch.Tensor:
         info = self.infos[name]
+        a, g = self.per_token(name, a, g)  # [B, T, N_i], [B, T, N_o]
         B = a.shape[0]
-        a = a.reshape(B, -1, info.n_in).float()  # [B, T, N_i]
-        g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
         m = self._token_weights(name, B, a.shape[1], a)
         self._add_covariance(name, _with_ones(a, m, info.bias), g, m)
         return a.new_zeros(B, 0)

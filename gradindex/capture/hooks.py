@@ -152,6 +152,7 @@ class GradientCapture:
         self.route_counts: Counter = Counter()
         self._handles: list = []
         self._mask: torch.Tensor | None = None
+        self._batch_shape: tuple[int, int] | None = None
         self._records: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self._grads: dict[str, torch.Tensor] = {}
         self._proj: dict[tuple[str, str, str], torch.Tensor | None] = {}
@@ -235,9 +236,14 @@ class GradientCapture:
         self.detach()
 
     # -- per batch ----------------------------------------------------------------------------
-    def set_mask(self, mask: torch.Tensor | None) -> None:
-        """``[B, T]`` weights of token positions (1 real, 0 padding) for the next batch."""
+    def set_mask(self, mask: torch.Tensor | None, shape: tuple[int, int] | None = None) -> None:
+        """``[B, T]`` weights of token positions (1 real, 0 padding) for the next batch.
+
+        ``shape``: the batch's ``(B, T)`` when there is no mask. Either tells the hooks how to fold a
+        layer input that a model flattened to ``[B*T, N_i]`` (OPT's MLP) back into examples.
+        """
         self._mask = mask
+        self._batch_shape = tuple(mask.shape) if mask is not None else (tuple(shape) if shape is not None else None)
         self._mask_tokens = None
 
     def backward(self, loss: torch.Tensor, grad_output: torch.Tensor | None = None,
@@ -301,10 +307,8 @@ class GradientCapture:
         overrides the capture's (the benchmarks time each route on the same tensors).
         """
         info = self.infos[name]
-        B = a.shape[0]
-        a = a.reshape(B, -1, info.n_in).float()  # [B, T, N_i] (no copy when already fp32)
-        g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
-        T = a.shape[1]
+        a, g = self.per_token(name, a, g)  # [B, T, N_i], [B, T, N_o] fp32 (no copy when already)
+        B, T = a.shape[:2]
         m = self._token_weights(name, B, T, a)  # [B, T, 1], or None when every token counts
         M_a = self.side_map(name, "a", a.device)  # [k_a, N_i(+1)] or None (exact side)
         M_g = self.side_map(name, "g", g.device)  # [k_g, N_o] or None
@@ -382,13 +386,31 @@ class GradientCapture:
         if t is not None and t.elementwise is not None:
             raise ValueError(f"layer {name!r} has an entrywise gradient transform (exact optimizer-aware "
                              "influence), which does not split into per-token terms; use a factored one")
-        info = self.infos[name]
-        B = a.shape[0]
-        a = a.reshape(B, -1, info.n_in).float()  # [B, T, N_i]
-        g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
-        m = self._token_weights(name, B, a.shape[1], a)  # [B, T, 1] or None
+        a, g = self.per_token(name, a, g)  # [B, T, N_i], [B, T, N_o]
+        m = self._token_weights(name, a.shape[0], a.shape[1], a)  # [B, T, 1] or None
         gb = self._map_outputs(g, self.side_map(name, "g", g.device), self.side_scale(name, "g"))
         return gb, self._map_inputs(name, a, m)
+
+    def per_token(self, name: str, a: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's input ``a`` and output gradient ``g`` as ``[B, T, N_i]`` and ``[B, T, N_o]`` float32.
+
+        Models call some linear layers on ``[B, T, N]`` and some on tokens flattened to ``[B*T, N]``
+        (OPT's MLP); with the batch's shape known (:meth:`set_mask`) both fold back into examples.
+        """
+        info = self.infos[name]
+        shape = self._batch_shape
+        if shape is None:
+            B = a.shape[0]
+        else:
+            B = shape[0]
+            if a.numel() != B * shape[1] * info.n_in:
+                raise ValueError(
+                    f"layer {name!r} was called on inputs of shape {tuple(a.shape)}, which are not the batch's "
+                    f"{B} x {shape[1]} token positions; gradindex hooks layers that run once per token (an "
+                    "unpadded or routed layer, e.g. a mixture-of-experts expert, is not supported: exclude it "
+                    "with --layers)"
+                )
+        return a.reshape(B, -1, info.n_in).float(), g.reshape(B, -1, info.n_out).float()
 
     def _token_weights(self, name: str, B: int, T: int, a: torch.Tensor) -> torch.Tensor | None:
         mask = self._mask

@@ -35,14 +35,14 @@ class TokenCapture(GradientCapture):
 
     def set_mask(self, mask: torch.Tensor | None) -> None:
         """As :meth:`GradientCapture.set_mask`; a batch without padding is not masked (the same factors)."""
-        super().set_mask(None if mask is not None and bool(mask.all()) else mask)
+        super().set_mask(mask)
+        if mask is not None and bool(mask.all()):
+            self._mask = None  # the batch's shape is kept
 
     def _accumulate(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
         info = self.infos[name]
-        B = a.shape[0]
-        a = a.reshape(B, -1, info.n_in).float()  # [B, T, N_i]
-        g = g.reshape(B, -1, info.n_out).float()  # [B, T, N_o]
-        m = self._token_weights(name, B, a.shape[1], a)  # [B, T, 1] or None
+        a, g = self.per_token(name, a, g)  # [B, T, N_i], [B, T, N_o]
+        m = self._token_weights(name, a.shape[0], a.shape[1], a)  # [B, T, 1] or None
         self.route_counts["tokens"] += 1
         self.visit(name, _with_ones(a, m, info.bias), g if m is None else g * m)
 

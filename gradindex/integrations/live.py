@@ -247,7 +247,7 @@ class LiveCapture:
         self._max_batch = max(self._max_batch, B)
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else self._lr
         self._pending = _MicroBatch(rows, self.step, float(self.epoch), float(lr), ids, labels, mask)
-        self.capture.set_mask(mask)
+        self.capture.set_mask(mask, tuple(ids.shape) if ids.ndim == 2 else None)
         return args, kwargs
 
     def _output_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
