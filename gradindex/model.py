@@ -91,6 +91,12 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{str(p)!r} has no config.json; pass a local transformers model directory")
     config = AutoConfig.from_pretrained(p, local_files_only=True)
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{str(p)!r} holds an encoder-decoder {config.model_type!r} model ({_saved_as(config)}); gradindex "
+            "attributes decoder-only causal LMs, and AutoModelForCausalLM would keep this model's decoder only, "
+            "dropping the encoder: use a decoder-only model (e.g. GPT-2, Llama, Qwen2)"
+        )
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(
             f"{str(p)!r} holds a {config.model_type!r} model, which is not a causal LM; gradindex "
@@ -98,15 +104,55 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
         )
     dev = resolve_device(device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True)
+        model, info = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True,
+                                                           output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - safetensors, torch and transformers raise many types
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ValueError(
             f"could not load the weights in {str(p)!r} ({type(e).__name__}: {first}); the weights file is "
             "missing, truncated or corrupt: save the model there again (model.save_pretrained)"
         ) from None
+    check_loaded(p, config, info)
     model.to(dev).eval()
     return model, load_tokenizer(p)
+
+
+def _saved_as(config) -> str:
+    archs = getattr(config, "architectures", None) or []
+    return "saved as " + ", ".join(archs) if archs else "no architectures in config.json"
+
+
+def _causal_class_names() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out: set[str] = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        out.update([v] if isinstance(v, str) else v)
+    return out
+
+
+def check_loaded(path: Path, config, info: dict) -> None:
+    """Refuse a causal LM whose weights did not all come from the checkpoint.
+
+    A directory saved from a model without an LM head (``LlamaModel``, a classifier) still loads
+    into ``AutoModelForCausalLM``, with the missing weights (an untied ``lm_head``) drawn at random
+    and the checkpoint's own head dropped: its gradients would be those of another model.
+    """
+    missing = sorted(info.get("missing_keys") or [])
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    archs = list(getattr(config, "architectures", None) or [])
+    headless = bool(archs) and not set(archs) & _causal_class_names()
+    fix = ("gradindex needs the causal LM itself: save the model loaded with AutoModelForCausalLM "
+           "(e.g. AutoModelForCausalLM.from_pretrained(...).save_pretrained(DIR)) with its trained LM head")
+    if missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        what = f"{_saved_as(config)}, with no causal LM head; " if headless else ""
+        raise ValueError(f"{str(path)!r} ({what}{len(missing)} weight(s) missing: {shown}) would load with those "
+                         f"weights drawn at random; {fix}")
+    if headless and unexpected:
+        shown = ", ".join(unexpected[:3]) + (", ..." if len(unexpected) > 3 else "")
+        raise ValueError(f"{str(path)!r} is {_saved_as(config)}, not a causal LM: its weights {shown} have no "
+                         f"place in one and would be dropped; {fix}")
 
 
 def load_tokenizer(model_dir: str | os.PathLike):

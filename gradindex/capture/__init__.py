@@ -1,6 +1,6 @@
 """Capture: hooks on linear layers, seeded factored projection, routing between computations."""
 
-from gradindex.capture.hooks import GradientCapture, select_layers
+from gradindex.capture.hooks import GradientCapture, select_layers, unhooked_weights
 from gradindex.capture.layers import LayerInfo, layer_info, register_layer
 from gradindex.capture.projection import ProjectionSpec, projection_matrix
 from gradindex.capture.routing import choose_route
@@ -14,4 +14,5 @@ __all__ = [
     "projection_matrix",
     "register_layer",
     "select_layers",
+    "unhooked_weights",
 ]

@@ -21,7 +21,8 @@ from gradindex.capture.sampling import sample_targets
 from gradindex.data import IGNORE
 
 PLAIN_HEAD_MODELS = frozenset({
-    "GPT2LMHeadModel", "GPTNeoXForCausalLM", "LlamaForCausalLM", "MistralForCausalLM",
+    "BloomForCausalLM", "FalconForCausalLM", "GemmaForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "Phi3ForCausalLM",
     "Qwen2ForCausalLM", "Qwen3ForCausalLM",
 })
 """Model classes whose logits are exactly ``head(base_model(...)[0])``: no scaling or capping."""

@@ -13,6 +13,7 @@ Two modes share one code path (:meth:`GradientCapture._accumulate`):
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -80,6 +81,22 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
             )
         chosen.update((n, hookable[n]) for n in hits)
     return {n: m for n, m in hookable.items() if n in chosen}
+
+
+def unhooked_weights(model: nn.Module, chosen: Mapping[str, nn.Module]) -> list[str]:
+    """Weight matrices inside the transformer blocks that no module of ``chosen`` owns, as globs with the
+    block index as ``*`` (e.g. a mixture-of-experts' fused expert weights, which no capture rule covers)."""
+    prefix = _block_prefix(model)
+    if not prefix:
+        return []
+    owned = {id(p) for m in chosen.values() for p in m.parameters(recurse=False)}
+    out: list[str] = []
+    for name, p in model.named_parameters():
+        if name.startswith(prefix + ".") and p.ndim >= 2 and id(p) not in owned:
+            glob = re.sub(r"\.\d+\.", ".*.", name)
+            if glob not in out:
+                out.append(glob)
+    return out
 
 
 def _check_transforms(

@@ -50,6 +50,18 @@ def check_capture_memory(model, spec, layers, batch_size: int, projection: str) 
         )
 
 
+def note_unhooked(model) -> None:
+    """Say which weight matrices of the blocks the default selection leaves out (no capture rule)."""
+    from gradindex.capture import select_layers, unhooked_weights
+
+    left = unhooked_weights(model, select_layers(model))
+    if left:
+        shown = ", ".join(left[:4]) + (", ..." if len(left) > 4 else "")
+        click.echo(f"note: {len(left)} weight matrices per block have no capture rule and are not attributed "
+                   f"({shown}; e.g. mixture-of-experts experts); the scores cover the linear layers that "
+                   "`gradindex layers MODEL_DIR` marks", err=True)
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.argument("data", type=click.Path())
@@ -148,6 +160,8 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
         model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
+        if not layers:
+            note_unhooked(model)
         if not auto:  # --projection auto stores what --budget buys
             check_capture_memory(model, spec, layers, batch_size, projection)
         records = load_records(data)

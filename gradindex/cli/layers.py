@@ -14,7 +14,7 @@ from gradindex.cli.common import user_errors
 @user_errors
 def layers(model_dir, layers):
     """List the model's hookable linear layers; '*' marks the ones selected."""
-    from gradindex.capture import layer_info, select_layers
+    from gradindex.capture import layer_info, select_layers, unhooked_weights
     from gradindex.capture.layers import rule_for
     from gradindex.model import load_causal_lm
 
@@ -25,3 +25,6 @@ def layers(model_dir, layers):
             i = layer_info(mod)
             mark = "*" if name in chosen else " "
             click.echo(f"{mark} {name}  {i.kind} {i.n_in}->{i.n_out}{' +bias' if i.bias else ''}")
+    if not layers:
+        for glob in unhooked_weights(model, chosen):
+            click.echo(f"! {glob}  not hookable (no capture rule): not attributed")
