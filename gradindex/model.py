@@ -90,7 +90,8 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     p = Path(model_dir)
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{str(p)!r} has no config.json; pass a local transformers model directory")
-    config = AutoConfig.from_pretrained(p, local_files_only=True)
+    refuse_custom_code(p)
+    config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=False)
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
             f"{str(p)!r} holds an encoder-decoder {config.model_type!r} model ({_saved_as(config)}); gradindex "
@@ -105,7 +106,7 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     dev = resolve_device(device)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True,
-                                                           output_loading_info=True)
+                                                           trust_remote_code=False, output_loading_info=True)
     except Exception as e:  # noqa: BLE001 - safetensors, torch and transformers raise many types
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ValueError(
@@ -115,6 +116,29 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     check_loaded(p, config, info)
     model.to(dev).eval()
     return model, load_tokenizer(p)
+
+
+def refuse_custom_code(path: Path) -> None:
+    """Refuse a model whose architecture exists only as code shipped in its directory (``auto_map``).
+
+    gradindex never runs such code (``trust_remote_code``); without this check transformers would
+    stop to ask on the terminal, or fail with advice to pass a flag gradindex does not have.
+    """
+    import json
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # AutoConfig reports it
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if isinstance(raw, dict) and raw.get("auto_map") and model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"{str(path)!r} holds a {model_type!r} model defined by code in its own directory (auto_map in "
+            "config.json), which gradindex does not run: use an architecture built into transformers (many "
+            "custom decoders load as 'llama' or 'mistral' once their config and weights are converted)"
+        )
 
 
 def _saved_as(config) -> str:
@@ -159,7 +183,7 @@ def load_tokenizer(model_dir: str | os.PathLike):
     """The tokenizer of a local model directory, with a pad token (eos or unk when it has none)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(Path(model_dir), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(Path(model_dir), local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     return tokenizer

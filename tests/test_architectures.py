@@ -10,6 +10,7 @@ gradients from ``torch.func``, and the default index's EK-FAC ranking against fu
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -236,9 +237,14 @@ def test_unsupported_models_are_refused_with_the_fix(tmp_path, tokenizer):
     for case, (model, message) in cases.items():
         r = CliRunner().invoke(main, ["layers", str(_save(model, tokenizer, tmp_path / case))])
         assert r.exit_code == 2 and "AutoModelForCausalLM" in r.output, (case, r.output)
-        import re
-
         assert re.search(message, " ".join(r.output.split())), (case, r.output)
+    # an architecture that exists only as code in the model's folder: refused, never run nor asked about
+    custom = _save(transformers.LlamaForCausalLM(llama), tokenizer, tmp_path / "custom")
+    cfg = json.loads((custom / "config.json").read_text())
+    cfg.update(model_type="mycustomlm", auto_map={"AutoModelForCausalLM": "modeling_my.MyLM"})
+    (custom / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["layers", str(custom)], input="y\n")
+    assert r.exit_code == 2 and re.search(r"'mycustomlm' model defined by code .*does not run", r.output), r.output
 
 
 def test_mixture_of_experts_weights_outside_the_rules_are_named(tmp_path, tokenizer):
