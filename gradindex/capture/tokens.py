@@ -33,9 +33,9 @@ class TokenCapture(GradientCapture):
                          weight_free=True)
         self.visit = visit
 
-    def set_mask(self, mask: torch.Tensor | None) -> None:
+    def set_mask(self, mask: torch.Tensor | None, shape: tuple[int, int] | None = None) -> None:
         """As :meth:`GradientCapture.set_mask`; a batch without padding is not masked (the same factors)."""
-        super().set_mask(mask)
+        super().set_mask(mask, shape)
         if mask is not None and bool(mask.all()):
             self._mask = None  # the batch's shape is kept
 
