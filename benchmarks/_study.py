@@ -251,10 +251,24 @@ def _r(r: float) -> Callable:
 RATIOS = (0.125, 0.25, 0.354, 0.5, 0.707)
 
 
-def grid(quick: bool = False) -> list[tuple[str, str, Callable, bool]]:
-    """``(family, name, encoder, random)`` for every compression of the study; ``random``: averaged over
-    projection seeds."""
-    if quick:
+GRIDS = ("full", "quick", "default")
+"""The study's codec grids: every codec, a smoke handful, or the library's default codes (for a damping sweep)."""
+
+
+def grid(name: str = "full") -> list[tuple[str, str, Callable, bool]]:
+    """``(family, name, encoder, random)`` for every compression of the grid ``name`` (:data:`GRIDS`);
+    ``random``: averaged over projection seeds. ``default``: the exact reference (``raw fp32``), the
+    library's default codes (``eigen int4``) and their nearest alternatives, all deterministic."""
+    if name not in GRIDS:
+        raise ValueError(f"study grid must be one of {GRIDS}, got {name!r}")
+    if name == "default":
+        return [("raw (EK-FAC query)", "raw fp32", raw_codec("fp32"), False),
+                ("eigen (EK-FAC whitened)", "eigen int8", eigen_codec("int8"), False),
+                ("eigen (EK-FAC whitened)", "eigen int4", eigen_codec("int4"), False),
+                ("eigen (EK-FAC whitened)", "eigen int4-mse", eigen_codec("int4-mse"), False),
+                ("eigen, damping-free codes (column scale √Λ*)", "eigen-norm int4", eigen_norm_codec("int4"), False),
+                ("eigen top-variance int8", "topvar 0.5 int8", topvar_codec(0.5, "int8"), False)]
+    if name == "quick":
         return [("raw", "raw fp32", raw_codec("fp32"), False),
                 ("raw", "raw int8", raw_codec("int8"), False),
                 ("eigen", "eigen int4", eigen_codec("int4"), False),
@@ -294,9 +308,12 @@ def grid(quick: bool = False) -> list[tuple[str, str, Callable, bool]]:
 # -- driver ----------------------------------------------------------------------------------------------
 def run_study(model: torch.nn.Module, setup, masks: np.ndarray, losses: np.ndarray, cfg, log=print) -> dict:
     """Every codec of :func:`grid` on one corpus: LDS, share and top-k overlap against full-space EK-FAC,
-    fact recall@1 (plain and self-normalized), bytes per example and encode seconds."""
-    from fidelity import evaluate, fact_recall, overlap_at_k, top_indices
+    fact recall@1 (plain and self-normalized), bytes per example and encode seconds.
 
+    The gradients and factors are captured and fitted once; with ``cfg.study_dampings`` the grid is rerun
+    at each of those dampings (``by_damping``: each against full-space EK-FAC at the same damping, and
+    ``top{k}_overlap_vs_default`` against it at ``cfg.damping``). The top-level ``reference`` and ``rows``
+    are always at ``cfg.damping``."""
     quick = cfg.study_grid == "quick"
     t0 = time.perf_counter()
     pad = setup.tokenizer.pad_token_id
@@ -308,7 +325,6 @@ def run_study(model: torch.nn.Module, setup, masks: np.ndarray, losses: np.ndarr
     t_capture = time.perf_counter() - t0
     names = list(G)
     layers = [(n, G[n], A[n], S[n]) for n in names]
-    n_q = len(setup.query.input_ids)
     full_bytes = 4 * sum(G[n][0].size for n in names)
     ctx = {"layers": layers, "Gq": [Gq[n] for n in names], "damping": cfg.damping}
     t1 = time.perf_counter()
@@ -318,21 +334,16 @@ def run_study(model: torch.nn.Module, setup, masks: np.ndarray, losses: np.ndarr
     # cheap factor pass before capture: A, S and Λ* from a random sample of the training set
     rng = np.random.default_rng(0)
     samples = {}
-    for share in (0.25, 0.5):
+    for share in ((0.25, 0.5) if cfg.study_grid == "full" else ()):
         rows = np.sort(rng.choice(len(setup.train), max(2, int(share * len(setup.train))), replace=False))
         Gs, As, Ss, _ = capture_full(model, [setup.train.input_ids[i] for i in rows],
                                      [setup.train.labels[i] for i in rows], pad)
         ctx[f"ekfac-sample{share}"] = [C.fit_curvature(As[n], Ss[n], Gs[n], "ekfac") for n in names]
         samples[share] = len(rows)
-
-    ref = sum(C.influence(Gq[n], G[n], c, cfg.damping) for n, c in zip(names, ctx["ekfac"], strict=True))
-    ref_ev = evaluate(ref[:n_q], masks, losses)
-    ref_lds = float(ref_ev["per_query"].mean())
-    ref_top = top_indices(ref[:n_q], cfg.top_k)
     log(f"[{setup.name}] study: full-space gradients captured ({t_capture:.1f} s), EK-FAC fitted "
-        f"({t_fit:.1f} s); reference LDS {ref_lds:.3f}, {full_bytes} float32 bytes per example")
+        f"({t_fit:.1f} s); {full_bytes} float32 bytes per example")
 
-    extra = [] if quick else [
+    extra = [] if cfg.study_grid != "full" else [
         ("eigen, factors from a sample", "eigen int4, sample 25%", eigen_codec("int4", "ekfac-sample0.25"), False),
         ("eigen, factors from a sample", "eigen int4, sample 50%", eigen_codec("int4", "ekfac-sample0.5"), False),
         ("eigen, factors from a sample", "eigen int8, sample 25%", eigen_codec("int8", "ekfac-sample0.25"), False),
@@ -343,8 +354,56 @@ def run_study(model: torch.nn.Module, setup, masks: np.ndarray, losses: np.ndarr
         ("eigen, fp16 store transcoded", "eigen int4 from fp16 store", eigen_codec("int4", g_transform=C.fp16),
          False),
     ]
+    codecs = grid("quick" if quick else cfg.study_grid) + extra
+    dampings = [cfg.damping] + [d for d in getattr(cfg, "study_dampings", ()) if d != cfg.damping]
+    by_damping: dict[str, dict] = {}
+    default_top = None
+    for d in dampings:
+        ctx["damping"], ctx["cache"] = d, {}  # whitened rows depend on the damping
+        t2 = time.perf_counter()
+        res = _study_at(ctx, codecs, setup, masks, losses, cfg, full_bytes, default_top)
+        default_top = res.pop("_ref_top") if default_top is None else default_top
+        res.pop("_ref_top", None)
+        res["seconds"] = round(time.perf_counter() - t2, 1)
+        by_damping[str(d)] = res
+        ref = res["reference"]
+        log(f"[{setup.name}] study at δ={d}: reference LDS {ref['lds']:.3f}, {len(res['rows'])} codecs "
+            f"({res['seconds']:.0f} s)")
+    out = {**by_damping[str(cfg.damping)],
+           "full_float32_bytes_per_example": full_bytes,
+           "layers": {n: list(G[n].shape[1:]) for n in names},
+           "sample_fit_examples": samples,
+           "seconds": {"capture_full_space": round(t_capture, 1), "ekfac_fit_full_space": round(t_fit, 2),
+                       "total": round(time.perf_counter() - t0, 1)}}
+    if len(dampings) > 1:
+        out["by_damping"] = {str(d): by_damping[str(d)] for d in sorted(dampings)}
+    return out
+
+
+def _study_at(ctx: dict, codecs: list, setup, masks: np.ndarray, losses: np.ndarray, cfg, full_bytes: int,
+              default_top: np.ndarray | None) -> dict:
+    """Reference and codec rows at ``ctx['damping']``; ``default_top``: the reference's top-k at
+    ``cfg.damping`` (None when this *is* that damping) for ``top{k}_overlap_vs_default``."""
+    from fidelity import evaluate, fact_recall, overlap_at_k, top_indices
+
+    k, damping = cfg.top_k, ctx["damping"]
+    n_q = len(setup.query.input_ids)
+    ref = sum(C.influence(Gq, lay[1], c, damping) for lay, Gq, c in zip(ctx["layers"], ctx["Gq"], ctx["ekfac"],
+                                                                          strict=True))
+    ref_ev = evaluate(ref[:n_q], masks, losses)
+    ref_lds = float(ref_ev["per_query"].mean())
+    ref_top = top_indices(ref[:n_q], k)
+    base_top = ref_top if default_top is None else default_top
+    ref_self = sum(np.square(whitened(ctx, li)[0]).reshape(len(ctx["layers"][li][1]), -1).sum(1)
+                   for li in range(len(ctx["layers"])))  # ⟨(H+δI)⁻¹ g_i, g_i⟩
+    reference = {"method": "ekfac", "damping": damping, "lds": ref_lds,
+                 "lds_se": float(ref_ev["per_query"].std(ddof=1) / math.sqrt(n_q)),
+                 f"top{k}_overlap_vs_default": float(overlap_at_k(ref_top, base_top).mean()),
+                 "fact_recall": None if not setup.facts else fact_recall(ref[n_q:], setup.fact_rows),
+                 "fact_recall_selfnorm": None if not setup.facts else fact_recall(
+                     ref[n_q:] / np.sqrt(np.where(ref_self > 0, ref_self, np.inf))[None, :], setup.fact_rows)}
     rows = []
-    for family, name, enc, random in grid(quick) + extra:
+    for family, name, enc, random in codecs:
         seeds = range(cfg.study_seeds if random else 1)
         per = []
         for seed in seeds:
@@ -355,7 +414,9 @@ def run_study(model: torch.nn.Module, setup, masks: np.ndarray, losses: np.ndarr
             selfinf = sum((a * b).sum(1) for a, b in zip(e.selfside, e.t, strict=True))
             ev = evaluate(s[:n_q], masks, losses)
             sn = s[n_q:] / np.sqrt(np.where(selfinf > 0, selfinf, np.inf))[None, :]
-            per.append({"lds_q": ev["per_query"], "overlap": overlap_at_k(top_indices(s[:n_q], cfg.top_k), ref_top),
+            top = top_indices(s[:n_q], k)
+            per.append({"lds_q": ev["per_query"], "overlap": overlap_at_k(top, ref_top),
+                        "overlap_default": overlap_at_k(top, base_top),
                         "fact": fact_recall(s[n_q:], setup.fact_rows) if setup.facts else None,
                         "fact_sn": fact_recall(sn, setup.fact_rows) if setup.facts else None,
                         "bytes": e.bytes, "shared": e.shared_bytes, "secs": secs})
@@ -366,22 +427,16 @@ def run_study(model: torch.nn.Module, setup, masks: np.ndarray, losses: np.ndarr
                "lds": float(pq.mean()), "lds_se": float(pq.std(ddof=1) / math.sqrt(len(pq))),
                "lds_share": float(pq.mean() / ref_lds), "diff_vs_ref": float(diff.mean()),
                "diff_vs_ref_se": float(diff.std(ddof=1) / math.sqrt(len(diff))),
-               f"top{cfg.top_k}_overlap": float(np.mean([p["overlap"].mean() for p in per])),
+               f"top{k}_overlap": float(np.mean([p["overlap"].mean() for p in per])),
                "fact_recall": None if not setup.facts else float(np.mean([p["fact"] for p in per])),
                "fact_recall_selfnorm": None if not setup.facts else float(np.mean([p["fact_sn"] for p in per])),
                "encode_seconds": round(float(np.mean([p["secs"] for p in per])), 3), "seeds": len(per)}
+        if default_top is not None:
+            row[f"top{k}_overlap_vs_default"] = float(np.mean([p["overlap_default"].mean() for p in per]))
         if len(per) > 1:
             row["lds_share_seed_std"] = float(np.std([p["lds_q"].mean() / ref_lds for p in per], ddof=1))
         rows.append(row)
-    return {"reference": {"method": "ekfac", "damping": cfg.damping, "lds": ref_lds,
-                          "lds_se": float(ref_ev["per_query"].std(ddof=1) / math.sqrt(n_q)),
-                          "fact_recall": None if not setup.facts else fact_recall(ref[n_q:], setup.fact_rows)},
-            "full_float32_bytes_per_example": full_bytes,
-            "layers": {n: list(G[n].shape[1:]) for n in names},
-            "sample_fit_examples": samples,
-            "seconds": {"capture_full_space": round(t_capture, 1), "ekfac_fit_full_space": round(t_fit, 2),
-                        "total": round(time.perf_counter() - t0, 1)},
-            "rows": rows}
+    return {"reference": reference, "rows": rows, "_ref_top": ref_top}
 
 
 def meets_targets(row: dict, k: int = 10) -> bool:
@@ -404,6 +459,70 @@ def format_study(study: dict, k: int = 10) -> str:
                      f"{(r['fact_recall'] if r['fact_recall'] is not None else float('nan')):>6.2f}"
                      f"{(r['fact_recall_selfnorm'] if r['fact_recall_selfnorm'] is not None else float('nan')):>6.2f}"
                      f"{r['encode_seconds']:>7.2f}  {'MEETS' if meets_targets(r, k) else ''}")
+    return "\n".join(lines)
+
+
+DAMPING_CODECS = ("eigen int4", "eigen int8", "eigen int4-mse", "eigen-norm int4", "topvar 0.5 int8")
+"""Codecs of the damping tables besides the reference, when the study has them."""
+
+
+def format_damping(study: dict, k: int = 10) -> str:
+    """The study per damping: full-space EK-FAC (LDS, top-k overlap with itself at the default damping,
+    facts), then per codec its LDS share and top-k overlap at the same damping and with the default's."""
+    lines = [f"-- study by damping (reference: full-space EK-FAC at each δ; 'vs δ0': top-{k} overlap with it at "
+             f"δ={study['reference']['damping']})",
+             f"{'δ':>7}{'ref LDS':>9}{'±SE':>7}{'vs δ0':>7}{'facts':>11}   " + "   ".join(
+                 f"{n}: LDS share, top-{k}, vs δ0, facts" for n in DAMPING_CODECS
+                 if any(r["name"] == n for r in study["rows"]))]
+    for d, st in study["by_damping"].items():
+        ref = st["reference"]
+        cells = f"{d:>7}{ref['lds']:>9.3f}{ref['lds_se']:>7.3f}{ref[f'top{k}_overlap_vs_default']:>7.2f}" \
+                f"{_facts(ref):>11}"
+        rows = {r["name"]: r for r in st["rows"]}
+        for n in DAMPING_CODECS:
+            if n in rows:
+                r = rows[n]
+                cells += f"   {r['lds']:.3f} {r['lds_share']:.3f} {r[f'top{k}_overlap']:.2f} " \
+                         f"{r.get(f'top{k}_overlap_vs_default', r[f'top{k}_overlap']):.2f} {_facts(r)}"
+        lines.append(cells)
+    return "\n".join(lines)
+
+
+def _facts(r: dict) -> str:
+    if r.get("fact_recall") is None:
+        return "-"
+    return f"{r['fact_recall']:.2f}/{r['fact_recall_selfnorm']:.2f}"
+
+
+def damping_markdown(result: dict, codecs: tuple[str, ...] = ("eigen int4",)) -> str:
+    """Markdown table of the study by damping, one row per corpus and δ: full-space EK-FAC (LDS ± SE over
+    queries, top-k overlap with itself at the default damping, facts plain / self-normalized), then per
+    codec: LDS, share of the same-δ reference (± the paired SE, relative), top-k overlap with the same-δ
+    reference and with the default-δ reference, facts."""
+    k = result["config"]["top_k"]
+    d0 = result["config"]["damping"]
+    head = f"| corpus | δ | EK-FAC LDS | top-{k} vs δ={d0} | facts |" + "".join(
+        f" {c}: LDS | share | top-{k} | top-{k} vs δ={d0} | facts |" for c in codecs)
+    lines = [head, "|" + " --- |" * (5 + 5 * len(codecs))]
+    for corpus, res in result["corpora"].items():
+        st = (res.get("study") or {}).get("by_damping")
+        if not st:
+            continue
+        for d, sd in st.items():
+            ref = sd["reference"]
+            cells = f"| {corpus} | {d} | {ref['lds']:.3f} ± {ref['lds_se']:.3f} | " \
+                    f"{ref[f'top{k}_overlap_vs_default']:.2f} | {_facts(ref).replace('/', ' / ')} |"
+            rows = {r["name"]: r for r in sd["rows"]}
+            for c in codecs:
+                r = rows.get(c)
+                if r is None:
+                    cells += " | | | | |"
+                    continue
+                se = r["diff_vs_ref_se"] / ref["lds"]
+                cells += f" {r['lds']:.3f} | {r['lds_share']:.2f} ± {se:.2f} | {r[f'top{k}_overlap']:.2f} | " \
+                         f"{r.get(f'top{k}_overlap_vs_default', r[f'top{k}_overlap']):.2f} | " \
+                         f"{_facts(r).replace('/', ' / ')} |"
+            lines.append(cells)
     return "\n".join(lines)
 
 
@@ -481,4 +600,7 @@ if __name__ == "__main__":  # print the study's tables from a results file
     import sys
 
     res = json.loads(Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/fidelity.json").read_text())
-    print(study_markdown(res))
+    if any((r.get("study") or {}).get("by_damping") for r in res["corpora"].values()):
+        print(damping_markdown(res, tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("eigen int4",)))
+    else:
+        print(study_markdown(res))

@@ -128,7 +128,11 @@ class FidelityConfig:
     study_seeds: int = 2
     """Projection seeds per random codec of the study."""
     study_grid: str = "full"
-    """``full`` or ``quick`` (a handful of codecs): the study's compressions (``_study.grid``)."""
+    """``full``, ``quick`` (a handful of codecs) or ``default`` (the library's default codes and their nearest
+    alternatives): the study's compressions (``_study.grid``)."""
+    study_dampings: tuple[float, ...] = ()
+    """Rerun the study's grid at each of these relative dampings too, on the same gradients and retrainings
+    (``study.by_damping``; ``damping`` is always measured)."""
 
     def retrain_key(self, corpus: str) -> str:
         keys = ("n_train", "n_query", "max_tokens", "vocab", "n_layer", "n_embd", "n_head", "init_seed",
@@ -637,6 +641,10 @@ def format_table(result: dict) -> str:
             from _study import format_study
 
             lines.append(format_study(res["study"], k))
+            if res["study"].get("by_damping"):
+                from _study import format_damping
+
+                lines.append(format_damping(res["study"], k))
     return "\n".join(lines)
 
 
@@ -657,11 +665,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--corpora", help=f"comma-separated, of {list(CORPORA)}")
     ap.add_argument("--no-study", action="store_true", help="skip the compression study")
-    ap.add_argument("--study-grid", choices=("full", "quick"),
-                    help="the study's codecs (default: full; quick with --quick)")
+    ap.add_argument("--study-grid", choices=("full", "quick", "default"),
+                    help="the study's codecs (default: full; quick with --quick; default: the library's default "
+                         "codes and their nearest alternatives)")
+    ap.add_argument("--study-dampings", help="comma-separated relative dampings to rerun the study at "
+                                             "(e.g. 0.001,0.01,0.1; results in study.by_damping)")
     ap.add_argument("--retrain-only", action="store_true", help="only fill the retrained-loss cache")
     ap.add_argument("--plot", type=Path, default=None,
-                    help="LDS share vs bytes plot (default benchmarks/results/fidelity-bytes.png; none with --quick)")
+                    help="LDS share vs bytes plot (default benchmarks/results/fidelity-bytes.png; none with --quick "
+                         "or a study grid other than full)")
     ap.add_argument("--merge", nargs="+", type=Path,
                     help="merge results files of the same configuration run on different corpora, then "
                          "write --out and --plot (no measuring)")
@@ -674,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
             "projections": tuple(a.projections.split(",")) if a.projections else None,
             "dampings": tuple(float(x) for x in a.dampings.split(",")) if a.dampings else None,
             "corpora": tuple(a.corpora.split(",")) if a.corpora else None,
-            "study": False if a.no_study else None, "study_grid": a.study_grid}
+            "study": False if a.no_study else None, "study_grid": a.study_grid,
+            "study_dampings": tuple(float(x) for x in a.study_dampings.split(",")) if a.study_dampings else None}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
     if not a.merge:
         result = run(cfg, a.work_dir, a.workers, a.threads, retrain_only=a.retrain_only)
@@ -686,8 +699,9 @@ def main(argv: list[str] | None = None) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {out}")
-    plot = a.plot or (None if a.quick else Path("benchmarks/results/fidelity-bytes.png"))
-    if plot and cfg.study:
+    full_grid = result["config"].get("study_grid", "full") == "full"
+    plot = a.plot or (None if a.quick or not full_grid else Path("benchmarks/results/fidelity-bytes.png"))
+    if plot and result["config"].get("study", True):
         from _study import plot_study
 
         plot_study(result, plot)
