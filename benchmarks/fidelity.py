@@ -68,7 +68,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import datasets  # noqa: E402
 
 import gradindex  # noqa: E402
-from fixtures.corpus import FACTS, corpus_hash, fact_document, gnu_info_paragraphs, stdlib_paragraphs  # noqa: E402
+from fixtures.corpus import (  # noqa: E402
+    FACTS,
+    corpus_hash,
+    fact_document,
+    gnu_info_paragraphs,
+    linux_man_paragraphs,
+    stdlib_paragraphs,
+)
 from fixtures.tiny import save_model_dir, tiny_gpt2, train_tokenizer  # noqa: E402
 from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402
@@ -149,6 +156,8 @@ CORPORA = {
     "stdlib": (stdlib_paragraphs, "prose paragraphs of Python standard library docstrings (fixtures/corpus.py)"),
     "gnu-info": (gnu_info_paragraphs, "prose paragraphs of the GNU info manuals of Debian's essential packages "
                                       "(coreutils, diffutils, findutils, grep, sed, gzip; fixtures/corpus.py)"),
+    "linux-man": (linux_man_paragraphs, "prose paragraphs of 48 section-7 overview pages of the Linux man-pages "
+                                        "project (Debian's manpages package; fixtures/corpus.py)"),
 }
 
 
