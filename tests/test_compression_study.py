@@ -116,20 +116,31 @@ def test_factored_projection_preserves_inner_products_in_expectation():
     assert C.ratio_sizes(64, 65, 0.354) == (23, 24)
 
 
-def test_study_codecs_without_loss_reproduce_the_influence_scores():
+@pytest.mark.parametrize("damping", [0.1, 1e-3])
+def test_study_codecs_without_loss_reproduce_the_influence_scores(damping):
     """Uncoded (fp32 storage of float64 data aside), every scoring route of the study is EK-FAC influence."""
     import _study
 
     G, A, S = _layer(20)
     Gq = _layer(4, seed=1)[0]
     curv = C.fit_curvature(A, S, G, "ekfac")
-    ctx = {"layers": [("l", G, A, S)], "Gq": [Gq], "damping": 0.1, "ekfac": [curv]}
-    want = C.influence(Gq, G, curv, 0.1)
+    ctx = {"layers": [("l", G, A, S)], "Gq": [Gq], "damping": damping, "ekfac": [curv]}
+    want = C.influence(Gq, G, curv, damping)
     for enc in (_study.raw_codec("fp32"), _study.eigen_codec("fp32"), _study.eigen_norm_codec("fp32"),
                 _study.topvar_codec(1.0, "fp32"), _study.topvar_codec(1.0, "fp32", norm=True),
                 _study.whitened_proj_codec(lambda o, i: (o, i))):
         e = enc(ctx, 0)
         assert np.allclose(C.scores(e.q, e.t), want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
         selfinf = sum((a * b).sum(1) for a, b in zip(e.selfside, e.t, strict=True))
-        assert np.allclose(selfinf, np.einsum("ni,ni->n", C.precondition(G, curv, 0.1).reshape(20, -1),
+        assert np.allclose(selfinf, np.einsum("ni,ni->n", C.precondition(G, curv, damping).reshape(20, -1),
                                               G.reshape(20, -1)), rtol=1e-5)
+
+
+def test_default_grid_holds_the_reference_and_the_library_default_codes():
+    import _study
+
+    names = [name for _, name, _, _ in _study.grid("default")]
+    assert names[0] == "raw fp32" and "eigen int4" in names and len(names) == len(set(names))
+    assert not any(random for *_, random in _study.grid("default"))
+    with pytest.raises(ValueError, match="grid"):
+        _study.grid("nope")

@@ -21,6 +21,13 @@ def _fidelity():
     return mod
 
 
+def fid_study():
+    """The study module (importable once fidelity.py has put benchmarks/ on the path)."""
+    import _study
+
+    return _study
+
+
 def test_spearman_matches_hand_computed_values_with_ties():
     fid = _fidelity()
     x = np.array([[1.0, 2.0, 2.0, 3.0], [4.0, 3.0, 2.0, 1.0]])
@@ -33,7 +40,8 @@ def test_spearman_matches_hand_computed_values_with_ties():
 def test_quick_run_reports_every_method_projection_and_codec_and_reuses_the_cache(tmp_path):
     fid = _fidelity()
     out = tmp_path / "fidelity.json"
-    assert fid.main(["--quick", "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    assert fid.main(["--quick", "--work-dir", str(tmp_path / "work"), "--out", str(out),
+                     "--dampings", "0.01,0.1", "--study-dampings", "0.01,0.1"]) == 0
     res = json.loads(out.read_text())
     cfg = res["config"]
     k = cfg["top_k"]
@@ -67,6 +75,17 @@ def test_quick_run_reports_every_method_projection_and_codec_and_reuses_the_cach
     for r in study["rows"]:
         assert r["bytes_per_example"] > 0 and -1.0 <= r["lds"] <= 1.0 and 0.0 <= r[f"top{k}_overlap"] <= 1.0
 
+    # the study at another damping: its reference is the library's full-space EK-FAC at that damping, the
+    # exact codec is the reference, and the default damping's entry is the top-level one
+    by = study["by_damping"]
+    assert set(by) == {"0.01", "0.1"} and by["0.1"]["rows"] == study["rows"]
+    assert abs(by["0.01"]["reference"]["lds"] - cor["damping_sweep"]["ekfac"]["none"]["0.01"]) < 0.02
+    assert by["0.1"]["reference"][f"top{k}_overlap_vs_default"] == 1.0
+    low = {r["name"]: r for r in by["0.01"]["rows"]}
+    assert low["raw fp32"]["lds_share"] > 0.999 and low["raw fp32"][f"top{k}_overlap"] == 1.0
+    assert low["raw fp32"][f"top{k}_overlap_vs_default"] == by["0.01"]["reference"][f"top{k}_overlap_vs_default"]
+    assert "| stdlib | 0.01 |" in fid_study().damping_markdown(res)
+
     # A second look at the retrained losses comes from the cache: nothing is retrained.
     q = fid.QUICK
     setup = fid.make_setup(q)
@@ -74,3 +93,16 @@ def test_quick_run_reports_every_method_projection_and_codec_and_reuses_the_cach
     _, losses, _ = fid.retrained_losses(q, setup, {}, tmp_path / "work", 1, 1, log=logged.append)
     assert not logged and losses.shape == (q.n_subsets, q.retrain_seeds, q.n_query)
     assert np.isfinite(losses).all()
+
+
+def test_troff_paragraphs_keep_running_text_and_drop_tags_code_and_skipped_sections():
+    sys.path.insert(0, str(BENCH.parents[1]))
+    from fixtures.corpus import _troff_paragraphs
+
+    src = "\n".join([
+        '.\\" a comment', ".TH pipe 7", ".SH NAME", "pipe \\- overview of pipes", ".SH DESCRIPTION",
+        "A pipe has a", ".I read end", "and a", '.IR "write end" .', "Data flows\\(emone way\\fB only\\fR.",
+        ".PP", "See", ".BR pipe (2)", "for details.", ".TP", ".B O_NONBLOCK", "Never blocks.", ".EX",
+        "int fd[2];", ".EE", "After the code.", ".SH SEE ALSO", ".BR fifo (7)"])
+    assert _troff_paragraphs(src) == ["A pipe has a read end and a write end. Data flows—one way only.",
+                                      "See pipe(2) for details.", "Never blocks.", "After the code."]
