@@ -569,6 +569,48 @@ def plot_study(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_damping(result: dict, path: Path, codecs: tuple[str, ...] = ("eigen int4", "eigen-norm int4")) -> None:
+    """Per corpus (columns): LDS of full-space EK-FAC and of ``codecs`` against the relative damping (top), and
+    top-k overlap with full-space EK-FAC at the same damping and at the default one (bottom); log x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k, d0 = result["config"]["top_k"], result["config"]["damping"]
+    corpora = {c: r["study"]["by_damping"] for c, r in result["corpora"].items()
+               if (r.get("study") or {}).get("by_damping")}
+    fig, axes = plt.subplots(2, len(corpora), figsize=(5 * len(corpora), 8), squeeze=False)
+    for col, (corpus, by) in enumerate(corpora.items()):
+        ds = sorted(by, key=float)
+        x = [float(d) for d in ds]
+        ax = axes[0][col]
+        ax.errorbar(x, [by[d]["reference"]["lds"] for d in ds], [by[d]["reference"]["lds_se"] for d in ds],
+                    color="k", marker="o", capsize=3, label="full-space EK-FAC (exact)")
+        for c in codecs:
+            rows = [{r["name"]: r for r in by[d]["rows"]}.get(c) for d in ds]
+            if all(rows):
+                ax.plot(x, [r["lds"] for r in rows], marker="s", label=c)
+        ax.set(xscale="log", xlabel="relative damping δ", ylabel="LDS", title=corpus)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax = axes[1][col]
+        ax.plot(x, [by[d]["reference"][f"top{k}_overlap_vs_default"] for d in ds], color="k", marker="o",
+                label=f"full-space EK-FAC vs itself at δ={d0}")
+        for c in codecs:
+            rows = [{r["name"]: r for r in by[d]["rows"]}.get(c) for d in ds]
+            if all(rows):
+                ax.plot(x, [r[f"top{k}_overlap"] for r in rows], marker="s", label=f"{c} vs EK-FAC at the same δ")
+        ax.axhline(0.9, color="k", ls=":", lw=1)
+        ax.set(xscale="log", xlabel="relative damping δ", ylabel=f"top-{k} overlap", ylim=(0, 1.05))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def study_markdown(result: dict, names: list[str] | None = None) -> str:
     """A markdown table of the study, corpora side by side: bytes fraction, LDS share (± the standard error
     of the paired per-query difference to the reference, relative), top-k overlap, fact recall@1

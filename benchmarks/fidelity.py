@@ -715,6 +715,12 @@ def main(argv: list[str] | None = None) -> int:
 
         plot_study(result, plot)
         print(f"wrote {plot}")
+    if out and any((r.get("study") or {}).get("by_damping") for r in result["corpora"].values()):
+        from _study import plot_damping
+
+        dplot = out.with_name(out.stem + "-damping.png")
+        plot_damping(result, dplot)
+        print(f"wrote {dplot}")
     return 0
 
 
