@@ -718,7 +718,7 @@ def main(argv: list[str] | None = None) -> int:
     if out and any((r.get("study") or {}).get("by_damping") for r in result["corpora"].values()):
         from _study import plot_damping
 
-        dplot = out.with_name(out.stem + "-damping.png")
+        dplot = out.with_suffix(".png") if out.stem.endswith("damping") else out.with_name(out.stem + "-damping.png")
         plot_damping(result, dplot)
         print(f"wrote {dplot}")
     return 0
