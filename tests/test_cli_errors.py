@@ -206,3 +206,8 @@ def test_a_damaged_shard_of_an_eigenbasis_index_is_recomputed(damage, eigen_inde
     with h5py.File(shard, "r") as f:  # the same codes as the transcode wrote (captured rows rounded as it read them)
         for n, w in want.items():
             assert np.array_equal(f["grads"][n][:], w), n
+
+
+def test_an_index_given_as_the_model_names_the_model_it_was_built_from(eigen_index, gpt2_dir):
+    res = CliRunner().invoke(main, ["layers", str(eigen_index)])
+    _assert_one_line_error(res, rf"is a gradindex index, built from the model in '{re.escape(str(gpt2_dir))}'")
