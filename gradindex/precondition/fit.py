@@ -141,8 +141,9 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
     if not held:
         manifest = read_complete_manifest(index_dir, "fit")
     if row_basis(manifest) == "ekfac":  # a refit would not change the rows (whitened by the fit they came from)
+        at = (manifest["build"].get("basis") or {}).get("damping", DEFAULT_DAMPING)
         raise ValueError(f"the rows of {str(index_dir)!r} are already in the EK-FAC whitened eigenbasis (damping "
-                         f"{(manifest['build'].get('basis') or {}).get('damping', 0.1)}) and answer --method ekfac "
+                         f"{at}) and answer --method ekfac "
                          "as they are; to fit again (other data, --fisher true, damping), build the index with "
                          "--transcode none, fit it, then `gradindex compact` it")
     if adam_rows(manifest):
