@@ -8,6 +8,8 @@ field (``text`` by default).
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +50,37 @@ def load_records(path: str | os.PathLike) -> datasets.Dataset:
         raise ValueError(f"data file {str(p)!r} is empty; nothing to index")
     if fmt in ("json", "csv"):
         check_utf8(p, header=p.suffix.lower() == ".csv")
+    quiet = datasets.logging.get_logger("datasets")  # it would log the error we raise, twice
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(fmt, data_files=str(p), split="train")
     except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable files
-        raise ValueError(f"could not read {str(p)!r} as {fmt}: {type(e).__name__}: {e}") from None
+        if "corresponds to no data" in str(e):  # only blank lines, or a CSV header without rows
+            raise ValueError(f"data file {str(p)!r} has no rows; nothing to index") from None
+        if p.suffix.lower() == ".jsonl":
+            check_jsonl(p)  # names the line
+        cause = e.__cause__ or e.__context__
+        why = f"{type(e).__name__}: {e}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
+        raise ValueError(f"could not read {str(p)!r} as {fmt}: {why}") from None
+    finally:
+        quiet.setLevel(level)
+
+
+def check_jsonl(path: Path) -> None:
+    """Refuse a JSON Lines file with a line that is not one JSON object, naming the line and the fix."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                v = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{str(path)!r} line {n}, column {e.colno} is not valid JSON ({e.msg}); "
+                                 "a .jsonl file holds one JSON object per line") from None
+            if not isinstance(v, dict):
+                raise ValueError(f"{str(path)!r} line {n} is a JSON {type(v).__name__}, not an object; "
+                                 'a .jsonl file holds one object per line, e.g. {"text": "..."}') from None
 
 
 def check_utf8(path: Path, header: bool = False) -> None:

@@ -49,6 +49,8 @@ ROW_METHODS = {
     "ekfac": {"ekfac": "graddot"},
 }
 """Per row basis (manifest ``build.basis.kind``): method asked for → operation on the stored rows."""
+REBUILD_RAW = {"kfac": "--projection-basis raw", "ekfac": "--transcode none"}
+"""Per row basis: the ``gradindex build`` option that stores raw rows instead."""
 
 
 def row_method(method: str, basis: str = "raw") -> str:
@@ -72,7 +74,8 @@ def row_base(base: str, basis: str = "raw", method: str | None = None) -> str:
     if base not in table:
         raise ValueError(f"method {method or base!r} does not apply to this index: its rows are stored in the "
                          f"{basis!r} whitened basis, so plain inner products are {basis} influence, not {base}; "
-                         f"use one of {sorted(table)} (or rebuild with --projection-basis raw)")
+                         f"use one of {sorted(table)} (or rebuild with {REBUILD_RAW.get(basis, '--transcode none')} "
+                         "for raw rows)")
     return table[base]
 
 

@@ -89,7 +89,16 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     hf_logging.disable_progress_bar()
     p = Path(model_dir)
     if not (p / "config.json").exists():
-        raise FileNotFoundError(f"{str(p)!r} has no config.json; pass a local transformers model directory")
+        hint = ""
+        if (p / "manifest.json").is_file():  # an index folder given where the model goes
+            import json
+
+            try:
+                built_from = json.loads((p / "manifest.json").read_text())["model_id"]
+                hint = f" ({str(p)!r} is a gradindex index, built from the model in {built_from!r})"
+            except (ValueError, KeyError, TypeError, OSError):
+                hint = f" ({str(p)!r} looks like a gradindex index)"
+        raise FileNotFoundError(f"{str(p)!r} has no config.json; pass a local transformers model directory{hint}")
     refuse_custom_code(p)
     config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=False)
     if getattr(config, "is_encoder_decoder", False):

@@ -23,7 +23,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-quiet() { grep -v -e "^WARNING: Location" -e "^DEPRECATION" || true; }
+# pip's notices, and setuptools' multi-line note on every editable install, are noise to a user
+quiet() {
+  sed -e '/BuildBackendWarning: Editable installation/,/with strategy, WheelFile/d' \
+    | grep -v -e "^WARNING: Location" -e "^DEPRECATION" || true
+}
+echo "gradindex set-up: installing torch, transformers, faiss-$FAISS and gradindex into .venv (a few minutes the first time; about $([ "$FAISS" = gpu ] && echo 2.9 || echo 1.6) GB)" >&2
 python -m pip install -q --upgrade pip 2>&1 | quiet
 # The CPU build of torch when this machine has it on local disk (small); otherwise the package's range.
 if ! python -c "import torch" 2>/dev/null; then

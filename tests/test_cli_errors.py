@@ -68,6 +68,17 @@ BUILD_CASES = {
                      r"row 1: the 'text' field is missing or null"),
     "list_text": (lambda a, t: {"data": _jsonl(t / "d.jsonl", [{"text": "the cat sat"}, {"text": ["a", "b"]}])},
                   r"row 1: the 'text' field is a list, not a string"),
+    # malformed or empty data files: the line, or "no rows", not a datasets traceback summary
+    "jsonl_torn_line": (lambda a, t: {"data": (t / "d.jsonl", (t / "d.jsonl").write_text(
+                            '{"text": "the cat sat"}\n{"text": "a dog\n'))[0]},
+                        r"d\.jsonl' line 2, column \d+ is not valid JSON"),
+    "jsonl_not_an_object": (lambda a, t: {"data": (t / "d.jsonl", (t / "d.jsonl").write_text(
+                                '{"text": "the cat sat"}\n["a", "b"]\n'))[0]},
+                            r"d\.jsonl' line 2 is a JSON list, not an object"),
+    "jsonl_blank_lines_only": (lambda a, t: {"data": (t / "d.jsonl", (t / "d.jsonl").write_text("\n\n"))[0]},
+                               r"d\.jsonl' has no rows; nothing to index"),
+    "csv_header_only": (lambda a, t: {"data": (t / "d.csv", (t / "d.csv").write_text("text\n"))[0]},
+                        r"d\.csv' has no rows; nothing to index"),
 }
 
 
@@ -102,3 +113,101 @@ def test_manifest_of_the_wrong_shape_is_one_line_error(shape, command, tmp_path)
     args = [command, d] + (["--text", "the cat sat", "--device", "cpu"] if command == "query" else [])
     res = CliRunner().invoke(main, [str(a) for a in args])
     _assert_one_line_error(res, r"manifest\.json' is not a gradindex manifest")
+
+
+def test_datasets_logs_nothing_of_its_own_for_a_torn_file(tmp_path, capfd):
+    from gradindex.data import load_records
+
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"text": "a"}\n{"text": "b')
+    with pytest.raises(ValueError, match="line 2"):
+        load_records(p)
+    assert "Failed to load JSON" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("args, option", [(["-k", "-3"], "-k"), (["-k", "0"], "-k"), (["--lowest", "-1"], "--lowest"),
+                                          (["--candidates", "0"], "--candidates")])
+def test_query_counts_out_of_range_name_the_option(args, option, tmp_path):
+    res = CliRunner().invoke(main, ["query", str(tmp_path), "--text", "the cat sat", *args])
+    assert res.exit_code == 2 and f"Invalid value for '{option}'" in res.output and "not in the range" in res.output
+
+
+@pytest.fixture(scope="module")
+def eigen_index(gpt2_dir, text_jsonl, tmp_path_factory):
+    """The CLI's default index (EK-FAC eigenbasis, int4) of the tiny GPT-2."""
+    out = tmp_path_factory.mktemp("eigen") / "idx"
+    res = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--quiet",
+                                    "--max-length", "64", "--shard-size", "16"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_precondition_refuses_an_index_already_in_the_eigenbasis(eigen_index):
+    before = (eigen_index / "manifest.json").read_text()
+    res = CliRunner().invoke(main, ["precondition", str(eigen_index), "--method", "ekfac", "--quiet"])
+    _assert_one_line_error(res, r"already in the EK-FAC whitened eigenbasis .* build the index with --transcode none")
+    assert (eigen_index / "manifest.json").read_text() == before  # the fit the rows came from is untouched
+
+
+def test_raw_method_on_the_eigenbasis_names_the_build_option(eigen_index):
+    res = CliRunner().invoke(main, ["query", str(eigen_index), "--text", "the cat sat", "--method", "graddot",
+                                    "--device", "cpu"])
+    _assert_one_line_error(res, r"method 'graddot' does not apply .* rebuild with --transcode none")
+
+
+def test_a_model_of_another_architecture_does_not_fit_the_index(eigen_index, llama_dir):
+    res = CliRunner().invoke(main, ["query", str(eigen_index), "--text", "the cat sat", "--model", str(llama_dir),
+                                    "--device", "cpu"])
+    _assert_one_line_error(res, r"this model does not fit the index .* query with the model the index was built")
+
+
+def test_dedup_makes_the_folder_of_out_before_searching(eigen_index, tmp_path):
+    out = tmp_path / "new" / "dups.jsonl"
+    res = CliRunner().invoke(main, ["dedup", str(eigen_index), "--out", str(out), "--quiet", "--no-text"])
+    assert res.exit_code == 0, res.output
+    assert out.is_file()
+
+
+def test_ctrl_c_during_a_build_says_how_to_resume(gpt2_dir, text_jsonl, tmp_path, monkeypatch):
+    import gradindex.pipeline
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gradindex.pipeline, "build_index", interrupted)
+    res = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(tmp_path / "i"), "--quiet"])
+    assert res.exit_code == 130, (res.exit_code, res.output)
+    assert "interrupted" in res.output and "re-run the same command" in res.output
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "deleted"])
+def test_a_damaged_shard_of_an_eigenbasis_index_is_recomputed(damage, eigen_index, gpt2_dir, text_jsonl, tmp_path):
+    """Before: `build ... --repair` (what `verify` names) printed "0 computed now" and left the shard damaged."""
+    import h5py
+    import numpy as np
+
+    idx = tmp_path / "idx"
+    shutil.copytree(eigen_index, idx)
+    shard = idx / "store" / "shard-00001.h5"
+    with h5py.File(shard, "r") as f:
+        want = {n: f["grads"][n][:] for n in f["grads"]}
+    if damage == "deleted":
+        shard.unlink()
+    else:
+        b = bytearray(shard.read_bytes())
+        b[len(b) // 2] ^= 0xFF
+        shard.write_bytes(b)
+    verify = CliRunner().invoke(main, ["verify", str(idx)])
+    assert verify.exit_code == 1 and "--repair" in verify.output
+    repair = verify.output.split("repair: ", 1)[1].splitlines()[0].split()[1:]  # the command verify names
+    res = CliRunner().invoke(main, [*repair, "--quiet"])
+    assert res.exit_code == 0 and "(16 computed now)" in res.output, res.output
+    assert CliRunner().invoke(main, ["verify", str(idx)]).exit_code == 0
+    with h5py.File(shard, "r") as f:  # the same codes as the transcode wrote (captured rows rounded as it read them)
+        for n, w in want.items():
+            assert np.array_equal(f["grads"][n][:], w), n
+
+
+def test_an_index_given_as_the_model_names_the_model_it_was_built_from(eigen_index, gpt2_dir):
+    res = CliRunner().invoke(main, ["layers", str(eigen_index)])
+    _assert_one_line_error(res, rf"is a gradindex index, built from the model in '{re.escape(str(gpt2_dir))}'")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, data_options, human_bytes, user_errors
+from gradindex.cli.common import Interrupted, damping_option, data_options, human_bytes, user_errors
 from gradindex.cli.index import check_index_type, index_config, index_options, report
 from gradindex.lock import index_lock
 
@@ -184,9 +184,13 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         if data_tok.n_truncated:
             click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
                        f"--max-length {max_length} and were truncated", err=True)
-        res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else icfg,
-                               model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
-                               overwrite=overwrite, progress=not quiet, repair=repair)
+        try:
+            res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else icfg,
+                                   model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
+                                   overwrite=overwrite, progress=not quiet, repair=repair)
+        except KeyboardInterrupt:
+            raise Interrupted(f"interrupted; the shards written so far in {out} are kept: re-run the same command "
+                              "(without --overwrite) to resume") from None
     from gradindex.store.sizing import bytes_per_number
 
     if distributed.rank() > 0:

@@ -23,6 +23,12 @@ class UserError(click.ClickException):
     exit_code = 2
 
 
+class Interrupted(click.ClickException):
+    """Ctrl-C during long work: one line saying what is kept and how to resume, exit code 130."""
+
+    exit_code = 130
+
+
 def one_line(e: BaseException) -> str:
     msg = " ".join(str(e).split())
     return msg or type(e).__name__

@@ -36,6 +36,7 @@ def dedup(index_dir, out, threshold, method, damping, neighbors, sketch, data, m
     from gradindex.apps.dedup import DedupConfig, find_duplicates
     from gradindex.apps.texts import row_texts
 
+    Path(out).parent.mkdir(parents=True, exist_ok=True)  # before the search, not after it
     method = method or index_method(index_dir, prefer=("graddot", "ekfac", "kfac"))
     cfg = DedupConfig(threshold=threshold, method=method, damping=damping, neighbors=neighbors, sketch=sketch)
     res = find_duplicates(index_dir, cfg, progress=not quiet)

@@ -30,7 +30,8 @@ def _show(title: str, ts, top: int) -> None:
                    "--optimizer-state (factored).")
 @damping_option()
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
-@click.option("--top", default=10, show_default=True, type=int, help="Tokens shown per side (text output).")
+@click.option("--top", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Tokens shown per side (text output).")
 @engine_options(cpu_index=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per example (a line each), every token.")
 @user_errors

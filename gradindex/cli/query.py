@@ -65,20 +65,22 @@ def _json(r) -> list[dict]:
 @click.option("--queries", "queries_file", type=click.Path(dir_okay=True, exists=True),
               help="File of queries, any format and fields `gradindex build` reads.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
-@click.option("-k", "k", default=10, show_default=True, type=int, help="Results per query.")
+@click.option("-k", "k", default=10, show_default=True, type=click.IntRange(min=1), help="Results per query.")
 @click.option("--method", default=None, type=click.Choice([*ALL_METHODS, "tracin"]),
               help="Scoring method (default: ekfac where the index answers it, else graddot; adam on an "
                    "index built with --optimizer-state; tracin on a `gradindex trajectory` index).")
 @damping_option()
 @click.option("--layers", multiple=True, help="Glob of layers to search (repeatable). Default: all.")
-@click.option("--lowest", default=0, show_default=True, type=int, help="Also the N most negative examples.")
-@click.option("--rerank-full", default=0, show_default=True, type=int,
+@click.option("--lowest", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Also the N most negative examples.")
+@click.option("--rerank-full", default=0, show_default=True, type=click.IntRange(min=0),
               help="Re-rank the index's top N candidates in full (unprojected) space, any method "
                    "(kfac/ekfac need `gradindex precondition INDEX --method M --space full`).")
-@click.option("--candidates", default=None, type=int, help="ANN results per layer (default 2000).")
-@click.option("--shortlist", default=None, type=int,
+@click.option("--candidates", default=None, type=click.IntRange(min=1), help="ANN results per layer (default 2000).")
+@click.option("--shortlist", default=None, type=click.IntRange(min=1),
               help="Of those, kept per layer after exact per-layer scoring (default 100).")
-@click.option("--nprobe", default=None, type=int, help="IVF lists to visit per layer (default: the index's).")
+@click.option("--nprobe", default=None, type=click.IntRange(min=1),
+              help="IVF lists to visit per layer (default: the index's).")
 @engine_options()
 @click.option("--optimizer-state", default=None, type=click.Path(dir_okay=False),
               help="The optimizer state of an Adam-preconditioned index, if it moved since the build.")

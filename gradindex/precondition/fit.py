@@ -26,7 +26,7 @@ from gradindex.capture.sampling import FISHERS
 from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.lock import index_lock
-from gradindex.manifest import build_command, read_complete_manifest, read_manifest, write_manifest
+from gradindex.manifest import build_command, read_complete_manifest, read_manifest, row_basis, write_manifest
 from gradindex.methods import DEFAULT_DAMPING, FITTED_METHODS, adam_rows
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
@@ -140,6 +140,12 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
     held = manifest is not None and manifest.get("status") == "complete"
     if not held:
         manifest = read_complete_manifest(index_dir, "fit")
+    if row_basis(manifest) == "ekfac":  # a refit would not change the rows (whitened by the fit they came from)
+        at = (manifest["build"].get("basis") or {}).get("damping", DEFAULT_DAMPING)
+        raise ValueError(f"the rows of {str(index_dir)!r} are already in the EK-FAC whitened eigenbasis (damping "
+                         f"{at}) and answer --method ekfac "
+                         "as they are; to fit again (other data, --fisher true, damping), build the index with "
+                         "--transcode none, fit it, then `gradindex compact` it")
     if adam_rows(manifest):
         raise ValueError(f"the rows of {str(index_dir)!r} are Adam-preconditioned (built with --optimizer-state) "
                          "and answer --method adam as they are; K-FAC/EK-FAC are fitted on an index of plain "

@@ -140,8 +140,14 @@ class QueryEngine:
         transforms, optimizer = self._optimizer_transforms(optimizer_state)
         if transforms is None:  # the row basis's side maps (an Adam index has the raw basis)
             transforms = capture_transforms(self.basis)
-        self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True,
-                                       transforms=transforms)
+        try:
+            self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True,
+                                           transforms=transforms)
+        except ValueError as e:  # another architecture: the index's layers are not there
+            raise IndexMismatchError(
+                f"this model does not fit the index in {str(self.dir)!r}: the index's {e}; query with the model "
+                "the index was built from, or rebuild the index"
+            ) from None
         now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                "optimizer": optimizer,

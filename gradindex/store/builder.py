@@ -38,8 +38,9 @@ from gradindex.manifest import (
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_pad_id
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
-from gradindex.store.basis import BASES, RowBasis, capture_transforms
+from gradindex.store.basis import BASES, RowBasis, capture_transforms, index_basis
 from gradindex.store.codes import check_storage
+from gradindex.store.repair import repair_eigenbasis_store
 from gradindex.store.sizing import basis_identity, full_space_basis, sized_projection
 
 log = logging.getLogger("gradindex")
@@ -257,8 +258,12 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer)
     old = distributed.on_rank0(lambda: prepare_out_dir(out, identity, overwrite))  # (it may delete: one rank does it)
-    if old is not None and old.get("transcode") and old.get("status") == "complete":
-        return BuildResult(out, old, time.perf_counter() - t0, 0)  # built and transcoded already
+    if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
+        computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
+            model, GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
+                                   transforms=capture_transforms(index_basis(out, old))),
+            data, out, old, pad_id, hashes, full=repair, progress=progress))
+        return BuildResult(out, old, time.perf_counter() - t0, computed or 0)
     lead = distributed.rank() == 0
     if lead:
         (out / STORE_DIR).mkdir(parents=True, exist_ok=True)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+import numpy as np
 
 from gradindex.checksum import Damage, check_files, recorded
 from gradindex.manifest import build_command, read_manifest
 from gradindex.store.shards import STORE_DIR, shard_name
+
+log = logging.getLogger("gradindex")
 
 
 def check_store(index_dir: str | os.PathLike, full: bool = True, manifest: dict | None = None) -> list[Damage]:
@@ -20,3 +25,62 @@ def check_store(index_dir: str | os.PathLike, full: bool = True, manifest: dict 
     d = Path(index_dir)
     missing = [Damage(n, "missing", repair) for n in sorted(names) if not (d / n).exists()]
     return missing + check_files(d, sorted(n for n in names if (d / n).exists()), full, repair)
+
+
+def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, manifest: dict, pad_id: int,
+                            hashes: list[bytes], full: bool, progress: bool = False) -> int:
+    """Recompute the damaged or missing shards of a store already in the EK-FAC eigenbasis; return the rows.
+
+    A transcoded build keeps no raw rows to rebuild from, so each such shard is captured again
+    (``capture``: the build's projection and pre-projection maps, without covariance), rotated and
+    scaled by the index's ``basis.h5`` (:func:`~gradindex.store.basis.to_rows`, as the transcode
+    did) and coded as the index's storage. Damaged files are moved to ``damaged/`` first.
+    """
+    from gradindex.capture.batch import batch_gradients, finite_rows
+    from gradindex.checksum import move_aside
+    from gradindex.store.basis import index_basis, to_rows
+    from gradindex.store.shards import ShardWriter
+
+    d = Path(index_dir)
+    damage = check_store(d, full=full, manifest=manifest)
+    if not damage:
+        return 0
+    move_aside(d, [x.file for x in damage if x.problem != "missing"])
+    basis = index_basis(d, manifest)
+    shapes = {n: (int(v["rows"]), int(v["cols"])) for n, v in manifest["build"]["layers"].items()}
+    dims = {n: capture.dim(n) for n in capture.infos}
+    N, S = int(manifest["counts"]["examples"]), int(manifest["config"]["shard_size"])
+    B = int(manifest["config"].get("batch_size", 8))
+    fp, storage = manifest["build"]["data_fingerprint"], manifest["build"]["storage"]
+    captured = (manifest.get("transcode") or {}).get("source_build", {}).get("storage", "fp32")
+    computed = 0
+    with capture:
+        for k in range((N + S - 1) // S):
+            path = d / STORE_DIR / shard_name(k)
+            if path.exists():
+                continue
+            start, end = k * S, min((k + 1) * S, N)
+            w = ShardWriter(path, start, end - start, dims, fp, storage)
+            done = w.open()
+            for s in range(start + done, end, B):
+                e = min(s + B, end)
+                bg = batch_gradients(model, capture, data.input_ids[s:e], data.labels[s:e], pad_id)
+                grads = {n: v.cpu().numpy() for n, v in bg.grads.items()}
+                ok = finite_rows(grads)
+                rows = {n: to_rows(basis, n, _as_captured(np.where(ok[:, None], g, 0.0), captured), shapes[n])
+                        for n, g in grads.items()}
+                w.append(np.arange(s, e, dtype=np.int64), rows, loss=bg.loss.float().cpu().numpy(),
+                         num_tokens=bg.num_tokens.cpu().numpy().astype(np.int32), finite=ok,
+                         token_hash=np.frombuffer(b"".join(hashes[s:e]), np.uint8).reshape(-1, 16))
+                computed += e - s
+            w.finish()
+            log.warning("recomputed %s in the index's ekfac eigenbasis", path.name)
+    return computed
+
+
+def _as_captured(x: np.ndarray, storage: str) -> np.ndarray:
+    """``x`` as the build's capture stored and the transcode read it back (e.g. rounded to float16)."""
+    from gradindex.store.codes import decode, encode
+
+    codes, scale = encode(np.asarray(x, np.float32), storage)
+    return decode(codes, scale, storage, x.shape[1])
