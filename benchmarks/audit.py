@@ -80,7 +80,8 @@ def train_on(model, data, steps: int, batch: int = 32, lr: float = 3e-3, seed: i
     return model.eval()
 
 
-def outliers_experiment(work: Path, seed: int, n: int = 300, flip: float = 0.1, steps: int = 300) -> dict:
+def outliers_experiment(work: Path, seed: int, n: int = 300, flip: float = 0.1, steps: int = 300,
+                        dampings: tuple[float, ...] = ()) -> dict:
     rng = np.random.default_rng(seed)
     recs, flipped = [], np.zeros(n, dtype=bool)
     flipped[rng.choice(n, int(round(flip * n)), replace=False)] = True
@@ -114,6 +115,9 @@ def outliers_experiment(work: Path, seed: int, n: int = 300, flip: float = 0.1, 
         r = rank_outliers(out, method)
         res[f"{method}_self_influence"] = detection_curve(r.order(), flipped, FRACTIONS)
         res[f"{method}_per_token"] = detection_curve(r.order("per_token"), flipped, FRACTIONS)
+    for d in dampings:  # EK-FAC self-influence at other relative dampings than the library default
+        res[f"ekfac_self_influence@{d:g}"] = detection_curve(rank_outliers(out, "ekfac", d).order(), flipped,
+                                                             FRACTIONS)
     loss = rank_outliers(out, "graddot").loss
     res["training_loss"] = detection_curve(np.lexsort((np.arange(n), -loss)), flipped, FRACTIONS)
     return res
@@ -322,6 +326,8 @@ def main() -> None:
     ap.add_argument("--recall-sample", type=int, default=20000,
                     help="rows checked against exact kNN at each --scale size (a quarter beyond 100k); 0: none")
     ap.add_argument("--skip", nargs="*", default=[], choices=["outliers", "dedup"])
+    ap.add_argument("--dampings", type=float, nargs="*", default=[],
+                    help="also rank outliers by EK-FAC self-influence at these relative dampings")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "audit.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -330,11 +336,14 @@ def main() -> None:
     if args.out.exists():
         res = {**json.loads(args.out.read_text()), **res}
     if "outliers" not in args.skip:
-        res["outliers"] = [outliers_experiment(args.work_dir, s) for s in range(args.seeds)]
+        res["outliers"] = [outliers_experiment(args.work_dir, s, dampings=tuple(args.dampings))
+                           for s in range(args.seeds)]
         for r in res["outliers"]:
             log(f"outliers seed {r['seed']}: ekfac {np.round(r['ekfac_self_influence'], 2).tolist()} "
                 f"graddot {np.round(r['graddot_self_influence'], 2).tolist()} loss "
                 f"{np.round(r['training_loss'], 2).tolist()} random {list(FRACTIONS)}")
+            for d in args.dampings:
+                log(f"  ekfac @ damping {d:g}: {np.round(r[f'ekfac_self_influence@{d:g}'], 2).tolist()}")
         plot_outliers(res["outliers"], args.out.with_name("audit-outliers.png"))
     if "dedup" not in args.skip:
         res["dedup"] = dedup_experiment(args.work_dir)

@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from gradindex.methods import DEFAULT_DAMPING
+from gradindex.methods import LEGACY_DAMPING
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -153,7 +153,7 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
              "--dtype", m.get("dtype", "float32"), "--route", c.get("route", "auto"),
              "--storage", c.get("storage", "fp32"), "--shard-size", str(c.get("shard_size", 4096))]
     if c.get("precondition", "none") != "none":
-        args += ["--precondition", c["precondition"], "--damping", str(c.get("damping", DEFAULT_DAMPING))]
+        args += ["--precondition", c["precondition"], "--damping", str(c.get("damping", LEGACY_DAMPING))]
         if c.get("fisher", "empirical") != "empirical":
             args += ["--fisher", c["fisher"], "--fisher-seed", str(c.get("fisher_seed", 0))]
     if c.get("optimizer_state"):

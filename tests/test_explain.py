@@ -16,6 +16,7 @@ from gradindex.capture.layers import layer_info
 from gradindex.capture.projection import projection_matrix
 from gradindex.cli import main
 from gradindex.data import collate, per_example_loss
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import load_causal_lm
 from gradindex.query import QueryEngine
 from tests.test_adam import trained  # noqa: F401  (fixture)
@@ -95,14 +96,14 @@ def test_each_token_term_equals_an_independent_computation(engine, gpt2_dir):
 
     tokens = engine.tokenize([QUERY])
     q, _, _ = engine.gradients(tokens)
-    m, _, _ = query_vectors(engine.indices.space, engine.pre, "ekfac", 0.1, q)
+    m, _, _ = query_vectors(engine.indices.space, engine.pre, "ekfac", DEFAULT_DAMPING, q)
     ids, labels, _ = engine.texts.tokens(np.array([hit.id]))
     ref = _independent_token_terms(gpt2_dir, spec, e.layers, ids[0], labels[0], {n: m[n][0] for n in e.layers})
     np.testing.assert_allclose(e.train.scores, ref, rtol=1e-4, atol=1e-6 * np.abs(ref).max())
     # query side: against M t from the stored row
     rows = engine.store.read_rows(np.array([hit.id]), e.layers)
-    mt = {n: engine.pre.apply("ekfac", n, torch.from_numpy(rows[n].astype(np.float64)), -1.0, 0.1)[0].numpy()
-          for n in e.layers}
+    mt = {n: engine.pre.apply("ekfac", n, torch.from_numpy(rows[n].astype(np.float64)), -1.0,
+                              DEFAULT_DAMPING)[0].numpy() for n in e.layers}
     ref_q = _independent_token_terms(gpt2_dir, spec, e.layers, tokens.input_ids[0], tokens.labels[0], mt)
     np.testing.assert_allclose(e.query.scores, ref_q, rtol=1e-4, atol=1e-6 * np.abs(ref_q).max())
 

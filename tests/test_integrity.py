@@ -20,6 +20,7 @@ from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, IndexSpace, build_indices, layer_file
 from gradindex.lock import IndexBusyError, index_lock
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import FitConfig, fit_preconditioner, load_preconditioner
@@ -152,7 +153,7 @@ def test_a_flipped_byte_in_a_precond_file_is_named_refused_and_repaired(index):
     report = _verify(index)
     assert [x["file"] for x in report["damaged"]] == ["precond/kfac.h5"]
     repair = report["damaged"][0]["repair"]
-    assert repair == f"gradindex precondition {index} --method kfac --damping 0.1"
+    assert repair == f"gradindex precondition {index} --method kfac --damping {DEFAULT_DAMPING}"
     with pytest.raises(DamagedIndexError, match=r"precond/kfac\.h5.*gradindex precondition .* --method kfac"):
         load_preconditioner(index, "kfac")
     with pytest.raises(DamagedIndexError, match=r"precond/kfac\.h5"):

@@ -16,6 +16,7 @@ from gradindex.capture.layers import layer_info
 from gradindex.data import load_records, per_example_loss, tokenize_records
 from gradindex.index import IndexConfig, IndexSpace, build_indices
 from gradindex.manifest import IndexMismatchError
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
@@ -85,7 +86,7 @@ def _check_exact(results, ref: np.ndarray, k: int, lowest: int = 0) -> None:
 def test_flat_top_k_and_lowest_equal_brute_force(engine, method):
     toks = engine.tokenize(QUERIES)
     q, _, _ = engine.gradients(toks)
-    ref = score_matrix(engine.dir, q, method=method, damping=0.1)
+    ref = score_matrix(engine.dir, q, method=method, damping=DEFAULT_DAMPING)
     if method in ("graddot", "cosine"):
         np.testing.assert_allclose(ref, _brute(engine.dir, q, method), rtol=1e-9, atol=1e-9)
     res = engine.query_batch(QUERIES, k=7, method=method, lowest=3)
@@ -138,7 +139,8 @@ def test_shortlist_is_the_exact_per_layer_top(store_dir, tmp_path, engine, metho
     with Store(d) as s:
         t = s.read_rows(np.arange(len(s)))
     P = load_preconditioner(d, method)
-    contrib = {n: t[n].astype(np.float64) @ P.apply(n, q[n].double(), -1.0, 0.1).numpy().T for n in t}  # [N, Q]
+    contrib = {n: t[n].astype(np.float64) @ P.apply(n, q[n].double(), -1.0, DEFAULT_DAMPING).numpy().T
+               for n in t}  # [N, Q]
     if method == "cosine":
         tn = np.sqrt(sum((t[n].astype(np.float64) ** 2).sum(1) for n in t))
         qn = np.sqrt(sum((q[n].double().numpy() ** 2).sum(1) for n in t))

@@ -21,6 +21,7 @@ from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import build_indices
 from gradindex.manifest import IndexMismatchError, read_manifest
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, IndexConfig, build_index
 from gradindex.query import QueryEngine
@@ -236,7 +237,7 @@ def test_compact_into_ekfac_eigenbasis_keeps_ekfac_scores(gpt2_dir, text_jsonl, 
             _engine(out, model, tok) as b:
         qa, _, _ = a.gradients(a.tokenize(queries))
         qb, _, _ = b.gradients(b.tokenize(queries))
-        ref = score_matrix(src, qa, "ekfac", damping=0.1, device="cpu")
+        ref = score_matrix(src, qa, "ekfac", damping=DEFAULT_DAMPING, device="cpu")
         got = score_matrix(out, qb, "ekfac", device="cpu")
         assert np.allclose(got, ref, rtol=1e-4, atol=1e-6 * np.abs(ref).max())
         hits = b.search(qb, k=5, method="ekfac", texts=False)

@@ -14,6 +14,7 @@ from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.manifest import read_manifest
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import self_influence
@@ -71,7 +72,7 @@ def dense(index):
                 L = f["layers"][n]
                 Q = np.kron(L["Q_S"][:], L["Q_A"][:])
                 lam = L["Lambda"][:].reshape(-1)
-                H[m, n] = Q @ np.diag(lam + 0.1 * lam.mean()) @ Q.T
+                H[m, n] = Q @ np.diag(lam + DEFAULT_DAMPING * lam.mean()) @ Q.T
     return rows, queries, H
 
 

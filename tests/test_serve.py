@@ -23,6 +23,7 @@ from fastapi.testclient import TestClient
 from fixtures.browser import find_chromium, load, visible_text
 from gradindex.apps.batching import Batcher, Expired, Job, QueryJob
 from gradindex.apps.serve import QueryRequest, create_app
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.query import Hit, QueryEngine, QueryResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +50,8 @@ def test_answers_equal_the_engines(client, engine, body, query):
     r = client.post("/query", json=body)
     assert r.status_code == 200, r.text
     got = r.json()
-    ref = engine.query(query, k=body["k"], method=body.get("method", "ekfac"), damping=body.get("damping", 0.1),
-                       lowest=body.get("lowest", 0)).to_dict()
+    ref = engine.query(query, k=body["k"], method=body.get("method", "ekfac"),
+                       damping=body.get("damping", DEFAULT_DAMPING), lowest=body.get("lowest", 0)).to_dict()
     for key in ("hits", "lowest"):
         assert [h["id"] for h in got[key]] == [h["id"] for h in ref[key]]
         assert [h["score"] for h in got[key]] == pytest.approx([h["score"] for h in ref[key]], rel=1e-6)

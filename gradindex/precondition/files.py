@@ -31,7 +31,7 @@ import numpy as np
 import gradindex
 from gradindex.checksum import Damage, check_files, damage_error, record
 from gradindex.manifest import IndexMismatchError
-from gradindex.methods import DEFAULT_DAMPING
+from gradindex.methods import LEGACY_DAMPING
 
 PRECOND_DIR = "precond"
 FORMAT_VERSION = 1
@@ -114,7 +114,7 @@ def refit_command(index_dir: str | os.PathLike, manifest: dict, name: str) -> st
         return f"gradindex precondition {index_dir} --method {method} --space full"
     fitted = manifest.get("preconditioners", {})
     method = name if name in fitted else ("ekfac" if "ekfac" in fitted else "kfac")
-    damping = fitted.get(method, {}).get("damping", DEFAULT_DAMPING)
+    damping = fitted.get(method, {}).get("damping", LEGACY_DAMPING)
     return f"gradindex precondition {index_dir} --method {method} --damping {damping}"
 
 

@@ -308,6 +308,10 @@ class QueryEngine:
         if missing:
             raise ValueError(f"query gradients lack layers {missing[:3]}; pass rows for every chosen layer")
         notes = []
+        if used is not None and used != damping:
+            notes.append(f"the rows of this index bake in damping {used:g}; damping {damping:g} has no effect on "
+                         f"--method {asked} here (build with --transcode none to choose the damping per query)")
+            log.info(notes[-1])
         if k < 1 or lowest < 0:
             raise ValueError(f"k must be >= 1 and lowest >= 0, got k={k}, lowest={lowest}")
         if k > self.n or lowest > self.n:

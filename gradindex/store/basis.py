@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from gradindex.checksum import Damage, check_files, damage_error, record
-from gradindex.methods import DEFAULT_DAMPING, FITTED_METHODS, row_base
+from gradindex.methods import FITTED_METHODS, LEGACY_DAMPING, row_base
 
 BASIS_FILE = "basis.h5"
 BASES = ("raw", "kfac", "ekfac")
@@ -132,7 +132,7 @@ def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
 
     source = (manifest.get("compact") or {}).get("source")
     if source:
-        damping = (manifest.get("build", {}).get("basis") or {}).get("damping", DEFAULT_DAMPING)
+        damping = (manifest.get("build", {}).get("basis") or {}).get("damping", LEGACY_DAMPING)
         return f"gradindex compact {source} --out {index_dir} --damping {damping} --overwrite"
     return build_command(index_dir, manifest, extra="--overwrite")
 
