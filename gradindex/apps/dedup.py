@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import faiss
 import numpy as np
@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
 from gradindex.manifest import read_complete_manifest, row_basis
-from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row_base
 from gradindex.precondition.preconditioner import selected_layers
 from gradindex.store import Store
 
@@ -45,8 +45,9 @@ class DedupConfig:
     the EK-FAC eigenbasis). 0.6 groups 90% of planted near copies (two words replaced) and no pair
     of different paragraphs on one topic (benchmarks/audit.py; with ``method='ekfac'``, 0.5 groups
     all near copies and no topic pair)."""
-    method: str = "graddot"
-    """``graddot`` (raw gradients) or ``kfac``/``ekfac`` (whitened by ``H^{-1/2}`` first)."""
+    method: str | None = None
+    """``graddot`` (raw gradients) or ``kfac``/``ekfac`` (whitened by ``H^{-1/2}`` first); None: ``graddot``,
+    or ``ekfac`` on an index stored in the EK-FAC eigenbasis (as ``gradindex dedup``)."""
     damping: float = DEFAULT_DAMPING
     """Relative damping of the whitening."""
     neighbors: int = 16
@@ -73,14 +74,14 @@ class DedupConfig:
         """The cosine threshold in use (``threshold``, or the method's default)."""
         if self.threshold is not None:
             return float(self.threshold)
-        return 0.6 if parse_method(self.method)[0] == "graddot" else 0.5
+        return 0.6 if parse_method(self.method or "graddot")[0] == "graddot" else 0.5
 
     def __post_init__(self) -> None:
         if not -1.0 <= self.cut <= 1.0:
             raise ValueError(f"--threshold is a cosine in [-1, 1], got {self.threshold}")
         if self.neighbors < 1 or self.sketch < 0 or self.nprobe < 1:
             raise ValueError("--neighbors and nprobe must be >= 1 and --sketch >= 0")
-        base, selfnorm = parse_method(self.method)
+        base, selfnorm = parse_method(self.method or "graddot")
         if selfnorm or base == "cosine":
             raise ValueError(f"dedup compares normalised gradients; --method is graddot, kfac or ekfac, "
                              f"not {self.method!r}")
@@ -181,6 +182,7 @@ def find_duplicates(index_dir: str | os.PathLike, cfg: DedupConfig = DedupConfig
     import time
 
     t0 = time.perf_counter()
+    cfg = resolved(index_dir, cfg)
     layers, base, pre = _space(index_dir, cfg, layers)
     with Store(index_dir) as store:
         N = len(store)
@@ -210,9 +212,18 @@ def candidate_vectors(index_dir: str | os.PathLike, cfg: DedupConfig = DedupConf
                       ) -> tuple[np.ndarray, np.ndarray, bool]:
     """``([N, d] unit vectors searched for candidates, [N] nonzero, sketched)`` as :func:`find_duplicates`
     makes them (for measurements of the candidate search)."""
+    cfg = resolved(index_dir, cfg)
     layers, base, pre = _space(index_dir, cfg, layers)
     with Store(index_dir) as store:
         return _vectors(store, layers, pre, base, cfg, progress)
+
+
+def resolved(index_dir: str | os.PathLike, cfg: DedupConfig) -> DedupConfig:
+    """``cfg`` with its method set: when None, the first of graddot, ekfac, kfac the index answers."""
+    if cfg.method is not None:
+        return cfg
+    method = default_method(read_complete_manifest(index_dir, "deduplicate"), index_dir, ("graddot", "ekfac", "kfac"))
+    return replace(cfg, method=method)
 
 
 def _space(index_dir, cfg: DedupConfig, layers: Sequence[str] | None) -> tuple[list[str], str, Preconditioners]:

@@ -146,10 +146,11 @@ class Explainer:
         return out
 
     # -- explanations -------------------------------------------------------------------------
-    def explain(self, query, ids: Sequence[int] | int, method: str = "graddot", damping: float = DEFAULT_DAMPING,
+    def explain(self, query, ids: Sequence[int] | int, method: str | None = None, damping: float = DEFAULT_DAMPING,
                 layers: Sequence[str] | str | None = None, text_field: str = "text") -> list[Explanation]:
         """One explanation per training row in ``ids`` for ``query`` (any form ``QueryEngine.query`` takes)."""
         e = self.engine
+        method = e.resolve_method(method)
         base, selfnorm = parse_method(method)
         if selfnorm or base not in METHODS:
             raise ValueError(f"token explanations split a score linear in both gradients: method is one of "
@@ -202,7 +203,7 @@ class Explainer:
                            total.tolist(), [t > 0 and lab != IGNORE for t, lab in enumerate(labels)], layer_totals)
 
 
-def explain(engine: QueryEngine, query, ids: Sequence[int] | int, method: str = "graddot",
+def explain(engine: QueryEngine, query, ids: Sequence[int] | int, method: str | None = None,
             damping: float = DEFAULT_DAMPING, layers: Sequence[str] | str | None = None,
             text_field: str = "text") -> list[Explanation]:
     """Token-level explanations of training rows ``ids`` for ``query`` (see :class:`Explainer`)."""

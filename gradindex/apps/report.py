@@ -16,7 +16,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +41,9 @@ METHODS = ("graddot", "kfac", "ekfac")
 class ReportConfig:
     k: int = 10
     """Most helpful and most harmful examples per query."""
-    method: str = "graddot"
-    """``graddot``, ``kfac`` or ``ekfac`` (scores, explanations and self-influence)."""
+    method: str | None = None
+    """``graddot``, ``kfac`` or ``ekfac`` (scores, explanations and self-influence); None: the index's
+    default (``ekfac`` where it answers it, else ``graddot``)."""
     damping: float = DEFAULT_DAMPING
     layers: tuple[str, ...] | None = None
     outliers: int = 20
@@ -56,7 +57,7 @@ class ReportConfig:
     text_field: str = "text"
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
+        if self.method is not None and self.method not in METHODS:
             raise ValueError(f"the report's method is one of {', '.join(METHODS)}, not {self.method!r}")
         if self.k < 1 or self.outliers < 0 or self.sample < 1:
             raise ValueError(f"k and sample must be >= 1 and outliers >= 0 (got k={self.k}, "
@@ -130,6 +131,8 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
     Returns the summary (also written to ``summary.json``).
     """
     t0 = time.perf_counter()
+    if cfg.method is None:
+        cfg = replace(cfg, method=engine.resolve_method())
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # a query file mixing forms gives every record every field, None where absent

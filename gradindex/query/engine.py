@@ -19,7 +19,7 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
 from gradindex.manifest import IndexMismatchError, identity_differences, row_basis
-from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row_base
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
@@ -234,7 +234,7 @@ class QueryEngine:
         """One query (text, ``(prompt, completion)``, token ids or record); see :meth:`query_batch`."""
         return self.query_batch([query], **kwargs)[0]
 
-    def query_batch(self, queries, k: int = 10, method: str = "graddot", damping: float = DEFAULT_DAMPING,
+    def query_batch(self, queries, k: int = 10, method: str | None = None, damping: float = DEFAULT_DAMPING,
                     layers: Sequence[str] | str | None = None, lowest: int = 0, rerank_full: int = 0,
                     candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
                     texts: bool = True, text_field: str = "text") -> list[QueryResult]:
@@ -248,6 +248,7 @@ class QueryEngine:
         per-layer scoring) and the index's ``nprobe`` tune the ANN search (docs/query.md).
         """
         t0 = time.perf_counter()
+        method = self.resolve_method(method)
         if rerank_full < 0:
             raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
         full_pre = self.full_preconditioner(method) if rerank_full else None
@@ -272,13 +273,17 @@ class QueryEngine:
             r.hits = r.hits[:k]
         return results
 
+    def resolve_method(self, method: str | None = None) -> str:
+        """``method``, or when None the index's default (``ekfac`` where it answers it, else ``graddot``)."""
+        return method or default_method(self.manifest, self.dir)
+
     def full_preconditioner(self, method: str) -> Preconditioner:
         """The full-space preconditioner of ``method`` (identity for graddot/cosine), loaded once."""
         base, _ = parse_method(method)
         if base not in self._full_pre:
             self._full_pre[base] = load_full_preconditioner(self.dir, base)
         return self._full_pre[base]
-    def scores(self, queries, method: str = "graddot", damping: float = DEFAULT_DAMPING,
+    def scores(self, queries, method: str | None = None, damping: float = DEFAULT_DAMPING,
                layers: Sequence[str] | str | None = None, text_field: str = "text") -> np.ndarray:
         """``[Q, N]`` float64 exact scores of every query against every training example.
 
@@ -287,18 +292,20 @@ class QueryEngine:
         The same numbers as the hits of :meth:`query_batch` (which ranks them), computed without
         the FAISS indices by streaming the store (:func:`gradindex.query.scores.score_matrix`).
         """
+        method = self.resolve_method(method)
         if isinstance(queries, Mapping):
             grads = queries
         else:
             grads, _, _ = self.gradients(self.tokenize(as_records(queries, text_field), text_field))
         return score_matrix(self.index, grads, method, damping, self.select_layers(layers))
 
-    def search(self, grads: dict[str, torch.Tensor | np.ndarray], k: int = 10, method: str = "graddot",
+    def search(self, grads: dict[str, torch.Tensor | np.ndarray], k: int = 10, method: str | None = None,
                damping: float = DEFAULT_DAMPING, layers: Sequence[str] | str | None = None, lowest: int = 0,
                candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
                texts: bool = True) -> list[QueryResult]:
         """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
+        method = self.resolve_method(method)
         asked, selfnorm = parse_method(method)
         base = row_base(asked, row_basis(self.manifest), method)  # the operation on stored rows
         self.pre.check(base, selfnorm)

@@ -24,7 +24,7 @@ import torch
 
 from gradindex.index import OpenIndex, open_index
 from gradindex.manifest import row_basis
-from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row_base
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import block_rows
 
@@ -32,7 +32,7 @@ from gradindex.precondition.ekfac import block_rows
 def score_matrix(
     index: str | os.PathLike | OpenIndex,
     query_grads: Mapping[str, torch.Tensor | np.ndarray],
-    method: str = "graddot",
+    method: str | None = None,
     damping: float = DEFAULT_DAMPING,
     layers: Sequence[str] | None = None,
     block: int = 4096,
@@ -48,6 +48,7 @@ def score_matrix(
     """
     ix, opened = open_index(index, then="score it")
     try:
+        method = method or default_method(ix.manifest, ix.dir)
         base, selfnorm = parse_method(method)
         base = row_base(base, row_basis(ix.manifest), method)  # the operation on stored rows
         return _scores(ix, query_grads, base, selfnorm, damping, layers, block, device, dtype)
