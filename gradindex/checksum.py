@@ -53,7 +53,8 @@ def damage_error(index_dir: str | os.PathLike, damage: list[Damage], then: str =
     repairs = list(dict.fromkeys(x.repair for x in damage if x.repair))
     how = " and ".join(f"`{r}`" for r in repairs) or "rebuild the index"
     return DamagedIndexError(f"damaged files in {str(index_dir)!r}: {files}. Repair with {how}"
-                             + (f", then {then}" if then else ""))
+                             + (f", then {then}" if then else "")
+                             + f" (`gradindex verify {index_dir}` checks every file of the index)")
 
 
 _seen: dict[tuple[int, int, int, int], str] = {}

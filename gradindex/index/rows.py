@@ -74,15 +74,19 @@ class RowReader:
         storage = store.storage
         try:
             for path in store.paths:
-                with h5py.File(path, "r") as f:
-                    g = f["grads"]
-                    if not all(_plain(g[n], storage) for n in self.layers):
-                        raise ValueError("not plain")
-                    self._tables.append({n: _Plain(g[n]) for n in self.layers})
-                    self._scales.append({n: f["scales"][n][:] for n in self.layers} if has_scale(storage) else {})
+                try:
+                    with h5py.File(path, "r") as f:
+                        g = f["grads"]
+                        if not all(_plain(g[n], storage) for n in self.layers):
+                            raise ValueError("not plain")
+                        self._tables.append({n: _Plain(g[n]) for n in self.layers})
+                        self._scales.append({n: f["scales"][n][:] for n in self.layers}
+                                            if has_scale(storage) else {})
+                except (OSError, RuntimeError) as e:  # h5py cannot read its own structure: a damaged file
+                    raise store.damaged_error(path, e) from None
                 mm = np.memmap(path, dtype=np.uint8, mode="r")
                 self._maps.append(mm)
-        except (ValueError, OSError):
+        except ValueError:
             self._tables, self._maps, self._scales = None, [], []
 
     @property

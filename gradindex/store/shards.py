@@ -31,8 +31,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from gradindex.checksum import record
-from gradindex.manifest import build_command
+from gradindex.checksum import Damage, DamagedIndexError, damage_error, read_checksums, record
+from gradindex.manifest import build_command, read_manifest
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
 STORE_DIR = "store"
@@ -173,6 +173,7 @@ class Store:
                 f"no store shards in {str(self.dir)!r}; build the index first (`gradindex build`)"
             )
         self.paths = paths
+        self._check_sizes()
         self.first_ids: list[int] = []
         self.sizes: list[int] = []
         for p in paths:
@@ -188,19 +189,47 @@ class Store:
                                      for n in self.layers}
                     elif storage != self.storage:
                         raise OSError(f"it holds {storage} rows, {paths[0].name} {self.storage} rows")
-            except OSError as e:
-                raise OSError(f"store file {str(p)!r} is unreadable ({e}); recompute it with "
-                              f"`{_repair(self.dir.parent)}`") from None
+            except (OSError, RuntimeError, KeyError) as e:
+                raise self.damaged_error(p, e) from None
         self.n = int(sum(self.sizes))
         self._starts = np.cumsum([0] + self.sizes)
         self._files: dict[int, h5py.File] = {}
+
+    def _check_sizes(self) -> None:
+        """The cheap guard at open, O(1) a shard: every shard the manifest and ``checksums.json`` name is
+        there, with the size recorded when it was written (``gradindex verify`` hashes every byte)."""
+        d = self.dir.parent
+        files = read_checksums(d)
+        names = {f"{STORE_DIR}/{p.name}": p for p in self.paths}
+        try:
+            m = read_manifest(d)
+        except (OSError, ValueError):
+            m = {}
+        expected = {n for n in files if n.startswith(f"{STORE_DIR}/shard-") and n.endswith(".h5")}
+        if m.get("status") == "complete":
+            expected |= {f"{STORE_DIR}/{shard_name(k)}" for k in range(int(m.get("counts", {}).get("shards", 0)))}
+        problems = [(n, "missing") for n in sorted(expected - set(names))]
+        problems += [(n, f"{p.stat().st_size} bytes, {files[n]['bytes']} were written") for n, p in names.items()
+                     if n in files and p.stat().st_size != files[n]["bytes"]]
+        if problems:
+            repair = _repair(d)
+            raise damage_error(d, [Damage(n, why, repair) for n, why in problems])
+
+    def damaged_error(self, path: Path, e: BaseException) -> DamagedIndexError:
+        """The error of a shard h5py cannot read: it names the file, ``gradindex verify`` and the repair."""
+        d = self.dir.parent
+        why = str(e).strip() or type(e).__name__
+        return damage_error(d, [Damage(f"{STORE_DIR}/{path.name}", f"unreadable: {why}", _repair(d))])
 
     def __len__(self) -> int:
         return self.n
 
     def _file(self, k: int) -> h5py.File:
         if k not in self._files:
-            self._files[k] = h5py.File(self.paths[k], "r")
+            try:
+                self._files[k] = h5py.File(self.paths[k], "r")
+            except (OSError, RuntimeError) as e:
+                raise self.damaged_error(self.paths[k], e) from None
         return self._files[k]
 
     def close(self) -> None:
@@ -216,12 +245,22 @@ class Store:
 
     def column(self, name: str) -> np.ndarray:
         """A per-example column over all shards (``ids``, ``loss``, ``num_tokens``, ...)."""
-        return np.concatenate([self._file(k)[name][:] for k in range(len(self.paths))])
+        return np.concatenate([self._read(k, lambda f: f[name][:]) for k in range(len(self.paths))])
 
-    def _decode(self, f: h5py.File, name: str, sel) -> np.ndarray:
-        """Rows ``sel`` (a slice or sorted unique indices) of one layer of an open shard, as float32."""
-        codes = f["grads"][name][sel]
-        scales = f["scales"][name][sel] if has_scale(self.storage) else None
+    def _read(self, k: int, read):
+        """``read(file)`` on shard ``k``; an h5py failure (a damaged file) becomes a clear DamagedIndexError."""
+        f = self._file(k)
+        try:
+            return read(f)
+        except (OSError, RuntimeError) as e:
+            raise self.damaged_error(self.paths[k], e) from None
+
+    def _decode(self, k: int, name: str, sel) -> np.ndarray:
+        """Rows ``sel`` (a slice or sorted unique indices) of one layer of shard ``k``, as float32."""
+        def read(f: h5py.File) -> tuple[np.ndarray, np.ndarray | None]:
+            return f["grads"][name][sel], (f["scales"][name][sel] if has_scale(self.storage) else None)
+
+        codes, scales = self._read(k, read)
         return decode(codes, scales, self.storage, self.dims[name])
 
     def iter_blocks(
@@ -233,10 +272,10 @@ class Store:
             first = self.first_ids[k]
             if first + self.sizes[k] <= start:
                 continue
-            f = self._file(k)
             for s in range(max(0, start - first), self.sizes[k], block):
                 e = min(s + block, self.sizes[k])
-                yield f["ids"][s:e], {n: self._decode(f, n, slice(s, e)) for n in layers}
+                ids = self._read(k, lambda f, s=s, e=e: f["ids"][s:e])
+                yield ids, {n: self._decode(k, n, slice(s, e)) for n in layers}
 
     def positions(self, ids: np.ndarray) -> np.ndarray:
         """Global store positions of example ids (ids are the contiguous rows ``0..N-1``)."""
@@ -257,8 +296,7 @@ class Store:
             sel = np.nonzero(shard == k)[0]
             local = sp[sel] - self._starts[k]
             uniq, inv = np.unique(local, return_inverse=True)
-            f = self._file(int(k))
             for n in layers:
-                rows = self._decode(f, n, uniq)
+                rows = self._decode(int(k), n, uniq)
                 out[n][order[sel]] = rows[inv]
         return out
