@@ -113,3 +113,11 @@ def test_errors_name_the_problem_and_the_fix(built, tmp_path, gpt2_dir, text_jso
               "--precondition", "none", "--device", "cpu", "--quiet").output
     assert "indices" not in nix
     assert "no FAISS indices" in run("query", tmp_path / "n", "--text", "the cat sat", ok=False).output
+
+
+def test_table_numbers_have_no_exponent_in_the_usual_range():
+    from gradindex.cli.common import number
+
+    assert [number(x) for x in (10000.118, 6937.18, 426.74, 2.0461, -293.71, 0.63271)] == \
+        ["10000", "6937", "426.7", "2.046", "-293.7", "0.6327"]
+    assert [number(x) for x in (1e-5, 3e9, 0.0)] == ["1.000e-05", "3.000e+09", "0"]

@@ -75,3 +75,10 @@ def test_a_shard_h5py_cannot_read_is_named_not_a_traceback(index):
     r = _cli("query", index, "--text", "a b c", "-k", "2", "--device", "cpu")
     assert r.exit_code != 0
     _clear(r.output, index, "")  # on a file this small the sampled hash at query's open sees it first
+
+
+def test_a_missing_shard_is_named(index):
+    (index / SHARD).unlink()
+    r = _cli("outliers", index, "--top", "2")
+    assert r.exit_code != 0
+    _clear(r.output, index, "missing")

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field, replace
 import faiss
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
 from gradindex.manifest import read_complete_manifest, row_basis
 from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row_base
 from gradindex.precondition.preconditioner import selected_layers
+from gradindex.progress import progress_bar
 from gradindex.store import Store
 
 log = logging.getLogger("gradindex")
@@ -251,7 +251,7 @@ def _vectors(store: Store, layers: Sequence[str], pre: Preconditioners, method: 
         R = dict(zip(layers, np.split(G, np.cumsum([store.dims[n] for n in layers])[:-1]), strict=True))
     vecs = np.empty((N, d), dtype=np.float32)
     nonzero = np.zeros(N, dtype=bool)
-    with tqdm(total=N, unit="ex", desc="dedup: vectors", disable=not progress) as bar:
+    with progress_bar(total=N, unit="ex", desc="dedup: vectors", disable=not progress) as bar:
         for ids, blk in store.iter_blocks(layers, cfg.block):
             if R is None:
                 u = _unit_rows(blk, layers, pre, method, cfg.damping)

@@ -8,6 +8,7 @@ Command modules stay light: they import click and this module at start-up and th
 from __future__ import annotations
 
 import functools
+import math
 
 import click
 
@@ -89,3 +90,14 @@ def index_method(index_dir, prefer=None) -> str:
     from gradindex.methods import PREFERRED, default_method
 
     return default_method(read_manifest(index_dir), index_dir, prefer or PREFERRED)
+
+
+def number(x: float) -> str:
+    """A score for a table: 4 significant digits, without an exponent from 0.001 to 10 million
+    (``:.4g`` wrote 10000.1 as ``1e+04``, beside ``6937``)."""
+    a = abs(x)
+    if not math.isfinite(x) or a == 0:
+        return f"{x:g}"
+    if 1e-3 <= a < 1e7:
+        return f"{x:.{max(0, 3 - math.floor(math.log10(a)))}f}"
+    return f"{x:.3e}"

@@ -7,7 +7,7 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, index_method, user_errors
+from gradindex.cli.common import damping_option, index_method, number, user_errors
 
 
 @main.command()
@@ -54,5 +54,5 @@ def outliers(index_dir, method, damping, by, top, layers, data, model_dir, no_te
             click.echo(json.dumps({"rank": rank, **r, "text": t}))
         else:
             text = "(text unavailable)" if t is None else " ".join(t.split())[:80]
-            click.echo(f"{rank:>4}  id {r['id']:>7}  self-influence {r['self_influence']:>11.4g}  "
-                       f"per token {r['per_token']:>10.4g}  {text}")
+            click.echo(f"{rank:>4}  id {r['id']:>7}  self-influence {number(r['self_influence']):>11}  "
+                       f"per token {number(r['per_token']):>10}  {text}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, user_errors
+from gradindex.cli.common import damping_option, engine_options, number, user_errors
 from gradindex.methods import ALL_METHODS, default_method
 
 
@@ -48,7 +48,7 @@ def _print_result(i: int, q: str, r) -> None:
         click.echo(f"  {title}:")
         click.echo(f"  {'rank':>4}  {'id':>8}  {'score':>11}  text")
         for j, h in enumerate(hits):
-            click.echo(f"  {j + 1:>4}  {h.id:>8}  {h.score:>11.4g}  {_line(h.text, width)}")
+            click.echo(f"  {j + 1:>4}  {h.id:>8}  {number(h.score):>11}  {_line(h.text, width)}")
 
 
 def _json(r) -> list[dict]:

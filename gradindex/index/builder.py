@@ -24,7 +24,6 @@ from pathlib import Path
 
 import faiss
 import numpy as np
-from tqdm.auto import tqdm
 
 from gradindex.checksum import damage_error, forget, move_aside, record, recorded
 from gradindex.index import gpu
@@ -48,6 +47,7 @@ from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
 from gradindex.lock import index_lock
 from gradindex.manifest import FORMAT_VERSION, write_manifest
+from gradindex.progress import progress_bar
 from gradindex.store import Store
 from gradindex.store.repair import check_store
 
@@ -142,7 +142,7 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
     norms = _norms(store, out / NORMS, meta, progress)
     write_json(out / META, meta)
     inv = np.where(norms > 0, 1.0 / np.sqrt(np.maximum(norms, 1e-300)), 0.0).astype(np.float32)
-    bar = tqdm(total=N * len(store.layers), unit="vec", desc="index", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=N * len(store.layers), unit="vec", desc="index", disable=not progress)
     added = 0
     try:
         for n in store.layers:
@@ -192,7 +192,7 @@ def _norms(store: Store, path: Path, meta: dict, progress: bool) -> np.ndarray:
         except (OSError, ValueError):
             pass
     sq = np.zeros((len(store), len(store.layers)), dtype=np.float32)
-    for j, n in enumerate(tqdm(store.layers, desc="norms", disable=not progress, leave=False)):
+    for j, n in enumerate(progress_bar(store.layers, desc="norms", disable=not progress, leave=False)):
         for s, x in iter_layer(store, n):
             sq[s:s + len(x), j] = np.einsum("ij,ij->i", x, x, dtype=np.float64)
     write_norms(path.parent, sq)

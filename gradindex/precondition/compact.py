@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from gradindex.checksum import read_checksums, write_checksums
 from gradindex.manifest import manifest_path, read_complete_manifest, read_manifest, row_basis, write_manifest
@@ -33,6 +32,7 @@ from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.files import PRECOND_DIR
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
+from gradindex.progress import progress_bar
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
 from gradindex.store.basis import BASIS_FILE, index_basis, to_rows, write_basis
 from gradindex.store.codes import check_storage
@@ -75,7 +75,7 @@ def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: 
     write_basis(out, basis, {"source": manifest["build"]["data_fingerprint"], "damping": damping})
     (out / STORE_DIR).mkdir(exist_ok=True)
     fp = manifest["build"]["data_fingerprint"]
-    with Store(src) as store, tqdm(total=len(store), unit="ex", desc="compact", disable=not progress) as bar:
+    with Store(src) as store, progress_bar(total=len(store), unit="ex", desc="compact", disable=not progress) as bar:
         cols = {c: store.column(c) for c in COLUMNS}
         for k, (first, size) in enumerate(zip(store.first_ids, store.sizes, strict=True)):
             final = out / STORE_DIR / shard_name(k)

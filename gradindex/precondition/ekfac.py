@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from gradindex.precondition.apply import eigen_quadratic, rotate
+from gradindex.progress import progress_bar
 from gradindex.store import Store
 
 BLOCK_BYTES = 1 << 28
@@ -68,6 +68,7 @@ def store_pass(
     dtype: torch.dtype | dict[str, torch.dtype] = torch.float64,
     block: int = 1024,
     progress: bool = False,
+    desc: str = "store pass",
 ) -> PassResult:
     """One streaming pass over the store; see the module docstring. ``shapes``: layer → ``(k_g, k_a)``;
     ``dtype``: of the rotations, one for all layers or per layer (sums are float64 either way)."""
@@ -94,7 +95,7 @@ def store_pass(
     si = np.zeros((N, L)) if with_lam else None
     sq = np.zeros((N, L))
     rows = block_rows({n: shapes[n][0] * shapes[n][1] for n in layers}, layers, block)
-    with tqdm(total=N, unit="ex", desc="store pass", disable=not progress) as bar:
+    with progress_bar(total=N, unit="ex", desc=desc, disable=not progress) as bar:
         for ids, grads in store.iter_blocks(layers, rows):
             pos = store.positions(ids)
             keep = torch.as_tensor(finite[pos], device=dev)

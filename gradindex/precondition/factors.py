@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import h5py
 import numpy as np
 from torch import nn
-from tqdm.auto import tqdm
 
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import batch_gradients
@@ -26,6 +25,7 @@ from gradindex.data import Tokenized, load_records, token_hash, tokenize_records
 from gradindex.fingerprint import digest_bytes, model_fingerprint
 from gradindex.manifest import IndexMismatchError
 from gradindex.model import resolve_pad_id
+from gradindex.progress import progress_bar
 from gradindex.store import Store
 
 
@@ -121,7 +121,7 @@ def model_covariance(
         raise ValueError(f"the model's layers {sorted(cap.infos)} are not the index's {sorted(layers)}")
     rows = list(rows)
     try:
-        with cap, tqdm(total=len(rows), unit="ex", desc="factors", disable=not progress) as bar:
+        with cap, progress_bar(total=len(rows), unit="ex", desc="factors", disable=not progress) as bar:
             for s in range(0, len(rows), batch_size):
                 idx = rows[s : s + batch_size]
                 ids = [data.input_ids[i] for i in idx]

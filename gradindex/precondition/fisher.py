@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import batch_gradients, finite_rows
@@ -22,6 +21,7 @@ from gradindex.capture.sampling import label_uniforms
 from gradindex.data import Tokenized
 from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import Basis
+from gradindex.progress import progress_bar
 
 
 def model_correction(
@@ -56,7 +56,7 @@ def model_correction(
             for n in layers}
     rows, n_ok = list(rows), 0
     try:
-        with cap, tqdm(total=len(rows), unit="ex", desc="true-Fisher correction", disable=not progress) as bar:
+        with cap, progress_bar(total=len(rows), unit="ex", desc="true-Fisher correction", disable=not progress) as bar:
             for s in range(0, len(rows), batch_size):
                 idx = rows[s: s + batch_size]
                 ids = [data.input_ids[i] for i in idx]

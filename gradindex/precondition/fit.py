@@ -187,7 +187,8 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
         dtypes = layer_dtypes(cfg.precision, shapes)
         kw = dict(device=device, dtype=dtypes, block=cfg.block, progress=progress)
         empirical = cfg.fisher == "empirical"
-        first = store_pass(store, layers, shapes, bases, correct=cfg.method == "ekfac" and empirical, **kw)
+        first = store_pass(store, layers, shapes, bases, correct=cfg.method == "ekfac" and empirical,
+                           desc="store pass (kfac)", **kw)
         written = {"kfac": (factors, first.self_influence), "graddot": (None, first.sq_norms)}
         if cfg.method == "ekfac":
             corrected = first.corrected if empirical else model_correction(
@@ -198,7 +199,7 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
                 n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
                 for n, f in ek.items()
             }
-            second = store_pass(store, layers, shapes, ek_bases, **kw)
+            second = store_pass(store, layers, shapes, ek_bases, desc="store pass (ekfac)", **kw)
             written["ekfac"] = (ek, second.self_influence)
     fit["finite_examples"] = first.n_finite
     for m, (fac, si) in written.items():

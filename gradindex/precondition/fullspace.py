@@ -38,7 +38,6 @@ from pathlib import Path
 import h5py
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 import gradindex
 from gradindex.capture.batch import batch_gradients
@@ -66,6 +65,7 @@ from gradindex.precondition.files import (
     write_precond,
 )
 from gradindex.precondition.preconditioner import Preconditioner
+from gradindex.progress import progress_bar
 from gradindex.store import Store
 from gradindex.store.repair import check_store
 
@@ -195,7 +195,7 @@ def _model_pass(model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: l
     """
     tokens = 0
     with TokenCapture(model, layers, visit) as cap, \
-            tqdm(total=len(rows), initial=start, unit="ex", desc=desc, disable=not progress) as bar:
+            progress_bar(total=len(rows), initial=start, unit="ex", desc=desc, disable=not progress) as bar:
         if heads is not None and plain_head(model, set(cap.modules.values())) is None:
             heads = None
         for s, idx in _batches(rows, start, batch_size):

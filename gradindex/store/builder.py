@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 from torch import nn
-from tqdm.auto import tqdm
 
 import gradindex
 from gradindex import distributed
@@ -37,6 +36,7 @@ from gradindex.manifest import (
 )
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_pad_id
+from gradindex.progress import progress_bar
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.basis import BASES, RowBasis, capture_transforms, index_basis
 from gradindex.store.codes import check_storage
@@ -298,7 +298,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     computed = 0
     model.requires_grad_(False)
     shards = [(k, k * S, min((k + 1) * S, N)) for k in range((N + S - 1) // S)]
-    bar = tqdm(total=N, unit="ex", desc="capture", disable=not progress or distributed.rank() > 0, dynamic_ncols=True)
+    bar = progress_bar(total=N, unit="ex", desc="capture", disable=not progress or distributed.rank() > 0)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="gradindex-hash")  # commits overlap the next capture
     commits: list[Future] = []
     try:

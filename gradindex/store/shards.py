@@ -32,7 +32,7 @@ import h5py
 import numpy as np
 
 from gradindex.checksum import Damage, DamagedIndexError, damage_error, read_checksums, record
-from gradindex.manifest import build_command, read_manifest
+from gradindex.manifest import build_command
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
 STORE_DIR = "store"
@@ -196,18 +196,14 @@ class Store:
         self._files: dict[int, h5py.File] = {}
 
     def _check_sizes(self) -> None:
-        """The cheap guard at open, O(1) a shard: every shard the manifest and ``checksums.json`` name is
-        there, with the size recorded when it was written (``gradindex verify`` hashes every byte)."""
+        """The cheap guard at open, O(1) a shard: every shard ``checksums.json`` records is there, with the
+        size recorded when it was written (``gradindex verify`` hashes every byte)."""
         d = self.dir.parent
         files = read_checksums(d)
         names = {f"{STORE_DIR}/{p.name}": p for p in self.paths}
-        try:
-            m = read_manifest(d)
-        except (OSError, ValueError):
-            m = {}
         expected = {n for n in files if n.startswith(f"{STORE_DIR}/shard-") and n.endswith(".h5")}
-        if m.get("status") == "complete":
-            expected |= {f"{STORE_DIR}/{shard_name(k)}" for k in range(int(m.get("counts", {}).get("shards", 0)))}
+        numbers = [int(p.stem.removeprefix("shard-")) for p in self.paths if p.stem.removeprefix("shard-").isdigit()]
+        expected |= {f"{STORE_DIR}/{shard_name(k)}" for k in range(max(numbers, default=-1))}  # no gap
         problems = [(n, "missing") for n in sorted(expected - set(names))]
         problems += [(n, f"{p.stat().st_size} bytes, {files[n]['bytes']} were written") for n, p in names.items()
                      if n in files and p.stat().st_size != files[n]["bytes"]]

@@ -12,7 +12,6 @@ from fractions import Fraction
 
 import numpy as np
 from torch import nn
-from tqdm.auto import tqdm
 
 from gradindex.capture import ProjectionSpec
 from gradindex.capture.allocation import allocate
@@ -20,6 +19,7 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.capture.fullcov import FullCovariance
 from gradindex.capture.layers import LayerInfo
 from gradindex.data import Tokenized
+from gradindex.progress import progress_bar
 from gradindex.store.basis import RowBasis, kfac_basis, read_basis, write_basis
 from gradindex.store.codes import code_dtype
 
@@ -92,7 +92,7 @@ def factor_pass(model: nn.Module, data: Tokenized, rows, layers, pad_id: int, ba
     """Full-space ``layer → (A, S)`` (float64 token means) from one forward/backward over ``rows``."""
     model.requires_grad_(False)
     rows = list(rows)
-    with FullCovariance(model, layers) as cap, tqdm(total=len(rows), unit="ex", desc="basis factors",
+    with FullCovariance(model, layers) as cap, progress_bar(total=len(rows), unit="ex", desc="basis factors",
                                                      disable=not progress) as bar:
         for s in range(0, len(rows), batch_size):
             idx = rows[s:s + batch_size]
