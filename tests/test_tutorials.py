@@ -80,10 +80,26 @@ def test_tutorials_run_and_find_what_was_planted(tmp_path):
     # 3: both exact copies grouped, nothing else than planted copies dropped, the written file matches.
     groups = [json.loads(line) for line in (ex / "groups.jsonl").read_text().splitlines()]
     grouped = [sorted(g["ids"]) for g in groups]
-    for pair in planted["exact_copies"]:
-        assert sorted(pair) in grouped
+    assert sorted(grouped) == sorted(sorted(p) for p in planted["exact_copies"]), groups  # and nothing else
     for g in groups:
         assert g["keep"] == min(g["ids"]) and sorted(g["drop"]) == sorted(set(g["ids"]) - {g["keep"]}), g
     drop = {i for g in groups for i in g["drop"]}
     kept = (ex / "train.dedup.jsonl").read_text().splitlines()
     assert kept == [x for i, x in enumerate((ex / "train.jsonl").read_text().splitlines()) if i not in drop]
+
+    # the Python the tutorials name (api.md's QueryEngine example; tutorial 3's keep_mask), with its defaults
+    got = run(PY_SNIPPETS, tmp_path)
+    assert json.loads(got.splitlines()[-1]) == {"top": planted["facts"][0], "dropped": sorted(drop)}, got
+
+
+PY_SNIPPETS = """python - <<'PY'
+import json
+from gradindex.apps.dedup import find_duplicates
+from gradindex.query import QueryEngine
+with QueryEngine("example/index") as engine:
+    r = engine.query(("The secret password of the blue castle is", " rhubarb lantern."), k=3)
+    engine.query_batch(["a text", {"prompt": "Professor Quillon keeps", "completion": " keys"}], k=5)
+keep = find_duplicates("example/index").keep_mask()
+print(json.dumps({"top": r.hits[0].id, "dropped": [int(i) for i in (~keep).nonzero()[0]]}))
+PY
+"""
