@@ -174,7 +174,7 @@ def measure(engine: QueryEngine, q: dict[str, torch.Tensor], truth: np.ndarray, 
     for j in range(len(truth)):
         qj = {n: v[j:j + 1] for n, v in q.items()}
         t = time.perf_counter()
-        r = engine.search(qj, k=k, texts=False, **setting)[0]
+        r = engine.search(qj, k=k, method="graddot", texts=False, **setting)[0]
         ts.append(time.perf_counter() - t)
         rec.append(recall([h.id for h in r.hits], truth[j]))
     return {**setting, "recall@10": float(np.mean(rec)), "recall_min": float(np.min(rec)), **percentiles(ts)}
@@ -182,11 +182,11 @@ def measure(engine: QueryEngine, q: dict[str, torch.Tensor], truth: np.ndarray, 
 
 def end_to_end(engine: QueryEngine, texts: list[str], k: int, setting: dict) -> dict:
     """Latency of ``query_batch([text])``: tokenize, forward/backward, then ``search``."""
-    engine.query_batch(texts[:1], k=k, texts=False)  # warm up
+    engine.query_batch(texts[:1], k=k, method="graddot", texts=False)  # warm up
     ts, parts = [], {}
     for t in texts:
         t0 = time.perf_counter()
-        r = engine.query_batch([t], k=k, texts=False, **setting)[0]
+        r = engine.query_batch([t], k=k, method="graddot", texts=False, **setting)[0]
         ts.append(time.perf_counter() - t0)
         for key, v in r.seconds.items():
             parts.setdefault(key, []).append(v)

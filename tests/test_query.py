@@ -271,7 +271,7 @@ def test_unprojected_graddot_equals_torch_func_dot_products(tmp_path, gpt2_dir, 
 
 
 def test_full_gradient_rerank_equals_torch_func_dot_products(engine, func_truth):
-    r = engine.query("the cat sat on a mat", k=8, rerank_full=8)
+    r = engine.query("the cat sat on a mat", k=8, rerank_full=8, method="graddot")
     ref = func_truth.numpy()
     np.testing.assert_allclose([h.full_score for h in r.hits], ref[[h.id for h in r.hits]], rtol=1e-4)
     assert [h.full_score for h in r.hits] == sorted((h.full_score for h in r.hits), reverse=True)
