@@ -128,8 +128,8 @@ def _rotate(p: str) -> str:
     return ". ".join(parts[1:] + parts[:1]) if len(parts) > 1 else " ".join(p.split()[1:] + p.split()[:1])
 
 
-def dedup_experiment(work: Path, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95), per_kind: int = 30,
-                     steps: int = 300) -> dict:
+def _dedup_corpus(per_kind: int, steps: int):
+    """``(texts, planted pairs by kind, model, tokenized data, training seconds)`` of the dedup experiment."""
     paras = stdlib_paragraphs()[:600]
     rng = np.random.default_rng(0)
     texts = list(paras)
@@ -157,28 +157,71 @@ def dedup_experiment(work: Path, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95), per
     model = tiny_gpt2(vocab_size=len(tok), n_layer=2, n_embd=64, n_head=4, n_positions=96, seed=0)
     t0 = time.perf_counter()
     train_on(model, data, steps, batch=16, pad=tok.pad_token_id)
-    t_train = time.perf_counter() - t0
-    out = work / "dedup"
+    return texts, pairs, model, tok, data, time.perf_counter() - t0
+
+
+def pair_cosines(index_dir: Path, method: str, pairs: list[tuple[int, int]]) -> np.ndarray:
+    """Exact cosines of ``pairs`` of rows under ``method``, as :func:`find_duplicates` confirms them."""
+    from gradindex.apps.dedup import _space, _unit_rows
+    from gradindex.index.rows import RowReader
+    from gradindex.store import Store
+
+    cfg = DedupConfig(method=method)
+    layers, base, pre = _space(index_dir, cfg, None)
+    ids = np.unique(np.asarray(pairs).ravel())
+    with Store(index_dir) as store:
+        u = _unit_rows(RowReader(store, layers).read(ids), layers, pre, base, cfg.damping)
+    pos = {int(i): j for j, i in enumerate(ids)}
+    return np.array([float(u[pos[a]] @ u[pos[b]]) for a, b in pairs])
+
+
+DEDUP_INDEXES = {
+    "16x16": ("16x16 projected raw fp32 rows", [("graddot", "graddot"), ("ekfac", "ekfac")]),
+    "default": ("the default build (projection auto = whole gradient here, ekfac transcode, int4)",
+                [("ekfac", "ekfac"), ("graddot", "graddot (un-whitened rows)")]),
+    "raw": ("unprojected raw fp32 rows (--transcode none --storage fp32)", [("graddot", "graddot"),
+                                                                             ("ekfac", "ekfac")]),
+}
+
+
+def _dedup_build_config(name: str) -> BuildConfig:
+    if name == "16x16":
+        return BuildConfig(projection=ProjectionSpec(k_a=16, k_g=16), batch_size=16, precondition="ekfac")
+    if name == "default":  # `gradindex build`'s defaults
+        return BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
+                           transcode="ekfac", storage="int4")
+    return BuildConfig(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac", storage="fp32")
+
+
+def dedup_experiment(work: Path, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95), per_kind: int = 30,
+                     steps: int = 300, indexes: tuple[str, ...] = ("16x16",)) -> dict:
+    """Recall per kind of planted pair at each threshold, per index in ``indexes`` (:data:`DEDUP_INDEXES`)."""
     import shutil
 
-    shutil.rmtree(out, ignore_errors=True)
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=16, k_g=16), batch_size=16, precondition="ekfac")
-    build_index(model, tok, data, out, cfg, progress=False)
-    rows = []
-    for method in ("graddot", "ekfac"):
-        for thr in thresholds:
-            r = find_duplicates(out, DedupConfig(threshold=thr, method=method))
-            group_of = {i: j for j, g in enumerate(r.groups) for i in g.ids}
-            row = {"method": method, "threshold": thr, "groups": len(r.groups), "seconds": r.seconds["total"],
-                   "grouped_examples": int(sum(len(g.ids) for g in r.groups))}
-            for kind, ps in pairs.items():
-                same = [a in group_of and group_of.get(a) == group_of.get(b) for a, b in ps]
-                row[f"{kind}_grouped"] = float(np.mean(same))
-            rows.append(row)
-            log(f"dedup {method} @ {thr}: " + ", ".join(f"{k} {row[f'{k}_grouped']:.2f}" for k in pairs))
-    return {"n": len(texts), "train_s": t_train, "pairs_per_kind": per_kind, "rows": rows,
-            "reading": "*_grouped: share of planted pairs whose two members share a group; topic_grouped must "
-                       "stay near 0 (different paragraphs of one module)"}
+    texts, pairs, model, tok, data, t_train = _dedup_corpus(per_kind, steps)
+    res: dict = {"n": len(texts), "train_s": t_train, "pairs_per_kind": per_kind}
+    for name in indexes:
+        out = work / f"dedup-{name}"
+        shutil.rmtree(out, ignore_errors=True)
+        build_index(model, tok, data, out, _dedup_build_config(name), progress=False)
+        rows, cosines = [], {}
+        for method, label in DEDUP_INDEXES[name][1]:
+            cosines[method] = {k: np.round(pair_cosines(out, method, ps), 4).tolist() for k, ps in pairs.items()}
+            for thr in thresholds:
+                r = find_duplicates(out, DedupConfig(threshold=thr, method=method))
+                group_of = {i: j for j, g in enumerate(r.groups) for i in g.ids}
+                row = {"method": method, "threshold": thr, "groups": len(r.groups), "seconds": r.seconds["total"],
+                       "grouped_examples": int(sum(len(g.ids) for g in r.groups))}
+                for kind, ps in pairs.items():
+                    same = [a in group_of and group_of.get(a) == group_of.get(b) for a, b in ps]
+                    row[f"{kind}_grouped"] = float(np.mean(same))
+                rows.append(row)
+                log(f"dedup {name} {label} @ {thr}: " + ", ".join(f"{k} {row[f'{k}_grouped']:.2f}" for k in pairs))
+        res[name] = {"index": DEDUP_INDEXES[name][0], "rows": rows, "pair_cosines": cosines}
+    res["reading"] = ("per index: *_grouped: share of planted pairs whose two members share a group; topic_grouped "
+                      "must stay near 0 (different paragraphs of one module); pair_cosines: each planted pair's "
+                      "exact cosine under the method")
+    return res
 
 
 def _memory_mb() -> dict[str, float]:
@@ -326,6 +369,9 @@ def main() -> None:
     ap.add_argument("--recall-sample", type=int, default=20000,
                     help="rows checked against exact kNN at each --scale size (a quarter beyond 100k); 0: none")
     ap.add_argument("--skip", nargs="*", default=[], choices=["outliers", "dedup"])
+    ap.add_argument("--dedup-index", default="16x16", choices=["16x16", "default", "both"],
+                    help="dedup quality on the 16x16 projected index (results key 'dedup'), or on the default "
+                         "build next to an unprojected raw fp32 one ('dedup_default'), or both")
     ap.add_argument("--dampings", type=float, nargs="*", default=[],
                     help="also rank outliers by EK-FAC self-influence at these relative dampings")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "audit.json")
@@ -345,8 +391,12 @@ def main() -> None:
             for d in args.dampings:
                 log(f"  ekfac @ damping {d:g}: {np.round(r[f'ekfac_self_influence@{d:g}'], 2).tolist()}")
         plot_outliers(res["outliers"], args.out.with_name("audit-outliers.png"))
-    if "dedup" not in args.skip:
-        res["dedup"] = dedup_experiment(args.work_dir)
+    if "dedup" not in args.skip and args.dedup_index in ("16x16", "both"):
+        d = dedup_experiment(args.work_dir)
+        res["dedup"] = {**{k: v for k, v in d.items() if k != "16x16"}, "rows": d["16x16"]["rows"]}
+    if "dedup" not in args.skip and args.dedup_index in ("default", "both"):
+        res["dedup_default"] = dedup_experiment(args.work_dir, thresholds=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95),
+                                                indexes=("default", "raw"))
     for r in scale_experiment(args.work_dir, args.scale, args.recall_sample) if args.scale else []:  # merged by size
         res["dedup_scale"] = sorted([e for e in res.get("dedup_scale", []) if e["examples"] != r["examples"]] + [r],
                                     key=lambda e: e["examples"])

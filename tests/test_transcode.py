@@ -214,3 +214,48 @@ def test_damping_used_is_the_querys_or_the_one_the_rows_bake_in():
     assert eig.damping_used("ekfac", 0.05) == 0.3
     with pytest.raises(ValueError, match="does not apply to this index"):
         eig.damping_used("graddot", 0.05)
+
+
+
+def _unit(index_dir, method: str) -> tuple[np.ndarray, str]:
+    """Every row's unit vector as dedup compares them under ``method``, and the operation on the rows."""
+    from gradindex.apps.dedup import DedupConfig, _space, _unit_rows
+
+    layers, base, pre = _space(index_dir, DedupConfig(method=method), None)
+    return _unit_rows(_rows(index_dir), layers, pre, base, 0.0).astype(np.float64), base
+
+
+def test_graddot_dedup_on_eigenbasis_rows_is_the_raw_gradient_cosine(built, tmp_path):
+    """Un-whitened by the basis's column scale ``√(Λ* + δ)``, eigenbasis rows are an orthogonal rotation of the
+    raw gradients: the same cosines, checked by brute force over the raw build's rows (exactly on float32
+    eigenbasis rows; on the default int4 rows up to their noise, which un-whitening amplifies)."""
+    from gradindex.apps.dedup import DedupConfig, find_duplicates
+
+    _, _, _, d, _ = built
+    raw = _rows(d / "raw")
+    v = np.concatenate([raw[n].astype(np.float64) for n in sorted(raw)], 1)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    want = v @ v.T
+    iu = np.triu_indices(len(v), 1)
+    compact_eigenbasis(d / "raw", tmp_path / "fp32", damping=RAW.damping, storage="fp32")
+    u, base = _unit(tmp_path / "fp32", "graddot")
+    assert base == "unwhiten"
+    assert np.abs((u @ u.T)[iu] - want[iu]).max() < 1e-4
+    w, _ = _unit(tmp_path / "fp32", "ekfac")  # the whitened cosines are another geometry
+    assert np.abs((w @ w.T)[iu] - want[iu]).max() > 0.1
+    u4, _ = _unit(d / "idx", "graddot")
+    err = np.abs((u4 @ u4.T)[iu] - want[iu])
+    assert err.mean() < 0.03 and err.max() < 0.15, (err.mean(), err.max())
+    # groups: the raw cosines' components, at a threshold in the widest gap among the top pair cosines
+    c = np.sort(want[iu])[::-1][:12]
+    k = int(np.argmax(c[:-1] - c[1:]))
+    thr = float(c[k] + c[k + 1]) / 2
+    assert c[k] - c[k + 1] > 1e-3  # float32 rows: cosines within 1e-4
+    comps: dict[int, set[int]] = {}
+    for i, j in zip(*np.nonzero(np.triu(want >= thr, 1)), strict=True):
+        s = comps.get(int(i), {int(i)}) | comps.get(int(j), {int(j)})
+        for m in s:
+            comps[m] = s
+    res = find_duplicates(tmp_path / "fp32", DedupConfig(method="graddot", threshold=thr, neighbors=len(v), sketch=0))
+    assert comps and [g.ids for g in res.groups] == sorted(list(t) for t in {tuple(sorted(s)) for s in comps.values()})
+    assert all(g.kind == "near" for g in res.groups)

@@ -33,8 +33,12 @@ from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row
 from gradindex.precondition.preconditioner import selected_layers
 from gradindex.progress import progress_bar
 from gradindex.store import Store
+from gradindex.store.basis import index_basis
 
 log = logging.getLogger("gradindex")
+
+Space = Preconditioners | dict[str, np.ndarray]
+"""What :func:`_whiten` applies: the fitted preconditioners, or per-layer column factors for ``unwhiten``."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,7 @@ def _union(parent: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
         np.minimum.at(parent, np.maximum(ra, rb), np.minimum(ra, rb))  # hook roots; clashes retry
 
 
-def _unit_rows(rows: dict[str, np.ndarray], layers: Sequence[str], pre: Preconditioners, method: str,
+def _unit_rows(rows: dict[str, np.ndarray], layers: Sequence[str], pre: Space, method: str,
                damping: float) -> np.ndarray:
     """``[n, D_total]`` float32 unit vectors of store rows (concatenated over layers, whitened for kfac/ekfac)."""
     v = np.concatenate([_whiten(rows, n, pre, method, damping) for n in layers], axis=1)
@@ -155,15 +159,22 @@ def _unit_rows(rows: dict[str, np.ndarray], layers: Sequence[str], pre: Precondi
     return np.where(norm > 0, v / np.where(norm > 0, norm, 1.0), 0.0).astype(np.float32)
 
 
-def _whiten(rows: dict[str, np.ndarray], n: str, pre: Preconditioners, method: str, damping: float) -> np.ndarray:
-    """One layer's ``[n, D]`` float32 rows, multiplied by ``H^{-1/2}`` for kfac/ekfac."""
+UNWHITEN = "unwhiten"
+"""The operation on rows stored in the EK-FAC eigenbasis that answers ``graddot`` (:func:`_space`)."""
+
+
+def _whiten(rows: dict[str, np.ndarray], n: str, pre: Space, method: str, damping: float) -> np.ndarray:
+    """One layer's ``[n, D]`` float32 rows, multiplied by ``H^{-1/2}`` for kfac/ekfac, or by the per-column
+    ``√(Λ* + δ)`` for ``unwhiten`` (eigenbasis rows back to a rotation of the raw gradient: same cosines)."""
     x = np.ascontiguousarray(rows[n], dtype=np.float32)
     if method == "graddot":
         return x
+    if method == UNWHITEN:
+        return x * pre[n]
     return pre.apply(method, n, torch.from_numpy(x), -0.5, damping).numpy()
 
 
-def _sketch_rows(rows: dict[str, np.ndarray], layers: Sequence[str], pre: Preconditioners, method: str,
+def _sketch_rows(rows: dict[str, np.ndarray], layers: Sequence[str], pre: Space, method: str,
                  damping: float, R: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """``([n, d] unit sketches, [n] nonzero)``: ``Σ_layers x R`` normalised (the row's own norm cancels)."""
     out, nonzero = None, None
@@ -226,19 +237,25 @@ def resolved(index_dir: str | os.PathLike, cfg: DedupConfig) -> DedupConfig:
     return replace(cfg, method=method)
 
 
-def _space(index_dir, cfg: DedupConfig, layers: Sequence[str] | None) -> tuple[list[str], str, Preconditioners]:
+def _space(index_dir, cfg: DedupConfig, layers: Sequence[str] | None) -> tuple[list[str], str, Space]:
     """``(layers, row method, preconditioners)``: the method applied to the stored rows (whitened rows: ekfac
-    is their plain cosine)."""
+    is their plain cosine). ``graddot`` on rows in the EK-FAC eigenbasis, ``W = (Q_Sᵀ G Q_A) ⊙ (Λ* + δ)^{-1/2}``,
+    is ``unwhiten``: ``W ⊙ √(Λ* + δ) = Q_Sᵀ G Q_A`` is an orthogonal rotation of the raw gradient ``G``, so its
+    cosines are the raw gradients' (the preconditioners are then layer → ``[D]`` ``√(Λ* + δ)``)."""
     manifest = read_complete_manifest(index_dir, "deduplicate")
     layers = selected_layers(manifest, layers)
-    base = row_base(parse_method(cfg.method)[0], row_basis(manifest), cfg.method)
+    base = parse_method(cfg.method)[0]
+    if base == "graddot" and row_basis(manifest) == "ekfac":
+        basis = index_basis(index_dir, manifest)
+        return layers, UNWHITEN, {n: (1.0 / basis.scale[n]).astype(np.float32).reshape(-1) for n in layers}
+    base = row_base(base, row_basis(manifest), cfg.method)
     pre = Preconditioners(index_dir, manifest)
     if base != "graddot":
         pre.check(base)
     return layers, base, pre
 
 
-def _vectors(store: Store, layers: Sequence[str], pre: Preconditioners, method: str, cfg: DedupConfig,
+def _vectors(store: Store, layers: Sequence[str], pre: Space, method: str, cfg: DedupConfig,
              progress: bool) -> tuple[np.ndarray, np.ndarray, bool]:
     """One pass over the store: every row's unit vector, or its unit sketch when ``cfg.sketch`` is smaller."""
     N = len(store)
