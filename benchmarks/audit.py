@@ -13,6 +13,9 @@
    different paragraphs from one module, which must not be grouped). A small GPT-2 is trained
    on it, indexed (16x16), and ``find_duplicates`` runs at several thresholds: recall per kind
    of planted pair (both members in one group) and the share of topic pairs wrongly grouped.
+   ``--dedup-index default``: the same on ``gradindex build``'s default index (whole gradient here,
+   EK-FAC transcode, int4; ekfac, and graddot on its un-whitened rows) and on unprojected raw float32
+   rows (graddot, ekfac), thresholds 0.3-0.95 (``dedup_default`` in the results; ``both``: and 16x16).
 3. **Dedup scale** (``--scale N ...``): time (vectors / search / confirm) and peak memory of
    ``find_duplicates`` at threshold 0.95, each size in a fresh process, over the synthetic N-row
    stores of ``benchmarks/query.py`` (real rows of the demo model extended by random combinations;

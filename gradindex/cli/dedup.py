@@ -19,7 +19,8 @@ from gradindex.cli.common import damping_option, index_method, user_errors
               help="Gradient cosine at or above which two examples are near-duplicates "
                    "(default: 0.6 for graddot, 0.5 for whitened gradients).")
 @click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
-              help="Compare raw gradients, or gradients whitened by this preconditioner "
+              help="Compare raw gradients (on an index stored in the EK-FAC eigenbasis: its rows "
+                   "un-whitened), or gradients whitened by this preconditioner "
                    "(default: graddot; ekfac on an index stored in the EK-FAC eigenbasis).")
 @damping_option("Relative damping of the whitening.")
 @click.option("--neighbors", default=16, show_default=True, type=int, help="Neighbours proposed per example.")
