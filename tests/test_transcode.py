@@ -159,6 +159,8 @@ def test_default_cli_build_then_every_command_on_it(gpt2_dir, text_jsonl, tmp_pa
     assert res.exit_code == 0, res.output
     res = r.invoke(main, ["dedup", out, "--out", str(tmp_path / "g.jsonl"), "--quiet"])
     assert res.exit_code == 0, res.output
+    res = r.invoke(main, ["dedup", out, "--out", str(tmp_path / "g.jsonl"), "--quiet", "--method", "graddot"])
+    assert res.exit_code == 0, res.output
     res = r.invoke(main, ["explain", out, "--query", "the cat sat on a mat", "--id", "2", "--json", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     ex = json.loads(res.output.splitlines()[0])
