@@ -93,8 +93,7 @@ def test_bad_checkpoint_lists_are_refused(run):
 
 
 def test_tracin_needs_no_faiss_indices(run):
-    """TracIn sums exact scores from the stores: checkpoint indices without their FAISS files answer the same."""
-    import shutil
+    """TracIn sums exact scores from the stores: the trajectory builds no FAISS files and ranks by them."""
 
     from gradindex.apps.tracin import TracInEngine
 
@@ -105,14 +104,10 @@ def test_tracin_needs_no_faiss_indices(run):
         args += ["--checkpoint", str(c), "--lr", str(lr)]
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 0, res.output
-    with TracInEngine(out, device="cpu") as e:
-        want = e.query_batch([QUERY], k=4, lowest=2)[0]
-    for c in out.glob("ckpt-*"):
-        shutil.rmtree(c / "faiss")
+    assert len(list(out.glob("ckpt-*"))) == 3 and not any((c / "faiss").exists() for c in out.glob("ckpt-*"))
     with TracInEngine(out, device="cpu") as e:
         got = e.query_batch([QUERY], k=4, lowest=2)[0]
         scores = e.scores([QUERY])[0]
-    assert [h.to_dict() for h in got.hits + got.lowest] == [h.to_dict() for h in want.hits + want.lowest]
     order = np.lexsort((np.arange(len(texts)), -scores))
     assert [h.id for h in got.hits] == order[:4].tolist() and [h.id for h in got.lowest] == order[::-1][:2].tolist()
     assert [h.text for h in got.hits] == [texts[i] for i in order[:4]]

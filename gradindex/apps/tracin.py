@@ -89,7 +89,9 @@ def checkpoints(models: list[str], lrs: list[float]) -> list[Checkpoint]:
 
 def build_trajectory(ckpts: list[Checkpoint], data: Tokenized, out_dir: str | os.PathLike, cfg: BuildConfig,
                      load, data_id: str = "", index: IndexConfig | None = None, progress: bool = True) -> dict:
-    """One raw-row index per checkpoint under ``out_dir``; ``load(model_dir) -> (model, tokenizer)``."""
+    """One raw-row index per checkpoint under ``out_dir``; ``load(model_dir) -> (model, tokenizer)``.
+
+    TracIn scores are exact sums over the stores, so no FAISS index is built unless ``index`` asks for one."""
     if cfg.transcode != "none" or cfg.basis != "raw" or cfg.optimizer_state:
         raise ValueError("TracIn sums GradDot over checkpoints: build raw rows (--transcode none, "
                          "--projection-basis raw, no --optimizer-state)")
@@ -98,7 +100,7 @@ def build_trajectory(ckpts: list[Checkpoint], data: Tokenized, out_dir: str | os
     entries = []
     for i, c in enumerate(ckpts):
         model, tok = load(c.model)
-        build_index(model, tok, data, out / f"ckpt-{i:02d}", cfg, index=index or IndexConfig(), model_id=c.model,
+        build_index(model, tok, data, out / f"ckpt-{i:02d}", cfg, index=index, model_id=c.model,
                     data_id=data_id, progress=progress)
         entries.append({"model": c.model, "lr": c.lr, "step": c.step, "index": f"ckpt-{i:02d}"})
     meta = {"kind": "tracin", "checkpoints": entries}
