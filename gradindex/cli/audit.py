@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, index_method, user_errors
+from gradindex.cli.common import damping_option, engine_options, user_errors
 
 
 @main.command()
@@ -37,7 +37,7 @@ def audit(index_dir, queries_file, out_dir, k, method, damping, layers, outliers
     from gradindex.apps.report import ReportConfig, build_report
     from gradindex.query import QueryEngine, read_queries
 
-    cfg = ReportConfig(k=k, method=method or index_method(index_dir), damping=damping, layers=tuple(layers) or None,
+    cfg = ReportConfig(k=k, method=method, damping=damping, layers=tuple(layers) or None,
                        outliers=outliers, text_field=text_field, dedup=not no_dedup, dedup_threshold=dedup_threshold)
     queries = read_queries(queries_file)
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index) as engine:

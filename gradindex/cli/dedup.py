@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, index_method, user_errors
+from gradindex.cli.common import damping_option, user_errors
 
 
 @main.command()
@@ -38,7 +38,6 @@ def dedup(index_dir, out, threshold, method, damping, neighbors, sketch, data, m
     from gradindex.apps.texts import row_texts
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)  # before the search, not after it
-    method = method or index_method(index_dir, prefer=("graddot", "ekfac", "kfac"))
     cfg = DedupConfig(threshold=threshold, method=method, damping=damping, neighbors=neighbors, sketch=sketch)
     res = find_duplicates(index_dir, cfg, progress=not quiet)
     ids = sorted({i for g in res.groups for i in g.ids})

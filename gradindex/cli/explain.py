@@ -7,7 +7,7 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, index_method, user_errors
+from gradindex.cli.common import damping_option, engine_options, user_errors
 
 
 def _show(title: str, ts, top: int) -> None:
@@ -47,7 +47,6 @@ def explain(index_dir, text, prompt, completion, ids, method, damping, layers, t
         raise ValueError("give one query: --query TEXT, or --prompt P --completion C")
     query = text if text is not None else (prompt, completion)
     with QueryEngine(index_dir, model_dir, device=device, data=data) as engine:
-        method = method or index_method(index_dir)
         out = Explainer(engine).explain(query, list(ids), method, damping, list(layers) or None)
     for e in out:
         if as_json:

@@ -10,7 +10,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import damping_option, engine_options, number, user_errors
-from gradindex.methods import ALL_METHODS, default_method
+from gradindex.methods import ALL_METHODS
 
 
 def _queries(texts, prompt, completion, queries_file, text_field) -> list[dict]:
@@ -111,7 +111,6 @@ def _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, cand
 
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
                      optimizer_state=optimizer_state) as engine:
-        method = method or default_method(engine.manifest, engine.dir)
         return engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
                                   lowest=lowest, rerank_full=rerank_full, candidates=candidates,
                                   shortlist=shortlist, nprobe=nprobe, text_field=text_field)
