@@ -318,21 +318,11 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                 bar.update(done)
                 for s in range(start + done, end, B):
                     e = min(s + B, end)
-                    bg = batch_gradients(model, capture, data.input_ids[s:e], data.labels[s:e], pad_id)
-                    grads = {n: v.cpu().numpy() for n, v in bg.grads.items()}
-                    ok = finite_rows(grads)
+                    ok = append_batch(w, model, capture, data, s, e, pad_id, hashes)
                     if not ok.all():
-                        bad = np.nonzero(~ok)[0]
-                        for n in grads:
-                            grads[n][bad] = 0.0
-                        nonfinite.update(int(s + i) for i in bad)
-                        log.warning("examples %s have non-finite gradients; stored as zeros and flagged",
-                                    [int(s + i) for i in bad])
-                    w.append(
-                        np.arange(s, e, dtype=np.int64), grads,
-                        loss=bg.loss.float().cpu().numpy(), num_tokens=bg.num_tokens.cpu().numpy().astype(np.int32),
-                        finite=ok, token_hash=np.frombuffer(b"".join(hashes[s:e]), np.uint8).reshape(-1, 16),
-                    )
+                        bad = [int(s + i) for i in np.nonzero(~ok)[0]]
+                        nonfinite.update(bad)
+                        log.warning("examples %s have non-finite gradients; stored as zeros and flagged", bad)
                     computed += e - s
                     bar.update(e - s)
                 if capture.collect_covariance or capture.collect_full_covariance:
@@ -364,6 +354,22 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     distributed.barrier()
     return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
 
+
+
+def append_batch(w: ShardWriter, model: nn.Module, capture: GradientCapture, data: Tokenized, s: int, e: int,
+                 pad_id: int, hashes: list[bytes], rows=None) -> np.ndarray:
+    """Capture examples ``s:e`` and append them to ``w`` (non-finite rows as zeros, through ``rows(grads)``
+    when given), with their loss, token count, finite flag and token hash; return the ``[e - s]`` finite mask."""
+    bg = batch_gradients(model, capture, data.input_ids[s:e], data.labels[s:e], pad_id)
+    grads = {n: v.cpu().numpy() for n, v in bg.grads.items()}
+    ok = finite_rows(grads)
+    if not ok.all():
+        for n in grads:
+            grads[n][~ok] = 0.0
+    w.append(np.arange(s, e, dtype=np.int64), rows(grads) if rows else grads,
+             loss=bg.loss.float().cpu().numpy(), num_tokens=bg.num_tokens.cpu().numpy().astype(np.int32),
+             finite=ok, token_hash=np.frombuffer(b"".join(hashes[s:e]), np.uint8).reshape(-1, 16))
+    return ok
 
 
 def _move_damaged_aside(out: Path, full: bool) -> None:

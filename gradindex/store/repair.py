@@ -36,9 +36,9 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
     scaled by the index's ``basis.h5`` (:func:`~gradindex.store.basis.to_rows`, as the transcode
     did) and coded as the index's storage. Damaged files are moved to ``damaged/`` first.
     """
-    from gradindex.capture.batch import batch_gradients, finite_rows
     from gradindex.checksum import move_aside
     from gradindex.store.basis import index_basis, to_rows
+    from gradindex.store.builder import append_batch
     from gradindex.store.shards import ShardWriter
 
     d = Path(index_dir)
@@ -64,14 +64,8 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
             done = w.open()
             for s in range(start + done, end, B):
                 e = min(s + B, end)
-                bg = batch_gradients(model, capture, data.input_ids[s:e], data.labels[s:e], pad_id)
-                grads = {n: v.cpu().numpy() for n, v in bg.grads.items()}
-                ok = finite_rows(grads)
-                rows = {n: to_rows(basis, n, _as_captured(np.where(ok[:, None], g, 0.0), captured), shapes[n])
-                        for n, g in grads.items()}
-                w.append(np.arange(s, e, dtype=np.int64), rows, loss=bg.loss.float().cpu().numpy(),
-                         num_tokens=bg.num_tokens.cpu().numpy().astype(np.int32), finite=ok,
-                         token_hash=np.frombuffer(b"".join(hashes[s:e]), np.uint8).reshape(-1, 16))
+                append_batch(w, model, capture, data, s, e, pad_id, hashes, rows=lambda grads: {
+                    n: to_rows(basis, n, _as_captured(g, captured), shapes[n]) for n, g in grads.items()})
                 computed += e - s
             w.finish()
             log.warning("recomputed %s in the index's ekfac eigenbasis", path.name)
