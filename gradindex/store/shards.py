@@ -31,7 +31,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from gradindex.checksum import Damage, DamagedIndexError, damage_error, read_checksums, record
+from gradindex.checksum import Damage, DamagedIndexError, check_files, damage_error, record, recorded
 from gradindex.manifest import build_command
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
@@ -199,17 +199,15 @@ class Store:
         """The cheap guard at open, O(1) a shard: every shard ``checksums.json`` records is there, with the
         size recorded when it was written (``gradindex verify`` hashes every byte)."""
         d = self.dir.parent
-        files = read_checksums(d)
-        names = {f"{STORE_DIR}/{p.name}": p for p in self.paths}
-        expected = {n for n in files if n.startswith(f"{STORE_DIR}/shard-") and n.endswith(".h5")}
+        repair = _repair(d)
+        names = {f"{STORE_DIR}/{p.name}" for p in self.paths}
         numbers = [int(p.stem.removeprefix("shard-")) for p in self.paths if p.stem.removeprefix("shard-").isdigit()]
-        expected |= {f"{STORE_DIR}/{shard_name(k)}" for k in range(max(numbers, default=-1))}  # no gap
-        problems = [(n, "missing") for n in sorted(expected - set(names))]
-        problems += [(n, f"{p.stat().st_size} bytes, {files[n]['bytes']} were written") for n, p in names.items()
-                     if n in files and p.stat().st_size != files[n]["bytes"]]
+        gap = {f"{STORE_DIR}/{shard_name(k)}" for k in range(max(numbers, default=-1))} - names  # unrecorded too
+        recorded_shards = [n for n in recorded(d, f"{STORE_DIR}/shard-") if n.endswith(".h5") and n not in gap]
+        problems = [Damage(n, "missing", repair) for n in sorted(gap)]
+        problems += check_files(d, recorded_shards, full=False, repair=repair, sample=False)
         if problems:
-            repair = _repair(d)
-            raise damage_error(d, [Damage(n, why, repair) for n, why in problems])
+            raise damage_error(d, problems)
 
     def damaged_error(self, path: Path, e: BaseException) -> DamagedIndexError:
         """The error of a shard h5py cannot read: it names the file, ``gradindex verify`` and the repair."""
