@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -199,15 +200,15 @@ class Store:
         """The cheap guard at open, O(1) a shard: every shard ``checksums.json`` records is there, with the
         size recorded when it was written (``gradindex verify`` hashes every byte)."""
         d = self.dir.parent
-        repair = _repair(d)
         names = {f"{STORE_DIR}/{p.name}" for p in self.paths}
         numbers = [int(p.stem.removeprefix("shard-")) for p in self.paths if p.stem.removeprefix("shard-").isdigit()]
         gap = {f"{STORE_DIR}/{shard_name(k)}" for k in range(max(numbers, default=-1))} - names  # unrecorded too
         recorded_shards = [n for n in recorded(d, f"{STORE_DIR}/shard-") if n.endswith(".h5") and n not in gap]
-        problems = [Damage(n, "missing", repair) for n in sorted(gap)]
-        problems += check_files(d, recorded_shards, full=False, repair=repair, sample=False)
-        if problems:
-            raise damage_error(d, problems)
+        problems = [Damage(n, "missing") for n in sorted(gap)]
+        problems += check_files(d, recorded_shards, full=False, sample=False)
+        if problems:  # the repair command reads the manifest: only now
+            repair = _repair(d)
+            raise damage_error(d, [replace(x, repair=repair) for x in problems])
 
     def damaged_error(self, path: Path, e: BaseException) -> DamagedIndexError:
         """The error of a shard h5py cannot read: it names the file, ``gradindex verify`` and the repair."""
