@@ -151,11 +151,12 @@ def rename_records(index_dir: str | os.PathLike, renames: dict[str, str], drop_p
 
 
 def check_files(index_dir: str | os.PathLike, names: Iterable[str], full: bool = True,
-                repair: str = "", sample: bool = True) -> list[Damage]:
+                repair: str = "", sample: bool = True, files: dict[str, dict] | None = None) -> list[Damage]:
     """Damage among recorded files ``names`` (a name with no record is not checked): missing, another size,
-    and unless ``sample`` is False (presence and size only) a sampled hash, or with ``full`` the whole hash."""
+    and unless ``sample`` is False (presence and size only) a sampled hash, or with ``full`` the whole hash.
+    ``files``: the records when the caller has read them already (:func:`read_checksums`)."""
     d = Path(index_dir)
-    files = read_checksums(d)
+    files = read_checksums(d) if files is None else files
     out = []
     for n in names:
         e = files.get(n)

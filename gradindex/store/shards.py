@@ -32,7 +32,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from gradindex.checksum import Damage, DamagedIndexError, check_files, damage_error, record, recorded
+from gradindex.checksum import Damage, DamagedIndexError, check_files, damage_error, read_checksums, record
 from gradindex.manifest import build_command
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
@@ -203,9 +203,10 @@ class Store:
         names = {f"{STORE_DIR}/{p.name}" for p in self.paths}
         numbers = [int(p.stem.removeprefix("shard-")) for p in self.paths if p.stem.removeprefix("shard-").isdigit()]
         gap = {f"{STORE_DIR}/{shard_name(k)}" for k in range(max(numbers, default=-1))} - names  # unrecorded too
-        recorded_shards = [n for n in recorded(d, f"{STORE_DIR}/shard-") if n.endswith(".h5") and n not in gap]
+        files = read_checksums(d)
+        shards = sorted(n for n in files if n.startswith(f"{STORE_DIR}/shard-") and n.endswith(".h5") and n not in gap)
         problems = [Damage(n, "missing") for n in sorted(gap)]
-        problems += check_files(d, recorded_shards, full=False, sample=False)
+        problems += check_files(d, shards, full=False, sample=False, files=files)
         if problems:  # the repair command reads the manifest: only now
             repair = _repair(d)
             raise damage_error(d, [replace(x, repair=repair) for x in problems])
