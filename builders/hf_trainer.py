@@ -45,6 +45,10 @@ def main(argv=None) -> None:
     m = callback.manifest
     print(f"captured {m['counts']['examples']} examples over {m['training']['steps']} steps into {args.out}; "
           f"model saved to {model_out}")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # under torchrun the Trainer made the process group: end it
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
