@@ -19,7 +19,8 @@ from gradindex.data import Tokenized
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices, resolve_factory
 from gradindex.lock import index_lock
 from gradindex.precondition import FitConfig, fit_preconditioner
-from gradindex.precondition.compact import finish_transcode, transcode_in_place
+from gradindex.precondition.compact import finish_transcode
+from gradindex.precondition.fused import fit_and_transcode
 from gradindex.store.builder import BuildConfig, BuildResult, build_store, refuse_foreign
 
 __all__ = ["BuildConfig", "BuildResult", "IndexConfig", "build_index"]
@@ -73,11 +74,12 @@ def build_index(
 def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfig | None, res: BuildResult,
             progress: bool, t0: float) -> tuple[BuildResult, IndexBuildResult | None]:
     """The stages after the capture: fit, transcode, FAISS indices (one process)."""
-    if cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
-        fit = FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
+    fit = None if cfg.precondition == "none" else \
+        FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
+    if cfg.transcode == "ekfac" and not res.manifest.get("transcode"):  # the default: fit and transcode fused
+        res.manifest = fit_and_transcode(out_dir, fit, cfg.storage, model, tokenizer, data, progress, res.manifest)
+    elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
         fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
-    if cfg.transcode == "ekfac" and not res.manifest.get("transcode"):
-        res.manifest = transcode_in_place(out_dir, cfg.damping, cfg.storage, progress=progress)
     res.seconds = time.perf_counter() - t0
     if index is None:
         return res, None

@@ -243,6 +243,10 @@ class Store:
         """A per-example column over all shards (``ids``, ``loss``, ``num_tokens``, ...)."""
         return np.concatenate([self._read(k, lambda f: f[name][:]) for k in range(len(self.paths))])
 
+    def shard_columns(self, k: int, names: Sequence[str], start: int, stop: int) -> dict[str, np.ndarray]:
+        """Per-example columns ``names`` of shard ``k``'s rows ``start:stop`` (shard-local)."""
+        return self._read(k, lambda f: {c: f[c][start:stop] for c in names})
+
     def _read(self, k: int, read):
         """``read(file)`` on shard ``k``; an h5py failure (a damaged file) becomes a clear DamagedIndexError."""
         f = self._file(k)
@@ -260,16 +264,19 @@ class Store:
         return decode(codes, scales, self.storage, self.dims[name])
 
     def iter_blocks(
-        self, layers: Sequence[str] | None = None, block: int = 4096, start: int = 0
+        self, layers: Sequence[str] | None = None, block: int = 4096, start: int = 0, stop: int | None = None
     ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
-        """Yield ``(ids [n], {layer: [n, D]})`` in store order from row ``start``, ``block`` rows at a time."""
+        """Yield ``(ids [n], {layer: [n, D]})`` in store order from row ``start`` (to ``stop``), ``block``
+        rows at a time (a block never spans two shards)."""
         layers = list(layers or self.layers)
+        stop = self.n if stop is None else stop
         for k in range(len(self.paths)):
             first = self.first_ids[k]
-            if first + self.sizes[k] <= start:
+            if first + self.sizes[k] <= start or first >= stop:
                 continue
-            for s in range(max(0, start - first), self.sizes[k], block):
-                e = min(s + block, self.sizes[k])
+            end = min(self.sizes[k], stop - first)
+            for s in range(max(0, start - first), end, block):
+                e = min(s + block, end)
                 ids = self._read(k, lambda f, s=s, e=e: f["ids"][s:e])
                 yield ids, {n: self._decode(k, n, slice(s, e)) for n in layers}
 
