@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from click.testing import CliRunner
 
@@ -45,3 +49,30 @@ def test_explain_prints_the_residual_between_the_score_and_its_token_terms_and_i
         assert sum(d["query"]["scores"]) == pytest.approx(d["score"], rel=1e-5)  # against the coded row
         assert f"residual {x.residual:+.6g}" in text.stdout
     assert text.stdout.count("the score minus the training tokens' sum; the stored row is int4-coded") == len(ids)
+
+
+def _without_faiss(*args: str) -> subprocess.CompletedProcess:
+    code = "import sys; sys.modules['faiss'] = None\nfrom gradindex.cli import main\nmain(sys.argv[1:])"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def test_without_faiss_a_build_is_refused_before_any_work_in_one_line(gpt2_dir, text_jsonl, default_index,
+                                                                       tmp_path):
+    """Item 12: it died after the capture with a 31-line ModuleNotFoundError traceback."""
+    out = tmp_path / "index"
+    r = _without_faiss("build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--device", "cpu")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "gradindex[cpu]" in lines[0] and "gradindex[gpu]" in lines[0] and "`gradindex build` needs FAISS" in lines[0]
+    assert not out.exists()  # nothing captured, nothing written
+    for cmd in (["query", str(default_index), "--text", "the cat sat"], ["serve", str(default_index)]):
+        r = _without_faiss(*cmd)
+        assert r.returncode == 2 and "gradindex[cpu]" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert _without_faiss("build", "--help").returncode == 0
+    info = _without_faiss("info", str(default_index))
+    assert info.returncode == 0 and "ekfac" in info.stdout, info.stderr
+    lib = subprocess.run([sys.executable, "-c", "import sys; sys.modules['faiss'] = None\nimport gradindex.index"],
+                         capture_output=True, text=True, timeout=300)
+    assert "ModuleNotFoundError: FAISS is not installed" in lib.stderr and "gradindex[cpu]" in lib.stderr
