@@ -76,3 +76,38 @@ def test_without_faiss_a_build_is_refused_before_any_work_in_one_line(gpt2_dir, 
     lib = subprocess.run([sys.executable, "-c", "import sys; sys.modules['faiss'] = None\nimport gradindex.index"],
                          capture_output=True, text=True, timeout=300)
     assert "ModuleNotFoundError: FAISS is not installed" in lib.stderr and "gradindex[cpu]" in lib.stderr
+
+
+class _Spy:
+    """A tokenizer that records the length of every text it is given."""
+
+    def __init__(self, tok):
+        self.tok, self.seen = tok, []
+        self.eos_token_id = tok.eos_token_id
+
+    def __call__(self, text, **kw):
+        self.seen.append(len(text))
+        return self.tok(text, **kw)
+
+
+def test_a_long_text_is_cut_by_characters_before_it_is_tokenized(tokenizer):
+    """Item 17: a 10 MB single-line record was tokenized whole (144 s, 2.47 GB) before the cut to max length."""
+    from conftest import make_texts
+
+    from gradindex.data import records_from_texts, tokenize_records
+
+    long = " ".join(make_texts(3000, seed=5))  # ~250 KB, one line
+    huge = long * 40  # ~10 MB
+    spy = _Spy(tokenizer)
+    got = tokenize_records(records_from_texts([long, "the cat sat", huge]), spy, 64)
+    whole = tokenizer(long, add_special_tokens=False)["input_ids"]
+    assert got.input_ids[0] == whole[:64] and got.truncated == (True, False, True)
+    assert got.input_ids[2] == tokenizer(huge[:100_000], add_special_tokens=False)["input_ids"][:64]
+    assert max(spy.seen) <= 64 * 16, spy.seen  # only a prefix of each long text reached the tokenizer
+    words = "x" * 5000  # one long word: few tokens per character, the prefix grows until it has enough
+    got = tokenize_records(records_from_texts([words]), _Spy(tokenizer), 64)
+    assert got.input_ids[0] == tokenizer(words, add_special_tokens=False)["input_ids"][:64]
+    pc = tokenize_records(__import__("datasets").Dataset.from_list([{"prompt": "dog ran", "completion": long}]),
+                          spy, 64)
+    full = tokenizer("dog ran", add_special_tokens=False)["input_ids"] + whole
+    assert pc.input_ids[0] == full[:64]
