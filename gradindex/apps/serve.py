@@ -46,7 +46,7 @@ class QueryRequest(BaseModel):
     input_ids: list[int] | None = Field(None, min_length=2, max_length=MAX_TEXT)
     labels: list[int] | None = Field(None, description="With input_ids: -100 where no loss is taken.")
     messages: list[dict[str, str]] | None = Field(None, min_length=1, max_length=1000,
-                                                  description="A chat: [{role, content}, ...]; loss on assistant turns.")
+                                                  description="A chat: [{role, content}, ...]; loss on its replies.")
     k: int = Field(10, ge=1, le=MAX_K)
     method: str | None = Field(None, description="Default: ekfac where the index answers it, else graddot.")
     damping: float = Field(DEFAULT_DAMPING, gt=0, le=1e6)
