@@ -53,7 +53,8 @@ def data_options(fn):
     fn = click.option("--text-field", default="text", show_default=True,
                       help="Field holding the text (else 'prompt'+'completion' or 'input_ids').")(fn)
     fn = click.option("--max-length", default=512, show_default=True, type=int,
-                      help="Truncate examples to this many tokens (capped at the model's positions).")(fn)
+                      help="Truncate examples to this many tokens (capped at the smaller of the model's positions "
+                           "and the tokenizer's model_max_length; a note names which).")(fn)
     return fn
 
 

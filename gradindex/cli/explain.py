@@ -63,4 +63,7 @@ def explain(index_dir, text, prompt, completion, messages, ids, method, damping,
         else:
             click.echo(f"  text: {' '.join(text.split())[:200]}")
         _show("training tokens", e.train, top)
+        share = f" ({abs(e.residual) / abs(e.score):.1%} of the score)" if e.score else ""
+        click.echo(f"  residual {e.residual:+.6g}{share}: the score minus the training tokens' sum; "
+                   f"{e.residual_cause}")
         _show("query tokens", e.query, top)

@@ -21,8 +21,8 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.chat import set_chat_template, template_of
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
-from gradindex.manifest import IndexMismatchError, identity_differences, row_basis
-from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row_base
+from gradindex.manifest import IndexMismatchError, identity_differences
+from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
@@ -323,7 +323,7 @@ class QueryEngine:
         check_damping(damping)
         method = self.resolve_method(method)
         asked, selfnorm = parse_method(method)
-        base = row_base(asked, row_basis(self.manifest), method)  # the operation on stored rows
+        base = index_row_base(self.manifest, self.dir, asked, method)  # the operation on stored rows
         self.pre.check(base, selfnorm)
         used = self.basis.damping_used(asked, damping)
         chosen = self.select_layers(layers)
