@@ -17,6 +17,7 @@ FORMAT_VERSION = 1
 # with the words used when they differ.
 IDENTITY_KEYS = {
     "dtype": "model dtype",
+    "adapter_fingerprint": "adapter (--adapter)",
     "model_fingerprint": "model",
     "storage": "storage",
     "max_length": "max length",
@@ -129,8 +130,10 @@ def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDE
     """
     diffs = []
     dtype_differs = "dtype" in stored and "dtype" in given and stored["dtype"] != given["dtype"]
+    key = "adapter_fingerprint"  # the model's fingerprint covers the adapter's weights too: name the adapter
+    adapter_differs = key in stored and key in given and stored[key] != given[key]
     for key, words in keys.items():
-        if key == "model_fingerprint" and dtype_differs:
+        if key == "model_fingerprint" and (dtype_differs or adapter_differs):
             continue
         if key in stored and key in given and stored[key] != given[key]:
             diffs.append(f"{words} differs (index: {_short(stored[key])}, now: {_short(given[key])})")
@@ -166,8 +169,10 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     args += ["--seed", str(proj.get("seed", 0))]
     for pattern in c.get("layers", []):
         args += ["--layers", pattern]
+    if m.get("adapter_id") and m.get("adapter_id") != m.get("model_id"):
+        args += ["--adapter", m["adapter_id"]]
     text_field = m.get("counts", {}).get("text_field")
-    if text_field and text_field not in ("text", "input_ids", "prompt+completion"):
+    if text_field and text_field not in ("text", "input_ids", "prompt+completion", "messages"):
         args += ["--text-field", text_field]
     args += ["--max-length", str(c.get("max_length", 512)), "--batch-size", str(c.get("batch_size", 8)),
              "--dtype", m.get("dtype", "float32"), "--route", c.get("route", "auto"),
