@@ -5,8 +5,8 @@ width 48, vocab 256), N random sequences of ``--tokens`` ids, ``build_index`` wi
 (auto budget, int4 rows in the EK-FAC whitened eigenbasis, no FAISS stage), one thread. Prints
 one JSON line per size ``{"examples", "peak_rss_mb", "seconds"}`` and, with ``--out``, writes them.
 
-    python benchmarks/build_memory.py --sizes 300,3000
-    python benchmarks/build_memory.py --child 300 DIR      # one build (what each process runs)
+    python -m benchmarks.build_memory --sizes 300,3000 --out benchmarks/results/build_memory.json
+    python -m benchmarks.build_memory --sizes 300,3000 --root /path/to/other/checkout   # its gradindex
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def child(n: int, out: str, tokens: int, root: Path = ROOT) -> dict:
     """One default build of ``n`` examples into ``out``; its peak RSS (this process's high-water mark)."""
-    sys.path.insert(0, str(root))
+    if root != ROOT:  # measure another checkout's gradindex (before/after a change)
+        sys.path.insert(0, str(root))
     from types import SimpleNamespace
 
     import torch
@@ -52,11 +53,11 @@ def child(n: int, out: str, tokens: int, root: Path = ROOT) -> dict:
 def measure(n: int, tokens: int = 16, python: str = sys.executable, root: Path = ROOT) -> dict:
     """:func:`child` in a fresh interpreter of ``python`` on the checkout ``root``; its JSON line."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(root)}
+           }
     with tempfile.TemporaryDirectory(prefix="gradindex-mem-") as d:
-        res = subprocess.run([python, str(Path(__file__).resolve()), "--child", str(n), str(Path(d) / "idx"),
+        res = subprocess.run([python, "-m", "benchmarks.build_memory", "--child", str(n), str(Path(d) / "idx"),
                               "--tokens", str(tokens), "--root", str(root)],
-                             capture_output=True, text=True, env=env, timeout=1800)
+                             capture_output=True, text=True, env=env, timeout=1800, cwd=ROOT)
     if res.returncode:
         raise RuntimeError(f"the {n}-example build failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

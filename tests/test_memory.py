@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-from build_memory import measure  # noqa: E402
+from benchmarks.build_memory import measure
 
 
 def test_default_build_peak_rss_is_flat_from_300_to_3000_examples():

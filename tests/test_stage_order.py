@@ -16,7 +16,7 @@ STAGES = {
     "precondition": 3,
     "index": 4,
     "query": 5,
-    "pipeline": 6, "apps": 6,
+    "pipeline": 6, "plan": 6, "apps": 6,
     "integrations": 7, "cli": 7, "__main__": 7,
 }
 

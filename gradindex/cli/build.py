@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -135,63 +136,28 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
           quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex import distributed
-    from gradindex.capture import ProjectionSpec
-    from gradindex.data import load_records, tokenize_records
-    from gradindex.model import length_limit, load_causal_lm, resolve_device, vocab_size
-    from gradindex.pipeline import BuildConfig, build_index
+    from gradindex.model import resolve_device
+    from gradindex.pipeline import build_index
+    from gradindex.plan import plan_build
     from gradindex.store.builder import refuse_foreign
 
-    auto = projection.strip().lower() == "auto"
-    if precondition == "auto":
-        precondition = "none" if optimizer_state else "ekfac"
-    if transcode == "auto":
-        transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
-    if storage == "auto":
-        storage = "int4" if transcode == "ekfac" else "int8"
-    if budget and not auto:
-        raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
-    spec = ProjectionSpec(kind=projection_kind, seed=seed) if auto else \
-        ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
-    if batch_size < 1 or shard_size < 1 or max_length < 2:
-        raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
-    icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
-    if not no_index and whiten != "none" and transcode == "ekfac":
-        raise ValueError(f"--whiten {whiten} does not apply: the rows are transcoded into the EK-FAC whitened "
-                         "eigenbasis (already whitened); drop --whiten, or add --transcode none")
-    if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
-        raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
+    opts = settings(projection, budget, basis, precondition, transcode, storage, optimizer_state, batch_size,
+                    shard_size, max_length, index_type, whiten, damping, normalize, train_size, cpu_index, no_index,
+                    projection_kind, seed)
     resolve_device(device)
     if distributed.init_from_env(device):  # under torchrun: each rank captures its share of the shards
         device = distributed.local_device(device)
         quiet = quiet or distributed.rank() > 0
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
-        model, tok = load_causal_lm(model_dir, dtype=dtype, device=device, adapter=adapter,
-                                    chat_template=chat_template)
-        if not layers and not adapter:
-            note_unhooked(model)
-        if not auto:  # --projection auto stores what --budget buys
-            check_capture_memory(model, spec, layers, batch_size, projection)
-        records = load_records(data)
-        data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
-        limit, why = length_limit(model, tok)
-        if limit is not None and max_length > limit and max(map(len, data_tok.input_ids)) > limit:
-            click.echo(f"note: --max-length {max_length} is more than {why}; using --max-length {limit}", err=True)
-            max_length = limit
-            data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
-        cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
-                          route=route, shard_size=shard_size, storage=storage,
-                          precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
-                          optimizer_state=optimizer_state or "", adam_mode=adam_mode, full_factors=full_factors,
-                          budget=(budget or "auto") if auto else 0, transcode=transcode, allocation=allocation,
-                          basis=basis, basis_damping=basis_damping, basis_examples=fit_examples)
-        if not no_index:
-            check_index_type(index_type, len(data_tok))
-        if data_tok.n_truncated:
-            click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
-                       f"--max-length {max_length} and were truncated", err=True)
+        model, tok, data_tok, cfg = load_inputs(model_dir, data, opts, layers, adapter, chat_template, text_field,
+                                                max_length, batch_size, dtype, device, route, shard_size, damping,
+                                                fisher, fisher_seed, optimizer_state, adam_mode, full_factors,
+                                                allocation, basis, basis_damping, fit_examples, no_index, index_type)
+        if distributed.rank() == 0:
+            click.echo(plan_build(model, cfg, len(data_tok), not no_index).summary(), err=True)
         try:
-            res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else icfg,
+            res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else opts.icfg,
                                    model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
                                    overwrite=overwrite, progress=not quiet, repair=repair)
         except KeyboardInterrupt:
@@ -213,3 +179,79 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
                    f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)
     if idx is not None:
         click.echo(report(idx))
+
+
+@dataclass
+class Settings:
+    """What the build's options resolve to before anything is loaded."""
+
+    projection: str
+    spec: object
+    auto: bool
+    precondition: str
+    transcode: str
+    storage: str
+    budget: str
+    icfg: object
+
+
+def settings(projection, budget, basis, precondition, transcode, storage, optimizer_state, batch_size, shard_size,
+             max_length, index_type, whiten, damping, normalize, train_size, cpu_index, no_index, projection_kind,
+             seed) -> Settings:
+    """Resolve the ``auto`` options and refuse inconsistent ones (``build`` and ``plan``)."""
+    from gradindex.capture import ProjectionSpec
+
+    auto = projection.strip().lower() == "auto"
+    if precondition == "auto":
+        precondition = "none" if optimizer_state else "ekfac"
+    if transcode == "auto":
+        transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
+    if storage == "auto":
+        storage = "int4" if transcode == "ekfac" else "int8"
+    if budget and not auto:
+        raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
+    spec = ProjectionSpec(kind=projection_kind, seed=seed) if auto else \
+        ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
+    if batch_size < 1 or shard_size < 1 or max_length < 2:
+        raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
+    icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
+    if not no_index and whiten != "none" and transcode == "ekfac":
+        raise ValueError(f"--whiten {whiten} does not apply: the rows are transcoded into the EK-FAC whitened "
+                         "eigenbasis (already whitened); drop --whiten, or add --transcode none")
+    if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
+        raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
+    return Settings(projection, spec, auto, precondition, transcode, storage, (budget or "auto") if auto else 0, icfg)
+
+
+def load_inputs(model_dir, data, opts: Settings, layers, adapter, chat_template, text_field, max_length, batch_size,
+                dtype, device, route, shard_size, damping, fisher, fisher_seed, optimizer_state, adam_mode,
+                full_factors, allocation, basis, basis_damping, fit_examples, no_index, index_type):
+    """The model, tokenizer, tokenized data and :class:`BuildConfig` of a build (notes and warnings on stderr)."""
+    from gradindex.data import load_records, tokenize_records
+    from gradindex.model import length_limit, load_causal_lm, vocab_size
+    from gradindex.pipeline import BuildConfig
+
+    model, tok = load_causal_lm(model_dir, dtype=dtype, device=device, adapter=adapter, chat_template=chat_template)
+    if not layers and not adapter:
+        note_unhooked(model)
+    if not opts.auto:  # --projection auto stores what --budget buys
+        check_capture_memory(model, opts.spec, layers, batch_size, opts.projection)
+    records = load_records(data)
+    data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
+    limit, why = length_limit(model, tok)
+    if limit is not None and max_length > limit and max(map(len, data_tok.input_ids)) > limit:
+        click.echo(f"note: --max-length {max_length} is more than {why}; using --max-length {limit}", err=True)
+        max_length = limit
+        data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
+    cfg = BuildConfig(projection=opts.spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
+                      route=route, shard_size=shard_size, storage=opts.storage,
+                      precondition=opts.precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
+                      optimizer_state=optimizer_state or "", adam_mode=adam_mode, full_factors=full_factors,
+                      budget=opts.budget, transcode=opts.transcode, allocation=allocation,
+                      basis=basis, basis_damping=basis_damping, basis_examples=fit_examples)
+    if not no_index:
+        check_index_type(index_type, len(data_tok))
+    if data_tok.n_truncated:
+        click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
+                   f"--max-length {max_length} and were truncated", err=True)
+    return model, tok, data_tok, cfg

@@ -137,9 +137,10 @@ def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage
             advance(len(ids))
         if w is not None:
             w.finish()
-    finally:
+    except BaseException:
         if w is not None:
-            w.close()
+            w.abort()
+        raise
 
 
 def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:

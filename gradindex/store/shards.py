@@ -33,6 +33,7 @@ import h5py
 import numpy as np
 
 from gradindex.checksum import Damage, DamagedIndexError, check_files, damage_error, read_checksums, record
+from gradindex.diskspace import reserve
 from gradindex.manifest import build_command
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
@@ -99,6 +100,15 @@ class ShardWriter:
         self.file, self.committed = f, 0
         return 0
 
+    def _append_bytes(self, n0: int, n: int) -> int:
+        """The most appending rows ``n0:n0+n`` adds to the file: the whole chunks they start, per dataset."""
+        total = 1 << 16  # (metadata)
+        for ds in self._datasets():
+            rows = ds.chunks[0]
+            per_row = int(np.prod(ds.chunks[1:], dtype=np.int64)) * ds.dtype.itemsize
+            total += (-(-(n0 + n) // rows) - -(-n0 // rows)) * rows * per_row
+        return total
+
     def _datasets(self) -> Iterator[h5py.Dataset]:
         f = self.file
         yield f["ids"]
@@ -115,6 +125,7 @@ class ShardWriter:
         f, n0, n = self.file, self.committed, len(ids)
         if n0 + n > self.n_rows:
             raise ValueError(f"shard {self.final.name} overflows: {n0}+{n} > {self.n_rows}")
+        reserve(self.partial, self._append_bytes(n0, n))
         for ds in self._datasets():
             ds.resize(n0 + n, axis=0)
         f["ids"][n0:] = ids
@@ -154,6 +165,16 @@ class ShardWriter:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+    def abort(self) -> None:
+        """Close after a failed write (a full disk), ignoring the close's own errors: the committed rows
+        stay in ``.partial`` for a resume, and no open HDF5 handle is left to fail again at exit."""
+        f, self.file = self.file, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001 - the write already failed; the resume checks the file
+                pass
 
 
 def _repair(index_dir: Path) -> str:
