@@ -63,8 +63,7 @@ def build_index(
             finish_transcode(out_dir)  # a swap that a kill interrupted
         distributed.barrier()
         plan = plan_build(model, cfg, len(data), index is not None)
-        if distributed.rank() == 0:
-            _check_disk(Path(out_dir), plan, overwrite)
+        _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
         with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept"):
             res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
                               overwrite=overwrite, progress=progress, repair=repair)
