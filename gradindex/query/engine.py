@@ -263,6 +263,7 @@ class QueryEngine:
         """
         t0 = time.perf_counter()
         check_damping(damping)
+        self.index.check_current()  # before the gradient pass: refused at once when a build replaced the index
         method = self.resolve_method(method)
         if rerank_full < 0:
             raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
@@ -307,6 +308,7 @@ class QueryEngine:
         The same numbers as the hits of :meth:`query_batch` (which ranks them), computed without
         the FAISS indices by streaming the store (:func:`gradindex.query.scores.score_matrix`).
         """
+        self.index.check_current()
         method = self.resolve_method(method)
         if isinstance(queries, Mapping):
             grads = queries
@@ -321,6 +323,7 @@ class QueryEngine:
         """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
         check_damping(damping)
+        self.index.check_current()
         method = self.resolve_method(method)
         asked, selfnorm = parse_method(method)
         base = index_row_base(self.manifest, self.dir, asked, method)  # the operation on stored rows

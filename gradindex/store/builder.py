@@ -33,6 +33,7 @@ from gradindex.manifest import (
     IndexMismatchError,
     identity_differences,
     manifest_path,
+    new_generation,
     read_manifest,
     write_manifest,
 )
@@ -294,6 +295,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         manifest = {**old, **{k: v for k, v in manifest.items() if k not in ("counts",)},
                     "counts": {**old.get("counts", {}), **manifest["counts"]}}
         manifest["status"] = "building"
+    manifest["generation"] = (old or {}).get("generation") or new_generation()  # kept by a resume
     if lead:
         write_manifest(out, manifest)
     distributed.barrier()  # the other ranks write their shards once rank 0 has set the directory up
