@@ -148,3 +148,32 @@ def test_an_open_engine_and_server_refuse_an_index_that_build_overwrite_replaced
         assert client.get("/health").json()["status"].startswith("stale: ")
     with QueryEngine(out, device="cpu") as e:  # reopened: the new index answers
         assert len(e.query("the cat sat on a mat", k=3).hits) == 3
+
+
+def test_cli_query_says_loading_and_searching_on_a_terminal_only(default_index):
+    """Item 16: a CLI query was silent for 6-20 s (imports and model load)."""
+    import pty
+
+    master, slave = pty.openpty()
+    args = [sys.executable, "-m", "gradindex.cli", "query", str(default_index), "--text", "the cat sat", "-k", "2",
+            "--device", "cpu"]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=slave, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        err += chunk
+    out = p.communicate(timeout=300)[0]
+    os.close(master)
+    text = err.decode()
+    assert p.returncode == 0, text + out
+    assert text.index(f"loading model and index {default_index} ...") < text.index("searching 40 examples for 1 query")
+    assert "query 1: the cat sat" in out and "loading" not in out  # the results on stdout, progress on stderr
+    piped = CliRunner().invoke(main, args[3:])
+    assert piped.exit_code == 0 and "loading model" not in piped.output
