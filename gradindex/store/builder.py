@@ -24,7 +24,7 @@ from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
 from gradindex.chat import MESSAGES, template_of
-from gradindex.checksum import check_files, move_aside, recorded
+from gradindex.checksum import check_files, move_aside, recorded, shard_of
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint
 from gradindex.lock import LOCK, index_lock
@@ -382,7 +382,10 @@ def append_batch(w: ShardWriter, model: nn.Module, capture: GradientCapture, dat
 
 def _move_damaged_aside(out: Path, full: bool) -> None:
     """Move committed shards that fail their hash check aside, so that this build recomputes them."""
-    damaged = [x.file for x in check_files(out, recorded(out, f"{STORE_DIR}/"), full) if x.problem != "missing"]
+    found = check_files(out, recorded(out, f"{STORE_DIR}/"), full)
+    damaged = [x.file for x in found if x.problem != "missing"]
+    damaged += [shard_of(x.file) for x in found  # a shard whose row hashes are damaged or gone: recomputed
+                if shard_of(x.file) != x.file and shard_of(x.file) not in damaged]
     for p in move_aside(out, damaged):
         log.warning("%s is damaged; moved to %s and recomputed", p.name, p.parent)
 
