@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -75,6 +76,13 @@ class QueryResult:
                 "method": self.method, "damping": self.damping, "layers": self.layers,
                 "num_tokens": self.num_tokens, "loss": self.loss, "truncated": self.truncated,
                 "notes": self.notes, "seconds": self.seconds}
+
+
+def check_damping(damping: float) -> None:
+    """Refuse a damping that is not a finite number > 0 (``inf`` would answer all-zero scores)."""
+    if not (isinstance(damping, int | float) and math.isfinite(damping) and damping > 0):
+        raise ValueError(f"damping must be a finite number > 0 (a fraction of each layer's mean eigenvalue, "
+                         f"e.g. {DEFAULT_DAMPING:g}), got {damping!r}")
 
 
 class QueryEngine:
@@ -256,6 +264,7 @@ class QueryEngine:
         (docs/query.md, "Refined queries"), in the re-rank's full space too.
         """
         t0 = time.perf_counter()
+        check_damping(damping)
         method = self.resolve_method(method)
         refine = self.refine_config(refine, method)
         if rerank_full < 0:
@@ -377,6 +386,7 @@ class QueryEngine:
                texts: bool = True) -> list[QueryResult]:
         """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
+        check_damping(damping)
         method = self.resolve_method(method)
         asked, selfnorm = parse_method(method)
         base = row_base(asked, row_basis(self.manifest), method)  # the operation on stored rows
