@@ -183,6 +183,8 @@ class Setup:
     fact_query: Tokenized | None = None
     """One query per fact: its prompt, with the loss on the completion only."""
     paragraphs_hash: str = ""
+    train_texts: tuple[str, ...] = ()
+    """The training texts (facts included), in row order (benchmarks/refine.py writes them as the index's data)."""
 
 
 def fact_positions(n_train: int, n_facts: int) -> list[int]:
@@ -214,7 +216,7 @@ def make_setup(cfg: FidelityConfig, corpus: str = "stdlib") -> Setup:
                                                       "completion": [c for _, c in facts]}),
                           tok, max(cfg.max_tokens, 64)) if facts else None  # never cut a fact's answer off
     return Setup(tok, train, query, corpus_hash([corpus] + tr + ["\0query"] + qu), corpus, tuple(facts),
-                 tuple(rows), fq, corpus_hash(paras))
+                 tuple(rows), fq, corpus_hash(paras), tuple(tr))
 
 
 def new_model(cfg: FidelityConfig, vocab: int) -> torch.nn.Module:

@@ -3,6 +3,8 @@ Jacobians, a dense linear solve, and plain EK-FAC queries."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -218,3 +220,32 @@ def test_refinement_caches_queries_and_refuses_methods_without_curvature(raw_ind
         assert not calls  # answered from the cache
         with pytest.raises(ValueError, match="refinement"):
             e.scores(QUERIES, method="graddot", refine=cfg)
+
+
+def test_cli_query_explain_and_engine_default_refine(raw_index):
+    """``gradindex query --refine`` ranks by the refined scores; an engine made with ``refine=`` refines every
+    ekfac query (serve's path) and leaves graddot alone; ``explain`` splits the refined score."""
+    from click.testing import CliRunner
+
+    from gradindex.apps.explain import Explainer
+    from gradindex.cli import main
+
+    cfg = RefineConfig(steps=2, sample=N_TRAIN)
+    with QueryEngine(raw_index, device="cpu") as e:
+        want = e.scores(QUERIES[:1], method="ekfac", refine=cfg)[0]
+        plain = e.scores(QUERIES[:1], method="graddot")[0]
+    r = CliRunner().invoke(main, ["query", str(raw_index), "--text", QUERIES[0], "-k", "3", "--method", "ekfac",
+                                  "--device", "cpu", "--json", "--refine", "cg", "--refine-steps", "2",
+                                  "--refine-sample", str(N_TRAIN)])
+    assert r.exit_code == 0, r.output
+    hits = json.loads(r.output.strip().splitlines()[-1])
+    assert [h["id"] for h in hits] == np.argsort(-want, kind="stable")[:3].tolist()
+    np.testing.assert_allclose([h["score"] for h in hits], np.sort(want)[::-1][:3], rtol=1e-6)
+    with QueryEngine(raw_index, device="cpu", refine=cfg) as e:
+        res = e.query(QUERIES[0], k=3, method="ekfac", texts=False)
+        np.testing.assert_allclose([h.score for h in res.hits], np.sort(want)[::-1][:3], rtol=1e-6)
+        assert "refine" in res.seconds
+        np.testing.assert_allclose(e.scores(QUERIES[:1], method="graddot")[0], plain)
+        (ex,) = Explainer(e).explain(QUERIES[0], [int(np.argmax(want))], method="ekfac")
+        assert ex.score == pytest.approx(want.max(), rel=1e-6)
+        assert sum(ex.train.scores) == pytest.approx(ex.score, rel=1e-4)

@@ -7,7 +7,7 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, user_errors
+from gradindex.cli.common import damping_option, engine_options, refine_config, refine_options, user_errors
 
 
 def _show(title: str, ts, top: int) -> None:
@@ -34,9 +34,10 @@ def _show(title: str, ts, top: int) -> None:
               help="Tokens shown per side (text output).")
 @engine_options(cpu_index=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per example (a line each), every token.")
+@refine_options
 @user_errors
 def explain(index_dir, text, prompt, completion, ids, method, damping, layers, top, model_dir, data, device,
-            as_json):
+            as_json, refine):
     """Split the score of training example(s) --id for a query into one term per token, both sides."""
     from gradindex.apps.explain import Explainer
     from gradindex.query import QueryEngine
@@ -46,7 +47,7 @@ def explain(index_dir, text, prompt, completion, ids, method, damping, layers, t
     if (text is None) == (prompt is None):
         raise ValueError("give one query: --query TEXT, or --prompt P --completion C")
     query = text if text is not None else (prompt, completion)
-    with QueryEngine(index_dir, model_dir, device=device, data=data) as engine:
+    with QueryEngine(index_dir, model_dir, device=device, data=data, refine=refine_config(refine)) as engine:
         out = Explainer(engine).explain(query, list(ids), method, damping, list(layers) or None)
     for e in out:
         if as_json:
