@@ -90,3 +90,36 @@ def trackstar_scores(G_train: dict[str, np.ndarray], G_query: dict[str, np.ndarr
     t /= np.maximum(np.linalg.norm(t, axis=1, keepdims=True), 1e-300)
     q /= np.maximum(np.linalg.norm(q, axis=1, keepdims=True), 1e-300)
     return q @ t.T
+
+
+def refined_scores(index_dir, model, tokenizer, data_path, ids: list[list[int]], labels: list[list[int]],
+                   damping: float, refine, method: str = "ekfac") -> np.ndarray:
+    """``[Q, N]`` refined EK-FAC scores of token-id queries through the library's engine (``refine``: a
+    :class:`~gradindex.query.refine.RefineConfig`; ``data_path``: the training texts the index was built from)."""
+    from gradindex.query import QueryEngine
+    from gradindex.query.inputs import QueryTokens
+
+    with QueryEngine(index_dir, model=model, tokenizer=tokenizer, device="cpu", data=data_path) as e:
+        tokens = QueryTokens([{}] * len(ids), list(ids), list(labels), [False] * len(ids))
+        grads, _, _ = e.gradients(tokens)
+        rows = e.refined_rows(tokens, grads, method, damping, e.layers, refine)
+        return e.scores(rows, method=method, damping=damping)
+
+
+def baseline_scores(model: torch.nn.Module, optimizer, train_ids: list[list[int]], train_labels: list[list[int]],
+                    query_ids: list[list[int]], query_labels: list[list[int]], pad_id: int) -> dict[str, np.ndarray]:
+    """``{"bm25", "repsim", "trackstar"}`` → ``[Q, N]`` (TrackStar from the Conv1D layers' full gradients)."""
+    from benchmarks._study import capture_full
+
+    out = {"bm25": bm25_scores(train_ids, query_ids, query_labels),
+           "repsim": repsim_scores(model, train_ids, query_ids)}
+    grad_before = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(True)
+    try:
+        G, _, _, _ = capture_full(model, train_ids, train_labels, pad_id)
+        Gq, _, _, _ = capture_full(model, query_ids, query_labels, pad_id)
+    finally:
+        for p, r in zip(model.parameters(), grad_before, strict=True):
+            p.requires_grad_(r)
+    out["trackstar"] = trackstar_scores(G, Gq, adam_second_moments(model, optimizer, list(G)))
+    return out
