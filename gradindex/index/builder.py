@@ -121,7 +121,7 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
     if space.whiten != "none":
         ix.pre.check(space.whiten)
     storage = manifest["build"].get("storage", "fp32")
-    kind = index_kind(cfg.factory, N, store)
+    kind = index_kind(cfg.factory, N, store, space)
     factories = {n: kind if kind in TIERS else resolve_factory(cfg.factory, N, store.dims[n], storage)
                  for n in store.layers}
     key = {"identity": manifest["build"], "examples": N, "space": space.to_dict(),
@@ -211,12 +211,20 @@ def _ivf_free(index: faiss.Index) -> bool:
         return True
 
 
-def index_kind(factory: str, n: int, store: Store) -> str:
-    """``store``, ``sketch`` or ``faiss`` (a factory string per layer) for ``IndexConfig.factory``."""
-    f = (factory or "auto").strip()
-    if f.lower() == "auto":
-        return choose_kind(n, sum(store.dims.values()), store.storage)
-    return f.lower() if f.lower() in TIERS else "faiss"
+def index_kind(factory: str, n: int, store: Store, space: IndexSpace = IndexSpace()) -> str:
+    """``store``, ``sketch`` or ``faiss`` (a factory string per layer) for ``IndexConfig.factory``.
+
+    ``store`` scans the stored rows as they are, so it needs the raw space; ``auto`` in a whitened
+    or normalized space is the per-layer FAISS default (:func:`gradindex.index.factory.default_factory`).
+    """
+    f = (factory or "auto").strip().lower()
+    raw = space.whiten == "none" and not space.normalize
+    if f == "auto":
+        return choose_kind(n, sum(store.dims.values()), store.storage) if raw else "faiss"
+    if f == "store" and not raw:
+        raise ValueError("--index-type store scans the stored rows as they are, so it cannot hold whitened "
+                         "or normalized vectors; use --index-type sketch (or a FAISS type) with --whiten/--normalize")
+    return f if f in TIERS else "faiss"
 
 
 def _carry(src: Path, dst: Path, name: str | None) -> bool:
