@@ -10,7 +10,7 @@ change (blocks of 16,384 rows whatever their width, a training sample of every r
 ``sketch`` (two tiers). Seconds, vectors (rows × layers) per second, peak RSS of each build
 (a fresh process each), index bytes.
 
-    python benchmarks/index_add.py                  # ~10 min on 2 shared cores
+    python -m benchmarks.index_add                  # ~10 min on 2 shared cores
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 CONFIGS = {
     "SQ4 (old blocks)": "IndexConfig(factory='SQ4', block_bytes=1 << 62, train_size=16384)",

@@ -18,8 +18,8 @@ exact top 10 within its top C, C = 50..500, before any re-rank), and p50/p95 lat
 query at a time (search: precondition + first tier + exact re-rank; the query's own gradient is
 not included). Per-number scan costs go to ``gradindex.index.cost`` (the plan's lookup estimate).
 
-    python benchmarks/lookup.py --examples 10000 100000        # ~25 min on 2 shared cores
-    python benchmarks/lookup.py --quick                         # 2,000 examples
+    python -m benchmarks.lookup --examples 10000 100000        # ~25 min on 2 shared cores
+    python -m benchmarks.lookup --quick                         # 2,000 examples
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import os
 import platform
 import resource
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -41,8 +40,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.tiny import save_model_dir, stdlib_corpus, tiny_gpt2, train_lm, train_tokenizer  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402

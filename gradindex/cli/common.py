@@ -8,6 +8,7 @@ Command modules stay light: they import click and this module at start-up and th
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import click
@@ -52,13 +53,46 @@ def data_options(fn):
     fn = click.option("--text-field", default="text", show_default=True,
                       help="Field holding the text (else 'prompt'+'completion' or 'input_ids').")(fn)
     fn = click.option("--max-length", default=512, show_default=True, type=int,
-                      help="Truncate examples to this many tokens (capped at the model's positions).")(fn)
+                      help="Truncate examples to this many tokens (capped at the smaller of the model's positions "
+                           "and the tokenizer's model_max_length; a note names which).")(fn)
     return fn
 
 
+def messages_option(fn):
+    """``--messages JSON``: a chat query, its turns as a JSON list (repeatable)."""
+    return click.option("--messages", "messages", multiple=True,
+                        help='A chat query: its turns as JSON, e.g. \'[{"role": "user", "content": "Hi"}, '
+                             '{"role": "assistant", "content": "Hello"}]\' (loss on the assistant turns, '
+                             "the index's chat template); repeatable.")(fn)
+
+
+def parse_messages(values) -> list[dict]:
+    """``--messages`` values → ``{"messages": [...]}`` records; a one-line error for one that is not a JSON list."""
+    out = []
+    for v in values:
+        try:
+            turns = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--messages {v[:60]!r} is not valid JSON ({e.msg}); give the turns as a JSON list "
+                             'of {"role": ..., "content": ...} objects') from None
+        if not isinstance(turns, list):
+            raise ValueError(f"--messages takes a JSON list of turns, got a JSON {type(turns).__name__}")
+        out.append({"messages": turns})
+    return out
+
+
+def _positive_damping(ctx, param, value: float) -> float:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value:g} is not a finite number > 0; the damping is a fraction of each layer's "
+                                 f"mean eigenvalue, e.g. {DEFAULT_DAMPING:g}")
+    return value
+
+
 def damping_option(help: str = "Relative damping (kfac, ekfac)."):
-    """``--damping``, a fraction of each layer's mean eigenvalue (default :data:`gradindex.methods.DEFAULT_DAMPING`)."""
-    return click.option("--damping", default=DEFAULT_DAMPING, show_default=True, type=float, help=help)
+    """``--damping``, a fraction of each layer's mean eigenvalue (default :data:`gradindex.methods.DEFAULT_DAMPING`);
+    a non-finite or non-positive value is refused before any work."""
+    return click.option("--damping", default=DEFAULT_DAMPING, show_default=True, type=float, help=help,
+                        callback=_positive_damping)
 
 
 def engine_options(cpu_index: bool = True):

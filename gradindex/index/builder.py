@@ -49,7 +49,7 @@ from gradindex.index.sketch import SKETCH_BYTES
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
 from gradindex.index.tier import build_sketch, sketch_files
 from gradindex.lock import index_lock
-from gradindex.manifest import FORMAT_VERSION, write_manifest
+from gradindex.manifest import FORMAT_VERSION, refuse_unfinished_transcode, write_manifest
 from gradindex.progress import progress_bar
 from gradindex.store import Store
 from gradindex.store.repair import check_store
@@ -112,6 +112,7 @@ def build_indices(index_dir: str | os.PathLike | OpenIndex, cfg: IndexConfig = I
 
 def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: float) -> IndexBuildResult:
     index_dir, store, manifest, N = ix.dir, ix.store, ix.manifest, ix.n
+    refuse_unfinished_transcode(index_dir, manifest, f"index it with `gradindex index {index_dir}` if need be")
     damage = check_store(index_dir, full=True, manifest=manifest)
     if damage:
         raise damage_error(index_dir, damage, then=f"`gradindex index {index_dir}`")

@@ -21,7 +21,7 @@ from gradindex.index.scan import StoreScan
 from gradindex.index.sketch import SketchIndex
 from gradindex.index.space import IndexSpace
 from gradindex.index.tier import load_sketch, sketch_files
-from gradindex.manifest import IndexMismatchError, identity_differences
+from gradindex.manifest import IndexMismatchError, identity_differences, refuse_unfinished_transcode
 
 
 def rebuild_hint(index_dir: str | os.PathLike) -> str:
@@ -75,6 +75,7 @@ class LayerIndex:
 
 
 def _check(meta: dict | None, d: Path, index_dir: str | os.PathLike, manifest: dict, n: int) -> dict:
+    refuse_unfinished_transcode(index_dir, manifest, "query it")
     if meta is None and staging_dir(index_dir).exists():
         raise ValueError(f"the first index build in {str(staging_dir(index_dir))!r} did not finish; "
                          f"resume it with `gradindex index {index_dir}`")
