@@ -92,7 +92,9 @@ def _json(r) -> list[dict]:
 @click.option("--rerank-full", default=0, show_default=True, type=click.IntRange(min=0),
               help="Re-rank the index's top N candidates in full (unprojected) space, any method "
                    "(kfac/ekfac need `gradindex precondition INDEX --method M --space full`).")
-@click.option("--candidates", default=None, type=click.IntRange(min=1), help="ANN results per layer (default 2000).")
+@click.option("--candidates", default=None, type=click.IntRange(min=1),
+              help="Sketch index: examples its first tier hands to the exact re-rank (default 200); "
+                   "per-layer FAISS indices: ANN results per layer (default 2000).")
 @click.option("--shortlist", default=None, type=click.IntRange(min=1),
               help="Of those, kept per layer after exact per-layer scoring (default 100).")
 @click.option("--nprobe", default=None, type=click.IntRange(min=1),

@@ -83,7 +83,7 @@ class OpenIndex:
         (again only when layers not loaded yet are asked for)."""
         want = set(layers or self.layers)
         if self.indices is None or not want <= set(self.indices.layers):
-            self.indices = IndexSet(self.dir, self.manifest, self.n, layers, use_gpu)
+            self.indices = IndexSet(self.dir, self.manifest, self.n, layers, use_gpu, self.rows)
         return self.indices
 
     def methods(self, selfnorm: bool = False) -> list[str]:

@@ -424,7 +424,10 @@ class QueryEngine:
         cosine = base == "cosine"
         want = max(k, lowest)
         short = [False] * len(next(iter(m.values())))
-        if all(self.indices.layers[n].exhaustive for n in chosen):
+        if self.indices.sketch is not None:  # two tiers: the sketch's top C, re-ranked exactly below
+            c = max(candidates or S.DEFAULT_SKETCH_CANDIDATES, k, lowest)
+            cands = S.sketch_candidates(self.indices, chosen, u, cosine, c, c if lowest else 0, scale)
+        elif all(self.indices.layers[n].exhaustive for n in chosen):
             # scores from scalar codes are approximate: a shortlist of them goes to the exact re-rank
             coded = any(self.indices.layers[n].coded for n in chosen)
             wide = (shortlist or S.coded_shortlist(max(k, lowest))) if coded else 0
