@@ -36,7 +36,7 @@ def _plan(model_dir, data, out, batches, as_json, **o):
     opts = settings(o["projection"], o["budget"], o["basis"], o["precondition"], o["transcode"], o["storage"],
                     o["optimizer_state"], o["batch_size"], o["shard_size"], o["max_length"], o["index_type"],
                     o["whiten"], o["damping"], o["normalize"], o["train_size"], o["cpu_index"], o["no_index"],
-                    o["projection_kind"], o["seed"])
+                    o["projection_kind"], o["seed"], o.get("sketch_bytes", 2048))
     device = str(resolve_device(o["device"]))
     model, tok, data_tok, cfg = load_inputs(
         model_dir, data, opts, o["layers"], o["adapter"], o["chat_template"], o["text_field"], o["max_length"],
