@@ -28,7 +28,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-CHECKSUMS = "checksums.json"
+from gradindex.spec import layout
+
+CHECKSUMS = layout.CHECKSUMS
 VERSION = 1
 _EDGE, _BLOCK, _BLOCKS = 1 << 16, 1 << 12, 16
 
@@ -181,7 +183,7 @@ def move_aside(index_dir: str | os.PathLike, names: Iterable[str]) -> list[Path]
     """Move damaged files to ``INDEX_DIR/damaged/<time>/`` (kept, not deleted) and forget their hashes."""
     d = Path(index_dir)
     names = [n for n in names if (d / n).exists()]
-    dest = d / "damaged" / time.strftime("%Y%m%d-%H%M%S")
+    dest = d / layout.DAMAGED_DIR / time.strftime("%Y%m%d-%H%M%S")
     moved = []
     for n in names:
         target = dest / n

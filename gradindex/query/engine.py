@@ -27,6 +27,7 @@ from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
 from gradindex.query.scores import score_matrix
 from gradindex.query.texts import TrainingTexts
+from gradindex.spec.manifest import layer_identity
 from gradindex.store.basis import capture_transforms, to_rows
 
 log = logging.getLogger("gradindex")
@@ -151,9 +152,7 @@ class QueryEngine:
         now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                "optimizer": optimizer,
-               "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
-                              "rows": self.capture.dims(n)[0], "cols": self.capture.dims(n)[1]}
-                          for n, i in self.capture.infos.items()}}
+               "layers": layer_identity(self.capture)}
         diffs = identity_differences(build, now)
         if diffs:
             raise IndexMismatchError(

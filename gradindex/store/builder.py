@@ -37,6 +37,7 @@ from gradindex.manifest import (
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
+from gradindex.spec.manifest import layer_identity
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.basis import BASES, RowBasis, capture_transforms, index_basis
 from gradindex.store.codes import check_storage
@@ -156,9 +157,7 @@ def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: Bu
         "dtype": model_dtype(model),
         "storage": cfg.capture_storage,
         "data_fingerprint": data_fp,
-        "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
-                       "rows": capture.dims(n)[0], "cols": capture.dims(n)[1]}
-                   for n, i in capture.infos.items()},
+        "layers": layer_identity(capture),
         "projection": capture.projection.to_dict(),
         "basis": basis,
         "max_length": cfg.max_length,
