@@ -218,10 +218,16 @@ def _tokens(tokenizer, text: str, row: int) -> list[int]:
 def _int_list(v, row: int, field: str) -> list[int]:
     if v is None or isinstance(v, str | bytes) or not hasattr(v, "__iter__"):
         raise ValueError(f"row {row}: {field!r} is {'null' if v is None else type(v).__name__}, not a list of ints")
-    try:
-        return [int(t) for t in v]
-    except (TypeError, ValueError):
-        raise ValueError(f"row {row}: {field!r} holds something other than integers") from None
+    out = []
+    for t in v:
+        whole = isinstance(t, int | np.integer) and not isinstance(t, bool)
+        if not whole and isinstance(t, float | np.floating) and float(t).is_integer():
+            whole = True  # a JSON column of ints with one float in it is read as floats: 3.0 is 3
+        if not whole:
+            raise ValueError(f"row {row}: {field!r} holds {t!r}, not an integer token id; token ids are whole "
+                             "numbers (were these ids rounded, or scores?)")
+        out.append(int(t))
+    return out
 
 
 def _check_ids(ids: list[int], row: int, vocab_size: int | None) -> None:

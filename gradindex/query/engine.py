@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -75,6 +76,13 @@ class QueryResult:
                 "method": self.method, "damping": self.damping, "layers": self.layers,
                 "num_tokens": self.num_tokens, "loss": self.loss, "truncated": self.truncated,
                 "notes": self.notes, "seconds": self.seconds}
+
+
+def check_damping(damping: float) -> None:
+    """Refuse a damping that is not a finite number > 0 (``inf`` would answer all-zero scores)."""
+    if not (isinstance(damping, int | float) and math.isfinite(damping) and damping > 0):
+        raise ValueError(f"damping must be a finite number > 0 (a fraction of each layer's mean eigenvalue, "
+                         f"e.g. {DEFAULT_DAMPING:g}), got {damping!r}")
 
 
 class QueryEngine:
@@ -247,6 +255,7 @@ class QueryEngine:
         per-layer scoring) and the index's ``nprobe`` tune the ANN search (docs/query.md).
         """
         t0 = time.perf_counter()
+        check_damping(damping)
         method = self.resolve_method(method)
         if rerank_full < 0:
             raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
@@ -304,6 +313,7 @@ class QueryEngine:
                texts: bool = True) -> list[QueryResult]:
         """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
+        check_damping(damping)
         method = self.resolve_method(method)
         asked, selfnorm = parse_method(method)
         base = row_base(asked, row_basis(self.manifest), method)  # the operation on stored rows
