@@ -7,7 +7,7 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, user_errors
+from gradindex.cli.common import MethodChoice, damping_option, engine_options, user_errors
 
 
 def _show(title: str, ts, top: int) -> None:
@@ -25,7 +25,7 @@ def _show(title: str, ts, top: int) -> None:
 @click.option("--completion", default=None, help="Query completion (the loss is taken on it).")
 @click.option("--id", "ids", multiple=True, type=int, required=True,
               help="Training example (row) to explain; repeatable.")
-@click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac", "adam"]),
+@click.option("--method", default=None, type=MethodChoice("explain", selfnorm=False),
               help="Default: ekfac where the index answers it, else graddot; adam: an index built with "
                    "--optimizer-state (factored).")
 @damping_option()

@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, number, user_errors
-from gradindex.methods import ALL_METHODS
+from gradindex.cli.common import MethodChoice, damping_option, engine_options, number, user_errors
+from gradindex.methods import REGISTRY
+from gradindex.spec.layout import TRAJECTORY
 
 
 def _queries(texts, prompt, completion, queries_file, text_field) -> list[dict]:
@@ -69,7 +70,7 @@ def _json(r) -> list[dict]:
               help="File of queries, any format and fields `gradindex build` reads.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
 @click.option("-k", "k", default=10, show_default=True, type=click.IntRange(min=1), help="Results per query.")
-@click.option("--method", default=None, type=click.Choice([*ALL_METHODS, "tracin"]),
+@click.option("--method", default=None, type=MethodChoice("query"),
               help="Scoring method (default: ekfac where the index answers it, else graddot; adam on an "
                    "index built with --optimizer-state; tracin on a `gradindex trajectory` index).")
 @damping_option()
@@ -95,12 +96,13 @@ def query(index_dir, texts, prompt, completion, queries_file, text_field, k, met
           rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json):
     """Find the training examples in INDEX_DIR that most influenced each query."""
     qs = _queries(texts, prompt, completion, queries_file, text_field)
-    if (Path(index_dir) / "trajectory.json").is_file():  # a TracIn index over checkpoints
+    if (Path(index_dir) / TRAJECTORY).is_file():  # a TracIn index over checkpoints
         from gradindex.apps.tracin import TracInEngine
 
-        if method not in (None, "tracin"):
-            raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method tracin, "
-                             f"not {method}")
+        answers = [m.name for m in REGISTRY.values() if m.rows == "trajectory"]
+        if method not in (None, *answers):
+            raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method "
+                             f"{', '.join(answers)}, not {method}")
         with TracInEngine(index_dir, device=device, data=data) as engine:
             results = engine.query_batch(qs, k=k, lowest=lowest, layers=layers or None)
     else:

@@ -13,6 +13,7 @@
       capture/               rows captured during training, before assembly
       damaged/<time>/        files moved aside by a repair
       transcode.json         present while an in-place transcode swaps its rows in
+      trajectory.json        a TracIn index over checkpoints (gradindex.apps.tracin)
 
 Modules that own a file keep writing and reading it; they take its name from here, so no other
 module spells a file name as a string literal.
@@ -38,6 +39,7 @@ CAPTURE_LOG_DIR = "capture"
 DAMAGED_DIR = "damaged"
 TRANSCODE_JOURNAL = "transcode.json"
 TRANSCODE_STAGING = "eigenbasis.partial"
+TRAJECTORY = "trajectory.json"
 
 
 def shard_name(k: int) -> str:
