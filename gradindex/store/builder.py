@@ -17,7 +17,6 @@ import gradindex
 from gradindex import distributed
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
-from gradindex.capture.batch import batch_gradients, finite_rows
 from gradindex.capture.gram import upper_to_symmetric
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
@@ -39,6 +38,7 @@ from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.spec.manifest import layer_identity
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
+from gradindex.store.append import append_batch
 from gradindex.store.basis import BASES, RowBasis, capture_transforms, index_basis
 from gradindex.store.codes import check_storage
 from gradindex.store.repair import repair_eigenbasis_store
@@ -353,22 +353,6 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     distributed.barrier()
     return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
 
-
-
-def append_batch(w: ShardWriter, model: nn.Module, capture: GradientCapture, data: Tokenized, s: int, e: int,
-                 pad_id: int, hashes: list[bytes], rows=None) -> np.ndarray:
-    """Capture examples ``s:e`` and append them to ``w`` (non-finite rows as zeros, through ``rows(grads)``
-    when given), with their loss, token count, finite flag and token hash; return the ``[e - s]`` finite mask."""
-    bg = batch_gradients(model, capture, data.input_ids[s:e], data.labels[s:e], pad_id)
-    grads = {n: v.cpu().numpy() for n, v in bg.grads.items()}
-    ok = finite_rows(grads)
-    if not ok.all():
-        for n in grads:
-            grads[n][~ok] = 0.0
-    w.append(np.arange(s, e, dtype=np.int64), rows(grads) if rows else grads,
-             loss=bg.loss.float().cpu().numpy(), num_tokens=bg.num_tokens.cpu().numpy().astype(np.int32),
-             finite=ok, token_hash=np.frombuffer(b"".join(hashes[s:e]), np.uint8).reshape(-1, 16))
-    return ok
 
 
 def _move_damaged_aside(out: Path, full: bool) -> None:
