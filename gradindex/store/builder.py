@@ -71,11 +71,13 @@ class BuildConfig:
     """Also sum the full-space (unprojected) ``A`` and ``S`` per shard in this pass, so that
     ``gradindex precondition --space full`` needs only its correction pass."""
     precondition: str = "none"
-    """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass)."""
+    """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass); ``auto``:
+    ``ekfac``, or ``none`` with ``optimizer_state`` (:meth:`defaults`)."""
     damping: float = DEFAULT_DAMPING
     """Relative damping of the self-influence written with ``precondition``."""
     storage: str = "fp32"
-    """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`)."""
+    """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`);
+    ``auto``: ``int4`` for rows transcoded into the EK-FAC eigenbasis, else ``int8``."""
     budget: int | str = 0
     """Bytes per example for per-layer projection sizes (``--projection auto``): an integer, or a
     fraction of the full gradient's float32 bytes such as ``"1/8"``; 0 = ``projection`` as given."""
@@ -103,7 +105,25 @@ class BuildConfig:
     transcode: str = "none"
     """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
     eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
-    store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw."""
+    store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw.
+    ``auto``: ``ekfac`` after an EK-FAC fit of raw rows, else ``none``."""
+
+    @classmethod
+    def defaults(cls, **settings) -> BuildConfig:
+        """What ``gradindex build`` builds with no options (``settings`` override fields): per-layer
+        projection sizes for the default byte budget, EK-FAC fitted, rows transcoded into its whitened
+        eigenbasis as int4 (each ``auto`` resolved here, from the other settings)."""
+        return cls(**{"budget": "auto", "precondition": "auto", "transcode": "auto", "storage": "auto", **settings})
+
+    def _resolve_auto(self) -> None:
+        """Each ``auto`` setting resolved from the others (the one place these defaults live)."""
+        if self.precondition == "auto":
+            object.__setattr__(self, "precondition", "none" if self.optimizer_state else "ekfac")
+        if self.transcode == "auto":
+            object.__setattr__(self, "transcode",
+                               "ekfac" if self.precondition == "ekfac" and self.basis == "raw" else "none")
+        if self.storage == "auto":
+            object.__setattr__(self, "storage", "int4" if self.transcode == "ekfac" else "int8")
 
     @property
     def capture_storage(self) -> str:
@@ -111,7 +131,11 @@ class BuildConfig:
         return "fp16" if self.transcode == "ekfac" else self.storage
 
     def __post_init__(self) -> None:
+        self._resolve_auto()
         check_storage(self.storage)
+        if self.batch_size < 1 or self.shard_size < 1 or self.max_length < 2:
+            raise ValueError(f"batch size and shard size must be >= 1 and max length >= 2 (got {self.batch_size}, "
+                             f"{self.shard_size}, {self.max_length}): --batch-size, --shard-size, --max-length")
         if self.precondition not in ("none", "kfac", "ekfac"):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
         if self.basis not in BASES[:2]:
