@@ -1,8 +1,9 @@
 """Reading training or query data with `datasets`, tokenizing it, and batching it.
 
 Accepted fields, in order of precedence: pre-tokenized ``input_ids`` (optional ``labels`` with
--100 for ignored positions); ``prompt`` + ``completion`` (loss on the completion only); a text
-field (``text`` by default).
+-100 for ignored positions); ``prompt`` + ``completion`` (loss on the completion only); chat
+``messages`` (the tokenizer's chat template, loss on the assistant turns: :mod:`gradindex.chat`);
+a text field (``text`` by default).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import datasets
 import numpy as np
 import torch
 
-IGNORE = -100
+from gradindex.chat import IGNORE, MESSAGES, chat_tokens
+
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -149,20 +151,27 @@ def tokenize_records(
     elif {"prompt", "completion"} <= cols:
         field = "prompt+completion"
         for i, (p, c) in enumerate(zip(ds["prompt"], ds["completion"])):
-            pi = _tokens(tokenizer, _text(p, i, "prompt"), i)
-            ci = _tokens(tokenizer, _text(c, i, "completion"), i)
+            pi = _tokens(tokenizer, _text(p, i, "prompt"), i, max_length)
+            ci = _tokens(tokenizer, _text(c, i, "completion"), i, max_length)
             ids_out.append(pi + ci)
             labels_out.append([IGNORE] * len(pi) + ci)
+    elif MESSAGES in cols:
+        field = MESSAGES
+        for i, msgs in enumerate(ds[MESSAGES]):
+            ids, lab = chat_tokens(tokenizer, msgs, i)
+            _check_ids(ids, i, vocab_size)
+            ids_out.append(ids)
+            labels_out.append(lab)
     elif text_field in cols:
         field = text_field
         for i, t in enumerate(ds[text_field]):
-            ids = _tokens(tokenizer, _text(t, i, text_field), i)
+            ids = _tokens(tokenizer, _text(t, i, text_field), i, max_length)
             ids_out.append(ids)
             labels_out.append(list(ids))
     else:
         raise ValueError(
             f"no field {text_field!r} in the data (columns: {sorted(cols)}); pass --text-field NAME, "
-            "or give 'prompt' and 'completion', or pre-tokenized 'input_ids'"
+            "or give 'prompt' and 'completion', chat 'messages', or pre-tokenized 'input_ids'"
         )
     truncated = [len(x) > max_length for x in ids_out]
     for i in range(len(ids_out)):
@@ -181,7 +190,8 @@ def tokenize_records(
 
 def _check_one_format(ds: datasets.Dataset, text_field: str) -> None:
     """Refuse a file whose rows use different formats (text / prompt+completion / input_ids)."""
-    forms = {"input_ids": ("input_ids",), "prompt+completion": ("prompt", "completion"), text_field: (text_field,)}
+    forms = {"input_ids": ("input_ids",), "prompt+completion": ("prompt", "completion"), MESSAGES: (MESSAGES,),
+             text_field: (text_field,)}
     forms = {k: v for k, v in forms.items() if all(c in ds.column_names for c in v)}
     if len(forms) < 2:
         return
@@ -205,7 +215,22 @@ def _text(v, row: int, field: str) -> str:
                      "(fix or drop that row)")
 
 
-def _tokens(tokenizer, text: str, row: int) -> list[int]:
+CHARS_PER_TOKEN = 16
+"""Characters of a text tokenized per token of ``max_length`` at first: generous (English runs about
+4 characters a token), so a long text is cut before the tokenizer sees it (a 10 MB line took minutes)."""
+
+
+def _tokens(tokenizer, text: str, row: int, max_length: int | None = None) -> list[int]:
+    """Token ids of ``text``; with ``max_length``, the same first ``max_length`` ids as the whole text's,
+    from a prefix of it: ``CHARS_PER_TOKEN`` characters a token, four times more while the prefix gives
+    fewer than ``2 × max_length`` tokens (the last tokens of a cut text may differ from the whole text's:
+    at least ``max_length`` of them lie between the cut and the ids kept)."""
+    n = (max_length or 0) * CHARS_PER_TOKEN
+    while max_length and len(text) > n:
+        ids = tokenizer(text[:n], add_special_tokens=False)["input_ids"]
+        if len(ids) >= 2 * max_length:
+            return list(ids)
+        n *= 4
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids and text.strip():
         raise ValueError(

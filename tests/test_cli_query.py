@@ -145,7 +145,8 @@ def test_a_query_file_mixing_forms_is_answered_record_by_record(built, tmp_path)
             {"input_ids": [5, 9, 12, 40, 7]}, {"text": "dog ran far away from home"}]
     qfile = tmp_path / "mixed.jsonl"
     qfile.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    got = [json.loads(line) for line in run("query", built, "--queries", qfile, "-k", "3", "--json").stdout.splitlines()]
+    out = run("query", built, "--queries", qfile, "-k", "3", "--json").stdout
+    got = [json.loads(line) for line in out.splitlines()]
     with QueryEngine(built, device="cpu") as e:
         ref = [e.query(r, k=3) for r in recs]  # each record alone
     assert len(got) == len(recs)

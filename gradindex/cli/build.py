@@ -82,7 +82,13 @@ def note_unhooked(model) -> None:
               help="Examples sampled for the kfac basis's factor pass (0 = all).")
 @click.option("--projection-kind", type=click.Choice(["gaussian", "rademacher"]), default="gaussian", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int, help="Projection seed.")
-@click.option("--layers", multiple=True, help="Glob of layer names to hook (repeatable). Default: all block linears.")
+@click.option("--layers", multiple=True, help="Glob of layer names to hook (repeatable). Default: all block linears "
+                                            "(with --adapter: the adapter's lora_A/lora_B).")
+@click.option("--adapter", default=None, type=click.Path(file_okay=False, exists=True),
+              help="A PEFT (LoRA) adapter folder to load onto MODEL_DIR; its lora_A/lora_B gradients are "
+                   "attributed (add the base layers with --layers). Needs `pip install 'gradindex[peft]'`.")
+@click.option("--chat-template", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="A Jinja chat template file for 'messages' records when the tokenizer has none.")
 @data_options
 @click.option("--batch-size", default=8, show_default=True, type=int)
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
@@ -123,14 +129,15 @@ def note_unhooked(model) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def build(model_dir, data, out, projection, budget, allocation, basis, basis_damping, fit_examples,
-          projection_kind, seed, layers, text_field, max_length, batch_size, dtype, device, route, storage,
-          shard_size, overwrite, repair, precondition, transcode, damping, fisher, fisher_seed, optimizer_state,
-          adam_mode, full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
+          projection_kind, seed, layers, adapter, chat_template, text_field, max_length, batch_size, dtype, device,
+          route, storage, shard_size, overwrite, repair, precondition, transcode, damping, fisher, fisher_seed,
+          optimizer_state, adam_mode, full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index,
+          quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex import distributed
     from gradindex.capture import ProjectionSpec
     from gradindex.data import load_records, tokenize_records
-    from gradindex.model import load_causal_lm, max_positions, resolve_device, vocab_size
+    from gradindex.model import length_limit, load_causal_lm, resolve_device, vocab_size
     from gradindex.pipeline import BuildConfig, build_index
     from gradindex.store.builder import refuse_foreign
 
@@ -160,19 +167,18 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         quiet = quiet or distributed.rank() > 0
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
-        model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
-        if not layers:
+        model, tok = load_causal_lm(model_dir, dtype=dtype, device=device, adapter=adapter,
+                                    chat_template=chat_template)
+        if not layers and not adapter:
             note_unhooked(model)
         if not auto:  # --projection auto stores what --budget buys
             check_capture_memory(model, spec, layers, batch_size, projection)
         records = load_records(data)
         data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
-        positions = max_positions(model)
-        if positions is not None and max_length > positions and max(map(len, data_tok.input_ids)) > positions:
-            # longer examples would index past the position embeddings mid-capture: cut them there
-            click.echo(f"note: --max-length {max_length} is more than the model's {positions} positions; "
-                       f"using --max-length {positions}", err=True)
-            max_length = positions
+        limit, why = length_limit(model, tok)
+        if limit is not None and max_length > limit and max(map(len, data_tok.input_ids)) > limit:
+            click.echo(f"note: --max-length {max_length} is more than {why}; using --max-length {limit}", err=True)
+            max_length = limit
             data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
         cfg = BuildConfig(**{**settings, "max_length": max_length})
         if not no_index:

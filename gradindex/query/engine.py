@@ -14,13 +14,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gradindex.adapter import adapter_fingerprint
 from gradindex.capture import GradientCapture
 from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
+from gradindex.chat import set_chat_template, template_of
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
-from gradindex.manifest import IndexMismatchError, identity_differences, row_basis
-from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row_base
+from gradindex.manifest import IndexMismatchError, identity_differences
+from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
@@ -131,14 +133,17 @@ class QueryEngine:
     # -- opening ------------------------------------------------------------------------------
     def _open_model(self, model_dir, device: str, dtype: str | None, optimizer_state=None) -> None:
         if self.model is None:
-            from gradindex.model import load_causal_lm
+            from gradindex.model import index_model_options, load_causal_lm
 
             path = Path(model_dir or self.manifest.get("model_id") or "")
             if not str(path) or not path.exists():
                 raise FileNotFoundError(f"the model that built this index, {str(path)!r}, is not there; "
                                         "pass its directory (model_dir= / --model)")
             dtype = dtype or self.manifest.get("dtype", "float32")
-            self.model, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device)
+            self.model, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device,
+                                                        **index_model_options(self.manifest))
+        if self.manifest.get("chat_template") and self.tokenizer is not None and template_of(self.tokenizer) is None:
+            set_chat_template(self.tokenizer, self.manifest["chat_template"])  # the template the build used
         build = self.manifest["build"]
         try:
             spec = self.index.projection
@@ -158,6 +163,7 @@ class QueryEngine:
                 "the index was built from, or rebuild the index"
             ) from None
         now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
+               "adapter_fingerprint": adapter_fingerprint(self.model),
                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                "optimizer": optimizer,
                "layers": layer_identity(self.capture)}
@@ -316,7 +322,7 @@ class QueryEngine:
         check_damping(damping)
         method = self.resolve_method(method)
         asked, selfnorm = parse_method(method)
-        base = row_base(asked, row_basis(self.manifest), method)  # the operation on stored rows
+        base = index_row_base(self.manifest, self.dir, asked, method)  # the operation on stored rows
         self.pre.check(base, selfnorm)
         used = self.basis.damping_used(asked, damping)
         chosen = self.select_layers(layers)
