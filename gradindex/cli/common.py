@@ -95,6 +95,34 @@ def damping_option(help: str = "Relative damping (kfac, ekfac)."):
                         callback=_positive_damping)
 
 
+def refine_options(fn):
+    """``--refine cg|neumann``, ``--refine-steps``, ``--refine-sample``: refined EK-FAC queries (docs/query.md);
+    the command receives them as one ``refine`` argument for :func:`refine_config`."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, refine=None, refine_steps=4, refine_sample=64, **kwargs):
+        return fn(*args, refine=None if refine is None else (refine, refine_steps, refine_sample), **kwargs)
+
+    wrapper = click.option("--refine-sample", default=64, show_default=True, type=click.IntRange(min=1),
+                           help="Training examples the refinement's Gauss-Newton products average over.")(wrapper)
+    wrapper = click.option("--refine-steps", default=4, show_default=True, type=click.IntRange(min=0),
+                           help="Refinement steps (curvature products per query; 0 = plain EK-FAC).")(wrapper)
+    return click.option("--refine", default=None, type=click.Choice(["cg", "neumann"]),
+                        help="Refine kfac/ekfac queries against the model's Gauss-Newton matrix, EK-FAC "
+                             "preconditioned (ASTRA-style; needs the training data).")(wrapper)
+
+
+def refine_config(refine):
+    """The :class:`~gradindex.query.refine.RefineConfig` of :func:`refine_options`' argument (``None``: none)."""
+    if refine is None:
+        return None
+    from gradindex.query.refine import RefineConfig
+
+    method, steps, sample = refine
+    return RefineConfig(method=method, steps=steps, sample=sample)
+
+
 def engine_options(cpu_index: bool = True):
     """``--model``, ``--data``, ``--device`` (and ``--cpu-index``): how a command opens a query engine."""
 

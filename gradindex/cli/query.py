@@ -16,6 +16,8 @@ from gradindex.cli.common import (
     messages_option,
     number,
     parse_messages,
+    refine_config,
+    refine_options,
     user_errors,
 )
 from gradindex.methods import REGISTRY
@@ -101,9 +103,11 @@ def _json(r) -> list[dict]:
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON list of results per query (a line each); every result also names the "
                    "method, the damping and the query's seconds per stage.")
+@refine_options
 @user_errors
 def query(index_dir, texts, prompt, completion, messages, queries_file, text_field, k, method, damping, layers, lowest,
-          rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json):
+          rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json,
+          refine):
     """Find the training examples in INDEX_DIR that most influenced each query."""
     qs = _queries(texts, prompt, completion, queries_file, text_field, messages)
     if (Path(index_dir) / TRAJECTORY).is_file():  # a TracIn index over checkpoints
@@ -117,19 +121,20 @@ def query(index_dir, texts, prompt, completion, messages, queries_file, text_fie
             results = engine.query_batch(qs, k=k, lowest=lowest, layers=layers or None)
     else:
         results = _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist,
-                          nprobe, model_dir, data, device, cpu_index, optimizer_state, text_field)
+                          nprobe, model_dir, data, device, cpu_index, optimizer_state, text_field, refine)
     _show(qs, results, text_field, as_json)
 
 
 def _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist, nprobe,
-            model_dir, data, device, cpu_index, optimizer_state, text_field) -> list:
+            model_dir, data, device, cpu_index, optimizer_state, text_field, refine=None) -> list:
     from gradindex.query import QueryEngine
 
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
                      optimizer_state=optimizer_state) as engine:
         return engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
                                   lowest=lowest, rerank_full=rerank_full, candidates=candidates,
-                                  shortlist=shortlist, nprobe=nprobe, text_field=text_field)
+                                  shortlist=shortlist, nprobe=nprobe, text_field=text_field,
+                                  refine=refine_config(refine) or False)
 
 
 def _show(qs, results, text_field, as_json) -> None:
