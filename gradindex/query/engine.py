@@ -347,7 +347,8 @@ class QueryEngine:
             return None
         base, _ = parse_method(method)
         on_rows = index_row_base(self.manifest, self.dir, base, method)
-        if method_spec(base).fitted is None or (on_rows != base and not (base == "ekfac" and self.basis.kind == "ekfac")):
+        whitened_ekfac = base == "ekfac" and self.basis.kind == "ekfac"
+        if method_spec(base).fitted is None or (on_rows != base and not whitened_ekfac):
             if not asked:
                 return None
             raise ValueError(f"query refinement improves an EK-FAC/K-FAC inverse-curvature product; method "
