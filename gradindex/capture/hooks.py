@@ -182,6 +182,12 @@ def _check_transforms(
     return out
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass now (a checkpointed block's forward is being recomputed)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 def _group_key(module: nn.Module) -> str:
     return f"<group {id(module)}>"
 
@@ -371,8 +377,8 @@ class GradientCapture:
     # -- internals ----------------------------------------------------------------------------
     def _forward_hook(self, key: str, module: nn.Module):
         def hook(mod: nn.Module, inputs: tuple, output: torch.Tensor):
-            if not torch.is_grad_enabled():
-                return None
+            if not torch.is_grad_enabled() or _in_backward():
+                return None  # (in backward: gradient checkpointing recomputing a forward the hooks saw already)
             ins = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
             if self.weight_free:
                 if not output.requires_grad:  # frozen upstream: start the graph here
