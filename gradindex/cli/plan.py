@@ -33,16 +33,10 @@ def _plan(model_dir, data, out, batches, as_json, **o):
     from gradindex.model import resolve_device, resolve_pad_id
     from gradindex.plan import measure_seconds, plan_build
 
-    opts = settings(o["projection"], o["budget"], o["basis"], o["precondition"], o["transcode"], o["storage"],
-                    o["optimizer_state"], o["batch_size"], o["shard_size"], o["max_length"], o["index_type"],
-                    o["whiten"], o["damping"], o["normalize"], o["train_size"], o["cpu_index"], o["no_index"],
-                    o["projection_kind"], o["seed"], o.get("sketch_bytes", 2048))
-    device = str(resolve_device(o["device"]))
-    model, tok, data_tok, cfg = load_inputs(
-        model_dir, data, opts, o["layers"], o["adapter"], o["chat_template"], o["text_field"], o["max_length"],
-        o["batch_size"], o["dtype"], device, o["route"], o["shard_size"], o["damping"], o["fisher"],
-        o["fisher_seed"], o["optimizer_state"], o["adam_mode"], o["full_factors"], o["allocation"], o["basis"],
-        o["basis_damping"], o["fit_examples"], o["no_index"], o["index_type"])
+    o = {**o, "model_dir": model_dir, "data": data}
+    opts = settings(o)
+    o["device"] = str(resolve_device(o["device"]))
+    model, tok, data_tok, cfg = load_inputs(o, opts)
     plan = plan_build(model, cfg, len(data_tok), not o["no_index"])
     if batches > 0 and len(data_tok):
         plan.seconds = measure_seconds(model, data_tok, cfg, plan, resolve_pad_id(model, tok), batches)
