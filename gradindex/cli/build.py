@@ -73,9 +73,12 @@ def note_unhooked(model) -> None:
                                             "256 KiB; the whole gradient where that buys it).")
 @click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
               help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
-@click.option("--projection-basis", "basis", default="raw", show_default=True, type=click.Choice(["raw", "kfac"]),
-              help="kfac: whiten each side by its damped full-space K-FAC factor before projecting "
-                   "(one factor pass first); rows then answer kfac/ekfac, not graddot.")
+@click.option("--projection-basis", "basis", default="auto", show_default=True,
+              type=click.Choice(["auto", "raw", "kfac", "eigen"]),
+              help="eigen: store the full-space EK-FAC eigen-coordinates the budget buys, chosen over all layers "
+                   "(two model passes first; rows answer ekfac). kfac: whiten each side by its damped full-space "
+                   "K-FAC factor before projecting. auto: eigen where the default EK-FAC build cannot store "
+                   "the whole gradient at --budget, else raw (docs/math.md, 'What a row holds').")
 @click.option("--basis-damping", default=1.0, show_default=True, type=float,
               help="Relative damping of the kfac whitening.")
 @click.option("--fit-examples", default=0, show_default=True, type=int,
@@ -133,14 +136,15 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     from gradindex.model import load_causal_lm, max_positions, resolve_device, vocab_size
     from gradindex.pipeline import BuildConfig, build_index
     from gradindex.store.builder import refuse_foreign
+    from gradindex.store.sizing import budget_bound
 
     auto = projection.strip().lower() == "auto"
+    eigen_ok = auto and precondition in ("auto", "ekfac") and transcode != "none" and not optimizer_state \
+        and fisher == "empirical" and not full_factors and storage in ("auto", "int4")
+    if basis == "auto" and not eigen_ok:
+        basis = "raw"
     if precondition == "auto":
         precondition = "none" if optimizer_state else "ekfac"
-    if transcode == "auto":
-        transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
-    if storage == "auto":
-        storage = "int4" if transcode == "ekfac" else "int8"
     if budget and not auto:
         raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
     spec = ProjectionSpec(kind=projection_kind, seed=seed) if auto else \
@@ -148,11 +152,6 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
-    if not no_index and whiten != "none" and transcode == "ekfac":
-        raise ValueError(f"--whiten {whiten} does not apply: the rows are transcoded into the EK-FAC whitened "
-                         "eigenbasis (already whitened); drop --whiten, or add --transcode none")
-    if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
-        raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
     resolve_device(device)
     if distributed.init_from_env(device):  # under torchrun: each rank captures its share of the shards
         device = distributed.local_device(device)
@@ -162,6 +161,20 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
         if not layers:
             note_unhooked(model)
+        if basis == "auto":  # the eigen basis where the budget projects, today's rows where it holds them all
+            basis = "eigen" if budget_bound(model, layers, budget or "auto", "int4") else "raw"
+        if basis == "eigen":  # the rows are whitened EK-FAC coordinates at capture: nothing to fit or transcode
+            precondition, transcode = "none", "none"
+            storage = "int4" if storage == "auto" else storage
+        if transcode == "auto":
+            transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
+        if storage == "auto":
+            storage = "int4" if transcode == "ekfac" else "int8"
+        if not no_index and whiten != "none" and (transcode == "ekfac" or basis == "eigen"):
+            raise ValueError(f"--whiten {whiten} does not apply: the rows are in the EK-FAC whitened "
+                             "eigenbasis (already whitened); drop --whiten, or add --transcode none")
+        if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
+            raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
         if not auto:  # --projection auto stores what --budget buys
             check_capture_memory(model, spec, layers, batch_size, projection)
         records = load_records(data)
@@ -198,7 +211,9 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     m = res.manifest
     numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
     row_bytes = int(numbers * bytes_per_number(m["build"]["storage"]))
-    rows = "in the ekfac eigenbasis, " if m.get("transcode") else ""
+    full_eigen = (m["build"].get("basis") or {}).get("space") == "full-eigen"
+    rows = "full-space ekfac eigen-coordinates, " if full_eigen else \
+        "in the ekfac eigenbasis, " if m.get("transcode") else ""
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
                f"({numbers:,} numbers, {rows}{m['build']['storage']}: {human_bytes(row_bytes)} per example) "
                f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
