@@ -1,11 +1,11 @@
-"""The compression study of ``fidelity.py``: full-space gradients, every codec of ``compression.py``,
+"""The compression study of ``fidelity.py``: full-space gradients, every codec of ``reference.py``,
 LDS / top-k overlap / fact recall per byte, and the bytes plot.
 
 Full-space per-example gradients ``G = Σ_t g_t [a_t; 1]ᵀ`` ``[n, N_o, N_i+1]`` and the token-mean
 factors ``A``, ``S`` of every GPT-2 block Conv1D are captured here with plain hooks (summed
 per-example loss over the target tokens, factors over non-padding tokens, as the library does), so
 the study simulates stores the library cannot write yet. The reference is full-space EK-FAC at the
-configured damping, computed from the same gradients (``compression.influence``); its LDS is checked
+configured damping, computed from the same gradients (``reference.influence``); its LDS is checked
 against the library's own full-space EK-FAC in the results (``reference_check``).
 """
 
@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import compression as C
 import numpy as np
 import torch
 
+from benchmarks import reference as C
+from benchmarks.common import evaluate, fact_recall, overlap_at_k, top_indices
 from gradindex.data import collate, per_example_loss
 
 Layers = list[tuple[str, np.ndarray, np.ndarray, np.ndarray]]
@@ -166,7 +167,7 @@ def proj_ekfac_codec(size: Callable, code: str = "fp32") -> Callable:
 def whitened_proj_codec(size: Callable, code: str = "fp32", kind: str = "ekfac") -> Callable:
     """Whiten, then a factored projection, then (optionally) a code; scores are plain inner products.
     ``kind='kfac'``: ``S_δ^{-1/2} G A_δ^{-1/2}`` with per-factor damping (raw basis);
-    ``kind='ekfac'``: the EK-FAC-whitened eigenbasis coordinates ``W`` of :func:`compression.whiten`."""
+    ``kind='ekfac'``: the EK-FAC-whitened eigenbasis coordinates ``W`` of :func:`reference.whiten`."""
     def enc(ctx, seed):
         e = Encoded()
         for li, ((_, G, A, S), Gq) in enumerate(zip(ctx["layers"], ctx["Gq"], strict=True)):
@@ -384,8 +385,6 @@ def _study_at(ctx: dict, codecs: list, setup, masks: np.ndarray, losses: np.ndar
               default_top: np.ndarray | None) -> dict:
     """Reference and codec rows at ``ctx['damping']``; ``default_top``: the reference's top-k at
     ``cfg.damping`` (None when this *is* that damping) for ``top{k}_overlap_vs_default``."""
-    from fidelity import evaluate, fact_recall, overlap_at_k, top_indices
-
     k, damping = cfg.top_k, ctx["damping"]
     n_q = len(setup.query.input_ids)
     ref = sum(C.influence(Gq, lay[1], c, damping) for lay, Gq, c in zip(ctx["layers"], ctx["Gq"], ctx["ekfac"],
@@ -440,8 +439,9 @@ def _study_at(ctx: dict, codecs: list, setup, masks: np.ndarray, losses: np.ndar
 
 
 def meets_targets(row: dict, k: int = 10) -> bool:
-    """TARGETS.md: ≥ 95% of full-space EK-FAC's LDS, ≥ 90% of its top-10, ≤ 1/8 of the float32 bytes
-    (per-row scales included; a 0.1% allowance covers them), every planted fact at rank 1."""
+    """The compression target (benchmarks/README.md, "Targets quoted below"): ≥ 95% of full-space
+    EK-FAC's LDS, ≥ 90% of its top-10, ≤ 1/8 of the float32 bytes (per-row
+    scales included; a 0.1% allowance covers them), every planted fact at rank 1."""
     return (row["lds_share"] >= 0.95 and row[f"top{k}_overlap"] >= 0.90 and row["bytes_fraction"] <= 0.125 * 1.001
             and row["fact_recall"] in (None, 1.0))
 

@@ -22,8 +22,8 @@ to EK-FAC (empirical, default damping) come with their standard error over queri
 
 Usage::
 
-    python benchmarks/adam_lds.py --quick                     # seconds
-    python benchmarks/adam_lds.py --subsets 32 --retrain-seeds 2 --projections 16,64,none
+    python -m benchmarks.adam_lds --quick                     # seconds
+    python -m benchmarks.adam_lds --subsets 32 --retrain-seeds 2 --projections 16,64,none
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -39,11 +38,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import fidelity as F  # noqa: E402
-
+from benchmarks import common
+from benchmarks import fidelity as F  # noqa: E402
 from fixtures.tiny import save_model_dir  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.capture.adam import adam_capture_transforms, save_second_moments  # noqa: E402
@@ -56,7 +52,7 @@ def query_gradients(model, tokenizer, query, bcfg: BuildConfig) -> dict[str, np.
     transforms = None
     if bcfg.optimizer_state:
         transforms, _ = adam_capture_transforms(bcfg.optimizer_state, bcfg.adam_mode, model, bcfg.layers)
-    return F.query_gradients(model, tokenizer, query, bcfg, transforms)
+    return common.query_gradients(model, tokenizer, query, bcfg, transforms)
 
 
 def _build(model, setup, bcfg: BuildConfig, out: Path) -> float:
@@ -93,19 +89,19 @@ def run(cfg: F.FidelityConfig, work: Path, workers: int, threads: int, log=print
     model = F.new_model(cfg, len(setup.tokenizer))
     model.load_state_dict(init)
     opts: list = []
-    F.train_model(model, setup.train.input_ids, cfg, seed=1000, optimizer_out=opts)
+    common.train_model(model, setup.train.input_ids, cfg, seed=1000, optimizer_out=opts)
     save_model_dir(model, setup.tokenizer, work / "model")
     state = save_second_moments(opts[0], model, work / "adam_state.safetensors")
     masks, losses, _ = F.retrained_losses(cfg, setup, init, work, workers, threads, log)
     torch.set_num_threads(threads)
-    log(f"ground truth: {losses.shape[0]} subsets x {losses.shape[1]} seeds; ceiling {F.noise_ceiling(losses)}")
+    log(f"ground truth: {losses.shape[0]} subsets x {losses.shape[1]} seeds; ceiling {common.noise_ceiling(losses)}")
 
     per_q: dict[tuple[str, str], list[np.ndarray]] = {}
     seconds: dict[str, float] = {}
     bytes_per_example: dict[str, int] = {}
 
     def record(name, proj, s):
-        per_q.setdefault((name, proj), []).append(F.lds_per_query(s, masks, losses.mean(axis=1)))
+        per_q.setdefault((name, proj), []).append(common.lds_per_query(s, masks, losses.mean(axis=1)))
 
     for proj in cfg.projections:
         for ps in range(1 if proj == "none" else cfg.proj_seeds):
@@ -156,7 +152,7 @@ def run(cfg: F.FidelityConfig, work: Path, workers: int, threads: int, log=print
             d = max(cands, key=cands.get)
             best.setdefault(m, {})[proj] = {"damping": d, "lds": cands[d]}
     return {"benchmark": "adam_lds", "config": asdict(cfg), "threads": threads, "workers": workers,
-            "bytes_per_example": bytes_per_example, "noise_ceiling": F.noise_ceiling(losses),
+            "bytes_per_example": bytes_per_example, "noise_ceiling": common.noise_ceiling(losses),
             "adam_powers": list(powers), "reference": ref_name, "lds": table, "best_damping": best,
             "seconds": {k: round(v, 1) for k, v in seconds.items()} | {
                 "total": round(time.perf_counter() - t_start, 1)}}

@@ -25,8 +25,8 @@
    used before it), per band of sketched cosine; and the share of the exact pairs over the
    threshold whose members the timed run grouped.
 
-    python benchmarks/audit.py                   # 1 and 2, ~5 min on 2 cores
-    python benchmarks/audit.py --skip outliers dedup --scale 100000 1000000   # 3 only (~8 GB store)
+    python -m benchmarks.audit                   # 1 and 2, ~5 min on 2 cores
+    python -m benchmarks.audit --skip outliers dedup --scale 100000 1000000   # 3 only (~8 GB store)
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import resource
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +44,6 @@ import numpy as np
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.corpus import stdlib_paragraphs  # noqa: E402
 from fixtures.tiny import tiny_gpt2, train_tokenizer  # noqa: E402
@@ -341,8 +339,7 @@ def scale_experiment(work: Path, sizes: list[int], sample: int = 20000, before_m
     """One result per size, as each finishes."""
     import multiprocessing as mp
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import query as qb
+    from benchmarks import query as qb
 
     docs, base_texts, _ = qb.corpus(16)
     model_dir = qb.demo_model(work / "scale", docs, 300)

@@ -13,8 +13,8 @@ Measured, on the same batches and in one process so that machine noise hits all 
 Each method runs ``--rounds`` times in turn; a method's figure is its fastest round. Prints tables
 and writes JSON (default ``benchmarks/results/capture.json``). ``--quick`` is a smoke test.
 
-    python benchmarks/capture.py                  # the shared workload (several minutes)
-    python benchmarks/capture.py --quick          # tiny sizes, under a minute
+    python -m benchmarks.capture                  # the shared workload (several minutes)
+    python -m benchmarks.capture --quick          # tiny sizes, under a minute
 """
 
 from __future__ import annotations
@@ -24,64 +24,24 @@ import contextlib
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from fixtures.tiny import tiny_gpt2  # noqa: E402
+from benchmarks.common import Workload, make_model, make_sequences  # noqa: E402
 from gradindex.capture import GradientCapture, ProjectionSpec, choose_route, projection_matrix  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.data import Tokenized, collate, per_example_loss  # noqa: E402
 from gradindex.store.builder import BuildConfig, build_store  # noqa: E402
 
 ROUTES = ("auto", "factorized", "materialized")
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The model and data every method runs on (TARGETS.md, "shared workload")."""
-
-    layers: int = 4
-    """GPT-2 blocks."""
-    width: int = 256
-    """Embedding width."""
-    heads: int = 4
-    """Attention heads."""
-    vocab: int = 8192
-    """Vocabulary size."""
-    seq_len: int = 128
-    """Tokens per training sequence (also the model's positions, at least 128)."""
-    sequences: int = 512
-    """Training sequences."""
-    batch_size: int = 8
-    """Sequences per forward/backward."""
-    projection: str = "16x16"
-    """``K``, ``KAxKG`` or ``none``."""
-    seed: int = 0
-    """Seed of the random token ids and of the model's weights."""
-
-
-# -- the workload ------------------------------------------------------------------------------
-
-
-def make_model(w: Workload, positions: int) -> nn.Module:
-    return tiny_gpt2(vocab_size=w.vocab, n_layer=w.layers, n_embd=w.width, n_head=w.heads,
-                     n_positions=positions, seed=w.seed)
-
-
-def make_sequences(w: Workload, n: int, length: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(w.seed)
-    return torch.randint(w.vocab, (n, length), generator=g).tolist()
 
 
 def batches(seqs: list[list[int]], B: int) -> Iterator[list[list[int]]]:

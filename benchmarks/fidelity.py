@@ -29,15 +29,15 @@ what is missing. Results and their reading: benchmarks/README.md, "Fidelity".
 
 Usage::
 
-    python benchmarks/fidelity.py               # both corpora + the compression study; writes
+    python -m benchmarks.fidelity               # both corpora + the compression study; writes
                                                 # benchmarks/results/fidelity.json and fidelity-bytes.png
-    python benchmarks/fidelity.py --quick       # a smoke run of a few seconds (stdlib, a handful of codecs)
+    python -m benchmarks.fidelity --quick       # a smoke run of a few seconds (stdlib, a handful of codecs)
 
 Planted facts: each corpus gets ``n_facts`` unusual sentences (``fixtures.corpus.FACTS``) as training
 examples; each has a query (its prompt, loss on its completion); ``fact_recall`` is the share of
 those queries whose planted example ranks first. ``top{k}_overlap`` and ``lds_share`` compare with
 full-space EK-FAC at ``damping``. The compression study (``_study.py``, codecs in
-``compression.py``) simulates stored codes on full-space gradients (benchmarks/README.md).
+``reference.py``) simulates stored codes on full-space gradients (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -61,13 +60,21 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-# this checkout's gradindex, not whichever one the environment has installed (e.g. editable)
-sys.path[:0] = [str(HERE), str(HERE.parent)]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import datasets  # noqa: E402
 
 import gradindex  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    evaluate,
+    example_losses,
+    fact_recall,
+    noise_ceiling,
+    overlap_at_k,
+    query_gradients,
+    top_indices,
+    train_model,
+)
 from fixtures.corpus import (  # noqa: E402
     FACTS,
     corpus_hash,
@@ -77,9 +84,8 @@ from fixtures.corpus import (  # noqa: E402
     stdlib_paragraphs,
 )
 from fixtures.tiny import save_model_dir, tiny_gpt2, train_tokenizer  # noqa: E402
-from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
-from gradindex.capture.batch import batch_gradients  # noqa: E402
-from gradindex.data import IGNORE, Tokenized, per_example_loss, records_from_texts, tokenize_records  # noqa: E402
+from gradindex.capture import ProjectionSpec  # noqa: E402
+from gradindex.data import Tokenized, records_from_texts, tokenize_records  # noqa: E402
 from gradindex.pipeline import BuildConfig, build_index  # noqa: E402
 from gradindex.query.scores import score_matrix  # noqa: E402
 
@@ -131,7 +137,7 @@ class FidelityConfig:
     top_k: int = 10
     """Top-k overlap with the reference (full-space EK-FAC at ``damping``)."""
     study: bool = True
-    """Run the compression study (``compression.py``) on full-space gradients."""
+    """Run the compression study (``reference.py``) on full-space gradients."""
     study_seeds: int = 2
     """Projection seeds per random codec of the study."""
     study_grid: str = "full"
@@ -211,59 +217,9 @@ def make_setup(cfg: FidelityConfig, corpus: str = "stdlib") -> Setup:
                  tuple(rows), fq, corpus_hash(paras))
 
 
-def _padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s)
-    lens = torch.tensor([len(s) for s in seqs])
-    return ids, lens
-
-
 def new_model(cfg: FidelityConfig, vocab: int) -> torch.nn.Module:
     return tiny_gpt2(vocab_size=vocab, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_head=cfg.n_head,
                      n_positions=max(64, cfg.max_tokens), seed=cfg.init_seed)
-
-
-def train_model(model: torch.nn.Module, seqs: list[list[int]], cfg: FidelityConfig,
-                seed: int, optimizer_out: list | None = None) -> torch.nn.Module:
-    """AdamW on the mean token loss, epochs of shuffled batches, warm-up then linear decay to zero.
-
-    ``optimizer_out``, when given, receives the optimizer (its final state: benchmarks/adam_lds.py)."""
-    ids, lens = _padded(seqs, 0)
-    mask = torch.arange(ids.shape[1])[None, :] < lens[:, None]  # [n, T]
-    labels = ids.masked_fill(~mask, IGNORE)
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    warm = max(1, cfg.steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * min(1.0, (cfg.steps - s) / max(1, cfg.steps - warm)))
-    model.train()
-    order: list[int] = []
-    for _ in range(cfg.steps):
-        if len(order) < cfg.batch:
-            order += torch.randperm(len(seqs), generator=g).tolist()
-        idx, order = order[: cfg.batch], order[cfg.batch:]
-        T = int(lens[idx].max())
-        out = model(input_ids=ids[idx, :T], attention_mask=mask[idx, :T].long(), labels=labels[idx, :T])
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        opt.step()
-        sched.step()
-    if optimizer_out is not None:
-        optimizer_out.append(opt)
-    return model.eval()
-
-
-@torch.no_grad()
-def example_losses(model: torch.nn.Module, data: Tokenized) -> np.ndarray:
-    """``[n]`` summed next-token loss of each example (the library's per-example loss)."""
-    ids, lens = _padded(data.input_ids, 0)
-    mask = torch.arange(ids.shape[1])[None, :] < lens[:, None]
-    lab, _ = _padded(data.labels, IGNORE)
-    lab = lab.masked_fill(~mask, IGNORE)
-    logits = model(input_ids=ids, attention_mask=mask.long()).logits
-    return per_example_loss(logits, lab)[0].double().numpy()
 
 
 def subset_masks(cfg: FidelityConfig) -> np.ndarray:
@@ -338,22 +294,6 @@ def retrained_losses(cfg: FidelityConfig, setup: Setup, init: dict, work: Path, 
 
 
 # -- attribution -------------------------------------------------------------------------------------
-def query_gradients(model: torch.nn.Module, tokenizer, query: Tokenized, bcfg: BuildConfig,
-                    transforms: dict | None = None) -> dict[str, np.ndarray]:
-    """layer → ``[Q, D]`` query gradients, captured exactly as the build captured training gradients
-    (``transforms``: the build's capture transforms, e.g. Adam's, when it had any)."""
-    model.requires_grad_(False)
-    cap = GradientCapture(model, bcfg.layers, bcfg.projection, bcfg.route, weight_free=True, transforms=transforms)
-    out: dict[str, list[np.ndarray]] = {}
-    with cap:
-        for s in range(0, len(query), bcfg.batch_size):
-            bg = batch_gradients(model, cap, query.input_ids[s: s + bcfg.batch_size],
-                                 query.labels[s: s + bcfg.batch_size], tokenizer.pad_token_id)
-            for n, v in bg.grads.items():
-                out.setdefault(n, []).append(v.cpu().numpy())
-    return {n: np.concatenate(v) for n, v in out.items()}
-
-
 def scores(index_dir: Path, qgrads: dict[str, np.ndarray], method: str, damping: float) -> np.ndarray:
     """``[Q, N]`` attribution scores from the library."""
     s = score_matrix(index_dir, qgrads, method, damping=damping, device="cpu")
@@ -394,48 +334,6 @@ def curvature_diagnostics(index_dir: Path, qgrads: dict[str, np.ndarray]) -> dic
     return out
 
 
-# -- LDS ---------------------------------------------------------------------------------------------
-def _ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks along the last axis, ties given their average rank."""
-    out = np.empty_like(x, dtype=np.float64)
-    for i, row in enumerate(x.reshape(-1, x.shape[-1])):
-        _, inv, counts = np.unique(row, return_inverse=True, return_counts=True)
-        ends = np.cumsum(counts)
-        out.reshape(-1, x.shape[-1])[i] = (ends - (counts - 1) / 2.0)[inv]
-    return out
-
-
-def spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """``[Q]`` Spearman correlation between rows of ``x`` and ``y`` ``[Q, M]``."""
-    rx, ry = _ranks(x), _ranks(y)
-    rx -= rx.mean(1, keepdims=True)
-    ry -= ry.mean(1, keepdims=True)
-    den = np.sqrt((rx**2).sum(1) * (ry**2).sum(1))
-    return np.where(den > 0, (rx * ry).sum(1) / np.where(den > 0, den, 1.0), 0.0)
-
-
-def lds_per_query(score: np.ndarray, masks: np.ndarray, losses: np.ndarray) -> np.ndarray:
-    """``[Q]`` LDS: Spearman over subsets of ``Σ_{i∈S} score`` against ``-loss`` (``losses`` ``[M, Q]``)."""
-    pred = score @ masks.T.astype(np.float64)  # [Q, M]
-    return spearman_rows(pred, -losses.T)
-
-
-def noise_ceiling(losses: np.ndarray) -> float | None:
-    """Mean over queries and seed pairs of the Spearman correlation between two seeds' losses."""
-    R = losses.shape[1]
-    if R < 2:
-        return None
-    vals = [spearman_rows(-losses[:, a].T, -losses[:, b].T).mean() for a in range(R) for b in range(a + 1, R)]
-    return float(np.mean(vals))
-
-
-def evaluate(score: np.ndarray, masks: np.ndarray, losses: np.ndarray) -> dict:
-    """LDS per query against the seed-averaged losses, and the mean LDS against each seed alone."""
-    per_q = lds_per_query(score, masks, losses.mean(axis=1))
-    per_seed = [float(lds_per_query(score, masks, losses[:, r]).mean()) for r in range(losses.shape[1])]
-    return {"per_query": per_q, "per_seed": per_seed}
-
-
 def summarize(runs: list[dict], base: list[dict], kfac: list[dict] | None = None) -> dict:
     """Aggregate one method × projection × damping over projection seeds.
 
@@ -459,22 +357,6 @@ def summarize(runs: list[dict], base: list[dict], kfac: list[dict] | None = None
 
 
 # -- driver ------------------------------------------------------------------------------------------
-def overlap_at_k(top: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """``[Q]`` ``|top_q ∩ ref_q| / k`` for top-k index rows ``top``, ``ref`` ``[Q, k]``."""
-    k = ref.shape[1]
-    return np.array([len(set(a) & set(b)) / k for a, b in zip(top, ref, strict=True)])
-
-
-def top_indices(score: np.ndarray, k: int) -> np.ndarray:
-    """``[Q, k]`` column indices of the k largest scores per row, best first (ties: lower index)."""
-    return np.argsort(-score, axis=1, kind="stable")[:, :k]
-
-
-def fact_recall(score: np.ndarray, rows: tuple[int, ...]) -> float:
-    """Share of fact queries (rows of ``score`` ``[F, N]``) whose planted training row ranks first."""
-    return float(np.mean(top_indices(score, 1)[:, 0] == np.asarray(rows)))
-
-
 def train_full_model(cfg: FidelityConfig, setup: Setup, work: Path, log=print):
     """``(model, init state, info dict)``: the model trained on the whole training set."""
     vocab = len(setup.tokenizer)
@@ -585,7 +467,7 @@ def run_corpus(cfg: FidelityConfig, corpus: str, work: Path, workers: int = 1, t
                     "build_and_fit": {k: round(v, 1) for k, v in build_s.items()}},
     }
     if cfg.study:
-        from _study import run_study
+        from benchmarks._study import run_study
 
         out["study"] = run_study(model, setup, masks, losses, cfg, log=log)
     return out
@@ -647,11 +529,11 @@ def format_table(result: dict) -> str:
             for p, vals in per.items():
                 lines.append(f"sweep {method:<6}{p:>5}: " + ", ".join(f"δ={d}: {v:.3f}" for d, v in vals.items()))
         if res.get("study"):
-            from _study import format_study
+            from benchmarks._study import format_study
 
             lines.append(format_study(res["study"], k))
             if res["study"].get("by_damping"):
-                from _study import format_damping
+                from benchmarks._study import format_damping
 
                 lines.append(format_damping(res["study"], k))
     return "\n".join(lines)
@@ -711,12 +593,12 @@ def main(argv: list[str] | None = None) -> int:
     full_grid = result["config"].get("study_grid", "full") == "full"
     plot = a.plot or (None if a.quick or not full_grid else Path("benchmarks/results/fidelity-bytes.png"))
     if plot and result["config"].get("study", True):
-        from _study import plot_study
+        from benchmarks._study import plot_study
 
         plot_study(result, plot)
         print(f"wrote {plot}")
     if out and any((r.get("study") or {}).get("by_damping") for r in result["corpora"].values()):
-        from _study import plot_damping
+        from benchmarks._study import plot_damping
 
         dplot = out.with_suffix(".png") if out.stem.endswith("damping") else out.with_name(out.stem + "-damping.png")
         plot_damping(result, dplot)

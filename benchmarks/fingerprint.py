@@ -5,21 +5,18 @@ For each model (built from a config, one thread): seconds of
 batch of 8 sequences of 128 tokens with the default projection, and the ratio: how many such
 sequences the fingerprint costs. Prints a table, writes ``benchmarks/results/fingerprint.json``.
 
-    python benchmarks/fingerprint.py           # demo model and GPT-2 of ~100M parameters
-    python benchmarks/fingerprint.py --quick   # demo model only
+    python -m benchmarks.fingerprint           # demo model and GPT-2 of ~100M parameters
+    python -m benchmarks.fingerprint --quick   # demo model only
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.tiny import tiny_gpt2  # noqa: E402
 from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402

@@ -1,6 +1,6 @@
 """Full-space EK-FAC fit: gradindex against Kronfluence and the forward+backward floor, side by side.
 
-On the shared workload (TARGETS.md), one thread, in one run:
+On the shared workload (benchmarks/README.md), one thread, in one run:
 
 * floor: bare forward + backward over the same batches (HF mean loss, weight gradients);
 * gradindex: ``fit_preconditioner(FitConfig(method="ekfac", space="full"))`` on a 16x16 index of the
@@ -15,8 +15,8 @@ On the shared workload (TARGETS.md), one thread, in one run:
 Also compares the two fits' corrected eigenvalues on one layer (``Λ*`` is invariant to eigenvector
 signs). Writes ``benchmarks/results/fullspace.json``.
 
-    python benchmarks/fullspace.py                       # shared workload (~15 min on 2 shared cores)
-    python benchmarks/fullspace.py --sequences 32 --no-kronfluence --out /tmp/fs.json   # a smoke run
+    python -m benchmarks.fullspace                       # shared workload (~15 min on 2 shared cores)
+    python -m benchmarks.fullspace --sequences 32 --no-kronfluence --out /tmp/fs.json   # a smoke run
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,8 +33,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.tiny import tiny_gpt2  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402

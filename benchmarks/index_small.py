@@ -6,8 +6,8 @@ below 50,000 examples) and the one it picked before (``IVF{nlist},PQ{D/2}x4fs`` 
 ``N·D > 2^24``), each with FAISS's k-means warnings silenced as the library does and without.
 It reports train+add seconds and the lines FAISS wrote to stderr (fd 2), and writes JSON.
 
-    python benchmarks/index_small.py                       # 512 x 4096, ~20 s
-    python benchmarks/index_small.py --dims 4096,16384     # wider layers take minutes (IVF-PQ)
+    python -m benchmarks.index_small                       # 512 x 4096, ~20 s
+    python -m benchmarks.index_small --dims 4096,16384     # wider layers take minutes (IVF-PQ)
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gradindex.index.factory import default_factory, default_nlist, make_index  # noqa: E402
 
 

@@ -5,7 +5,7 @@ plots the chosen setting's search p50/p95, the end-to-end p95 and recall@10 agai
 to ``benchmarks/results/lookup-scaling.png``; prints the table. The runs were made on different
 days and machine loads: compare the trend, not single points.
 
-    python benchmarks/plot_lookup.py
+    python -m benchmarks.plot_lookup
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ by ``gradindex.query.scores.score_matrix`` (float64 over the whole store). For e
 store) and ``e2e`` (tokenize, forward/backward of the query, then the same). Also build time,
 index size and resident memory.
 
-    python benchmarks/query.py --examples 100000                     # ~10 min on 2 cores
-    python benchmarks/query.py --examples 1000000 --configs auto     # ~8 GB store, ~40 min
-    python benchmarks/query.py --quick                               # 100k rows, one config
+    python -m benchmarks.query --examples 100000                     # ~10 min on 2 cores
+    python -m benchmarks.query --examples 1000000 --configs auto     # ~8 GB store, ~40 min
+    python -m benchmarks.query --quick                               # 100k rows, one config
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import logging
 import os
 import platform
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -46,8 +45,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fixtures.tiny import save_model_dir, stdlib_corpus, tiny_gpt2, train_lm, train_tokenizer  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402

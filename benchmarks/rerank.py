@@ -15,8 +15,8 @@ Reports top-10 overlap (|lookup ∩ truth| / 10) and rank-by-rank agreement (sha
 CPU time, which other jobs on a shared machine disturb less), with ``--threads`` (default 2) torch
 and FAISS threads. Writes ``benchmarks/results/rerank.json``.
 
-    python benchmarks/rerank.py            # fidelity's default setup (256 training, 96 queries)
-    python benchmarks/rerank.py --quick    # its smoke setup, seconds
+    python -m benchmarks.rerank            # fidelity's default setup (256 training, 96 queries)
+    python -m benchmarks.rerank --quick    # its smoke setup, seconds
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from fidelity import QUICK, FidelityConfig, make_setup, new_model, query_gradients, train_model  # noqa: E402
-
+from benchmarks.common import query_gradients, train_model  # noqa: E402
+from benchmarks.fidelity import QUICK, FidelityConfig, make_setup, new_model  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.data import load_records, tokenize_records  # noqa: E402
 from gradindex.index import IndexConfig, build_indices  # noqa: E402

@@ -23,8 +23,8 @@ full-space EK-FAC, averaged over queries (and projection seeds). An end-to-end c
 recipe through the library (``build_store`` with a budget and the ``kfac`` basis, an EK-FAC fit,
 ``score_matrix``) and compares its scores with the simulated ones.
 
-    python benchmarks/rowspace.py            # ~2 min on 2 cores; writes benchmarks/results/rowspace.json
-    python benchmarks/rowspace.py --quick    # seconds: a smoke run
+    python -m benchmarks.rowspace            # ~2 min on 2 cores; writes benchmarks/results/rowspace.json
+    python -m benchmarks.rowspace --quick    # seconds: a smoke run
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -43,10 +42,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from benchmarks.fidelity import FidelityConfig, make_setup, new_model, spearman_rows, train_model  # noqa: E402
+from benchmarks.common import spearman_rows, train_model  # noqa: E402
+from benchmarks.fidelity import FidelityConfig, make_setup, new_model  # noqa: E402
 from gradindex.capture import GradientCapture, ProjectionSpec, projection_matrix  # noqa: E402
 from gradindex.capture.allocation import allocate, stored_numbers  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402

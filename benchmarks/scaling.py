@@ -13,8 +13,8 @@ log-log fit of seconds against the model's parameter count (and against the leng
 exponent printed in the table. Writes ``benchmarks/results/scaling.json`` and
 ``benchmarks/results/scaling.png``.
 
-    python benchmarks/scaling.py                # the sweep (tens of minutes on 2 CPU cores)
-    python benchmarks/scaling.py --quick        # two tiny configs, a minute
+    python -m benchmarks.scaling                # the sweep (tens of minutes on 2 CPU cores)
+    python -m benchmarks.scaling --quick        # two tiny configs, a minute
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ def child(layers: int, width: int, length: int, n: int, method: str) -> dict:
     """One measurement, in this (child) process, on capture.py's workload (random ids, GPT-2 from a config)."""
     import torch
 
-    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-    from capture import Workload, make_model, make_sequences, run_floor
-
+    from benchmarks.capture import run_floor
+    from benchmarks.common import Workload, make_model, make_sequences
     from gradindex.capture import ProjectionSpec
     from gradindex.data import Tokenized
     from gradindex.pipeline import BuildConfig, build_index
@@ -75,8 +74,8 @@ def child(layers: int, width: int, length: int, n: int, method: str) -> dict:
 
 def run(layers: int, width: int, length: int, n: int, method: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, __file__, "--child", json.dumps([layers, width, length, n, method])]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    cmd = [sys.executable, "-m", "benchmarks.scaling", "--child", json.dumps([layers, width, length, n, method])]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
     if r.returncode != 0:
         return {"layers": layers, "width": width, "length": length, "method": method, "error": r.stderr[-500:]}
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -17,8 +17,8 @@
    training compute), ``random`` (``RandomFraction(0.25)``: 8 of 32). Three seeds (model init,
    streams).
 
-    python benchmarks/selection.py            # both parts (~10 min on 2 shared cores)
-    python benchmarks/selection.py --quick    # tiny sizes, a smoke test
+    python -m benchmarks.selection            # both parts (~10 min on 2 shared cores)
+    python -m benchmarks.selection --quick    # tiny sizes, a smoke test
 """
 
 from __future__ import annotations
@@ -28,18 +28,13 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from capture import Workload, make_model, make_sequences  # noqa: E402
-
+from benchmarks.common import Workload, make_model, make_sequences  # noqa: E402
 from fixtures.corpus import corpus_hash, gnu_info_paragraphs, stdlib_paragraphs  # noqa: E402
 from fixtures.tiny import tiny_gpt2, train_tokenizer  # noqa: E402
 from gradindex.data import collate, per_example_loss  # noqa: E402

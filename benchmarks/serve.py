@@ -21,8 +21,8 @@ at a time (the old server's behaviour), for the gain of batching. Overload: a bu
 each server must still answer a query afterwards (within 10 tries: with so tight a limit a lone
 query may 504 too on a loaded machine).
 
-    python benchmarks/serve.py                 # ~4 min on 2 shared cores; writes results/serve.json
-    python benchmarks/serve.py --seconds 3     # a quick look
+    python -m benchmarks.serve                 # ~4 min on 2 shared cores; writes results/serve.json
+    python -m benchmarks.serve --seconds 3     # a quick look
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def log(msg: str) -> None:

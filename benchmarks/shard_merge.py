@@ -10,7 +10,7 @@ coarse quantizer and codes are trained once on a sample (rank 0), every rank add
 Both must answer exactly as one index that added every row itself. Prints the timings and writes
 ``benchmarks/results/shard_merge.json``.
 
-    python benchmarks/shard_merge.py [--n 200000] [--dim 256] [--ranks 4]
+    python -m benchmarks.shard_merge [--n 200000] [--dim 256] [--ranks 4]
 """
 
 from __future__ import annotations

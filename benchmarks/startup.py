@@ -7,8 +7,8 @@ largest peak RSS (``wait4``'s ``ru_maxrss``) are reported. With
 for a side-by-side figure. ``IDX`` is a tiny index built first in a temp dir (or ``--index``).
 Target (issue 7 item 4): each under 1 s.
 
-    python benchmarks/startup.py                       # writes benchmarks/results/startup.json
-    python benchmarks/startup.py --compare /work/main  # this checkout and another, side by side
+    python -m benchmarks.startup                       # writes benchmarks/results/startup.json
+    python -m benchmarks.startup --compare /work/main  # this checkout and another, side by side
 """
 
 from __future__ import annotations
@@ -45,12 +45,11 @@ def run_once(root: Path, args: list[str]) -> tuple[float, float, float]:
 def tiny_index(work: Path) -> Path:
     """A 40-example index of a tiny GPT-2, built in a child process (this one stays small: a forked
     child's peak RSS counts its parent's pages)."""
-    subprocess.run([sys.executable, __file__, "--make-index", str(work)], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-m", "benchmarks.startup", "--make-index", str(work)], check=True, cwd=ROOT)
     return work / "idx"
 
 
 def make_index(work: Path) -> None:
-    sys.path.insert(0, str(ROOT))
     from click.testing import CliRunner
 
     from fixtures.tiny import save_model_dir, tiny_gpt2, train_tokenizer

@@ -1,15 +1,15 @@
 """Per-step cost of capturing inside training: a plain training loop against the same loop with capture.
 
-Two copies of the shared workload's model (TARGETS.md: GPT-2, 4 layers, width 256, vocab 8192,
-128 positions, batch 8, one thread) train on the same batches with AdamW, steps interleaved (the
-order flips every step) so machine noise hits both alike. One runs inside
+Two copies of the shared workload's model (benchmarks/README.md, "Shared workload": GPT-2, 4 layers,
+width 256, vocab 8192, 128 positions, batch 8, one thread) train on the same batches with AdamW,
+steps interleaved (the order flips every step) so machine noise hits both alike. One runs inside
 :class:`gradindex.integrations.GradIndexCapture` (every block Conv1D hooked, projection 16x16, rows
 written to the capture log each step); the assembly into the store at the end is timed apart and
 also reported per step. The loop's HF mean loss is the one the Trainer uses. At the end the two
 models' parameters are compared bit for bit.
 
-    python benchmarks/train_overhead.py              # shared workload, 24 steps each (a minute or two)
-    python benchmarks/train_overhead.py --quick      # tiny sizes, a smoke test
+    python -m benchmarks.train_overhead              # shared workload, 24 steps each (a minute or two)
+    python -m benchmarks.train_overhead --quick      # tiny sizes, a smoke test
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -26,11 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from capture import Workload, make_model, make_sequences  # noqa: E402
-
+from benchmarks.common import Workload, make_model, make_sequences  # noqa: E402
 from gradindex.data import collate  # noqa: E402
 from gradindex.integrations import ROW_KEY, GradIndexCapture  # noqa: E402
 

@@ -149,14 +149,14 @@ def tokenize_records(
     elif {"prompt", "completion"} <= cols:
         field = "prompt+completion"
         for i, (p, c) in enumerate(zip(ds["prompt"], ds["completion"])):
-            pi = _tokens(tokenizer, _text(p, i, "prompt"), i)
-            ci = _tokens(tokenizer, _text(c, i, "completion"), i)
+            pi = _tokens(tokenizer, _text(p, i, "prompt"), i, max_length)
+            ci = _tokens(tokenizer, _text(c, i, "completion"), i, max_length)
             ids_out.append(pi + ci)
             labels_out.append([IGNORE] * len(pi) + ci)
     elif text_field in cols:
         field = text_field
         for i, t in enumerate(ds[text_field]):
-            ids = _tokens(tokenizer, _text(t, i, text_field), i)
+            ids = _tokens(tokenizer, _text(t, i, text_field), i, max_length)
             ids_out.append(ids)
             labels_out.append(list(ids))
     else:
@@ -205,7 +205,22 @@ def _text(v, row: int, field: str) -> str:
                      "(fix or drop that row)")
 
 
-def _tokens(tokenizer, text: str, row: int) -> list[int]:
+CHARS_PER_TOKEN = 16
+"""Characters of a text tokenized per token of ``max_length`` at first: generous (English runs about
+4 characters a token), so a long text is cut before the tokenizer sees it (a 10 MB line took minutes)."""
+
+
+def _tokens(tokenizer, text: str, row: int, max_length: int | None = None) -> list[int]:
+    """Token ids of ``text``; with ``max_length``, the same first ``max_length`` ids as the whole text's,
+    from a prefix of it: ``CHARS_PER_TOKEN`` characters a token, four times more while the prefix gives
+    fewer than ``2 × max_length`` tokens (the last tokens of a cut text may differ from the whole text's:
+    at least ``max_length`` of them lie between the cut and the ids kept)."""
+    n = (max_length or 0) * CHARS_PER_TOKEN
+    while max_length and len(text) > n:
+        ids = tokenizer(text[:n], add_special_tokens=False)["input_ids"]
+        if len(ids) >= 2 * max_length:
+            return list(ids)
+        n *= 4
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids and text.strip():
         raise ValueError(
@@ -218,10 +233,16 @@ def _tokens(tokenizer, text: str, row: int) -> list[int]:
 def _int_list(v, row: int, field: str) -> list[int]:
     if v is None or isinstance(v, str | bytes) or not hasattr(v, "__iter__"):
         raise ValueError(f"row {row}: {field!r} is {'null' if v is None else type(v).__name__}, not a list of ints")
-    try:
-        return [int(t) for t in v]
-    except (TypeError, ValueError):
-        raise ValueError(f"row {row}: {field!r} holds something other than integers") from None
+    out = []
+    for t in v:
+        whole = isinstance(t, int | np.integer) and not isinstance(t, bool)
+        if not whole and isinstance(t, float | np.floating) and float(t).is_integer():
+            whole = True  # a JSON column of ints with one float in it is read as floats: 3.0 is 3
+        if not whole:
+            raise ValueError(f"row {row}: {field!r} holds {t!r}, not an integer token id; token ids are whole "
+                             "numbers (were these ids rounded, or scores?)")
+        out.append(int(t))
+    return out
 
 
 def _check_ids(ids: list[int], row: int, vocab_size: int | None) -> None:

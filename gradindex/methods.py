@@ -73,15 +73,31 @@ def row_method(method: str, basis: str = "raw") -> str:
 
 def row_base(base: str, basis: str = "raw", method: str | None = None) -> str:
     """:func:`row_method` of a parsed base method (``method``: the name asked for, for the error)."""
+    return _row_base(base, basis, method, None)
+
+
+def _row_base(base: str, basis: str, method: str | None, answers: Sequence[str] | None) -> str:
     table = ROW_METHODS.get(basis)
     if table is None:
         raise ValueError(f"row basis {basis!r} is not one of {list(ROW_METHODS)}; upgrade gradindex")
     if base not in table:
         raise ValueError(f"method {method or base!r} does not apply to this index: its rows are stored in the "
                          f"{basis!r} whitened basis, so plain inner products are {basis} influence, not {base}; "
-                         f"use one of {sorted(table)} (or rebuild with {REBUILD_RAW.get(basis, '--transcode none')} "
-                         "for raw rows)")
+                         f"use one of {', '.join(answers or sorted(table))} (or rebuild with "
+                         f"{REBUILD_RAW.get(basis, '--transcode none')} for raw rows)")
     return table[base]
+
+
+def index_row_base(manifest: dict, index_dir: str | os.PathLike, base: str, method: str | None = None) -> str:
+    """:func:`row_base` on this index's rows; a refusal names every method the index answers
+    (:func:`methods_of` with ``-selfnorm``), not only the operations on its rows."""
+    basis = str((manifest.get("build", {}).get("basis") or {}).get("kind", "raw"))
+    try:
+        return _row_base(base, basis, method, None)
+    except ValueError:
+        if basis not in ROW_METHODS:
+            raise
+        return _row_base(base, basis, method, methods_of(manifest, index_dir, selfnorm=True))
 
 
 def fitted_methods(manifest: dict, index_dir: str | os.PathLike) -> list[str]:

@@ -44,6 +44,30 @@ def max_positions(model) -> int | None:
     return None
 
 
+TOKENIZER_UNSET = 10**9
+"""A tokenizer's ``model_max_length`` at or above this is transformers' "no limit recorded" sentinel."""
+
+
+def length_limit(model, tokenizer=None) -> tuple[int | None, str]:
+    """The most tokens an example may have, and which limit that is and why.
+
+    The smaller of the model's position embeddings (:func:`max_positions`: a longer example indexes
+    past them) and the tokenizer's ``model_max_length`` (the length the model was trained to read; a
+    tokenizer that records none has transformers' huge sentinel, ignored). ``(None, "")``: neither.
+    """
+    positions = max_positions(model)
+    tok = getattr(tokenizer, "model_max_length", None)
+    tok = tok if isinstance(tok, int) and 0 < tok < TOKENIZER_UNSET else None
+    if tok is not None and (positions is None or tok < positions):
+        of = f", fewer than the model's {positions} positions" if positions is not None else ""
+        return tok, (f"the tokenizer's model_max_length {tok}{of}: the longest input the model is meant to read "
+                     "(tokenizer_config.json)")
+    if positions is not None:
+        return positions, (f"the model's {positions} positions: a longer example would index past its position "
+                           "embeddings")
+    return None, ""
+
+
 def vocab_size(model) -> int | None:
     """Rows of the input embedding: token ids must be below this."""
     try:

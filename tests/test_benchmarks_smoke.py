@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_capture_benchmark_quick_mode_writes_every_figure(tmp_path):
     out = tmp_path / "capture.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "capture.py"), "--quick", "--sequences", "16",
+    cmd = [sys.executable, "-m", "benchmarks.capture", "--quick", "--sequences", "16",
            "--seq-len", "16", "--sweep-lengths", "8,32", "--sweep-projections", "4x4", "--sweep-tokens", "64",
            "--out", str(out)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -49,7 +49,7 @@ def test_capture_benchmark_quick_mode_writes_every_figure(tmp_path):
 @pytest.mark.slow
 def test_selection_benchmark_quick_mode_writes_its_table_and_plot(tmp_path):
     out, png = tmp_path / "selection.json", tmp_path / "selection.png"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "selection.py"), "--quick", "--out", str(out), "--plot", str(png)]
+    cmd = [sys.executable, "-m", "benchmarks.selection", "--quick", "--out", str(out), "--plot", str(png)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -41,6 +41,8 @@ BUILD_CASES = {
     "ids_out_of_vocab": (lambda a, t: {"data": _jsonl(t / "d.jsonl", [{"input_ids": [1, 2, 3]},
                                                                         {"input_ids": [1, 99999, 3]}])},
                          r"row 1: token id 99999 is outside the model's vocabulary \(0\.\.\d+\)"),
+    "ids_float": (lambda a, t: {"data": _jsonl(t / "d.jsonl", [{"input_ids": [1.5, 2.7, 3]}])},
+                  r"row 0: 'input_ids' holds 1\.5, not an integer token id"),
     "ids_negative": (lambda a, t: {"data": _jsonl(t / "d.jsonl", [{"input_ids": [1, -5, 3]}])},
                      r"row 0: token id -5 is outside the model's vocabulary"),
     "projection_huge": (lambda a, t: {"args": ["--projection", "100000"]},

@@ -40,13 +40,34 @@ def built(tmp_path_factory, short_model, text_jsonl):
             "--transcode", "none", "--storage", "fp32", "--device", "cpu",
             "--quiet")  # the default --max-length 512 > 16 positions
     res = run(*args)
-    assert f"note: --max-length 512 is more than the model's {POSITIONS} positions; using --max-length " \
-           f"{POSITIONS}" in res.stderr
+    assert f"note: --max-length 512 is more than the model's {POSITIONS} positions: a longer example would index " \
+           f"past its position embeddings; using --max-length {POSITIONS}" in res.stderr
     m = read_manifest(out)
     assert m["status"] == "complete" and m["build"]["max_length"] == POSITIONS and m["counts"]["truncated"] > 0
     again = run(*args)  # the same command again: up to date, not "data set differs"
     assert "0 computed now" in again.stdout and "differs" not in again.output
     return out
+
+
+def test_the_tokenizers_shorter_model_max_length_caps_the_max_length_and_the_note_says_so(short_model, text_jsonl,
+                                                                                           tmp_path):
+    """Issue 21, item 15: the tokenizer's model_max_length (10) is below the model's positions (16)."""
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(short_model, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**cfg, "model_max_length": 10}))
+    out = tmp_path / "i"
+    res = run("build", model, text_jsonl, "--out", out, "--projection", "4", "--device", "cpu", "--quiet",
+              "--no-index", "--precondition", "none", "--storage", "fp32")
+    assert (f"note: --max-length 512 is more than the tokenizer's model_max_length 10, fewer than the model's "
+            f"{POSITIONS} positions") in res.stderr, res.stderr
+    from gradindex.store import Store
+
+    assert read_manifest(out)["build"]["max_length"] == 10
+    with Store(out) as s:
+        assert int(s.column("num_tokens").max()) <= 10
 
 
 def test_a_max_length_that_fits_is_kept(built, short_model, text_jsonl, tmp_path):

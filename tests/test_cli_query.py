@@ -45,13 +45,29 @@ def test_query_json_lists_ids_scores_and_texts_as_the_engine_does(built, text_js
         assert [g["id"] for g in got if g["kind"] == "lowest"] == [h.id for h in r.lowest]
 
 
+def test_query_json_says_what_produced_each_result(built):
+    """Each result row names its method and damping and carries the query's seconds per stage."""
+    res = run("query", built, "--text", "the cat sat on a mat", "-k", "3", "--method", "kfac", "--damping", "0.01",
+              "--lowest", "1", "--json")
+    got = json.loads(res.stdout)
+    with QueryEngine(built, device="cpu") as e:
+        ref = e.query("the cat sat on a mat", k=3, method="kfac", damping=0.01, lowest=1)
+    assert len(got) == 4 and {g["method"] for g in got} == {ref.method} and {g["damping"] for g in got} == {0.01}
+    for g in got:
+        assert set(g["seconds"]) == set(ref.seconds) and all(v >= 0 for v in g["seconds"].values())
+        assert g["seconds"]["gradient"] > 0
+
+
 def test_prompt_completion_and_query_files_in_any_build_format(built, tmp_path):
     pair = run("query", built, "--prompt", "some bread at noon", "--completion", " under blue sky", "-k", "3",
                "--json")
     qfile = tmp_path / "q.jsonl"
     qfile.write_text(json.dumps({"prompt": "some bread at noon", "completion": " under blue sky"}) + "\n")
     from_file = run("query", built, "--queries", qfile, "-k", "3", "--json")
-    assert json.loads(pair.stdout) == json.loads(from_file.stdout)
+    def results(out: str) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "seconds"} for g in json.loads(out)]
+
+    assert results(pair.stdout) == results(from_file.stdout)
     csv = tmp_path / "q.csv"
     csv.write_text("body\nthe cat sat on a mat\ndog ran far away\n")
     res = run("query", built, "--queries", csv, "--text-field", "body", "-k", "2", "--layers", "*.mlp.*")
@@ -121,3 +137,38 @@ def test_table_numbers_have_no_exponent_in_the_usual_range():
     assert [number(x) for x in (10000.118, 6937.18, 426.74, 2.0461, -293.71, 0.63271)] == \
         ["10000", "6937", "426.7", "2.046", "-293.7", "0.6327"]
     assert [number(x) for x in (1e-5, 3e9, 0.0)] == ["1.000e-05", "3.000e+09", "0"]
+
+
+def test_a_query_file_mixing_forms_is_answered_record_by_record(built, tmp_path):
+    """Issue 21, item 13: text, prompt + completion and token-id records in one query file."""
+    recs = [{"text": "the cat sat on a mat"}, {"prompt": "some bread at noon", "completion": " under blue sky"},
+            {"input_ids": [5, 9, 12, 40, 7]}, {"text": "dog ran far away from home"}]
+    qfile = tmp_path / "mixed.jsonl"
+    qfile.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = run("query", built, "--queries", qfile, "-k", "3", "--json").stdout
+    got = [json.loads(line) for line in out.splitlines()]
+    with QueryEngine(built, device="cpu") as e:
+        ref = [e.query(r, k=3) for r in recs]  # each record alone
+    assert len(got) == len(recs)
+    for g, r in zip(got, ref, strict=True):
+        assert [x["id"] for x in g] == [h.id for h in r.hits]
+        np.testing.assert_allclose([x["score"] for x in g], [h.score for h in r.hits], rtol=1e-6)
+
+
+@pytest.mark.parametrize("damping", ["inf", "nan", "0", "-0.5"])
+def test_non_finite_or_non_positive_damping_is_refused(built, damping):
+    """Issue 21, item 5: `--damping inf` on a raw index answered all-zero scores."""
+    res = run("query", built, "--text", "the cat sat on a mat", "--method", "ekfac", "--damping", damping, ok=False)
+    assert res.exit_code == 2 and "is not a finite number > 0" in res.output, res.output
+    with QueryEngine(built, device="cpu") as e, pytest.raises(ValueError, match="damping must be a finite number > 0"):
+        e.query("the cat sat on a mat", method="ekfac", damping=float(damping))
+
+
+def test_float_token_ids_in_a_query_file_are_refused(built, tmp_path):
+    """Issue 21, item 5: [1.5, 2.7, 3] was truncated to [1, 2, 3] and answered."""
+    qfile = tmp_path / "ids.jsonl"
+    qfile.write_text(json.dumps({"input_ids": [1.5, 2.7, 3]}) + "\n")
+    res = run("query", built, "--queries", qfile, ok=False)
+    assert res.exit_code == 2 and "'input_ids' holds 1.5, not an integer token id" in res.output, res.output
+    qfile.write_text(json.dumps({"input_ids": [1, 2.0, 3]}) + "\n")  # a whole float is its integer
+    assert run("query", built, "--queries", qfile, "--json").stdout

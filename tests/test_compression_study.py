@@ -1,16 +1,12 @@
-"""The codecs of benchmarks/compression.py against independent computations (explicit Kronecker
+"""The codecs of benchmarks/reference.py against independent computations (explicit Kronecker
 matrices, element-wise error bounds, statistics of random projections)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import compression as C  # noqa: E402
+from benchmarks import reference as C
 
 N_O, N_I = 5, 4
 
@@ -119,7 +115,7 @@ def test_factored_projection_preserves_inner_products_in_expectation():
 @pytest.mark.parametrize("damping", [0.1, 1e-3])
 def test_study_codecs_without_loss_reproduce_the_influence_scores(damping):
     """Uncoded (fp32 storage of float64 data aside), every scoring route of the study is EK-FAC influence."""
-    import _study
+    from benchmarks import _study
 
     G, A, S = _layer(20)
     Gq = _layer(4, seed=1)[0]
@@ -137,7 +133,7 @@ def test_study_codecs_without_loss_reproduce_the_influence_scores(damping):
 
 
 def test_default_grid_holds_the_reference_and_the_library_default_codes():
-    import _study
+    from benchmarks import _study
 
     names = [name for _, name, _, _ in _study.grid("default")]
     assert names[0] == "raw fp32" and "eigen int4" in names and len(names) == len(set(names))

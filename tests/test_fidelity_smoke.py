@@ -2,43 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "fidelity.py"
-
-
-def _fidelity():
-    spec = importlib.util.spec_from_file_location("fidelity_bench", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def fid_study():
-    """The study module (importable once fidelity.py has put benchmarks/ on the path)."""
-    import _study
-
-    return _study
+from benchmarks import _study, common
+from benchmarks import fidelity as fid
 
 
 def test_spearman_matches_hand_computed_values_with_ties():
-    fid = _fidelity()
     x = np.array([[1.0, 2.0, 2.0, 3.0], [4.0, 3.0, 2.0, 1.0]])
     y = np.array([[1.0, 3.0, 2.0, 4.0], [1.0, 2.0, 3.0, 4.0]])
-    got = fid.spearman_rows(x, y)
+    got = common.spearman_rows(x, y)
     # row 0: ranks x = [1, 2.5, 2.5, 4], y = [1, 3, 2, 4] → 4.5 / sqrt(4.5 · 5)
     assert np.allclose(got, [4.5 / math.sqrt(22.5), -1.0])
 
 
 def test_quick_run_reports_every_method_projection_and_codec_and_reuses_the_cache(tmp_path):
-    fid = _fidelity()
     out = tmp_path / "fidelity.json"
     assert fid.main(["--quick", "--work-dir", str(tmp_path / "work"), "--out", str(out),
                      "--dampings", "0.01,0.1", "--study-dampings", "0.01,0.1"]) == 0
@@ -84,7 +65,7 @@ def test_quick_run_reports_every_method_projection_and_codec_and_reuses_the_cach
     low = {r["name"]: r for r in by["0.01"]["rows"]}
     assert low["raw fp32"]["lds_share"] > 0.999 and low["raw fp32"][f"top{k}_overlap"] == 1.0
     assert low["raw fp32"][f"top{k}_overlap_vs_default"] == by["0.01"]["reference"][f"top{k}_overlap_vs_default"]
-    assert "| stdlib | 0.01 |" in fid_study().damping_markdown(res)
+    assert "| stdlib | 0.01 |" in _study.damping_markdown(res)
 
     # A second look at the retrained losses comes from the cache: nothing is retrained.
     q = fid.QUICK
@@ -96,7 +77,6 @@ def test_quick_run_reports_every_method_projection_and_codec_and_reuses_the_cach
 
 
 def test_troff_paragraphs_keep_running_text_and_drop_tags_code_and_skipped_sections():
-    sys.path.insert(0, str(BENCH.parents[1]))
     from fixtures.corpus import _troff_paragraphs
 
     src = "\n".join([

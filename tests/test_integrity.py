@@ -193,3 +193,22 @@ def test_a_second_writer_is_refused_with_the_holders_pid_and_a_dead_holder_does_
         assert (index / ".lock").read_text() == f"pid {__import__('os').getpid()}: after\n"
     r = _cli("verify", index)
     assert r.exit_code == 0, r.output
+
+
+def test_verify_with_checksums_deleted_is_damage_with_its_repair(index):
+    """Issue 21, item 8: it said "intact; 0 files verified", exit 0, blaming an older gradindex."""
+    (index / CHECKSUMS).unlink()
+    r = _cli("verify", index)
+    assert r.exit_code == 1, r.output
+    assert f"DAMAGED {CHECKSUMS}: missing: the manifest names gradindex" in r.output and "older" not in r.output
+    report = json.loads(_cli("verify", index, "--json").output)
+    (x,) = report["damaged"]
+    assert x["file"] == CHECKSUMS and x["repair"].startswith("gradindex build ") and "--overwrite" in x["repair"]
+    assert f"gradindex verify {index} --record" in x["repair"]
+    assert len(report["unrecorded"]) >= 8  # shards, preconditioners, FAISS files
+    r = _cli("verify", index, "--record")
+    assert r.exit_code == 0 and "intact" in r.output, r.output
+    assert _verify(index)["unrecorded"] == []
+    shard = index / "store" / "shard-00000.h5"  # the recorded hashes protect the files again
+    _flip(shard, shard.stat().st_size // 2)
+    assert [x["file"] for x in _verify(index)["damaged"]] == ["store/shard-00000.h5"]

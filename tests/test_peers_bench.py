@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+from benchmarks.peers.run import spearman
 
-from run import spearman  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_spearman_against_the_rank_difference_formula():
@@ -51,7 +50,7 @@ def per_example_graddot(root: Path, bias: bool) -> np.ndarray:
 @pytest.mark.slow
 def test_quick_run_writes_the_floor_and_gradindex_rows(tmp_path):
     keep = tmp_path / "work"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "peers" / "run.py"), "--quick", "--peers", "gradindex",
+    cmd = [sys.executable, "-m", "benchmarks.peers.run", "--quick", "--peers", "gradindex",
            "--methods", "graddot-proj,graddot-full", "--venvs", str(tmp_path / "venvs"), "--out-dir", str(tmp_path),
            "--keep", str(keep)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -92,11 +91,10 @@ def test_quick_run_writes_the_floor_and_gradindex_rows(tmp_path):
 def test_dattri_logra_keeps_its_batch_metadata_out_of_the_working_directory(tmp_path, monkeypatch):
     """dattri's LoGra writes ``batch_metadata.json`` into ``cache_dir``, the working directory when none is
     given (dattri 0.3's ``MetadataManager(cache_dir or ".")``); a stand-in with that behaviour shows where."""
-    import importlib.util
+    import importlib
     import types
 
-    from common import Clock, Workload
-
+    from benchmarks.peers.common import Clock, Workload
     from fixtures.tiny import tiny_gpt2
 
     seen = {}
@@ -118,10 +116,7 @@ def test_dattri_logra_keeps_its_batch_metadata_out_of_the_working_directory(tmp_
             "dattri.task": types.SimpleNamespace(AttributionTask=lambda **kw: kw)}
     for name, mod in fake.items():
         monkeypatch.setitem(sys.modules, name, mod)
-    spec = importlib.util.spec_from_file_location("dattri_adapter", ROOT / "benchmarks/peers/adapters/dattri.py")
-    adapter = importlib.util.module_from_spec(spec)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the adapter puts its harness folder first
-    spec.loader.exec_module(adapter)
+    adapter = importlib.import_module("benchmarks.peers.adapters.dattri")
     ids = torch.randint(64, (6, 8), generator=torch.Generator().manual_seed(0))
     w = Workload(tiny_gpt2(vocab_size=64, n_layer=1, n_embd=16, n_head=2), ids, ids[:2], {"batch_size": 4}, tmp_path)
     monkeypatch.chdir(tmp_path)

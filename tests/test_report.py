@@ -110,3 +110,19 @@ def test_cli_audit(audit_index, tmp_path):
     res = CliRunner().invoke(main, ["audit", str(audit_index), "--queries", str(q), "--out", str(tmp_path / "r"),
                                     "--k", "0"])
     assert res.exit_code != 0 and "Error: k and sample must be >= 1" in res.output
+
+
+def test_score_sample_of_a_default_index_equals_its_true_scores(default_index):
+    """Rows stored EK-FAC-whitened (the default build): the sample is the engine's exact scores, not
+    the preconditioner applied a second time (issue 21, item 2: ~4,000x too large)."""
+    from gradindex.apps.report import _score_sample
+
+    with QueryEngine(default_index, device="cpu") as engine:
+        grads, _, _ = engine.gradients(engine.tokenize(QUERIES))
+        layers = engine.select_layers(None)
+        ids, s = _score_sample(engine, grads, ReportConfig(method="ekfac"), layers)
+        true = engine.scores(grads, method="ekfac")[:, ids]
+        top = engine.query_batch(QUERIES, k=3, method="ekfac")
+    np.testing.assert_allclose(s, true, rtol=1e-6, atol=1e-9 * np.abs(true).max())
+    for j, r in enumerate(top):
+        np.testing.assert_allclose(np.sort(s[j])[::-1][:3], [h.score for h in r.hits], rtol=1e-5)

@@ -269,7 +269,7 @@ def test_rowspace_benchmark_quick_mode_agrees_with_the_library(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "rowspace.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "rowspace.py"), "--quick", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.rowspace", "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=180, cwd=root, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())

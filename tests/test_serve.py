@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from urllib.parse import quote
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
@@ -332,3 +333,122 @@ def test_serve_subprocess_end_to_end_and_its_page(audit_index, engine, tmp_path)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+# -- hardening (issue 21: 1, 10, 11) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def default_engine(default_index):
+    with QueryEngine(default_index, device="cpu") as e:
+        yield e
+
+
+class _Served:
+    """``create_app(engine, ...)`` served by uvicorn on a free port in a thread of this process."""
+
+    def __init__(self, engine, **kw):
+        import uvicorn
+
+        self.port = _free_port()
+        self.app = create_app(engine, **kw)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> _Served:
+        self.thread.start()
+        _wait(lambda: self.server.started)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+        self.app.state.batcher.stop()
+
+
+def test_health_and_page_offer_exactly_the_methods_the_default_index_answers(default_engine, default_index):
+    from gradindex.methods import default_method, methods_of
+
+    answers = methods_of(default_engine.manifest, default_index, selfnorm=True)
+    default = default_method(default_engine.manifest, default_index)
+    assert "graddot" not in answers and default == "ekfac"  # the EK-FAC-eigenbasis index of `gradindex build`
+    c = TestClient(create_app(default_engine))
+    h = c.get("/health").json()
+    assert sorted(h["methods"]) == sorted(answers) and h["methods"][0] == default == h["default_method"]
+    page = c.get("/").text
+    import re
+
+    offered = re.findall(r"<option( selected)?>([^<]+)</option>", page)
+    assert [m for _, m in offered] == h["methods"] and [m for sel, m in offered if sel] == [default]
+    for m in h["methods"]:  # every offered method is answered
+        r = c.post("/query", json={"text": "the cat sat on a mat", "k": 2, "method": m})
+        assert r.status_code == 200, (m, r.text)
+    r = c.post("/query", json={"text": "the cat sat on a mat", "k": 2, "method": "graddot"})
+    assert r.status_code == 422 and "ekfac-selfnorm" in r.json()["detail"], r.text
+
+
+def test_page_answers_on_its_default_setting_in_headless_chromium(default_engine, tmp_path):
+    chromium, why = find_chromium()
+    if chromium is None:
+        pytest.skip(f"no headless Chromium for the page: {why}")
+    with _Served(default_engine) as s:
+        page = load(chromium, f"http://127.0.0.1:{s.port}/?text={quote('the cat sat on a mat')}&k=3", tmp_path,
+                    "default-page", size="1200,1000", budget_ms=30000)
+    text = visible_text(page.dom)
+    ref = default_engine.query("the cat sat on a mat", k=3)
+    assert "error" not in text.split("Find", 1)[-1][:200], text[:2000]
+    assert f"3 results, method {ref.method}" in text and f"id {ref.hits[0].id}" in text, text[:2000]
+    assert page.console == [], page.console
+
+
+def _raw(port: int, head: bytes, body: bytes = b"", timeout: float = 10.0) -> tuple[int, bytes, float]:
+    """Send ``head`` (and part of a body) on a raw socket; the status, the reply and the seconds it took."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head + body)
+        got = b""
+        while b"\r\n\r\n" not in got or len(got.split(b"\r\n\r\n", 1)[1]) < _length(got):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    return int(got.split(b" ", 2)[1]), got, time.monotonic() - t0
+
+
+def _length(reply: bytes) -> int:
+    head = reply.split(b"\r\n\r\n", 1)[0].lower()
+    return int(head.split(b"content-length:", 1)[1].split(b"\r\n")[0]) if b"content-length:" in head else 0
+
+
+def test_token_is_checked_before_the_body_and_a_large_body_is_413_unread(engine):
+    huge = 100 * 2**20
+    with _Served(engine, token="s3cret") as s:
+        head = (f"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {huge}\r\n").encode()
+        # 1 KiB of a 100 MiB body sent: the answer comes before the rest (which never comes)
+        code, _, secs = _raw(s.port, head + b"\r\n", b"{" + b" " * 1023)
+        assert code == 401 and secs < 10
+        code, got, _ = _raw(s.port, head + b"Authorization: Bearer s3cret\r\n\r\n", b"{" + b" " * 1023)
+        assert code == 413 and b"request body over" in got
+        chunked = (b"POST /query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Authorization: Bearer s3cret\r\nTransfer-Encoding: chunked\r\n\r\n")
+        part = b" " * 65536
+        code, _, _ = _raw(s.port, chunked, (f"{len(part):x}\r\n".encode() + part + b"\r\n") * 17)
+        assert code == 413
+        ok = _get(f"http://127.0.0.1:{s.port}/query", {"text": "the cat sat", "k": 2}, token="s3cret")
+        assert [h["id"] for h in ok["hits"]] == [h.id for h in engine.query("the cat sat", k=2).hits]
+    r = TestClient(create_app(engine)).post("/query", content=b" " * (2 * 2**20),
+                                            headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_health_reports_each_stages_seconds(engine):
+    c = TestClient(create_app(engine))
+    assert c.get("/health").json()["stages"] == {}
+    got = [c.post("/query", json=b).json() for b in ({"text": "the cat sat", "k": 2},
+                                                     {"text": "dog ran far away", "k": 3, "explain": 1},
+                                                     {"prompt": "blue sky", "completion": " with red sun"})]
+    st = c.get("/health").json()["stages"]
+    for stage in ("queue", "gradient", "precondition", "search", "rerank", "texts", "total"):
+        seen = [g["seconds"][stage] for g in got]
+        assert st[stage]["count"] == 3 and st[stage]["max_s"] == pytest.approx(max(seen))
+        assert st[stage]["p50_s"] == pytest.approx(float(np.median(seen)))
+    assert st["explain"]["count"] == 1 and st["explain"]["max_s"] == pytest.approx(got[1]["seconds"]["explain"])

@@ -32,7 +32,7 @@ from torch import nn
 
 SHARED = {"layers": 4, "width": 256, "heads": 4, "vocab": 8192, "positions": 128, "seq_len": 128,
           "train": 512, "queries": 16, "batch_size": 8, "seed": 0}
-"""TARGETS.md's shared workload."""
+"""The shared workload (benchmarks/README.md, "Shared workload")."""
 QUICK = {"layers": 2, "width": 64, "heads": 4, "vocab": 512, "positions": 32, "seq_len": 32,
          "train": 16, "queries": 4, "batch_size": 8, "seed": 0}
 """A smoke-test size (seconds)."""

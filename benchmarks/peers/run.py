@@ -1,14 +1,14 @@
 """gradindex and its peers side by side on the shared workload: one run, one process at a time, one thread.
 
-    python benchmarks/peers/run.py --peers all --install    # venvs once (minutes each), then the table
-    python benchmarks/peers/run.py --peers all              # the table, venvs already there
-    python benchmarks/peers/run.py --quick --peers gradindex --out-dir /tmp/p   # smoke test (seconds)
+    python -m benchmarks.peers.run --peers all --install    # venvs once (minutes each), then the table
+    python -m benchmarks.peers.run --peers all              # the table, venvs already there
+    python -m benchmarks.peers.run --quick --peers gradindex --out-dir /tmp/p   # smoke test (seconds)
 
-The workload (TARGETS.md: GPT-2 from a config, 512 training and 16 query sequences of 128 random
-token ids, seed 0, batch 8) is built once with ``benchmarks/capture.py``'s helpers and written to a
-temporary directory (``save_pretrained`` + ``.npy``); every run loads those bytes. Each cell
-(library × method) is one subprocess — ``adapters/<library>.py`` in that library's own venv (gradindex
-and the floor in this interpreter) — with ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``;
+The workload (benchmarks/README.md, "Shared workload": GPT-2 from a config, 512 training and 16
+query sequences of 128 random token ids, seed 0, batch 8) is built once with ``benchmarks.common``
+and written to a temporary directory (``save_pretrained`` + ``.npy``); every run loads those bytes. Each cell
+(library × method) is one subprocess — ``python -m benchmarks.peers.adapters.<library>`` in that library's own
+venv (gradindex and the floor in this interpreter) — with ``OMP_NUM_THREADS=1`` and ``torch.set_num_threads(1)``;
 the adapter times only the attribution (``build``: gradients / logs / factors of the training set;
 ``query_Q``: from the first ``Q`` query sequences to their ``[Q, N]`` scores) and writes its scores.
 Here: the floor (bare forward + backward, run first and last), peak RSS per process (``VmHWM``),
@@ -34,9 +34,9 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path[0:0] = [str(HERE), str(HERE.parent)]
 
-from common import QUICK, SHARED, peak_rss_mb, save_workload  # noqa: E402
+from benchmarks.common import spearman  # noqa: E402  (re-exported: tests/test_peers_bench.py)
+from benchmarks.peers.common import QUICK, SHARED, peak_rss_mb, save_workload  # noqa: E402
 
 RESULTS = HERE.parent / "results"
 TORCH = "torch==2.13.0"
@@ -199,14 +199,14 @@ def run_cell(peer: str, method: str, python: Path, workload: Path, queries: list
              out: Path) -> Cell:
     """One adapter process; its timings, scores, and its peak RSS (``VmHWM``, polled and self-reported)."""
     cell = Cell(peer, method)
-    adapter = HERE / "adapters" / f"{'floor' if peer == 'floor' else peer}.py"
+    adapter = f"benchmarks.peers.adapters.{'floor' if peer == 'floor' else peer}"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [str(python), str(adapter), "--workload", str(workload), "--method", method,
+    cmd = [str(python), "-m", adapter, "--workload", str(workload), "--method", method,
            "--queries", ",".join(map(str, queries)), "--out", str(out)]
     t0 = time.perf_counter()
     with open(out / "log.txt", "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENV},
-                             start_new_session=True, cwd=out)
+        env = {**os.environ, **ENV, "PYTHONPATH": str(ROOT)}  # the checkout's benchmarks (and gradindex)
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=out)
         while True:
             pid, status = os.waitpid(p.pid, os.WNOHANG)
             if pid:
@@ -253,13 +253,6 @@ def read_cell(cell: Cell, out: Path, returncode: int | None = None) -> Cell:
 
 
 # -- figures ------------------------------------------------------------------------------------
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's rho of two score vectors (Pearson correlation of their ranks; float scores, no ties)."""
-    ra, rb = (np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(float) for x in (a, b))
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    return float((ra * rb).sum() / np.sqrt((ra * ra).sum() * (rb * rb).sum()))
 
 
 def mean_spearman(a: np.ndarray | None, b: np.ndarray | None) -> dict | None:
@@ -458,7 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
         return records
 
     import torch
-    from capture import Workload, make_model, make_sequences
+
+    from benchmarks.common import Workload, make_model, make_sequences
 
     torch.set_num_threads(1)
     work = args.keep or Path(tempfile.mkdtemp(prefix="gradindex-peers-"))

@@ -31,7 +31,7 @@ import torch
 from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
 from gradindex.manifest import read_complete_manifest, row_basis
-from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
 from gradindex.precondition.preconditioner import selected_layers
 from gradindex.progress import progress_bar
 from gradindex.store import Store
@@ -253,7 +253,7 @@ def _space(index_dir, cfg: DedupConfig, layers: Sequence[str] | None) -> tuple[l
     if base == "graddot" and row_basis(manifest) == "ekfac":
         basis = index_basis(index_dir, manifest)
         return layers, UNWHITEN, {n: (1.0 / basis.scale[n]).astype(np.float32).reshape(-1) for n in layers}
-    base = row_base(base, row_basis(manifest), cfg.method)
+    base = index_row_base(manifest, index_dir, base, cfg.method)
     pre = Preconditioners(index_dir, manifest)
     if base != "graddot":
         pre.check(base)

@@ -30,8 +30,7 @@ import torch
 from gradindex.capture.batch import batch_gradients
 from gradindex.data import IGNORE
 from gradindex.index.space import query_vectors
-from gradindex.manifest import row_basis
-from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, index_row_base, parse_method
 from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records
 from gradindex.store.basis import rows_dual, to_rows
@@ -80,10 +79,31 @@ class Explanation:
     """The training example's tokens; they sum to ``score``."""
     query: TokenScores
     """The query's tokens against the example's stored vector; they sum to ``score``."""
+    residual_cause: str = ""
+    """Why ``score`` and the training tokens' sum differ (:attr:`residual`)."""
+
+    @property
+    def residual(self) -> float:
+        """``score`` minus the sum of the training tokens' terms: the stored row is the score's, the terms
+        are of the gradient re-captured now (they differ by the storage code's rounding)."""
+        return self.score - self.train.total
 
     def to_dict(self) -> dict:
         return {"id": self.id, "score": self.score, "method": self.method, "damping": self.damping,
-                "layers": self.layers, "train": self.train.to_dict(), "query": self.query.to_dict()}
+                "layers": self.layers, "train": self.train.to_dict(), "query": self.query.to_dict(),
+                "residual": self.residual, "residual_cause": self.residual_cause}
+
+
+def residual_cause(manifest: dict) -> str:
+    """Why an explanation's training-token terms do not sum exactly to its score, for this index's rows."""
+    storage = str(manifest.get("build", {}).get("storage", "fp32"))
+    if storage in ("fp32", "float32"):
+        return ("float round-off: the score is the query against the stored float32 row, the terms are of the "
+                "example's gradient re-captured now")
+    return (f"the stored row is {storage}-coded: the score (what the index ranks by) is the query against that "
+            f"coded row, the training tokens' terms are of the example's exact gradient re-captured now, so they "
+            f"differ by the {storage} code's rounding (the query tokens' terms are against the coded row and sum "
+            "to the score)")
 
 
 class Explainer:
@@ -155,7 +175,7 @@ class Explainer:
         if selfnorm or base not in METHODS:
             raise ValueError(f"token explanations split a score linear in both gradients: method is one of "
                              f"{', '.join(METHODS)}, not {method!r}")
-        on_rows = row_base(base, row_basis(e.manifest), method)  # whitened rows: e.g. ekfac = graddot on them
+        on_rows = index_row_base(e.manifest, e.dir, base, method)  # whitened rows: e.g. ekfac = graddot on them
         e.pre.check(on_rows)
         ids = [ids] if isinstance(ids, int | np.integer) else [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < e.n]
@@ -182,7 +202,8 @@ class Explainer:
             train = self._scores(x, y, fac, captured({n: m[n][0] for n in chosen}))
             query_side = self._scores(q_ids, q_labels, q_fac, captured({n: mt[n][j] for n in chosen}))
             score = float(sum(float(np.dot(m[n][0], stored[n][j].astype(np.float64))) for n in chosen))
-            out.append(Explanation(i, score, base, e.basis.damping_used(base, damping), chosen, train, query_side))
+            out.append(Explanation(i, score, base, e.basis.damping_used(base, damping), chosen, train, query_side,
+                                   residual_cause(e.manifest)))
         return out
 
     def _scores(self, ids: list[int], labels: list[int], fac: Factors, vec: dict[str, np.ndarray]) -> TokenScores:

@@ -27,7 +27,8 @@ from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, heatmap, page, table
 from gradindex.apps.outliers import rank_outliers
 from gradindex.index.space import query_vectors
-from gradindex.methods import DEFAULT_DAMPING
+from gradindex.manifest import row_basis
+from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
 from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records, describe
 
@@ -106,11 +107,16 @@ def _plots(scores: np.ndarray, labels: list[str], self_inf: np.ndarray, flagged:
 
 def _score_sample(engine: QueryEngine, grads: dict[str, torch.Tensor], cfg: ReportConfig,
                   layers: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Sampled training ids and ``[Q, S]`` exact scores (the engine's exact re-rank, on every sampled row)."""
+    """Sampled training ids and ``[Q, S]`` exact scores (the engine's exact re-rank, on every sampled row).
+
+    The method names the influence asked for; on rows stored in a whitened basis the operation on the
+    rows is another (:func:`gradindex.methods.row_base`: ``ekfac`` on EK-FAC-whitened rows is their
+    plain inner product), so the preconditioner is not applied a second time.
+    """
     rng = np.random.default_rng(0)
     ids = np.arange(engine.n) if engine.n <= cfg.sample else np.sort(rng.choice(engine.n, cfg.sample, replace=False))
-    m, _, _ = query_vectors(engine.indices.space, engine.pre, cfg.method, cfg.damping,
-                            {n: grads[n] for n in layers})
+    base = row_base(parse_method(cfg.method)[0], row_basis(engine.manifest), cfg.method)
+    m, _, _ = query_vectors(engine.indices.space, engine.pre, base, cfg.damping, {n: grads[n] for n in layers})
     out = np.zeros((len(next(iter(m.values()))), len(ids)))
     for s in range(0, len(ids), 4096):
         rows = engine.store.read_rows(ids[s:s + 4096], layers)

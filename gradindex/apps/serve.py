@@ -2,22 +2,27 @@
 once), with a small web page to type a query and see the top training examples as token heatmaps.
 
 Endpoints: ``POST /query``, ``GET /example/{id}``, ``GET /health``, ``GET /`` (the page). With a
-token, ``/query`` and ``/example`` need ``Authorization: Bearer <token>`` (401 otherwise); the
-page and ``/health`` hold no data and stay open. The engine is not thread-safe: one worker thread
-owns it (:mod:`gradindex.apps.batching`) and answers the queries waiting together in one gradient
-pass; a full queue answers 503 (``Retry-After``), a request past ``request_timeout`` 504. No
-endpoint reads or writes a file the client names.
+token, ``/query`` and ``/example`` need ``Authorization: Bearer <token>`` (401, checked before any
+of the body is read); the page and ``/health`` hold no data and stay open. A request body over
+:data:`MAX_BODY` bytes is answered 413 without being read further. The engine is not thread-safe:
+one worker thread owns it (:mod:`gradindex.apps.batching`) and answers the queries waiting
+together in one gradient pass; a full queue answers 503 (``Retry-After``), a request past
+``request_timeout`` 504. ``/health`` and the page offer exactly the methods the index answers
+(:func:`gradindex.methods.methods_of`), the index's default first and preselected, and ``/health``
+reports each stage's seconds over the last queries (:mod:`gradindex.apps.timings`). No endpoint
+reads or writes a file the client names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 
 import numpy as np
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -26,7 +31,8 @@ from gradindex.apps.batching import Batcher, Expired, Job, QueryJob, Stopped
 from gradindex.apps.explain import METHODS as EXPLAIN_METHODS
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, page
-from gradindex.methods import ALL_METHODS, DEFAULT_DAMPING, default_method
+from gradindex.apps.timings import StageTimes
+from gradindex.methods import ALL_METHODS, DEFAULT_DAMPING, default_method, methods_of
 from gradindex.query import QueryEngine, QueryResult
 
 log = logging.getLogger("gradindex")
@@ -34,6 +40,11 @@ log = logging.getLogger("gradindex")
 MAX_TEXT = 20_000
 """Characters of a query text (or prompt + completion); longer is refused (the index truncates tokens)."""
 MAX_K = 1000
+MAX_BODY = 1 << 20
+"""Bytes of a request body: room for the longest valid query (``MAX_TEXT`` characters of prompt and of
+completion as ``\\uXXXX`` escapes, or ``MAX_TEXT`` token ids and labels), not for a flood."""
+GUARDED = ("/query", "/example/")
+"""Paths that hold data: the bearer token (when set) is checked there before the body is read."""
 
 
 class QueryRequest(BaseModel):
@@ -101,20 +112,16 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
     vocab = engine.model.get_input_embeddings().num_embeddings
     num_tokens = engine.store.column("num_tokens")
     losses = engine.store.column("loss")
-    fitted = [m for m in ALL_METHODS if _fitted(engine, m)]
     default = default_method(engine.manifest, engine.dir)
+    answers = methods_of(engine.manifest, engine.dir, selfnorm=True)
+    answers = [default] + [m for m in answers if m != default]
+    stages = StageTimes()
+    app.state.stages = stages
+    app.add_middleware(Guard, token=token, max_body=MAX_BODY)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return JSONResponse({"detail": _validation_message(exc)}, status_code=422)
-
-    async def auth(request: Request) -> None:
-        if token is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not (got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), token.encode())):
-            raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)",
-                                headers={"WWW-Authenticate": "Bearer"})
 
     async def answer(job: Job):
         """Queue ``job`` and wait for the worker's answer, within the request's time limit."""
@@ -139,13 +146,13 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "examples": engine.n, "layers": len(engine.select_layers(None)),
-                "methods": fitted,
+                "methods": answers, "default_method": default,
                 "queue": {"depth": batcher.depth(), "answering": batcher.answering, "size": batcher.queue_size,
                           "max_batch": batcher.max_batch, "window_s": batcher.window,
                           "request_timeout_s": request_timeout},
-                "served": batcher.stats.to_dict()}
+                "served": batcher.stats.to_dict(), "stages": stages.to_dict()}
 
-    @app.post("/query", dependencies=[Depends(auth)])
+    @app.post("/query")
     async def query(req: QueryRequest) -> dict:
         t0 = time.monotonic()
         bad = [i for i in (req.input_ids or []) if not 0 <= i < vocab]
@@ -155,16 +162,21 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
                                      "labels may also be -100)")
         rec = req.record()
         method = req.method or default
+        if method not in answers:
+            raise HTTPException(422, f"method {method!r} is not one this index answers: it answers "
+                                     f"{', '.join(answers)} (default {default})")
         if req.explain and method not in EXPLAIN_METHODS:
             raise HTTPException(422, f"explain works for {', '.join(EXPLAIN_METHODS)}, not {method!r}")
 
         def explained(r: QueryResult) -> dict:
             out = r.to_dict()
             if r.hits:
+                t1 = time.perf_counter()
                 exps = explainer.explain(rec, [h.id for h in r.hits[:req.explain]], method, req.damping, r.layers)
                 for h, e in zip(out["hits"], exps, strict=False):
                     h["explanation"] = {"tokens": e.train.tokens, "scores": e.train.scores,
                                         "query_tokens": e.query.tokens, "query_scores": e.query.scores}
+                out["seconds"]["explain"] = time.perf_counter() - t1
             return out
 
         settings = {"method": method, "damping": req.damping, "layers": req.layers, "lowest": req.lowest}
@@ -173,9 +185,10 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
         out["batch"] = job.batch
         out["seconds"]["queue"] = job.started - job.queued
         out["seconds"]["total"] = time.monotonic() - t0
+        stages.add(out["seconds"])
         return out
 
-    @app.get("/example/{example_id}", dependencies=[Depends(auth)])
+    @app.get("/example/{example_id}")
     async def example(example_id: int) -> dict:
         if not 0 <= example_id < engine.n:
             raise HTTPException(404, f"no training example {example_id}: ids are 0..{engine.n - 1}")
@@ -189,19 +202,65 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
-        methods = [m for m in fitted if m in EXPLAIN_METHODS]
-        return _PAGE.replace("__METHODS__", "".join(f"<option>{m}</option>" for m in methods)).replace(
+        options = "".join(f"<option{' selected' if m == default else ''}>{m}</option>" for m in answers)
+        explainable = json.dumps([m for m in answers if m in EXPLAIN_METHODS])
+        return _PAGE.replace("__METHODS__", options).replace("__EXPLAIN__", explainable).replace(
             "__N__", str(engine.n)).replace("__AUTH__", "block" if token else "none")
 
     return app
 
 
-def _fitted(engine: QueryEngine, method: str) -> bool:
-    try:
-        engine.pre.check(method)
-        return True
-    except ValueError:
-        return False
+class Guard:
+    """ASGI middleware before the routes of :data:`GUARDED`: the bearer token from the headers alone
+    (401 before any body is read), then the body read up to ``max_body`` bytes (413 past it: from
+    ``Content-Length`` unread, else as soon as the chunks pass it) and handed on from memory."""
+
+    def __init__(self, app, token: str | None, max_body: int):
+        self.app, self.token, self.max_body = app, token, max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.token is not None and not _bearer_ok(headers.get(b"authorization", b""), self.token):
+            return await _reply(send, 401, "missing or wrong bearer token (Authorization: Bearer <token>)",
+                                [(b"www-authenticate", b"Bearer")])
+        length = headers.get(b"content-length", b"0")
+        too_big = f"request body over {self.max_body} bytes; a query needs far less"
+        if not length.isdigit() or int(length) > self.max_body:
+            return await _reply(send, 413, too_big)
+        chunks, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client went away
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            more = msg.get("more_body", False)
+            if size > self.max_body:
+                return await _reply(send, 413, too_big)
+        body, sent = b"".join(chunks), False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def _bearer_ok(got: bytes, token: str) -> bool:
+    return got.startswith(b"Bearer ") and hmac.compare_digest(got[7:], token.encode())
+
+
+async def _reply(send, status: int, detail: str, headers: list | None = None) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
 
 
 _BODY = """
@@ -221,7 +280,8 @@ function gxRun(){var st=document.getElementById('status'),out=document.getElemen
 var body={k:parseInt(document.getElementById('k').value||'5'),method:document.getElementById('method').value};
 var t=document.getElementById('text').value,p=document.getElementById('prompt').value,
 c=document.getElementById('completion').value;if(t){body.text=t;}else{body.prompt=p;body.completion=c;}
-body.explain=body.k;var h={'Content-Type':'application/json'},tok=document.getElementById('token').value;
+if(__EXPLAIN__.indexOf(body.method)>=0){body.explain=body.k;}
+var h={'Content-Type':'application/json'},tok=document.getElementById('token').value;
 if(tok){h.Authorization='Bearer '+tok;}st.textContent='searching...';out.innerHTML='';
 fetch('/query',{method:'POST',headers:h,body:JSON.stringify(body)}).then(function(r){
 return r.json().then(function(j){return [r.status,j];});}).then(function(a){var j=a[1];

@@ -170,17 +170,23 @@ def save_second_moments(optimizer: torch.optim.Optimizer, model: nn.Module, path
     """Write the ``exp_avg_sq`` of every parameter of ``model`` in ``optimizer`` as safetensors."""
     from safetensors.torch import save_file
 
-    tensors, eps = {}, set()
+    tensors = {}
     for name, p in model.named_parameters():
         st = optimizer.state.get(p, {})
         if "exp_avg_sq" in st:
             tensors[name + SUFFIX] = st["exp_avg_sq"].detach().float().contiguous().cpu()
-    for g in optimizer.param_groups:
-        eps.add(float(g.get("eps", DEFAULT_EPS)))
+    save_file(tensors, str(path), metadata={"eps": repr(optimizer_eps(optimizer))})
+    return Path(path)
+
+
+def optimizer_eps(optimizer) -> float:
+    """The one ``eps`` of an Adam optimizer's parameter groups, written beside its second moments (a
+    state file read back without it would be weighted with the default 1e-8)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+    eps = {float(g.get("eps", DEFAULT_EPS)) for g in inner.param_groups}
     if len(eps) != 1:
         raise ValueError(f"parameter groups use different eps {sorted(eps)}; one file holds one eps")
-    save_file(tensors, str(path), metadata={"eps": repr(eps.pop())})
-    return Path(path)
+    return eps.pop()
 
 
 def layer_second_moment(module: nn.Module, info: LayerInfo, moments: SecondMoments,

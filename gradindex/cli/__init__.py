@@ -8,8 +8,26 @@ import click
 
 from gradindex import __version__
 
+WITHOUT_FAISS = ("info",)
+"""Commands that run without FAISS (every other one builds, reads or searches an index's FAISS files)."""
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class _Commands(click.Group):
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        """The subcommand; refused before any work when it needs FAISS and FAISS is not installed (a build
+        would capture first, then fail at its index stage). ``--help`` is always shown."""
+        name, cmd, rest = super().resolve_command(ctx, args)
+        if name not in WITHOUT_FAISS and not any(a in ("-h", "--help") for a in rest):
+            from gradindex.deps import FAISS_MISSING, has_faiss
+
+            if not has_faiss():
+                from gradindex.cli.common import UserError
+
+                raise UserError(f"`gradindex {name}` needs FAISS: {FAISS_MISSING}")
+        return name, cmd, rest
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gradindex")
 @click.option("-v", "--verbose", is_flag=True, help="Log more.")
 def main(verbose: bool) -> None:

@@ -133,7 +133,7 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     from gradindex import distributed
     from gradindex.capture import ProjectionSpec
     from gradindex.data import load_records, tokenize_records
-    from gradindex.model import load_causal_lm, max_positions, resolve_device, vocab_size
+    from gradindex.model import length_limit, load_causal_lm, resolve_device, vocab_size
     from gradindex.pipeline import BuildConfig, build_index
     from gradindex.store.builder import refuse_foreign
     from gradindex.store.sizing import budget_bound
@@ -179,12 +179,10 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
             check_capture_memory(model, spec, layers, batch_size, projection)
         records = load_records(data)
         data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
-        positions = max_positions(model)
-        if positions is not None and max_length > positions and max(map(len, data_tok.input_ids)) > positions:
-            # longer examples would index past the position embeddings mid-capture: cut them there
-            click.echo(f"note: --max-length {max_length} is more than the model's {positions} positions; "
-                       f"using --max-length {positions}", err=True)
-            max_length = positions
+        limit, why = length_limit(model, tok)
+        if limit is not None and max_length > limit and max(map(len, data_tok.input_ids)) > limit:
+            click.echo(f"note: --max-length {max_length} is more than {why}; using --max-length {limit}", err=True)
+            max_length = limit
             data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
         cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
                           route=route, shard_size=shard_size, storage=storage,

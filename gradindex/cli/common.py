@@ -52,13 +52,23 @@ def data_options(fn):
     fn = click.option("--text-field", default="text", show_default=True,
                       help="Field holding the text (else 'prompt'+'completion' or 'input_ids').")(fn)
     fn = click.option("--max-length", default=512, show_default=True, type=int,
-                      help="Truncate examples to this many tokens (capped at the model's positions).")(fn)
+                      help="Truncate examples to this many tokens (capped at the smaller of the model's positions "
+                           "and the tokenizer's model_max_length; a note names which).")(fn)
     return fn
 
 
+def _positive_damping(ctx, param, value: float) -> float:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise click.BadParameter(f"{value:g} is not a finite number > 0; the damping is a fraction of each layer's "
+                                 f"mean eigenvalue, e.g. {DEFAULT_DAMPING:g}")
+    return value
+
+
 def damping_option(help: str = "Relative damping (kfac, ekfac)."):
-    """``--damping``, a fraction of each layer's mean eigenvalue (default :data:`gradindex.methods.DEFAULT_DAMPING`)."""
-    return click.option("--damping", default=DEFAULT_DAMPING, show_default=True, type=float, help=help)
+    """``--damping``, a fraction of each layer's mean eigenvalue (default :data:`gradindex.methods.DEFAULT_DAMPING`);
+    a non-finite or non-positive value is refused before any work."""
+    return click.option("--damping", default=DEFAULT_DAMPING, show_default=True, type=float, help=help,
+                        callback=_positive_damping)
 
 
 def engine_options(cpu_index: bool = True):

@@ -57,4 +57,7 @@ def explain(index_dir, text, prompt, completion, ids, method, damping, layers, t
                    f"{f', damping {e.damping}' if e.damping is not None else ''}; {where})")
         click.echo(f"  text: {' '.join(''.join(e.train.tokens).split())[:200]}")
         _show("training tokens", e.train, top)
+        share = f" ({abs(e.residual) / abs(e.score):.1%} of the score)" if e.score else ""
+        click.echo(f"  residual {e.residual:+.6g}{share}: the score minus the training tokens' sum; "
+                   f"{e.residual_cause}")
         _show("query tokens", e.query, top)

@@ -52,8 +52,11 @@ def _print_result(i: int, q: str, r) -> None:
 
 
 def _json(r) -> list[dict]:
-    out = [{"rank": j + 1, "kind": "top", **h.to_dict()} for j, h in enumerate(r.hits)]
-    out += [{"rank": j + 1, "kind": "lowest", **h.to_dict()} for j, h in enumerate(r.lowest)]
+    """The query's results, each row also saying what produced it: method, damping, the query's seconds."""
+    made = {"method": r.method, "damping": getattr(r, "damping", None),
+            "seconds": {n: round(float(v), 6) for n, v in getattr(r, "seconds", {}).items()}}
+    out = [{"rank": j + 1, "kind": "top", **h.to_dict(), **made} for j, h in enumerate(r.hits)]
+    out += [{"rank": j + 1, "kind": "lowest", **h.to_dict(), **made} for j, h in enumerate(r.lowest)]
     return out
 
 
@@ -85,7 +88,8 @@ def _json(r) -> list[dict]:
 @click.option("--optimizer-state", default=None, type=click.Path(dir_okay=False),
               help="The optimizer state of an Adam-preconditioned index, if it moved since the build.")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON list of results per query (a line each).")
+              help="Print one JSON list of results per query (a line each); every result also names the "
+                   "method, the damping and the query's seconds per stage.")
 @user_errors
 def query(index_dir, texts, prompt, completion, queries_file, text_field, k, method, damping, layers, lowest,
           rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json):

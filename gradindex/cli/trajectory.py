@@ -34,12 +34,16 @@ def trajectory(data, out, models, lrs, projection, seed, layers, text_field, max
     from gradindex.apps.tracin import build_trajectory, checkpoints
     from gradindex.capture import ProjectionSpec
     from gradindex.data import load_records, tokenize_records
-    from gradindex.model import load_causal_lm, max_positions, vocab_size
+    from gradindex.model import length_limit, load_causal_lm, vocab_size
     from gradindex.pipeline import BuildConfig
 
     ckpts = checkpoints(list(models), list(lrs))
     first, tok = load_causal_lm(ckpts[0].model, device=device)
-    max_length = min(max_length, max_positions(first) or max_length)
+    limit, why = length_limit(first, tok)
+    if limit is not None and max_length > limit:
+        if not quiet:
+            click.echo(f"note: --max-length {max_length} is more than {why}; using --max-length {limit}", err=True)
+        max_length = limit
     records = load_records(data)
     tokens = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(first))
     del first

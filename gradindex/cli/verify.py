@@ -30,25 +30,59 @@ def verify_index(index_dir: str) -> dict:
                                                       (FAISS_DIR, "*.index"), (FAISS_DIR, "norms.npy"))
                for p in sorted((d / sub).glob(pat))] + ([BASIS_FILE] if (d / BASIS_FILE).exists() else [])
     bad = {x.file for x in damage}
-    return {"index": str(d), "damaged": [vars(x) for x in damage],
-            "verified": sum(1 for n in files if n not in bad),
-            "unrecorded": [n for n in on_disk if n not in files]}
+    unrecorded = [n for n in on_disk if n not in files]
+    damage = [vars(x) for x in damage] + _unrecorded_damage(d, manifest, files, unrecorded)
+    return {"index": str(d), "damaged": damage, "verified": sum(1 for n in files if n not in bad),
+            "unrecorded": unrecorded}
+
+
+def _unrecorded_damage(d: Path, manifest: dict, files: dict, unrecorded: list[str]) -> list[dict]:
+    """Data files without a recorded hash, as damage when the manifest names a gradindex that records one
+    for every file it writes (every version that writes ``library_version``): ``checksums.json`` deleted,
+    or files added or swapped in outside gradindex."""
+    from gradindex.manifest import build_command
+
+    version = manifest.get("library_version")
+    if not unrecorded or not version:
+        return []
+    repair = (f"{build_command(d, manifest, extra='--overwrite')} (rebuilds the index and its hashes; or, if you "
+              f"trust the files as they are, `gradindex verify {d} --record` hashes them now)")
+    why = f"the manifest names gradindex {version}, which records a hash of every data file it writes in {CHECKSUMS}"
+    if not files:
+        gone = "missing" if not (d / CHECKSUMS).exists() else "empty"
+        return [{"file": CHECKSUMS, "problem": f"{gone}: {why}; none of the {len(unrecorded)} data files can be "
+                 "verified", "repair": repair}]
+    return [{"file": n, "problem": f"no hash recorded: {why}", "repair": repair} for n in unrecorded]
 
 
 @main.command()
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--record", is_flag=True, help=f"First record the hash of every data file that has none in {CHECKSUMS} "
+              "(after it was deleted): the files are trusted as they are now.")
 @user_errors
-def verify(index_dir, as_json):
-    """Hash every store shard, preconditioner, row basis and FAISS file of INDEX_DIR; exit 1 if any is damaged."""
+def verify(index_dir, as_json, record):
+    """Hash every store shard, preconditioner, row basis and FAISS file of INDEX_DIR; exit 1 if any is damaged.
+
+    A data file without a recorded hash (``checksums.json`` deleted) is damage too."""
+    if record:
+        from gradindex.checksum import record as record_hashes
+        from gradindex.lock import index_lock
+
+        with index_lock(index_dir, "gradindex verify --record"):
+            names = verify_index(index_dir)["unrecorded"]
+            record_hashes(index_dir, [Path(index_dir) / n for n in names], names)
+        click.echo(f"recorded the hashes of {len(names)} files in {CHECKSUMS}", err=True)
     r = verify_index(index_dir)
     if as_json:
         click.echo(json.dumps(r, indent=2))
     else:
         for x in r["damaged"]:
             click.echo(f"DAMAGED {x['file']}: {x['problem']}; repair: {x['repair']}")
+        named = {x["file"] for x in r["damaged"]}
         for n in r["unrecorded"]:
-            click.echo(f"unverified {n}: no hash recorded in {CHECKSUMS} (written by an older gradindex)")
+            if n not in named and CHECKSUMS not in named:
+                click.echo(f"unverified {n}: no hash recorded in {CHECKSUMS} (written by an older gradindex)")
         state = f"{len(r['damaged'])} damaged" if r["damaged"] else "intact"
         click.echo(f"{index_dir}: {state}; {r['verified']} files verified")
     if r["damaged"]:

@@ -1,6 +1,15 @@
 """Index: one FAISS inner-product index per layer, built from the store (DESIGN.md, "On disk");
 :class:`OpenIndex`, an index directory opened once (manifest, store, preconditioners, indices)."""
 
+try:
+    import faiss  # noqa: F401
+except ModuleNotFoundError as e:
+    if e.name != "faiss":
+        raise
+    from gradindex.deps import FAISS_MISSING
+
+    raise ModuleNotFoundError(FAISS_MISSING, name="faiss") from None
+
 from gradindex.index.builder import IndexBuildResult, IndexConfig, build_indices
 from gradindex.index.factory import default_factory, resolve_factory
 from gradindex.index.files import FAISS_DIR, faiss_dir, layer_file, live_dir, read_meta

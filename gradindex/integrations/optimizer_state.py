@@ -3,7 +3,8 @@
 ``OUT/optimizer/step-NNNNNNN.safetensors`` holds one float32 tensor per trained parameter, keyed
 ``<parameter name>.exp_avg_sq`` (names as ``model.named_parameters()`` gives them), saved after
 ``NNNNNNN`` optimizer updates: the state in force while the rows with ``step == NNNNNNN`` were
-captured.
+captured. Its metadata records the optimizer's ``eps`` (the one :func:`gradindex.capture.adam.load_second_moments`
+reads back), as :func:`gradindex.capture.adam.save_second_moments` does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from gradindex import distributed
+from gradindex.capture.adam import optimizer_eps
 
 OPTIMIZER_DIR = "optimizer"
 KEY_SUFFIX = ".exp_avg_sq"
@@ -48,12 +50,14 @@ def save_second_moments(optimizer, model: nn.Module, out_dir: str | Path, step: 
     if optimizer is None:
         raise ValueError("save_optimizer_state needs the optimizer: pass optimizer= to GradIndexCapture")
     tensors = second_moments(optimizer, distributed.unwrap(model))  # every rank (FSDP2 gathers)
+    eps = optimizer_eps(optimizer)
     path = optimizer_state_path(out_dir, step)
     entry = {"step": step, "file": f"{OPTIMIZER_DIR}/{path.name}", "tensors": len(tensors)}
     if distributed.rank() > 0:  # the state is the same on every rank: rank 0 writes it
         return entry
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, str(tmp), metadata={"step": str(step), "key_format": "<param name>.exp_avg_sq"})
+    save_file(tensors, str(tmp), metadata={"step": str(step), "key_format": "<param name>.exp_avg_sq",
+                                              "eps": repr(eps)})
     tmp.replace(path)
     return entry

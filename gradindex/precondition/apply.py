@@ -9,6 +9,8 @@ that basis, with eigenvalues ``Λ`` ``[k_g, k_a]``: ``λ_S λ_Aᵀ`` (K-FAC) or 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -33,8 +35,8 @@ def kfac_eigenvalues(lam_S: np.ndarray, lam_A: np.ndarray) -> np.ndarray:
 
 def absolute_damping(Lam: np.ndarray | torch.Tensor, damping: float) -> float:
     """``δ = damping × mean(Λ)`` (relative damping); ``damping`` itself when ``Λ`` is all zero."""
-    if not damping > 0:
-        raise ValueError(f"damping must be > 0 (a fraction of the mean eigenvalue, e.g. {DEFAULT_DAMPING}), "
+    if not (damping > 0 and math.isfinite(damping)):
+        raise ValueError(f"damping must be finite and > 0 (a fraction of the mean eigenvalue, e.g. {DEFAULT_DAMPING}), "
                          f"got {damping}")
     mean = float(Lam.mean())
     return damping * mean if mean > 0 else float(damping)

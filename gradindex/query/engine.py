@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -18,8 +19,8 @@ from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
-from gradindex.manifest import IndexMismatchError, identity_differences, row_basis
-from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row_base
+from gradindex.manifest import IndexMismatchError, identity_differences
+from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
@@ -74,6 +75,13 @@ class QueryResult:
                 "method": self.method, "damping": self.damping, "layers": self.layers,
                 "num_tokens": self.num_tokens, "loss": self.loss, "truncated": self.truncated,
                 "notes": self.notes, "seconds": self.seconds}
+
+
+def check_damping(damping: float) -> None:
+    """Refuse a damping that is not a finite number > 0 (``inf`` would answer all-zero scores)."""
+    if not (isinstance(damping, int | float) and math.isfinite(damping) and damping > 0):
+        raise ValueError(f"damping must be a finite number > 0 (a fraction of each layer's mean eigenvalue, "
+                         f"e.g. {DEFAULT_DAMPING:g}), got {damping!r}")
 
 
 class QueryEngine:
@@ -248,6 +256,7 @@ class QueryEngine:
         per-layer scoring) and the index's ``nprobe`` tune the ANN search (docs/query.md).
         """
         t0 = time.perf_counter()
+        check_damping(damping)
         method = self.resolve_method(method)
         if rerank_full < 0:
             raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
@@ -305,9 +314,10 @@ class QueryEngine:
                texts: bool = True) -> list[QueryResult]:
         """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
+        check_damping(damping)
         method = self.resolve_method(method)
         asked, selfnorm = parse_method(method)
-        base = row_base(asked, row_basis(self.manifest), method)  # the operation on stored rows
+        base = index_row_base(self.manifest, self.dir, asked, method)  # the operation on stored rows
         self.pre.check(base, selfnorm)
         used = self.basis.damping_used(asked, damping)
         chosen = self.select_layers(layers)

@@ -69,11 +69,16 @@ def as_records(queries, text_field: str = "text") -> list[dict]:
 
 
 def read_queries(path: str | os.PathLike) -> list[dict]:
-    """Records of a query file, in any format `gradindex build` reads."""
+    """Records of a query file, in any format `gradindex build` reads; each record is typed on its own.
+
+    A file may mix forms (``text``, ``prompt`` + ``completion``, ``input_ids``): its table gives every
+    record every column, ``None`` where the record has none, so those are dropped here and each record
+    keeps only its own fields (:func:`tokenize_queries` tokenizes records of one form together).
+    """
     ds = load_records(path)
     if len(ds) == 0:
         raise ValueError(f"query file {str(path)!r} holds no records")
-    return ds.to_list()
+    return [{f: v for f, v in r.items() if v is not None} for r in ds.to_list()]
 
 
 def tokenize_queries(records: list[dict], tokenizer, max_length: int,

@@ -23,8 +23,7 @@ import numpy as np
 import torch
 
 from gradindex.index import OpenIndex, open_index
-from gradindex.manifest import row_basis
-from gradindex.methods import DEFAULT_DAMPING, default_method, parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import block_rows
 
@@ -50,7 +49,7 @@ def score_matrix(
     try:
         method = method or default_method(ix.manifest, ix.dir)
         base, selfnorm = parse_method(method)
-        base = row_base(base, row_basis(ix.manifest), method)  # the operation on stored rows
+        base = index_row_base(ix.manifest, ix.dir, base, method)  # the operation on stored rows
         return _scores(ix, query_grads, base, selfnorm, damping, layers, block, device, dtype)
     finally:
         if opened:

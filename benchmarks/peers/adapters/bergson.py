@@ -13,16 +13,13 @@ Linear / Conv1D under ``model.base_model`` — the 16 block layers here (GPT-2's
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[0] = str(HERE.parent)  # common.py's folder instead of this one, whose names shadow the peers' packages
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import Clock, Workload, adapter_main, summed_lm_loss  # noqa: E402
+
+from benchmarks.peers.common import Clock, Workload, adapter_main, summed_lm_loss  # noqa: E402
 
 
 def method(projection_dim: int):

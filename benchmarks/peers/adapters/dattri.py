@@ -18,16 +18,12 @@ dattri's hook-based attributors track ``nn.Linear``, so each block ``Conv1D`` be
 
 from __future__ import annotations
 
-import sys
 import tempfile
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path[0] = str(HERE.parent)  # common.py's folder instead of this one, whose names shadow the peers' packages
 
 import torch  # noqa: E402
-from common import Clock, Workload, adapter_main, conv1d_to_linear, summed_lm_loss  # noqa: E402
 from torch.utils.data import DataLoader, Dataset, TensorDataset  # noqa: E402
+
+from benchmarks.peers.common import Clock, Workload, adapter_main, conv1d_to_linear, summed_lm_loss  # noqa: E402
 
 
 class Rows(Dataset):

@@ -6,14 +6,8 @@ The same function as ``benchmarks/capture.py``'s floor (HF mean loss, weight gra
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path[0:1] = [str(HERE.parent), str(HERE.parents[1])]  # common.py's and capture.py's folders, not this one
-
-from capture import run_floor  # noqa: E402
-from common import Clock, Workload, adapter_main  # noqa: E402
+from benchmarks.capture import run_floor  # noqa: E402
+from benchmarks.peers.common import Clock, Workload, adapter_main  # noqa: E402
 
 
 def floor(w: Workload, queries: list[int], clock: Clock) -> dict:

@@ -15,17 +15,13 @@ curvature from the stored rows instead (dense float64 rotations of every stored 
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
-HERE = Path(__file__).resolve().parent
-sys.path[0:1] = [str(HERE.parent), str(HERE.parents[2])]  # common.py's folder and the repository, not this folder
-
 import torch  # noqa: E402
-from common import Clock, Workload, adapter_main  # noqa: E402
 
+from benchmarks.peers.common import Clock, Workload, adapter_main  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.data import Tokenized  # noqa: E402
 from gradindex.pipeline import BuildConfig, build_index  # noqa: E402

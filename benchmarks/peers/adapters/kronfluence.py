@@ -13,15 +13,11 @@ Everything is full space: Kronfluence does not project.
 
 from __future__ import annotations
 
-import sys
 import tempfile
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path[0] = str(HERE.parent)  # common.py's folder instead of this one, whose names shadow the peers' packages
 
 import torch  # noqa: E402
-from common import Clock, Workload, adapter_main, conv1d_to_linear, summed_lm_loss  # noqa: E402
+
+from benchmarks.peers.common import Clock, Workload, adapter_main, conv1d_to_linear, summed_lm_loss  # noqa: E402
 
 
 def method(strategy: str):

@@ -15,15 +15,11 @@ directory, as TRAK's multi-process recipe does); ``query_Q``: ``score`` + ``fina
 
 from __future__ import annotations
 
-import sys
 import tempfile
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-sys.path[0] = str(HERE.parent)  # common.py's folder instead of this one, whose names shadow the peers' packages
 
 import torch  # noqa: E402
-from common import Clock, Workload, adapter_main, block_linears, summed_lm_loss  # noqa: E402
+
+from benchmarks.peers.common import Clock, Workload, adapter_main, block_linears, summed_lm_loss  # noqa: E402
 
 PROJ_DIM = 256
 

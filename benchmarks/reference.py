@@ -1,4 +1,10 @@
-"""Compressions of per-example gradients for the quality-per-byte study: pure numpy functions.
+"""The independent numpy reference: curvature math and stored-row codes, written apart from the library.
+
+The compression study (``_study.py``) scores full-space gradients with these functions and checks
+the result against gradindex's own full-space EK-FAC (``reference_check`` in fidelity.json), and
+tests/test_compression_study.py checks them against explicit Kronecker matrices, so this module
+must never import gradindex: it is a second implementation on purpose, not a copy to keep in step.
+It also simulates stores the library does not write (whitened-eigenbasis codes, MSE clipping).
 
 One layer's per-example gradients are ``G`` ``[n, N_o, N_i]`` (``N_i`` counts the bias column), its
 token-mean factors ``A`` ``[N_i, N_i]`` and ``S`` ``[N_o, N_o]`` (DESIGN.md, "The math"). Every

@@ -1,0 +1,1 @@
+"""gradindex and its peers side by side (``python -m benchmarks.peers.run``)."""

@@ -1,0 +1,1 @@
+"""One adapter per library, each run as ``python -m benchmarks.peers.adapters.<name>`` in that library's venv."""
