@@ -80,7 +80,7 @@ from gradindex.precondition import FitConfig, fit_preconditioner, load_full_prec
 from gradindex.precondition.factors import projection_from_manifest  # noqa: E402
 from gradindex.query.scores import score_matrix  # noqa: E402
 from gradindex.store import codes  # noqa: E402
-from gradindex.store.basis import index_basis, to_rows  # noqa: E402
+from gradindex.store.basis import capture_transforms, index_basis, to_rows  # noqa: E402
 
 DAMPING = 0.001
 
@@ -146,13 +146,19 @@ def default_config(batch: int) -> BuildConfig:
                        damping=DAMPING, budget="auto", transcode="ekfac")
 
 
+def eigen_config(batch: int) -> BuildConfig:
+    """What ``gradindex build`` with no options builds now where the budget projects (``--projection-basis auto``)."""
+    return BuildConfig(projection=ProjectionSpec(), batch_size=batch, storage="int4", damping=DAMPING, budget="auto",
+                       basis="eigen")
+
+
 def library_rows_scores(model, setup, idx: Path, queries: Tokenized, bcfg: BuildConfig) -> np.ndarray:
     """``[Q, N]`` the library's scores of ``queries`` on the index ``idx`` (method ekfac)."""
     man = read_manifest(idx)
     shapes = {n: (v["rows"], v["cols"]) for n, v in man["build"]["layers"].items()}
     qcfg = replace(bcfg, projection=projection_from_manifest(man))
-    q = query_gradients(model, setup.tokenizer, queries, qcfg)
     basis = index_basis(idx, man)
+    q = query_gradients(model, setup.tokenizer, queries, qcfg, transforms=capture_transforms(basis))
     q = {n: to_rows(basis, n, v, shapes[n]) for n, v in q.items()}
     return np.asarray(score_matrix(idx, q, "ekfac", damping=DAMPING, device="cpu"), np.float64)
 
@@ -397,6 +403,15 @@ def run_shape(shape: Shape, work: Path, log=print) -> dict:
     log(f"  default build {res['default_build_seconds']} s: {res['default_numbers']} numbers "
         f"({row_bytes(man)} B) of {res['hooked_numbers']}")
     default_scores = library_rows_scores(model, setup, idx, queries, bcfg)
+    eig_idx = work / f"{shape.name}-eigen"
+    shutil.rmtree(eig_idx, ignore_errors=True)
+    ecfg = eigen_config(8)
+    t0 = time.perf_counter()
+    build_index(model, setup.tokenizer, setup.train, eig_idx, ecfg, model_id="width", progress=False)
+    res["eigen_build_seconds"] = round(time.perf_counter() - t0, 1)
+    eig_man = read_manifest(eig_idx)
+    eigen_scores = library_rows_scores(model, setup, eig_idx, queries, ecfg)
+    log(f"  eigen build {res['eigen_build_seconds']} s: {row_bytes(eig_man)} B")
     t0 = time.perf_counter()
     fit_preconditioner(idx, FitConfig(method="ekfac", space="full", damping=DAMPING), model=model,
                        tokenizer=setup.tokenizer, data=setup.train)
@@ -414,7 +429,12 @@ def run_shape(shape: Shape, work: Path, log=print) -> dict:
     res["reference"] = {"fact_rank1": fact_rank1(ref[n_held:], setup.fact_rows)}
     rows = {"default": {"bytes_per_example": row_bytes(man), "numbers": res["default_numbers"],
                         **measure(default_scores, ref, n_held, setup.fact_rows),
-                        "build_seconds": res["default_build_seconds"]}}
+                        "build_seconds": res["default_build_seconds"]},
+            "eigen (library)": {"bytes_per_example": row_bytes(eig_man),
+                                "numbers": int(sum(v["rows"] * v["cols"] for v in eig_man["build"]["layers"].values())),
+                                **measure(eigen_scores, ref, n_held, setup.fact_rows),
+                                "build_seconds": res["eigen_build_seconds"],
+                                "layer_numbers": {n: v["cols"] for n, v in eig_man["build"]["layers"].items()}}}
     for s, sc in sims.items():
         nums = sum(p.numbers for p in plans[s].values())
         rows[s] = {"bytes_per_example": sum(codes.row_bytes("int4", p.numbers) for p in plans[s].values()),
