@@ -360,9 +360,22 @@ def fact_rank1(score: np.ndarray, rows: tuple[int, ...]) -> float:
     return float(np.mean([int(np.argmax(s)) == r for s, r in zip(score, rows, strict=True)])) if rows else float("nan")
 
 
+CANDIDATES = (10, 20, 50, 100, 200)
+"""First-stage sizes C whose recall of the reference top 10 is reported (an exact full-space re-rank
+of those C returns exactly the reference's scores for them, so its final top-10 agreement is that recall)."""
+
+
+def recall(scores: np.ndarray, ref: np.ndarray, k: int = 10) -> dict[str, float]:
+    rtop = np.argsort(-ref, 1)[:, :k]
+    order = np.argsort(-scores, 1)
+    return {str(c): float(np.mean([len(set(o[:c]) & set(r)) / k for o, r in zip(order, rtop, strict=True)]))
+            for c in CANDIDATES if c <= scores.shape[1]}
+
+
 def measure(scores: np.ndarray, ref: np.ndarray, n_held: int, fact_rows) -> dict:
     return {**agreement(scores[:n_held], ref[:n_held]), "fact_rank1": fact_rank1(scores[n_held:], fact_rows),
-            "top10_with_facts": agreement(scores, ref)["top10"]}
+            "top10_with_facts": agreement(scores, ref)["top10"],
+            "recall_of_top10_at_C": recall(scores[:n_held], ref[:n_held])}
 
 
 # -- one shape ----------------------------------------------------------------------------------------
@@ -442,6 +455,8 @@ def run_shape(shape: Shape, work: Path, log=print) -> dict:
                    "build_seconds": round(res["full_fit_seconds"] + res["factor_capture_seconds"] + secs[s], 1),
                    "layer_numbers": {n: p.numbers for n, p in plans[s].items()}}
     res["rows"] = rows
+    np.savez_compressed(work / f"{shape.name}-scores.npz", reference=ref, default=default_scores,
+                        eigen=eigen_scores, **{k.replace("+", "_"): v for k, v in sims.items()})
     res["damping_estimate"] = {n: dict(v) for n, v in DAMP_CHECK.items()}
     for s, r in rows.items():
         log(f"  {s:20s} {r['bytes_per_example']:>8d} B  spearman {r['spearman']:.3f}  top10 {r['top10']:.2f}  "
