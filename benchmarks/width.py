@@ -59,14 +59,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from fidelity import (  # noqa: E402
-    FidelityConfig,
-    example_losses,
-    make_setup,
-    query_gradients,
-    spearman_rows,
-    train_model,
-)
+from common import example_losses, query_gradients, spearman_rows, train_model  # noqa: E402
+from fidelity import FidelityConfig, make_setup  # noqa: E402
 
 from fixtures.tiny import tiny_gpt2  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402
@@ -471,6 +465,32 @@ def _full_shapes(model, layers: list[str]) -> dict[str, tuple[int, int]]:
     return {n: (layer_info(mods[n]).n_out, layer_info(mods[n]).n_in_total) for n in layers}
 
 
+def plot(out: dict, path: Path) -> None:
+    """Spearman and top-10 overlap with full-space EK-FAC per scheme, one panel per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = out["shapes"]
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, (name, res) in zip(axes[0], shapes.items(), strict=True):
+        rows = res["rows"]
+        names = list(rows)
+        x = np.arange(len(names))
+        ax.bar(x - 0.2, [rows[n]["spearman"] for n in names], 0.4, label="Spearman")
+        ax.bar(x + 0.2, [rows[n]["top10"] for n in names], 0.4, label="top-10 overlap")
+        ax.axhline(0.9, color="k", lw=0.6, ls="--")
+        ax.set_xticks(x, names, rotation=60, ha="right", fontsize=8)
+        ax.set_ylim(0.5, 1.0)
+        ax.set_title(f"{name}: {res['hooked_numbers']:,} numbers, {rows['default']['bytes_per_example'] // 1024} KiB",
+                     fontsize=9)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle("agreement with exhaustive full-space EK-FAC at the default budget (benchmarks/width.py)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -478,6 +498,7 @@ def main() -> int:
     ap.add_argument("--work-dir", type=Path, default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
                     / "gradindex" / "width")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "width.json")
+    ap.add_argument("--merge", action="store_true", help="keep the other shapes already in --out")
     args = ap.parse_args()
     torch.set_num_threads(1)
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -485,6 +506,8 @@ def main() -> int:
     out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                        "threads": 1, "loadavg_before": os.getloadavg()},
            "damping": DAMPING, "shapes": {}}
+    if args.merge and args.out.exists():
+        out["shapes"] = json.loads(args.out.read_text()).get("shapes", {})
     t0 = time.perf_counter()
     for name in args.shapes.split(","):
         out["shapes"][name] = run_shape(table[name], args.work_dir)
@@ -493,7 +516,8 @@ def main() -> int:
     out["seconds"] = round(time.perf_counter() - t0, 1)
     out["machine"]["loadavg_after"] = os.getloadavg()
     args.out.write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    plot(out, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
 
