@@ -74,7 +74,8 @@ from gradindex.precondition import FitConfig, fit_preconditioner, load_full_prec
 from gradindex.precondition.factors import projection_from_manifest  # noqa: E402
 from gradindex.query.scores import score_matrix  # noqa: E402
 from gradindex.store import codes  # noqa: E402
-from gradindex.store.basis import capture_transforms, index_basis, to_rows  # noqa: E402
+from gradindex.store.basis import capture_transforms, index_basis, read_basis, to_rows  # noqa: E402
+from gradindex.store.sizing import kept_share  # noqa: E402
 
 DAMPING = 0.001
 
@@ -431,6 +432,7 @@ def run_shape(shape: Shape, work: Path, log=print) -> dict:
     ft = token_factors(model, layers, setup.train, pad, 8)
     res["factor_capture_seconds"] = round(time.perf_counter() - t0, 1)
     kron = {n: c["Lambda"] for n, c in load_full_preconditioner(idx, "kfac").curvature.items()}
+    DAMP_CHECK.clear()
     plans = plan_schemes(curv, sizes, kron)
     ref, sims, secs = scheme_scores(fq, ft, curv, plans)
     res["reference"] = {"fact_rank1": fact_rank1(ref[n_held:], setup.fact_rows)}
@@ -441,6 +443,7 @@ def run_shape(shape: Shape, work: Path, log=print) -> dict:
                                 "numbers": int(sum(v["rows"] * v["cols"] for v in eig_man["build"]["layers"].values())),
                                 **measure(eigen_scores, ref, n_held, setup.fact_rows),
                                 "build_seconds": res["eigen_build_seconds"],
+                                "kept_share": eig_man["build"]["basis"].get("kept_share"),
                                 "layer_numbers": {n: v["cols"] for n, v in eig_man["build"]["layers"].items()}}}
     for s, sc in sims.items():
         nums = sum(p.numbers for p in plans[s].values())
@@ -486,7 +489,7 @@ def plot(out: dict, path: Path) -> None:
         ax.set_title(f"{name}: {res['hooked_numbers']:,} numbers, {rows['default']['bytes_per_example'] // 1024} KiB",
                      fontsize=9)
         ax.legend(fontsize=8, loc="lower right")
-    fig.suptitle("agreement with exhaustive full-space EK-FAC at the default budget (benchmarks/width.py)", fontsize=10)
+    fig.suptitle("agreement with exhaustive full-space EK-FAC at the default budget", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -513,6 +516,10 @@ def main() -> int:
         out["shapes"][name] = run_shape(table[name], args.work_dir)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
+    for name, res in out["shapes"].items():  # (results merged from a run before the share was recorded)
+        row = res["rows"].get("eigen (library)", {})
+        if row.get("kept_share") is None and (args.work_dir / f"{name}-eigen").exists():
+            row["kept_share"] = round(kept_share(read_basis(args.work_dir / f"{name}-eigen"), DAMPING), 4)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     out["machine"]["loadavg_after"] = os.getloadavg()
     args.out.write_text(json.dumps(out, indent=1))

@@ -73,12 +73,12 @@ def note_unhooked(model) -> None:
                                             "256 KiB; the whole gradient where that buys it).")
 @click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
               help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
-@click.option("--projection-basis", "basis", default="auto", show_default=True,
-              type=click.Choice(["auto", "raw", "kfac", "eigen"]),
-              help="eigen: store the full-space EK-FAC eigen-coordinates the budget buys, chosen over all layers "
-                   "(two model passes first; rows answer ekfac). kfac: whiten each side by its damped full-space "
-                   "K-FAC factor before projecting. auto: eigen where the default EK-FAC build cannot store "
-                   "the whole gradient at --budget, else raw (docs/math.md, 'What a row holds').")
+@click.option("--projection-basis", "basis", default="raw", show_default=True,
+              type=click.Choice(["raw", "kfac", "eigen"]),
+              help="eigen: store the full-space EK-FAC eigen-coordinates --budget buys, chosen over all layers "
+                   "(two model passes first; rows answer ekfac; wins where the budget holds most of the "
+                   "influence, benchmarks/width.py). kfac: whiten each side by its damped full-space K-FAC factor "
+                   "before projecting; rows then answer kfac/ekfac, not graddot.")
 @click.option("--basis-damping", default=1.0, show_default=True, type=float,
               help="Relative damping of the kfac whitening.")
 @click.option("--fit-examples", default=0, show_default=True, type=int,
@@ -136,13 +136,8 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     from gradindex.model import length_limit, load_causal_lm, resolve_device, vocab_size
     from gradindex.pipeline import BuildConfig, build_index
     from gradindex.store.builder import refuse_foreign
-    from gradindex.store.sizing import budget_bound
 
     auto = projection.strip().lower() == "auto"
-    eigen_ok = auto and precondition in ("auto", "ekfac") and transcode != "none" and not optimizer_state \
-        and fisher == "empirical" and not full_factors and storage in ("auto", "int4")
-    if basis == "auto" and not eigen_ok:
-        basis = "raw"
     if precondition == "auto":
         precondition = "none" if optimizer_state else "ekfac"
     if budget and not auto:
@@ -161,8 +156,6 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
         if not layers:
             note_unhooked(model)
-        if basis == "auto":  # the eigen basis where the budget projects, today's rows where it holds them all
-            basis = "eigen" if budget_bound(model, layers, budget or "auto", "int4") else "raw"
         if basis == "eigen":  # the rows are whitened EK-FAC coordinates at capture: nothing to fit or transcode
             precondition, transcode = "none", "none"
             storage = "int4" if storage == "auto" else storage
@@ -210,7 +203,8 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
     row_bytes = int(numbers * bytes_per_number(m["build"]["storage"]))
     full_eigen = (m["build"].get("basis") or {}).get("space") == "full-eigen"
-    rows = "full-space ekfac eigen-coordinates, " if full_eigen else \
+    share = (m["build"].get("basis") or {}).get("kept_share")
+    rows = f"full-space ekfac eigen-coordinates keeping {share:.0%} of the influence, " if full_eigen else \
         "in the ekfac eigenbasis, " if m.get("transcode") else ""
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
                f"({numbers:,} numbers, {rows}{m['build']['storage']}: {human_bytes(row_bytes)} per example) "
