@@ -485,7 +485,7 @@ def plot(out: dict, path: Path) -> None:
         ax.bar(x + 0.2, [rows[n]["top10"] for n in names], 0.4, label="top-10 overlap")
         ax.axhline(0.9, color="k", lw=0.6, ls="--")
         ax.set_xticks(x, names, rotation=60, ha="right", fontsize=8)
-        ax.set_ylim(0.5, 1.0)
+        ax.set_ylim(0.0, 1.0)
         ax.set_title(f"{name}: {res['hooked_numbers']:,} numbers, {rows['default']['bytes_per_example'] // 1024} KiB",
                      fontsize=9)
         ax.legend(fontsize=8, loc="lower right")
