@@ -1,8 +1,9 @@
 """Reading training or query data with `datasets`, tokenizing it, and batching it.
 
 Accepted fields, in order of precedence: pre-tokenized ``input_ids`` (optional ``labels`` with
--100 for ignored positions); ``prompt`` + ``completion`` (loss on the completion only); a text
-field (``text`` by default).
+-100 for ignored positions); ``prompt`` + ``completion`` (loss on the completion only); chat
+``messages`` (the tokenizer's chat template, loss on the assistant turns: :mod:`gradindex.chat`);
+a text field (``text`` by default).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import datasets
 import numpy as np
 import torch
 
-IGNORE = -100
+from gradindex.chat import IGNORE, MESSAGES, chat_tokens
+
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -153,6 +155,13 @@ def tokenize_records(
             ci = _tokens(tokenizer, _text(c, i, "completion"), i, max_length)
             ids_out.append(pi + ci)
             labels_out.append([IGNORE] * len(pi) + ci)
+    elif MESSAGES in cols:
+        field = MESSAGES
+        for i, msgs in enumerate(ds[MESSAGES]):
+            ids, lab = chat_tokens(tokenizer, msgs, i)
+            _check_ids(ids, i, vocab_size)
+            ids_out.append(ids)
+            labels_out.append(lab)
     elif text_field in cols:
         field = text_field
         for i, t in enumerate(ds[text_field]):
@@ -162,7 +171,7 @@ def tokenize_records(
     else:
         raise ValueError(
             f"no field {text_field!r} in the data (columns: {sorted(cols)}); pass --text-field NAME, "
-            "or give 'prompt' and 'completion', or pre-tokenized 'input_ids'"
+            "or give 'prompt' and 'completion', chat 'messages', or pre-tokenized 'input_ids'"
         )
     truncated = [len(x) > max_length for x in ids_out]
     for i in range(len(ids_out)):
@@ -181,7 +190,8 @@ def tokenize_records(
 
 def _check_one_format(ds: datasets.Dataset, text_field: str) -> None:
     """Refuse a file whose rows use different formats (text / prompt+completion / input_ids)."""
-    forms = {"input_ids": ("input_ids",), "prompt+completion": ("prompt", "completion"), text_field: (text_field,)}
+    forms = {"input_ids": ("input_ids",), "prompt+completion": ("prompt", "completion"), MESSAGES: (MESSAGES,),
+             text_field: (text_field,)}
     forms = {k: v for k, v in forms.items() if all(c in ds.column_names for c in v)}
     if len(forms) < 2:
         return

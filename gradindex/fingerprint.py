@@ -26,7 +26,10 @@ def model_fingerprint(model: nn.Module) -> str:
     h = hashlib.blake2b(digest_size=16)
     cfg = getattr(model, "config", None)
     if cfg is not None:
-        skip = ("torch_dtype", "dtype", "_name_or_path", "transformers_version", "use_cache")  # use_cache: runtime
+        # runtime settings, not the function the weights compute: use_cache; the special token ids, which TRL's
+        # SFTTrainer writes onto the live model's config from the tokenizer (the saved base config lacks them)
+        skip = ("torch_dtype", "dtype", "_name_or_path", "transformers_version", "use_cache", "pad_token_id",
+                "bos_token_id", "eos_token_id")
         d = {k: v for k, v in cfg.to_dict().items() if k not in skip}
         h.update(json.dumps(d, sort_keys=True, default=str).encode())
     for name, p in model.named_parameters():

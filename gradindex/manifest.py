@@ -17,6 +17,7 @@ FORMAT_VERSION = 1
 # with the words used when they differ.
 IDENTITY_KEYS = {
     "dtype": "model dtype",
+    "adapter_fingerprint": "adapter (--adapter)",
     "model_fingerprint": "model",
     "storage": "storage",
     "max_length": "max length",
@@ -95,6 +96,24 @@ def row_basis(manifest: dict[str, Any]) -> str:
     return str(manifest.get("build", {}).get("basis", {}).get("kind", "raw"))
 
 
+def transcode_unfinished(manifest: dict) -> bool:
+    """Whether the build asked for the EK-FAC transcode (``--transcode ekfac``, the default) and its rows
+    are not transcoded yet (a kill during the transcode, or before it)."""
+    asked = (manifest.get("build", {}).get("transcode") or {}).get("basis") == "ekfac" or \
+        str(manifest.get("config", {}).get("transcode", "none")) == "ekfac"
+    return asked and not manifest.get("transcode") and row_basis(manifest) == "raw"
+
+
+def refuse_unfinished_transcode(index_dir: str | os.PathLike, manifest: dict, then: str) -> None:
+    """Raise, naming the build command that finishes the transcode, when it is unfinished."""
+    if transcode_unfinished(manifest):
+        raise ValueError(
+            f"the build of {str(index_dir)!r} stopped before its transcode into the EK-FAC eigenbasis finished: its "
+            "rows are still the raw capture, not the final codes, and its FAISS indices were never built; "
+            f"finish it with the build command `{build_command(index_dir, manifest, extra='', index=True)}` (it "
+            f"resumes where it stopped), then {then}")
+
+
 def write_manifest(index_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
     """Write atomically: a killed write leaves the previous manifest intact."""
     p = manifest_path(index_dir)
@@ -111,8 +130,10 @@ def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDE
     """
     diffs = []
     dtype_differs = "dtype" in stored and "dtype" in given and stored["dtype"] != given["dtype"]
+    key = "adapter_fingerprint"  # the model's fingerprint covers the adapter's weights too: name the adapter
+    adapter_differs = key in stored and key in given and stored[key] != given[key]
     for key, words in keys.items():
-        if key == "model_fingerprint" and dtype_differs:
+        if key == "model_fingerprint" and (dtype_differs or adapter_differs):
             continue
         if key in stored and key in given and stored[key] != given[key]:
             diffs.append(f"{words} differs (index: {_short(stored[key])}, now: {_short(given[key])})")
@@ -126,8 +147,10 @@ def _short(v: Any) -> str:
     return s if len(s) <= 120 else s[:117] + "..."
 
 
-def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, extra: str = "--repair") -> str:
-    """The ``gradindex build`` command line that made this index (from its manifest), plus ``extra``."""
+def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, extra: str = "--repair",
+                  index: bool = False) -> str:
+    """The ``gradindex build`` command line that made this index (from its manifest), plus ``extra``;
+    ``--no-index`` unless ``index`` (then the build ends with its FAISS stage, default index type)."""
     m = manifest if manifest is not None else read_manifest(index_dir)
     c, proj = m.get("config", {}), m.get("build", {}).get("projection", {})
     kind = proj.get("kind", "gaussian")
@@ -146,8 +169,10 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     args += ["--seed", str(proj.get("seed", 0))]
     for pattern in c.get("layers", []):
         args += ["--layers", pattern]
+    if m.get("adapter_id") and m.get("adapter_id") != m.get("model_id"):
+        args += ["--adapter", m["adapter_id"]]
     text_field = m.get("counts", {}).get("text_field")
-    if text_field and text_field not in ("text", "input_ids", "prompt+completion"):
+    if text_field and text_field not in ("text", "input_ids", "prompt+completion", "messages"):
         args += ["--text-field", text_field]
     args += ["--max-length", str(c.get("max_length", 512)), "--batch-size", str(c.get("batch_size", 8)),
              "--dtype", m.get("dtype", "float32"), "--route", c.get("route", "auto"),
@@ -158,4 +183,4 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
             args += ["--fisher", c["fisher"], "--fisher-seed", str(c.get("fisher_seed", 0))]
     if c.get("optimizer_state"):
         args += ["--optimizer-state", c["optimizer_state"], "--adam-mode", str(c.get("adam_mode", "exact"))]
-    return shlex.join(args + ["--no-index"]) + (f" {extra}" if extra else "")
+    return shlex.join(args + ([] if index else ["--no-index"])) + (f" {extra}" if extra else "")

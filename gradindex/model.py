@@ -104,14 +104,39 @@ def resolve_pad_id(model=None, tokenizer=None, pad_id: int | None = None) -> int
     return 0
 
 
-def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device: str = "auto"):
-    """``(model, tokenizer)`` from a local directory, model in eval mode on ``device``."""
+def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device: str = "auto",
+                   adapter: str | os.PathLike | None = None, chat_template: str | None = None):
+    """``(model, tokenizer)`` from a local directory, model in eval mode on ``device``.
+
+    ``adapter``: a PEFT adapter folder to load onto the model (:mod:`gradindex.adapter`); a
+    ``model_dir`` that is itself an adapter folder loads the base its config names, then the
+    adapter. ``chat_template``: template text or file given to the tokenizer (:mod:`gradindex.chat`).
+    """
+    from gradindex.adapter import adapter_base, attach_adapter, is_adapter_dir
+
+    dev = resolve_device(device)
+    if is_adapter_dir(model_dir) and not (Path(model_dir) / "config.json").exists():
+        adapter, model_dir = adapter or model_dir, adapter_base(model_dir)
+    model, tok_dir = _load_base(Path(model_dir), dtype)
+    if adapter is not None:
+        model = attach_adapter(model, adapter)
+        if (Path(adapter) / "tokenizer_config.json").is_file():
+            tok_dir = Path(adapter)  # a Trainer saves the tokenizer it trained with beside the adapter
+    model.to(dev).eval()
+    return model, load_tokenizer(tok_dir, chat_template)
+
+
+def index_model_options(manifest: dict) -> dict:
+    """``load_causal_lm`` keywords that reopen an index's model as it was built: its adapter and chat template."""
+    return {"adapter": manifest.get("adapter_id") or None, "chat_template": manifest.get("chat_template") or None}
+
+
+def _load_base(p: Path, dtype: str):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    p = Path(model_dir)
     if not (p / "config.json").exists():
         hint = ""
         if (p / "manifest.json").is_file():  # an index folder given where the model goes
@@ -136,7 +161,6 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
             f"{str(p)!r} holds a {config.model_type!r} model, which is not a causal LM; gradindex "
             "build needs a model that AutoModelForCausalLM loads (e.g. GPT-2, Llama)"
         )
-    dev = resolve_device(device)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True,
                                                            trust_remote_code=False, output_loading_info=True)
@@ -147,8 +171,7 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
             "missing, truncated or corrupt: save the model there again (model.save_pretrained)"
         ) from None
     check_loaded(p, config, info)
-    model.to(dev).eval()
-    return model, load_tokenizer(p)
+    return model, p
 
 
 def refuse_custom_code(path: Path) -> None:
@@ -212,11 +235,15 @@ def check_loaded(path: Path, config, info: dict) -> None:
                          f"place in one and would be dropped; {fix}")
 
 
-def load_tokenizer(model_dir: str | os.PathLike):
-    """The tokenizer of a local model directory, with a pad token (eos or unk when it has none)."""
+def load_tokenizer(model_dir: str | os.PathLike, chat_template: str | os.PathLike | None = None):
+    """The tokenizer of a local model directory, with a pad token (eos or unk when it has none), and
+    ``chat_template`` (text or file) as its chat template when given."""
     from transformers import AutoTokenizer
+
+    from gradindex.chat import set_chat_template
 
     tokenizer = AutoTokenizer.from_pretrained(Path(model_dir), local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    set_chat_template(tokenizer, chat_template)
     return tokenizer

@@ -90,3 +90,19 @@ def test_select_plain_loop_recipe_trains_on_the_kept_fraction(setup, tmp_path):
               "--out", str(tmp_path / "model"), "--batch-size", "8", "--keep", "0.5", "--refresh-every", "1")
     assert f"trained on {N // 2} of {N} examples (top)" in out and "3 target refreshes" in out
     assert (tmp_path / "model" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_trl_lora_chat_recipe_finds_the_planted_facts(tmp_path):
+    """LoRA SFT with TRL on chats with planted facts, the index captured in training: EK-FAC ranks each fact's
+    conversation first for the fact asked in other words; the adapter reloads as the index's model."""
+    for pkg in ("trl", "peft"):
+        pytest.importorskip(pkg, reason=f"{pkg} is not installed (pip install 'gradindex[dev]' installs it)")
+    out = run("builders/trl_lora_chat.py", "--out", str(tmp_path / "idx"))
+    ranks = json.loads(out.strip().splitlines()[-1])["planted_ranks"]
+    assert ranks["ekfac"] == [1, 1, 1, 1], out
+    m = json.loads((tmp_path / "idx" / "manifest.json").read_text())
+    assert m["build"]["adapter_fingerprint"] and all(".lora_" in n for n in m["build"]["layers"])
+    assert m["chat_template"] and m["counts"]["text_field"] == "messages"
+    assert (tmp_path / "idx-work" / "adapter" / "adapter_config.json").is_file()
+    assert "[assistant] " in (tmp_path / "idx-audit" / "report.html").read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import shutil
 
 import numpy as np
@@ -261,3 +262,38 @@ def test_graddot_dedup_on_eigenbasis_rows_is_the_raw_gradient_cosine(built, tmp_
     res = find_duplicates(tmp_path / "fp32", DedupConfig(method="graddot", threshold=thr, neighbors=len(v), sketch=0))
     assert comps and [g.ids for g in res.groups] == sorted(list(t) for t in {tuple(sorted(s)) for s in comps.values()})
     assert all(g.kind == "near" for g in res.groups)
+
+
+def test_a_kill_during_the_transcode_names_the_build_command_and_index_refuses(gpt2_dir, text_jsonl, tmp_path,
+                                                                              monkeypatch):
+    """Issue 21, item 7: the query said "build them with `gradindex index`", which indexes the raw rows."""
+    from gradindex import pipeline
+
+    out = tmp_path / "idx"
+    r = CliRunner()
+    args = ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--max-length", "48", "--quiet",
+            "--device", "cpu", "--shard-size", "16", "--projection", "4"]
+
+    def killed(*a, **kw):
+        raise KeyboardInterrupt("killed during the transcode")
+
+    monkeypatch.setattr(pipeline, "transcode_in_place", killed)
+    assert r.invoke(main, args).exit_code == 130
+    monkeypatch.undo()
+    m = read_manifest(out)
+    assert m["status"] == "complete" and row_basis(m) == "raw"  # the capture and the fit are done
+    res = r.invoke(main, ["query", str(out), "--text", "the cat sat on a mat", "--device", "cpu"])
+    assert res.exit_code == 2 and "stopped before its transcode" in res.output, res.output
+    named = res.output.split("build command `", 1)[1].split("`", 1)[0]
+    assert named.startswith(f"gradindex build {gpt2_dir.resolve()} ") and "--no-index" not in named
+    assert "gradindex index" not in res.output.split("then", 1)[0]
+    res = r.invoke(main, ["index", str(out), "--quiet"])
+    assert res.exit_code == 2 and "stopped before its transcode" in res.output, res.output
+    assert not (out / "faiss").exists()
+    assert "transcode unfinished" in r.invoke(main, ["info", str(out)]).output
+    res = r.invoke(main, shlex.split(named)[1:] + ["--quiet"])  # the command the error names finishes the build
+    assert res.exit_code == 0, res.output
+    m = read_manifest(out)
+    assert row_basis(m) == "ekfac" and m["build"]["storage"] == "int4"
+    res = r.invoke(main, ["query", str(out), "--text", "the cat sat on a mat", "--json", "--device", "cpu"])
+    assert res.exit_code == 0, res.output

@@ -56,6 +56,8 @@ class QueryRequest(BaseModel):
     completion: str | None = Field(None, min_length=1, max_length=MAX_TEXT, description="Loss on it.")
     input_ids: list[int] | None = Field(None, min_length=2, max_length=MAX_TEXT)
     labels: list[int] | None = Field(None, description="With input_ids: -100 where no loss is taken.")
+    messages: list[dict[str, str]] | None = Field(None, min_length=1, max_length=1000,
+                                                  description="A chat: [{role, content}, ...]; loss on its replies.")
     k: int = Field(10, ge=1, le=MAX_K)
     method: str | None = Field(None, description="Default: ekfac where the index answers it, else graddot.")
     damping: float = Field(DEFAULT_DAMPING, gt=0, le=1e6)
@@ -66,9 +68,9 @@ class QueryRequest(BaseModel):
     @model_validator(mode="after")
     def _one_form(self) -> QueryRequest:
         forms = [self.text is not None, self.prompt is not None or self.completion is not None,
-                 self.input_ids is not None]
+                 self.input_ids is not None, self.messages is not None]
         if sum(forms) != 1:
-            raise ValueError("give exactly one query: text, prompt + completion, or input_ids")
+            raise ValueError("give exactly one query: text, prompt + completion, input_ids, or messages")
         if (self.prompt is None) != (self.completion is None):
             raise ValueError("prompt and completion go together (the loss is taken on the completion)")
         if self.labels is not None and (self.input_ids is None or len(self.labels) != len(self.input_ids)):
@@ -84,6 +86,8 @@ class QueryRequest(BaseModel):
             return {"text": self.text}
         if self.prompt is not None:
             return {"prompt": self.prompt, "completion": self.completion}
+        if self.messages is not None:
+            return {"messages": self.messages}
         rec: dict = {"input_ids": self.input_ids}
         if self.labels is not None:
             rec["labels"] = self.labels

@@ -19,9 +19,9 @@ def row_texts(index_dir: str | os.PathLike, ids, data: str | os.PathLike | None 
 
     manifest = read_manifest(index_dir)
     path = Path(model_dir or manifest.get("model_id") or "")
-    if not str(path) or not (path / "config.json").exists():
+    if not str(path) or not ((path / "config.json").exists() or (path / "tokenizer_config.json").exists()):
         return [None] * len(ids), f"the model directory {str(path)!r} is not there, so rows carry no text (--model)"
     with Store(index_dir) as store:
-        texts = TrainingTexts(manifest, store, load_tokenizer(path), data)
+        texts = TrainingTexts(manifest, store, load_tokenizer(path, manifest.get("chat_template")), data)
         out = texts.texts(np.asarray(ids, dtype=np.int64))
         return out, texts.problem

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from gradindex.adapter import adapter_layers
 from gradindex.capture.gram import add_gram, gram_block
 from gradindex.capture.layers import LayerInfo, layer_info, rule_for
 from gradindex.capture.projection import ProjectionSpec, projection_matrix
@@ -57,11 +58,15 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
     """Hookable modules by qualified name, in model order.
 
     With no patterns: every supported linear layer inside the transformer blocks (not the
-    embeddings nor the LM head). Patterns are shell-style globs on qualified names.
+    embeddings nor the LM head), or, on a model with a LoRA adapter, the adapter's ``lora_A`` and
+    ``lora_B`` linears (:mod:`gradindex.adapter`). Patterns are shell-style globs on qualified names.
     """
     hookable = {n: m for n, m in model.named_modules() if n and rule_for(m) is not None}
     if not hookable:
         raise ValueError(f"{type(model).__name__} has no supported linear layer to hook")
+    adapter = adapter_layers(hookable)
+    if not patterns and adapter:
+        return {n: hookable[n] for n in adapter}
     if not patterns:
         prefix = _block_prefix(model)
         chosen = {n: m for n, m in hookable.items() if prefix and n.startswith(prefix + ".")}

@@ -85,7 +85,13 @@ def note_unhooked(model) -> None:
               help="Examples sampled for the kfac basis's factor pass (0 = all).")
 @click.option("--projection-kind", type=click.Choice(["gaussian", "rademacher"]), default="gaussian", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int, help="Projection seed.")
-@click.option("--layers", multiple=True, help="Glob of layer names to hook (repeatable). Default: all block linears.")
+@click.option("--layers", multiple=True, help="Glob of layer names to hook (repeatable). Default: all block linears "
+                                            "(with --adapter: the adapter's lora_A/lora_B).")
+@click.option("--adapter", default=None, type=click.Path(file_okay=False, exists=True),
+              help="A PEFT (LoRA) adapter folder to load onto MODEL_DIR; its lora_A/lora_B gradients are "
+                   "attributed (add the base layers with --layers). Needs `pip install 'gradindex[peft]'`.")
+@click.option("--chat-template", default=None, type=click.Path(dir_okay=False, exists=True),
+              help="A Jinja chat template file for 'messages' records when the tokenizer has none.")
 @data_options
 @click.option("--batch-size", default=8, show_default=True, type=int)
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
@@ -126,9 +132,10 @@ def note_unhooked(model) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def build(model_dir, data, out, projection, budget, allocation, basis, basis_damping, fit_examples,
-          projection_kind, seed, layers, text_field, max_length, batch_size, dtype, device, route, storage,
-          shard_size, overwrite, repair, precondition, transcode, damping, fisher, fisher_seed, optimizer_state,
-          adam_mode, full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index, quiet):
+          projection_kind, seed, layers, adapter, chat_template, text_field, max_length, batch_size, dtype, device,
+          route, storage, shard_size, overwrite, repair, precondition, transcode, damping, fisher, fisher_seed,
+          optimizer_state, adam_mode, full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index,
+          quiet):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex import distributed
     from gradindex.capture import ProjectionSpec
@@ -153,8 +160,9 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         quiet = quiet or distributed.rank() > 0
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
-        model, tok = load_causal_lm(model_dir, dtype=dtype, device=device)
-        if not layers:
+        model, tok = load_causal_lm(model_dir, dtype=dtype, device=device, adapter=adapter,
+                                    chat_template=chat_template)
+        if not layers and not adapter:
             note_unhooked(model)
         if basis == "eigen":  # the rows are whitened EK-FAC coordinates at capture: nothing to fit or transcode
             precondition, transcode = "none", "none"

@@ -8,6 +8,7 @@ Command modules stay light: they import click and this module at start-up and th
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import click
@@ -55,6 +56,29 @@ def data_options(fn):
                       help="Truncate examples to this many tokens (capped at the smaller of the model's positions "
                            "and the tokenizer's model_max_length; a note names which).")(fn)
     return fn
+
+
+def messages_option(fn):
+    """``--messages JSON``: a chat query, its turns as a JSON list (repeatable)."""
+    return click.option("--messages", "messages", multiple=True,
+                        help='A chat query: its turns as JSON, e.g. \'[{"role": "user", "content": "Hi"}, '
+                             '{"role": "assistant", "content": "Hello"}]\' (loss on the assistant turns, '
+                             "the index's chat template); repeatable.")(fn)
+
+
+def parse_messages(values) -> list[dict]:
+    """``--messages`` values → ``{"messages": [...]}`` records; a one-line error for one that is not a JSON list."""
+    out = []
+    for v in values:
+        try:
+            turns = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--messages {v[:60]!r} is not valid JSON ({e.msg}); give the turns as a JSON list "
+                             'of {"role": ..., "content": ...} objects') from None
+        if not isinstance(turns, list):
+            raise ValueError(f"--messages takes a JSON list of turns, got a JSON {type(turns).__name__}")
+        out.append({"messages": turns})
+    return out
 
 
 def _positive_damping(ctx, param, value: float) -> float:

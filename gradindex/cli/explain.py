@@ -7,7 +7,7 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, user_errors
+from gradindex.cli.common import damping_option, engine_options, messages_option, parse_messages, user_errors
 
 
 def _show(title: str, ts, top: int) -> None:
@@ -23,6 +23,7 @@ def _show(title: str, ts, top: int) -> None:
 @click.option("--query", "--text", "text", default=None, help="The query text (loss on every next token).")
 @click.option("--prompt", default=None, help="Query prompt (no loss), with --completion.")
 @click.option("--completion", default=None, help="Query completion (the loss is taken on it).")
+@messages_option
 @click.option("--id", "ids", multiple=True, type=int, required=True,
               help="Training example (row) to explain; repeatable.")
 @click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac", "adam"]),
@@ -35,7 +36,7 @@ def _show(title: str, ts, top: int) -> None:
 @engine_options(cpu_index=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per example (a line each), every token.")
 @user_errors
-def explain(index_dir, text, prompt, completion, ids, method, damping, layers, top, model_dir, data, device,
+def explain(index_dir, text, prompt, completion, messages, ids, method, damping, layers, top, model_dir, data, device,
             as_json):
     """Split the score of training example(s) --id for a query into one term per token, both sides."""
     from gradindex.apps.explain import Explainer
@@ -43,11 +44,12 @@ def explain(index_dir, text, prompt, completion, ids, method, damping, layers, t
 
     if (prompt is None) != (completion is None):
         raise ValueError("--prompt and --completion go together (the loss is taken on the completion)")
-    if (text is None) == (prompt is None):
-        raise ValueError("give one query: --query TEXT, or --prompt P --completion C")
-    query = text if text is not None else (prompt, completion)
+    if (text is not None) + (prompt is not None) + len(messages) != 1:
+        raise ValueError("give one query: --query TEXT, --prompt P --completion C, or --messages JSON")
+    query = text if text is not None else (prompt, completion) if prompt is not None else parse_messages(messages)[0]
     with QueryEngine(index_dir, model_dir, device=device, data=data) as engine:
         out = Explainer(engine).explain(query, list(ids), method, damping, list(layers) or None)
+        shown = dict(zip(ids, engine.texts.texts(list(ids)), strict=True))
     for e in out:
         if as_json:
             click.echo(json.dumps(e.to_dict()))
@@ -55,7 +57,11 @@ def explain(index_dir, text, prompt, completion, ids, method, damping, layers, t
         where = f"{len(e.layers)} layers" if len(e.layers) > 1 else e.layers[0]
         click.echo(f"training example {e.id}: score {e.score:.6g} ({e.method}"
                    f"{f', damping {e.damping}' if e.damping is not None else ''}; {where})")
-        click.echo(f"  text: {' '.join(''.join(e.train.tokens).split())[:200]}")
+        text = shown.get(e.id) or "".join(e.train.tokens)
+        if "\n[" in text:  # a conversation: one turn a line, with its role
+            click.echo("  turns:\n" + "\n".join(f"    {t[:200]}" for t in text.splitlines()))
+        else:
+            click.echo(f"  text: {' '.join(text.split())[:200]}")
         _show("training tokens", e.train, top)
         share = f" ({abs(e.residual) / abs(e.score):.1%} of the score)" if e.score else ""
         click.echo(f"  residual {e.residual:+.6g}{share}: the score minus the training tokens' sum; "

@@ -9,7 +9,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import human_bytes, user_errors
-from gradindex.manifest import read_manifest
+from gradindex.manifest import build_command, read_manifest, transcode_unfinished
 from gradindex.methods import methods_of
 
 INDEX_META = Path("faiss") / "index.json"
@@ -50,6 +50,7 @@ def summary(index_dir: str) -> dict:
                      "index_bytes": e.get("bytes")}
     return {
         "dir": str(d), "status": m.get("status"), "library_version": m.get("library_version"),
+        "transcode_unfinished": transcode_unfinished(m),
         "model": {"id": m.get("model_id"), "fingerprint": b.get("model_fingerprint"),
                   "dtype": m.get("dtype")},
         "data": {"id": m.get("data_id"), "examples": counts.get("examples"),
@@ -80,7 +81,8 @@ def info(index_dir, as_json):
             else f"{p.get('kind')} {p.get('k_g')}x{p.get('k_a')}")
     if s["basis"].get("kind", "raw") != "raw":
         proj += f", rows in the {s['basis']['kind']} whitened basis"
-    click.echo(f"index      {s['dir']} ({s['status']}, gradindex {s['library_version']})")
+    state = s["status"] if not s["transcode_unfinished"] else f"{s['status']} capture, transcode unfinished"
+    click.echo(f"index      {s['dir']} ({state}, gradindex {s['library_version']})")
     mo = s["model"]
     click.echo(f"model      {mo['id']} ({mo['dtype']}, fingerprint {str(mo['fingerprint'])[:12]})")
     d = s["data"]
@@ -94,7 +96,10 @@ def info(index_dir, as_json):
         click.echo(f"  {n}  {v['module']} {v['in_out'][0]}->{v['in_out'][1]}  {shape}  {idx}")
     click.echo(f"methods    {', '.join(s['methods'])}")
     ix = s["index"]
-    if ix is None:
+    if s["transcode_unfinished"]:
+        click.echo(f"indices    none: the build stopped during its transcode; finish it with "
+                   f"`{build_command(index_dir, read_manifest(index_dir), extra='', index=True)}`")
+    elif ix is None:
         click.echo(f"indices    none (build them with `gradindex index {index_dir}`)")
     else:
         sp = ix["space"]

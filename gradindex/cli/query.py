@@ -9,15 +9,15 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, number, user_errors
+from gradindex.cli.common import damping_option, engine_options, messages_option, number, parse_messages, user_errors
 from gradindex.methods import ALL_METHODS
 
 
-def _queries(texts, prompt, completion, queries_file, text_field) -> list[dict]:
-    """Every query of the command line as a record dict (texts, the prompt/completion pair, the file's)."""
+def _queries(texts, prompt, completion, queries_file, text_field, messages=()) -> list[dict]:
+    """Every query of the command line as a record dict (texts, the prompt/completion pair, chats, the file's)."""
     from gradindex.query import read_queries
 
-    out: list = list(texts)
+    out: list = list(texts) + parse_messages(messages)
     if (prompt is None) != (completion is None):
         raise ValueError("--prompt and --completion go together (the loss is taken on the completion)")
     if prompt is not None:
@@ -25,7 +25,8 @@ def _queries(texts, prompt, completion, queries_file, text_field) -> list[dict]:
     if queries_file:
         out.extend(read_queries(queries_file))
     if not out:
-        raise ValueError("nothing to query: pass --text T, --prompt P --completion C, or --queries FILE")
+        raise ValueError("nothing to query: pass --text T, --prompt P --completion C, --messages JSON, "
+                         "or --queries FILE")
     return [{text_field: q} if isinstance(q, str) else q for q in out]
 
 
@@ -65,6 +66,7 @@ def _json(r) -> list[dict]:
 @click.option("--text", "texts", multiple=True, help="A query text (loss on every next token); repeatable.")
 @click.option("--prompt", default=None, help="Query prompt (no loss), with --completion.")
 @click.option("--completion", default=None, help="Query completion (the loss is taken on it).")
+@messages_option
 @click.option("--queries", "queries_file", type=click.Path(dir_okay=True, exists=True),
               help="File of queries, any format and fields `gradindex build` reads.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
@@ -91,10 +93,10 @@ def _json(r) -> list[dict]:
               help="Print one JSON list of results per query (a line each); every result also names the "
                    "method, the damping and the query's seconds per stage.")
 @user_errors
-def query(index_dir, texts, prompt, completion, queries_file, text_field, k, method, damping, layers, lowest,
+def query(index_dir, texts, prompt, completion, messages, queries_file, text_field, k, method, damping, layers, lowest,
           rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json):
     """Find the training examples in INDEX_DIR that most influenced each query."""
-    qs = _queries(texts, prompt, completion, queries_file, text_field)
+    qs = _queries(texts, prompt, completion, queries_file, text_field, messages)
     if (Path(index_dir) / "trajectory.json").is_file():  # a TracIn index over checkpoints
         from gradindex.apps.tracin import TracInEngine
 

@@ -46,7 +46,7 @@ from gradindex.index.opened import OpenIndex, open_index
 from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
 from gradindex.lock import index_lock
-from gradindex.manifest import FORMAT_VERSION, write_manifest
+from gradindex.manifest import FORMAT_VERSION, refuse_unfinished_transcode, write_manifest
 from gradindex.progress import progress_bar
 from gradindex.store import Store
 from gradindex.store.repair import check_store
@@ -103,6 +103,7 @@ def build_indices(index_dir: str | os.PathLike | OpenIndex, cfg: IndexConfig = I
 
 def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: float) -> IndexBuildResult:
     index_dir, store, manifest, N = ix.dir, ix.store, ix.manifest, ix.n
+    refuse_unfinished_transcode(index_dir, manifest, f"index it with `gradindex index {index_dir}` if need be")
     damage = check_store(index_dir, full=True, manifest=manifest)
     if damage:
         raise damage_error(index_dir, damage, then=f"`gradindex index {index_dir}`")

@@ -16,7 +16,7 @@ from gradindex.index import gpu
 from gradindex.index.factory import apply_search_params, is_coded_exhaustive, is_exhaustive
 from gradindex.index.files import NORMS, check_faiss, index_command, layer_path, live_dir, read_meta_at, staging_dir
 from gradindex.index.space import IndexSpace
-from gradindex.manifest import IndexMismatchError, identity_differences
+from gradindex.manifest import IndexMismatchError, identity_differences, refuse_unfinished_transcode
 
 
 def rebuild_hint(index_dir: str | os.PathLike) -> str:
@@ -68,6 +68,7 @@ class LayerIndex:
 
 
 def _check(meta: dict | None, d: Path, index_dir: str | os.PathLike, manifest: dict, n: int) -> dict:
+    refuse_unfinished_transcode(index_dir, manifest, "query it")
     if meta is None and staging_dir(index_dir).exists():
         raise ValueError(f"the first index build in {str(staging_dir(index_dir))!r} did not finish; "
                          f"resume it with `gradindex index {index_dir}`")

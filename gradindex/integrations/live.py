@@ -43,6 +43,7 @@ from torch import nn
 
 import gradindex
 from gradindex import distributed
+from gradindex.adapter import adapter_fingerprint, unwrap_peft
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.batch import finite_rows
 from gradindex.data import IGNORE, token_hash
@@ -106,6 +107,9 @@ class CaptureOptions:
     data_id: str = ""
     """Training data file recorded in the manifest (queries show its texts)."""
     text_field: str = "text"
+    chat_template: str = ""
+    """The chat template of ``messages`` training data (``text_field="messages"``), recorded so that queries and
+    fits tokenize chats alike; the Trainer callback takes the trainer's tokenizer's when it is not given."""
     overwrite: bool = False
     """Replace a non-empty ``out_dir``."""
     extra: dict = field(default_factory=dict)
@@ -153,12 +157,13 @@ class LiveCapture:
         if options.keep not in ("last", "first"):
             raise ValueError(f"keep={options.keep!r} is not one of ['last', 'first']")
         self.model = distributed.unwrap(model)  # hooks go on the model the wrapper calls
+        self.inner = unwrap_peft(self.model)  # a PeftModel's LoRA layers are named as on the base model
         self.out = Path(out_dir)
         self.opt = options
         self.spec = options.spec()
         check_storage(options.storage)
         self._check_out_dir()
-        self.capture = GradientCapture(self.model, options.layers or None, self.spec, options.route, weight_free=False)
+        self.capture = GradientCapture(self.inner, options.layers or None, self.spec, options.route, weight_free=False)
         self.dims = {n: self.capture.dim(n) for n in self.capture.infos}
         self.log = CaptureLog(rank_dir(self.out, distributed.rank()), self.dims, part_rows=options.shard_size)
         self.step = 0
@@ -395,7 +400,7 @@ class LiveCapture:
         finally:
             self.detach()
             self.log.close()
-        fingerprint = model_fingerprint(self.model)  # on every rank: FSDP2 gathers each parameter
+        fingerprint = model_fingerprint(self.inner)  # on every rank: FSDP2 gathers each parameter
         stats = distributed.gather((self._scales, self._max_batch, self.step))
         distributed.barrier()  # every rank's capture log is complete: rank 0 assembles them
         if distributed.rank() > 0:
@@ -428,8 +433,10 @@ class LiveCapture:
     def _manifest(self, res, n: int, fingerprint: str) -> dict:
         cap, o = self.capture, self.opt
         scales = np.asarray([s for s in self._scales if math.isfinite(s)])
+        adapter = adapter_fingerprint(self.inner)
         build = {
             "model_fingerprint": fingerprint,
+            **({"adapter_fingerprint": adapter} if adapter else {}),
             "dtype": model_dtype(self.model),
             "storage": o.storage,
             "data_fingerprint": res.data_fingerprint,
@@ -447,6 +454,7 @@ class LiveCapture:
             "status": "complete",
             "model_id": o.model_id,
             "data_id": o.data_id,
+            **({"chat_template": o.chat_template} if o.chat_template else {}),
             "build": build,
             "config": {"projection": self.spec.to_dict(), "layers": list(o.layers), "max_length": o.max_length,
                        "batch_size": self._max_batch, "route": o.route, "shard_size": o.shard_size,

@@ -6,6 +6,7 @@ import os
 
 from transformers import TrainerCallback
 
+from gradindex.chat import MESSAGES, template_of
 from gradindex.integrations.live import MISSING_ROWS, ROW_KEY, LiveCapture
 from gradindex.integrations.loop import capture_options
 
@@ -46,6 +47,9 @@ class GradIndexCallback(TrainerCallback):
             self._num_rows = len(dataset)
         if not self.options.model_id:
             self.options.model_id = str(args.output_dir)
+        tok = kw.get("processing_class") or kw.get("tokenizer")
+        if self.options.text_field == MESSAGES and not self.options.chat_template and tok is not None:
+            self.options.chat_template = template_of(tok) or ""
         self.live = LiveCapture(model, self.out_dir, self.options)
         self.live.set_optimizer(optimizer)
         self.live.step = state.global_step

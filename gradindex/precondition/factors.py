@@ -152,16 +152,18 @@ def load_build_model(manifest: dict, device: str = "auto"):
     """The model and tokenizer that built the index (``manifest['model_id']``), fingerprint-checked."""
     from pathlib import Path
 
-    from gradindex.model import load_causal_lm
+    from gradindex.adapter import is_adapter_dir
+    from gradindex.model import index_model_options, load_causal_lm
 
     model_id = manifest.get("model_id", "")
-    if not model_id or not (Path(model_id) / "config.json").exists():
+    if not model_id or not ((Path(model_id) / "config.json").exists() or is_adapter_dir(model_id)):
         raise FileNotFoundError(
             f"fitting factors needs a pass over the model, but the model that built this index "
             f"({model_id!r}) is not found; pass the model to the fit, or rebuild with "
             "`gradindex build ... --precondition kfac|ekfac` so the factors are collected in the build pass"
         )
-    model, tok = load_causal_lm(model_id, dtype=manifest.get("dtype", "float32"), device=device)
+    model, tok = load_causal_lm(model_id, dtype=manifest.get("dtype", "float32"), device=device,
+                                **index_model_options(manifest))
     fp = model_fingerprint(model)
     if fp != manifest["build"]["model_fingerprint"]:
         raise IndexMismatchError(

@@ -14,9 +14,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gradindex.adapter import adapter_fingerprint
 from gradindex.capture import GradientCapture
 from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
+from gradindex.chat import set_chat_template, template_of
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
 from gradindex.manifest import IndexMismatchError, identity_differences
@@ -130,14 +132,17 @@ class QueryEngine:
     # -- opening ------------------------------------------------------------------------------
     def _open_model(self, model_dir, device: str, dtype: str | None, optimizer_state=None) -> None:
         if self.model is None:
-            from gradindex.model import load_causal_lm
+            from gradindex.model import index_model_options, load_causal_lm
 
             path = Path(model_dir or self.manifest.get("model_id") or "")
             if not str(path) or not path.exists():
                 raise FileNotFoundError(f"the model that built this index, {str(path)!r}, is not there; "
                                         "pass its directory (model_dir= / --model)")
             dtype = dtype or self.manifest.get("dtype", "float32")
-            self.model, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device)
+            self.model, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device,
+                                                        **index_model_options(self.manifest))
+        if self.manifest.get("chat_template") and self.tokenizer is not None and template_of(self.tokenizer) is None:
+            set_chat_template(self.tokenizer, self.manifest["chat_template"])  # the template the build used
         build = self.manifest["build"]
         try:
             spec = self.index.projection
@@ -157,6 +162,7 @@ class QueryEngine:
                 "the index was built from, or rebuild the index"
             ) from None
         now = {"model_fingerprint": model_fingerprint(self.model), "projection": spec.to_dict(),
+               "adapter_fingerprint": adapter_fingerprint(self.model),
                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                "optimizer": optimizer,
                "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,

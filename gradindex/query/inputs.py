@@ -16,6 +16,7 @@ import datasets
 import numpy as np
 import torch
 
+from gradindex.chat import MESSAGES, render_turns
 from gradindex.data import IGNORE, load_records, tokenize_records
 
 
@@ -120,6 +121,8 @@ def describe(rec: dict, text_field: str = "text", sep: str = "|") -> str:
         return str(rec[text_field])
     if "prompt" in rec:
         return f"{rec['prompt']}{sep}{rec.get('completion', '')}"
+    if rec.get(MESSAGES) is not None:
+        return render_turns(rec[MESSAGES], sep=f" {sep} ")
     return f"[{len(rec.get('input_ids', []))} token ids]"
 
 

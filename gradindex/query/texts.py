@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gradindex.chat import MESSAGES, render_turns
 from gradindex.data import load_records, token_hash, tokenize_records
 from gradindex.store import Store
 
@@ -81,6 +82,8 @@ class TrainingTexts:
                 out.append(None)
             elif self.field == "prompt+completion":
                 out.append(f"{rec['prompt']}{rec['completion']}")
+            elif self.field == MESSAGES:
+                out.append(render_turns(rec[MESSAGES]))
             elif self.field == "input_ids":
                 out.append(self.tokenizer.decode(token_ids[j]))
             else:

@@ -15,6 +15,7 @@ from torch import nn
 
 import gradindex
 from gradindex import distributed
+from gradindex.adapter import adapter_fingerprint, adapter_path
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.batch import batch_gradients, finite_rows
@@ -22,6 +23,7 @@ from gradindex.capture.gram import upper_to_symmetric
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
+from gradindex.chat import MESSAGES, template_of
 from gradindex.checksum import check_files, move_aside, recorded
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint
@@ -161,8 +163,10 @@ def model_dtype(model: nn.Module) -> str:
 
 def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: BuildConfig, data_fp: str,
               basis: dict, optimizer: dict | None) -> dict:
+    adapter = adapter_fingerprint(model)
     return {
         "model_fingerprint": model_fp,
+        **({"adapter_fingerprint": adapter} if adapter else {}),
         "dtype": model_dtype(model),
         "storage": cfg.capture_storage,
         "data_fingerprint": data_fp,
@@ -286,7 +290,9 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         "library_version": gradindex.__version__,
         "status": "building",
         "model_id": model_id,
+        **({"adapter_id": adapter_path(model)} if adapter_path(model) else {}),
         "data_id": data_id,
+        **({"chat_template": template_of(tokenizer)} if data.field == MESSAGES else {}),
         "build": identity,
         "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
                    "budget": str(cfg.budget),

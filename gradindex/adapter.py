@@ -1,0 +1,116 @@
+"""PEFT (LoRA) adapters: loading one onto its base model, finding its layers, hashing its weights.
+
+A LoRA layer computes ``y = W x + s · B (A x)``; PEFT keeps ``A`` and ``B`` as plain ``nn.Linear``
+modules (``...q_proj.lora_A.default``, ``...q_proj.lora_B.default``), so the linear capture rule
+gives their per-example gradients exactly: ``lora_A`` sees ``x`` and ``s Bᵀ g``, ``lora_B`` sees
+``A x`` and ``s g``. With an adapter loaded, those are the layers hooked by default; the base
+layers (``...q_proj.base_layer``) can be chosen with layer patterns too.
+
+The adapter is loaded into the base model in place (PEFT's injected model, not its wrapper), so
+layer names are the base model's plus ``.lora_A.default``: an index captured in a Trainer on a
+``PeftModel`` and a build from ``BASE --adapter DIR`` name the layers alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from torch import nn
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_LAYER = re.compile(r"\.lora_[AB]\.[^.]+$")
+"""Qualified names of LoRA's ``A`` and ``B`` linears (one per adapter name)."""
+NEEDS_PEFT = "loading a PEFT adapter needs the peft package: pip install 'gradindex[peft]'"
+
+
+def is_adapter_dir(path: str | os.PathLike) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(path: str | os.PathLike) -> str:
+    """The base model an adapter folder names (``base_model_name_or_path`` of its config)."""
+    p = Path(path) / ADAPTER_CONFIG
+    try:
+        base = json.loads(p.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{str(p)!r} is not a readable PEFT adapter config ({e}); save the adapter again "
+                         "(model.save_pretrained)") from None
+    if not base:
+        raise ValueError(f"the adapter in {str(path)!r} names no base model; pass it: "
+                         f"gradindex build BASE_DIR --adapter {path}")
+    return str(base)
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The model inside a ``PeftModel`` (LoRA layers injected in place), or ``model`` itself."""
+    if any(c.__name__ == "PeftModel" for c in type(model).__mro__):
+        inner = getattr(getattr(model, "base_model", None), "model", None)
+        if isinstance(inner, nn.Module):
+            return inner
+    return model
+
+
+def attach_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
+    """``model`` with the PEFT adapter of ``adapter_dir`` injected (frozen); refused when it does not fit."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ImportError(NEEDS_PEFT) from None
+    p = Path(adapter_dir)
+    if not is_adapter_dir(p):
+        raise FileNotFoundError(f"{str(p)!r} has no {ADAPTER_CONFIG}; pass a PEFT adapter folder "
+                                "(peft_model.save_pretrained(DIR)) or a merged model as the model")
+    fix = "pass the base model it was trained from (see base_model_name_or_path in its adapter_config.json)"
+    try:
+        wrapped = PeftModel.from_pretrained(model, str(p), is_trainable=False)
+    except Exception as e:  # noqa: BLE001 - peft and torch raise many types for a misfit
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"the adapter in {str(p)!r} does not fit this base model ({type(e).__name__}: "
+                         f"{first}); {fix}") from None
+    _check_all_loaded(wrapped, p, fix)
+    inner = unwrap_peft(wrapped)
+    inner.gradindex_adapter = str(p.resolve())
+    return inner
+
+
+def _check_all_loaded(wrapped: nn.Module, path: Path, fix: str) -> None:
+    """Refuse an adapter whose saved weights and the injected LoRA weights are not the same set."""
+    from safetensors import safe_open
+
+    f = path / "adapter_model.safetensors"
+    if not f.is_file():
+        return  # a .bin adapter: PEFT loaded it; no key check
+    with safe_open(str(f), "pt") as s:
+        saved = set(s.keys())
+    injected = {re.sub(r"\.(lora_[AB])\.[^.]+\.weight$", r".\1.weight", n)
+                for n, _ in wrapped.named_parameters() if ADAPTER_LAYER.search(n.rsplit(".", 1)[0])}
+    missing, extra = sorted(injected - saved), sorted(saved - injected)
+    if missing or extra:
+        what = (f"{len(missing)} LoRA weight(s) of the model are not in the file (e.g. {missing[0]})" if missing
+                else f"{len(extra)} saved weight(s) have no place in the model (e.g. {extra[0]})")
+        raise ValueError(f"the adapter in {str(path)!r} does not fit this base model: {what}; {fix}")
+
+
+def adapter_layers(names) -> list[str]:
+    """The names among ``names`` that are LoRA ``A``/``B`` linears."""
+    return [n for n in names if ADAPTER_LAYER.search(n)]
+
+
+def adapter_path(model: nn.Module) -> str | None:
+    """The adapter folder :func:`attach_adapter` loaded into ``model``, if any."""
+    return getattr(unwrap_peft(model), "gradindex_adapter", None)
+
+
+def adapter_fingerprint(model: nn.Module) -> str | None:
+    """Hash of every LoRA weight (names, dtypes, shapes, values), or ``None`` for a model without one."""
+    h, seen = hashlib.blake2b(digest_size=16), False
+    for name, p in unwrap_peft(model).named_parameters():
+        if ADAPTER_LAYER.search(name.rsplit(".", 1)[0]):
+            seen = True
+            h.update(f"{name}:{p.dtype}:{tuple(p.shape)}".encode())
+            h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest() if seen else None

@@ -1,0 +1,113 @@
+"""PEFT/LoRA adapters: per-example lora_A/lora_B gradients equal torch.func's, `build BASE --adapter DIR`
+end to end, a changed adapter refused like a changed model, an adapter that does not fit refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'gradindex[peft]' or '[dev]')")
+
+from fixtures.tiny import save_model_dir, tiny_qwen2  # noqa: E402
+from gradindex.adapter import adapter_layers  # noqa: E402
+from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
+from gradindex.capture.batch import batch_gradients  # noqa: E402
+from gradindex.cli import main  # noqa: E402
+from gradindex.data import per_example_loss  # noqa: E402
+from gradindex.model import load_causal_lm  # noqa: E402
+
+TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+
+
+def make_adapter(base_dir, out_dir, rank: int = 4, seed: int = 1, hidden: int = 32):
+    """A LoRA adapter of the model in ``base_dir`` with random (trained-looking) A and B, saved to ``out_dir``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("lora")
+    base_dir = save_model_dir(tiny_qwen2(vocab_size=len(tokenizer)), tokenizer, root / "base")
+    return base_dir, make_adapter(base_dir, root / "adapter")
+
+
+def test_per_example_adapter_gradients_equal_torch_func(lora):
+    base_dir, adapter_dir = lora
+    model, _ = load_causal_lm(base_dir, device="cpu", adapter=adapter_dir)
+    seqs = [[5, 9, 12, 40, 7, 3, 22], [8, 1, 30], [14, 2, 2, 9, 60]]
+    with GradientCapture(model, None, ProjectionSpec(kind="none", k_a=0, k_g=0), weight_free=True) as cap:
+        assert sorted(cap.modules) == sorted(adapter_layers(dict(model.named_modules())))
+        assert len(cap.modules) == 2 * len(TARGETS) * 2  # A and B of every target, 2 blocks
+        rows = batch_gradients(model, cap, seqs, seqs, pad_id=0).grads
+    params = {n: p.detach() for n, p in model.named_parameters() if ".lora_" in n}
+
+    def loss_of(lora_params, ids):
+        x = torch.tensor([ids])
+        out = torch.func.functional_call(model, {**dict(model.named_parameters()), **lora_params},
+                                         kwargs={"input_ids": x, "use_cache": False})
+        return per_example_loss(out.logits, x)[0].sum()
+
+    worst = 0.0
+    for b, ids in enumerate(seqs):
+        ref = torch.func.grad(loss_of)(params, ids)
+        for name in cap.modules:
+            want = ref[name + ".weight"].reshape(-1)
+            got = rows[name][b]
+            worst = max(worst, float((got - want).norm() / want.norm()))
+    assert worst <= 1e-5, worst
+
+
+def _build(base_dir, data, out, *extra):
+    return CliRunner().invoke(main, ["build", str(base_dir), str(data), "--out", str(out), "--projection", "none",
+                                     "--device", "cpu", "--quiet", "--precondition", "none", *map(str, extra)])
+
+
+def test_build_with_an_adapter_and_a_changed_adapter_refused(lora, text_jsonl, tmp_path):
+    from gradindex.query import QueryEngine
+
+    base_dir, _ = lora
+    adapter_dir = make_adapter(base_dir, tmp_path / "adapter")
+    out = tmp_path / "index"
+    r = _build(base_dir, text_jsonl, out, "--adapter", adapter_dir)
+    assert r.exit_code == 0, r.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["adapter_id"] == str(adapter_dir.resolve()) and m["build"]["adapter_fingerprint"]
+    assert m["build"]["layers"] and all(".lora_" in n for n in m["build"]["layers"])
+    with QueryEngine(out, device="cpu") as engine:
+        assert len(engine.query("the cat sat on a mat", k=3, method="graddot").hits) == 3
+    make_adapter(base_dir, adapter_dir, seed=2)  # the adapter changes after the build
+    with pytest.raises(ValueError, match=r"adapter \(--adapter\) differs"):
+        QueryEngine(out, device="cpu")
+    make_adapter(base_dir, adapter_dir, seed=1)
+    # the adapter folder alone is a model too (its config names the base)
+    r = _build(adapter_dir, text_jsonl, tmp_path / "alone", "--batch-size", 3)
+    assert r.exit_code == 0, r.output
+    m2 = json.loads((tmp_path / "alone" / "manifest.json").read_text())
+    assert m2["build"]["adapter_fingerprint"] == m["build"]["adapter_fingerprint"]
+    assert m2["build"]["model_fingerprint"] == m["build"]["model_fingerprint"]
+
+
+def test_an_adapter_that_does_not_fit_the_base_is_one_line(lora, tokenizer, text_jsonl, tmp_path):
+    base_dir, _ = lora
+    other = save_model_dir(tiny_qwen2(vocab_size=len(tokenizer), hidden=48, n_head=4, intermediate=64),
+                           tokenizer, tmp_path / "other")
+    wrong = make_adapter(other, tmp_path / "wrong")
+    r = _build(base_dir, text_jsonl, tmp_path / "x", "--adapter", wrong)
+    assert r.exit_code != 0
+    err = r.output.strip().splitlines()[-1]
+    assert "does not fit this base model" in err and "base model it was trained from" in err
+    assert not (tmp_path / "x" / "manifest.json").exists()
