@@ -95,54 +95,6 @@ def influence_share(lam: np.ndarray, damping: float) -> np.ndarray:
     return lam / (lam + delta)
 
 
-def influence_blocks(shares: Mapping[str, np.ndarray], cap_numbers: int, steps: int = 64) -> dict[str, tuple[int, int]]:
-    """layer → ``(k_a, k_g)``: the leading ``k_g × k_a`` block of each layer's eigen-coordinates, chosen
-    greedily over all layers to keep the most influence share within ``cap_numbers`` numbers per example.
-
-    ``shares``: layer → ``[n_g, n_a]`` shares (:func:`influence_share`) with both axes sorted by
-    eigenvalue, largest first. Each step grows one layer's block by about ``1/steps`` of a side,
-    the move with the most share per added number anywhere; the block's sides are returned as sizes
-    (0 = the whole side, stored exactly, as :func:`allocate` does). Every layer keeps at least 1x1.
-    """
-    if cap_numbers < len(shares):
-        raise ValueError(f"{cap_numbers} numbers per example cannot hold one number per layer for "
-                         f"{len(shares)} layers; raise --budget")
-    C = {n: np.pad(np.cumsum(np.cumsum(f, 0), 1), ((1, 0), (1, 0))) for n, f in shares.items()}  # [n_g+1, n_a+1]
-    state = {n: [1, 1] for n in shares}  # [k_g, k_a]
-    used = len(shares)
-
-    def best_move(n: str) -> tuple[float, int, int, int] | None:
-        kg, ka = state[n]
-        n_g, n_a = shares[n].shape
-        moves = []
-        dg, da = min(max(1, n_g // steps), n_g - kg), min(max(1, n_a // steps), n_a - ka)
-        if dg > 0:
-            moves.append(((C[n][kg + dg, ka] - C[n][kg, ka]) / (dg * ka), dg * ka, dg, 0))
-        if da > 0:
-            moves.append(((C[n][kg, ka + da] - C[n][kg, ka]) / (da * kg), da * kg, 0, da))
-        fits = [m for m in moves if m[1] <= cap_numbers - used]
-        return max(fits) if fits else None
-
-    moves = {n: best_move(n) for n in shares}
-    while True:
-        live = {n: m for n, m in moves.items() if m is not None}
-        if not live:
-            break
-        n = max(live, key=lambda k: live[k][0])
-        gain, cost, dg, da = live[n]
-        if gain <= 0:
-            break
-        state[n][0] += dg
-        state[n][1] += da
-        used += cost
-        moves = {k: best_move(k) for k in shares}
-    out = {}
-    for n, (kg, ka) in state.items():
-        n_g, n_a = shares[n].shape
-        out[n] = (0 if ka >= n_a else ka, 0 if kg >= n_g else kg)
-    return out
-
-
 def influence_counts(spectra: Mapping[str, tuple[np.ndarray, np.ndarray]], cap_numbers: int) -> dict[str, np.ndarray]:
     """layer → ``m`` ``[n_g]`` (non-increasing): keep eigen-coordinates ``(i, j)`` with ``j < m_i``.
 
