@@ -143,6 +143,12 @@ class FidelityConfig:
     study_grid: str = "full"
     """``full``, ``quick`` (a handful of codecs) or ``default`` (the library's default codes and their nearest
     alternatives): the study's compressions (``_study.grid``)."""
+    baselines: bool = True
+    """Also score BM25, Rep-Sim and TrackStar (benchmarks/baselines.py) and refined EK-FAC (unprojected column)."""
+    refine_steps: int = 4
+    """CG steps of the refined EK-FAC row (``gradindex.query.refine``)."""
+    refine_sample: int = 64
+    """Training examples of its Gauss-Newton products."""
     study_dampings: tuple[float, ...] = ()
     """Rerun the study's grid at each of these relative dampings too, on the same gradients and retrainings
     (``study.by_damping``; ``damping`` is always measured)."""
@@ -157,7 +163,8 @@ class FidelityConfig:
 DEFAULT_WORK = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gradindex" / "fidelity"
 QUICK = FidelityConfig(n_train=32, n_query=8, max_tokens=24, vocab=300, n_embd=32, steps=24, batch=16,
                        n_subsets=5, retrain_seeds=2, projections=("8", "none"), proj_seeds=1,
-                       dampings=(0.1,), corpora=("stdlib",), n_facts=2, top_k=5, study_grid="quick")
+                       dampings=(0.1,), corpora=("stdlib",), n_facts=2, top_k=5, study_grid="quick",
+                       refine_steps=2, refine_sample=8)
 CORPORA = {
     "stdlib": (stdlib_paragraphs, "prose paragraphs of Python standard library docstrings (fixtures/corpus.py)"),
     "gnu-info": (gnu_info_paragraphs, "prose paragraphs of the GNU info manuals of Debian's essential packages "
@@ -183,6 +190,8 @@ class Setup:
     fact_query: Tokenized | None = None
     """One query per fact: its prompt, with the loss on the completion only."""
     paragraphs_hash: str = ""
+    train_texts: tuple[str, ...] = ()
+    """The training texts (facts included), in row order (benchmarks/refine.py writes them as the index's data)."""
 
 
 def fact_positions(n_train: int, n_facts: int) -> list[int]:
@@ -214,7 +223,7 @@ def make_setup(cfg: FidelityConfig, corpus: str = "stdlib") -> Setup:
                                                       "completion": [c for _, c in facts]}),
                           tok, max(cfg.max_tokens, 64)) if facts else None  # never cut a fact's answer off
     return Setup(tok, train, query, corpus_hash([corpus] + tr + ["\0query"] + qu), corpus, tuple(facts),
-                 tuple(rows), fq, corpus_hash(paras))
+                 tuple(rows), fq, corpus_hash(paras), tuple(tr))
 
 
 def new_model(cfg: FidelityConfig, vocab: int) -> torch.nn.Module:
@@ -300,11 +309,12 @@ def scores(index_dir: Path, qgrads: dict[str, np.ndarray], method: str, damping:
     return np.asarray(s, dtype=np.float64)
 
 
-def build_for(model, setup: Setup, spec: ProjectionSpec, out: Path) -> tuple[BuildConfig, float]:
-    """Store + K-FAC/EK-FAC factors for one projection; returns the config and seconds spent."""
+def build_for(model, setup: Setup, spec: ProjectionSpec, out: Path, max_tokens: int = 512) -> tuple[BuildConfig, float]:
+    """Store + K-FAC/EK-FAC factors for one projection; returns the config and seconds spent. ``max_tokens``:
+    the training texts' truncation (so that the engine re-tokenizes ``setup.train_texts`` to the same rows)."""
     t0 = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)  # measure this library version, never a stale store
-    bcfg = BuildConfig(projection=spec, batch_size=16, precondition="ekfac")
+    bcfg = BuildConfig(projection=spec, batch_size=16, precondition="ekfac", max_length=max_tokens)
     build_index(model, setup.tokenizer, setup.train, out, bcfg, model_id="fidelity", progress=False)
     return bcfg, time.perf_counter() - t0
 
@@ -364,7 +374,8 @@ def train_full_model(cfg: FidelityConfig, setup: Setup, work: Path, log=print):
     t0 = time.perf_counter()
     model = new_model(cfg, vocab)
     model.load_state_dict(init)
-    train_model(model, setup.train.input_ids, cfg, seed=1000)
+    opts: list = []
+    train_model(model, setup.train.input_ids, cfg, seed=1000, optimizer_out=opts)
     t_train = time.perf_counter() - t0
     save_model_dir(model, setup.tokenizer, work / f"model-{setup.name}")
     full_train_loss = example_losses(model, setup.train)
@@ -377,6 +388,7 @@ def train_full_model(cfg: FidelityConfig, setup: Setup, work: Path, log=print):
             "train_tokens": tok_train, "query_tokens": tok_query, "seconds": round(t_train, 1)}
     log(f"[{setup.name}] model: {info['parameters']} parameters, trained in {t_train:.1f} s; loss/token "
         f"train {info['train_loss_per_token']:.3f}, query {info['query_loss_per_token']:.3f}")
+    info["optimizer"] = opts[0]  # its final second moments: TrackStar (benchmarks/baselines.py); not in the JSON
     return model, init, info
 
 
@@ -407,13 +419,15 @@ def run_corpus(cfg: FidelityConfig, corpus: str, work: Path, workers: int = 1, t
         for ps in range(n_seeds):
             spec = ProjectionSpec.parse(proj, seed=ps)
             idx = work / f"index-{proj}-s{ps}-{cfg.retrain_key(setup.corpus)}"
-            bcfg, secs = build_for(model, setup, spec, idx)
+            bcfg, secs = build_for(model, setup, spec, idx, cfg.max_tokens)
             build_s[proj] = build_s.get(proj, 0.0) + secs
             q = query_gradients(model, setup.tokenizer, setup.query, bcfg)
             dims[proj] = int(sum(v.shape[1] for v in q.values()))
             fq = query_gradients(model, setup.tokenizer, setup.fact_query, bcfg) if setup.facts else None
             if proj == "none":
                 diagnostics = curvature_diagnostics(idx, q)
+                if cfg.baselines:
+                    _extra_rows(raw, cfg, setup, model, model_info, idx, work, masks, losses)
             for method in cfg.methods:
                 for d in (cfg.dampings if method in FITTED else (cfg.damping,)):
                     s = scores(idx, q, method, d)
@@ -473,6 +487,31 @@ def run_corpus(cfg: FidelityConfig, corpus: str, work: Path, workers: int = 1, t
     return out
 
 
+def _extra_rows(raw: dict, cfg: FidelityConfig, setup: Setup, model, model_info: dict, idx: Path, work: Path,
+                masks: np.ndarray, losses: np.ndarray) -> None:
+    """The baselines (BM25, Rep-Sim, TrackStar) and refined EK-FAC at ``cfg.damping``, as rows of the unprojected
+    column of the table."""
+    from benchmarks.baselines import baseline_scores, refined_scores
+    from gradindex.query.refine import RefineConfig
+
+    F = setup.fact_query if setup.facts else None
+    ids = setup.query.input_ids + (F.input_ids if F else [])
+    labels = setup.query.labels + (F.labels if F else [])
+    Q = len(setup.query)
+    found = baseline_scores(model, model_info["optimizer"], setup.train.input_ids, setup.train.labels, ids, labels,
+                            setup.tokenizer.pad_token_id)
+    data = work / f"train-{setup.name}.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in setup.train_texts))
+    found["ekfac-refined"] = refined_scores(idx, model, setup.tokenizer, data, ids, labels, cfg.damping,
+                                            RefineConfig(steps=cfg.refine_steps, sample=cfg.refine_sample))
+    for name, s in found.items():
+        ev = evaluate(s[:Q], masks, losses)
+        ev["top"] = top_indices(s[:Q], cfg.top_k)
+        if F:
+            ev["fact_recall"] = fact_recall(s[Q:], setup.fact_rows)
+        raw[(name, "none", cfg.damping)] = [ev]
+
+
 def run(cfg: FidelityConfig, work: Path, workers: int = 1, threads: int = 1, log=print,
         retrain_only: bool = False) -> dict:
     """The whole benchmark over ``cfg.corpora``; returns the results dictionary (what ``--out`` gets)."""
@@ -519,12 +558,12 @@ def format_table(result: dict) -> str:
         lines += [f"== {corpus}: LDS (damping {cfg['damping']}; mean ± seed spread; noise ceiling "
                   f"{res['noise_ceiling'] and round(res['noise_ceiling'], 3)}) | share of full-space EK-FAC | "
                   f"top-{k} overlap | fact recall@1",
-                  "method   " + "".join(f"{p:>34}" for p in projs)]
+                  "method       " + "".join(f"{p:>34}" for p in projs)]
         for method, row in res["lds"].items():
             cells = "".join(f"{row[p]['lds']:>9.3f}±{row[p]['seed_spread']:.3f} {row[p].get('lds_share', 0):5.2f} "
                             f"{row[p].get(f'top{k}_overlap', 0):5.2f} {row[p].get('fact_recall', 0):5.2f}"
-                            for p in projs if p in row)
-            lines.append(f"{method:<9}" + cells)
+                            if p in row else " " * 34 for p in projs)  # baselines: the unprojected column only
+            lines.append(f"{method:<13}" + cells)
         for method, per in res.get("damping_sweep", {}).items():
             for p, vals in per.items():
                 lines.append(f"sweep {method:<6}{p:>5}: " + ", ".join(f"δ={d}: {v:.3f}" for d, v in vals.items()))

@@ -170,6 +170,7 @@ class Explainer:
                 layers: Sequence[str] | str | None = None, text_field: str = "text") -> list[Explanation]:
         """One explanation per training row in ``ids`` for ``query`` (any form ``QueryEngine.query`` takes)."""
         e = self.engine
+        e.index.check_current()
         method = e.resolve_method(method)
         base, selfnorm = parse_method(method)
         if selfnorm or base not in METHODS:
@@ -189,6 +190,9 @@ class Explainer:
         q_grads, (q_fac,) = self.factors([q_ids], [q_labels])
         shapes = {n: e.capture.dims(n) for n in chosen}
         q_rows = {n: torch.from_numpy(to_rows(e.basis, n, q_grads[n].numpy(), shapes[n])) for n in chosen}
+        refine = e.refine_config(None, method)  # the engine's refinement (--refine), where the method has one
+        if refine is not None:  # the training side splits the refined score; the query side stays EK-FAC's
+            q_rows = e.refined_rows(tokens, q_rows, method, damping, chosen, refine)
         m, _, _ = query_vectors(e.indices.space, e.pre, on_rows, damping, q_rows)
         stored = e.store.read_rows(np.array(ids, dtype=np.int64), chosen)
         mt = {n: e.pre.apply(on_rows, n, torch.from_numpy(stored[n].astype(np.float64)), -1.0, damping).numpy()

@@ -135,7 +135,7 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
           projection_kind, seed, layers, adapter, chat_template, text_field, max_length, batch_size, dtype, device,
           route, storage, shard_size, overwrite, repair, precondition, transcode, damping, fisher, fisher_seed,
           optimizer_state, adam_mode, full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index,
-          quiet):
+          quiet, sketch_bytes=2048):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex import distributed
     from gradindex.capture import ProjectionSpec
@@ -153,7 +153,19 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
-    icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
+    icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index, sketch_bytes)
+    if basis == "eigen":  # the rows are whitened EK-FAC coordinates at capture: nothing to fit or transcode
+        precondition, transcode = "none", "none"
+        storage = "int4" if storage == "auto" else storage
+    if transcode == "auto":
+        transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
+    if storage == "auto":
+        storage = "int4" if transcode == "ekfac" else "int8"
+    if not no_index and whiten != "none" and (transcode == "ekfac" or basis == "eigen"):
+        raise ValueError(f"--whiten {whiten} does not apply: the rows are in the EK-FAC whitened "
+                         "eigenbasis (already whitened); drop --whiten, or add --transcode none")
+    if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
+        raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
     resolve_device(device)
     if distributed.init_from_env(device):  # under torchrun: each rank captures its share of the shards
         device = distributed.local_device(device)
@@ -164,18 +176,6 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
                                     chat_template=chat_template)
         if not layers and not adapter:
             note_unhooked(model)
-        if basis == "eigen":  # the rows are whitened EK-FAC coordinates at capture: nothing to fit or transcode
-            precondition, transcode = "none", "none"
-            storage = "int4" if storage == "auto" else storage
-        if transcode == "auto":
-            transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
-        if storage == "auto":
-            storage = "int4" if transcode == "ekfac" else "int8"
-        if not no_index and whiten != "none" and (transcode == "ekfac" or basis == "eigen"):
-            raise ValueError(f"--whiten {whiten} does not apply: the rows are in the EK-FAC whitened "
-                             "eigenbasis (already whitened); drop --whiten, or add --transcode none")
-        if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
-            raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
         if not auto:  # --projection auto stores what --budget buys
             check_capture_memory(model, spec, layers, batch_size, projection)
         records = load_records(data)

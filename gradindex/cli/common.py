@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 
 import click
 
@@ -47,6 +48,12 @@ def user_errors(fn):
             raise UserError(one_line(e)) from e
 
     return wrapper
+
+
+def status(msg: str) -> None:
+    """A progress line on stderr when it is a terminal (never in a pipe, a file or a test's capture)."""
+    if sys.stderr.isatty():
+        click.echo(msg, err=True)
 
 
 def data_options(fn):
@@ -93,6 +100,34 @@ def damping_option(help: str = "Relative damping (kfac, ekfac)."):
     a non-finite or non-positive value is refused before any work."""
     return click.option("--damping", default=DEFAULT_DAMPING, show_default=True, type=float, help=help,
                         callback=_positive_damping)
+
+
+def refine_options(fn):
+    """``--refine cg|neumann``, ``--refine-steps``, ``--refine-sample``: refined EK-FAC queries (docs/query.md);
+    the command receives them as one ``refine`` argument for :func:`refine_config`."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, refine=None, refine_steps=4, refine_sample=64, **kwargs):
+        return fn(*args, refine=None if refine is None else (refine, refine_steps, refine_sample), **kwargs)
+
+    wrapper = click.option("--refine-sample", default=64, show_default=True, type=click.IntRange(min=1),
+                           help="Training examples the refinement's Gauss-Newton products average over.")(wrapper)
+    wrapper = click.option("--refine-steps", default=4, show_default=True, type=click.IntRange(min=0),
+                           help="Refinement steps (curvature products per query; 0 = plain EK-FAC).")(wrapper)
+    return click.option("--refine", default=None, type=click.Choice(["cg", "neumann"]),
+                        help="Refine kfac/ekfac queries against the model's Gauss-Newton matrix, EK-FAC "
+                             "preconditioned (ASTRA-style; needs the training data).")(wrapper)
+
+
+def refine_config(refine):
+    """The :class:`~gradindex.query.refine.RefineConfig` of :func:`refine_options`' argument (``None``: none)."""
+    if refine is None:
+        return None
+    from gradindex.query.refine import RefineConfig
+
+    method, steps, sample = refine
+    return RefineConfig(method=method, steps=steps, sample=sample)
 
 
 def engine_options(cpu_index: bool = True):

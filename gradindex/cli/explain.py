@@ -7,7 +7,15 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, messages_option, parse_messages, user_errors
+from gradindex.cli.common import (
+    damping_option,
+    engine_options,
+    messages_option,
+    parse_messages,
+    refine_config,
+    refine_options,
+    user_errors,
+)
 
 
 def _show(title: str, ts, top: int) -> None:
@@ -35,9 +43,10 @@ def _show(title: str, ts, top: int) -> None:
               help="Tokens shown per side (text output).")
 @engine_options(cpu_index=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per example (a line each), every token.")
+@refine_options
 @user_errors
 def explain(index_dir, text, prompt, completion, messages, ids, method, damping, layers, top, model_dir, data, device,
-            as_json):
+            as_json, refine):
     """Split the score of training example(s) --id for a query into one term per token, both sides."""
     from gradindex.apps.explain import Explainer
     from gradindex.query import QueryEngine
@@ -47,7 +56,7 @@ def explain(index_dir, text, prompt, completion, messages, ids, method, damping,
     if (text is not None) + (prompt is not None) + len(messages) != 1:
         raise ValueError("give one query: --query TEXT, --prompt P --completion C, or --messages JSON")
     query = text if text is not None else (prompt, completion) if prompt is not None else parse_messages(messages)[0]
-    with QueryEngine(index_dir, model_dir, device=device, data=data) as engine:
+    with QueryEngine(index_dir, model_dir, device=device, data=data, refine=refine_config(refine)) as engine:
         out = Explainer(engine).explain(query, list(ids), method, damping, list(layers) or None)
         shown = dict(zip(ids, engine.texts.texts(list(ids)), strict=True))
     for e in out:

@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, messages_option, number, parse_messages, user_errors
+from gradindex.cli.common import (
+    damping_option,
+    engine_options,
+    messages_option,
+    number,
+    parse_messages,
+    refine_config,
+    refine_options,
+    status,
+    user_errors,
+)
 from gradindex.methods import ALL_METHODS
 
 
@@ -81,7 +92,9 @@ def _json(r) -> list[dict]:
 @click.option("--rerank-full", default=0, show_default=True, type=click.IntRange(min=0),
               help="Re-rank the index's top N candidates in full (unprojected) space, any method "
                    "(kfac/ekfac need `gradindex precondition INDEX --method M --space full`).")
-@click.option("--candidates", default=None, type=click.IntRange(min=1), help="ANN results per layer (default 2000).")
+@click.option("--candidates", default=None, type=click.IntRange(min=1),
+              help="Sketch index: examples its first tier hands to the exact re-rank (default 200); "
+                   "per-layer FAISS indices: ANN results per layer (default 2000).")
 @click.option("--shortlist", default=None, type=click.IntRange(min=1),
               help="Of those, kept per layer after exact per-layer scoring (default 100).")
 @click.option("--nprobe", default=None, type=click.IntRange(min=1),
@@ -92,9 +105,11 @@ def _json(r) -> list[dict]:
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON list of results per query (a line each); every result also names the "
                    "method, the damping and the query's seconds per stage.")
+@refine_options
 @user_errors
 def query(index_dir, texts, prompt, completion, messages, queries_file, text_field, k, method, damping, layers, lowest,
-          rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json):
+          rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json,
+          refine):
     """Find the training examples in INDEX_DIR that most influenced each query."""
     qs = _queries(texts, prompt, completion, queries_file, text_field, messages)
     if (Path(index_dir) / "trajectory.json").is_file():  # a TracIn index over checkpoints
@@ -103,23 +118,30 @@ def query(index_dir, texts, prompt, completion, messages, queries_file, text_fie
         if method not in (None, "tracin"):
             raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method tracin, "
                              f"not {method}")
+        status(f"loading the checkpoints and index {index_dir} ...")
         with TracInEngine(index_dir, device=device, data=data) as engine:
+            status(f"searching for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} ...")
             results = engine.query_batch(qs, k=k, lowest=lowest, layers=layers or None)
     else:
         results = _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist,
-                          nprobe, model_dir, data, device, cpu_index, optimizer_state, text_field)
+                          nprobe, model_dir, data, device, cpu_index, optimizer_state, text_field, refine)
     _show(qs, results, text_field, as_json)
 
 
 def _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist, nprobe,
-            model_dir, data, device, cpu_index, optimizer_state, text_field) -> list:
+            model_dir, data, device, cpu_index, optimizer_state, text_field, refine=None) -> list:
+    t0 = time.perf_counter()
+    status(f"loading model and index {index_dir} ...")  # before the imports: torch, transformers, datasets
     from gradindex.query import QueryEngine
 
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
                      optimizer_state=optimizer_state) as engine:
+        status(f"searching {engine.n:,} examples for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} "
+               f"(loaded in {time.perf_counter() - t0:.1f} s) ...")
         return engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
                                   lowest=lowest, rerank_full=rerank_full, candidates=candidates,
-                                  shortlist=shortlist, nprobe=nprobe, text_field=text_field)
+                                  shortlist=shortlist, nprobe=nprobe, text_field=text_field,
+                                  refine=refine_config(refine) or False)
 
 
 def _show(qs, results, text_field, as_json) -> None:

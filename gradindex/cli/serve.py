@@ -7,7 +7,7 @@ import os
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import engine_options, user_errors
+from gradindex.cli.common import engine_options, refine_config, refine_options, user_errors
 
 
 @main.command()
@@ -27,9 +27,10 @@ from gradindex.cli.common import engine_options, user_errors
               help="Seconds the worker waits after a query for others to batch with it.")
 @click.option("--layers", multiple=True, help="Glob of layers to load (repeatable). Default: all.")
 @engine_options()
+@refine_options
 @user_errors
 def serve(index_dir, host, port, token, request_timeout, queue_size, max_batch, batch_window, layers, model_dir, data,
-          device, cpu_index):
+          device, cpu_index, refine):
     """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /."""
     from gradindex.apps.serve import serve as run
     from gradindex.query import QueryEngine
@@ -41,7 +42,7 @@ def serve(index_dir, host, port, token, request_timeout, queue_size, max_batch, 
         raise ValueError("--request-timeout must be > 0, --queue-size and --max-batch >= 1, --batch-window >= 0; "
                          f"got {request_timeout:g}, {queue_size}, {max_batch}, {batch_window:g}")
     with QueryEngine(index_dir, model_dir, device=device, data=data, layers=list(layers) or None,
-                     use_gpu=not cpu_index) as engine:
+                     use_gpu=not cpu_index, refine=refine_config(refine)) as engine:
         click.echo(f"serving {index_dir} ({engine.n} examples) on http://{host}:{port}/"
                    f"{' (bearer token required)' if token else ''}; Ctrl-C stops", err=True)
         run(engine, host, port, token, request_timeout, queue_size, max_batch, batch_window)

@@ -26,8 +26,9 @@ from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, p
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
-from gradindex.query.full import full_gradient_scores
+from gradindex.query.full import full_gradient_scores, full_query_gradient
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
+from gradindex.query.refine import RefineConfig, Refiner, eigenbasis_curvature, preconditioner_curvature
 from gradindex.query.scores import score_matrix
 from gradindex.query.texts import TrainingTexts
 from gradindex.store.basis import capture_transforms, to_rows
@@ -106,8 +107,11 @@ class QueryEngine:
                  model=None, tokenizer=None, device: str = "auto", dtype: str | None = None,
                  data: str | os.PathLike | None = None, layers: Sequence[str] | None = None,
                  use_gpu: bool = True, load_model: bool = True, pad_id: int | None = None,
-                 optimizer_state: str | os.PathLike | None = None):
+                 optimizer_state: str | os.PathLike | None = None, refine: RefineConfig | None = None):
         self.index, self._owns_index = open_index(index)
+        self.refine = refine
+        """The default query refinement (None: plain EK-FAC queries)."""
+        self._refiner: Refiner | None = None
         try:
             self.dir, self.manifest, self.store = self.index.dir, self.index.manifest, self.index.store
             self.n = self.index.n
@@ -251,19 +255,25 @@ class QueryEngine:
     def query_batch(self, queries, k: int = 10, method: str | None = None, damping: float = DEFAULT_DAMPING,
                     layers: Sequence[str] | str | None = None, lowest: int = 0, rerank_full: int = 0,
                     candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
-                    texts: bool = True, text_field: str = "text") -> list[QueryResult]:
-        """Answer a batch of queries: capture, precondition, search, exact re-rank, texts.
+                    texts: bool = True, text_field: str = "text",
+                    refine: RefineConfig | bool | None = None) -> list[QueryResult]:
+        """Answer a batch of queries: capture, precondition, (refine), search, exact re-rank, texts.
 
         ``k`` results per query (best first), ``lowest`` most negative ones on request,
         ``rerank_full=C``: the top ``C`` candidates of the index re-scored in full (unprojected)
         space under ``method`` (:mod:`gradindex.query.full`; ``kfac``/``ekfac`` need the full-space
         fit, ``gradindex precondition --space full``), the best ``k`` of them returned;
         ``candidates`` (ANN results per layer), ``shortlist`` (kept per layer after exact
-        per-layer scoring) and the index's ``nprobe`` tune the ANN search (docs/query.md).
+        per-layer scoring) and the index's ``nprobe`` tune the ANN search (docs/query.md);
+        ``refine``: a :class:`~gradindex.query.refine.RefineConfig` (``None``: the engine's default,
+        ``False``: none) refines kfac/ekfac query vectors against the model's Gauss-Newton matrix
+        (docs/query.md, "Refined queries"), in the re-rank's full space too.
         """
         t0 = time.perf_counter()
         check_damping(damping)
+        self.index.check_current()  # before the gradient pass: refused at once when a build replaced the index
         method = self.resolve_method(method)
+        refine = self.refine_config(refine, method)
         if rerank_full < 0:
             raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
         full_pre = self.full_preconditioner(method) if rerank_full else None
@@ -271,19 +281,26 @@ class QueryEngine:
         tokens = self.tokenize(as_records(queries, text_field), text_field)
         grads, loss, ntok = self.gradients(tokens)
         t_grad = time.perf_counter() - t0
+        if refine is not None:
+            grads = self.refined_rows(tokens, grads, method, damping, self.select_layers(layers), refine)
+        t_refine = time.perf_counter() - t0 - t_grad
         results = self.search(grads, k=max(k, rerank_full), method=method, damping=damping, layers=layers,
                               lowest=lowest, candidates=candidates, shortlist=shortlist, nprobe=nprobe,
                               texts=texts)
         for j, r in enumerate(results):
             r.num_tokens, r.loss, r.truncated = int(ntok[j]), float(loss[j]), tokens.truncated[j]
             r.seconds["gradient"] = t_grad
+            if refine is not None:
+                r.seconds["refine"] = t_refine
+                r.notes.append(f"query refined: {refine.method}, {refine.steps} steps, Gauss-Newton products over "
+                               f"{min(refine.sample, self.n)} training examples")
             if r.truncated:
                 r.notes.append(f"query {j} was longer than the index's max length "
                                f"({self.manifest['build']['max_length']} tokens) and was truncated")
                 log.info(r.notes[-1])
             if rerank_full:
                 t1 = time.perf_counter()
-                self._rerank_full(r, (tokens.input_ids[j], tokens.labels[j]), rerank_full, full_pre, damping)
+                self._rerank_full(r, (tokens.input_ids[j], tokens.labels[j]), rerank_full, full_pre, damping, refine)
                 r.seconds["rerank_full"] = time.perf_counter() - t1
             r.hits = r.hits[:k]
         return results
@@ -299,20 +316,77 @@ class QueryEngine:
             self._full_pre[base] = load_full_preconditioner(self.dir, base)
         return self._full_pre[base]
     def scores(self, queries, method: str | None = None, damping: float = DEFAULT_DAMPING,
-               layers: Sequence[str] | str | None = None, text_field: str = "text") -> np.ndarray:
+               layers: Sequence[str] | str | None = None, text_field: str = "text",
+               refine: RefineConfig | bool | None = None) -> np.ndarray:
         """``[Q, N]`` float64 exact scores of every query against every training example.
 
         Column ``j`` is training example ``j``; row ``i`` is query ``i``. ``queries``: a batch as
         :meth:`query_batch` takes it, or per-layer projected gradients ``{layer: [Q, D]}``.
         The same numbers as the hits of :meth:`query_batch` (which ranks them), computed without
         the FAISS indices by streaming the store (:func:`gradindex.query.scores.score_matrix`).
+        ``refine`` as in :meth:`query_batch` (queries given as gradients are scored as they are).
         """
+        self.index.check_current()
         method = self.resolve_method(method)
+        chosen = self.select_layers(layers)
         if isinstance(queries, Mapping):
             grads = queries
         else:
-            grads, _, _ = self.gradients(self.tokenize(as_records(queries, text_field), text_field))
-        return score_matrix(self.index, grads, method, damping, self.select_layers(layers))
+            tokens = self.tokenize(as_records(queries, text_field), text_field)
+            grads, _, _ = self.gradients(tokens)
+            refine = self.refine_config(refine, method)
+            if refine is not None:
+                grads = self.refined_rows(tokens, grads, method, damping, chosen, refine)
+        return score_matrix(self.index, grads, method, damping, chosen)
+
+    # -- refinement ---------------------------------------------------------------------------
+    def refine_config(self, refine: RefineConfig | bool | None, method: str) -> RefineConfig | None:
+        """The refinement a call asked for, checked against ``method``: ``None`` takes the engine's default
+        (skipped for methods without an inverse curvature), ``True`` the default settings, ``False`` none."""
+        asked = refine is not None
+        cfg = RefineConfig() if refine is True and self.refine is None else (
+            self.refine if refine is None or refine is True else (refine or None))
+        if cfg is None:
+            return None
+        base, _ = parse_method(method)
+        on_rows = index_row_base(self.manifest, self.dir, base, method)
+        if base not in ("kfac", "ekfac") or (on_rows != base and not (base == "ekfac" and self.basis.kind == "ekfac")):
+            if not asked:
+                return None
+            raise ValueError(f"query refinement improves an EK-FAC/K-FAC inverse-curvature product; method "
+                             f"{method!r} on this index's {self.basis.kind!r} rows has none (use --method ekfac, or "
+                             "drop --refine)")
+        return cfg
+
+    @property
+    def refiner(self) -> Refiner:
+        """The engine's :class:`~gradindex.query.refine.Refiner` (training sample, curvature, cache), made once."""
+        self._need_model()
+        if self._refiner is None:
+            self._refiner = Refiner(self.model, self.capture, self.pad_id, self._refine_sample, self._row_curvature)
+        return self._refiner
+
+    def refined_rows(self, tokens: QueryTokens, grads: Mapping[str, torch.Tensor], method: str, damping: float,
+                     layers: Sequence[str], refine: RefineConfig) -> dict[str, torch.Tensor]:
+        """Query rows ``{layer: [Q, D]}`` refined under ``refine`` (cached per query and setting)."""
+        return self.refiner.rows(tokens, grads, method, damping, list(layers), refine)
+
+    def _refine_sample(self, cfg: RefineConfig) -> tuple[list[list[int]], list[list[int]]]:
+        """The training sample of the curvature products: ``cfg.sample`` rows drawn with ``cfg.seed``."""
+        rng = np.random.default_rng(cfg.seed)
+        ids = np.sort(rng.choice(self.n, min(cfg.sample, self.n), replace=False)).astype(np.int64)
+        x, y, ok = self.texts.tokens(ids)
+        if len(x) != len(ids) or not ok.all():
+            why = self.texts.problem or "its rows changed since the build"
+            raise ValueError(f"query refinement takes curvature products on training examples and needs the data the "
+                             f"index was built from ({why}); pass data= / --data")
+        return x, y
+
+    def _row_curvature(self, base: str, damping: float, layer: str):
+        if self.basis.kind == "ekfac":
+            b = self.basis
+            return eigenbasis_curvature(b.Q_S[layer], b.Q_A[layer], b.scale[layer], b.damping)
+        return preconditioner_curvature(self.pre.get(base), layer, damping)
 
     def search(self, grads: dict[str, torch.Tensor | np.ndarray], k: int = 10, method: str | None = None,
                damping: float = DEFAULT_DAMPING, layers: Sequence[str] | str | None = None, lowest: int = 0,
@@ -321,6 +395,7 @@ class QueryEngine:
         """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
         check_damping(damping)
+        self.index.check_current()
         method = self.resolve_method(method)
         asked, selfnorm = parse_method(method)
         base = index_row_base(self.manifest, self.dir, asked, method)  # the operation on stored rows
@@ -349,7 +424,10 @@ class QueryEngine:
         cosine = base == "cosine"
         want = max(k, lowest)
         short = [False] * len(next(iter(m.values())))
-        if all(self.indices.layers[n].exhaustive for n in chosen):
+        if self.indices.sketch is not None:  # two tiers: the sketch's top C, re-ranked exactly below
+            c = max(candidates or S.DEFAULT_SKETCH_CANDIDATES, k, lowest)
+            cands = S.sketch_candidates(self.indices, chosen, u, cosine, c, c if lowest else 0, scale)
+        elif all(self.indices.layers[n].exhaustive for n in chosen):
             # scores from scalar codes are approximate: a shortlist of them goes to the exact re-rank
             coded = any(self.indices.layers[n].coded for n in chosen)
             wide = (shortlist or S.coded_shortlist(max(k, lowest))) if coded else 0
@@ -424,15 +502,20 @@ class QueryEngine:
         return self._scales[key]
 
     def _rerank_full(self, res: QueryResult, query: tuple[list[int], list[int]], top: int,
-                     pre: Preconditioner, damping: float) -> None:
+                     pre: Preconditioner, damping: float, refine: RefineConfig | None = None) -> None:
         hits = res.hits[:top]
         ids, labels, ok = self.texts.tokens(np.array([h.id for h in hits], dtype=np.int64))
         if len(ids) != len(hits) or not ok.all():
             why = self.texts.problem or "its rows changed since the build"
             raise ValueError("full-gradient re-ranking needs the training data the index was built from "
                              f"({why}); pass data= / --data")
+        refined = None
+        if refine is not None and refine.steps:
+            Gq = full_query_gradient(self.model, res.layers, query, self.pad_id)
+            refined = self.refiner.full_space(Gq, pre, damping, res.layers, refine)
         scores = full_gradient_scores(self.model, res.layers, query, (ids, labels), self.pad_id, res.method,
-                                      int(self.manifest.get("config", {}).get("batch_size", 8)), pre, damping)
+                                      int(self.manifest.get("config", {}).get("batch_size", 8)), pre, damping,
+                                      query_matrices=refined)
         for h, s in zip(hits, scores, strict=True):
             h.full_score = float(s)
         res.hits = sorted(hits, key=lambda h: (-h.full_score, h.id)) + res.hits[top:]

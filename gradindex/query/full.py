@@ -51,11 +51,14 @@ def full_gradient_scores(
     pre: Preconditioner | None = None,
     damping: float = DEFAULT_DAMPING,
     dtype: torch.dtype = torch.float32,
+    query_matrices: dict[str, torch.Tensor] | None = None,
 ) -> np.ndarray:
     """``[n]`` float64 full-space scores of one query against ``n`` training examples (module docstring).
 
     ``pre``: the full-space preconditioner of a ``kfac``/``ekfac`` method (ignored for
     ``graddot``/``cosine``). Arithmetic in ``dtype`` (float32 by default; float64 for references).
+    ``query_matrices``: layer → ``M`` to score with instead of ``(H + δI)⁻¹ G_q`` (a refined query,
+    :meth:`gradindex.query.refine.Refiner.full_space`).
     """
     base, selfnorm = parse_method(method)
     fitted = base in ("kfac", "ekfac")
@@ -66,7 +69,10 @@ def full_gradient_scores(
     M = {}
     for n in layers:
         G = Gq[n]
-        M[n] = pre.apply(n, G.reshape(1, -1), -1.0, damping).reshape(G.shape) if fitted else G
+        if query_matrices is not None:
+            M[n] = query_matrices[n].to(G.device, dtype)
+        else:
+            M[n] = pre.apply(n, G.reshape(1, -1), -1.0, damping).reshape(G.shape) if fitted else G
     need_gram = base == "cosine" or (selfnorm and not fitted)
     eig = {}
     if selfnorm and fitted:

@@ -1,0 +1,379 @@
+"""Query refinement (ASTRA-style): a few preconditioned iterations towards ``(H + δI)⁻¹ g_q``.
+
+EK-FAC answers ``x₀ = P⁻¹ g_q`` with ``P = Q diag(Λ* + δ) Qᵀ`` (block-diagonal per layer, diagonal in
+the Kronecker eigenbasis). Refinement improves that query vector against the true curvature of the
+model, the Gauss-Newton matrix over a training sample, ``H = mean_n J_nᵀ H_n J_n`` (``J_n``: the
+Jacobian of example ``n``'s logits with respect to the hooked layers' weights; ``H_n``: the softmax
+cross-entropy Hessian of its target tokens, summed loss as in every gradient here), with ``P`` as
+preconditioner:
+
+* ``neumann``: ``x ← x + α P⁻¹ (g_q − (H + δI) x)`` (preconditioned Neumann / Richardson);
+* ``cg``: preconditioned conjugate gradients from ``x₀`` on the same system.
+
+Zero steps is plain EK-FAC exactly (the query rows are returned as they are). ``H`` products are
+taken with the model (:class:`GaussNewton`: one forward-mode and one reverse-mode pass per batch,
+``torch.func``) in the space the rows are captured in: where a side is projected (``P_g``, ``P_a``,
+or the side maps of a whitened basis), ``(M H Mᵀ) x`` with ``M G = P_g G P_aᵀ`` and
+``Mᵀ X = P_gᵀ X P_a``, i.e. the exact Gauss-Newton matrix of the projected coordinates, the one the
+EK-FAC fitted on those rows approximates. The refined ``x`` is then written as the query rows that
+score it against the index's stored rows as they are (:class:`RowCurvature`):
+
+* rows in the EK-FAC whitened eigenbasis (the default index): ``u = (Q_Sᵀ x Q_A) ⊘ s`` with
+  ``s = (Λ* + δ)^{-1/2}`` the stored column scale, since stored rows are ``(Q_Sᵀ Ĝ Q_A) ⊙ s`` and
+  ``⟨u, row_t⟩ = ⟨x, Ĝ_t⟩``; with ``x = P⁻¹ g_q`` this is the plain query row;
+* raw rows preconditioned at query time: ``P x``, which the engine's ``P⁻¹`` maps back to ``x``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradindex.data import IGNORE, collate
+from gradindex.methods import parse_method
+
+REFINE_METHODS = ("neumann", "cg")
+
+
+@dataclass(frozen=True)
+class RefineConfig:
+    """How a query vector is refined (``--refine``, ``--refine-steps``, ``--refine-sample``)."""
+
+    method: str = "cg"
+    """``cg`` (preconditioned conjugate gradients) or ``neumann`` (preconditioned Neumann iterations)."""
+    steps: int = 4
+    """Curvature products per query; 0 returns plain EK-FAC exactly."""
+    sample: int = 64
+    """Training examples the Gauss-Newton products are averaged over (a seeded random sample)."""
+    batch: int = 16
+    """Examples per forward/backward pass of a curvature product."""
+    alpha: float = 0.0
+    """Step size of ``neumann`` (ignored by ``cg``); 0: ``1 / λ̂_max(P⁻¹(H + δI))`` from a few power
+    iterations (the EK-FAC preconditioner does not bound the Gauss-Newton spectrum: with a step of 1 the
+    iterations can diverge)."""
+    seed: int = 0
+    """Seed of the training sample."""
+
+    def __post_init__(self) -> None:
+        if self.method not in REFINE_METHODS:
+            raise ValueError(f"refine method {self.method!r} is not one of {REFINE_METHODS}")
+        if self.steps < 0 or self.sample < 1 or self.batch < 1 or not self.alpha >= 0:
+            raise ValueError(f"refine needs steps >= 0, sample >= 1, batch >= 1 and alpha >= 0; got "
+                             f"steps={self.steps}, sample={self.sample}, batch={self.batch}, alpha={self.alpha}")
+
+
+# -- the preconditioner in the captured space --------------------------------------------------------
+@dataclass
+class RowCurvature:
+    """One layer's ``P = Q_S ⊗ Q_A diag(Λ + δ)`` in the captured space, and how its rows are scored."""
+
+    Q_S: torch.Tensor
+    """``[k_g, k_g]`` float64."""
+    Q_A: torch.Tensor
+    """``[k_a, k_a]`` float64."""
+    lam: torch.Tensor
+    """``[k_g, k_a]`` ``Λ + δ`` (floored as :func:`gradindex.precondition.apply.damped` floors it)."""
+    delta: float
+    """Absolute damping ``δ`` added to ``H`` in the refined system."""
+    eigen_rows: bool
+    """Stored rows are ``(Q_Sᵀ Ĝ Q_A) ⊙ (Λ + δ)^{-1/2}`` (else raw rows, preconditioned by the engine)."""
+
+    def _rot(self, x: torch.Tensor) -> torch.Tensor:  # [n, k_g·k_a] → [n, k_g, k_a]
+        k_g, k_a = self.lam.shape
+        return self.Q_S.T @ x.reshape(-1, k_g, k_a) @ self.Q_A
+
+    def _back(self, R: torch.Tensor) -> torch.Tensor:
+        return (self.Q_S @ R @ self.Q_A.T).reshape(len(R), -1)
+
+    def solve(self, r: torch.Tensor) -> torch.Tensor:
+        """``P⁻¹ r`` for rows ``r`` ``[n, D]``."""
+        return self._back(self._rot(r) / self.lam)
+
+    def query_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The query rows that score ``x`` against the stored rows: ``(Q_Sᵀ x Q_A) ⊘ s`` or ``P x``."""
+        R = self._rot(x) * (self.lam.sqrt() if self.eigen_rows else self.lam)
+        return R.reshape(len(x), -1) if self.eigen_rows else self._back(R)
+
+    def captured(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored-basis query rows (as the engine captures them) → captured rows ``Ĝ``."""
+        if not self.eigen_rows:
+            return rows
+        k_g, k_a = self.lam.shape
+        return self._back(rows.reshape(-1, k_g, k_a) * self.lam.sqrt())
+
+
+def eigenbasis_curvature(Q_S: np.ndarray, Q_A: np.ndarray, scale: np.ndarray, damping: float) -> RowCurvature:
+    """From an EK-FAC eigenbasis ``basis.h5`` layer: ``Λ + δ = s⁻²``, ``δ = d/(1+d) · mean(s⁻²)``
+    (``δ = d · mean(Λ)`` and ``mean(Λ + δ) = mean(Λ) + δ``)."""
+    lam = 1.0 / np.square(np.asarray(scale, np.float64))
+    delta = damping / (1.0 + damping) * float(lam.mean())
+    return RowCurvature(torch.as_tensor(np.asarray(Q_S, np.float64)), torch.as_tensor(np.asarray(Q_A, np.float64)),
+                        torch.as_tensor(lam), delta, True)
+
+
+def preconditioner_curvature(pre, layer: str, damping: float) -> RowCurvature:
+    """From a fitted :class:`~gradindex.precondition.Preconditioner` (raw rows, preconditioned at query time)."""
+    from gradindex.precondition.apply import damped
+
+    Q_S, Q_A, Lam = pre._tensors(layer, torch.device("cpu"), torch.float64)
+    delta = pre.delta(layer, damping)
+    return RowCurvature(Q_S, Q_A, 1.0 / damped(Lam, delta, -1.0), delta, False)
+
+
+# -- the solver -----------------------------------------------------------------------------------------
+Rows = dict[str, torch.Tensor]
+"""layer → ``[D]`` float64 (one query)."""
+
+
+def _dot(a: Rows, b: Rows) -> float:
+    return float(sum((a[n] * b[n]).sum() for n in a))
+
+
+def largest_eigenvalue(g: Rows, curv: Mapping[str, RowCurvature], hvp: Callable[[Rows], Rows],
+                       iterations: int = 5) -> float:
+    """``λ̂_max`` of ``P⁻¹(H + δI)`` by power iterations started from ``P⁻¹ g`` (slightly low, never high)."""
+    x = {n: curv[n].solve(g[n][None])[0] for n in g}
+    lam = 0.0
+    for _ in range(iterations):
+        norm = _dot(x, x) ** 0.5
+        if not norm > 0:
+            break
+        x = {n: v / norm for n, v in x.items()}
+        h = hvp(x)
+        y = {n: curv[n].solve((h[n] + curv[n].delta * x[n])[None])[0] for n in x}
+        lam = _dot(x, y)
+        x = y
+    return lam
+
+
+def refine_solve(g: Rows, curv: Mapping[str, RowCurvature], hvp: Callable[[Rows], Rows], steps: int,
+                 method: str = "cg", alpha: float = 0.0) -> tuple[Rows, list[float]]:
+    """``(x, residuals)``: ``steps`` iterations on ``(H + δI) x = g`` from ``x₀ = P⁻¹ g``.
+
+    ``alpha`` (``neumann``): the step; 0 estimates ``1/λ̂_max`` per query (:func:`largest_eigenvalue`,
+    5 more products).
+    ``hvp(x)`` returns ``H x`` (no damping); ``residuals[k] = ‖g − (H + δI) x_k‖`` for the iterates
+    it was computed for (``x₀`` … ``x_{steps-1}``).
+    """
+    def A(x: Rows) -> Rows:
+        h = hvp(x)
+        return {n: h[n] + curv[n].delta * x[n] for n in x}
+
+    def Pinv(r: Rows) -> Rows:
+        return {n: curv[n].solve(r[n][None])[0] for n in r}
+
+    x = Pinv(g)
+    res: list[float] = []
+    if steps == 0:
+        return x, res
+    if method == "neumann":
+        if not alpha > 0:
+            lam = largest_eigenvalue(g, curv, hvp)
+            alpha = 1.0 / lam if lam > 0 else 1.0
+        for _ in range(steps):
+            Ax = A(x)
+            r = {n: g[n] - Ax[n] for n in g}
+            res.append(_dot(r, r) ** 0.5)
+            z = Pinv(r)
+            x = {n: x[n] + alpha * z[n] for n in x}
+        return x, res
+    Ax = A(x)
+    r = {n: g[n] - Ax[n] for n in g}
+    z = Pinv(r)
+    p = dict(z)
+    rz = _dot(r, z)
+    for k in range(steps):
+        res.append(_dot(r, r) ** 0.5)
+        Ap = A(p)
+        pAp = _dot(p, Ap)
+        if not pAp > 0 or not rz > 0:  # converged (or lost positive definiteness): stop here
+            break
+        a = rz / pAp
+        x = {n: x[n] + a * p[n] for n in x}
+        if k == steps - 1:
+            break
+        r = {n: r[n] - a * Ap[n] for n in r}
+        z = Pinv(r)
+        rz_new = _dot(r, z)
+        p = {n: z[n] + (rz_new / rz) * p[n] for n in p}
+        rz = rz_new
+    return x, res
+
+
+# -- Gauss-Newton products with the model ------------------------------------------------------------------
+@contextmanager
+def eager_attention(model: nn.Module):
+    """transformers' eager attention for the block (forward-mode AD has no rule for the fused SDPA kernels)."""
+    cfg = getattr(model, "config", None)
+    old = getattr(cfg, "_attn_implementation", None)
+    if cfg is None or old in (None, "eager"):
+        yield
+        return
+    cfg._attn_implementation = "eager"
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = old
+
+
+class GaussNewton:
+    """``H V = mean_n J_nᵀ H_n J_n V`` over a training sample, for weight directions ``V`` of hooked layers.
+
+    ``V``: layer → ``[N_o, N_i(+1)]`` (gradindex's layout; the last column is the bias). One forward-mode
+    pass gives ``J V`` (the logits' change), the cross-entropy Hessian of each target token
+    ``diag(p) − p pᵀ`` is applied, and one reverse-mode pass maps it back. ``maps``: layer →
+    ``(M_g, M_a)`` side maps (``[k, n]`` or ``None`` for an exact side) so that products can be taken in
+    the captured space (:meth:`captured_product`).
+    """
+
+    def __init__(self, model: nn.Module, modules: Mapping[str, nn.Module], infos: Mapping, pad_id: int,
+                 ids: Sequence[list[int]], labels: Sequence[list[int]], batch: int = 16,
+                 maps: Mapping[str, tuple[torch.Tensor | None, torch.Tensor | None]] | None = None):
+        bad = [n for n, i in infos.items() if i.kind not in ("linear", "conv1d")]
+        if bad:
+            raise ValueError(f"query refinement supports linear and Conv1D layers; {bad[:3]} are not")
+        self.model, self.modules, self.infos = model, dict(modules), dict(infos)
+        self.device = next(model.parameters()).device
+        self.batches = [collate(list(ids[s:s + batch]), list(labels[s:s + batch]), pad_id)
+                        for s in range(0, len(ids), batch)]
+        self.n = len(ids)
+        self.maps = dict(maps or {})
+        self.params = {}
+        for n, m in self.modules.items():
+            self.params[f"{n}.weight"] = m.weight
+            if self.infos[n].bias:
+                self.params[f"{n}.bias"] = m.bias
+
+    def _tangents(self, V: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for n, m in self.modules.items():
+            info = self.infos[n]
+            W = V[n][:, : info.n_in]
+            out[f"{n}.weight"] = (W if info.kind == "linear" else W.T).to(m.weight.dtype).contiguous()
+            if info.bias:
+                out[f"{n}.bias"] = V[n][:, info.n_in].to(m.bias.dtype).contiguous()
+        return out
+
+    def product(self, V: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``H V`` in the layout of ``V`` (float64)."""
+        tangents = self._tangents({n: V[n].to(self.device) for n in self.modules})
+        total = {n: torch.zeros(V[n].shape, dtype=torch.float64, device=self.device) for n in self.modules}
+        with eager_attention(self.model):
+            for b in self.batches:
+                for n, G in self._batch_product(b, tangents).items():
+                    total[n] += G
+        return {n: (t / self.n).cpu() for n, t in total.items()}
+
+    def _batch_product(self, b: dict, tangents: dict) -> dict[str, torch.Tensor]:
+        """``Σ_{n ∈ batch} J_nᵀ H_n J_n V`` per layer (float64)."""
+        from torch.func import functional_call, jvp, vjp
+
+        b = {k: v.to(self.device) for k, v in b.items()}
+        kwargs = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "use_cache": False}
+
+        def f(p):
+            return functional_call(self.model, p, (), kwargs).logits
+
+        z, back = vjp(f, self.params)
+        _, Jv = jvp(f, (self.params,), (tangents,))  # [B, T, V]
+        mask = (b["labels"][:, 1:] != IGNORE)[..., None]  # [B, T-1, 1]: target tokens
+        p = torch.softmax(z[:, :-1].double(), -1)
+        u = Jv[:, :-1].double()
+        Hu = (p * u - p * (p * u).sum(-1, keepdim=True)) * mask  # (diag p − p pᵀ) J V per token
+        Hu = torch.cat([Hu, torch.zeros_like(Hu[:, :1])], 1).to(z.dtype)  # [B, T, V]
+        (grads,) = back(Hu)
+        return {n: self.infos[n].weight_grad_to_G(grads[f"{n}.weight"], grads.get(f"{n}.bias")).double()
+                for n in self.modules}
+
+    def captured_product(self, x: Rows, shapes: Mapping[str, tuple[int, int]]) -> Rows:
+        """``M H Mᵀ x`` for captured rows ``x`` (layer → ``[k_g·k_a]``), float64."""
+        V = {}
+        for n, v in x.items():
+            M_g, M_a = self.maps.get(n, (None, None))
+            X = v.reshape(shapes[n])
+            X = X if M_g is None else M_g.double().T @ X
+            V[n] = X if M_a is None else X @ M_a.double()
+        HV = self.product(V)
+        out = {}
+        for n, Y in HV.items():
+            M_g, M_a = self.maps.get(n, (None, None))
+            Y = Y if M_g is None else M_g.double() @ Y
+            out[n] = (Y if M_a is None else Y @ M_a.double().T).reshape(-1)
+        return out
+
+
+# -- the engine's refiner --------------------------------------------------------------------------------------
+class Refiner:
+    """Refined query rows for one engine: its model, capture and preconditioners; results cached.
+
+    ``curvature(base, damping, layer)`` gives a layer's :class:`RowCurvature`; ``sample()`` the training
+    sample's ``(ids, labels)``. Refined rows are kept per (query tokens, method, damping, layers, config),
+    ``cache`` entries at most.
+    """
+
+    def __init__(self, model: nn.Module, capture, pad_id: int, sample: Callable[[RefineConfig], tuple],
+                 curvature: Callable[[str, float, str], RowCurvature], cache: int = 1024):
+        self.model, self.capture, self.pad_id = model, capture, pad_id
+        self._sample, self._curvature = sample, curvature
+        self._ggn: dict[tuple, GaussNewton] = {}
+        self._cache: OrderedDict = OrderedDict()
+        self.cache_size = cache
+        self.last_residuals: list[list[float]] = []
+
+    def gauss_newton(self, cfg: RefineConfig, layers: Sequence[str], full: bool = False) -> GaussNewton:
+        key = (cfg.sample, cfg.seed, cfg.batch, tuple(layers), full)
+        if key not in self._ggn:
+            ids, labels = self._sample(cfg)
+            maps = {} if full else {n: (self.capture.side_map(n, "g", "cpu"), self.capture.side_map(n, "a", "cpu"))
+                                    for n in layers}
+            if not full and any(self.capture.side_scale(n, s) is not None for n in layers for s in "ag"):
+                raise ValueError("query refinement needs linear side maps; this index's rows are scaled entrywise "
+                                 "(an Adam-preconditioned index): query it without --refine")
+            self._ggn[key] = GaussNewton(self.model, {n: self.capture.modules[n] for n in layers},
+                                         {n: self.capture.infos[n] for n in layers}, self.pad_id, ids, labels,
+                                         cfg.batch, maps)
+        return self._ggn[key]
+
+    def rows(self, tokens, grads: Mapping[str, torch.Tensor], method: str, damping: float, layers: Sequence[str],
+             cfg: RefineConfig) -> dict[str, torch.Tensor]:
+        """Refined stored-basis query rows ``{layer: [Q, D]}`` for queries ``tokens`` with rows ``grads``."""
+        base, _ = parse_method(method)
+        if cfg.steps == 0:
+            return {n: torch.as_tensor(grads[n]) for n in layers}
+        curv = {n: self._curvature(base, damping, n) for n in layers}
+        shapes = {n: tuple(curv[n].lam.shape) for n in layers}
+        out = {n: [] for n in layers}
+        self.last_residuals = []
+        for j in range(len(tokens)):
+            key = (tuple(tokens.input_ids[j]), tuple(tokens.labels[j]), base, float(damping), tuple(layers), cfg)
+            if key not in self._cache:
+                g = {n: curv[n].captured(torch.as_tensor(grads[n][j:j + 1]).double())[0] for n in layers}
+                ggn = self.gauss_newton(cfg, layers)
+                x, res = refine_solve(g, curv, lambda v, ggn=ggn: ggn.captured_product(v, shapes), cfg.steps,
+                                      cfg.method, cfg.alpha)
+                self._cache[key] = ({n: curv[n].query_rows(x[n][None])[0].float() for n in layers}, res)
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            self._cache.move_to_end(key)
+            rows, res = self._cache[key]
+            self.last_residuals.append(res)
+            for n in layers:
+                out[n].append(rows[n])
+        return {n: torch.stack(v) for n, v in out.items()}
+
+    def full_space(self, Gq: Mapping[str, torch.Tensor], pre, damping: float, layers: Sequence[str],
+                   cfg: RefineConfig) -> dict[str, torch.Tensor]:
+        """Refined full-space ``x = (H + δI)⁻¹ G_q`` per layer ``[N_o, N_i(+1)]`` for ``--rerank-full``
+        (``pre``: the full-space preconditioner; ``Gq``: the query's full gradients)."""
+        curv = {n: preconditioner_curvature(pre, n, damping) for n in layers}
+        shapes = {n: tuple(Gq[n].shape) for n in layers}
+        g = {n: Gq[n].double().reshape(-1) for n in layers}
+        ggn = self.gauss_newton(cfg, layers, full=True)
+        x, _ = refine_solve(g, curv, lambda v: ggn.captured_product(v, shapes), cfg.steps, cfg.method, cfg.alpha)
+        return {n: x[n].reshape(shapes[n]).float() for n in layers}
