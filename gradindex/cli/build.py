@@ -145,22 +145,20 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     from gradindex.store.builder import refuse_foreign
 
     auto = projection.strip().lower() == "auto"
-    if precondition == "auto":
-        precondition = "none" if optimizer_state else "ekfac"
     if budget and not auto:
         raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
     spec = ProjectionSpec(kind=projection_kind, seed=seed) if auto else \
         ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
-    if batch_size < 1 or shard_size < 1 or max_length < 2:
-        raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
+    # the library resolves each "auto" (BuildConfig.defaults) and refuses bad settings, before any work
+    settings = dict(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
+                    route=route, shard_size=shard_size, storage=storage, precondition=precondition, damping=damping,
+                    fisher=fisher, fisher_seed=fisher_seed, optimizer_state=optimizer_state or "",
+                    adam_mode=adam_mode, full_factors=full_factors, budget=(budget or "auto") if auto else 0,
+                    transcode=transcode, allocation=allocation, basis=basis, basis_damping=basis_damping,
+                    basis_examples=fit_examples)
+    cfg = BuildConfig(**settings)
+    precondition, transcode = cfg.precondition, cfg.transcode
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index, sketch_bytes)
-    if basis == "eigen":  # the rows are whitened EK-FAC coordinates at capture: nothing to fit or transcode
-        precondition, transcode = "none", "none"
-        storage = "int4" if storage == "auto" else storage
-    if transcode == "auto":
-        transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
-    if storage == "auto":
-        storage = "int4" if transcode == "ekfac" else "int8"
     if not no_index and whiten != "none" and (transcode == "ekfac" or basis == "eigen"):
         raise ValueError(f"--whiten {whiten} does not apply: the rows are in the EK-FAC whitened "
                          "eigenbasis (already whitened); drop --whiten, or add --transcode none")
@@ -185,12 +183,7 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
             click.echo(f"note: --max-length {max_length} is more than {why}; using --max-length {limit}", err=True)
             max_length = limit
             data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
-        cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
-                          route=route, shard_size=shard_size, storage=storage,
-                          precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
-                          optimizer_state=optimizer_state or "", adam_mode=adam_mode, full_factors=full_factors,
-                          budget=(budget or "auto") if auto else 0, transcode=transcode, allocation=allocation,
-                          basis=basis, basis_damping=basis_damping, basis_examples=fit_examples)
+        cfg = BuildConfig(**{**settings, "max_length": max_length})
         if not no_index:
             check_index_type(index_type, len(data_tok))
         if data_tok.n_truncated:

@@ -32,8 +32,9 @@ import torch
 from gradindex.capture.transform import LayerTransform
 from gradindex.checksum import Damage, check_files, damage_error, record
 from gradindex.methods import FITTED_METHODS, LEGACY_DAMPING, row_base
+from gradindex.spec import layout
 
-BASIS_FILE = "basis.h5"
+BASIS_FILE = layout.BASIS_FILE
 BASES = ("raw", "kfac", "ekfac")
 
 
