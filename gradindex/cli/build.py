@@ -74,9 +74,12 @@ def note_unhooked(model) -> None:
                                             "256 KiB; the whole gradient where that buys it).")
 @click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
               help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
-@click.option("--projection-basis", "basis", default="raw", show_default=True, type=click.Choice(["raw", "kfac"]),
-              help="kfac: whiten each side by its damped full-space K-FAC factor before projecting "
-                   "(one factor pass first); rows then answer kfac/ekfac, not graddot.")
+@click.option("--projection-basis", "basis", default="raw", show_default=True,
+              type=click.Choice(["raw", "kfac", "eigen"]),
+              help="eigen: store the full-space EK-FAC eigen-coordinates --budget buys, chosen over all layers "
+                   "(two model passes first; rows answer ekfac; wins where the budget holds most of the "
+                   "influence, benchmarks/width.py). kfac: whiten each side by its damped full-space K-FAC factor "
+                   "before projecting; rows then answer kfac/ekfac, not graddot.")
 @click.option("--basis-damping", default=1.0, show_default=True, type=float,
               help="Relative damping of the kfac whitening.")
 @click.option("--fit-examples", default=0, show_default=True, type=int,
@@ -167,7 +170,10 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     m = res.manifest
     numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
     row_bytes = int(numbers * bytes_per_number(m["build"]["storage"]))
-    rows = "in the ekfac eigenbasis, " if m.get("transcode") else ""
+    full_eigen = (m["build"].get("basis") or {}).get("space") == "full-eigen"
+    share = (m["build"].get("basis") or {}).get("kept_share")
+    rows = f"full-space ekfac eigen-coordinates keeping {share:.0%} of the influence, " if full_eigen else \
+        "in the ekfac eigenbasis, " if m.get("transcode") else ""
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
                f"({numbers:,} numbers, {rows}{m['build']['storage']}: {human_bytes(row_bytes)} per example) "
                f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
@@ -213,8 +219,8 @@ def settings(o: dict) -> Settings:
     precondition, transcode, whiten = cfg.precondition, cfg.transcode, o["whiten"]
     icfg = index_config(o["index_type"], whiten, o["damping"], o["normalize"], o["train_size"], o["cpu_index"],
                         o.get("sketch_bytes", 2048))
-    if not o["no_index"] and whiten != "none" and transcode == "ekfac":
-        raise ValueError(f"--whiten {whiten} does not apply: the rows are transcoded into the EK-FAC whitened "
+    if not o["no_index"] and whiten != "none" and (transcode == "ekfac" or o["basis"] == "eigen"):
+        raise ValueError(f"--whiten {whiten} does not apply: the rows are in the EK-FAC whitened "
                          "eigenbasis (already whitened); drop --whiten, or add --transcode none")
     if not o["no_index"] and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
         raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")

@@ -87,7 +87,10 @@ class BuildConfig:
     allocation: str = "ratio"
     """How the budget is spread over layers: ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
     basis: str = "raw"
-    """``raw``, or ``kfac``: whiten each side by its damped full-space factor before projection."""
+    """``raw``; ``kfac``: whiten each side by its damped full-space factor before projection; ``eigen``:
+    store the eigen-coordinates of full-space EK-FAC that ``budget`` buys, chosen over all layers by
+    their K-FAC eigenvalue against the damping and whitened at capture (``precondition`` and
+    ``transcode`` ``none``: the rows already answer ``ekfac``; docs/math.md, "What a row holds")."""
     basis_damping: float = 1.0
     """Relative damping of the ``kfac`` whitening (a fraction of each factor's mean eigenvalue); 1.0 kept
     the most of full-space EK-FAC's top-10 in benchmarks/rowspace.py (0.01, 0.1, 0.3, 3, 10 measured)."""
@@ -120,6 +123,12 @@ class BuildConfig:
 
     def _resolve_auto(self) -> None:
         """Each ``auto`` setting resolved from the others (the one place these defaults live)."""
+        if self.basis == "eigen":  # whitened EK-FAC coordinates at capture: nothing to fit or transcode
+            for name in ("precondition", "transcode"):
+                if getattr(self, name) == "auto":
+                    object.__setattr__(self, name, "none")
+            if self.storage == "auto":
+                object.__setattr__(self, "storage", "int4")
         if self.precondition == "auto":
             object.__setattr__(self, "precondition", "none" if self.optimizer_state else "ekfac")
         if self.transcode == "auto":
@@ -141,9 +150,16 @@ class BuildConfig:
                              f"{self.shard_size}, {self.max_length}): --batch-size, --shard-size, --max-length")
         if self.precondition not in ("none", "kfac", "ekfac"):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
-        if self.basis not in BASES[:2]:
-            raise ValueError(f"build basis {self.basis!r} is not one of {list(BASES[:2])} "
+        if self.basis not in (*BASES[:2], "eigen"):
+            raise ValueError(f"build basis {self.basis!r} is not one of {[*BASES[:2], 'eigen']} "
                              "(the ekfac basis is a transcode after a fit: `gradindex compact`)")
+        if self.basis == "eigen" and (self.precondition != "none" or self.transcode != "none"
+                                      or self.collect_covariance or self.full_factors):
+            raise ValueError("--projection-basis eigen stores whitened full-space EK-FAC coordinates, which answer "
+                             "--method ekfac as they are: use it with --precondition none --transcode none "
+                             "(and without --full-factors)")
+        if self.basis == "eigen" and not self.budget:
+            raise ValueError("--projection-basis eigen chooses what to store from --budget: use --projection auto")
         if self.allocation == "spectrum" and self.basis != "kfac":
             raise ValueError("allocation by spectrum needs the full-space factors: add --projection-basis kfac")
         if self.fisher not in FISHERS:
@@ -273,7 +289,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     pad_id = resolve_pad_id(model, tokenizer)
     infos = {n: layer_info(m) for n, m in select_layers(model, cfg.layers).items()}
     basis, write = RowBasis(), None
-    if cfg.basis == "kfac":
+    if cfg.basis in ("kfac", "eigen"):
         basis, write = full_space_basis(model, data, pad_id, out, cfg, model_fp, data_fp, progress)
     spec = sized_projection(cfg, infos, basis)
     transforms, optimizer = capture_transforms(basis), None
