@@ -92,7 +92,7 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     res.seconds = time.perf_counter() - t0
     if index is None:
         return res, None
-    if not (Path(out_dir) / "faiss").exists():
+    if not (Path(out_dir) / "faiss").exists() and not plan.approximate:
         check_space(out_dir, plan.index_bytes, "FAISS stage", "its indices")
     with disk_full_as_error(out_dir, "FAISS stage", "the store and its fits are complete and kept"), \
             OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
@@ -102,7 +102,7 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
 def _check_disk(out: Path, plan: BuildPlan, overwrite: bool) -> None:
     """Refuse a build whose remaining stages cannot fit on ``out``'s disk (before any is written)."""
     m = read_manifest(out) if manifest_path(out).exists() and not overwrite else {}
-    if m.get("status") == "complete" and (m.get("transcode") or not plan.transcode):
+    if plan.approximate or m.get("status") == "complete" and (m.get("transcode") or not plan.transcode):
         return  # only the FAISS stage (if any) is left: checked before it
     parts = [f"{human(plan.capture_bytes)} of {plan.capture_storage} rows"]
     if plan.transcode:

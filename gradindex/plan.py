@@ -71,6 +71,9 @@ class BuildPlan:
     ram_bytes: int
     seconds: dict[str, float] = field(default_factory=dict)
     """Estimated seconds per stage, when measured (:func:`measure_seconds`)."""
+    approximate: bool = False
+    """The rows' sizes are only settled by the build's own factor pass (``--projection-basis eigen``):
+    the bytes are those of the budget's raw-basis rows, and the build checks no disk space against them."""
 
     @property
     def row_bytes(self) -> int:
@@ -162,7 +165,7 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     block = 3 * min(BLOCK_BYTES, 4 * width * max(1, examples))  # a block of rows, rotated, coded
     ram = BASE_RAM + params + max(capture_ram, block)
     return BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
-                     index_bytes, ram)
+                     index_bytes, ram, approximate=cfg.basis not in ("raw", "kfac"))
 
 
 def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,
