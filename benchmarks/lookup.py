@@ -204,7 +204,8 @@ def run_n(args, work: Path, mdir: Path, n: int) -> dict:
         with QueryEngine(d, load_model=False) as e:
             e.indices  # noqa: B018 - load them (their RAM is measured)
             ram = rss() - m0  # noisy (allocator reuse); the loaded index's own bytes follow
-            held = (e.indices.sketch.nbytes() if e.indices.sketch is not None else 0) + e.indices.sq_norms.nbytes
+            sk = e.indices.sketch
+            held = (sk.nbytes() if sk is not None else 0) + e.indices.sq_norms.nbytes
             k = {"index_ram_bytes": int(held), "build_s": secs, "vectors_per_s": n * len(res.meta["layers"]) / secs, "index_bytes": ib,
                  "index_dir_over_rows": (store_bytes + ib) / store_bytes, "ram_bytes": ram,
                  **lookups(e, q, truth)}
