@@ -206,7 +206,8 @@ def run_n(args, work: Path, mdir: Path, n: int) -> dict:
             ram = rss() - m0  # noisy (allocator reuse); the loaded index's own bytes follow
             sk = e.indices.sketch
             held = (sk.nbytes() if sk is not None else 0) + e.indices.sq_norms.nbytes
-            k = {"index_ram_bytes": int(held), "build_s": secs, "vectors_per_s": n * len(res.meta["layers"]) / secs, "index_bytes": ib,
+            k = {"index_ram_bytes": int(held),
+                 "build_s": secs, "vectors_per_s": n * len(res.meta["layers"]) / secs, "index_bytes": ib,
                  "index_dir_over_rows": (store_bytes + ib) / store_bytes, "ram_bytes": ram,
                  **lookups(e, q, truth)}
             if e.indices.sketch is not None:
