@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,12 @@ def read_complete_manifest(index_dir: str | os.PathLike, then: str) -> dict[str,
 def row_basis(manifest: dict[str, Any]) -> str:
     """The basis the stored rows are in (``raw``, ``kfac`` or ``ekfac``; see gradindex.store.basis)."""
     return str(manifest.get("build", {}).get("basis", {}).get("kind", "raw"))
+
+
+def new_generation() -> str:
+    """A fresh ``manifest["generation"]``: written when a build starts a new index (a resume keeps it, a
+    transcode changes it), so that an open engine sees that ``build --overwrite`` replaced its index."""
+    return uuid.uuid4().hex
 
 
 def transcode_unfinished(manifest: dict) -> bool:

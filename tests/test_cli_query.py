@@ -23,7 +23,7 @@ def built(tmp_path_factory, gpt2_dir, text_jsonl):
     out = tmp_path_factory.mktemp("cli") / "index"
     res = run("build", gpt2_dir, text_jsonl, "--out", out, "--projection", "4", "--shard-size", "16",
               "--precondition", "ekfac", "--transcode", "none", "--storage", "fp32", "--device", "cpu", "--quiet")
-    assert "indices built" in res.output and "Flat" in res.output
+    assert "indices built" in res.output and "store (exhaustive scan of the store's codes)" in res.output
     return out
 
 
@@ -82,11 +82,11 @@ def test_human_output_and_notes(built):
 
 def test_info_summarizes_the_index(built):
     out = run("info", built).stdout
-    for word in ("model", "40 examples", "8, 128 numbers per example", "graddot, cosine, kfac, ekfac", "Flat",
+    for word in ("model", "40 examples", "8, 128 numbers per example", "graddot, cosine, kfac, ekfac", "store",
                  "store", "faiss", "[4x4]"):
         assert word in out, word
     s = json.loads(run("info", built, "--json").stdout)
-    assert s["index"]["types"] == ["Flat"] and s["data"]["examples"] == 40 and s["bytes"]["faiss"] > 0
+    assert s["index"]["types"] == ["store"] and s["data"]["examples"] == 40 and s["bytes"]["faiss"] > 0  # norms
     assert s["methods"] == ["graddot", "cosine", "kfac", "ekfac", "graddot-selfnorm", "kfac-selfnorm",
                             "ekfac-selfnorm"]
     assert "ekfac-selfnorm" in out
@@ -116,7 +116,7 @@ def test_errors_name_the_problem_and_the_fix(built, tmp_path, gpt2_dir, text_jso
     assert "--prompt and --completion go together" in run("query", built, "--prompt", "x", ok=False).output
     d = tmp_path / "copy"
     shutil.copytree(built, d)
-    victim = sorted((d / "faiss").glob("*.index"))[0]
+    victim = d / "faiss" / "norms.npy"  # the store kind's only file
     victim.write_bytes(b"junk")
     err = run("query", d, "--text", "the cat sat", ok=False).output
     assert victim.name in err and f"gradindex index {d}" in err

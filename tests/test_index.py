@@ -71,9 +71,17 @@ def test_default_factory_follows_examples_and_dimension():
     assert default_factory(50_000, 4096) == "IVF256,PQ2048x4fs"
 
 
-def test_flat_indices_hold_the_store_rows(store_dir, tmp_path):
+def test_default_index_writes_no_copy_of_the_store(store_dir, tmp_path):
     d = _copy(store_dir, tmp_path)
     res = build_indices(d, IndexConfig(), progress=False)
+    assert res.meta["kind"] == "store" and {e["factory"] for e in res.meta["layers"].values()} == {"store"}
+    assert sorted(p.name for p in (d / "faiss").iterdir()) == ["index.json", "norms.npy"]
+    assert read_manifest(d)["index"]["factories"] == ["store"]
+
+
+def test_flat_indices_hold_the_store_rows(store_dir, tmp_path):
+    d = _copy(store_dir, tmp_path)
+    res = build_indices(d, IndexConfig(factory="Flat"), progress=False)
     rows = _store_rows(d)
     assert set(res.meta["layers"]) == set(rows) and len(rows) == 8
     for n, x in rows.items():
@@ -175,7 +183,7 @@ def test_incomplete_store_is_refused(store_dir, tmp_path):
 @pytest.fixture(scope="module")
 def indexed(store_dir, tmp_path_factory):
     d = _copy(store_dir, tmp_path_factory.mktemp("indexed"))
-    build_indices(d, IndexConfig(), progress=False)
+    build_indices(d, IndexConfig(factory="Flat"), progress=False)  # FAISS files, whose damage is checked
     return d
 
 

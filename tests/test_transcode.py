@@ -148,7 +148,7 @@ def test_default_cli_build_then_every_command_on_it(gpt2_dir, text_jsonl, tmp_pa
     m = read_manifest(out)
     assert row_basis(m) == "ekfac" and m["build"]["storage"] == "int4"
     assert {e["factory"] for e in json.loads((tmp_path / "idx" / "faiss" / "index.json").read_text())["layers"]
-            .values()} == {"SQ4"}
+            .values()} == {"store"}
     res = r.invoke(main, ["query", out, "--text", "the cat sat on a mat", "-k", "3", "--json", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     first = json.loads(res.output.splitlines()[0])

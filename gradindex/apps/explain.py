@@ -170,6 +170,7 @@ class Explainer:
                 layers: Sequence[str] | str | None = None, text_field: str = "text") -> list[Explanation]:
         """One explanation per training row in ``ids`` for ``query`` (any form ``QueryEngine.query`` takes)."""
         e = self.engine
+        e.index.check_current()
         method = e.resolve_method(method)
         base, selfnorm = parse_method(method)
         if selfnorm or base not in METHODS:

@@ -32,6 +32,7 @@ from gradindex.apps.explain import METHODS as EXPLAIN_METHODS
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, page
 from gradindex.apps.timings import StageTimes
+from gradindex.index import IndexReplacedError
 from gradindex.methods import ALL_METHODS, DEFAULT_DAMPING, default_method, methods_of
 from gradindex.query import QueryEngine, QueryResult
 
@@ -141,6 +142,8 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
                                      "server is busy or the query is slow; retry later") from None
         except Stopped as e:
             raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
+        except IndexReplacedError as e:  # a build replaced the index: no answer from the deleted one
+            raise HTTPException(503, str(e)) from None
         except (ValueError, TypeError) as e:
             raise HTTPException(400, str(e)) from e
         except Exception as e:  # the worker goes on; this request failed inside the engine
@@ -149,7 +152,12 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "examples": engine.n, "layers": len(engine.select_layers(None)),
+        try:
+            engine.index.check_current()
+            status = "ok"
+        except IndexReplacedError as e:
+            status = f"stale: {e}"
+        return {"status": status, "examples": engine.n, "layers": len(engine.select_layers(None)),
                 "methods": answers, "default_method": default,
                 "queue": {"depth": batcher.depth(), "answering": batcher.answering, "size": batcher.queue_size,
                           "max_batch": batcher.max_batch, "window_s": batcher.window,

@@ -132,7 +132,7 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
           projection_kind, seed, layers, adapter, chat_template, text_field, max_length, batch_size, dtype, device,
           route, storage, shard_size, overwrite, repair, precondition, transcode, damping, fisher, fisher_seed,
           optimizer_state, adam_mode, full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index,
-          quiet):
+          quiet, sketch_bytes=2048):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex import distributed
     from gradindex.capture import ProjectionSpec
@@ -154,7 +154,7 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
         ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
     if batch_size < 1 or shard_size < 1 or max_length < 2:
         raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
-    icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
+    icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index, sketch_bytes)
     if not no_index and whiten != "none" and transcode == "ekfac":
         raise ValueError(f"--whiten {whiten} does not apply: the rows are transcoded into the EK-FAC whitened "
                          "eigenbasis (already whitened); drop --whiten, or add --transcode none")

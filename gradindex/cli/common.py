@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 
 import click
 
@@ -47,6 +48,12 @@ def user_errors(fn):
             raise UserError(one_line(e)) from e
 
     return wrapper
+
+
+def status(msg: str) -> None:
+    """A progress line on stderr when it is a terminal (never in a pipe, a file or a test's capture)."""
+    if sys.stderr.isatty():
+        click.echo(msg, err=True)
 
 
 def data_options(fn):

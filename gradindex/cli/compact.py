@@ -24,7 +24,7 @@ from gradindex.cli.index import index_config, index_options, report
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def compact(index_dir, out, basis, damping, storage, overwrite, index_type, whiten, normalize, train_size, cpu_index,
-            no_index, quiet):
+            no_index, quiet, sketch_bytes=2048):
     """Transcode INDEX_DIR's rows (after an EK-FAC fit) into a whitened basis, as a new index in OUT."""
     from gradindex.index import build_indices
     from gradindex.precondition.compact import compact_eigenbasis
@@ -37,4 +37,4 @@ def compact(index_dir, out, basis, damping, storage, overwrite, index_type, whit
                f"(damping {damping}); query it with --method ekfac")
     if not no_index:
         click.echo(report(build_indices(out, index_config(index_type, "none", damping, normalize, train_size,
-                                                          cpu_index), progress=not quiet)))
+                                                          cpu_index, sketch_bytes), progress=not quiet)))

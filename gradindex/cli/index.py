@@ -14,9 +14,14 @@ from gradindex.cli.common import damping_option, human_bytes, user_errors
 def index_options(fn):
     """Options shared by ``gradindex index`` and the index stage of ``gradindex build``."""
     fn = click.option("--index-type", default="auto", show_default=True,
-                      help="FAISS factory string for every layer (Flat, IVF1024,PQ64, IVF1024,SQ8, "
-                           "HNSW32, ...); auto: Flat below 50,000 examples (while a layer fits "
-                           "in 2 GiB) or up to N*D = 2^24, else IVF-PQ.")(fn)
+                      help="store: queries scan the store's own codes (exhaustive, exact, no copy); "
+                           "sketch: two tiers, an in-RAM sketch of each example's whole-model row ranks "
+                           "everything, its top --candidates are re-ranked exactly; auto: store while one "
+                           "scan is estimated under 0.5 s and the store fits a quarter of RAM, else sketch "
+                           "(raw rows; with --whiten/--normalize the per-layer FAISS default); or a FAISS "
+                           "factory string for every layer (Flat, IVF1024,PQ64, SQ4, HNSW32, ...).")(fn)
+    fn = click.option("--sketch-bytes", default=2048, show_default=True, type=click.IntRange(min=8),
+                      help="Bytes per example of the sketch tier (int8 numbers plus a 4-byte scale).")(fn)
     fn = click.option("--whiten", default="none", show_default=True,
                       type=click.Choice(["none", "kfac", "ekfac"]),
                       help="Index H^-1/2-whitened vectors of this fitted preconditioner "
@@ -46,20 +51,25 @@ def check_index_type(factory: str, n: int) -> None:
 
 
 def index_config(index_type: str, whiten: str, damping: float, normalize: bool, train_size: int,
-                 cpu_index: bool):
+                 cpu_index: bool, sketch_bytes: int = 2048):
     """The :class:`gradindex.index.IndexConfig` of these options."""
     from gradindex.index import IndexConfig, IndexSpace
 
     if train_size < 0:
         raise ValueError(f"--train-size must be >= 0, got {train_size}")
     space = IndexSpace(whiten=whiten, damping=damping, normalize=normalize)
-    return IndexConfig(factory=index_type, space=space, train_size=train_size, gpu=not cpu_index)
+    return IndexConfig(factory=index_type, space=space, train_size=train_size, gpu=not cpu_index,
+                       sketch_bytes=sketch_bytes)
 
 
 def report(res) -> str:
     m = res.meta
     kinds = sorted({e["factory"] for e in m["layers"].values()})
-    size = sum(e["bytes"] for e in m["layers"].values())
+    size = sum(e["bytes"] for e in m["layers"].values()) + (m.get("sketch") or {}).get("bytes", 0)
+    if m.get("sketch"):
+        kinds = [f"sketch of {m['sketch']['spec']['m']} int8 numbers per example"]
+    elif kinds == ["store"]:
+        kinds = ["store (exhaustive scan of the store's codes)"]
     state = "up to date" if res.up_to_date else f"built in {res.seconds:.1f} s"
     return (f"indices {state}: {len(m['layers'])} layers x {m['examples']} examples, {', '.join(kinds)}, "
             f"{'whitened ' + m['space']['whiten'] if m['space']['whiten'] != 'none' else 'raw'}"
@@ -74,12 +84,13 @@ def report(res) -> str:
 @click.option("--force", is_flag=True, help="Rebuild even when the indices are up to date.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
-def index(index_dir, index_type, whiten, normalize, train_size, cpu_index, damping, seed, force, quiet):
+def index(index_dir, index_type, sketch_bytes, whiten, normalize, train_size, cpu_index, damping, seed, force,
+          quiet):
     """(Re)build one FAISS index per layer of INDEX_DIR's store (resumes an interrupted build)."""
     from gradindex.index import build_indices
     from gradindex.manifest import read_manifest
 
     check_index_type(index_type, int(read_manifest(index_dir).get("counts", {}).get("examples", 0)))
-    cfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index)
+    cfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index, sketch_bytes)
     cfg = dataclasses.replace(cfg, seed=seed)
     click.echo(report(build_indices(index_dir, cfg, progress=not quiet, force=force)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import click
@@ -17,6 +18,7 @@ from gradindex.cli.common import (
     parse_messages,
     refine_config,
     refine_options,
+    status,
     user_errors,
 )
 from gradindex.methods import ALL_METHODS
@@ -90,7 +92,9 @@ def _json(r) -> list[dict]:
 @click.option("--rerank-full", default=0, show_default=True, type=click.IntRange(min=0),
               help="Re-rank the index's top N candidates in full (unprojected) space, any method "
                    "(kfac/ekfac need `gradindex precondition INDEX --method M --space full`).")
-@click.option("--candidates", default=None, type=click.IntRange(min=1), help="ANN results per layer (default 2000).")
+@click.option("--candidates", default=None, type=click.IntRange(min=1),
+              help="Sketch index: examples its first tier hands to the exact re-rank (default 200); "
+                   "per-layer FAISS indices: ANN results per layer (default 2000).")
 @click.option("--shortlist", default=None, type=click.IntRange(min=1),
               help="Of those, kept per layer after exact per-layer scoring (default 100).")
 @click.option("--nprobe", default=None, type=click.IntRange(min=1),
@@ -114,7 +118,9 @@ def query(index_dir, texts, prompt, completion, messages, queries_file, text_fie
         if method not in (None, "tracin"):
             raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method tracin, "
                              f"not {method}")
+        status(f"loading the checkpoints and index {index_dir} ...")
         with TracInEngine(index_dir, device=device, data=data) as engine:
+            status(f"searching for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} ...")
             results = engine.query_batch(qs, k=k, lowest=lowest, layers=layers or None)
     else:
         results = _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist,
@@ -124,10 +130,14 @@ def query(index_dir, texts, prompt, completion, messages, queries_file, text_fie
 
 def _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist, nprobe,
             model_dir, data, device, cpu_index, optimizer_state, text_field, refine=None) -> list:
+    t0 = time.perf_counter()
+    status(f"loading model and index {index_dir} ...")  # before the imports: torch, transformers, datasets
     from gradindex.query import QueryEngine
 
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
                      optimizer_state=optimizer_state) as engine:
+        status(f"searching {engine.n:,} examples for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} "
+               f"(loaded in {time.perf_counter() - t0:.1f} s) ...")
         return engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
                                   lowest=lowest, rerank_full=rerank_full, candidates=candidates,
                                   shortlist=shortlist, nprobe=nprobe, text_field=text_field,

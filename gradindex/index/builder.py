@@ -27,6 +27,7 @@ import numpy as np
 
 from gradindex.checksum import damage_error, forget, move_aside, record, recorded
 from gradindex.index import gpu
+from gradindex.index.cost import TIERS, choose_kind
 from gradindex.index.factory import default_search_params, make_index, resolve_factory, train_size
 from gradindex.index.files import (
     META,
@@ -44,7 +45,9 @@ from gradindex.index.files import (
 )
 from gradindex.index.opened import OpenIndex, open_index
 from gradindex.index.rows import RowReader, iter_layer
+from gradindex.index.sketch import SKETCH_BYTES
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
+from gradindex.index.tier import build_sketch, sketch_files
 from gradindex.lock import index_lock
 from gradindex.manifest import FORMAT_VERSION, refuse_unfinished_transcode, write_manifest
 from gradindex.progress import progress_bar
@@ -58,8 +61,12 @@ class IndexConfig:
     """Settings of an index build; serialized into ``faiss/index.json``."""
 
     factory: str = "auto"
-    """FAISS factory string for every layer (``Flat``, ``IVF1024,PQ64``, ``HNSW32``...), or
-    ``auto`` for the per-layer default of :func:`gradindex.index.factory.default_factory`."""
+    """The index kind: ``store`` (exhaustive: queries scan the store's own codes, no FAISS copy),
+    ``sketch`` (two tiers: an in-RAM sketch of every whole-model row, then an exact re-rank of its
+    top candidates), ``auto`` (:func:`gradindex.index.cost.choose_kind` by ``N``, row size and RAM),
+    or a FAISS factory string for every layer (``Flat``, ``IVF1024,PQ64``, ``HNSW32``...)."""
+    sketch_bytes: int = SKETCH_BYTES
+    """Bytes per example of the sketch tier (int8 numbers plus a 4-byte scale)."""
     space: IndexSpace = field(default_factory=IndexSpace)
     """Raw or whitened vectors, normalized or not (:mod:`gradindex.index.space`)."""
     train_size: int = 0
@@ -67,7 +74,9 @@ class IndexConfig:
     seed: int = 0
     """Seed of the training sample."""
     block: int = 16384
-    """Rows read from the store and added per step (memory: one block plus the index)."""
+    """Most rows read from the store and added per step ..."""
+    block_bytes: int = 64 << 20
+    """... and most bytes of float32 rows per step (memory: one block plus the index)."""
     checkpoint_seconds: float = 60.0
     """Write a resumable checkpoint of the layer in progress this often."""
     gpu: bool = True
@@ -113,10 +122,14 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
     if space.whiten != "none":
         ix.pre.check(space.whiten)
     storage = manifest["build"].get("storage", "fp32")
-    factories = {n: resolve_factory(cfg.factory, N, store.dims[n], storage) for n in store.layers}
+    kind = index_kind(cfg.factory, N, store, space)
+    factories = {n: kind if kind in TIERS else resolve_factory(cfg.factory, N, store.dims[n], storage)
+                 for n in store.layers}
     key = {"identity": manifest["build"], "examples": N, "space": space.to_dict(),
            "preconditioner": manifest.get("preconditioners", {}).get(space.whiten),
            "train_size": cfg.train_size, "seed": cfg.seed}
+    if kind == "sketch":
+        key["sketch_bytes"] = cfg.sketch_bytes
     settle_swap(index_dir)
     for p in move_aside(index_dir, [x.file for x in check_faiss(index_dir) if x.problem != "missing"]):
         log.warning("%s is damaged; moved to %s and rebuilt", p.name, p.parent)
@@ -124,13 +137,16 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
     old = read_meta_at(live)
     if (not force and old and old.get("status") == "complete" and old.get("key") == key
             and {n: e["factory"] for n, e in old["layers"].items()} == factories
-            and all(layer_path(live, n).exists() for n in factories)):
+            and all(layer_path(live, n).exists() for n, f in factories.items() if f not in TIERS)
+            and all((live / f).exists() for f in sketch_files(old))):
         return IndexBuildResult(live, old, time.perf_counter() - t0, 0, up_to_date=True)
     staged = read_meta_at(out) if out.exists() else None
     meta = {"format_version": FORMAT_VERSION, "status": "building", "key": key, "space": space.to_dict(),
-            "examples": N, "layers": {}, "norms": None}
+            "examples": N, "layers": {}, "norms": None, "kind": kind}
     if staged is not None and staged.get("key") == key and not force:  # resume the interrupted build
         meta["layers"], meta["norms"] = dict(staged["layers"]), staged.get("norms")
+        if staged.get("sketch"):
+            meta["sketch"] = staged["sketch"]
     else:
         shutil.rmtree(out, ignore_errors=True)
         forget(index_dir, recorded(index_dir, f"{out.name}/"))
@@ -149,6 +165,11 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
         for n in store.layers:
             path = layer_path(out, n)
             entry = meta["layers"].get(n)
+            if factories[n] in TIERS:  # nothing per layer: the store's codes are the vectors
+                meta["layers"][n] = {"file": None, "factory": factories[n], "dim": store.dims[n], "ntotal": N,
+                                     "bytes": 0, "search": {}}
+                bar.update(N)
+                continue
             if entry and entry["factory"] == factories[n] and path.exists():
                 bar.update(N)
                 continue
@@ -163,12 +184,48 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
             del index
     finally:
         bar.close()
+    if kind == "sketch":
+        build_sketch(ix, cfg, out, meta, inv if space.normalize else None, progress)
     meta["status"] = "complete"
     meta["seconds"] = time.perf_counter() - t0
     write_json(out / META, meta)
     swap_in(index_dir)
     _register(index_dir, manifest, meta)
     return IndexBuildResult(live, meta, meta["seconds"], added)
+
+
+SQ_TRAIN_ROWS = 4096
+"""Rows a scalar quantizer without IVF trains on by default (its per-dimension ranges)."""
+
+
+def block_rows(cfg: IndexConfig, dim: int) -> int:
+    """Rows per step: at most ``cfg.block`` and ``cfg.block_bytes`` of float32 (16384 rows of 66k
+    numbers were 4.3 GB a step, and their training sample as large again: the 50-70 vectors/s)."""
+    return max(1, min(cfg.block, cfg.block_bytes // (4 * max(1, dim))))
+
+
+def _ivf_free(index: faiss.Index) -> bool:
+    try:
+        faiss.extract_index_ivf(index)
+        return False
+    except RuntimeError:
+        return True
+
+
+def index_kind(factory: str, n: int, store: Store, space: IndexSpace = IndexSpace()) -> str:
+    """``store``, ``sketch`` or ``faiss`` (a factory string per layer) for ``IndexConfig.factory``.
+
+    ``store`` scans the stored rows as they are, so it needs the raw space; ``auto`` in a whitened
+    or normalized space is the per-layer FAISS default (:func:`gradindex.index.factory.default_factory`).
+    """
+    f = (factory or "auto").strip().lower()
+    raw = space.whiten == "none" and not space.normalize
+    if f == "auto":
+        return choose_kind(n, sum(store.dims.values()), store.storage) if raw else "faiss"
+    if f == "store" and not raw:
+        raise ValueError("--index-type store scans the stored rows as they are, so it cannot hold whitened "
+                         "or normalized vectors; use --index-type sketch (or a FAISS type) with --whiten/--normalize")
+    return f if f in TIERS else "faiss"
 
 
 def _carry(src: Path, dst: Path, name: str | None) -> bool:
@@ -218,6 +275,8 @@ def _build_layer(store: Store, layer: str, factory: str, cfg: IndexConfig, pre: 
     if index is None or index.ntotal > N:
         index = make_index(factory, D)
         n_train = train_size(index, N, cfg.train_size)
+        if n_train and cfg.train_size <= 0 and _ivf_free(index):  # a scalar quantizer learns ranges only
+            n_train = min(n_train, SQ_TRAIN_ROWS, block_rows(cfg, D) * 4)
         if n_train:
             rng = np.random.default_rng(cfg.seed)
             rows = np.sort(rng.choice(N, size=n_train, replace=False))
@@ -230,7 +289,7 @@ def _build_layer(store: Store, layer: str, factory: str, cfg: IndexConfig, pre: 
     bar.update(start)
     work = gpu.for_adding(index, cfg.gpu)
     last = time.perf_counter()
-    for s, x in iter_layer(store, layer, start, cfg.block):
+    for s, x in iter_layer(store, layer, start, block_rows(cfg, D)):
         work.add(index_vectors(cfg.space, pre, layer, x, None if inv is None else inv[s:s + len(x)]))
         bar.update(len(x))
         if time.perf_counter() - last >= cfg.checkpoint_seconds and s + len(x) < N:
@@ -249,5 +308,7 @@ def _register(index_dir: Path, manifest: dict, meta: dict) -> None:
     """Record the index types in the manifest (the open index's copy, then the file)."""
     manifest["index"] = {"space": meta["space"], "status": meta["status"],
                          "factories": sorted({e["factory"] for e in meta["layers"].values()}),
-                         "bytes": int(sum(e["bytes"] for e in meta["layers"].values()))}
+                         "kind": meta.get("kind", "faiss"),
+                         "bytes": int(sum(e["bytes"] for e in meta["layers"].values())
+                                      + (meta.get("sketch") or {}).get("bytes", 0))}
     write_manifest(index_dir, manifest)

@@ -13,9 +13,14 @@ import torch
 
 from gradindex.checksum import damage_error
 from gradindex.index import gpu
+from gradindex.index.cost import TIERS
 from gradindex.index.factory import apply_search_params, is_coded_exhaustive, is_exhaustive
 from gradindex.index.files import NORMS, check_faiss, index_command, layer_path, live_dir, read_meta_at, staging_dir
+from gradindex.index.rows import RowReader
+from gradindex.index.scan import StoreScan
+from gradindex.index.sketch import SketchIndex
 from gradindex.index.space import IndexSpace
+from gradindex.index.tier import load_sketch, sketch_files
 from gradindex.manifest import IndexMismatchError, identity_differences, refuse_unfinished_transcode
 
 
@@ -39,10 +44,12 @@ class LayerIndex:
 
     coded: bool = False
     """A scalar-quantizer index scanned whole (``SQ4``...): every score, from the codes (approximate)."""
+    tier: str | None = None
+    """``store`` or ``sketch``: no FAISS file for the layer; the store's codes are its vectors."""
 
     @property
     def exhaustive(self) -> bool:
-        return self.vectors is not None or self.coded
+        return self.vectors is not None or self.coded or self.tier == "store"
 
     def scores(self, u: np.ndarray) -> np.ndarray:
         """``[Q, N]`` float32 inner products of queries ``u`` ``[Q, D]`` with every vector."""
@@ -123,7 +130,7 @@ class IndexSet:
     """The per-layer indices of an index directory, loaded once and kept in memory."""
 
     def __init__(self, index_dir: str | os.PathLike, manifest: dict, n: int,
-                 layers: Sequence[str] | None = None, use_gpu: bool = True):
+                 layers: Sequence[str] | None = None, use_gpu: bool = True, rows: RowReader | None = None):
         self.dir = Path(index_dir)
         self.folder = live_dir(index_dir)
         self.meta = _check(read_meta_at(self.folder), self.folder, index_dir, manifest, n)
@@ -132,7 +139,9 @@ class IndexSet:
         self.all_layers = list(manifest["build"]["layers"])
         chosen = list(layers) if layers is not None else self.all_layers
         self.layers: dict[str, LayerIndex] = {}
-        damage = [x for x in check_faiss(index_dir, True, [layer_path(self.folder, n).name for n in chosen] + [NORMS])
+        files = [layer_path(self.folder, n).name for n in chosen
+                 if self.meta["layers"].get(n, {}).get("factory") not in TIERS]
+        damage = [x for x in check_faiss(index_dir, True, files + [NORMS] + sketch_files(self.meta))
                   if x.problem != "missing"]  # a missing file gets its own error below
         if damage:
             raise damage_error(index_dir, damage)
@@ -141,6 +150,9 @@ class IndexSet:
             if entry is None:
                 raise FileNotFoundError(f"no FAISS index for layer {name!r} in "
                                         f"{str(self.folder)!r}; " + rebuild_hint(index_dir))
+            if entry["factory"] in TIERS:
+                self.layers[name] = LayerIndex(name, self.folder, entry["factory"], None, tier=entry["factory"])
+                continue
             index = read_layer(index_dir, self.folder, name, entry, n)
             li = LayerIndex(name, layer_path(self.folder, name), entry["factory"], index,
                             dict(entry.get("search", {})))
@@ -156,6 +168,25 @@ class IndexSet:
                 li.index = gpu.for_search(index, use_gpu)
             self.layers[name] = li
         self.sq_norms = self._norms(index_dir)
+        self.kind = self.meta.get("kind") or ("sketch" if self.meta.get("sketch") else "faiss")
+        """``store`` (exhaustive scan of the store), ``sketch`` (two tiers) or ``faiss`` (per-layer indices)."""
+        self.sketch: SketchIndex | None = None
+        if self.meta.get("sketch"):
+            try:
+                self.sketch = load_sketch(self.folder, self.meta, n)
+            except (OSError, ValueError) as e:
+                raise OSError(f"the sketch tier in {str(self.folder)!r} is unreadable ({e}); "
+                              + rebuild_hint(index_dir)) from None
+        self._rows = rows
+        self._scan: StoreScan | None = None
+
+    def store_scan(self) -> StoreScan:
+        """The exhaustive scan of the store's codes (needs the store's row reader)."""
+        if self._scan is None:
+            if self._rows is None:
+                raise RuntimeError("this index set was opened without the store's rows; open it through OpenIndex")
+            self._scan = StoreScan(self._rows)
+        return self._scan
 
     def _norms(self, index_dir) -> np.ndarray:
         p = self.folder / NORMS
@@ -174,5 +205,7 @@ class IndexSet:
         return np.sqrt(self.sq_norms[:, cols].sum(axis=1, dtype=np.float64))
 
     def nbytes(self) -> int:
-        """Bytes of the index files on disk."""
-        return int(sum(li.path.stat().st_size for li in self.layers.values()))
+        """Bytes of the index files on disk (the sketch's included)."""
+        files = [li.path for li in self.layers.values() if li.tier is None]
+        files += [self.folder / f for f in sketch_files(self.meta)]
+        return int(sum(p.stat().st_size for p in files))

@@ -11,6 +11,7 @@ scales (held in memory, 4 bytes a row). Datasets written any other way (filters)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 
 import h5py
@@ -113,5 +114,38 @@ class RowReader:
                 order = np.argsort(off, kind="stable")
                 rows = _gather(mm, off[order], tab.width, code_dtype(self.store.storage))
                 scales = self._scales[k][n][local[order]] if self._scales[k] else None
+                self.store.verify_rows(int(k), n, local[order], rows, scales)
                 out[n][sel[order]] = decode(rows, scales, self.store.storage, self.store.dims[n])
         return out
+
+    def code_blocks(self, layer: str, max_bytes: int = 32 << 20
+                    ) -> Iterator[tuple[int, np.ndarray, np.ndarray | None, str]]:
+        """Yield ``(first_row, codes, scales, storage)`` blocks of one layer in store order, at most
+        ``max_bytes`` of codes each: the store's own codes (memory-mapped chunks) when read directly,
+        else float32 rows decoded through h5py (``storage`` ``fp32``, no scales)."""
+        if self._tables is None or layer not in self.layers:
+            D = self.store.dims[layer]
+            for s, x in iter_layer(self.store, layer, 0, max(1, max_bytes // (4 * max(1, D)))):
+                yield s, x, None, "fp32"
+            return
+        storage, dt = self.store.storage, code_dtype(self.store.storage)
+        for k, first in enumerate(self.store.first_ids):
+            tab, size = self._tables[k][layer], self.store.sizes[k]
+            scales = self._scales[k].get(layer)
+            row_bytes = tab.width * tab.itemsize
+            per = max(tab.rows_per_chunk, (max_bytes // max(1, row_bytes)) // tab.rows_per_chunk * tab.rows_per_chunk)
+            buf = np.empty(min(size, per) * row_bytes, np.uint8)
+            fd = os.open(self.store.paths[k], os.O_RDONLY)
+            try:
+                for s in range(0, size, per):  # whole chunks with pread: a copy from the page cache, no page faults
+                    e = min(size, s + per)
+                    view = memoryview(buf)
+                    for c in range(s // tab.rows_per_chunk, -(-e // tab.rows_per_chunk)):
+                        nb = (min(e, (c + 1) * tab.rows_per_chunk) - c * tab.rows_per_chunk) * row_bytes
+                        if os.preadv(fd, [view[:nb]], int(tab.offsets[c])) != nb:
+                            raise self.store.damaged_error(self.store.paths[k], OSError("short read"))
+                        view = view[nb:]
+                    codes = buf[:(e - s) * row_bytes].view(dt).reshape(e - s, tab.width)
+                    yield first + s, codes, (scales[s:e] if scales is not None else None), storage
+            finally:
+                os.close(fd)

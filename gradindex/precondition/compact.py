@@ -27,7 +27,14 @@ from pathlib import Path
 import numpy as np
 
 from gradindex.checksum import read_checksums, write_checksums
-from gradindex.manifest import manifest_path, read_complete_manifest, read_manifest, row_basis, write_manifest
+from gradindex.manifest import (
+    manifest_path,
+    new_generation,
+    read_complete_manifest,
+    read_manifest,
+    row_basis,
+    write_manifest,
+)
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.files import PRECOND_DIR
@@ -150,6 +157,7 @@ def transcode_in_place(index_dir: str | os.PathLike, damping: float = DEFAULT_DA
              "transcode": {"source_build": manifest["build"], "damping": damping, "storage": new["build"]["storage"],
                            "seconds": new["compact"]["seconds"]}}
     final.pop("compact", None)
+    final["generation"] = new_generation()  # other rows: an engine open on the raw ones must not read these
     (d / JOURNAL).write_text(json.dumps({"manifest": final}, default=str))
     finish_transcode(d)
     log.info("rows of %s transcoded in place into the ekfac eigenbasis (%s)", d, storage)

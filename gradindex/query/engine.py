@@ -271,6 +271,7 @@ class QueryEngine:
         """
         t0 = time.perf_counter()
         check_damping(damping)
+        self.index.check_current()  # before the gradient pass: refused at once when a build replaced the index
         method = self.resolve_method(method)
         refine = self.refine_config(refine, method)
         if rerank_full < 0:
@@ -325,6 +326,7 @@ class QueryEngine:
         the FAISS indices by streaming the store (:func:`gradindex.query.scores.score_matrix`).
         ``refine`` as in :meth:`query_batch` (queries given as gradients are scored as they are).
         """
+        self.index.check_current()
         method = self.resolve_method(method)
         chosen = self.select_layers(layers)
         if isinstance(queries, Mapping):
@@ -393,6 +395,7 @@ class QueryEngine:
         """Search with given per-layer query rows ``{layer: [Q, D]}`` (as :meth:`gradients` gives them)."""
         t0 = time.perf_counter()
         check_damping(damping)
+        self.index.check_current()
         method = self.resolve_method(method)
         asked, selfnorm = parse_method(method)
         base = index_row_base(self.manifest, self.dir, asked, method)  # the operation on stored rows
@@ -421,7 +424,10 @@ class QueryEngine:
         cosine = base == "cosine"
         want = max(k, lowest)
         short = [False] * len(next(iter(m.values())))
-        if all(self.indices.layers[n].exhaustive for n in chosen):
+        if self.indices.sketch is not None:  # two tiers: the sketch's top C, re-ranked exactly below
+            c = max(candidates or S.DEFAULT_SKETCH_CANDIDATES, k, lowest)
+            cands = S.sketch_candidates(self.indices, chosen, u, cosine, c, c if lowest else 0, scale)
+        elif all(self.indices.layers[n].exhaustive for n in chosen):
             # scores from scalar codes are approximate: a shortlist of them goes to the exact re-rank
             coded = any(self.indices.layers[n].coded for n in chosen)
             wide = (shortlist or S.coded_shortlist(max(k, lowest))) if coded else 0

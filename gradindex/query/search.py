@@ -24,6 +24,8 @@ from gradindex.index import IndexSet, RowReader
 
 DEFAULT_CANDIDATES = 2000
 """ANN results per layer (queries' ``candidates``)."""
+DEFAULT_SKETCH_CANDIDATES = 200
+"""Examples the first tier of a ``sketch`` index hands to the exact re-rank (``C``; queries' ``candidates``)."""
 DEFAULT_SHORTLIST = 100
 """Of those, kept per layer after exact per-layer scoring (queries' ``shortlist``)."""
 EXHAUSTIVE_MARGIN = 16
@@ -67,12 +69,37 @@ def exhaustive_candidates(indices: IndexSet, layers: Sequence[str], u: dict[str,
                           n_top: int, n_low: int, scale: np.ndarray | None = None) -> list[np.ndarray]:
     """Per query, the ids of the exact top ``n_top`` and bottom ``n_low`` summed scores.
 
-    ``scale`` ``[N]``: a per-example factor of the score (self-normalization), if any.
+    ``scale`` ``[N]``: a per-example factor of the score (self-normalization), if any. Layers
+    of a ``store`` index are scored by scanning the store's codes, flat or coded FAISS layers
+    from their vectors.
     """
     s = None
     for n in layers:
+        if indices.layers[n].tier is not None:
+            continue
         part = indices.layers[n].scores(u[n])  # [Q, N]
         s = part.astype(np.float64) if s is None else s + part
+    tiered = [n for n in layers if indices.layers[n].tier is not None]
+    if tiered:
+        part = indices.store_scan().scores(u, tiered)  # [Q, N] float64
+        s = part if s is None else s + part
+    return top_and_bottom(with_factors(indices, s, layers, cosine, scale), n_top, n_low)
+
+
+def sketch_candidates(indices: IndexSet, layers: Sequence[str], u: dict[str, np.ndarray], cosine: bool,
+                      n_top: int, n_low: int, scale: np.ndarray | None = None) -> list[np.ndarray]:
+    """The first tier of a ``sketch`` index: per query, the ids of the top ``n_top`` (and bottom
+    ``n_low``) sketch estimates of the summed score over ``layers`` (the other layers' parts of
+    the query sketch are zero), with the same per-example factors as the exact score."""
+    yq = indices.sketch.sketch.apply(u, list(layers))  # [Q, m]
+    s = indices.sketch.scores(yq).astype(np.float64)  # [Q, N]
+    return top_and_bottom(with_factors(indices, s, layers, cosine, scale), n_top, n_low, margin=0)
+
+
+def with_factors(indices: IndexSet, s: np.ndarray, layers: Sequence[str], cosine: bool,
+                 scale: np.ndarray | None) -> np.ndarray:
+    """Index-space scores ``s`` ``[Q, N]`` times the per-example factors of the method: the norms a
+    normalized index divided by, ``1/‖t‖`` for cosine, ``scale``."""
     if indices.space.normalize:
         s *= indices.norms()[None, :]
     if cosine:
@@ -80,21 +107,21 @@ def exhaustive_candidates(indices: IndexSet, layers: Sequence[str], u: dict[str,
         s = np.where(t > 0, s / np.where(t > 0, t, 1.0), 0.0)
     if scale is not None:
         s *= scale[None, :]
-    return top_and_bottom(s, n_top, n_low)
+    return s
 
 
-def top_and_bottom(s: np.ndarray, n_top: int, n_low: int) -> list[np.ndarray]:
+def top_and_bottom(s: np.ndarray, n_top: int, n_low: int, margin: int = EXHAUSTIVE_MARGIN) -> list[np.ndarray]:
     """Per row of summed scores ``s`` ``[Q, N]``, the ids of its top ``n_top`` and bottom ``n_low``
-    (each with a margin of :data:`EXHAUSTIVE_MARGIN` for the float64 re-rank to settle)."""
+    (each with ``margin`` more, :data:`EXHAUSTIVE_MARGIN` by default, for the float64 re-rank to settle)."""
     N = s.shape[1]
     out = []
     for row in s:
         parts = []
         if n_top:
-            kk = min(N, n_top + EXHAUSTIVE_MARGIN)
+            kk = min(N, n_top + margin)
             parts.append(np.argpartition(-row, kk - 1)[:kk] if kk < N else np.arange(N))
         if n_low:
-            kk = min(N, n_low + EXHAUSTIVE_MARGIN)
+            kk = min(N, n_low + margin)
             parts.append(np.argpartition(row, kk - 1)[:kk] if kk < N else np.arange(N))
         out.append(np.unique(np.concatenate(parts)))
     return out

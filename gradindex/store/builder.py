@@ -24,7 +24,7 @@ from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
 from gradindex.chat import MESSAGES, template_of
-from gradindex.checksum import check_files, move_aside, recorded
+from gradindex.checksum import check_files, move_aside, recorded, shard_of
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint
 from gradindex.lock import LOCK, index_lock
@@ -33,6 +33,7 @@ from gradindex.manifest import (
     IndexMismatchError,
     identity_differences,
     manifest_path,
+    new_generation,
     read_manifest,
     write_manifest,
 )
@@ -294,6 +295,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         manifest = {**old, **{k: v for k, v in manifest.items() if k not in ("counts",)},
                     "counts": {**old.get("counts", {}), **manifest["counts"]}}
         manifest["status"] = "building"
+    manifest["generation"] = (old or {}).get("generation") or new_generation()  # kept by a resume
     if lead:
         write_manifest(out, manifest)
     distributed.barrier()  # the other ranks write their shards once rank 0 has set the directory up
@@ -380,7 +382,10 @@ def append_batch(w: ShardWriter, model: nn.Module, capture: GradientCapture, dat
 
 def _move_damaged_aside(out: Path, full: bool) -> None:
     """Move committed shards that fail their hash check aside, so that this build recomputes them."""
-    damaged = [x.file for x in check_files(out, recorded(out, f"{STORE_DIR}/"), full) if x.problem != "missing"]
+    found = check_files(out, recorded(out, f"{STORE_DIR}/"), full)
+    damaged = [x.file for x in found if x.problem != "missing"]
+    damaged += [shard_of(x.file) for x in found  # a shard whose row hashes are damaged or gone: recomputed
+                if shard_of(x.file) != x.file and shard_of(x.file) not in damaged]
     for p in move_aside(out, damaged):
         log.warning("%s is damaged; moved to %s and recomputed", p.name, p.parent)
 

@@ -1,0 +1,128 @@
+"""Exhaustive scans of row codes with FAISS's SIMD scalar-quantizer kernels, over codes FAISS does not own.
+
+The store's codes (:mod:`gradindex.store.codes`) map onto FAISS scalar quantizers exactly:
+
+* ``int4`` (``c`` in ``1..15`` offset by 8, two a byte, element ``2j`` in the low nibble): FAISS's
+  ``QT_4bit_uniform`` with ``vmin = -8.5, vdiff = 15`` decodes nibble ``c`` as ``vmin + (c + ½)/15 ·
+  vdiff = c - 8``, with the same nibble order;
+* ``int8`` (two's-complement ``-127..127``): ``QT_8bit_direct_signed`` decodes byte ``b`` as
+  ``b - 128``, so the codes are handed over as ``c XOR 0x80``. Its distance kernel rounds the query
+  to integers too: the query is scaled to ``max|u| = 127`` first (:data:`QUERY_LEVELS`) and the
+  scores scaled back, which keeps its rounding ~1e-4 of a score;
+* ``fp16``: ``QT_fp16``; ``fp32``: a BLAS product (the store's floats are the vectors).
+
+Per-row scales multiply the scores afterwards. A scan copies a block of codes into a scratch index
+(``add_sa_codes``), asks for every row's score (``search`` with ``k`` = the block) and empties it, so
+nothing is held beyond a block; the scores equal ``decode(codes, scales) @ u`` to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import faiss
+import numpy as np
+
+from gradindex.store.codes import check_storage
+
+QUERY_LEVELS = 127.0
+"""The int8 kernels round the query to integers: it is scaled to this largest magnitude first."""
+_QT = {"int4": "QT_4bit_uniform", "int8": "QT_8bit_direct_signed", "fp16": "QT_fp16"}
+
+
+class CodeScanner:
+    """Inner products of queries with blocks of ``dim``-wide rows coded as ``storage``."""
+
+    def __init__(self, storage: str, dim: int):
+        self.storage, self.dim = check_storage(storage), int(dim)
+        self.index = None
+        if storage in _QT:
+            qt = getattr(faiss.ScalarQuantizer, _QT[storage])
+            self.index = faiss.IndexScalarQuantizer(self.dim, qt, faiss.METRIC_INNER_PRODUCT)
+            if storage == "int4":
+                faiss.copy_array_to_vector(np.array([-8.5, 15.0], np.float32), self.index.sq.trained)
+                self.index.is_trained = True
+            else:
+                self.index.train(np.zeros((1, self.dim), np.float32))
+
+    def prepare(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(query rows for the kernel [Q, dim] float32, factor [Q] to multiply their scores by)``."""
+        u = np.ascontiguousarray(u, dtype=np.float32)
+        if self.storage != "int8":
+            return u, np.ones(len(u), np.float32)
+        top = np.abs(u).max(axis=1)
+        f = np.where(top > 0, top / QUERY_LEVELS, 1.0).astype(np.float32)
+        return np.ascontiguousarray(u / f[:, None]), f
+
+    def scores(self, codes: np.ndarray, scales: np.ndarray | None, u: np.ndarray,
+               factor: np.ndarray | None = None) -> np.ndarray:
+        """``[Q, n]`` float32 ``decode(codes, scales) @ u.T`` for ``u`` from :meth:`prepare` (``factor`` its factor)."""
+        n = len(codes)
+        if self.index is None:  # fp32: the codes are the vectors
+            out = u @ np.asarray(codes, np.float32).T
+        else:
+            c = np.ascontiguousarray(codes).view(np.uint8)
+            if self.storage == "int8":
+                c = c ^ np.uint8(0x80)
+            self.index.add_sa_codes(c.reshape(n, -1))
+            try:
+                d, i = self.index.search(u, n)
+            finally:
+                self.index.reset()
+            out = np.empty((len(u), n), np.float32)
+            np.put_along_axis(out, i, d, axis=1)
+        if factor is not None:
+            out *= factor[:, None]
+        if scales is not None:
+            out *= scales[None, :]
+        return out
+
+
+def scan_blocks(blocks: Iterator[tuple[int, np.ndarray, np.ndarray | None]], scanner: CodeScanner,
+                u: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Add each block's scores into ``out`` ``[Q, N]``: ``blocks`` yields ``(first_row, codes, scales)``."""
+    uq, f = scanner.prepare(u)
+    for s, codes, scales in blocks:
+        out[:, s:s + len(codes)] += scanner.scores(codes, scales, uq, f)
+    return out
+
+
+class StoreScan:
+    """Every stored row's inner product with per-layer query vectors, from the store's own codes.
+
+    Memory: one block of codes (``block_bytes``) and the ``[Q, N]`` scores; the store stays on disk
+    (read through the page cache). Exact up to float32 accumulation within a layer.
+    """
+
+    def __init__(self, rows, block_bytes: int = 32 << 20):
+        self.rows, self.block_bytes = rows, int(block_bytes)
+        self._scanners: dict[tuple[str, int], CodeScanner] = {}
+
+    def _scanner(self, storage: str, width: int) -> CodeScanner:
+        if (storage, width) not in self._scanners:
+            self._scanners[storage, width] = CodeScanner(storage, width)
+        return self._scanners[storage, width]
+
+    def scores(self, u: dict[str, np.ndarray], layers: list[str]) -> np.ndarray:
+        """``[Q, N]`` float64 ``Σ_l ⟨u_l, t_l⟩`` over ``layers`` for every stored row ``t``."""
+        Q = len(next(iter(u.values())))
+        out = np.zeros((Q, len(self.rows.store)), np.float64)
+        part = np.zeros((Q, len(self.rows.store)), np.float32)
+        for n in layers:
+            part[:] = 0.0
+            blocks = self.rows.code_blocks(n, self.block_bytes)
+            first = next(blocks, None)
+            if first is None:
+                continue
+            s, codes, scales, storage = first
+            width = codes.shape[1] * (2 if storage == "int4" else 1)
+            un = np.asarray(u[n], np.float32)
+            if un.shape[1] < width:  # an odd int4 row pads with the zero code
+                un = np.concatenate([un, np.zeros((Q, width - un.shape[1]), np.float32)], axis=1)
+            sc = self._scanner(storage, width)
+            uq, f = sc.prepare(un)
+            part[:, s:s + len(codes)] += sc.scores(codes, scales, uq, f)
+            for s, codes, scales, _ in blocks:
+                part[:, s:s + len(codes)] += sc.scores(codes, scales, uq, f)
+            out += part
+        return out

@@ -1,0 +1,156 @@
+"""The first tier of a two-tier index: a small in-RAM sketch of every example's whole-model row.
+
+Each layer's index-space vector ``x_l`` (``D_l`` numbers) is sketched by a seeded CountSketch
+``S_l`` to ``m_l`` numbers: coordinate ``j`` goes to bucket ``h_l(j)`` with sign ``σ_l(j) = ±1``,
+``(S_l x)_b = Σ_{h(j)=b} σ(j) x_j``. A layer no wider than its share keeps its coordinates
+(``S_l = I``). The parts are concatenated, ``y = [S_1 x_1, ..., S_L x_L]`` (``m = Σ m_l``
+numbers, block-diagonal), so
+
+* ``⟨y_q, y_t⟩ = Σ_l ⟨S_l q_l, S_l t_l⟩`` is an unbiased estimate of the whole-model score
+  ``Σ_l ⟨q_l, t_l⟩`` (the signs are independent: ``E[σ_i σ_j] = 0`` for ``i ≠ j``), with variance
+  ``Σ_l (‖q_l‖²‖t_l‖² + ⟨q_l, t_l⟩² - 2 Σ_j q_lj² t_lj²) / m_l ≤ 2 Σ_l ‖q_l‖²‖t_l‖² / m_l``;
+* a search restricted to some layers zeroes the query's other parts (the per-layer parts are kept);
+* ``m_l`` is allotted in proportion to the layer's mean squared norm (at least :data:`MIN_PART`),
+  which for queries like the rows minimises that variance for a given ``m`` and makes every
+  coordinate about equally large, so one int8 scale per row serves all parts.
+
+Codes: ``int8`` with one float32 scale per row (:func:`gradindex.store.codes.encode`), held in
+FAISS's ``QT_8bit_direct_signed`` layout (``code + 128``) and scanned by its SIMD kernel for every
+row's score; the top candidates are then re-ranked exactly from the store (:mod:`gradindex.query.search`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import faiss
+import numpy as np
+
+from gradindex.index.scan import QUERY_LEVELS
+from gradindex.store.codes import encode
+
+SKETCH_BYTES = 2048
+"""Bytes per example of the default sketch (int8 numbers plus a 4-byte scale)."""
+MIN_PART = 8
+"""Fewest sketch numbers a layer gets (all of its coordinates when it has fewer)."""
+
+
+def allocate(dims: dict[str, int], energy: dict[str, float], total: int) -> dict[str, int]:
+    """``m_l`` per layer: ``total`` numbers shared in proportion to ``energy``, each at most ``D_l``
+    and at least ``min(D_l, MIN_PART)``; what a full layer cannot take goes to the others."""
+    m = {n: min(d, MIN_PART) for n, d in dims.items()}
+    left = total - sum(m.values())
+    open_ = [n for n in dims if m[n] < dims[n]]
+    while left > 0 and open_:
+        e = np.array([max(energy.get(n, 0.0), 1e-30) for n in open_], np.float64)
+        want = np.floor(e / e.sum() * left).astype(np.int64)
+        if want.sum() == 0:
+            want[np.argmax(e)] = left
+        for n, w in zip(open_, want.tolist(), strict=True):
+            take = min(w, dims[n] - m[n])
+            m[n] += take
+            left -= take
+        open_ = [n for n in open_ if m[n] < dims[n]]
+    return m
+
+
+def _layer_seed(seed: int, layer: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"sketch/{seed}/{layer}".encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True)
+class LayerSketch:
+    """One layer's CountSketch ``S_l``: ``D`` coordinates into ``m`` buckets (``m = D``: identity)."""
+
+    D: int
+    m: int
+    perm: np.ndarray | None = None
+    """Coordinates ordered by bucket ``[D]``."""
+    signs: np.ndarray | None = None
+    """``σ`` of the coordinates in that order ``[D]`` float32."""
+    starts: np.ndarray | None = None
+    """First position of each bucket in ``perm`` ``[m]``."""
+
+    @classmethod
+    def make(cls, seed: int, layer: str, D: int, m: int) -> LayerSketch:
+        if m >= D:
+            return cls(D, D)
+        rng = np.random.default_rng(_layer_seed(seed, layer))
+        bucket = rng.permutation(np.concatenate([np.arange(m), rng.integers(0, m, D - m)]))  # every bucket used
+        sign = rng.choice(np.array([-1.0, 1.0], np.float32), size=D)
+        perm = np.argsort(bucket, kind="stable")
+        starts = np.searchsorted(bucket[perm], np.arange(m))
+        return cls(D, m, perm, sign[perm], starts)
+
+    def apply(self, x: np.ndarray) -> np.ndarray:
+        """``[n, m]`` float32 ``S x`` for rows ``x`` ``[n, D]``."""
+        x = np.asarray(x, np.float32)
+        if self.perm is None:
+            return x
+        return np.add.reduceat(x[:, self.perm] * self.signs, self.starts, axis=1)
+
+
+class Sketch:
+    """The whole-model sketch: every layer's part, concatenated in layer order."""
+
+    def __init__(self, seed: int, dims: dict[str, int], parts: dict[str, int]):
+        self.seed, self.dims, self.parts = int(seed), dict(dims), dict(parts)
+        self.layers = list(parts)
+        self.m = int(sum(parts.values()))
+        self.offsets = dict(zip(self.layers, np.cumsum([0] + [parts[n] for n in self.layers])[:-1].tolist(),
+                                strict=True))
+        self._layer = {n: LayerSketch.make(seed, n, dims[n], parts[n]) for n in self.layers}
+
+    def to_dict(self) -> dict:
+        return {"seed": self.seed, "dims": self.dims, "parts": self.parts, "m": self.m}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Sketch:
+        return cls(d["seed"], d["dims"], d["parts"])
+
+    def apply(self, x: dict[str, np.ndarray], layers: list[str] | None = None) -> np.ndarray:
+        """``[n, m]`` float32 sketch of per-layer rows ``x`` (parts of layers not in ``layers`` are zero)."""
+        chosen = set(layers or self.layers)
+        n = len(next(iter(x.values())))
+        out = np.zeros((n, self.m), np.float32)
+        for name in self.layers:
+            if name in chosen:
+                o = self.offsets[name]
+                out[:, o:o + self.parts[name]] = self._layer[name].apply(x[name])
+        return out
+
+
+def encode_sketch(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes [n, m] uint8 in FAISS's direct-signed layout, scales [n] float32)`` of sketches ``y``."""
+    codes, scales = encode(y, "int8")
+    return codes.view(np.uint8) ^ np.uint8(0x80), scales
+
+
+class SketchIndex:
+    """The sketch codes of every example in RAM (owned by FAISS) and their scores against query sketches."""
+
+    def __init__(self, sketch: Sketch, codes: np.ndarray, scales: np.ndarray, block: int = 1 << 16):
+        self.sketch, self.n = sketch, len(codes)
+        self.scales = np.asarray(scales, np.float32)
+        self.index = faiss.IndexScalarQuantizer(sketch.m, faiss.ScalarQuantizer.QT_8bit_direct_signed,
+                                                faiss.METRIC_INNER_PRODUCT)
+        self.index.train(np.zeros((1, sketch.m), np.float32))
+        for s in range(0, self.n, block):  # from a memory map, a block at a time
+            self.index.add_sa_codes(np.ascontiguousarray(codes[s:s + block]))
+
+    def nbytes(self) -> int:
+        return int(self.n * (self.sketch.m + 4))
+
+    def scores(self, yq: np.ndarray, batch: int = 8) -> np.ndarray:
+        """``[Q, N]`` float32 sketch scores ``⟨y_q, ŷ_t⟩`` of query sketches ``yq`` ``[Q, m]``."""
+        out = np.empty((len(yq), self.n), np.float32)
+        for s in range(0, len(yq), batch):
+            q = np.asarray(yq[s:s + batch], np.float32)
+            top = np.abs(q).max(axis=1)
+            f = np.where(top > 0, top / QUERY_LEVELS, 1.0).astype(np.float32)  # the kernel rounds queries
+            d, i = self.index.search(np.ascontiguousarray(q / f[:, None]), self.n)
+            part = np.empty((len(q), self.n), np.float32)
+            np.put_along_axis(part, i, d, axis=1)
+            out[s:s + len(q)] = part * f[:, None] * self.scales[None, :]
+        return out
