@@ -46,14 +46,12 @@ from gradindex.checksum import (
     write_row_hashes,
 )
 from gradindex.manifest import build_command
+from gradindex.spec import layout
+from gradindex.spec.layout import shard_name
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
-STORE_DIR = "store"
+STORE_DIR = layout.STORE_DIR
 SCALARS = {"loss": np.float32, "num_tokens": np.int32, "finite": np.bool_}
-
-
-def shard_name(k: int) -> str:
-    return f"shard-{k:05d}.h5"
 
 
 class ShardWriter:
