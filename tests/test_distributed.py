@@ -74,7 +74,7 @@ def test_torchrun_build_equals_one_process_and_a_lost_shard_resumes(gpt2_dir, da
     assert (ids == np.arange(N)).all()
     for n in ref:
         np.testing.assert_array_equal(ref[n], again[n])
-    assert "intact; 6 files verified" in cli("verify", str(d / "raw"))
+    assert "intact; 12 files verified" in cli("verify", str(d / "raw"))  # 6 shards and their row hashes
 
 
 @pytest.mark.parametrize("wrap", ["ddp", "fsdp", "trainer"])

@@ -111,3 +111,69 @@ def test_a_long_text_is_cut_by_characters_before_it_is_tokenized(tokenizer):
                           spy, 64)
     full = tokenizer("dog ran", add_special_tokens=False)["input_ids"] + whole
     assert pc.input_ids[0] == full[:64]
+
+
+def test_an_open_engine_and_server_refuse_an_index_that_build_overwrite_replaced(gpt2_dir, text_jsonl, tmp_path):
+    """Item 4: 150 of 150 queries answered from the deleted index after `build --overwrite`."""
+    from fastapi.testclient import TestClient
+
+    from gradindex.apps.serve import create_app
+    from gradindex.index import IndexReplacedError
+    from gradindex.manifest import read_manifest
+
+    out = tmp_path / "idx"
+    build = ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--projection", "4", "--device", "cpu",
+             "--quiet", "--precondition", "ekfac", "--transcode", "none", "--storage", "fp32", "--max-length", "32"]
+    r = CliRunner()
+    assert r.invoke(main, build).exit_code == 0
+    first = read_manifest(out)["generation"]
+    with QueryEngine(out, device="cpu") as e:
+        client = TestClient(create_app(e))
+        before = e.query("the cat sat on a mat", k=3)
+        assert client.post("/query", json={"text": "the cat sat", "k": 2}).status_code == 200
+        # an update of the same build (the index stage again) is not a replacement
+        assert r.invoke(main, ["index", str(out), "--force", "--quiet"]).exit_code == 0
+        again = e.query("the cat sat on a mat", k=3)
+        assert [h.id for h in again.hits] == [h.id for h in before.hits]
+        # the same command with another max length and --overwrite: another index in the same place
+        res = r.invoke(main, [*build[:-1], "24", "--overwrite"])
+        assert res.exit_code == 0, res.output
+        assert read_manifest(out)["generation"] != first
+        with pytest.raises(IndexReplacedError, match="replaced by a new build since it was opened"):
+            e.query("the cat sat on a mat", k=3)
+        with pytest.raises(IndexReplacedError):
+            e.scores(["the cat sat on a mat"])
+        got = client.post("/query", json={"text": "the cat sat", "k": 2})
+        assert got.status_code == 503 and "restart it" in got.json()["detail"], got.text
+        assert client.get("/health").json()["status"].startswith("stale: ")
+    with QueryEngine(out, device="cpu") as e:  # reopened: the new index answers
+        assert len(e.query("the cat sat on a mat", k=3).hits) == 3
+
+
+def test_cli_query_says_loading_and_searching_on_a_terminal_only(default_index):
+    """Item 16: a CLI query was silent for 6-20 s (imports and model load)."""
+    import pty
+
+    master, slave = pty.openpty()
+    args = [sys.executable, "-m", "gradindex.cli", "query", str(default_index), "--text", "the cat sat", "-k", "2",
+            "--device", "cpu"]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=slave, text=True,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        err += chunk
+    out = p.communicate(timeout=300)[0]
+    os.close(master)
+    text = err.decode()
+    assert p.returncode == 0, text + out
+    assert text.index(f"loading model and index {default_index} ...") < text.index("searching 40 examples for 1 query")
+    assert "query 1: the cat sat" in out and "loading" not in out  # the results on stdout, progress on stderr
+    piped = CliRunner().invoke(main, args[3:])
+    assert piped.exit_code == 0 and "loading model" not in piped.output

@@ -212,3 +212,44 @@ def test_verify_with_checksums_deleted_is_damage_with_its_repair(index):
     shard = index / "store" / "shard-00000.h5"  # the recorded hashes protect the files again
     _flip(shard, shard.stat().st_size // 2)
     assert [x["file"] for x in _verify(index)["damaged"]] == ["store/shard-00000.h5"]
+
+
+def _sampled(size: int) -> list[tuple[int, int]]:
+    """The byte ranges the cheap sampled check reads (gradindex.checksum.sample_digest)."""
+    edge, block = 1 << 16, 1 << 12
+    return [(0, edge), (max(0, size - edge), size)] + [(size * i // 17, size * i // 17 + block) for i in range(1, 17)]
+
+
+def test_a_flipped_block_outside_the_sampled_ones_is_refused_when_a_query_reads_its_row(gpt2_dir, text_jsonl,
+                                                                                         tmp_path):
+    """Issue 21, item 3: a flipped 64-byte block the sampled check does not read changed a score (7433.4 →
+    7361.2, exit 0); the row hashes recorded at write time refuse it as the query reads the row."""
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    data = tokenize_records(load_records(text_jsonl), tok, 64)
+    out = tmp_path / "index"
+    cfg = BuildConfig(projection=ProjectionSpec.parse("none"), shard_size=16, storage="fp32", max_length=64)
+    build_index(model, tok, data, out, cfg, index=IndexConfig(factory="Flat"), model_id=str(gpt2_dir),
+                data_id=str(text_jsonl), progress=False)
+    shard = out / "store" / "shard-00001.h5"
+    layer = "transformer.h.1.mlp.c_fc"
+    with h5py.File(shard, "r") as f:
+        ds = f["grads"][layer]
+        row_bytes = ds.shape[1] * 4
+        start = ds.id.get_chunk_info(0).byte_offset
+        rows_in_chunk = ds.chunks[0]
+    size = shard.stat().st_size
+    off = next(o for o in range(start, start + rows_in_chunk * row_bytes - 64, 64)
+               if not any(a < o + 64 and o < b for a, b in _sampled(size)))
+    row = 16 + (off - start) // row_bytes  # the example whose codes the block lies in
+    with open(shard, "r+b") as fh:
+        fh.seek(off)
+        fh.write(bytes(64 * [0x5A]))
+    with QueryEngine(out, model=model, tokenizer=tok) as e:  # the cheap checks at open pass
+        with pytest.raises(DamagedIndexError, match=rf"shard-00001\.h5 \(rows \[{row - 16}\] of layer "
+                                                    rf"'{layer}' differ from the hashes recorded.*--repair"):
+            e.query(data.input_ids[row], k=len(data))  # every row is re-ranked exactly, this one too
+        ok = e.store.read_rows(np.array([0, 1, 39]))  # rows elsewhere still read
+        assert all(np.isfinite(v).all() for v in ok.values())
+    r = _cli("query", out, "--text", "the cat sat on a mat", "-k", "40", "--device", "cpu")
+    assert r.exit_code == 2 and "differ from the hashes recorded" in r.output, r.output
+    assert _verify(out)["damaged"][0]["file"] == "store/shard-00001.h5"

@@ -73,9 +73,12 @@ def note_unhooked(model) -> None:
                                             "256 KiB; the whole gradient where that buys it).")
 @click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
               help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
-@click.option("--projection-basis", "basis", default="raw", show_default=True, type=click.Choice(["raw", "kfac"]),
-              help="kfac: whiten each side by its damped full-space K-FAC factor before projecting "
-                   "(one factor pass first); rows then answer kfac/ekfac, not graddot.")
+@click.option("--projection-basis", "basis", default="raw", show_default=True,
+              type=click.Choice(["raw", "kfac", "eigen"]),
+              help="eigen: store the full-space EK-FAC eigen-coordinates --budget buys, chosen over all layers "
+                   "(two model passes first; rows answer ekfac; wins where the budget holds most of the "
+                   "influence, benchmarks/width.py). kfac: whiten each side by its damped full-space K-FAC factor "
+                   "before projecting; rows then answer kfac/ekfac, not graddot.")
 @click.option("--basis-damping", default=1.0, show_default=True, type=float,
               help="Relative damping of the kfac whitening.")
 @click.option("--fit-examples", default=0, show_default=True, type=int,
@@ -142,21 +145,22 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     from gradindex.store.builder import refuse_foreign
 
     auto = projection.strip().lower() == "auto"
-    if precondition == "auto":
-        precondition = "none" if optimizer_state else "ekfac"
-    if transcode == "auto":
-        transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
-    if storage == "auto":
-        storage = "int4" if transcode == "ekfac" else "int8"
     if budget and not auto:
         raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
     spec = ProjectionSpec(kind=projection_kind, seed=seed) if auto else \
         ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
-    if batch_size < 1 or shard_size < 1 or max_length < 2:
-        raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
+    # the library resolves each "auto" (BuildConfig.defaults) and refuses bad settings, before any work
+    settings = dict(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
+                    route=route, shard_size=shard_size, storage=storage, precondition=precondition, damping=damping,
+                    fisher=fisher, fisher_seed=fisher_seed, optimizer_state=optimizer_state or "",
+                    adam_mode=adam_mode, full_factors=full_factors, budget=(budget or "auto") if auto else 0,
+                    transcode=transcode, allocation=allocation, basis=basis, basis_damping=basis_damping,
+                    basis_examples=fit_examples)
+    cfg = BuildConfig(**settings)
+    precondition, transcode = cfg.precondition, cfg.transcode
     icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index, sketch_bytes)
-    if not no_index and whiten != "none" and transcode == "ekfac":
-        raise ValueError(f"--whiten {whiten} does not apply: the rows are transcoded into the EK-FAC whitened "
+    if not no_index and whiten != "none" and (transcode == "ekfac" or basis == "eigen"):
+        raise ValueError(f"--whiten {whiten} does not apply: the rows are in the EK-FAC whitened "
                          "eigenbasis (already whitened); drop --whiten, or add --transcode none")
     if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
         raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
@@ -179,12 +183,7 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
             click.echo(f"note: --max-length {max_length} is more than {why}; using --max-length {limit}", err=True)
             max_length = limit
             data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
-        cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
-                          route=route, shard_size=shard_size, storage=storage,
-                          precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
-                          optimizer_state=optimizer_state or "", adam_mode=adam_mode, full_factors=full_factors,
-                          budget=(budget or "auto") if auto else 0, transcode=transcode, allocation=allocation,
-                          basis=basis, basis_damping=basis_damping, basis_examples=fit_examples)
+        cfg = BuildConfig(**{**settings, "max_length": max_length})
         if not no_index:
             check_index_type(index_type, len(data_tok))
         if data_tok.n_truncated:
@@ -204,7 +203,10 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     m = res.manifest
     numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
     row_bytes = int(numbers * bytes_per_number(m["build"]["storage"]))
-    rows = "in the ekfac eigenbasis, " if m.get("transcode") else ""
+    full_eigen = (m["build"].get("basis") or {}).get("space") == "full-eigen"
+    share = (m["build"].get("basis") or {}).get("kept_share")
+    rows = f"full-space ekfac eigen-coordinates keeping {share:.0%} of the influence, " if full_eigen else \
+        "in the ekfac eigenbasis, " if m.get("transcode") else ""
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
                f"({numbers:,} numbers, {rows}{m['build']['storage']}: {human_bytes(row_bytes)} per example) "
                f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import click
 
 from gradindex.cli import main
 from gradindex.cli.common import (
+    MethodChoice,
     damping_option,
     engine_options,
     messages_option,
@@ -17,9 +19,11 @@ from gradindex.cli.common import (
     parse_messages,
     refine_config,
     refine_options,
+    status,
     user_errors,
 )
-from gradindex.methods import ALL_METHODS
+from gradindex.methods import REGISTRY
+from gradindex.spec.layout import TRAJECTORY
 
 
 def _queries(texts, prompt, completion, queries_file, text_field, messages=()) -> list[dict]:
@@ -80,7 +84,7 @@ def _json(r) -> list[dict]:
               help="File of queries, any format and fields `gradindex build` reads.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
 @click.option("-k", "k", default=10, show_default=True, type=click.IntRange(min=1), help="Results per query.")
-@click.option("--method", default=None, type=click.Choice([*ALL_METHODS, "tracin"]),
+@click.option("--method", default=None, type=MethodChoice("query"),
               help="Scoring method (default: ekfac where the index answers it, else graddot; adam on an "
                    "index built with --optimizer-state; tracin on a `gradindex trajectory` index).")
 @damping_option()
@@ -110,13 +114,16 @@ def query(index_dir, texts, prompt, completion, messages, queries_file, text_fie
           refine):
     """Find the training examples in INDEX_DIR that most influenced each query."""
     qs = _queries(texts, prompt, completion, queries_file, text_field, messages)
-    if (Path(index_dir) / "trajectory.json").is_file():  # a TracIn index over checkpoints
+    if (Path(index_dir) / TRAJECTORY).is_file():  # a TracIn index over checkpoints
         from gradindex.apps.tracin import TracInEngine
 
-        if method not in (None, "tracin"):
-            raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method tracin, "
-                             f"not {method}")
+        answers = [m.name for m in REGISTRY.values() if m.rows == "trajectory"]
+        if method not in (None, *answers):
+            raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method "
+                             f"{', '.join(answers)}, not {method}")
+        status(f"loading the checkpoints and index {index_dir} ...")
         with TracInEngine(index_dir, device=device, data=data) as engine:
+            status(f"searching for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} ...")
             results = engine.query_batch(qs, k=k, lowest=lowest, layers=layers or None)
     else:
         results = _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist,
@@ -126,10 +133,14 @@ def query(index_dir, texts, prompt, completion, messages, queries_file, text_fie
 
 def _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist, nprobe,
             model_dir, data, device, cpu_index, optimizer_state, text_field, refine=None) -> list:
+    t0 = time.perf_counter()
+    status(f"loading model and index {index_dir} ...")  # before the imports: torch, transformers, datasets
     from gradindex.query import QueryEngine
 
     with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
                      optimizer_state=optimizer_state) as engine:
+        status(f"searching {engine.n:,} examples for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} "
+               f"(loaded in {time.perf_counter() - t0:.1f} s) ...")
         return engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
                                   lowest=lowest, rerank_full=rerank_full, candidates=candidates,
                                   shortlist=shortlist, nprobe=nprobe, text_field=text_field,

@@ -14,7 +14,7 @@ from gradindex.index.builder import IndexBuildResult, IndexConfig, build_indices
 from gradindex.index.factory import default_factory, resolve_factory
 from gradindex.index.files import FAISS_DIR, faiss_dir, layer_file, live_dir, read_meta
 from gradindex.index.load import IndexSet, LayerIndex
-from gradindex.index.opened import OpenIndex, open_index
+from gradindex.index.opened import IndexReplacedError, OpenIndex, open_index
 from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, query_vectors
 
@@ -23,6 +23,7 @@ __all__ = [
     "IndexBuildResult",
     "IndexConfig",
     "IndexSet",
+    "IndexReplacedError",
     "IndexSpace",
     "LayerIndex",
     "OpenIndex",

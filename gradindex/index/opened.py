@@ -18,7 +18,7 @@ from gradindex.checksum import damage_error
 from gradindex.index.load import IndexSet
 from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
-from gradindex.manifest import read_complete_manifest
+from gradindex.manifest import MANIFEST, IndexMismatchError, read_complete_manifest, read_manifest
 from gradindex.methods import methods_of
 from gradindex.precondition import Preconditioner, self_influence
 from gradindex.precondition.preconditioner import layer_shapes, selected_layers
@@ -43,6 +43,7 @@ class OpenIndex:
         if damage:
             raise damage_error(index_dir, damage, then=then)
         self.manifest = manifest
+        self._stamp = _stamp(self.dir)
         self.layers: list[str] = list(manifest["build"]["layers"])
         """Every stored layer, model order."""
         self.shapes = layer_shapes(manifest)
@@ -106,6 +107,30 @@ class OpenIndex:
                                                        manifest=self.manifest, preconditioner=P)
         return self._self_influence[key]
 
+    def check_current(self) -> None:
+        """Refuse to answer from an index that a new build replaced (or removed) since it was opened.
+
+        A stat of ``manifest.json`` per call; when it changed, the manifest is read again: another
+        ``generation`` (``build --overwrite``, a transcode) or a build in progress is refused, an
+        update of the same build (the index stage, a fit) is not.
+        """
+        now = _stamp(self.dir)
+        if now == self._stamp:
+            return
+        fix = ("reopen it (a QueryEngine: open a new one; `gradindex serve`: restart it) to answer from the new "
+               "index")
+        try:
+            m = read_manifest(self.dir)
+        except (FileNotFoundError, ValueError):
+            raise IndexReplacedError(f"the index in {str(self.dir)!r} was removed or is being rebuilt since it was "
+                                     f"opened; {fix} once its build finishes") from None
+        if m.get("generation") != self.manifest.get("generation") or m.get("status") != "complete":
+            state = "replaced by a new build" if m.get("status") == "complete" else "is being rebuilt"
+            raise IndexReplacedError(f"the index in {str(self.dir)!r} was {state} since it was opened (generation "
+                                     f"{self.manifest.get('generation')} → {m.get('generation')}): its answers "
+                                     f"would come from the deleted index; {fix}")
+        self._stamp = now
+
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
         self.store.close()
@@ -115,6 +140,18 @@ class OpenIndex:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class IndexReplacedError(IndexMismatchError):
+    """The index directory holds another build than the one an open index read."""
+
+
+def _stamp(d: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(d / MANIFEST)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def open_index(index: str | os.PathLike | OpenIndex, then: str = "query it") -> tuple[OpenIndex, bool]:

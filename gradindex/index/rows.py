@@ -114,6 +114,7 @@ class RowReader:
                 order = np.argsort(off, kind="stable")
                 rows = _gather(mm, off[order], tab.width, code_dtype(self.store.storage))
                 scales = self._scales[k][n][local[order]] if self._scales[k] else None
+                self.store.verify_rows(int(k), n, local[order], rows, scales)
                 out[n][sel[order]] = decode(rows, scales, self.store.storage, self.store.dims[n])
         return out
 

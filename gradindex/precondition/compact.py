@@ -27,12 +27,20 @@ from pathlib import Path
 import numpy as np
 
 from gradindex.checksum import read_checksums, write_checksums
-from gradindex.manifest import manifest_path, read_complete_manifest, read_manifest, row_basis, write_manifest
+from gradindex.manifest import (
+    manifest_path,
+    new_generation,
+    read_complete_manifest,
+    read_manifest,
+    row_basis,
+    write_manifest,
+)
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.files import PRECOND_DIR
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
 from gradindex.progress import progress_bar
+from gradindex.spec import layout
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
 from gradindex.store.basis import BASIS_FILE, index_basis, to_rows, write_basis
 from gradindex.store.codes import check_storage
@@ -119,14 +127,14 @@ def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
     out.mkdir(parents=True)
 
 
-STAGING = "eigenbasis.partial"
+STAGING = layout.TRANSCODE_STAGING
 """The compacted copy an in-place transcode writes before it swaps it in."""
-JOURNAL = "transcode.json"
+JOURNAL = layout.TRANSCODE_JOURNAL
 """Present while the swap runs: a re-run finishes it."""
 _RAW_OLD = "raw.old"
 _SWAPPED = (STORE_DIR, BASIS_FILE)
 """What moves from the staging copy into the index (its manifest and checksums are merged)."""
-_STALE = ("faiss", "damaged", f"{PRECOND_DIR}/graddot.h5")
+_STALE = (layout.FAISS_DIR, layout.DAMAGED_DIR, f"{PRECOND_DIR}/graddot.h5")
 """What was computed from the raw rows and does not hold for the new ones (moved out too)."""
 
 
@@ -150,6 +158,7 @@ def transcode_in_place(index_dir: str | os.PathLike, damping: float = DEFAULT_DA
              "transcode": {"source_build": manifest["build"], "damping": damping, "storage": new["build"]["storage"],
                            "seconds": new["compact"]["seconds"]}}
     final.pop("compact", None)
+    final["generation"] = new_generation()  # other rows: an engine open on the raw ones must not read these
     (d / JOURNAL).write_text(json.dumps({"manifest": final}, default=str))
     finish_transcode(d)
     log.info("rows of %s transcoded in place into the ekfac eigenbasis (%s)", d, storage)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gradindex.checksum import Damage, check_files, recorded
+from gradindex.checksum import Damage, check_files, recorded, shard_of
 from gradindex.manifest import build_command, read_manifest
 from gradindex.store.shards import STORE_DIR, shard_name
 
@@ -24,7 +24,11 @@ def check_store(index_dir: str | os.PathLike, full: bool = True, manifest: dict 
         names |= {f"{STORE_DIR}/{shard_name(k)}" for k in range(int(m.get("counts", {}).get("shards", 0)))}
     d = Path(index_dir)
     missing = [Damage(n, "missing", repair) for n in sorted(names) if not (d / n).exists()]
-    return missing + check_files(d, sorted(n for n in names if (d / n).exists()), full, repair)
+    damage = missing + check_files(d, sorted(n for n in names if (d / n).exists()), full, repair)
+    named = {x.file for x in damage}  # a shard whose row hashes are damaged is recomputed with them
+    return damage + [Damage(shard_of(x.file), f"its row hashes ({x.file}) are {x.problem}", repair)
+                     for x in damage if shard_of(x.file) != x.file and shard_of(x.file) not in named
+                     and (d / shard_of(x.file)).exists()]
 
 
 def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, manifest: dict, pad_id: int,
@@ -37,8 +41,8 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
     did) and coded as the index's storage. Damaged files are moved to ``damaged/`` first.
     """
     from gradindex.checksum import move_aside
+    from gradindex.store.append import append_batch
     from gradindex.store.basis import index_basis, to_rows
-    from gradindex.store.builder import append_batch
     from gradindex.store.shards import ShardWriter
 
     d = Path(index_dir)

@@ -32,16 +32,26 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from gradindex.checksum import Damage, DamagedIndexError, check_files, damage_error, read_checksums, record
+from gradindex.checksum import (
+    ROW_HASHES,
+    Damage,
+    DamagedIndexError,
+    check_files,
+    check_rows,
+    damage_error,
+    read_checksums,
+    record,
+    row_hash_path,
+    shard_of,
+    write_row_hashes,
+)
 from gradindex.manifest import build_command
+from gradindex.spec import layout
+from gradindex.spec.layout import shard_name
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
-STORE_DIR = "store"
+STORE_DIR = layout.STORE_DIR
 SCALARS = {"loss": np.float32, "num_tokens": np.int32, "finite": np.bool_}
-
-
-def shard_name(k: int) -> str:
-    return f"shard-{k:05d}.h5"
 
 
 class ShardWriter:
@@ -143,11 +153,14 @@ class ShardWriter:
         self.file = None
 
     def commit(self) -> None:
-        """Record the sealed file's hash in the index's ``checksums.json``, then rename it into place.
+        """Hash its rows into the sidecar (:func:`gradindex.checksum.write_row_hashes`), record the sealed file's
+        and the sidecar's hashes in the index's ``checksums.json``, then rename the shard into place.
 
         Safe on another thread (the builder overlaps it with the next shard's capture).
         """
-        record(self.final.parent.parent, [self.partial], [f"{STORE_DIR}/{self.final.name}"])
+        sidecar = write_row_hashes(self.partial)  # per-row hashes, checked as queries read rows
+        record(self.final.parent.parent, [self.partial, sidecar],
+               [f"{STORE_DIR}/{self.final.name}", f"{STORE_DIR}/{sidecar.name}"])
         os.replace(self.partial, self.final)
 
     def close(self) -> None:
@@ -195,6 +208,7 @@ class Store:
         self.n = int(sum(self.sizes))
         self._starts = np.cumsum([0] + self.sizes)
         self._files: dict[int, h5py.File] = {}
+        self._hashes: dict[int, np.ndarray | None] = {}
 
     def _check_sizes(self) -> None:
         """The cheap guard at open, O(1) a shard: every shard ``checksums.json`` records is there, with the
@@ -204,7 +218,8 @@ class Store:
         numbers = [int(p.stem.removeprefix("shard-")) for p in self.paths if p.stem.removeprefix("shard-").isdigit()]
         gap = {f"{STORE_DIR}/{shard_name(k)}" for k in range(max(numbers, default=-1))} - names  # unrecorded too
         files = read_checksums(d)
-        shards = sorted(n for n in files if n.startswith(f"{STORE_DIR}/shard-") and n.endswith(".h5") and n not in gap)
+        shards = sorted(n for n in files if n.startswith(f"{STORE_DIR}/shard-") and n.endswith((".h5", ROW_HASHES))
+                        and shard_of(n) not in gap)
         problems = [Damage(n, "missing") for n in sorted(gap)]
         problems += check_files(d, shards, full=False, sample=False, files=files)
         if problems:  # the repair command reads the manifest: only now
@@ -257,7 +272,32 @@ class Store:
             return f["grads"][name][sel], (f["scales"][name][sel] if has_scale(self.storage) else None)
 
         codes, scales = self._read(k, read)
+        self.verify_rows(k, name, sel, codes, scales)
         return decode(codes, scales, self.storage, self.dims[name])
+
+    def _row_hashes(self, k: int) -> np.ndarray | None:
+        """Shard ``k``'s per-row hashes ``[n, L]`` (memory-mapped), or None for a shard written without them."""
+        if k not in self._hashes:
+            p = row_hash_path(self.paths[k])
+            try:
+                self._hashes[k] = np.load(p, mmap_mode="r") if p.exists() else None
+            except (OSError, ValueError) as e:
+                raise damage_error(self.dir.parent, [Damage(f"{STORE_DIR}/{p.name}", f"unreadable: {e}",
+                                                            _repair(self.dir.parent))]) from None
+        return self._hashes[k]
+
+    def verify_rows(self, k: int, name: str, sel, codes: np.ndarray, scales: np.ndarray | None) -> None:
+        """Refuse rows ``sel`` (a slice or row numbers) of shard ``k`` whose codes or scale, as read, differ
+        from the hashes recorded when the shard was written (:data:`gradindex.checksum.ROW_HASHES`)."""
+        hashes = self._row_hashes(k)
+        if hashes is None:
+            return
+        rows = np.arange(sel.start or 0, sel.stop) if isinstance(sel, slice) else np.asarray(sel)
+        bad = check_rows(hashes[rows, self.layers.index(name)], codes, scales, rows)
+        if len(bad):
+            d = self.dir.parent
+            what = f"rows {bad[:5].tolist()} of layer {name!r} differ from the hashes recorded when they were written"
+            raise damage_error(d, [Damage(f"{STORE_DIR}/{self.paths[k].name}", what, _repair(d))])
 
     def iter_blocks(
         self, layers: Sequence[str] | None = None, block: int = 4096, start: int = 0
