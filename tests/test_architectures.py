@@ -247,18 +247,15 @@ def test_unsupported_models_are_refused_with_the_fix(tmp_path, tokenizer):
     assert r.exit_code == 2 and re.search(r"'mycustomlm' model defined by code .*does not run", r.output), r.output
 
 
-def test_mixture_of_experts_weights_outside_the_rules_are_named(tmp_path, tokenizer):
-    if not hasattr(transformers, "MixtralConfig"):
-        pytest.skip("no Mixtral in this transformers")
+def test_mixture_of_experts_fused_experts_are_hooked_and_the_router_named(tmp_path, tokenizer):
     cfg = transformers.MixtralConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16,
                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                      num_local_experts=2, num_experts_per_tok=1)
     model = transformers.MixtralForCausalLM(cfg)
-    left = unhooked_weights(model, select_layers(model))
-    fused = [n for n, p in model.named_parameters() if "experts" in n and p.ndim >= 2]
-    if not fused:  # experts as nn.Linear modules (older transformers): hooked like any linear layer
-        assert not any("experts" in n for n in left)
-        return
-    assert all(n.replace(".0.", ".*.") in left for n in fused), left
+    chosen = select_layers(model)
+    assert {"model.layers.0.mlp.experts.gate_up_proj.1", "model.layers.0.mlp.experts.down_proj.0"} <= set(chosen)
+    left = unhooked_weights(model, chosen)
+    assert left == ["model.layers.*.mlp.gate.weight"], left  # the router: a plain parameter, no rule
     out = _cli("layers", _save(model, tokenizer, tmp_path / "moe"))
-    assert "! model.layers.*.mlp.experts." in out and "not attributed" in out
+    assert "* model.layers.0.mlp.experts.down_proj.1  expert 16->16" in out
+    assert "! model.layers.*.mlp.gate.weight" in out and "% of the non-embedding parameters" in out

@@ -61,3 +61,27 @@ def test_selection_benchmark_quick_mode_writes_its_table_and_plot(tmp_path):
         assert len(runs) == 2 and sel["table"][arm]["target_loss"]["values"] == [r["target_loss"] for r in runs]
         kept = 16 * 6 if arm == "all" else 4 * 6  # 16 candidates per step, 6 steps, 25% kept
         assert all(r["examples_trained"] == kept for r in runs), arm
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.sh --dry-run: the same steps on a tiny config on the CPU, so the GPU script cannot rot."""
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+           "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--out", str(out)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["dry_run"] and res["device"] == "cpu"
+    assert res["rows"]["dev_fp32"]["rel_err_max"] < 1e-5  # the same device twice: the same rows
+    assert res["rows"]["dev_bf16"]["cosine_min"] > 0.98
+    for dtype in ("float32", "bfloat16"):
+        assert res["default_build"][dtype]["examples_per_second"] > 0
+        assert res["throughput"][dtype]["capture_tokens_per_second"] > 0
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:  # without a GPU the real run refuses at once, naming --dry-run
+        no_gpu = subprocess.run(["bash", "benchmarks/gpu_check.sh"], capture_output=True, text=True, timeout=60,
+                                cwd=ROOT, env=env)
+        assert no_gpu.returncode == 2 and "--dry-run" in no_gpu.stderr

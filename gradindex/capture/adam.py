@@ -192,6 +192,9 @@ def optimizer_eps(optimizer) -> float:
 def layer_second_moment(module: nn.Module, info: LayerInfo, moments: SecondMoments,
                         module_name: str) -> tuple[torch.Tensor, float]:
     """``V`` of one layer in ``G``'s layout ``[N_o, N_i(+1)]`` (float64), and its ε."""
+    if info.kind == "expert":
+        raise ValueError(f"--optimizer-state does not cover fused expert weights yet ({module_name!r}); choose "
+                         "the other layers with --layers (e.g. --layers '*self_attn*')")
     w_name = f"{module_name}.weight"
     b_name = f"{module_name}.bias"
     need = [w_name] + ([b_name] if info.bias else [])

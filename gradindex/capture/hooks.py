@@ -22,7 +22,7 @@ from torch import nn
 
 from gradindex.adapter import adapter_layers
 from gradindex.capture.gram import add_gram, gram_block
-from gradindex.capture.layers import LayerInfo, layer_info, rule_for
+from gradindex.capture.layers import GroupMember, LayerInfo, group_rule_for, layer_info, rule_for
 from gradindex.capture.projection import ProjectionSpec, projection_matrix
 from gradindex.capture.routing import ROUTES, choose_route
 from gradindex.capture.transform import SIDES, LayerTransform
@@ -61,7 +61,7 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
     embeddings nor the LM head), or, on a model with a LoRA adapter, the adapter's ``lora_A`` and
     ``lora_B`` linears (:mod:`gradindex.adapter`). Patterns are shell-style globs on qualified names.
     """
-    hookable = {n: m for n, m in model.named_modules() if n and rule_for(m) is not None}
+    hookable = hookable_layers(model)
     if not hookable:
         raise ValueError(f"{type(model).__name__} has no supported linear layer to hook")
     adapter = adapter_layers(hookable)
@@ -70,6 +70,13 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
     if not patterns:
         prefix = _block_prefix(model)
         chosen = {n: m for n, m in hookable.items() if prefix and n.startswith(prefix + ".")}
+        uncovered = uncovered_fused(model)
+        if uncovered:
+            raise ValueError(
+                f"{uncovered[0]} is a fused 3-D weight (e.g. mixture-of-experts experts) in a layout no capture rule "
+                "covers, so a default build would leave it out; attribute the other layers by choosing them with "
+                "--layers (e.g. --layers '*self_attn*'), or add a rule (gradindex.capture.layers.register_group)"
+            )
         if not chosen:
             raise ValueError(
                 "could not find the transformer blocks to hook by default; pass layer patterns "
@@ -88,13 +95,59 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
     return {n: m for n, m in hookable.items() if n in chosen}
 
 
+def hookable_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Every module a layer rule covers, and the virtual layers of the modules a group rule covers, by name."""
+    out: dict[str, nn.Module] = {}
+    for n, m in model.named_modules():
+        if not n:
+            continue
+        if rule_for(m) is not None:
+            out[n] = m
+        group = group_rule_for(m)
+        if group is not None:
+            out.update(group.layers(n, m))
+    return out
+
+
+def uncovered_fused(model: nn.Module) -> list[str]:
+    """Names (block index as ``*``) of 3-D parameters inside the blocks that no group rule covers."""
+    prefix = _block_prefix(model)
+    out: list[str] = []
+    for n, m in model.named_modules():
+        if not prefix or not n.startswith(prefix + ".") or group_rule_for(m) is not None:
+            continue
+        for pn, p in m.named_parameters(recurse=False):
+            glob = re.sub(r"\.\d+\.", ".*.", f"{n}.{pn}")
+            if p.ndim >= 3 and glob not in out:
+                out.append(glob)
+    return out
+
+
+def owned_parameters(modules: Mapping[str, nn.Module]) -> list[nn.Parameter]:
+    """The parameters the chosen layers attribute (a fused expert matrix counts once)."""
+    seen: dict[int, nn.Parameter] = {}
+    for m in modules.values():
+        fused = getattr(m, "fused", None)
+        for p in [fused] if isinstance(fused, nn.Parameter) else m.parameters(recurse=False):
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def attributed_share(model: nn.Module, modules: Mapping[str, nn.Module]) -> float:
+    """Share of the non-embedding parameters (the input embeddings and the LM head left out) the layers attribute."""
+    skip = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+            for p in m.parameters()}
+    total = sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    return sum(p.numel() for p in owned_parameters(modules) if id(p) not in skip) / max(1, total)
+
+
 def unhooked_weights(model: nn.Module, chosen: Mapping[str, nn.Module]) -> list[str]:
     """Weight matrices inside the transformer blocks that no module of ``chosen`` owns, as globs with the
     block index as ``*`` (e.g. a mixture-of-experts' fused expert weights, which no capture rule covers)."""
     prefix = _block_prefix(model)
     if not prefix:
         return []
-    owned = {id(p) for m in chosen.values() for p in m.parameters(recurse=False)}
+    owned = {id(p) for p in owned_parameters(chosen)}
     out: list[str] = []
     for name, p in model.named_parameters():
         if name.startswith(prefix + ".") and p.ndim >= 2 and id(p) not in owned:
@@ -125,7 +178,32 @@ def _check_transforms(
         if t.elementwise is not None and tuple(t.elementwise.shape) != (info.n_out, info.n_in_total):
             raise ValueError(f"entrywise weights of layer {name!r} must be [{info.n_out}, {info.n_in_total}], "
                              f"got {tuple(t.elementwise.shape)}")
+        if t.keep is not None:
+            size = t.out_size("g", info.n_out) * t.out_size("a", info.n_in_total)
+            if t.keep.ndim != 1 or not len(t.keep) or int(t.keep.min()) < 0 or int(t.keep.max()) >= size:
+                raise ValueError(f"kept coordinates of layer {name!r} must be a non-empty [d] index into its "
+                                 f"{size} mapped coordinates")
         out[name] = t
+    return out
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass now (a checkpointed block's forward is being recomputed)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _group_key(module: nn.Module) -> str:
+    return f"<group {id(module)}>"
+
+
+def _hook_groups(modules: Mapping[str, nn.Module]) -> dict[str, tuple[nn.Module, dict[str, nn.Module]]]:
+    """The group modules behind the chosen stand-ins, each with the stand-ins chosen of it."""
+    out: dict[str, tuple[nn.Module, dict[str, nn.Module]]] = {}
+    for name, m in modules.items():
+        parent = m.group if isinstance(m, GroupMember) else None
+        if parent is not None:
+            out.setdefault(_group_key(parent), (parent, {}))[1][name] = m
     return out
 
 
@@ -158,12 +236,17 @@ class GradientCapture:
         self.model = model
         self.modules = select_layers(model, layers)
         self.infos: dict[str, LayerInfo] = {n: layer_info(m) for n, m in self.modules.items()}
+        self._groups = _hook_groups(self.modules)
+        """hooked module → its virtual layers (name → stand-in), for modules a group rule covers."""
         self.projection = projection
         self.transforms = _check_transforms(transforms or {}, self.infos)
         """layer → change of coordinates applied before the projection (:mod:`gradindex.capture.transform`)."""
         if collect_covariance and any(t.elementwise is not None for t in self.transforms.values()):
             raise ValueError("covariance factors of entrywise-weighted gradients are not supported (the weights "
                              "have no per-token form); collect them without --optimizer-state")
+        if (collect_covariance or keep_tokens) and any(t.keep is not None for t in self.transforms.values()):
+            raise ValueError("rows of chosen eigen-coordinates (the eigen basis) have no factored form: they are "
+                             "whitened at capture and need no covariance factors or per-token factors")
         self.route = route
         self.weight_free = weight_free
         self.collect_covariance = collect_covariance
@@ -201,7 +284,11 @@ class GradientCapture:
         return n if t is None else t.out_size(side, n)
 
     def dims(self, name: str) -> tuple[int, int]:
-        """``(rows, cols)`` of the stored per-example matrix of a layer (``k_g, k_a`` or ``N_o, N_i+1``)."""
+        """``(rows, cols)`` of the stored per-example matrix of a layer (``k_g, k_a`` or ``N_o, N_i+1``;
+        ``1, d`` for a transform that keeps ``d`` chosen coordinates)."""
+        t = self.transforms.get(name)
+        if t is not None and t.keep is not None:
+            return 1, int(t.keep.numel())
         return self.side_size(name, "g"), self.side_size(name, "a")
 
     def dim(self, name: str) -> int:
@@ -241,7 +328,10 @@ class GradientCapture:
     def attach(self) -> GradientCapture:
         if not self._handles:
             for name, mod in self.modules.items():
-                self._handles.append(mod.register_forward_hook(self._forward_hook(name)))
+                if not isinstance(mod, GroupMember):  # a group's stand-ins are hooked once, on the group
+                    self._handles.append(mod.register_forward_hook(self._forward_hook(name, mod)))
+            for mod, _ in self._groups.values():
+                self._handles.append(mod.register_forward_hook(self._forward_hook(_group_key(mod), mod)))
         return self
 
     def detach(self) -> None:
@@ -280,8 +370,8 @@ class GradientCapture:
         outs = [r[2] for r in self._records]
         grads = torch.autograd.grad(loss, outs + list(inputs), grad_outputs=grad_output, allow_unused=True)
         records, self._records = self._records, []
-        for (name, a, out), g in zip(records, grads[:len(outs)], strict=True):
-            self._accumulate(name, a, torch.zeros_like(out) if g is None else g)
+        for (key, ins, out), g in zip(records, grads[:len(outs)], strict=True):
+            self._dispatch(key, ins, torch.zeros_like(out) if g is None else g)
         return tuple(grads[len(outs):])
 
     def pop(self) -> dict[str, torch.Tensor]:
@@ -297,21 +387,31 @@ class GradientCapture:
         return out
 
     # -- internals ----------------------------------------------------------------------------
-    def _forward_hook(self, name: str):
-        def hook(module: nn.Module, inputs: tuple, output: torch.Tensor):
-            if not torch.is_grad_enabled():
-                return None
-            a = inputs[0].detach()
+    def _forward_hook(self, key: str, module: nn.Module):
+        def hook(mod: nn.Module, inputs: tuple, output: torch.Tensor):
+            if not torch.is_grad_enabled() or _in_backward():
+                return None  # (in backward: gradient checkpointing recomputing a forward the hooks saw already)
+            ins = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
             if self.weight_free:
                 if not output.requires_grad:  # frozen upstream: start the graph here
                     output = output.detach().requires_grad_()
-                self._records.append((name, a, output))
+                self._records.append((key, ins, output))
                 return output
             if output.requires_grad:
-                output.register_hook(lambda g, a=a: self._accumulate(name, a, g))
+                output.register_hook(lambda g, ins=ins: self._dispatch(key, ins, g))
             return None
 
         return hook
+
+    def _dispatch(self, key: str, inputs: tuple, g: torch.Tensor) -> None:
+        """One hooked module's inputs and output gradient → its layers' per-token factors → :meth:`_accumulate`."""
+        if key in self._groups:
+            mod, wanted = self._groups[key]
+            for name, a, gg in group_rule_for(mod).factors(mod, inputs, g, wanted):
+                self._accumulate(name, a, gg)
+            return
+        a, g = self.infos[key].factors(self.modules[key], inputs, g)
+        self._accumulate(key, a, g)
 
     def _accumulate(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
         G = self.layer_gradient(name, a, g)
@@ -343,7 +443,7 @@ class GradientCapture:
         else:
             route = route or self.route
             if route == "auto":
-                k_g, k_a = self.dims(name)
+                k_g, k_a = self.side_size(name, "g"), self.side_size(name, "a")
                 route = choose_route(B, T, info.n_in_total, info.n_out, k_a, k_g,
                                      map_a=M_a is not None, map_g=M_g is not None)
         self.route_counts[route] += 1
@@ -371,7 +471,7 @@ class GradientCapture:
                 self._add_covariance(name, self._map_inputs(name, a, m), self._map_outputs(g, M_g, d_g), m)
         if self.collect_full_covariance:
             self._add_full_covariance(name, a, g, m)
-        return G.reshape(B, -1)
+        return G.reshape(B, -1) if t is None else t.select(G.reshape(B, -1))
 
     def _add_full_covariance(self, name: str, a: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
         """Add the unprojected ``Σ a aᵀ`` (with the bias column) and ``Σ g gᵀ`` over real tokens."""
