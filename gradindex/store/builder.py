@@ -363,18 +363,22 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                     w.partial.unlink()
                     done = w.open()
                 bar.update(done)
-                for s in range(start + done, end, B):
-                    e = min(s + B, end)
-                    ok = append_batch(w, model, capture, data, s, e, pad_id, hashes)
-                    if not ok.all():
-                        bad = [int(s + i) for i in np.nonzero(~ok)[0]]
-                        nonfinite.update(bad)
-                        log.warning("examples %s have non-finite gradients; stored as zeros and flagged", bad)
-                    computed += e - s
-                    bar.update(e - s)
-                if capture.collect_covariance or capture.collect_full_covariance:
-                    _write_covariance(w, capture)
-                w.seal()
+                try:
+                    for s in range(start + done, end, B):
+                        e = min(s + B, end)
+                        ok = append_batch(w, model, capture, data, s, e, pad_id, hashes)
+                        if not ok.all():
+                            bad = [int(s + i) for i in np.nonzero(~ok)[0]]
+                            nonfinite.update(bad)
+                            log.warning("examples %s have non-finite gradients; stored as zeros and flagged", bad)
+                        computed += e - s
+                        bar.update(e - s)
+                    if capture.collect_covariance or capture.collect_full_covariance:
+                        _write_covariance(w, capture)
+                    w.seal()
+                except BaseException:
+                    w.abort()  # (a full disk: no HDF5 handle left to fail again, or crash, at exit)
+                    raise
                 commits.append(hashing.submit(w.commit))
                 for f in commits:
                     if f.done():
