@@ -33,6 +33,10 @@ Usage::
                                                 # benchmarks/results/fidelity.json and fidelity-bytes.png
     python -m benchmarks.fidelity --quick       # a smoke run of a few seconds (stdlib, a handful of codecs)
 
+Baselines: every table also has BM25 (on the model's tokens), Rep-Sim, TrackStar (``baselines.py``) and
+EK-FAC refined against the model's Gauss-Newton matrix (``gradindex.query.refine``), in the unprojected
+column; Bergson's 1%-drop LDS and QLD are measured by ``refine.py``.
+
 Planted facts: each corpus gets ``n_facts`` unusual sentences (``fixtures.corpus.FACTS``) as training
 examples; each has a query (its prompt, loss on its completion); ``fact_recall`` is the share of
 those queries whose planted example ranks first. ``top{k}_overlap`` and ``lds_share`` compare with
@@ -69,9 +73,11 @@ from benchmarks.common import (  # noqa: E402
     evaluate,
     example_losses,
     fact_recall,
+    lds_per_query,  # noqa: F401  (re-exported: scripts written before benchmarks.common)
     noise_ceiling,
     overlap_at_k,
     query_gradients,
+    spearman_rows,  # noqa: F401  (re-exported, as lds_per_query)
     top_indices,
     train_model,
 )

@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # numpy is imported where rows are hashed: `gradindex --help` stays light
     import numpy as np
 
-CHECKSUMS = "checksums.json"
+from gradindex.spec import layout
+
+CHECKSUMS = layout.CHECKSUMS
 VERSION = 1
 _EDGE, _BLOCK, _BLOCKS = 1 << 16, 1 << 12, 16
 
@@ -185,7 +187,7 @@ def move_aside(index_dir: str | os.PathLike, names: Iterable[str]) -> list[Path]
     """Move damaged files to ``INDEX_DIR/damaged/<time>/`` (kept, not deleted) and forget their hashes."""
     d = Path(index_dir)
     names = [n for n in names if (d / n).exists()]
-    dest = d / "damaged" / time.strftime("%Y%m%d-%H%M%S")
+    dest = d / layout.DAMAGED_DIR / time.strftime("%Y%m%d-%H%M%S")
     moved = []
     for n in names:
         target = dest / n

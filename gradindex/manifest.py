@@ -1,7 +1,16 @@
-"""``manifest.json``: what built an index, and the check that refuses a mismatched reuse."""
+"""``manifest.json``: what built an index, and the check that refuses a mismatched reuse.
+
+The file is read once per process per index: :func:`read_manifest` keeps what it parsed, keyed by
+the file's inode, size and modification time, and hands out copies; :func:`write_manifest` (the
+only writer; it checks the shape first) replaces the file atomically and keeps what it wrote, so
+re-reading an index this process wrote, or one no other process changed, costs no file read.
+:func:`manifest_reads` counts the file reads (tests/test_manifest_reads.py). The typed view of a
+manifest is :class:`gradindex.spec.manifest.Manifest`.
+"""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shlex
@@ -10,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from gradindex.methods import LEGACY_DAMPING
+from gradindex.spec.layout import MANIFEST
 
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 # Keys of the manifest's "build" section that must match for a resume or a query to be valid,
@@ -42,13 +51,46 @@ def manifest_path(index_dir: str | os.PathLike) -> Path:
     return Path(index_dir) / MANIFEST
 
 
+_READ: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+"""Resolved manifest path → (inode, size, mtime_ns) of the file and what it held."""
+_FILE_READS = 0
+_CALLS = 0
+
+
+def manifest_reads(calls: bool = False) -> int:
+    """How many times this process has read a ``manifest.json`` file (cached re-reads do not count);
+    with ``calls``, how many times :func:`read_manifest` was called (cached or not)."""
+    return _CALLS if calls else _FILE_READS
+
+
+def forget_manifests() -> None:
+    """Drop what :func:`read_manifest` keeps (the next read of each index reads its file again)."""
+    _READ.clear()
+
+
+def _stamp(p: Path) -> tuple[int, int, int]:
+    st = p.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of ``index_dir`` (a copy the caller may change); read from disk only when the file
+    changed since this process last read or wrote it."""
+    global _FILE_READS, _CALLS
+    _CALLS += 1
     p = manifest_path(index_dir)
-    if not p.exists():
+    try:
+        stamp = _stamp(p)
+    except FileNotFoundError:
         raise FileNotFoundError(
             f"{str(Path(index_dir))!r} is not a gradindex index (no {MANIFEST}); build one with "
             "`gradindex build MODEL_DIR DATA --out INDEX_DIR`"
-        )
+        ) from None
+    key = str(p.resolve())
+    kept = _READ.get(key)
+    if kept is not None and kept[0] == stamp:
+        return copy.deepcopy(kept[1])
+    _FILE_READS += 1
     try:
         manifest = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -62,6 +104,7 @@ def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
             f"{str(p)!r} is not a gradindex manifest ({problem}); replace the index: re-run the "
             "`gradindex build` that made it with --overwrite"
         )
+    _READ[key] = (stamp, copy.deepcopy(manifest))
     return manifest
 
 
@@ -122,11 +165,17 @@ def refuse_unfinished_transcode(index_dir: str | os.PathLike, manifest: dict, th
 
 
 def write_manifest(index_dir: str | os.PathLike, manifest: dict[str, Any]) -> None:
-    """Write atomically: a killed write leaves the previous manifest intact."""
+    """Write atomically (a killed write leaves the previous manifest intact); refuse a malformed one."""
+    text = json.dumps(manifest, indent=2, sort_keys=True, default=str)
+    written = json.loads(text)
+    problem = shape_problem(written)
+    if problem:
+        raise ValueError(f"refusing to write a malformed manifest to {str(index_dir)!r}: {problem}")
     p = manifest_path(index_dir)
     tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    tmp.write_text(text)
     os.replace(tmp, p)
+    _READ[str(p.resolve())] = (_stamp(p), written)
 
 
 def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDENTITY_KEYS) -> list[str]:

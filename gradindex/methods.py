@@ -1,4 +1,9 @@
-"""The method language: which scoring methods exist and how a method name is read.
+"""The method language: which scoring methods exist (:data:`REGISTRY`) and how a method name is read.
+
+Each method is one :class:`Method` record (what it needs fitted, how it applies, its
+self-influence, which row bases answer it, where it can be used); every list of methods (CLI
+choices, each app's methods, "which methods does this index answer") is derived from the registry,
+so a new method is one :func:`register` call.
 
 ``graddot`` and ``cosine`` need no curvature; ``kfac`` and ``ekfac`` need a fitted
 preconditioner; ``adam`` is the inner product of rows stored Adam-preconditioned (an index
@@ -10,19 +15,99 @@ by ``sqrt`` of the training example's self-influence. Parse a name once with
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-BASE_METHODS = ("graddot", "cosine")
-FITTED_METHODS = ("kfac", "ekfac")
+APPS = ("query", "serve", "explain", "outliers", "dedup", "audit")
+"""Where a method can be used: ``gradindex query`` / the engine, the server, explain, outliers, dedup, audit."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One scoring method: what it needs fitted, how it applies, and where it answers.
+
+    A method is answered on an index by an *operation on its stored rows* (:attr:`row_bases`): on
+    raw rows every method is its own operation; on rows stored in a whitened basis the operation is
+    the one whose inner product equals the method (e.g. ``kfac`` on K-FAC-whitened rows is ``graddot``).
+    """
+
+    name: str
+    fitted: str | None = None
+    """The preconditioner file it needs fitted (``precond/<fitted>.h5``); ``None``: the identity on the
+    rows as stored (nothing to fit)."""
+    normalize: bool = False
+    """Scores are cosines: query and training vectors divided by their norms."""
+    self_influence: str = "dot"
+    """What ``-selfnorm`` divides by: ``dot`` ``⟨g, g⟩``, ``preconditioned`` ``⟨H⁻¹g, g⟩`` (with
+    :attr:`fitted`'s curvature), ``unit`` (cosine: 1, so ``-selfnorm`` does not apply)."""
+    rows: str = "raw"
+    """The rows it reads: ``raw`` gradients, ``adam`` (Adam-preconditioned, built with
+    ``--optimizer-state``) or ``trajectory`` (a ``gradindex trajectory`` index over checkpoints)."""
+    row_bases: Mapping[str, str] = field(default_factory=dict)
+    """Row basis (manifest ``build.basis.kind``) → the operation on such rows that answers it."""
+    apps: frozenset[str] = frozenset(APPS)
+    """Where it can be used (:data:`APPS`)."""
+    rank: int = 100
+    """Preference when a command is given no method: the lowest rank the index answers wins."""
+    summary: str = ""
+
+    @property
+    def selfnorm(self) -> bool:
+        """Whether ``<name>-selfnorm`` exists."""
+        return self.self_influence != "unit"
+
+
+REGISTRY: dict[str, Method] = {}
+"""Every method by name, in the order lists show them (:func:`register` adds one)."""
+
+
+def register(method: Method) -> Method:
+    """Add (or replace) a method; every list of methods (CLI choices, apps, :func:`methods_of`) follows."""
+    REGISTRY[method.name] = method
+    return method
+
+
+def method_spec(base: str) -> Method:
+    """The registered method ``base`` (a base name, no ``-selfnorm``)."""
+    try:
+        return REGISTRY[base]
+    except KeyError:
+        raise ValueError(f"method {base!r} is not one of {list(all_methods())}") from None
+
+
+def all_methods(app: str | None = None, selfnorm: bool = True) -> tuple[str, ...]:
+    """Every method name (``app``: those usable there), with the ``-selfnorm`` variants unless ``selfnorm=False``."""
+    ms = [m for m in REGISTRY.values() if app is None or app in m.apps]
+    return tuple(m.name for m in ms) + (tuple(m.name + SELFNORM for m in ms if m.selfnorm) if selfnorm else ())
+
+
+SELFNORM = "-selfnorm"
+register(Method("graddot", row_bases={"raw": "graddot"}, rank=4,
+                summary="inner products of the gradients (no preconditioner)"))
+register(Method("cosine", normalize=True, self_influence="unit", row_bases={"raw": "cosine"},
+                apps=frozenset({"query", "serve"}), summary="cosine of the gradients"))
+register(Method("kfac", fitted="kfac", self_influence="preconditioned", row_bases={"raw": "kfac", "kfac": "graddot"},
+                rank=2, summary="K-FAC influence ⟨(S ⊗ A + δ)⁻¹ g_q, g_t⟩"))
+register(Method("ekfac", fitted="ekfac", self_influence="preconditioned",
+                row_bases={"raw": "ekfac", "kfac": "ekfac", "ekfac": "graddot"}, rank=1,
+                summary="EK-FAC influence (corrected eigenvalues)"))
+register(Method("adam", rows="adam", row_bases={"raw": "adam"}, apps=frozenset(APPS) - {"outliers", "dedup", "audit"},
+                rank=3, summary="inner products of rows preconditioned by Adam's 1/(√v + ε)"))
+register(Method("tracin", rows="trajectory", self_influence="unit", apps=frozenset({"query"}),
+                summary="Σ_c η_c ⟨g_q^c, g_t^c⟩ over checkpoints (a `gradindex trajectory` index)"))
+
+# The built-in vocabulary as tuples (a snapshot at import; the functions below read the registry).
+BASE_METHODS = tuple(m.name for m in REGISTRY.values() if m.rows == "raw" and m.fitted is None)
+FITTED_METHODS = tuple(m.name for m in REGISTRY.values() if m.fitted)
 ADAM = "adam"
 """Optimizer-aware influence: plain inner products of rows preconditioned by Adam's ``1/(√v + ε)``."""
-IDENTITY_METHODS = BASE_METHODS + (ADAM,)
+IDENTITY_METHODS = tuple(m.name for m in REGISTRY.values() if m.fitted is None and m.rows != "trajectory")
 """Methods whose preconditioner is the identity (on the rows as stored)."""
-METHODS = BASE_METHODS + FITTED_METHODS + (ADAM,)
-SELFNORM = "-selfnorm"
-ALL_METHODS = METHODS + tuple(m + SELFNORM for m in METHODS if m != "cosine")
-"""Every method name: ``<method>-selfnorm`` divides by ``sqrt`` of the training example's self-influence."""
+METHODS = tuple(m.name for m in REGISTRY.values() if m.rows != "trajectory")
+ALL_METHODS = tuple(n for n in all_methods() if method_spec(n.removesuffix(SELFNORM)).rows != "trajectory")
+"""Every method name of the index engine: ``<method>-selfnorm`` divides by ``sqrt`` of the training
+example's self-influence."""
 DEFAULT_DAMPING = 1e-3
 """Relative damping of ``kfac``/``ekfac`` (a fraction of each layer's mean eigenvalue) unless one is given:
 the default of every API and CLI option. Chosen from ``benchmarks/results/damping.json``: full-space
@@ -35,12 +120,23 @@ damping was written with."""
 
 def parse_method(method: str) -> tuple[str, bool]:
     """``'kfac-selfnorm'`` → ``('kfac', True)``; raise on an unknown name."""
+    return _parse(method)
+
+
+def _parse(method: str) -> tuple[str, bool]:
+    """:func:`parse_method`'s work (tests count every parse here, whichever module imported parse_method)."""
     m = str(method).strip().lower()
     selfnorm = m.endswith(SELFNORM)
     base = m[: -len(SELFNORM)] if selfnorm else m
-    if base not in METHODS or (selfnorm and base == "cosine"):
-        raise ValueError(f"method {method!r} is not one of {list(ALL_METHODS)}")
+    spec = REGISTRY.get(base)
+    if spec is None or spec.rows == "trajectory" or (selfnorm and not spec.selfnorm):
+        raise ValueError(f"method {method!r} is not one of {list(all_methods_of_rows())}")
     return base, selfnorm
+
+
+def all_methods_of_rows() -> tuple[str, ...]:
+    """Every method name an index of stored rows answers somewhere (TracIn's trajectory indices aside)."""
+    return tuple(n for n in all_methods() if REGISTRY[n.removesuffix(SELFNORM)].rows != "trajectory")
 
 
 def adam_rows(manifest: dict) -> bool:
@@ -48,12 +144,17 @@ def adam_rows(manifest: dict) -> bool:
     return bool(manifest.get("build", {}).get("optimizer"))
 
 
-ROW_METHODS = {
-    "raw": {m: m for m in METHODS},  # graddot, cosine, kfac, ekfac, adam (on Adam-preconditioned rows)
-    "kfac": {"kfac": "graddot", "ekfac": "ekfac"},
-    "ekfac": {"ekfac": "graddot"},
-}
-"""Per row basis (manifest ``build.basis.kind``): method asked for → operation on the stored rows."""
+def row_methods() -> dict[str, dict[str, str]]:
+    """Per row basis (manifest ``build.basis.kind``): method asked for → operation on the stored rows."""
+    out: dict[str, dict[str, str]] = {"raw": {}, "kfac": {}, "ekfac": {}}
+    for m in REGISTRY.values():
+        for basis, op in m.row_bases.items():
+            out.setdefault(basis, {})[m.name] = op
+    return out
+
+
+ROW_METHODS = row_methods()
+"""A snapshot of :func:`row_methods` for the built-in methods."""
 REBUILD_RAW = {"kfac": "--projection-basis raw", "ekfac": "--transcode none"}
 """Per row basis: the ``gradindex build`` option that stores raw rows instead."""
 
@@ -77,9 +178,10 @@ def row_base(base: str, basis: str = "raw", method: str | None = None) -> str:
 
 
 def _row_base(base: str, basis: str, method: str | None, answers: Sequence[str] | None) -> str:
-    table = ROW_METHODS.get(basis)
+    tables = row_methods()
+    table = tables.get(basis)
     if table is None:
-        raise ValueError(f"row basis {basis!r} is not one of {list(ROW_METHODS)}; upgrade gradindex")
+        raise ValueError(f"row basis {basis!r} is not one of {list(tables)}; upgrade gradindex")
     if base not in table:
         raise ValueError(f"method {method or base!r} does not apply to this index: its rows are stored in the "
                          f"{basis!r} whitened basis, so plain inner products are {basis} influence, not {base}; "
@@ -95,7 +197,7 @@ def index_row_base(manifest: dict, index_dir: str | os.PathLike, base: str, meth
     try:
         return _row_base(base, basis, method, None)
     except ValueError:
-        if basis not in ROW_METHODS:
+        if basis not in row_methods():
             raise
         return _row_base(base, basis, method, methods_of(manifest, index_dir, selfnorm=True))
 
@@ -103,33 +205,57 @@ def index_row_base(manifest: dict, index_dir: str | os.PathLike, base: str, meth
 def fitted_methods(manifest: dict, index_dir: str | os.PathLike) -> list[str]:
     """Fitted methods the manifest registers whose file (``preconditioners[m]["file"]``) is on disk."""
     entries = manifest.get("preconditioners") or {}
-    return [m for m in FITTED_METHODS
-            if isinstance(entries.get(m), dict) and (Path(index_dir) / str(entries[m].get("file", ""))).is_file()]
+    return [m.name for m in REGISTRY.values() if m.fitted and isinstance(entries.get(m.fitted), dict)
+            and (Path(index_dir) / str(entries[m.fitted].get("file", ""))).is_file()]
 
 
-def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = False, rows: bool = False) -> list[str]:
-    """Methods an index answers: ``graddot``, ``cosine``, fitted ones; with ``selfnorm`` their ``-selfnorm`` too.
+def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = False, rows: bool = False,
+               app: str | None = None) -> list[str]:
+    """Methods an index answers (the one answer to that question): those whose rows it holds and
+    whose fit is on disk; with ``selfnorm`` their ``-selfnorm`` variants too; ``app``: only those
+    usable there (:data:`APPS`).
 
     An index of Adam-preconditioned rows answers ``adam`` only; one whose rows are in a whitened
-    basis answers the methods of :data:`ROW_METHODS` whose operation on its rows is available
+    basis answers the methods whose operation on its rows (:attr:`Method.row_bases`) is available
     (``rows=True``: the operations on the stored rows themselves, whatever their basis).
     """
-    out = [ADAM] if adam_rows(manifest) else list(BASE_METHODS) + fitted_methods(manifest, index_dir)
+    kind = "adam" if adam_rows(manifest) else "raw"
+    fitted = set(fitted_methods(manifest, index_dir))
+    out = [m.name for m in REGISTRY.values() if m.rows == kind and (m.fitted is None or m.name in fitted)]
     basis = str((manifest.get("build", {}).get("basis") or {}).get("kind", "raw"))
     if basis != "raw" and not rows:
-        table = ROW_METHODS.get(basis, {})
+        table = row_methods().get(basis, {})
         out = [m for m in table if table[m] in out]
+    if app is not None:
+        out = [m for m in out if app in REGISTRY[m].apps]
     if selfnorm:
-        out += [m + SELFNORM for m in out if m != "cosine"]
+        out += [m + SELFNORM for m in out if REGISTRY[m].selfnorm]
     return out
 
 
-PREFERRED = ("ekfac", "kfac", ADAM, "graddot")
+PREFERRED_BY_APP = {"dedup": ("graddot", "ekfac", "kfac")}
+"""Apps whose default differs from the ranks: dedup compares the gradients themselves first."""
+
+
+def preferred(app: str | None = None) -> tuple[str, ...]:
+    """Methods by :attr:`Method.rank` (those of rank < 100), the order a command picks from when given none."""
+    if app in PREFERRED_BY_APP:
+        return PREFERRED_BY_APP[app]
+    ranked = sorted((m for m in REGISTRY.values() if m.rank < 100 and (app is None or app in m.apps)),
+                    key=lambda m: m.rank)
+    return tuple(m.name for m in ranked)
+
+
+PREFERRED = preferred()
 """The method a command uses when none is given: the first one the index answers (EK-FAC kept the
 most of leave-one-out quality in benchmarks/fidelity.py; docs/math.md)."""
 
 
-def default_method(manifest: dict, index_dir: str | os.PathLike, prefer: Sequence[str] = PREFERRED) -> str:
-    """The first method of ``prefer`` the index answers (else the first one it answers)."""
-    answers = methods_of(manifest, index_dir)
-    return next((m for m in prefer if m in answers), answers[0])
+def default_method(manifest: dict, index_dir: str | os.PathLike, prefer: Sequence[str] | None = None,
+                   app: str | None = None) -> str:
+    """The first method of ``prefer`` (default :func:`preferred`) the index answers (else the first it answers)."""
+    answers = methods_of(manifest, index_dir, app=app)
+    if not answers:
+        raise ValueError(f"the index in {str(index_dir)!r} answers none of the methods usable here "
+                         f"({', '.join(all_methods(app, selfnorm=False))})")
+    return next((m for m in (prefer or preferred(app)) if m in answers), answers[0])

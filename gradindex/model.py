@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from gradindex.spec.layout import MANIFEST
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -139,11 +141,11 @@ def _load_base(p: Path, dtype: str):
     hf_logging.disable_progress_bar()
     if not (p / "config.json").exists():
         hint = ""
-        if (p / "manifest.json").is_file():  # an index folder given where the model goes
-            import json
+        if (p / MANIFEST).is_file():  # an index folder given where the model goes
+            from gradindex.manifest import read_manifest
 
             try:
-                built_from = json.loads((p / "manifest.json").read_text())["model_id"]
+                built_from = read_manifest(p)["model_id"]
                 hint = f" ({str(p)!r} is a gradindex index, built from the model in {built_from!r})"
             except (ValueError, KeyError, TypeError, OSError):
                 hint = f" ({str(p)!r} looks like a gradindex index)"

@@ -16,10 +16,14 @@ from torch import nn
 from gradindex import distributed
 from gradindex.capture import GradientCapture
 from gradindex.data import Tokenized
+from gradindex.diskspace import check_space, disk_full_as_error, human
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices, resolve_factory
 from gradindex.lock import index_lock
+from gradindex.manifest import manifest_path, read_manifest
+from gradindex.plan import BuildPlan, plan_build
 from gradindex.precondition import FitConfig, fit_preconditioner
-from gradindex.precondition.compact import finish_transcode, transcode_in_place
+from gradindex.precondition.compact import finish_transcode
+from gradindex.precondition.fused import fit_and_transcode
 from gradindex.store.builder import BuildConfig, BuildResult, build_store, refuse_foreign
 
 __all__ = ["BuildConfig", "BuildResult", "IndexConfig", "build_index"]
@@ -58,28 +62,54 @@ def build_index(
         if not overwrite and distributed.rank() == 0:
             finish_transcode(out_dir)  # a swap that a kill interrupted
         distributed.barrier()
-        res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
-                          overwrite=overwrite, progress=progress, repair=repair)
+        plan = plan_build(model, cfg, len(data), index is not None)
+        _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
+        with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept"):
+            res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
+                              overwrite=overwrite, progress=progress, repair=repair)
         if distributed.rank() > 0:  # under torchrun: the fit, transcode and indices read the store, on rank 0
             distributed.barrier()
             res.seconds = time.perf_counter() - t0
             return res, None
         try:
-            return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0)
+            return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0, plan)
         finally:
             distributed.barrier()
 
 
 def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfig | None, res: BuildResult,
-            progress: bool, t0: float) -> tuple[BuildResult, IndexBuildResult | None]:
-    """The stages after the capture: fit, transcode, FAISS indices (one process)."""
-    if cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
-        fit = FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
-        fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
-    if cfg.transcode == "ekfac" and not res.manifest.get("transcode"):
-        res.manifest = transcode_in_place(out_dir, cfg.damping, cfg.storage, progress=progress)
+            progress: bool, t0: float, plan: BuildPlan) -> tuple[BuildResult, IndexBuildResult | None]:
+    """The stages after the capture: fit, transcode, FAISS indices (one process), each checked for disk space."""
+    fit = None if cfg.precondition == "none" else \
+        FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
+    kept = "the captured rows are kept (and the transcode's finished shards)"
+    with disk_full_as_error(out_dir, "fit and transcode", kept):
+        if cfg.transcode == "ekfac" and not res.manifest.get("transcode"):  # the default: fit and transcode fused
+            res.manifest = fit_and_transcode(out_dir, fit, cfg.storage, model, tokenizer, data, progress,
+                                             res.manifest)
+        elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
+            fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
     res.seconds = time.perf_counter() - t0
     if index is None:
         return res, None
-    with OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
+    if not (Path(out_dir) / "faiss").exists() and not plan.approximate:
+        check_space(out_dir, plan.index_bytes, "FAISS stage", "its indices")
+    with disk_full_as_error(out_dir, "FAISS stage", "the store and its fits are complete and kept"), \
+            OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
         return res, build_indices(ix, index, progress=progress)
+
+
+def _check_disk(out: Path, plan: BuildPlan, overwrite: bool) -> None:
+    """Refuse a build whose remaining stages cannot fit on ``out``'s disk (before any is written)."""
+    m = read_manifest(out) if manifest_path(out).exists() and not overwrite else {}
+    if plan.approximate or m.get("status") == "complete" and (m.get("transcode") or not plan.transcode):
+        return  # only the FAISS stage (if any) is left: checked before it
+    parts = [f"{human(plan.capture_bytes)} of {plan.capture_storage} rows"]
+    if plan.transcode:
+        parts.append(f"their {plan.storage} copy in the eigenbasis {human(plan.store_bytes)}")
+    if plan.precond_bytes:
+        parts.append(f"fits {human(plan.precond_bytes)}")
+    if plan.index_bytes:
+        parts.append(f"FAISS {human(plan.index_bytes)}")
+    check_space(out, plan.remaining(out) if not overwrite else plan.peak_disk, "build",
+                f"at its peak: {', '.join(parts)}")

@@ -35,3 +35,38 @@ def test_method_none_is_the_index_default(default_index):
     res = find_duplicates(default_index, DedupConfig())
     ref = find_duplicates(default_index, DedupConfig(method="ekfac"))
     assert [g.ids for g in res.groups] == [g.ids for g in ref.groups]
+
+
+def test_build_config_defaults_build_what_gradindex_build_does(tmp_path, gpt2_dir, text_jsonl):
+    """``gradindex build MODEL DATA --out A`` (no options) and ``build_index(..., BuildConfig.defaults(),
+    IndexConfig())`` write the same bytes: every data file's content hash (checksums.json) and the
+    manifest's build identity and config are equal; only timings, dates and paths may differ."""
+    import json
+
+    from click.testing import CliRunner
+
+    from gradindex.cli import main
+    from gradindex.data import load_records, tokenize_records
+    from gradindex.index import IndexConfig
+    from gradindex.model import load_causal_lm
+    from gradindex.pipeline import BuildConfig, build_index
+
+    cli, lib = tmp_path / "cli", tmp_path / "lib"
+    res = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(cli), "--quiet",
+                                    "--device", "cpu"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    data = tokenize_records(load_records(text_jsonl), tok, BuildConfig.defaults().max_length)
+    build_index(model, tok, data, lib, BuildConfig.defaults(), IndexConfig(),
+                model_id=str(gpt2_dir.resolve()), data_id=str(text_jsonl.resolve()), progress=False)
+
+    def files(d):
+        recs = json.loads((d / "checksums.json").read_text())["files"]
+        return {n: (e["bytes"], e["blake2b"]) for n, e in recs.items()}
+
+    assert files(cli) == files(lib) and any(n.startswith("store/") for n in files(cli))
+    a, b = read_manifest(cli), read_manifest(lib)
+    assert a["build"] == b["build"] and a["config"] == b["config"] and a["counts"] == b["counts"]
+    assert a["build"]["basis"]["kind"] == "ekfac" and a["build"]["storage"] == "int4"  # what the defaults are
+    assert BuildConfig.defaults().precondition == "ekfac" and BuildConfig.defaults().transcode == "ekfac"
+    assert BuildConfig.defaults(optimizer_state="s.safetensors").precondition == "none"

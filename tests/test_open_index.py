@@ -13,6 +13,7 @@ import pytest
 from gradindex.capture import ProjectionSpec
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, IndexSpace, OpenIndex
+from gradindex.manifest import forget_manifests
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
@@ -64,6 +65,7 @@ def built(tmp_path_factory, model_and_data, gpt2_dir, text_jsonl):
     with pytest.MonkeyPatch.context() as mp:
         io = ManifestIO(mp)
         for _ in range(2):
+            forget_manifests()  # each run as a fresh process would (this one keeps what it read or wrote)
             build_index(model, tok, data, out, cfg, IndexConfig(space=IndexSpace(whiten="ekfac")),
                         model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
             counts.append(io.take())
@@ -81,6 +83,7 @@ def test_an_engine_reads_the_manifest_once_and_never_per_search(built, model_and
     out, _ = built
     model, tok, _ = model_and_data
     io = ManifestIO(monkeypatch)
+    forget_manifests()  # as a fresh process
     with QueryEngine(out, model=model, tokenizer=tok) as e:
         assert io.take() == (1, 0)
         for method in ("graddot", "cosine", "kfac", "ekfac", "ekfac-selfnorm", "graddot-selfnorm"):
@@ -89,10 +92,13 @@ def test_an_engine_reads_the_manifest_once_and_never_per_search(built, model_and
         q, _, _ = e.gradients(e.tokenize(["red sun"]))
         s = score_matrix(e.index, q, "kfac-selfnorm")
         assert io.take() == (0, 0)
+    assert OpenIndex(out).close() is None and io.take() == (0, 0)  # read already in this process: kept
+    forget_manifests()
     with OpenIndex(out) as ix:
         np.testing.assert_array_equal(score_matrix(ix, q, "kfac-selfnorm"), s)
         assert ix.methods(selfnorm=True)[-1] == "ekfac-selfnorm"
     assert io.take() == (1, 0)
+    forget_manifests()
     np.testing.assert_array_equal(score_matrix(out, q, "kfac-selfnorm"), s)  # a path: opened for the call
     assert io.take() == (1, 0)
 
@@ -107,21 +113,20 @@ def test_projection_spec_has_one_decoder_with_one_error():
 
 
 def test_a_search_parses_its_method_once(built, model_and_data, monkeypatch):
+    """Counted inside gradindex.methods (``_parse``, which every ``parse_method`` calls wherever it was
+    imported from), so a module that parses the method again fails this, whichever module it is."""
     import gradindex.methods
-    from gradindex.precondition import preconditioner, selfinf
-    from gradindex.query import engine, scores
 
     out, _ = built
     model, tok, _ = model_and_data
     calls = []
-    real = gradindex.methods.parse_method
+    real = gradindex.methods._parse
 
     def counted(method):
         calls.append(method)
         return real(method)
 
-    for module in (gradindex.methods, engine, scores, selfinf, preconditioner):
-        monkeypatch.setattr(module, "parse_method", counted)
+    monkeypatch.setattr(gradindex.methods, "_parse", counted)
     with QueryEngine(out, model=model, tokenizer=tok) as e:
         q, _, _ = e.gradients(e.tokenize(["red sun"]))
         for method in ("ekfac-selfnorm", "kfac", "cosine"):

@@ -237,7 +237,7 @@ def test_preconditioner_fitted_on_another_model_is_refused(tmp_path, exact_index
 def test_auto_precision_rotates_wide_layers_in_float32_to_the_float64_fit(tmp_path, exact_index, monkeypatch):
     from gradindex.precondition import fit as fit_mod
 
-    shapes = {"wide": (1024, 257), "narrow": (64, 65)}
+    shapes = {"wide": (313, 104), "narrow": (48, 49)}  # a default row of the peers workload; 2,352 numbers
     assert fit_mod.layer_dtypes("auto", shapes) == {"wide": torch.float32, "narrow": torch.float64}
     assert set(fit_mod.layer_dtypes("float64", shapes).values()) == {torch.float64}
     assert FitConfig().precision == "auto"

@@ -10,13 +10,13 @@ PKG = Path(__file__).resolve().parents[1] / "gradindex"
 # Stage of every top-level module or package of gradindex; a module may import its own stage or earlier ones.
 STAGES = {
     "__init__": 0, "data": 0, "model": 0, "fingerprint": 0, "manifest": 0, "methods": 0, "checksum": 0, "lock": 0,
-    "distributed": 0, "progress": 0, "chat": 0, "adapter": 0, "deps": 0,
+    "distributed": 0, "progress": 0, "chat": 0, "adapter": 0, "deps": 0, "spec": 0, "heap": 0, "diskspace": 0,
     "capture": 1,
     "store": 2,
     "precondition": 3,
     "index": 4,
     "query": 5,
-    "pipeline": 6, "apps": 6,
+    "pipeline": 6, "plan": 6, "apps": 6,
     "integrations": 7, "cli": 7, "__main__": 7,
 }
 
@@ -64,3 +64,51 @@ def test_the_checker_catches_a_backward_import(tmp_path):
     f.write_text("def f():\n    from gradindex.query import QueryEngine\n")
     assert _imports(f) == [(2, "gradindex.query")]
     assert _stage_of("gradindex.query")[1] > _stage_of("gradindex.store.builder")[1]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module → the gradindex modules it imports (lazy imports included), packages as their ``__init__``."""
+    mods = {}
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(PKG.parent).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.parts[-1] == "__init__" else rel.parts)
+        mods[name] = f
+    graph = {}
+    for name, f in mods.items():
+        deps = set()
+        for _, mod in _imports(f):
+            while mod not in mods and "." in mod:  # `from gradindex.x import y`: the module x
+                mod = mod.rsplit(".", 1)[0]
+            if mod in mods and mod != name:
+                deps.add(mod)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles_between_modules():
+    """No two modules import each other, however indirectly or lazily (a lazy import only hides a cycle).
+    A package's ``__init__`` re-exporting its own submodules is not counted as a cycle through them."""
+    graph = _module_graph()
+
+    def inside(pkg: str, mod: str) -> bool:
+        return mod.startswith(pkg + ".")
+
+    cycles, state = [], {}
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for d in sorted(graph[n]):
+            if inside(n, d):  # a package importing its own submodules
+                continue
+            if state.get(d) == 1:
+                cyc = path[path.index(d):] + [d] if d in path else [n, d]
+                if not all(inside(cyc[i + 1], cyc[i]) or inside(cyc[i], cyc[i + 1]) for i in range(len(cyc) - 1)):
+                    cycles.append(" -> ".join(cyc))
+            elif d not in state:
+                visit(d, path + [d])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

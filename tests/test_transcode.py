@@ -267,7 +267,7 @@ def test_graddot_dedup_on_eigenbasis_rows_is_the_raw_gradient_cosine(built, tmp_
 def test_a_kill_during_the_transcode_names_the_build_command_and_index_refuses(gpt2_dir, text_jsonl, tmp_path,
                                                                               monkeypatch):
     """Issue 21, item 7: the query said "build them with `gradindex index`", which indexes the raw rows."""
-    from gradindex import pipeline
+    from gradindex.precondition import fused
 
     out = tmp_path / "idx"
     r = CliRunner()
@@ -277,11 +277,11 @@ def test_a_kill_during_the_transcode_names_the_build_command_and_index_refuses(g
     def killed(*a, **kw):
         raise KeyboardInterrupt("killed during the transcode")
 
-    monkeypatch.setattr(pipeline, "transcode_in_place", killed)
+    monkeypatch.setattr(fused, "compact_rows", killed)  # (the default build fuses the fit with the transcode)
     assert r.invoke(main, args).exit_code == 130
     monkeypatch.undo()
     m = read_manifest(out)
-    assert m["status"] == "complete" and row_basis(m) == "raw"  # the capture and the fit are done
+    assert m["status"] == "complete" and row_basis(m) == "raw"  # the capture and the fit's store pass are done
     res = r.invoke(main, ["query", str(out), "--text", "the cat sat on a mat", "--device", "cpu"])
     assert res.exit_code == 2 and "stopped before its transcode" in res.output, res.output
     named = res.output.split("build command `", 1)[1].split("`", 1)[0]

@@ -238,7 +238,7 @@ def resolved(index_dir: str | os.PathLike, cfg: DedupConfig) -> DedupConfig:
     """``cfg`` with its method set: when None, the first of graddot, ekfac, kfac the index answers."""
     if cfg.method is not None:
         return cfg
-    method = default_method(read_complete_manifest(index_dir, "deduplicate"), index_dir, ("graddot", "ekfac", "kfac"))
+    method = default_method(read_complete_manifest(index_dir, "deduplicate"), index_dir, app="dedup")
     return replace(cfg, method=method)
 
 

@@ -30,13 +30,14 @@ import torch
 from gradindex.capture.batch import batch_gradients
 from gradindex.data import IGNORE
 from gradindex.index.space import query_vectors
-from gradindex.methods import DEFAULT_DAMPING, index_row_base, parse_method
+from gradindex.methods import DEFAULT_DAMPING, all_methods, index_row_base, parse_method
 from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records
 from gradindex.store.basis import rows_dual, to_rows
 
-METHODS = ("graddot", "kfac", "ekfac", "adam")
-"""Methods whose score splits per token (``adam``: an index built with factored Adam preconditioning)."""
+METHODS = all_methods("explain", selfnorm=False)
+"""Methods whose score splits per token (``adam``: an index built with factored Adam preconditioning): the
+registry's ``explain`` methods (:data:`gradindex.methods.REGISTRY`; read again at each call)."""
 
 # per layer, one (ḡ [T, rows], ā [T, cols]) pair per call of the layer
 Factors = dict[str, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -173,9 +174,10 @@ class Explainer:
         e.index.check_current()
         method = e.resolve_method(method)
         base, selfnorm = parse_method(method)
-        if selfnorm or base not in METHODS:
+        usable = all_methods("explain", selfnorm=False)
+        if selfnorm or base not in usable:
             raise ValueError(f"token explanations split a score linear in both gradients: method is one of "
-                             f"{', '.join(METHODS)}, not {method!r}")
+                             f"{', '.join(usable)}, not {method!r}")
         on_rows = index_row_base(e.manifest, e.dir, base, method)  # whitened rows: e.g. ekfac = graddot on them
         e.pre.check(on_rows)
         ids = [ids] if isinstance(ids, int | np.integer) else [int(i) for i in ids]

@@ -28,14 +28,15 @@ from gradindex.apps.html import LEGEND, heatmap, page, table
 from gradindex.apps.outliers import rank_outliers
 from gradindex.index.space import query_vectors
 from gradindex.manifest import row_basis
-from gradindex.methods import DEFAULT_DAMPING, parse_method, row_base
+from gradindex.methods import DEFAULT_DAMPING, all_methods, parse_method, row_base
 from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records, describe
 
 log = logging.getLogger("gradindex")
 
-METHODS = ("graddot", "kfac", "ekfac")
-"""Methods of a report (scores, explanations, self-influence and dedup all take them)."""
+METHODS = all_methods("audit", selfnorm=False)
+"""Methods of a report (scores, explanations, self-influence and dedup all take them): the registry's
+``audit`` methods (:data:`gradindex.methods.REGISTRY`)."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ class ReportConfig:
     text_field: str = "text"
 
     def __post_init__(self) -> None:
-        if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"the report's method is one of {', '.join(METHODS)}, not {self.method!r}")
+        if self.method is not None and self.method not in all_methods("audit", selfnorm=False):
+            raise ValueError(f"the report's method is one of {', '.join(all_methods('audit', selfnorm=False))}, "
+                             f"not {self.method!r}")
         if self.k < 1 or self.outliers < 0 or self.sample < 1:
             raise ValueError(f"k and sample must be >= 1 and outliers >= 0 (got k={self.k}, "
                              f"outliers={self.outliers}, sample={self.sample})")

@@ -28,12 +28,11 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gradindex.apps.batching import Batcher, Expired, Job, QueryJob, Stopped
-from gradindex.apps.explain import METHODS as EXPLAIN_METHODS
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, page
 from gradindex.apps.timings import StageTimes
 from gradindex.index import IndexReplacedError
-from gradindex.methods import ALL_METHODS, DEFAULT_DAMPING, default_method, methods_of
+from gradindex.methods import DEFAULT_DAMPING, all_methods, default_method, methods_of
 from gradindex.query import QueryEngine, QueryResult
 
 log = logging.getLogger("gradindex")
@@ -76,10 +75,11 @@ class QueryRequest(BaseModel):
             raise ValueError("prompt and completion go together (the loss is taken on the completion)")
         if self.labels is not None and (self.input_ids is None or len(self.labels) != len(self.input_ids)):
             raise ValueError("labels go with input_ids, one per token")
-        if self.method is not None and self.method not in ALL_METHODS:
-            raise ValueError(f"method {self.method!r} is not one of {', '.join(ALL_METHODS)}")
-        if self.explain and self.method is not None and self.method not in EXPLAIN_METHODS:
-            raise ValueError(f"explain works for {', '.join(EXPLAIN_METHODS)}, not {self.method!r}")
+        if self.method is not None and self.method not in all_methods("serve"):
+            raise ValueError(f"method {self.method!r} is not one of {', '.join(all_methods('serve'))}")
+        if self.explain and self.method is not None and self.method not in all_methods("explain", selfnorm=False):
+            raise ValueError(f"explain works for {', '.join(all_methods('explain', selfnorm=False))}, "
+                             f"not {self.method!r}")
         return self
 
     def record(self) -> dict:
@@ -177,8 +177,9 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
         if method not in answers:
             raise HTTPException(422, f"method {method!r} is not one this index answers: it answers "
                                      f"{', '.join(answers)} (default {default})")
-        if req.explain and method not in EXPLAIN_METHODS:
-            raise HTTPException(422, f"explain works for {', '.join(EXPLAIN_METHODS)}, not {method!r}")
+        if req.explain and method not in all_methods("explain", selfnorm=False):
+            raise HTTPException(422, f"explain works for {', '.join(all_methods('explain', selfnorm=False))}, "
+                                     f"not {method!r}")
 
         def explained(r: QueryResult) -> dict:
             out = r.to_dict()
@@ -215,7 +216,7 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
         options = "".join(f"<option{' selected' if m == default else ''}>{m}</option>" for m in answers)
-        explainable = json.dumps([m for m in answers if m in EXPLAIN_METHODS])
+        explainable = json.dumps([m for m in answers if m in all_methods("explain", selfnorm=False)])
         return _PAGE.replace("__METHODS__", options).replace("__EXPLAIN__", explainable).replace(
             "__N__", str(engine.n)).replace("__AUTH__", "block" if token else "none")
 

@@ -28,8 +28,9 @@ from gradindex.data import Tokenized
 from gradindex.pipeline import BuildConfig, IndexConfig, build_index
 from gradindex.query import QueryEngine
 from gradindex.query.engine import Hit, QueryResult
+from gradindex.spec import layout
 
-TRAJECTORY = "trajectory.json"
+TRAJECTORY = layout.TRAJECTORY
 
 
 @dataclass(frozen=True)

@@ -85,3 +85,51 @@ def allocate(
         else:
             hi = mid
     return _sizes(widths, targets, lo)
+
+
+def influence_share(lam: np.ndarray, damping: float) -> np.ndarray:
+    """``Λ / (Λ + δ)`` with ``δ = damping × mean(Λ)``: each whitened coordinate's expected share of an
+    influence score (about 1 far above the damping, about 0 far below it)."""
+    lam = np.clip(np.asarray(lam, np.float64), 0.0, None)
+    delta = damping * float(lam.mean()) if lam.mean() > 0 else damping
+    return lam / (lam + delta)
+
+
+def influence_counts(spectra: Mapping[str, tuple[np.ndarray, np.ndarray]], cap_numbers: int) -> dict[str, np.ndarray]:
+    """layer → ``m`` ``[n_g]`` (non-increasing): keep eigen-coordinates ``(i, j)`` with ``j < m_i``.
+
+    ``spectra``: layer → ``(λ_A, λ_S)`` of its full-space factors, each sorted largest first. A
+    coordinate's K-FAC eigenvalue relative to its layer's mean, ``λ_S,i λ_A,j / mean(λ_S λ_Aᵀ)``, says
+    how far above the (relative) damping it lies, hence about how much of an influence score it
+    carries (:func:`influence_share`); the ``cap_numbers`` coordinates with the largest such ratio
+    over all layers are kept, one threshold for the model, and every layer keeps at least its top one.
+    """
+    if cap_numbers < len(spectra):
+        raise ValueError(f"{cap_numbers} numbers per example cannot hold one number per layer for "
+                         f"{len(spectra)} layers; raise --budget")
+    norm = {}
+    for n, (lam_a, lam_s) in spectra.items():
+        a, s = (np.clip(np.asarray(x, np.float64), 0.0, None) for x in (lam_a, lam_s))
+        if np.any(np.diff(a) > 0) or np.any(np.diff(s) > 0):
+            raise ValueError(f"eigenvalues of layer {n!r} must be sorted largest first")
+        norm[n] = (a / a.mean() if a.mean() > 0 else a, s / s.mean() if s.mean() > 0 else s)
+
+    def counts(tau: float) -> dict[str, np.ndarray]:
+        out = {}
+        for n, (a, s) in norm.items():
+            need = np.divide(tau, s, out=np.full_like(s, np.inf), where=s > 0)  # [n_g]: λ_A ratio each row needs
+            m = len(a) - np.searchsorted(a[::-1], need, side="left")  # #{j: a_j >= need_i}
+            m[0] = max(int(m[0]), 1)
+            out[n] = np.minimum(m, len(a)).astype(np.int64)
+        return out
+
+    if sum(len(a) * len(s) for a, s in norm.values()) <= cap_numbers:
+        return {n: np.full(len(s), len(a), np.int64) for n, (a, s) in norm.items()}
+    lo, hi = -60.0, 60.0  # log2 of the threshold: kept counts fall as it rises
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if sum(int(m.sum()) for m in counts(2.0 ** mid).values()) <= cap_numbers:
+            hi = mid
+        else:
+            lo = mid
+    return counts(2.0 ** hi)

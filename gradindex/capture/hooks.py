@@ -178,6 +178,11 @@ def _check_transforms(
         if t.elementwise is not None and tuple(t.elementwise.shape) != (info.n_out, info.n_in_total):
             raise ValueError(f"entrywise weights of layer {name!r} must be [{info.n_out}, {info.n_in_total}], "
                              f"got {tuple(t.elementwise.shape)}")
+        if t.keep is not None:
+            size = t.out_size("g", info.n_out) * t.out_size("a", info.n_in_total)
+            if t.keep.ndim != 1 or not len(t.keep) or int(t.keep.min()) < 0 or int(t.keep.max()) >= size:
+                raise ValueError(f"kept coordinates of layer {name!r} must be a non-empty [d] index into its "
+                                 f"{size} mapped coordinates")
         out[name] = t
     return out
 
@@ -239,6 +244,9 @@ class GradientCapture:
         if collect_covariance and any(t.elementwise is not None for t in self.transforms.values()):
             raise ValueError("covariance factors of entrywise-weighted gradients are not supported (the weights "
                              "have no per-token form); collect them without --optimizer-state")
+        if (collect_covariance or keep_tokens) and any(t.keep is not None for t in self.transforms.values()):
+            raise ValueError("rows of chosen eigen-coordinates (the eigen basis) have no factored form: they are "
+                             "whitened at capture and need no covariance factors or per-token factors")
         self.route = route
         self.weight_free = weight_free
         self.collect_covariance = collect_covariance
@@ -276,7 +284,11 @@ class GradientCapture:
         return n if t is None else t.out_size(side, n)
 
     def dims(self, name: str) -> tuple[int, int]:
-        """``(rows, cols)`` of the stored per-example matrix of a layer (``k_g, k_a`` or ``N_o, N_i+1``)."""
+        """``(rows, cols)`` of the stored per-example matrix of a layer (``k_g, k_a`` or ``N_o, N_i+1``;
+        ``1, d`` for a transform that keeps ``d`` chosen coordinates)."""
+        t = self.transforms.get(name)
+        if t is not None and t.keep is not None:
+            return 1, int(t.keep.numel())
         return self.side_size(name, "g"), self.side_size(name, "a")
 
     def dim(self, name: str) -> int:
@@ -434,7 +446,7 @@ class GradientCapture:
         else:
             route = route or self.route
             if route == "auto":
-                k_g, k_a = self.dims(name)
+                k_g, k_a = self.side_size(name, "g"), self.side_size(name, "a")
                 route = choose_route(B, T, info.n_in_total, info.n_out, k_a, k_g,
                                      map_a=M_a is not None, map_g=M_g is not None)
         self.route_counts[route] += 1
@@ -462,7 +474,7 @@ class GradientCapture:
                 self._add_covariance(name, self._map_inputs(name, a, m), self._map_outputs(g, M_g, d_g), m)
         if self.collect_full_covariance:
             self._add_full_covariance(name, a, g, m)
-        return G.reshape(B, -1)
+        return G.reshape(B, -1) if t is None else t.select(G.reshape(B, -1))
 
     def _add_full_covariance(self, name: str, a: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
         """Add the unprojected ``Σ a aᵀ`` (with the bias column) and ``Σ g gᵀ`` over real tokens."""

@@ -8,7 +8,11 @@ One layer's transform maps ``G`` ``[N_o, N_i(+1)]`` to ``M_g (W ⊙ G) M_aᵀ``:
   ``[N_i(+1)]``, bias column last) or a dense linear map ``[m, n]`` (``map_g``, ``map_a``; e.g.
   K-FAC whitening, :mod:`gradindex.store.basis`). Both act on each token's ``g_t`` and ``a_t``,
   ``Σ_t (M_g g_t)(M_a a_t)ᵀ``, so they are folded into the projection matrices (``P M``) and both
-  routes and their cost stay as they are.
+  routes and their cost stay as they are;
+* a coordinate selection ``keep`` (flat indices into the mapped ``[m_g, m_a]`` matrix) and their
+  scales ``post``, applied after both maps: the stored row is ``vec(M_g G M_aᵀ)[keep] ⊙ post``, one
+  ``[1, len(keep)]`` matrix (the ``eigen`` basis of :mod:`gradindex.store.basis`: chosen coordinates
+  of the full-space Kronecker eigenbasis, whitened).
 
 Optimizer-aware influence (:mod:`gradindex.capture.adam`) uses ``W = 1/(√v + ε)`` (exact) or its
 rank-1 per-side scales (factored).
@@ -37,11 +41,26 @@ class LayerTransform:
     """``[m_g, N_o]`` dense map of the output-gradient side (stored side size ``m_g`` when unprojected)."""
     map_a: torch.Tensor | None = None
     """``[m_a, N_i(+1)]`` dense map of the input side (bias column last)."""
+    keep: torch.Tensor | None = None
+    """``[d]`` int64 flat indices into the mapped ``[m_g, m_a]`` matrix: the coordinates stored."""
+    post: torch.Tensor | None = None
+    """``[d]`` scales of the kept coordinates (with ``keep``)."""
 
     def __post_init__(self) -> None:
         for side in SIDES:
             if self.scale(side) is not None and self.map(side) is not None:
                 raise ValueError(f"transform side {side!r} has both scales and a dense map; give one")
+        if self.post is not None and (self.keep is None or self.post.shape != self.keep.shape):
+            raise ValueError("transform post-scales need a coordinate selection (keep) of the same length")
+        if self.keep is not None and self.elementwise is not None:
+            raise ValueError("a transform cannot both select coordinates and weight entrywise")
+
+    def select(self, G: torch.Tensor) -> torch.Tensor:
+        """``[B, m_g·m_a]`` mapped rows → ``[B, d]`` kept coordinates times ``post`` (as is without ``keep``)."""
+        if self.keep is None:
+            return G
+        x = G[:, self.keep.to(G.device)]
+        return x if self.post is None else x * self.post.to(G.device, G.dtype)
 
     @classmethod
     def from_maps(cls, maps: dict[str, torch.Tensor]) -> LayerTransform:
@@ -91,7 +110,8 @@ class LayerTransform:
     def to(self, device: torch.device | str) -> LayerTransform:
         """The same transform with every tensor on ``device``."""
         return LayerTransform(*(None if x is None else x.to(device)
-                                for x in (self.g, self.a, self.elementwise, self.map_g, self.map_a)))
+                                for x in (self.g, self.a, self.elementwise, self.map_g, self.map_a, self.keep,
+                                          self.post)))
 
     def matrix(self, n_out: int, n_in_total: int) -> torch.Tensor:
         """The entrywise part and the scales as one ``[N_o, N_i(+1)]`` weight (for tests; no dense maps)."""

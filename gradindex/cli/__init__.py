@@ -8,7 +8,7 @@ import click
 
 from gradindex import __version__
 
-WITHOUT_FAISS = ("info",)
+WITHOUT_FAISS = ("info", "plan")
 """Commands that run without FAISS (every other one builds, reads or searches an index's FAISS files)."""
 
 

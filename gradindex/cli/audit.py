@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, engine_options, user_errors
+from gradindex.cli.common import MethodChoice, damping_option, engine_options, user_errors
 
 
 @main.command()
@@ -16,7 +16,7 @@ from gradindex.cli.common import damping_option, engine_options, user_errors
               help="Directory for report.html, queries.jsonl and summary.json.")
 @click.option("-k", "--k", "k", default=10, show_default=True, type=int,
               help="Most helpful and most harmful examples per query.")
-@click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
+@click.option("--method", default=None, type=MethodChoice("audit", selfnorm=False),
               help="Scoring method (default: ekfac where the index answers it, else graddot).")
 @damping_option()
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")

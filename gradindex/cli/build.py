@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -73,9 +74,12 @@ def note_unhooked(model) -> None:
                                             "256 KiB; the whole gradient where that buys it).")
 @click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
               help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
-@click.option("--projection-basis", "basis", default="raw", show_default=True, type=click.Choice(["raw", "kfac"]),
-              help="kfac: whiten each side by its damped full-space K-FAC factor before projecting "
-                   "(one factor pass first); rows then answer kfac/ekfac, not graddot.")
+@click.option("--projection-basis", "basis", default="raw", show_default=True,
+              type=click.Choice(["raw", "kfac", "eigen"]),
+              help="eigen: store the full-space EK-FAC eigen-coordinates --budget buys, chosen over all layers "
+                   "(two model passes first; rows answer ekfac; wins where the budget holds most of the "
+                   "influence, benchmarks/width.py). kfac: whiten each side by its damped full-space K-FAC factor "
+                   "before projecting; rows then answer kfac/ekfac, not graddot.")
 @click.option("--basis-damping", default=1.0, show_default=True, type=float,
               help="Relative damping of the kfac whitening.")
 @click.option("--fit-examples", default=0, show_default=True, type=int,
@@ -135,63 +139,25 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
           quiet, sketch_bytes=2048):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex import distributed
-    from gradindex.capture import ProjectionSpec
-    from gradindex.data import load_records, tokenize_records
-    from gradindex.model import length_limit, load_causal_lm, resolve_device, vocab_size
-    from gradindex.pipeline import BuildConfig, build_index
+    from gradindex.model import resolve_device
+    from gradindex.pipeline import build_index
+    from gradindex.plan import plan_build
     from gradindex.store.builder import refuse_foreign
 
-    auto = projection.strip().lower() == "auto"
-    if precondition == "auto":
-        precondition = "none" if optimizer_state else "ekfac"
-    if transcode == "auto":
-        transcode = "ekfac" if precondition == "ekfac" and basis == "raw" else "none"
-    if storage == "auto":
-        storage = "int4" if transcode == "ekfac" else "int8"
-    if budget and not auto:
-        raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
-    spec = ProjectionSpec(kind=projection_kind, seed=seed) if auto else \
-        ProjectionSpec.parse(projection, kind=projection_kind, seed=seed)
-    if batch_size < 1 or shard_size < 1 or max_length < 2:
-        raise ValueError("--batch-size and --shard-size must be >= 1 and --max-length >= 2")
-    icfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index, sketch_bytes)
-    if not no_index and whiten != "none" and transcode == "ekfac":
-        raise ValueError(f"--whiten {whiten} does not apply: the rows are transcoded into the EK-FAC whitened "
-                         "eigenbasis (already whitened); drop --whiten, or add --transcode none")
-    if not no_index and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
-        raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
+    o = dict(locals())
+    opts = settings(o)
     resolve_device(device)
     if distributed.init_from_env(device):  # under torchrun: each rank captures its share of the shards
         device = distributed.local_device(device)
         quiet = quiet or distributed.rank() > 0
+    o["device"] = device
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
-        model, tok = load_causal_lm(model_dir, dtype=dtype, device=device, adapter=adapter,
-                                    chat_template=chat_template)
-        if not layers and not adapter:
-            note_unhooked(model)
-        if not auto:  # --projection auto stores what --budget buys
-            check_capture_memory(model, spec, layers, batch_size, projection)
-        records = load_records(data)
-        data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
-        limit, why = length_limit(model, tok)
-        if limit is not None and max_length > limit and max(map(len, data_tok.input_ids)) > limit:
-            click.echo(f"note: --max-length {max_length} is more than {why}; using --max-length {limit}", err=True)
-            max_length = limit
-            data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
-        cfg = BuildConfig(projection=spec, layers=tuple(layers), max_length=max_length, batch_size=batch_size,
-                          route=route, shard_size=shard_size, storage=storage,
-                          precondition=precondition, damping=damping, fisher=fisher, fisher_seed=fisher_seed,
-                          optimizer_state=optimizer_state or "", adam_mode=adam_mode, full_factors=full_factors,
-                          budget=(budget or "auto") if auto else 0, transcode=transcode, allocation=allocation,
-                          basis=basis, basis_damping=basis_damping, basis_examples=fit_examples)
-        if not no_index:
-            check_index_type(index_type, len(data_tok))
-        if data_tok.n_truncated:
-            click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
-                       f"--max-length {max_length} and were truncated", err=True)
+        model, tok, data_tok, cfg = load_inputs(o, opts)
+        if distributed.rank() == 0:
+            click.echo(plan_build(model, cfg, len(data_tok), not no_index).summary(), err=True)
         try:
-            res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else icfg,
+            res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else opts.icfg,
                                    model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
                                    overwrite=overwrite, progress=not quiet, repair=repair)
         except KeyboardInterrupt:
@@ -204,7 +170,10 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     m = res.manifest
     numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
     row_bytes = int(numbers * bytes_per_number(m["build"]["storage"]))
-    rows = "in the ekfac eigenbasis, " if m.get("transcode") else ""
+    full_eigen = (m["build"].get("basis") or {}).get("space") == "full-eigen"
+    share = (m["build"].get("basis") or {}).get("kept_share")
+    rows = f"full-space ekfac eigen-coordinates keeping {share:.0%} of the influence, " if full_eigen else \
+        "in the ekfac eigenbasis, " if m.get("transcode") else ""
     click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
                f"({numbers:,} numbers, {rows}{m['build']['storage']}: {human_bytes(row_bytes)} per example) "
                f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
@@ -213,3 +182,75 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
                    f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)
     if idx is not None:
         click.echo(report(idx))
+
+
+@dataclass
+class Settings:
+    """What the build's options resolve to before anything is loaded."""
+
+    spec: object
+    """The projection (``auto``: sized by the budget at capture)."""
+    config: dict
+    """:class:`~gradindex.pipeline.BuildConfig`'s arguments (``max_length`` may still be capped)."""
+    icfg: object
+    """The FAISS stage's :class:`~gradindex.index.IndexConfig`."""
+
+
+def settings(o: dict) -> Settings:
+    """Resolve ``build``'s (or ``plan``'s) options ``o`` and refuse inconsistent ones, before any work."""
+    from gradindex.capture import ProjectionSpec
+    from gradindex.pipeline import BuildConfig
+
+    projection, budget = o["projection"], o["budget"]
+    auto = projection.strip().lower() == "auto"
+    if budget and not auto:
+        raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
+    spec = ProjectionSpec(kind=o["projection_kind"], seed=o["seed"]) if auto else \
+        ProjectionSpec.parse(projection, kind=o["projection_kind"], seed=o["seed"])
+    # the library resolves each "auto" (BuildConfig.defaults) and refuses bad settings, before any work
+    config = dict(projection=spec, layers=tuple(o["layers"]), max_length=o["max_length"], batch_size=o["batch_size"],
+                  route=o["route"], shard_size=o["shard_size"], storage=o["storage"], precondition=o["precondition"],
+                  damping=o["damping"], fisher=o["fisher"], fisher_seed=o["fisher_seed"],
+                  optimizer_state=o["optimizer_state"] or "", adam_mode=o["adam_mode"],
+                  full_factors=o["full_factors"], budget=(budget or "auto") if auto else 0,
+                  transcode=o["transcode"], allocation=o["allocation"], basis=o["basis"],
+                  basis_damping=o["basis_damping"], basis_examples=o["fit_examples"])
+    cfg = BuildConfig(**config)
+    precondition, transcode, whiten = cfg.precondition, cfg.transcode, o["whiten"]
+    icfg = index_config(o["index_type"], whiten, o["damping"], o["normalize"], o["train_size"], o["cpu_index"],
+                        o.get("sketch_bytes", 2048))
+    if not o["no_index"] and whiten != "none" and (transcode == "ekfac" or o["basis"] == "eigen"):
+        raise ValueError(f"--whiten {whiten} does not apply: the rows are in the EK-FAC whitened "
+                         "eigenbasis (already whitened); drop --whiten, or add --transcode none")
+    if not o["no_index"] and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
+        raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
+    return Settings(spec, config, icfg)
+
+
+def load_inputs(o: dict, opts: Settings):
+    """The model, tokenizer, tokenized data and :class:`BuildConfig` of a build (notes and warnings on stderr)."""
+    from gradindex.data import load_records, tokenize_records
+    from gradindex.model import length_limit, load_causal_lm, vocab_size
+    from gradindex.pipeline import BuildConfig
+
+    layers, max_length, text_field = o["layers"], o["max_length"], o["text_field"]
+    model, tok = load_causal_lm(o["model_dir"], dtype=o["dtype"], device=o["device"], adapter=o["adapter"],
+                                chat_template=o["chat_template"])
+    if not layers and not o["adapter"]:
+        note_unhooked(model)
+    if o["projection"].strip().lower() != "auto":  # --projection auto stores what --budget buys
+        check_capture_memory(model, opts.spec, layers, o["batch_size"], o["projection"])
+    records = load_records(o["data"])
+    data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
+    limit, why = length_limit(model, tok)
+    if limit is not None and max_length > limit and max(map(len, data_tok.input_ids)) > limit:
+        click.echo(f"note: --max-length {max_length} is more than {why}; using --max-length {limit}", err=True)
+        max_length = limit
+        data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
+    cfg = BuildConfig(**{**opts.config, "max_length": max_length})
+    if not o["no_index"]:
+        check_index_type(o["index_type"], len(data_tok))
+    if data_tok.n_truncated:
+        click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
+                   f"--max-length {max_length} and were truncated", err=True)
+    return model, tok, data_tok, cfg

@@ -153,12 +153,26 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def index_method(index_dir, prefer=None) -> str:
+def index_method(index_dir, prefer=None, app: str | None = None) -> str:
     """The method a command uses on ``index_dir`` when none is given (:func:`gradindex.methods.default_method`)."""
     from gradindex.manifest import read_manifest
-    from gradindex.methods import PREFERRED, default_method
+    from gradindex.methods import default_method
 
-    return default_method(read_manifest(index_dir), index_dir, prefer or PREFERRED)
+    return default_method(read_manifest(index_dir), index_dir, prefer, app=app)
+
+
+class MethodChoice(click.Choice):
+    """``--method`` choices of one app (:data:`gradindex.methods.APPS`), read from the method registry
+    when the option is parsed (a method registered after import is a choice too)."""
+
+    def __init__(self, app: str, selfnorm: bool = True):
+        self.app, self.selfnorm, self.case_sensitive = app, selfnorm, True
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from gradindex.methods import all_methods
+
+        return all_methods(self.app, self.selfnorm)
 
 
 def number(x: float) -> str:

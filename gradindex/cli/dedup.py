@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, user_errors
+from gradindex.cli.common import MethodChoice, damping_option, user_errors
 
 
 @main.command()
@@ -18,7 +18,7 @@ from gradindex.cli.common import damping_option, user_errors
 @click.option("--threshold", default=None, type=float,
               help="Gradient cosine at or above which two examples are near-duplicates "
                    "(default: 0.6 for graddot, 0.5 for whitened gradients).")
-@click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
+@click.option("--method", default=None, type=MethodChoice("dedup", selfnorm=False),
               help="Compare raw gradients (on an index stored in the EK-FAC eigenbasis: its rows "
                    "un-whitened), or gradients whitened by this preconditioner "
                    "(default: graddot; ekfac on an index stored in the EK-FAC eigenbasis).")

@@ -8,6 +8,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import (
+    MethodChoice,
     damping_option,
     engine_options,
     messages_option,
@@ -34,7 +35,7 @@ def _show(title: str, ts, top: int) -> None:
 @messages_option
 @click.option("--id", "ids", multiple=True, type=int, required=True,
               help="Training example (row) to explain; repeatable.")
-@click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac", "adam"]),
+@click.option("--method", default=None, type=MethodChoice("explain", selfnorm=False),
               help="Default: ekfac where the index answers it, else graddot; adam: an index built with "
                    "--optimizer-state (factored).")
 @damping_option()

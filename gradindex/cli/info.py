@@ -11,8 +11,9 @@ from gradindex.cli import main
 from gradindex.cli.common import human_bytes, user_errors
 from gradindex.manifest import build_command, read_manifest, transcode_unfinished
 from gradindex.methods import methods_of
+from gradindex.spec import layout
 
-INDEX_META = Path("faiss") / "index.json"
+INDEX_META = Path(layout.FAISS_DIR) / layout.FAISS_META
 """gradindex.index.files' ``faiss/index.json``, read here as plain JSON so that ``info`` does not load FAISS."""
 
 
@@ -38,6 +39,7 @@ def _size(p: Path) -> int:
 def summary(index_dir: str) -> dict:
     """A JSON-able summary of an index directory."""
     d = Path(index_dir)
+    paths = layout.IndexLayout(d)
     m = read_manifest(d)
     meta = _index_meta(d)
     b = m["build"]
@@ -62,7 +64,7 @@ def summary(index_dir: str) -> dict:
         "methods": methods_of(m, d, selfnorm=True),
         "index": None if meta is None else {"status": meta.get("status"), "space": meta.get("space"),
                                             "types": sorted({e["factory"] for e in meta["layers"].values()})},
-        "bytes": {"store": _size(d / "store"), "precond": _size(d / "precond"), "faiss": _size(d / "faiss")},
+        "bytes": {"store": _size(paths.store), "precond": _size(paths.precond), "faiss": _size(paths.faiss)},
     }
 
 

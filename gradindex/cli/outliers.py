@@ -7,12 +7,12 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, index_method, number, user_errors
+from gradindex.cli.common import MethodChoice, damping_option, index_method, number, user_errors
 
 
 @main.command()
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
-@click.option("--method", default=None, type=click.Choice(["graddot", "kfac", "ekfac"]),
+@click.option("--method", default=None, type=MethodChoice("outliers", selfnorm=False),
               help="Self-influence under this method (default: ekfac where the index answers it, else graddot).")
 @damping_option()
 @click.option("--by", default="self_influence", show_default=True,

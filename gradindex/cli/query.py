@@ -11,6 +11,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import (
+    MethodChoice,
     damping_option,
     engine_options,
     messages_option,
@@ -21,7 +22,8 @@ from gradindex.cli.common import (
     status,
     user_errors,
 )
-from gradindex.methods import ALL_METHODS
+from gradindex.methods import REGISTRY
+from gradindex.spec.layout import TRAJECTORY
 
 
 def _queries(texts, prompt, completion, queries_file, text_field, messages=()) -> list[dict]:
@@ -82,7 +84,7 @@ def _json(r) -> list[dict]:
               help="File of queries, any format and fields `gradindex build` reads.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
 @click.option("-k", "k", default=10, show_default=True, type=click.IntRange(min=1), help="Results per query.")
-@click.option("--method", default=None, type=click.Choice([*ALL_METHODS, "tracin"]),
+@click.option("--method", default=None, type=MethodChoice("query"),
               help="Scoring method (default: ekfac where the index answers it, else graddot; adam on an "
                    "index built with --optimizer-state; tracin on a `gradindex trajectory` index).")
 @damping_option()
@@ -112,12 +114,13 @@ def query(index_dir, texts, prompt, completion, messages, queries_file, text_fie
           refine):
     """Find the training examples in INDEX_DIR that most influenced each query."""
     qs = _queries(texts, prompt, completion, queries_file, text_field, messages)
-    if (Path(index_dir) / "trajectory.json").is_file():  # a TracIn index over checkpoints
+    if (Path(index_dir) / TRAJECTORY).is_file():  # a TracIn index over checkpoints
         from gradindex.apps.tracin import TracInEngine
 
-        if method not in (None, "tracin"):
-            raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method tracin, "
-                             f"not {method}")
+        answers = [m.name for m in REGISTRY.values() if m.rows == "trajectory"]
+        if method not in (None, *answers):
+            raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method "
+                             f"{', '.join(answers)}, not {method}")
         status(f"loading the checkpoints and index {index_dir} ...")
         with TracInEngine(index_dir, device=device, data=data) as engine:
             status(f"searching for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} ...")

@@ -251,7 +251,7 @@ def _norms(store: Store, path: Path, meta: dict, progress: bool) -> np.ndarray:
             pass
     sq = np.zeros((len(store), len(store.layers)), dtype=np.float32)
     for j, n in enumerate(progress_bar(store.layers, desc="norms", disable=not progress, leave=False)):
-        for s, x in iter_layer(store, n):
+        for s, x in iter_layer(store, n, 0, max(1, (64 << 20) // (4 * max(1, store.dims[n])))):  # 64 MB a block
             sq[s:s + len(x), j] = np.einsum("ij,ij->i", x, x, dtype=np.float64)
     write_norms(path.parent, sq)
     meta["norms"] = {"file": path.name, "layers": list(store.layers)}

@@ -9,8 +9,10 @@ Two index kinds serve the default rows (docs/query.md):
   example, then the top ``C`` are re-ranked exactly from the store: ``N × m`` numbers scanned
   plus ``C`` rows read.
 
-The per-number costs are measured by ``benchmarks/lookup.py`` (``benchmarks/results/lookup.json``,
-one thread of this project's 2-core machine); a plan (``gradindex plan``) quotes them.
+The per-number costs are FAISS's kernels timed alone on one idle core of this project's 2-core
+machine (AVX-512); ``benchmarks/lookup.py`` records each estimate beside the measured latency
+(``benchmarks/results/lookup-*.json``; on a loaded machine the measurements run several-fold
+over). A plan (``gradindex plan``) can quote them.
 """
 
 from __future__ import annotations

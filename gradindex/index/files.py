@@ -25,12 +25,13 @@ import numpy as np
 
 from gradindex.checksum import Damage, file_digest, read_checksums, record, rename_records, sample_digest
 from gradindex.index import gpu
+from gradindex.spec import layout
 
-FAISS_DIR = "faiss"
-STAGING_DIR = "faiss.new"
-RETIRED_DIR = "faiss.old"
-META = "index.json"
-NORMS = "norms.npy"
+FAISS_DIR = layout.FAISS_DIR
+STAGING_DIR = FAISS_DIR + ".new"
+RETIRED_DIR = FAISS_DIR + ".old"
+META = layout.FAISS_META
+NORMS = layout.FAISS_NORMS
 
 
 def faiss_dir(index_dir: str | os.PathLike) -> Path:
@@ -44,7 +45,7 @@ def staging_dir(index_dir: str | os.PathLike) -> Path:
 
 
 def layer_path(folder: Path, layer: str) -> Path:
-    return Path(folder) / (layer.replace(os.sep, "_") + ".index")
+    return Path(folder) / layout.faiss_name(layer)
 
 
 def read_meta_at(folder: Path) -> dict | None:

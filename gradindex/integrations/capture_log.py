@@ -25,7 +25,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-LOG_DIR = "capture"
+from gradindex.spec import layout
+
+LOG_DIR = layout.CAPTURE_LOG_DIR
 COLUMNS = {
     "ids": np.int64, "step": np.int64, "epoch": np.float64, "lr": np.float64, "loss_scale": np.float64,
     "loss": np.float32, "num_tokens": np.int32, "finite": np.bool_,

@@ -52,6 +52,7 @@ from gradindex.integrations.assemble import assemble_store
 from gradindex.integrations.capture_log import CaptureLog, rank_dir
 from gradindex.integrations.optimizer_state import save_second_moments
 from gradindex.manifest import FORMAT_VERSION, manifest_path, write_manifest
+from gradindex.spec.manifest import layer_identity
 from gradindex.store.builder import LOSS_CONVENTION, model_dtype
 from gradindex.store.codes import check_storage
 
@@ -440,8 +441,7 @@ class LiveCapture:
             "dtype": model_dtype(self.model),
             "storage": o.storage,
             "data_fingerprint": res.data_fingerprint,
-            "layers": {k: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
-                           "rows": cap.dims(k)[0], "cols": cap.dims(k)[1]} for k, i in cap.infos.items()},
+            "layers": layer_identity(cap),
             "projection": self.spec.to_dict(),
             "max_length": o.max_length,
             "loss": LOSS_CONVENTION,

@@ -16,13 +16,14 @@ from torch import nn
 
 from gradindex import distributed
 from gradindex.capture.adam import optimizer_eps
+from gradindex.spec import layout
 
-OPTIMIZER_DIR = "optimizer"
+OPTIMIZER_DIR = layout.OPTIMIZER_DIR
 KEY_SUFFIX = ".exp_avg_sq"
 
 
 def optimizer_state_path(out_dir: str | Path, step: int) -> Path:
-    return Path(out_dir) / OPTIMIZER_DIR / f"step-{step:07d}.safetensors"
+    return layout.IndexLayout.of(out_dir).optimizer_state(step)
 
 
 def second_moments(optimizer, model: nn.Module) -> dict[str, torch.Tensor]:

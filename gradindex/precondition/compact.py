@@ -37,9 +37,11 @@ from gradindex.manifest import (
 )
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
+from gradindex.precondition.ekfac import block_rows
 from gradindex.precondition.files import PRECOND_DIR
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
 from gradindex.progress import progress_bar
+from gradindex.spec import layout
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
 from gradindex.store.basis import BASIS_FILE, index_basis, to_rows, write_basis
 from gradindex.store.codes import check_storage
@@ -53,57 +55,100 @@ def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: 
                        progress: bool = False) -> dict:
     """Write ``out``: ``src``'s rows in the EK-FAC whitened eigenbasis, coded as ``storage``
     (default: the source's); return its manifest."""
-    t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
+    src = Path(src)
     manifest = read_complete_manifest(src, "compact it")
     if row_basis(manifest) == "ekfac":
         raise ValueError(f"{str(src)!r} is already in the ekfac eigenbasis")
     if "ekfac" not in manifest.get("preconditioners", {}):
         raise FileNotFoundError(f"{str(src)!r} has no EK-FAC fit to rotate into; run "
                                 f"`gradindex precondition {src} --method ekfac` first")
+    P = load_preconditioner(src, "ekfac")
+    curvature = {n: (P.curvature[n]["Q_S"], P.curvature[n]["Q_A"], P.curvature[n]["Lambda"]) for n in P.layers}
+    fit = manifest["preconditioners"]["ekfac"].get("fit", {})
+    new, _ = compact_rows(src, out, manifest, curvature, fit, damping, storage, overwrite, block, progress)
+    return new
+
+
+def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: dict, fit: dict,
+                 damping: float, storage: str | None, overwrite: bool, block: int, progress: bool,
+                 self_influence: bool = False) -> tuple[dict, np.ndarray | None]:
+    """The compact itself, from ``curvature`` (layer → ``(Q_S, Q_A, Λ*)``) of the fit recorded as ``fit``.
+
+    Streams the store in shard order, ``block`` rows at a time (fewer where a block of all layers
+    would pass :data:`~gradindex.precondition.ekfac.BLOCK_BYTES`), so memory does not grow with the
+    store. ``self_influence``: also return each row's ``[N, L]`` ``‖whitened row‖²`` before coding
+    (the EK-FAC self-influence at ``damping``), recomputed for the rows a resumed run finds written.
+    """
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
     if out.resolve() == src.resolve():
         raise ValueError("--out must be another directory (the source index is never modified)")
     storage = check_storage(storage or manifest["build"].get("storage", "fp32"))
     shapes = layer_shapes(manifest)
-    P = load_preconditioner(src, "ekfac")
     basis = index_basis(src, manifest)
     basis.kind, basis.damping = "ekfac", damping
     for n in shapes:
-        c = P.curvature[n]
-        lam = np.clip(np.asarray(c["Lambda"], np.float64), 0.0, None)
-        basis.Q_S[n], basis.Q_A[n] = np.asarray(c["Q_S"], np.float64), np.asarray(c["Q_A"], np.float64)
-        basis.scale[n] = 1.0 / np.sqrt(lam + absolute_damping(c["Lambda"], damping))
+        Q_S, Q_A, Lam = curvature[n]
+        lam = np.clip(np.asarray(Lam, np.float64), 0.0, None)
+        basis.Q_S[n], basis.Q_A[n] = np.asarray(Q_S, np.float64), np.asarray(Q_A, np.float64)
+        basis.scale[n] = 1.0 / np.sqrt(lam + absolute_damping(Lam, damping))
     new = {**manifest, "status": "building", "preconditioners": {},
            "build": {**manifest["build"], "storage": storage, "basis": {"kind": "ekfac", "damping": damping,
                                                     "from": manifest["build"].get("basis", {"kind": "raw"}),
-                                                    "fit": manifest["preconditioners"]["ekfac"].get("fit", {})}}}
+                                                    "fit": fit}}}
     _prepare(out, new, overwrite)
     write_manifest(out, new)  # first: a kill from here on leaves an unfinished compact that a re-run resumes
     write_basis(out, basis, {"source": manifest["build"]["data_fingerprint"], "damping": damping})
     (out / STORE_DIR).mkdir(exist_ok=True)
-    fp = manifest["build"]["data_fingerprint"]
-    with Store(src) as store, progress_bar(total=len(store), unit="ex", desc="compact", disable=not progress) as bar:
-        cols = {c: store.column(c) for c in COLUMNS}
-        for k, (first, size) in enumerate(zip(store.first_ids, store.sizes, strict=True)):
-            final = out / STORE_DIR / shard_name(k)
-            if final.exists():
-                bar.update(size)
-                continue
-            w = ShardWriter(final, first, size, store.dims, fp, storage)
-            done = w.open()
-            for ids, grads in store.iter_blocks(None, block, first + done):
-                if ids[0] >= first + size:
-                    break
-                rows = {n: to_rows(basis, n, grads[n], shapes[n]) for n in shapes}
-                pos = store.positions(ids)
-                w.append(ids, rows, **{c: v[pos] for c, v in cols.items()})
-                bar.update(len(ids))
-            w.finish()
+    with Store(src) as store, progress_bar(total=len(store), unit="ex", desc="transcode" if self_influence
+                                           else "compact", disable=not progress) as bar:
+        si = np.zeros((len(store), len(shapes))) if self_influence else None
+        rows = block_rows(store.dims, list(shapes), block)
+        for k in range(len(store.paths)):
+            _compact_shard(store, k, out, basis, shapes, storage, manifest, rows, si, bar.update)
     new["status"] = "complete"
     new["compact"] = {"source": str(src.resolve()), "seconds": round(time.perf_counter() - t0, 3)}
     write_manifest(out, new)
     log.info("compacted %s into the ekfac eigenbasis at %s", src, out)
-    return new
+    return new, si
+
+
+def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage: str, manifest: dict, rows: int,
+                   si: np.ndarray | None, advance) -> None:
+    """Shard ``k`` of ``store`` into ``out``, resuming a partial one (a run with ``si`` reads the written
+    rows again, in the same blocks, for their self-influence: the same numbers as an unbroken run)."""
+    first, size = store.first_ids[k], store.sizes[k]
+    final = out / STORE_DIR / shard_name(k)
+    if final.exists() and si is None:
+        advance(size)
+        return
+    w = None
+    done = size
+    if not final.exists():
+        w = ShardWriter(final, first, size, store.dims, manifest["build"]["data_fingerprint"], storage)
+        done = w.open()
+        if done % rows and done != size:  # (written by a run with other blocks: redo it, in these)
+            w.close()
+            w.partial.unlink()
+            done = w.open()
+    try:
+        start = first if si is not None else first + done
+        advance(start - first)
+        for ids, grads in store.iter_blocks(None, rows, start, first + size):
+            coded = {n: to_rows(basis, n, grads[n], shapes[n]) for n in shapes}
+            pos = store.positions(ids)
+            if si is not None:
+                si[pos] = np.stack([np.square(coded[n], dtype=np.float64).sum(1) for n in shapes], axis=1)
+            if w is not None and ids[0] >= first + done:
+                s = int(ids[0] - first)
+                w.append(ids, coded, **store.shard_columns(k, COLUMNS, s, s + len(ids)))
+            advance(len(ids))
+        if w is not None:
+            w.finish()
+    except BaseException:
+        if w is not None:
+            w.abort()
+        raise
 
 
 def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
@@ -126,14 +171,14 @@ def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
     out.mkdir(parents=True)
 
 
-STAGING = "eigenbasis.partial"
+STAGING = layout.TRANSCODE_STAGING
 """The compacted copy an in-place transcode writes before it swaps it in."""
-JOURNAL = "transcode.json"
+JOURNAL = layout.TRANSCODE_JOURNAL
 """Present while the swap runs: a re-run finishes it."""
 _RAW_OLD = "raw.old"
 _SWAPPED = (STORE_DIR, BASIS_FILE)
 """What moves from the staging copy into the index (its manifest and checksums are merged)."""
-_STALE = ("faiss", "damaged", f"{PRECOND_DIR}/graddot.h5")
+_STALE = (layout.FAISS_DIR, layout.DAMAGED_DIR, f"{PRECOND_DIR}/graddot.h5")
 """What was computed from the raw rows and does not hold for the new ones (moved out too)."""
 
 
@@ -150,9 +195,14 @@ def transcode_in_place(index_dir: str | os.PathLike, damping: float = DEFAULT_DA
     manifest = read_complete_manifest(d, "transcode it")
     if row_basis(manifest) == "ekfac":
         return manifest
-    staging = d / STAGING
-    new = compact_eigenbasis(d, staging, damping=damping, storage=storage, overwrite=True,  # resumed if the same
+    new = compact_eigenbasis(d, d / STAGING, damping=damping, storage=storage, overwrite=True,  # resumed if the same
                              progress=progress)
+    return swap_in(d, manifest, new, damping)
+
+
+def swap_in(d: Path, manifest: dict, new: dict, damping: float) -> dict:
+    """Swap the compacted copy in ``d / STAGING`` (manifest ``new``) into ``d``, whose manifest is ``manifest``
+    (with its fits), under the journal; return the final manifest."""
     final = {**new, "preconditioners": manifest.get("preconditioners", {}),
              "transcode": {"source_build": manifest["build"], "damping": damping, "storage": new["build"]["storage"],
                            "seconds": new["compact"]["seconds"]}}
@@ -160,7 +210,7 @@ def transcode_in_place(index_dir: str | os.PathLike, damping: float = DEFAULT_DA
     final["generation"] = new_generation()  # other rows: an engine open on the raw ones must not read these
     (d / JOURNAL).write_text(json.dumps({"manifest": final}, default=str))
     finish_transcode(d)
-    log.info("rows of %s transcoded in place into the ekfac eigenbasis (%s)", d, storage)
+    log.info("rows of %s transcoded in place into the ekfac eigenbasis (%s)", d, new["build"]["storage"])
     return read_manifest(d)
 
 

@@ -23,7 +23,7 @@ from gradindex.precondition.apply import eigen_quadratic, rotate
 from gradindex.progress import progress_bar
 from gradindex.store import Store
 
-BLOCK_BYTES = 1 << 28
+BLOCK_BYTES = 1 << 26
 """Rows per block are capped so one block of all layers stays under this many bytes (float32)."""
 
 

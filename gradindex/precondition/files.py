@@ -32,8 +32,9 @@ import gradindex
 from gradindex.checksum import Damage, check_files, damage_error, record
 from gradindex.manifest import IndexMismatchError
 from gradindex.methods import LEGACY_DAMPING
+from gradindex.spec import layout
 
-PRECOND_DIR = "precond"
+PRECOND_DIR = layout.PRECOND_DIR
 FORMAT_VERSION = 1
 FINGERPRINT_KEYS = {
     "model_fingerprint": "model",
@@ -44,7 +45,7 @@ FINGERPRINT_KEYS = {
 
 
 def precond_path(index_dir: str | os.PathLike, method: str) -> Path:
-    return Path(index_dir) / PRECOND_DIR / f"{method}.h5"
+    return layout.IndexLayout.of(index_dir).precond_file(method)
 
 
 def fingerprints(manifest: dict) -> dict[str, str]:

@@ -51,10 +51,11 @@ from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32, "auto": None}
-AUTO_FLOAT32_NUMBERS = 1 << 16
-"""``precision="auto"``: a layer whose stored matrix has more numbers than this is rotated in float32
-(an unprojected layer of a real model: the store passes' cost, ``k_g k_a (k_g + k_a)`` per row, is
-there; float32 is 2-2.4× faster), the others in float64."""
+AUTO_FLOAT32_NUMBERS = 1 << 12
+"""``precision="auto"``: a layer whose stored matrix has more numbers than this (64 x 64) is rotated in
+float32 (the store passes' cost, ``k_g k_a (k_g + k_a)`` per row, is there: float32 is 1.5-3× faster;
+``Λ*`` and the self-influence then differ from the float64 ones by round-off, ~1e-7 relative, tested
+against the dense float64 reference), the narrower ones in float64."""
 FITTED_ON = ("model_fingerprint", "data_fingerprint", "projection")
 SPACES = ("stored", "full")
 
@@ -137,6 +138,14 @@ def fit_preconditioner(
 
 def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, manifest: dict | None) -> dict:
     t0 = time.perf_counter()
+    held, manifest = fit_manifest(index_dir, manifest)
+    fitted = store_fit(index_dir, cfg, manifest, model, tokenizer, data, progress)
+    return register_fits(index_dir, cfg, manifest, held, fitted, time.perf_counter() - t0)
+
+
+def fit_manifest(index_dir, manifest: dict | None) -> tuple[bool, dict]:
+    """``(held, manifest)``: the caller's complete manifest (``held``) or the file's; refuse rows that
+    cannot be fitted (already whitened, or Adam-preconditioned)."""
     held = manifest is not None and manifest.get("status") == "complete"
     if not held:
         manifest = read_complete_manifest(index_dir, "fit")
@@ -150,6 +159,24 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
         raise ValueError(f"the rows of {str(index_dir)!r} are Adam-preconditioned (built with --optimizer-state) "
                          "and answer --method adam as they are; K-FAC/EK-FAC are fitted on an index of plain "
                          "gradients: build one without --optimizer-state")
+    return held, manifest
+
+
+@dataclass
+class StoreFit:
+    """What a fit computed: ``written`` method → (factors, ``[N, L]`` self-influence or None), the fit's record."""
+
+    written: dict
+    fit: dict
+    layers: list[str]
+
+
+def store_fit(index_dir, cfg: FitConfig, manifest: dict, model, tokenizer, data, progress: bool,
+              ekfac_self_influence: bool = True) -> StoreFit:
+    """Factors → eigenbases → one store pass (K-FAC self-influence, ``Λ*``, ``‖Ĝ‖²``); for EK-FAC a
+    second pass for its self-influence unless ``ekfac_self_influence`` is False (the fused transcode
+    computes it from the rows it rotates anyway: :mod:`gradindex.precondition.fused`). Writes every
+    method's file whose self-influence is known."""
     damage = check_store(index_dir, full=True, manifest=manifest)
     if damage:
         raise damage_error(index_dir, damage, then="fit")
@@ -163,23 +190,7 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
                 f"`{build_command(index_dir, manifest)}`"
             )
         sums, fit, mp = _factor_sums(manifest, store, layers, cfg, model, tokenizer, data, device, progress)
-        factors = {}
-        for n, (A, S, tokens) in sums.means(layers).items():
-            k_g, k_a = shapes[n]
-            if A.shape != (k_a, k_a) or S.shape != (k_g, k_g):
-                raise ValueError(
-                    f"factors of {n!r} have shapes {A.shape}, {S.shape}; the store's rows are [{k_g}, {k_a}]"
-                )
-            if not (np.isfinite(A).all() and np.isfinite(S).all()):
-                raise ValueError(
-                    f"the covariance factors of layer {n!r} are not finite; some examples have "
-                    "non-finite activations or gradients (see manifest 'nonfinite_ids')"
-                )
-            lam_A, Q_A = eigendecompose(A)
-            lam_S, Q_S = eigendecompose(S)
-            factors[n] = LayerFactors(
-                A, S, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, sums.examples
-            )
+        factors = _eigen_factors(sums, layers, shapes)
         bases = {
             n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
             for n, f in factors.items()
@@ -195,26 +206,56 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
                 mp.model, mp.tokenizer, mp.data, mp.rows, layers, mp.projection, bases, cfg.seed, mp.batch_size,
                 mp.route, dtypes, progress, mp.transforms)
             ek = {n: LayerFactors(**{**asdict(f), "Lambda": corrected[n]}) for n, f in factors.items()}
-            ek_bases = {
-                n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
-                for n, f in ek.items()
-            }
-            second = store_pass(store, layers, shapes, ek_bases, desc="store pass (ekfac)", **kw)
-            written["ekfac"] = (ek, second.self_influence)
+            si = None
+            if ekfac_self_influence:
+                ek_bases = {
+                    n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
+                    for n, f in ek.items()
+                }
+                si = store_pass(store, layers, shapes, ek_bases, desc="store pass (ekfac)", **kw).self_influence
+            written["ekfac"] = (ek, si)
     fit["finite_examples"] = first.n_finite
+    if not ekfac_self_influence:
+        written.pop("graddot")  # (the fused transcode replaces the raw rows these norms are of)
     for m, (fac, si) in written.items():
-        write_precond(precond_path(index_dir, m), m, manifest, layers, fac, si, cfg.damping, fit)
-    seconds = time.perf_counter() - t0
+        if si is not None:
+            write_precond(precond_path(index_dir, m), m, manifest, layers, fac, si, cfg.damping, fit)
+    return StoreFit(written, fit, layers)
+
+
+def _eigen_factors(sums: FactorSums, layers: list[str], shapes: dict) -> dict[str, LayerFactors]:
+    """Per layer: the token-mean factors checked against the rows' shape, and their eigendecompositions."""
+    factors = {}
+    for n, (A, S, tokens) in sums.means(layers).items():
+        k_g, k_a = shapes[n]
+        if A.shape != (k_a, k_a) or S.shape != (k_g, k_g):
+            raise ValueError(
+                f"factors of {n!r} have shapes {A.shape}, {S.shape}; the store's rows are [{k_g}, {k_a}]"
+            )
+        if not (np.isfinite(A).all() and np.isfinite(S).all()):
+            raise ValueError(
+                f"the covariance factors of layer {n!r} are not finite; some examples have "
+                "non-finite activations or gradients (see manifest 'nonfinite_ids')"
+            )
+        lam_A, Q_A = eigendecompose(A)
+        lam_S, Q_S = eigendecompose(S)
+        factors[n] = LayerFactors(A, S, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, sums.examples)
+    return factors
+
+
+def register_fits(index_dir, cfg: FitConfig, manifest: dict, held: bool, fitted: StoreFit, seconds: float) -> dict:
+    """Record the fitted methods in the manifest (the caller's, updated in place, or a fresh read); return
+    its ``preconditioners``."""
     if not held:
         manifest = read_manifest(index_dir)  # fresh: another stage may have written meanwhile
     entries = manifest.setdefault("preconditioners", {})
-    for m in written:
+    for m in fitted.written:
         if m == "graddot":
             continue
         entries[m] = {
             "file": f"{PRECOND_DIR}/{m}.h5",
             "damping": cfg.damping,
-            "fit": fit,
+            "fit": fitted.fit,
             "config": asdict(cfg),
             "fitted_on": {k: manifest["build"][k] for k in FITTED_ON},
             "seconds": round(seconds, 3),
@@ -223,10 +264,10 @@ def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, mani
     write_manifest(index_dir, manifest)
     log.info(
         "fitted %s on %s in %.1f s (%s)",
-        "+".join(m for m in written if m != "graddot"),
+        "+".join(m for m in fitted.written if m != "graddot"),
         index_dir,
         seconds,
-        fit["source"],
+        fitted.fit["source"],
     )
     return entries
 

@@ -48,7 +48,7 @@ from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.fingerprint import digest_bytes
 from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
-from gradindex.methods import BASE_METHODS, parse_method
+from gradindex.methods import BASE_METHODS, FITTED_METHODS, parse_method
 from gradindex.precondition.apply import eigendecompose, kfac_eigenvalues
 from gradindex.precondition.factors import (
     data_fingerprint,
@@ -374,7 +374,7 @@ def full_space_methods(index_dir: str | os.PathLike) -> list[str]:
     manifest = read_manifest(index_dir)
     out = list(BASE_METHODS)
     unprojected = manifest["build"]["projection"].get("kind") == "none"
-    for m in ("kfac", "ekfac"):
+    for m in FITTED_METHODS:
         if (m in manifest.get("full_space", {}) and full_path(index_dir, m).exists()) or (
                 unprojected and m in manifest.get("preconditioners", {}) and precond_path(index_dir, m).exists()):
             out.append(m)

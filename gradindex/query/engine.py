@@ -22,7 +22,7 @@ from gradindex.chat import set_chat_template, template_of
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
 from gradindex.manifest import IndexMismatchError, identity_differences
-from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
+from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, method_spec, parse_method
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
@@ -31,6 +31,7 @@ from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_
 from gradindex.query.refine import RefineConfig, Refiner, eigenbasis_curvature, preconditioner_curvature
 from gradindex.query.scores import score_matrix
 from gradindex.query.texts import TrainingTexts
+from gradindex.spec.manifest import layer_identity
 from gradindex.store.basis import capture_transforms, to_rows
 
 log = logging.getLogger("gradindex")
@@ -169,9 +170,7 @@ class QueryEngine:
                "adapter_fingerprint": adapter_fingerprint(self.model),
                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                "optimizer": optimizer,
-               "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
-                              "rows": self.capture.dims(n)[0], "cols": self.capture.dims(n)[1]}
-                          for n, i in self.capture.infos.items()}}
+               "layers": layer_identity(self.capture)}
         diffs = identity_differences(build, now)
         if diffs:
             raise IndexMismatchError(
@@ -350,7 +349,8 @@ class QueryEngine:
             return None
         base, _ = parse_method(method)
         on_rows = index_row_base(self.manifest, self.dir, base, method)
-        if base not in ("kfac", "ekfac") or (on_rows != base and not (base == "ekfac" and self.basis.kind == "ekfac")):
+        whitened_ekfac = base == "ekfac" and self.basis.kind == "ekfac"
+        if method_spec(base).fitted is None or (on_rows != base and not whitened_ekfac):
             if not asked:
                 return None
             raise ValueError(f"query refinement improves an EK-FAC/K-FAC inverse-curvature product; method "

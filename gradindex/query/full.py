@@ -22,7 +22,7 @@ from torch import nn
 
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.tokens import TokenCapture
-from gradindex.methods import DEFAULT_DAMPING, parse_method
+from gradindex.methods import DEFAULT_DAMPING, method_spec, parse_method
 from gradindex.precondition.apply import damped
 from gradindex.precondition.preconditioner import Preconditioner
 
@@ -61,7 +61,7 @@ def full_gradient_scores(
     :meth:`gradindex.query.refine.Refiner.full_space`).
     """
     base, selfnorm = parse_method(method)
-    fitted = base in ("kfac", "ekfac")
+    fitted = method_spec(base).fitted is not None
     if fitted and (pre is None or pre.is_identity or pre.method != base):
         raise ValueError(f"full-space {base} scores need the full-space {base} preconditioner "
                          "(gradindex.precondition.load_full_preconditioner)")

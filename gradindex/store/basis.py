@@ -9,6 +9,11 @@ Two kinds, recorded in the manifest as ``build.basis``:
 * ``ekfac`` (``gradindex compact IDX --basis ekfac``): after an EK-FAC fit, rows are rotated into
   the Kronecker eigenbasis and scaled, ``(Q_Sᵀ Ĝ Q_A) ⊙ (Λ* + δ)^{-1/2}``, so plain inner products
   are EK-FAC influence and the row's numbers are evenly scaled (what low-bit codes need).
+  Built with ``--projection-basis eigen`` (the default where the budget cannot hold the whole
+  gradient: :func:`gradindex.store.sizing.eigen_basis`), the Kronecker eigenbasis is the full-space
+  one and a row holds only chosen coordinates of it, whitened at capture:
+  ``vec(Q_S,kᵀ G Q_A,k)[keep] ⊙ (Λ*_keep + δ)^{-1/2}``, a ``[1, d]`` matrix per layer (``W_g``,
+  ``W_a`` the leading eigenvectors, ``keep``, ``scale``; no ``Q_S``/``Q_A`` after capture).
 
 The query applies the same maps: :func:`capture_transforms` before projection (capture hook),
 :func:`to_rows` after it.
@@ -24,10 +29,12 @@ import h5py
 import numpy as np
 import torch
 
+from gradindex.capture.transform import LayerTransform
 from gradindex.checksum import Damage, check_files, damage_error, record
 from gradindex.methods import FITTED_METHODS, LEGACY_DAMPING, row_base
+from gradindex.spec import layout
 
-BASIS_FILE = "basis.h5"
+BASIS_FILE = layout.BASIS_FILE
 BASES = ("raw", "kfac", "ekfac")
 
 
@@ -51,6 +58,10 @@ class RowBasis:
     """layer → ``[k_g, k_a]`` ``(Λ* + δ)^{-1/2}`` (``ekfac``)."""
     spectra: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     """layer → eigenvalues of the full-space ``(A, S)`` (``kfac``), kept for allocation by spectrum."""
+    keep: dict[str, np.ndarray] = field(default_factory=dict)
+    """layer → ``[d]`` flat indices into ``[k_g, k_a]`` of the eigen-coordinates stored (``eigen`` rows;
+    ``W_g`` ``[k_g, N_o]``, ``W_a`` ``[k_a, N_i+1]`` are then the leading eigenvectors and ``scale``
+    ``[1, d]`` the whitening applied at capture)."""
 
     def damping_used(self, base: str, damping: float) -> float | None:
         """The relative damping behind scores of a base method asked for on these rows (what results report).
@@ -99,9 +110,10 @@ def write_basis(index_dir: str | os.PathLike, basis: RowBasis, identity: dict) -
         for name in dict.fromkeys([*basis.W_a, *basis.Q_S]):
             g = f.create_group(name)
             for key, d in (("W_a", basis.W_a), ("W_g", basis.W_g), ("Q_S", basis.Q_S), ("Q_A", basis.Q_A),
-                           ("scale", basis.scale)):
+                           ("scale", basis.scale), ("keep", basis.keep)):
                 if name in d:
-                    g[key] = np.asarray(d[name], np.float32 if key.startswith("W") else np.float64)
+                    dtype = np.int64 if key == "keep" else np.float32 if key.startswith("W") else np.float64
+                    g[key] = np.asarray(d[name], dtype)
             if name in basis.spectra:
                 g["lam_a"], g["lam_s"] = basis.spectra[name]
     record(index_dir, [tmp], [BASIS_FILE])  # checksums.json, as for shards and preconditioner files
@@ -118,7 +130,8 @@ def read_basis(index_dir: str | os.PathLike, identity: dict | None = None) -> Ro
             return None
         b = RowBasis(kind=str(f.attrs["kind"]), damping=float(f.attrs["damping"]))
         for name, g in f.items():
-            for key, d in (("W_a", b.W_a), ("W_g", b.W_g), ("Q_S", b.Q_S), ("Q_A", b.Q_A), ("scale", b.scale)):
+            for key, d in (("W_a", b.W_a), ("W_g", b.W_g), ("Q_S", b.Q_S), ("Q_A", b.Q_A), ("scale", b.scale),
+                           ("keep", b.keep)):
                 if key in g:
                     d[name] = g[key][:]
             if "lam_a" in g:
@@ -160,14 +173,21 @@ def index_basis(index_dir: str | os.PathLike, manifest: dict) -> RowBasis:
     return b
 
 
-def capture_transforms(basis: RowBasis | None) -> dict[str, dict[str, torch.Tensor]]:
-    """Per-layer, per-side maps for :class:`~gradindex.capture.GradientCapture` ``transforms=``."""
+def capture_transforms(basis: RowBasis | None, whiten: bool = True) -> dict[str, dict | LayerTransform]:
+    """Per-layer transforms for :class:`~gradindex.capture.GradientCapture` ``transforms=``: the side
+    maps, and for ``eigen`` rows the kept coordinates with their whitening (``whiten=False``: unscaled)."""
     if basis is None:
         return {}
-    out: dict[str, dict[str, torch.Tensor]] = {}
+    out: dict[str, dict | LayerTransform] = {}
     for n in basis.W_a:
-        out[n] = {"a": torch.from_numpy(np.asarray(basis.W_a[n], np.float32)),
-                  "g": torch.from_numpy(np.asarray(basis.W_g[n], np.float32))}
+        maps = {"a": torch.from_numpy(np.asarray(basis.W_a[n], np.float32)),
+                "g": torch.from_numpy(np.asarray(basis.W_g[n], np.float32))}
+        if n in basis.keep:
+            post = torch.from_numpy(np.asarray(basis.scale[n], np.float32).ravel()) if whiten else None
+            out[n] = LayerTransform(map_a=maps["a"], map_g=maps["g"],
+                                    keep=torch.from_numpy(np.asarray(basis.keep[n], np.int64)), post=post)
+        else:
+            out[n] = maps
     return out
 
 

@@ -18,7 +18,6 @@ from gradindex import distributed
 from gradindex.adapter import adapter_fingerprint, adapter_path
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
-from gradindex.capture.batch import batch_gradients, finite_rows
 from gradindex.capture.gram import upper_to_symmetric
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
@@ -40,7 +39,9 @@ from gradindex.manifest import (
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
+from gradindex.spec.manifest import layer_identity
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
+from gradindex.store.append import append_batch
 from gradindex.store.basis import BASES, RowBasis, capture_transforms, index_basis
 from gradindex.store.codes import check_storage
 from gradindex.store.repair import repair_eigenbasis_store
@@ -73,18 +74,23 @@ class BuildConfig:
     """Also sum the full-space (unprojected) ``A`` and ``S`` per shard in this pass, so that
     ``gradindex precondition --space full`` needs only its correction pass."""
     precondition: str = "none"
-    """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass)."""
+    """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass); ``auto``:
+    ``ekfac``, or ``none`` with ``optimizer_state`` (:meth:`defaults`)."""
     damping: float = DEFAULT_DAMPING
     """Relative damping of the self-influence written with ``precondition``."""
     storage: str = "fp32"
-    """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`)."""
+    """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`);
+    ``auto``: ``int4`` for rows transcoded into the EK-FAC eigenbasis, else ``int8``."""
     budget: int | str = 0
     """Bytes per example for per-layer projection sizes (``--projection auto``): an integer, or a
     fraction of the full gradient's float32 bytes such as ``"1/8"``; 0 = ``projection`` as given."""
     allocation: str = "ratio"
     """How the budget is spread over layers: ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
     basis: str = "raw"
-    """``raw``, or ``kfac``: whiten each side by its damped full-space factor before projection."""
+    """``raw``; ``kfac``: whiten each side by its damped full-space factor before projection; ``eigen``:
+    store the eigen-coordinates of full-space EK-FAC that ``budget`` buys, chosen over all layers by
+    their K-FAC eigenvalue against the damping and whitened at capture (``precondition`` and
+    ``transcode`` ``none``: the rows already answer ``ekfac``; docs/math.md, "What a row holds")."""
     basis_damping: float = 1.0
     """Relative damping of the ``kfac`` whitening (a fraction of each factor's mean eigenvalue); 1.0 kept
     the most of full-space EK-FAC's top-10 in benchmarks/rowspace.py (0.01, 0.1, 0.3, 3, 10 measured)."""
@@ -105,7 +111,31 @@ class BuildConfig:
     transcode: str = "none"
     """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
     eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
-    store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw."""
+    store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw.
+    ``auto``: ``ekfac`` after an EK-FAC fit of raw rows, else ``none``."""
+
+    @classmethod
+    def defaults(cls, **settings) -> BuildConfig:
+        """What ``gradindex build`` builds with no options (``settings`` override fields): per-layer
+        projection sizes for the default byte budget, EK-FAC fitted, rows transcoded into its whitened
+        eigenbasis as int4 (each ``auto`` resolved here, from the other settings)."""
+        return cls(**{"budget": "auto", "precondition": "auto", "transcode": "auto", "storage": "auto", **settings})
+
+    def _resolve_auto(self) -> None:
+        """Each ``auto`` setting resolved from the others (the one place these defaults live)."""
+        if self.basis == "eigen":  # whitened EK-FAC coordinates at capture: nothing to fit or transcode
+            for name in ("precondition", "transcode"):
+                if getattr(self, name) == "auto":
+                    object.__setattr__(self, name, "none")
+            if self.storage == "auto":
+                object.__setattr__(self, "storage", "int4")
+        if self.precondition == "auto":
+            object.__setattr__(self, "precondition", "none" if self.optimizer_state else "ekfac")
+        if self.transcode == "auto":
+            object.__setattr__(self, "transcode",
+                               "ekfac" if self.precondition == "ekfac" and self.basis == "raw" else "none")
+        if self.storage == "auto":
+            object.__setattr__(self, "storage", "int4" if self.transcode == "ekfac" else "int8")
 
     @property
     def capture_storage(self) -> str:
@@ -113,12 +143,23 @@ class BuildConfig:
         return "fp16" if self.transcode == "ekfac" else self.storage
 
     def __post_init__(self) -> None:
+        self._resolve_auto()
         check_storage(self.storage)
+        if self.batch_size < 1 or self.shard_size < 1 or self.max_length < 2:
+            raise ValueError(f"batch size and shard size must be >= 1 and max length >= 2 (got {self.batch_size}, "
+                             f"{self.shard_size}, {self.max_length}): --batch-size, --shard-size, --max-length")
         if self.precondition not in ("none", "kfac", "ekfac"):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
-        if self.basis not in BASES[:2]:
-            raise ValueError(f"build basis {self.basis!r} is not one of {list(BASES[:2])} "
+        if self.basis not in (*BASES[:2], "eigen"):
+            raise ValueError(f"build basis {self.basis!r} is not one of {[*BASES[:2], 'eigen']} "
                              "(the ekfac basis is a transcode after a fit: `gradindex compact`)")
+        if self.basis == "eigen" and (self.precondition != "none" or self.transcode != "none"
+                                      or self.collect_covariance or self.full_factors):
+            raise ValueError("--projection-basis eigen stores whitened full-space EK-FAC coordinates, which answer "
+                             "--method ekfac as they are: use it with --precondition none --transcode none "
+                             "(and without --full-factors)")
+        if self.basis == "eigen" and not self.budget:
+            raise ValueError("--projection-basis eigen chooses what to store from --budget: use --projection auto")
         if self.allocation == "spectrum" and self.basis != "kfac":
             raise ValueError("allocation by spectrum needs the full-space factors: add --projection-basis kfac")
         if self.fisher not in FISHERS:
@@ -161,9 +202,7 @@ def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: Bu
         "dtype": model_dtype(model),
         "storage": cfg.capture_storage,
         "data_fingerprint": data_fp,
-        "layers": {n: {"kind": i.kind, "n_in": i.n_in, "n_out": i.n_out, "bias": i.bias,
-                       "rows": capture.dims(n)[0], "cols": capture.dims(n)[1]}
-                   for n, i in capture.infos.items()},
+        "layers": layer_identity(capture),
         "projection": capture.projection.to_dict(),
         "basis": basis,
         "max_length": cfg.max_length,
@@ -250,7 +289,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     pad_id = resolve_pad_id(model, tokenizer)
     infos = {n: layer_info(m) for n, m in select_layers(model, cfg.layers).items()}
     basis, write = RowBasis(), None
-    if cfg.basis == "kfac":
+    if cfg.basis in ("kfac", "eigen"):
         basis, write = full_space_basis(model, data, pad_id, out, cfg, model_fp, data_fp, progress)
     spec = sized_projection(cfg, infos, basis)
     transforms, optimizer = capture_transforms(basis), None
@@ -324,18 +363,22 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                     w.partial.unlink()
                     done = w.open()
                 bar.update(done)
-                for s in range(start + done, end, B):
-                    e = min(s + B, end)
-                    ok = append_batch(w, model, capture, data, s, e, pad_id, hashes)
-                    if not ok.all():
-                        bad = [int(s + i) for i in np.nonzero(~ok)[0]]
-                        nonfinite.update(bad)
-                        log.warning("examples %s have non-finite gradients; stored as zeros and flagged", bad)
-                    computed += e - s
-                    bar.update(e - s)
-                if capture.collect_covariance or capture.collect_full_covariance:
-                    _write_covariance(w, capture)
-                w.seal()
+                try:
+                    for s in range(start + done, end, B):
+                        e = min(s + B, end)
+                        ok = append_batch(w, model, capture, data, s, e, pad_id, hashes)
+                        if not ok.all():
+                            bad = [int(s + i) for i in np.nonzero(~ok)[0]]
+                            nonfinite.update(bad)
+                            log.warning("examples %s have non-finite gradients; stored as zeros and flagged", bad)
+                        computed += e - s
+                        bar.update(e - s)
+                    if capture.collect_covariance or capture.collect_full_covariance:
+                        _write_covariance(w, capture)
+                    w.seal()
+                except BaseException:
+                    w.abort()  # (a full disk: no HDF5 handle left to fail again, or crash, at exit)
+                    raise
                 commits.append(hashing.submit(w.commit))
                 for f in commits:
                     if f.done():
@@ -362,22 +405,6 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     distributed.barrier()
     return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
 
-
-
-def append_batch(w: ShardWriter, model: nn.Module, capture: GradientCapture, data: Tokenized, s: int, e: int,
-                 pad_id: int, hashes: list[bytes], rows=None) -> np.ndarray:
-    """Capture examples ``s:e`` and append them to ``w`` (non-finite rows as zeros, through ``rows(grads)``
-    when given), with their loss, token count, finite flag and token hash; return the ``[e - s]`` finite mask."""
-    bg = batch_gradients(model, capture, data.input_ids[s:e], data.labels[s:e], pad_id)
-    grads = {n: v.cpu().numpy() for n, v in bg.grads.items()}
-    ok = finite_rows(grads)
-    if not ok.all():
-        for n in grads:
-            grads[n][~ok] = 0.0
-    w.append(np.arange(s, e, dtype=np.int64), rows(grads) if rows else grads,
-             loss=bg.loss.float().cpu().numpy(), num_tokens=bg.num_tokens.cpu().numpy().astype(np.int32),
-             finite=ok, token_hash=np.frombuffer(b"".join(hashes[s:e]), np.uint8).reshape(-1, 16))
-    return ok
 
 
 def _move_damaged_aside(out: Path, full: bool) -> None:

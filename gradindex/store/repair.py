@@ -41,8 +41,8 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
     did) and coded as the index's storage. Damaged files are moved to ``damaged/`` first.
     """
     from gradindex.checksum import move_aside
+    from gradindex.store.append import append_batch
     from gradindex.store.basis import index_basis, to_rows
-    from gradindex.store.builder import append_batch
     from gradindex.store.shards import ShardWriter
 
     d = Path(index_dir)

@@ -45,15 +45,14 @@ from gradindex.checksum import (
     shard_of,
     write_row_hashes,
 )
+from gradindex.diskspace import reserve
 from gradindex.manifest import build_command
+from gradindex.spec import layout
+from gradindex.spec.layout import shard_name
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
-STORE_DIR = "store"
+STORE_DIR = layout.STORE_DIR
 SCALARS = {"loss": np.float32, "num_tokens": np.int32, "finite": np.bool_}
-
-
-def shard_name(k: int) -> str:
-    return f"shard-{k:05d}.h5"
 
 
 class ShardWriter:
@@ -111,6 +110,15 @@ class ShardWriter:
         self.file, self.committed = f, 0
         return 0
 
+    def _append_bytes(self, n0: int, n: int) -> int:
+        """The most appending rows ``n0:n0+n`` adds to the file: the whole chunks they start, per dataset."""
+        total = 1 << 16  # (metadata)
+        for ds in self._datasets():
+            rows = ds.chunks[0]
+            per_row = int(np.prod(ds.chunks[1:], dtype=np.int64)) * ds.dtype.itemsize
+            total += (-(-(n0 + n) // rows) - -(-n0 // rows)) * rows * per_row
+        return total
+
     def _datasets(self) -> Iterator[h5py.Dataset]:
         f = self.file
         yield f["ids"]
@@ -127,6 +135,7 @@ class ShardWriter:
         f, n0, n = self.file, self.committed, len(ids)
         if n0 + n > self.n_rows:
             raise ValueError(f"shard {self.final.name} overflows: {n0}+{n} > {self.n_rows}")
+        reserve(self.partial, self._append_bytes(n0, n))
         for ds in self._datasets():
             ds.resize(n0 + n, axis=0)
         f["ids"][n0:] = ids
@@ -169,6 +178,16 @@ class ShardWriter:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+    def abort(self) -> None:
+        """Close after a failed write (a full disk), ignoring the close's own errors: the committed rows
+        stay in ``.partial`` for a resume, and no open HDF5 handle is left to fail again at exit."""
+        f, self.file = self.file, None
+        if f is not None:
+            try:
+                f.close()
+            except Exception:  # noqa: BLE001 - the write already failed; the resume checks the file
+                pass
 
 
 def _repair(index_dir: Path) -> str:
@@ -260,6 +279,10 @@ class Store:
         """A per-example column over all shards (``ids``, ``loss``, ``num_tokens``, ...)."""
         return np.concatenate([self._read(k, lambda f: f[name][:]) for k in range(len(self.paths))])
 
+    def shard_columns(self, k: int, names: Sequence[str], start: int, stop: int) -> dict[str, np.ndarray]:
+        """Per-example columns ``names`` of shard ``k``'s rows ``start:stop`` (shard-local)."""
+        return self._read(k, lambda f: {c: f[c][start:stop] for c in names})
+
     def _read(self, k: int, read):
         """``read(file)`` on shard ``k``; an h5py failure (a damaged file) becomes a clear DamagedIndexError."""
         f = self._file(k)
@@ -302,16 +325,19 @@ class Store:
             raise damage_error(d, [Damage(f"{STORE_DIR}/{self.paths[k].name}", what, _repair(d))])
 
     def iter_blocks(
-        self, layers: Sequence[str] | None = None, block: int = 4096, start: int = 0
+        self, layers: Sequence[str] | None = None, block: int = 4096, start: int = 0, stop: int | None = None
     ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
-        """Yield ``(ids [n], {layer: [n, D]})`` in store order from row ``start``, ``block`` rows at a time."""
+        """Yield ``(ids [n], {layer: [n, D]})`` in store order from row ``start`` (to ``stop``), ``block``
+        rows at a time (a block never spans two shards)."""
         layers = list(layers or self.layers)
+        stop = self.n if stop is None else stop
         for k in range(len(self.paths)):
             first = self.first_ids[k]
-            if first + self.sizes[k] <= start:
+            if first + self.sizes[k] <= start or first >= stop:
                 continue
-            for s in range(max(0, start - first), self.sizes[k], block):
-                e = min(s + block, self.sizes[k])
+            end = min(self.sizes[k], stop - first)
+            for s in range(max(0, start - first), end, block):
+                e = min(s + block, end)
                 ids = self._read(k, lambda f, s=s, e=e: f["ids"][s:e])
                 yield ids, {n: self._decode(k, n, slice(s, e)) for n in layers}
 

@@ -1,0 +1,189 @@
+"""The default build against a bare forward + backward, per stage, before and after a change, in one run.
+
+Peers workload (TARGETS.md): GPT-2 from a config (4 blocks, width 256, 4 heads, vocab 8192, 128
+positions), 512 random sequences of 128 token ids (seed 0), batch 8, one thread. Each cell runs in
+its own process, one after another, so that its peak RSS (``ru_maxrss``) is its own:
+
+* ``floor``: a bare forward + backward of the same batches (benchmarks/capture.py's ``run_floor``);
+* ``default``: ``build_index`` with the CLI's defaults (auto budget, int4 rows transcoded into the
+  EK-FAC whitened eigenbasis, the default FAISS stage), with seconds per stage (capture, fit,
+  transcode, FAISS), once with this checkout's gradindex (``after``) and once with ``--before``'s
+  (another checkout, e.g. ``git archive BASE | tar -x -C /tmp/base``).
+
+Then the same on a tiny model at a larger N (``--tiny-n`` examples of 16 tokens; GPT-2 2x48): the
+stages after the capture divided by the capture. Writes ``benchmarks/results/buildcost.json``.
+
+    python -m benchmarks.buildcost --before /tmp/base
+    python -m benchmarks.buildcost --quick            # 32 sequences, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+STAGES = {  # stage → (module, function) timed when present (the fused build has no transcode_in_place, ...)
+    "capture": [("gradindex.pipeline", "build_store")],
+    "fit": [("gradindex.pipeline", "fit_preconditioner"), ("gradindex.precondition.fused", "store_fit")],
+    "transcode": [("gradindex.pipeline", "transcode_in_place"), ("gradindex.precondition.fused", "compact_rows")],
+    "faiss": [("gradindex.pipeline", "build_indices")],
+}
+
+
+def _timed(seconds: dict) -> None:
+    """Wrap each stage's function (where this gradindex has it) to add its wall seconds to ``seconds``."""
+    import importlib
+
+    for stage, places in STAGES.items():
+        for mod, name in places:
+            try:
+                m = importlib.import_module(mod)
+            except ImportError:
+                continue
+            fn = getattr(m, name, None)
+            if fn is None:
+                continue
+
+            def wrapped(*a, _fn=fn, _stage=stage, **k):
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    seconds[_stage] = seconds.get(_stage, 0.0) + time.perf_counter() - t
+
+            setattr(m, name, wrapped)
+
+
+def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path) -> dict:
+    """One cell in this process: ``floor`` or ``default``; seconds (per stage) and peak RSS."""
+    if root != ROOT:
+        sys.path.insert(0, str(root))
+    from types import SimpleNamespace
+
+    import torch
+
+    from fixtures.tiny import tiny_gpt2
+
+    torch.set_num_threads(1)
+    model = tiny_gpt2(vocab_size=vocab, n_layer=blocks, n_embd=width, n_head=4, n_positions=max(tokens, 16), seed=0)
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(vocab, (n, tokens), generator=g).tolist()
+    out: dict = {"cell": cell, "gradindex": str(root)}
+    t = time.perf_counter()
+    if cell == "floor":
+        from gradindex.data import collate
+
+        model.requires_grad_(True)
+        for s in range(0, n, 8):
+            b = collate(seqs[s:s + 8], seqs[s:s + 8], 0)
+            model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
+                  use_cache=False).loss.backward()
+            model.zero_grad(set_to_none=True)
+    else:
+        from gradindex.capture import ProjectionSpec
+        from gradindex.data import Tokenized
+        from gradindex.index import IndexConfig
+        from gradindex.pipeline import BuildConfig
+
+        seconds: dict = {}
+        _timed(seconds)
+        data = Tokenized(seqs, [list(s) for s in seqs], 0, "input_ids")
+        cfg = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
+                          transcode="ekfac", max_length=tokens, batch_size=8)
+        with tempfile.TemporaryDirectory(prefix="gradindex-buildcost-") as d:
+            import gradindex.pipeline as pipeline
+
+            pipeline.build_index(model, SimpleNamespace(pad_token_id=0), data, Path(d) / "idx", cfg,
+                                 index=IndexConfig(), progress=False)
+            out["index_bytes"] = sum(p.stat().st_size for p in (Path(d) / "idx").rglob("*") if p.is_file())
+        out["stages"] = {k: round(v, 2) for k, v in seconds.items()}
+    out["seconds"] = round(time.perf_counter() - t, 2)
+    out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return out
+
+
+def run(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    args = [sys.executable, "-m", "benchmarks.buildcost", "--child", cell, "--n", str(n), "--tokens", str(tokens),
+            "--width", str(width), "--blocks", str(blocks), "--vocab", str(vocab), "--root", str(root)]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
+    if r.returncode:
+        raise RuntimeError(f"{cell} ({root}) failed:\n{r.stderr[-3000:]}")
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    print(json.dumps(res), flush=True)
+    return res
+
+
+def ratios(floor: dict, build: dict) -> dict:
+    st = build["stages"]
+    after_capture = sum(v for k, v in st.items() if k != "capture")
+    return {"x_floor": round(build["seconds"] / floor["seconds"], 3),
+            "x_floor_without_faiss": round((build["seconds"] - st.get("faiss", 0.0)) / floor["seconds"], 3),
+            "capture_x_floor": round(st["capture"] / floor["seconds"], 3),
+            "after_capture_over_capture": round(after_capture / st["capture"], 3),
+            "after_capture_without_faiss_over_capture":
+                round((after_capture - st.get("faiss", 0.0)) / st["capture"], 3),
+            "rss_x_floor": round(build["peak_rss_mb"] / floor["peak_rss_mb"], 3)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--before", type=Path, help="another checkout's root: its gradindex is the 'before' cell")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tiny-n", type=int, default=3000)
+    ap.add_argument("--out", type=Path, default=RESULTS / "buildcost.json")
+    ap.add_argument("--child")
+    ap.add_argument("--n", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--root", type=Path, default=ROOT)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(child(a.child, a.n, a.tokens, a.width, a.blocks, a.vocab, a.root)))
+        return {}
+    n = 32 if a.quick else a.n
+    roots = {"after": ROOT, **({"before": a.before} if a.before else {})}
+    load = os.getloadavg()[0]
+    peers = {"floor": run("floor", n, a.tokens, a.width, a.blocks, a.vocab, ROOT)}
+    for name, root in roots.items():
+        peers[name] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, root)
+    peers["floor_again"] = run("floor", n, a.tokens, a.width, a.blocks, a.vocab, ROOT)
+    floor = {"seconds": (peers["floor"]["seconds"] + peers["floor_again"]["seconds"]) / 2,
+             "peak_rss_mb": max(peers["floor"]["peak_rss_mb"], peers["floor_again"]["peak_rss_mb"])}
+    tiny_n = 200 if a.quick else a.tiny_n
+    tiny = {name: run("default", tiny_n, 16, 48, 2, 256, root) for name, root in roots.items()}
+    res = {
+        "workload": {"peers": f"GPT-2 {a.blocks}x{a.width}, vocab {a.vocab}, {n} x {a.tokens} random tokens, batch 8",
+                     "tiny": f"GPT-2 2x48, vocab 256, {tiny_n} x 16 random tokens, batch 8",
+                     "build": "build_index with the CLI defaults (auto budget, int4 EK-FAC eigenbasis rows, "
+                              "default FAISS stage); one thread; each cell its own process"},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": round(load, 2),
+                    "load_after": round(os.getloadavg()[0], 2)},
+        "peers": peers, "floor": floor,
+        "ratios": {name: ratios(floor, peers[name]) for name in roots},
+        "tiny": tiny,
+        "tiny_after_capture_over_capture": {
+            name: round(sum(v for k, v in t["stages"].items() if k != "capture") / t["stages"]["capture"], 3)
+            for name, t in tiny.items()},
+    }
+    print(json.dumps(res["ratios"], indent=1), json.dumps(res["tiny_after_capture_over_capture"]))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()

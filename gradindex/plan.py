@@ -1,0 +1,207 @@
+"""What a build will cost before it runs: rows per layer, disk (peak and final), memory, time, lookup.
+
+:func:`plan_build` sizes every file the build writes from the model's hooked layers, the build's
+settings and the number of examples (no capture); :func:`measure_seconds` times a few real capture
+batches and one block of the rotations that follow, and extrapolates. ``gradindex plan`` prints
+both; ``gradindex build`` prints :meth:`BuildPlan.summary` before it starts, and each stage checks
+the disk's free space against what it still has to write (:func:`gradindex.diskspace.check_space`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradindex.capture import GradientCapture
+from gradindex.capture.batch import batch_gradients
+from gradindex.capture.hooks import select_layers
+from gradindex.capture.layers import layer_info
+from gradindex.data import Tokenized
+from gradindex.diskspace import human
+from gradindex.precondition.apply import rotate
+from gradindex.precondition.ekfac import BLOCK_BYTES
+from gradindex.store.basis import RowBasis
+from gradindex.store.builder import BuildConfig
+from gradindex.store.codes import row_bytes
+from gradindex.store.sizing import sized_projection
+
+COLUMN_BYTES = 8 + 4 + 4 + 1 + 16
+"""Per example, besides the rows: id, loss, token count, finite flag, token hash."""
+DATASET_BYTES = 3 << 10
+"""HDF5's per-dataset overhead in a shard (header, chunk index, free space left by the appends)."""
+BASE_RAM = 400 << 20
+"""The interpreter with torch, transformers and the library loaded (measured: 380-450 MB)."""
+
+
+@dataclass
+class LayerPlan:
+    name: str
+    n_out: int
+    n_in: int
+    k_g: int
+    k_a: int
+
+    @property
+    def numbers(self) -> int:
+        return self.k_g * self.k_a
+
+
+@dataclass
+class BuildPlan:
+    """Bytes of every stage's files, for ``examples`` examples (estimates from the formats, not measured)."""
+
+    examples: int
+    layers: list[LayerPlan]
+    storage: str
+    capture_storage: str
+    transcode: bool
+    capture_bytes: int
+    """The captured rows (``capture_storage``), with the per-example columns and factor sums."""
+    store_bytes: int
+    """The final rows (``storage``)."""
+    precond_bytes: int
+    basis_bytes: int
+    index_bytes: int
+    """The FAISS stage's files (0 without it; an exhaustive index holds codes of every row)."""
+    ram_bytes: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Estimated seconds per stage, when measured (:func:`measure_seconds`)."""
+    approximate: bool = False
+    """The rows' sizes are only settled by the build's own factor pass (``--projection-basis eigen``):
+    the bytes are those of the budget's raw-basis rows, and the build checks no disk space against them."""
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes per example in the final store."""
+        return sum(row_bytes(self.storage, lp.numbers) for lp in self.layers) + COLUMN_BYTES
+
+    @property
+    def final_disk(self) -> int:
+        return self.store_bytes + self.precond_bytes + self.basis_bytes + self.index_bytes
+
+    @property
+    def peak_disk(self) -> int:
+        """The most on disk at once: the captured rows beside the transcoded copy, or the final index."""
+        during = self.capture_bytes + self.precond_bytes + (self.store_bytes + self.basis_bytes if self.transcode
+                                                            else self.index_bytes)
+        return max(during, self.final_disk)
+
+    def remaining(self, out: str | Path) -> int:
+        """Bytes the build still adds to ``out`` at its peak (what is there counts as written)."""
+        out = Path(out)
+        there = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.is_dir() else 0
+        return max(0, self.peak_disk - there)
+
+    def summary(self) -> str:
+        """One line: rows, disk, memory, time (when measured), lookup."""
+        numbers = sum(lp.numbers for lp in self.layers)
+        rows = f"{'ekfac-whitened ' if self.transcode else ''}{self.storage}"
+        t = ""
+        if self.seconds:
+            stages = ", ".join(f"{k} {_duration(v)}" for k, v in self.seconds.items())
+            t = f", about {_duration(sum(self.seconds.values()))} ({stages})"
+        return (f"plan: {self.examples:,} examples x {len(self.layers)} layers ({numbers:,} numbers, {rows}: "
+                f"{human(self.row_bytes)} per example); disk {human(self.final_disk)} final, {human(self.peak_disk)} "
+                f"at peak; RAM about {human(self.ram_bytes)}{t}; an exhaustive lookup scans "
+                f"{human(self.store_bytes)} of rows")
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def hooked_layers(model: nn.Module, cfg: BuildConfig) -> list[LayerPlan]:
+    """The layers ``cfg`` hooks and their stored ``[k_g, k_a]`` (the budget's sizes for a raw basis; a
+    ``spectrum`` allocation, which needs the factor pass, is sized as ``ratio``: the same bytes)."""
+    infos = {n: layer_info(m) for n, m in select_layers(model, cfg.layers or None).items()}
+    if cfg.budget and cfg.allocation == "spectrum":
+        cfg = replace(cfg, allocation="ratio", basis="raw")
+    cap = GradientCapture(model, cfg.layers, sized_projection(cfg, infos, RowBasis()))  # (hooks only inside `with`)
+    return [LayerPlan(n, i.n_out, i.n_in_total, *cap.dims(n)) for n, i in cap.infos.items()]
+
+
+def rows_bytes(examples: int, shard_size: int, layers: list[LayerPlan], storage: str) -> int:
+    """Bytes of ``examples`` rows in shards of ``shard_size``, as :class:`~gradindex.store.ShardWriter` lays
+    them out: HDF5 allocates whole chunks (up to 256 rows, at most 1 MiB), so a shard's last chunk is full,
+    and each dataset's header and chunk index take about :data:`DATASET_BYTES` (measured)."""
+    total = 0
+    datasets = 6 + len(layers) * (2 if storage in ("int8", "int4") else 1)
+    for first in range(0, examples, shard_size):
+        n = min(shard_size, examples - first)
+        chunk = max(1, min(256, n))
+        total += -(-n // chunk) * chunk * COLUMN_BYTES + datasets * DATASET_BYTES
+        for lp in layers:
+            rb = row_bytes(storage, lp.numbers)
+            rows = max(1, min(chunk, (1 << 20) // max(1, rb)))
+            total += -(-n // rows) * rows * rb
+    return total
+
+
+def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = True) -> BuildPlan:
+    """Sizes of a build of ``examples`` examples under ``cfg`` (``index``: with its FAISS stage)."""
+    layers = hooked_layers(model, cfg)
+    shards = max(1, -(-examples // cfg.shard_size))
+    factors = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2) for lp in layers)  # one layer's A and S, float64
+    collect = cfg.precondition != "none" or cfg.collect_covariance
+    capture = rows_bytes(examples, cfg.shard_size, layers, cfg.capture_storage) + (shards * factors if collect else 0)
+    store = rows_bytes(examples, cfg.shard_size, layers, cfg.storage)
+    transcode = cfg.transcode == "ekfac"
+    L = len(layers)
+    per_fit = sum(8 * (2 * (lp.k_a ** 2 + lp.k_g ** 2) + lp.k_a + lp.k_g + lp.numbers) for lp in layers) \
+        + 8 * examples * (L + 1)
+    fits = {"none": 0, "kfac": 1, "ekfac": 2}[cfg.precondition]
+    precond = fits * per_fit + (8 * examples * (L + 1) if fits and not transcode else 0)  # (+ graddot's norms)
+    basis = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2 + lp.numbers) for lp in layers) if transcode else 0
+    index_bytes = examples * sum(row_bytes(cfg.storage, lp.numbers) - 4 * (cfg.storage in ("int8", "int4"))
+                                 for lp in layers) if index else 0
+    width = sum(lp.numbers for lp in layers)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    capture_ram = 2 * 4 * cfg.batch_size * width + 2 * params  # float32 batch rows on the device and their host copy
+    block = 3 * min(BLOCK_BYTES, 4 * width * max(1, examples))  # a block of rows, rotated, coded
+    ram = BASE_RAM + params + max(capture_ram, block)
+    return BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
+                     index_bytes, ram, approximate=cfg.basis not in ("raw", "kfac"))
+
+
+def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,
+                    batches: int = 2) -> dict[str, float]:
+    """Seconds per stage, extrapolated from ``batches`` timed capture batches (after one warm-up) and one
+    timed float32 rotation of a batch of random rows per layer (the fit's store pass and the transcode each
+    rotate every row once)."""
+    B, N = cfg.batch_size, len(data)
+    spec = sized_projection(cfg, {n: layer_info(m) for n, m in select_layers(model, cfg.layers or None).items()},
+                            RowBasis())
+    was = {n: p.requires_grad for n, p in model.named_parameters()}
+    model.requires_grad_(False)
+    cap = GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
+                          collect_covariance=cfg.precondition != "none")
+    times = []
+    try:
+        with cap:
+            for b in range(min(batches + 1, max(1, -(-N // B)))):
+                s = (b * B) % max(1, N)
+                t = time.perf_counter()
+                batch_gradients(model, cap, data.input_ids[s:s + B], data.labels[s:s + B], pad_id)
+                times.append(time.perf_counter() - t)
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(was[n])
+    per_batch = float(np.mean(times[1:] if len(times) > 1 else times))
+    out = {"capture": per_batch * N / B}
+    if cfg.precondition != "none":
+        g = torch.Generator().manual_seed(0)
+        t = time.perf_counter()
+        for lp in plan.layers:
+            X = torch.randn(B, lp.k_g, lp.k_a, generator=g)
+            Q_S, Q_A = torch.eye(lp.k_g), torch.eye(lp.k_a)
+            rotate(X, Q_S, Q_A).square().sum()
+        rot = (time.perf_counter() - t) * N / B
+        out["fit"] = rot
+        if plan.transcode:
+            out["transcode"] = 1.5 * rot  # (its rotation, plus the decode and the int4 codes)
+    return out

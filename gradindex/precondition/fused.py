@@ -1,0 +1,56 @@
+"""The default build's stages after the capture: the EK-FAC fit and the transcode in two reads of the store.
+
+Separately they read the store three times, rotating every row into the Kronecker eigenbasis each
+time: the fit's first pass (``Λ*``, K-FAC self-influence), its second (EK-FAC self-influence, which
+needs the finished ``Λ*``), then the transcode. Fused:
+
+1. one store pass (:func:`gradindex.precondition.fit.store_fit`): factors from the capture, their
+   eigenbases, then every row rotated once for ``Λ*`` and the K-FAC self-influence;
+2. the transcode (:func:`gradindex.precondition.compact.compact_rows`): every row rotated and
+   whitened, ``W = (Q_Sᵀ Ĝ Q_A) ⊙ (Λ* + δ)^{-1/2}``, coded, and its EK-FAC self-influence taken
+   from the row it codes: ``‖W‖² = ⟨(H + δI)⁻¹ Ĝ, Ĝ⟩`` (``Λ* ≥ 0``, so no floor acts).
+
+Both stream the store in shard order with memory bounded by a block, and resume after a kill: the
+fit is recomputed (the same numbers), finished shards of the transcode are kept, and the self-influence
+of their rows is read again from the raw rows in the same blocks. The rows equal those of
+``gradindex precondition --method ekfac`` followed by ``gradindex compact`` bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from gradindex.heap import bound_heap
+from gradindex.manifest import read_manifest, row_basis
+from gradindex.precondition.compact import STAGING, compact_rows, finish_transcode, swap_in
+from gradindex.precondition.files import precond_path, write_precond
+from gradindex.precondition.fit import FitConfig, fit_manifest, register_fits, store_fit
+
+
+def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str, model=None, tokenizer=None,
+                      data=None, progress: bool = False, manifest: dict | None = None) -> dict:
+    """Fit EK-FAC (and K-FAC) on ``index_dir``'s raw rows and rewrite them in place in its whitened
+    eigenbasis at ``cfg.damping`` as ``storage`` codes; return the new manifest. The caller holds the
+    directory's lock (the pipeline); ``model``/``tokenizer``/``data`` as for :func:`fit_preconditioner`."""
+    if cfg.method != "ekfac" or cfg.space != "stored":
+        raise ValueError("the fused transcode fits EK-FAC on the stored rows (method 'ekfac', space 'stored')")
+    d = Path(index_dir)
+    finish_transcode(d)
+    bound_heap()  # memory flat in N over the two passes (gradindex.heap)
+    t0 = time.perf_counter()
+    if manifest is None or manifest.get("status") != "complete":
+        manifest = read_manifest(d)
+    if row_basis(manifest) == "ekfac":
+        return manifest
+    held, manifest = fit_manifest(d, manifest)
+    fitted = store_fit(d, cfg, manifest, model, tokenizer, data, progress, ekfac_self_influence=False)
+    ek, _ = fitted.written["ekfac"]
+    curvature = {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in ek.items()}
+    new, si = compact_rows(d, d / STAGING, manifest, curvature, fitted.fit, cfg.damping, storage, overwrite=True,
+                           block=cfg.block, progress=progress, self_influence=True)
+    write_precond(precond_path(d, "ekfac"), "ekfac", manifest, fitted.layers, ek, si, cfg.damping, fitted.fit)
+    fitted.written["ekfac"] = (ek, si)
+    register_fits(d, cfg, manifest, held, fitted, time.perf_counter() - t0)
+    return swap_in(d, read_manifest(d), new, cfg.damping)

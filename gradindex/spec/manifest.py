@@ -1,0 +1,146 @@
+"""The typed view of ``manifest.json`` (its file is read and written by :mod:`gradindex.manifest`).
+
+A manifest is JSON with these sections (docs/formats.md lists every key):
+
+* ``build``: the identity of the stored rows — what must match for a resume or a query
+  (:data:`gradindex.manifest.IDENTITY_KEYS`), ``layers`` among them (:class:`LayerShape` per layer);
+* ``config``: the build's options as given (``build_command`` regenerates the command line from it);
+* ``counts``, ``preconditioners``, ``status``, ``model_id``, ``data_id``, ``dtype`` and more.
+
+:class:`Manifest` wraps the parsed dict without changing it (``Manifest.from_dict(d).to_dict() == d``,
+so old indices open as they are) and names what the stages ask of it. :func:`layer_identity` is
+the one place a manifest's ``build.layers`` is made (by the build, the live capture, and the query
+engine's check that a model fits an index).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from gradindex.manifest import (
+    IDENTITY_KEYS,
+    build_command,
+    identity_differences,
+    read_manifest,
+    shape_problem,
+    write_manifest,
+)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One hooked layer in ``build.layers``."""
+
+    kind: str
+    """Module type (``Linear``, ``Conv1D``, ...)."""
+    n_in: int
+    """Input features ``N_i``."""
+    n_out: int
+    """Output features ``N_o``."""
+    bias: bool
+    rows: int
+    """Rows of the stored matrix (``k_g``, or ``N_o`` unprojected)."""
+    cols: int
+    """Columns of the stored matrix (``k_a``, or ``N_i(+1)`` unprojected)."""
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LayerShape:
+        return cls(str(d["kind"]), int(d["n_in"]), int(d["n_out"]), bool(d["bias"]), int(d["rows"]), int(d["cols"]))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "n_in": self.n_in, "n_out": self.n_out, "bias": self.bias,
+                "rows": self.rows, "cols": self.cols}
+
+    @property
+    def dim(self) -> int:
+        """Numbers per stored row of this layer."""
+        return self.rows * self.cols
+
+
+class _Captures(Protocol):
+    infos: Mapping[str, Any]
+
+    def dims(self, name: str) -> tuple[int, int]: ...
+
+
+def layer_identity(capture: _Captures) -> dict[str, dict[str, Any]]:
+    """``build.layers`` of a gradient capture: layer → :class:`LayerShape` as a dict, model order."""
+    return {n: LayerShape(i.kind, i.n_in, i.n_out, i.bias, *capture.dims(n)).to_dict()
+            for n, i in capture.infos.items()}
+
+
+class Manifest:
+    """A parsed ``manifest.json`` (validated), with typed accessors; the dict itself is kept as is."""
+
+    def __init__(self, data: dict[str, Any]):
+        problem = shape_problem(data)
+        if problem:
+            raise ValueError(f"not a gradindex manifest ({problem})")
+        self._data = data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
+        return cls(copy.deepcopy(dict(data)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return copy.deepcopy(self._data)
+
+    @classmethod
+    def read(cls, index_dir: str | os.PathLike) -> Manifest:
+        """The manifest of ``index_dir`` (read once per process; :func:`gradindex.manifest.read_manifest`)."""
+        return cls(read_manifest(index_dir))
+
+    def write(self, index_dir: str | os.PathLike) -> None:
+        write_manifest(index_dir, self._data)
+
+    # -- what the stages ask ----------------------------------------------------------------------
+    @property
+    def build(self) -> dict[str, Any]:
+        return self._data["build"]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self._data.get("config", {})
+
+    @property
+    def status(self) -> str | None:
+        return self._data.get("status")
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+    @property
+    def layers(self) -> dict[str, LayerShape]:
+        """Every stored layer, model order."""
+        return {n: LayerShape.from_dict(v) for n, v in self.build["layers"].items()}
+
+    @property
+    def examples(self) -> int:
+        return int(self._data.get("counts", {}).get("examples", 0))
+
+    @property
+    def basis_kind(self) -> str:
+        """The basis the stored rows are in (``raw``, ``kfac`` or ``ekfac``)."""
+        return str((self.build.get("basis") or {}).get("kind", "raw"))
+
+    @property
+    def adam_rows(self) -> bool:
+        """Whether the rows are Adam-preconditioned (built with ``--optimizer-state``)."""
+        return bool(self.build.get("optimizer"))
+
+    def identity(self) -> dict[str, Any]:
+        """The ``build`` keys that must match for a resume or a query (:data:`IDENTITY_KEYS`)."""
+        return {k: self.build[k] for k in IDENTITY_KEYS if k in self.build}
+
+    def differences(self, other: Mapping[str, Any]) -> list[str]:
+        """What differs between this index's identity and ``other`` (words for an error)."""
+        return identity_differences(self.build, dict(other))
+
+    def build_command(self, index_dir: str | os.PathLike, extra: str = "--repair") -> str:
+        """The ``gradindex build`` command line that made this index, plus ``extra``."""
+        return build_command(index_dir, self._data, extra)

@@ -1,0 +1,44 @@
+"""``gradindex plan``: before any capture, what the build will store, and its disk, memory, time and lookup."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from gradindex.cli import main
+from gradindex.manifest import read_manifest
+
+OPTS = ["--max-length", "48", "--device", "cpu", "--shard-size", "16"]
+
+
+def _bytes(d) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+def test_plan_sizes_what_the_build_then_stores(gpt2_dir, text_jsonl, tmp_path):
+    r = CliRunner()
+    res = r.invoke(main, ["plan", str(gpt2_dir), str(text_jsonl), "--json", *OPTS])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output.strip().splitlines()[-1])
+    assert not any(tmp_path.iterdir())  # nothing written
+    assert set(plan["seconds"]) == {"capture", "fit", "transcode"} and all(v > 0 for v in plan["seconds"].values())
+    text = r.invoke(main, ["plan", str(gpt2_dir), str(text_jsonl), "--batches", "0", *OPTS])
+    assert text.exit_code == 0, text.output
+    summary = text.output.strip().splitlines()[-1]
+    assert summary.startswith("plan: 40 examples x 8 layers") and "at peak" in summary and "lookup" in summary
+    out = tmp_path / "idx"
+    built = r.invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--quiet", *OPTS])
+    assert built.exit_code == 0, built.output
+    assert summary in built.output  # build prints the same line before it starts
+    m = read_manifest(out)
+    layers = {x["name"]: (x["k_g"], x["k_a"]) for x in plan["layers"]}
+    assert layers == {n: (v["rows"], v["cols"]) for n, v in m["build"]["layers"].items()}
+    b = plan["bytes"]
+    store = _bytes(out / "store")
+    assert 0.9 * store <= b["store"] <= 1.1 * store, (b["store"], store)
+    fits = _bytes(out / "precond") + (out / "basis.h5").stat().st_size
+    assert 0.8 * fits <= b["precond"] + b["basis"] <= 1.2 * fits, (b, fits)
+    final = _bytes(out) - _bytes(out / "faiss") + b["index"]  # (the FAISS stage is another helper's; its plan size)
+    assert 0.85 * final <= b["final"] <= 1.15 * final, (b["final"], final)
+    assert b["peak"] >= b["capture"] + b["store"]  # the captured float16 rows beside their int4 copy
