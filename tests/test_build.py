@@ -46,7 +46,8 @@ def test_store_rows_match_in_memory_capture(gpt2_dir, text_jsonl, tmp_path):
     res = build_store(model, tok, data, tmp_path / "idx", cfg, progress=False)
     m = read_manifest(tmp_path / "idx")
     assert m["status"] == "complete" and m["counts"]["examples"] == len(data) == 40
-    assert sorted(p.name for p in (tmp_path / "idx" / "store").iterdir()) == [f"shard-0000{k}.h5" for k in range(3)]
+    assert sorted(p.name for p in (tmp_path / "idx" / "store").iterdir()) == sorted(
+        [f"shard-0000{k}.h5" for k in range(3)] + [f"shard-0000{k}.rowhash.npy" for k in range(3)])  # + row hashes
     arrays = _store_arrays(tmp_path / "idx")
     assert arrays["ids"].tolist() == list(range(40))
     with GradientCapture(model, projection=cfg.projection) as cap:
