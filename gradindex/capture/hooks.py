@@ -389,8 +389,11 @@ class GradientCapture:
     # -- internals ----------------------------------------------------------------------------
     def _forward_hook(self, key: str, module: nn.Module):
         def hook(mod: nn.Module, inputs: tuple, output: torch.Tensor):
-            if not torch.is_grad_enabled() or _in_backward():
-                return None  # (in backward: gradient checkpointing recomputing a forward the hooks saw already)
+            if not torch.is_grad_enabled() or (self.weight_free and _in_backward()):
+                # weight-free, in a backward: a checkpointed block recomputing a forward already recorded. (Live,
+                # reentrant checkpointing runs the first forward without grad and only the recomputation is
+                # hooked; non-reentrant's recomputed outputs are not in the graph, so their hooks never fire.)
+                return None
             ins = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in inputs)
             if self.weight_free:
                 if not output.requires_grad:  # frozen upstream: start the graph here
