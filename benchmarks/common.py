@@ -70,11 +70,13 @@ def padded(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def train_model(model: torch.nn.Module, seqs: list[list[int]], cfg,
-                seed: int, optimizer_out: list | None = None) -> torch.nn.Module:
+                seed: int, optimizer_out: list | None = None, keep=None) -> torch.nn.Module:
     """AdamW on the mean token loss, epochs of shuffled batches, warm-up then linear decay to zero
     (``cfg``: anything with ``lr``, ``steps`` and ``batch``, e.g. ``fidelity.FidelityConfig``).
 
-    ``optimizer_out``, when given, receives the optimizer (its final state: benchmarks/adam_lds.py)."""
+    ``optimizer_out``, when given, receives the optimizer (its final state: benchmarks/adam_lds.py).
+    ``keep`` (``[n]`` bools), when given: train on the kept rows only, in the full set's shuffled order
+    with the left-out rows skipped (benchmarks/refine.py's retrainings)."""
     ids, lens = padded(seqs, 0)
     mask = torch.arange(ids.shape[1])[None, :] < lens[:, None]  # [n, T]
     labels = ids.masked_fill(~mask, IGNORE)
@@ -86,8 +88,8 @@ def train_model(model: torch.nn.Module, seqs: list[list[int]], cfg,
     model.train()
     order: list[int] = []
     for _ in range(cfg.steps):
-        if len(order) < cfg.batch:
-            order += torch.randperm(len(seqs), generator=g).tolist()
+        while len(order) < cfg.batch:
+            order += [i for i in torch.randperm(len(seqs), generator=g).tolist() if keep is None or keep[i]]
         idx, order = order[: cfg.batch], order[cfg.batch:]
         T = int(lens[idx].max())
         out = model(input_ids=ids[idx, :T], attention_mask=mask[idx, :T].long(), labels=labels[idx, :T])

@@ -44,11 +44,11 @@ import numpy as np
 import torch
 
 from benchmarks import baselines as B
-from benchmarks.common import example_losses, lds_per_query, padded, query_gradients
+from benchmarks.common import example_losses, lds_per_query, query_gradients, train_model
 from benchmarks.fidelity import DEFAULT_WORK, FidelityConfig, Setup, make_setup, new_model
 from fixtures.tiny import save_model_dir
 from gradindex.capture import ProjectionSpec
-from gradindex.data import IGNORE, Tokenized
+from gradindex.data import Tokenized
 from gradindex.index import build_indices
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
@@ -89,36 +89,6 @@ QUICK = ProtocolConfig(fidelity=FidelityConfig(n_train=32, n_query=6, max_tokens
                        qld_methods=("ekfac (default index)", "ekfac refined, 2 steps", "bm25"))
 
 
-# -- training with a fixed order -------------------------------------------------------------------
-def train_kept(model: torch.nn.Module, seqs: list[list[int]], keep: np.ndarray, cfg: FidelityConfig, seed: int,
-               optimizer_out: list | None = None) -> torch.nn.Module:
-    """fidelity.py's recipe (AdamW on the mean token loss, warm-up, linear decay) on the kept rows, in the
-    full set's shuffled order with the left-out rows skipped."""
-    ids, lens = padded(seqs, 0)
-    mask = torch.arange(ids.shape[1])[None, :] < lens[:, None]  # [n, T]
-    labels = ids.masked_fill(~mask, IGNORE)
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    warm = max(1, cfg.steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * min(1.0, (cfg.steps - s) / max(1, cfg.steps - warm)))
-    model.train()
-    order: list[int] = []
-    for _ in range(cfg.steps):
-        while len(order) < cfg.batch:
-            order += [i for i in torch.randperm(len(seqs), generator=g).tolist() if keep[i]]
-        idx, order = order[: cfg.batch], order[cfg.batch:]
-        T = int(lens[idx].max())
-        out = model(input_ids=ids[idx, :T], attention_mask=mask[idx, :T].long(), labels=labels[idx, :T])
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        opt.step()
-        sched.step()
-    if optimizer_out is not None:
-        optimizer_out.append(opt)
-    return model.eval()
-
-
 _W: dict = {}
 
 
@@ -132,7 +102,7 @@ def _job(job: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
     cfg, setup = _W["cfg"], _W["setup"]
     model = new_model(cfg, len(setup.tokenizer))
     model.load_state_dict(_W["init"])
-    train_kept(model, setup.train.input_ids, keep, cfg, seed=1000)
+    train_model(model, setup.train.input_ids, cfg, seed=1000, keep=keep)
     return name, example_losses(model, setup.query)
 
 
@@ -266,7 +236,7 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
     model, opts = new_model(fc, vocab), []
     model.load_state_dict(init)
     t0 = time.perf_counter()
-    train_kept(model, setup.train.input_ids, np.ones(N, bool), fc, seed=1000, optimizer_out=opts)
+    train_model(model, setup.train.input_ids, fc, seed=1000, optimizer_out=opts)
     t_train = time.perf_counter() - t0
     base = example_losses(model, setup.query)
     log(f"[{corpus}] model trained ({t_train:.0f} s); query loss/token "

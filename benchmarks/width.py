@@ -32,8 +32,8 @@ Metrics against the reference, over held-out queries: mean Spearman over the tra
 top-10 overlap; over the planted-fact queries: the share whose planted example ranks first (and
 the same for the reference itself). Bytes per example and seconds (build; rows) per scheme.
 
-    python benchmarks/width.py                    # both shapes; writes benchmarks/results/width.json
-    python benchmarks/width.py --shapes gpt2-4x256 --quick
+    python -m benchmarks.width                    # both shapes; writes benchmarks/results/width.json
+    python -m benchmarks.width --shapes gpt2-4x256 --quick
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ import math
 import os
 import platform
 import shutil
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -57,12 +56,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from common import example_losses, query_gradients, spearman_rows, train_model  # noqa: E402
-from fidelity import FidelityConfig, make_setup  # noqa: E402
-
+from benchmarks.common import example_losses, query_gradients, spearman_rows, train_model  # noqa: E402
+from benchmarks.fidelity import FidelityConfig, make_setup  # noqa: E402
 from fixtures.tiny import tiny_gpt2  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.capture.allocation import influence_share  # noqa: E402
