@@ -41,7 +41,7 @@ import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from fixtures.tiny import save_model_dir, stdlib_corpus, tiny_gpt2, train_lm, train_tokenizer  # noqa: E402
+from fixtures.tiny import stdlib_corpus, trained_gpt2_dir  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.data import records_from_texts, tokenize_records  # noqa: E402
 from gradindex.index import IndexConfig, OpenIndex, build_indices  # noqa: E402
@@ -95,16 +95,9 @@ def windows(n: int, n_queries: int) -> tuple[list[str], list[str], list[str]]:
 
 
 def model_dir(work: Path, docs: list[str], steps: int) -> Path:
-    d = work / "model"
-    if (d / "config.json").exists():
-        return d
-    log(f"training the model for {steps} steps")
-    torch.manual_seed(0)
-    tok = train_tokenizer(docs, vocab_size=1024)
-    model = tiny_gpt2(vocab_size=len(tok), n_layer=2, n_embd=32, n_head=4, n_positions=MAX_LENGTH)
-    train_lm(model, [tok(x)["input_ids"][:MAX_LENGTH] for x in docs], steps=steps, batch_size=16,
-             pad_id=tok.pad_token_id)
-    return save_model_dir(model, tok, d)
+    if not (work / "model" / "config.json").exists():
+        log(f"training the model for {steps} steps")
+    return trained_gpt2_dir(work / "model", docs, steps, vocab_size=1024, n_embd=32, max_length=MAX_LENGTH)
 
 
 def build(work: Path, mdir: Path, texts: list[str]) -> tuple[Path, dict]:
