@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from benchmarks import baselines as B
-from benchmarks.common import example_losses, lds_per_query, query_gradients, train_model
+from benchmarks.common import example_losses, lds_per_query, query_gradients, spearman_rows, train_model
 from benchmarks.fidelity import CORPORA, DEFAULT_WORK, FidelityConfig, Setup, make_setup, new_model
 from fixtures.tiny import save_model_dir
 from gradindex.capture import ProjectionSpec
@@ -76,22 +76,27 @@ class ProtocolConfig:
     pretrain: PretrainConfig = PretrainConfig()
     val_queries: int = 16
     """The first queries choose the damping (LDS over halves, plain EK-FAC); every reported figure is over the rest."""
-    dampings: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)
+    dampings: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
     halves: int = 16
     """Random 50% subsets (LDS over halves)."""
     drops: int = 64
     """Retrainings leaving out a random ``drop_frac`` of the examples (LDS over 1% drops)."""
     drop_frac: float = 0.01
+    ceiling_drops: int = 16
+    """The first 1%-drop retrainings repeated with another batch order: the LDS's noise ceiling (Spearman of the
+    two orders' losses over those drops, per test query)."""
     qld_queries: int = 4
     """Test queries whose loss rise after removing each method's top ``drop_frac`` is measured."""
     qld_methods: tuple[str, ...] = ("ekfac (default index)", "ekfac refined, 4 steps", "graddot", "bm25", "repsim",
                                     "trackstar")
     refine_steps: tuple[int, ...] = (1, 2, 4)
-    refine_sample: int = 256
+    refine_sample: int = 64
     refine_method: str = "cg"
-    refine_curvature: str = "fisher"
-    extra_refine: tuple[tuple[str, int, int], ...] = (("ggn", 2, 64), ("sampled", 4, 256))
+    refine_curvature: str = "ggn"
+    extra_refine: tuple[tuple[str, int, int], ...] = (("sampled", 4, 256), ("fisher", 1, 256))
     """Other (curvature, steps, sample) refinements scored for comparison."""
+    study_dampings: tuple[float, ...] = (0.01, 0.1, 1.0)
+    """Validation-query study: plain vs GGN-refined (2 steps) EK-FAC on the raw index at these dampings."""
     cost_queries: int = 16
     corpora: tuple[str, ...] = ("stdlib", "gnu-info")
 
@@ -104,8 +109,9 @@ class ProtocolConfig:
 QUICK = ProtocolConfig(fidelity=FidelityConfig(n_train=32, n_query=8, max_tokens=48, vocab=300, n_embd=32, steps=8,
                                                batch=8, lr=1e-3, n_facts=2, corpora=("stdlib",)),
                        pretrain=PretrainConfig(steps=30, batch=16), val_queries=2, dampings=(0.01, 0.1),
-                       halves=4, drops=4, drop_frac=0.05, qld_queries=1, refine_steps=(2,), refine_sample=16,
-                       extra_refine=(("ggn", 1, 8),), cost_queries=2, corpora=("stdlib",),
+                       halves=4, drops=4, drop_frac=0.05, qld_queries=1, refine_steps=(2,), refine_sample=8,
+                       extra_refine=(("sampled", 1, 8),), cost_queries=2, corpora=("stdlib",), ceiling_drops=2,
+                       study_dampings=(0.1,),
                        qld_methods=("ekfac (default index)", "ekfac refined, 2 steps", "bm25"))
 
 
@@ -156,7 +162,8 @@ def _job(job: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
     cfg, setup = _W["cfg"], _W["setup"]
     model = new_model(cfg, len(setup.tokenizer))
     model.load_state_dict(_W["init"])
-    train_model(model, setup.train.input_ids, cfg, seed=1000, keep=keep)
+    seed = int(name.split("@seed")[1]) if "@seed" in name else 1000  # "drop3@seed1001": another batch order
+    train_model(model, setup.train.input_ids, cfg, seed=seed, keep=keep)
     return name, example_losses(model, setup.query)
 
 
@@ -205,6 +212,21 @@ def choose_damping(pc: ProtocolConfig, raw: Path, q: dict, masks: np.ndarray, lo
     return max(lds, key=lds.get), lds
 
 
+def damping_study(pc: ProtocolConfig, raw: Path, model_dir: Path, data: Path, ids, labels, sets: dict) -> dict:
+    """Validation queries only: plain and GGN-refined (2 steps) EK-FAC on the raw index (damping applied at query
+    time) at each of ``study_dampings``; ``sets``: protocol → ``(masks, losses [M, Q])``."""
+    v, out = pc.val_queries, {}
+    rc = RefineConfig(method=pc.refine_method, steps=2, sample=pc.refine_sample, curvature="ggn")
+    with QueryEngine(raw, model_dir, device="cpu", data=data) as e:
+        for d in pc.study_dampings:
+            row = {}
+            for name, r in (("plain", False), ("ggn 2 steps", rc)):
+                sc = e.scores(_records(ids[:v], labels[:v]), method="ekfac", damping=d, refine=r)
+                row[name] = {p: round(float(lds_per_query(sc, m, L[:, :v]).mean()), 4) for p, (m, L) in sets.items()}
+            out[str(d)] = row
+    return out
+
+
 def _refines(pc: ProtocolConfig) -> dict[str, RefineConfig]:
     out = {f"ekfac refined, {s} steps": RefineConfig(method=pc.refine_method, steps=s, sample=pc.refine_sample,
                                                       curvature=pc.refine_curvature) for s in pc.refine_steps}
@@ -214,10 +236,11 @@ def _refines(pc: ProtocolConfig) -> dict[str, RefineConfig]:
     return out
 
 
-def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, masks: np.ndarray, losses: np.ndarray,
+def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, sets: dict,
                   log=print) -> tuple[dict, dict, Path, dict]:
     """method → ``[Q + F, N]`` scores (queries, then fact queries); seconds per method; the default index; the
-    damping choice (``masks``/``losses``: the halves, for :func:`choose_damping`)."""
+    damping choice and study (``sets``: protocol → ``(masks, losses)``; the halves choose the damping)."""
+    masks, losses = sets["halves"]
     fc = pc.fidelity
     model_dir = save_model_dir(model, setup.tokenizer, work / "model")
     data = work / "train.jsonl"
@@ -231,6 +254,9 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, mask
     q = query_gradients(model, setup.tokenizer, Tokenized(ids, labels, 0, "text"), raw_cfg)
     damping, sweep = choose_damping(pc, raw, q, masks, losses)
     log(f"  damping {damping:g} (validation LDS over halves {sweep})")
+    t0 = time.perf_counter()
+    study = damping_study(pc, raw, model_dir, data, ids, labels, sets)
+    log(f"  validation study ({time.perf_counter() - t0:.0f} s): {study}")
     for m in ("graddot", "kfac", "ekfac"):
         t0 = time.perf_counter()
         out[m] = score_matrix(raw, q, m, damping=damping, device="cpu")
@@ -262,7 +288,7 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, mask
     model.requires_grad_(False)
     out["trackstar"] = B.trackstar_scores(G, Gq, B.adam_second_moments(model, opt, list(G)))
     secs["trackstar"] = time.perf_counter() - t0
-    return out, secs, default, {"chosen": damping, "validation_lds_halves": sweep}
+    return out, secs, default, {"chosen": damping, "validation_lds_halves": sweep, "validation_study": study}
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -345,11 +371,16 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
     log(f"[{corpus}] query loss/token: unigram {losses_tok['unigram']:.3f}, pretrained {loss_pre:.3f}, fine-tuned "
         f"{losses_tok['fine_tuned']:.3f} ({t_train:.1f} s)")
     halves, drops, k_drop = _masks(pc, N)
-    jobs = {f"half{m}": halves[m] for m in range(pc.halves)} | {f"drop{m}": drops[m] for m in range(pc.drops)}
+    nc = min(pc.ceiling_drops, pc.drops)
+    jobs = ({f"half{m}": halves[m] for m in range(pc.halves)} | {f"drop{m}": drops[m] for m in range(pc.drops)}
+            | {f"drop{m}@seed1001": drops[m] for m in range(nc)})
     losses = retrain(jobs, fc, setup, init, work / "retrain.npz", workers, log)
     L_h = np.stack([losses[f"half{m}"] for m in range(pc.halves)])  # [M, Q]
     L_d = np.stack([losses[f"drop{m}"] for m in range(pc.drops)])
-    S, secs, default, damping = method_scores(pc, setup, model, opts[0], work, halves, L_h, log)
+    L_c = np.stack([losses[f"drop{m}@seed1001"] for m in range(nc)])
+    ceiling = spearman_rows(-L_d[:nc, v:].T, -L_c[:, v:].T)  # [test Q]: two batch orders over the same drops
+    S, secs, default, damping = method_scores(pc, setup, model, opts[0], work,
+                                              {"halves": (halves, L_h), "drop": (drops, L_d)}, log)
     qld_jobs = _qld(pc, S, N, k_drop)
     qld_losses = retrain(qld_jobs, fc, setup, init, work / "retrain.npz", workers, log)
     table = {}
@@ -369,7 +400,8 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
     tq = slice(v, v + pc.qld_queries)
     out = {"n_train": N, "n_query": Q, "val_queries": v, "test_queries": Q - v, "drop_examples": k_drop,
            "retrainings": len(jobs) + len(qld_jobs), "train_seconds": round(t_train, 1), "loss_per_token": losses_tok,
-           "damping": damping, "methods": table, "qld_random": _mean_se((L_d[:, tq] - base[None, tq]).mean(0)),
+           "damping": damping, "noise_ceiling_drop": _mean_se(ceiling), "ceiling_drops": nc,
+           "methods": table, "qld_random": _mean_se((L_d[:, tq] - base[None, tq]).mean(0)),
            "cost": cost(pc, default, work, setup, damping["chosen"])}
     log(format_corpus(corpus, out))
     return out
@@ -377,7 +409,8 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
 
 def format_corpus(corpus: str, r: dict) -> str:
     lines = [f"== {corpus}: N={r['n_train']}, test queries {r['test_queries']}, 1% = {r['drop_examples']} examples; "
-             f"damping {r['damping']['chosen']:g}; QLD random {r['qld_random'][0]:+.3f}",
+             f"damping {r['damping']['chosen']:g}; QLD random {r['qld_random'][0]:+.3f}; 1%-drop noise ceiling "
+             f"{r['noise_ceiling_drop'][0]:.3f} (two batch orders, {r['ceiling_drops']} drops)",
              f"{'method':<26}{'LDS halves':>16}{'LDS 1%-drop':>16}{'QLD':>16}{'facts@1':>9}{'MRR':>6}{'s':>7}"]
     for m, row in r["methods"].items():
         qld = f"{row['qld'][0]:+.3f}±{row['qld'][1]:.3f}" if "qld" in row else ""
