@@ -596,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, help="training steps")
     ap.add_argument("--projections", help="comma-separated, e.g. 8,16,none")
     ap.add_argument("--proj-seeds", type=int)
+    ap.add_argument("--refine-steps", type=int, help="CG steps of the refined EK-FAC row (default 4)")
     ap.add_argument("--dampings", help="comma-separated relative dampings for K-FAC/EK-FAC")
     ap.add_argument("--workers", type=int, default=1, help="retraining processes")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -618,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         result = merge_results([json.loads(p.read_text()) for p in a.merge])
     cfg = QUICK if a.quick else FidelityConfig()
     over = {"n_subsets": a.subsets, "retrain_seeds": a.retrain_seeds, "steps": a.steps,
-            "proj_seeds": a.proj_seeds,
+            "proj_seeds": a.proj_seeds, "refine_steps": a.refine_steps,
             "projections": tuple(a.projections.split(",")) if a.projections else None,
             "dampings": tuple(float(x) for x in a.dampings.split(",")) if a.dampings else None,
             "corpora": tuple(a.corpora.split(",")) if a.corpora else None,

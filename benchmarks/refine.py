@@ -87,15 +87,16 @@ class ProtocolConfig:
     two orders' losses over those drops, per test query)."""
     qld_queries: int = 4
     """Test queries whose loss rise after removing each method's top ``drop_frac`` is measured."""
-    qld_methods: tuple[str, ...] = ("ekfac (default index)", "ekfac refined, 4 steps", "graddot", "bm25", "repsim",
-                                    "trackstar")
+    qld_methods: tuple[str, ...] = ("ekfac (default index)", "ekfac refined, 4 steps", "ekfac refined, ggn 2 steps",
+                                    "graddot", "bm25", "repsim", "trackstar")
     refine_steps: tuple[int, ...] = (1, 2, 4)
-    refine_sample: int = 64
+    refine_sample: int = 256
     refine_method: str = "cg"
-    refine_curvature: str = "ggn"
-    extra_refine: tuple[tuple[str, int, int], ...] = (("sampled", 4, 256), ("fisher", 1, 256))
-    """Other (curvature, steps, sample) refinements scored for comparison."""
-    study_dampings: tuple[float, ...] = (0.01, 0.1, 1.0)
+    refine_curvature: str = "sampled"
+    """The cheap Monte-Carlo Gauss-Newton (the sample's gradients captured once), within the cost target."""
+    extra_refine: tuple[tuple[str, int, int], ...] = (("ggn", 2, 64), ("fisher", 1, 256))
+    """Other (curvature, steps, sample) refinements scored for comparison (exact GGN products: ~10x the time)."""
+    study_dampings: tuple[float, ...] = (0.01, 1.0)
     """Validation-query study: plain vs GGN-refined (2 steps) EK-FAC on the raw index at these dampings."""
     cost_queries: int = 16
     corpora: tuple[str, ...] = ("stdlib", "gnu-info")
@@ -216,7 +217,7 @@ def damping_study(pc: ProtocolConfig, raw: Path, model_dir: Path, data: Path, id
     """Validation queries only: plain and GGN-refined (2 steps) EK-FAC on the raw index (damping applied at query
     time) at each of ``study_dampings``; ``sets``: protocol → ``(masks, losses [M, Q])``."""
     v, out = pc.val_queries, {}
-    rc = RefineConfig(method=pc.refine_method, steps=2, sample=pc.refine_sample, curvature="ggn")
+    rc = RefineConfig(method=pc.refine_method, steps=2, sample=64, curvature="ggn")
     with QueryEngine(raw, model_dir, device="cpu", data=data) as e:
         for d in pc.study_dampings:
             row = {}
@@ -426,6 +427,42 @@ def format_corpus(corpus: str, r: dict) -> str:
     return "\n".join(lines)
 
 
+def markdown(res: dict) -> str:
+    """benchmarks/README.md's table (LDS halves / 1%-drop, QLD, facts) and cost lines from a results dict."""
+    cs = list(res["corpora"])
+    head = "| method | " + " | ".join(f"{c}: LDS halves | LDS 1%-drop | QLD | facts@1 / MRR" for c in cs) + " |"
+    lines = [head, "| --- " * (1 + 4 * len(cs)) + "|"]
+    for m in res["corpora"][cs[0]]["methods"]:
+        cells = []
+        for c in cs:
+            r = res["corpora"][c]["methods"][m]
+            ranks = r["fact_ranks"]
+            cells += [f"{r['lds_halves'][0]:.3f} ± {r['lds_halves'][1]:.3f}", f"{r['lds_drop'][0]:.3f} ± "
+                      f"{r['lds_drop'][1]:.3f}", f"{r['qld'][0]:+.2f} ± {r['qld'][1]:.2f}" if "qld" in r else "—",
+                      f"{sum(x == 1 for x in ranks)}/{len(ranks)} / {r['fact_mrr']:.2f}"]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    for c in cs:
+        r, k = res["corpora"][c], res["corpora"][c]["cost"]
+        lines.append(f"\n{c}: loss/token unigram {r['loss_per_token']['unigram']:.2f}, pretrained "
+                     f"{r['loss_per_token']['pretrained']:.2f}, fine-tuned {r['loss_per_token']['fine_tuned']:.2f}; "
+                     f"damping {r['damping']['chosen']:g}; 1%-drop noise ceiling {r['noise_ceiling_drop'][0]:.3f} ± "
+                     f"{r['noise_ceiling_drop'][1]:.3f}; QLD of a random 1% {r['qld_random'][0]:+.2f}; cost per query "
+                     f"({k['curvature']}, {k['refine_steps']} steps, sample {k['refine_sample']}): plain p50 "
+                     f"{1e3 * k['plain']['p50_s']:.0f} ms / p95 {1e3 * k['plain']['p95_s']:.0f} ms, refined p50 "
+                     f"{1e3 * k['refined']['p50_s']:.0f} ms / p95 {1e3 * k['refined']['p95_s']:.0f} ms "
+                     f"({k['ratio_p50']:.1f}x / {k['ratio_p95']:.1f}x); validation study "
+                     f"{r['damping']['validation_study']}")
+    return "\n".join(lines)
+
+
+def merge(paths: list[Path]) -> dict:
+    """One results dict from per-corpus runs (each ``--corpora X --out F``)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    return {"benchmark": "refine", "config": parts[0]["config"],
+            "corpora": {c: r for p in parts for c, r in p["corpora"].items()},
+            "seconds_total": round(sum(p["seconds_total"] for p in parts), 1), "merged_from": len(parts)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -433,7 +470,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK)
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/refine.json (none with --quick)")
+    ap.add_argument("--merge", nargs="+", type=Path, help="merge per-corpus results files into --out, then stop")
+    ap.add_argument("--markdown", type=Path, help="print benchmarks/README.md's table of a results file, then stop")
     a = ap.parse_args(argv)
+    if a.markdown:
+        print(markdown(json.loads(a.markdown.read_text())))
+        return 0
+    if a.merge:
+        out = a.out or Path("benchmarks/results/refine.json")
+        out.write_text(json.dumps(merge(a.merge), indent=2, default=float) + "\n")
+        print(f"wrote {out}")
+        return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)
     pc = QUICK if a.quick else ProtocolConfig()
