@@ -79,6 +79,24 @@ def full_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
     return {n: (int(v["n_out"]), int(v["n_in"]) + int(bool(v["bias"]))) for n, v in manifest["build"]["layers"].items()}
 
 
+def stored_share(manifest: dict) -> float:
+    """Numbers a row stores over the numbers of the whole (unprojected) gradient of its layers;
+    below 1 the rows are a budget-bound projection: the default build fits full-space curvature and
+    the default query re-ranks its first stage in full space (docs/query.md, "Two stages")."""
+    layers = manifest["build"]["layers"]
+    stored = sum(int(v["rows"]) * int(v["cols"]) for v in layers.values())
+    full = sum(int(v["n_out"]) * (int(v["n_in"]) + int(bool(v["bias"]))) for v in layers.values())
+    return stored / full if full else 1.0
+
+
+def budget_bound(manifest: dict) -> bool:
+    """Whether the rows are a projection sized by the byte budget (``--projection auto``, the default)
+    that holds less than the whole gradient: where the default build fits full-space curvature and the
+    default query re-ranks exactly. A projection the user chose (``--projection 16``) is taken as asked."""
+    budget = str(manifest.get("config", {}).get("budget") or "").strip()
+    return budget not in ("", "0") and stored_share(manifest) < 1
+
+
 def full_path(index_dir: str | os.PathLike, method: str) -> Path:
     return precond_path(index_dir, method + FULL)
 

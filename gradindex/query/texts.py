@@ -51,6 +51,10 @@ class TrainingTexts:
                 log.info(self.problem)  # also a note on every result
         return self._ds
 
+    def unavailable(self) -> bool:
+        """Whether the training data cannot be read (:attr:`problem` says why), checked once."""
+        return self._records() is None
+
     def tokens(self, ids: np.ndarray) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
         """Token ids and labels of rows ``ids`` as the build made them, and whether each matches
         the stored hash."""
