@@ -99,7 +99,7 @@ SHAPES = {
         n_train=1024, n_query=16, max_tokens=64, vocab=512, n_facts=8, steps=400, batch=16, lr=3e-3,
         corpora=("stdlib",))),
     "qwen2.5-0.5b-block": Shape("qwen2.5-0.5b-block", "qwen2", 1, 896, 14, 2, 4864, data=FidelityConfig(
-        n_train=512, n_query=16, max_tokens=48, vocab=4096, n_facts=8, steps=200, batch=16, lr=1e-3,
+        n_train=512, n_query=16, max_tokens=48, vocab=4096, n_facts=8, steps=120, batch=16, lr=2e-3,
         corpora=("stdlib",))),
 }
 """GPT-2 4x256: 1024 training examples, so that C = 200 candidates are a fifth of the set. The Qwen
@@ -108,9 +108,10 @@ most 48 tokens, what one shared CPU core fits in the time (its full-space fit an
 every token by the 4864-wide eigenbasis); C = 100 is a fifth of that set."""
 QUICK = {k: replace(s, n_layer=1, data=replace(s.data, n_train=48, n_query=4, steps=20, n_facts=2, vocab=512))
          for k, s in SHAPES.items()}
-TIMED = {"gpt2-4x256": 1000, "qwen2.5-0.5b-block": 4}
-"""Held-out queries run through the engine per C (plus every fact query); the Qwen block's re-rank costs
-C forward+backward passes of a 35M-parameter model per query on one CPU thread."""
+TIMED = {"gpt2-4x256": (8, (50, 100, 200)), "qwen2.5-0.5b-block": (4, (100,))}
+"""Per shape: held-out queries run through the engine (plus every fact query) and the ``rerank_full``
+sizes C they run at (besides 0): a re-rank costs C forward+backward passes per query, on a CPU core
+shared with other jobs here."""
 
 
 def new_model(shape: Shape, vocab: int) -> torch.nn.Module:
@@ -542,7 +543,8 @@ def file_data(setup, tok, max_tokens: int, work: Path, name: str) -> tuple[Token
     return tokenize_records(load_records(path), tok, max_tokens), str(path)
 
 
-def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, timed: int = 1000) -> dict:
+def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, schemes: bool = True,
+              timed: tuple[int, tuple[int, ...]] = (1000, (50, 100, 200))) -> dict:
     cfg = shape.data
     setup = make_setup(cfg, cfg.corpora[0])
     tok = setup.tokenizer
@@ -582,7 +584,7 @@ def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, timed: in
     curv = load_full_preconditioner(idx, "ekfac").curvature
     kron = {n: c["Lambda"] for n, c in load_full_preconditioner(idx, "kfac").curvature.items()}
     DAMP_CHECK.clear()
-    plans = plan_schemes(curv, sizes, kron)
+    plans = plan_schemes(curv, sizes, kron) if schemes else {}
     ref, sims, secs, res["factor_capture_seconds"] = streamed_scores(model, list(sizes), queries, train,
                                                                       tok.pad_token_id, curv, plans)
     del curv, kron
@@ -612,13 +614,8 @@ def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, timed: in
     for s, r in rows.items():
         log(f"  {s:20s} {r['bytes_per_example']:>8d} B  spearman {r['spearman']:.3f}  top10 {r['top10']:.2f}  "
             f"facts@1 {r['fact_rank1']:.2f}  recall@C {r['recall_of_top10_at_C']}", flush=True)
-    res["engine"] = engine_rerank(model, tok, idx, queries, ref, n_held, setup.fact_rows, RERANK_CANDIDATES,
-                                  timed, log)
+    res["engine"] = engine_rerank(model, tok, idx, queries, ref, n_held, setup.fact_rows, timed[1], timed[0], log)
     return res
-
-
-RERANK_CANDIDATES = (50, 100, 200)
-"""``rerank_full`` sizes run through the engine (besides 0, the plain query)."""
 
 
 def _full_shapes(model, layers: list[str]) -> dict[str, tuple[int, int]]:
@@ -663,6 +660,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "width.json")
     ap.add_argument("--merge", action="store_true", help="keep the other shapes already in --out")
     ap.add_argument("--no-eigen", action="store_true", help="skip the --projection-basis eigen build")
+    ap.add_argument("--no-schemes", action="store_true",
+                    help="skip the alternative stored-row schemes (the reference and the library's rows only)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--train-only", action="store_true",
                     help="train and cache the shapes' models, then stop (training needs no big memory)")
@@ -684,7 +683,7 @@ def main() -> int:
         return 0
     for name in args.shapes.split(","):
         out["shapes"][name] = run_shape(table[name], args.work_dir, eigen=not args.no_eigen,
-                                        timed=TIMED.get(name, 1000))
+                                        schemes=not args.no_schemes, timed=TIMED.get(name, (1000, (50, 100, 200))))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
     for name, res in out["shapes"].items():  # (results merged from a run before the share was recorded)

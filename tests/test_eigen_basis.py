@@ -172,7 +172,7 @@ def test_cli_eigen_basis_builds_answers_queries_and_the_default_stays_raw(tmp_pa
     assert 0 < m["build"]["basis"]["kept_share"] < 1
     q = CliRunner().invoke(main, ["query", str(tmp_path / "b"), "--text", QUERY, "-k", "3", "--json"])
     assert q.exit_code == 0, q.output
-    assert len(json.loads(q.output.splitlines()[0])) == 3
+    assert len(json.loads(q.stdout.splitlines()[0])) == 3
     raw = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(tmp_path / "c"),
                                     "--budget", "1/64", "--no-index", "--quiet", "--max-length", "32"])
     assert raw.exit_code == 0, raw.output

@@ -64,6 +64,9 @@ class QueryRequest(BaseModel):
     layers: list[str] | None = Field(None, max_length=1000)
     lowest: int = Field(0, ge=0, le=MAX_K)
     explain: int = Field(0, ge=0, le=50, description="Explain the top N results token by token (graddot, kfac, ekfac).")
+    rerank_full: int | None = Field(None, ge=0, le=1000,
+                                    description="Candidates re-ranked exactly in full space; default: 100 where the "
+                                                "index stores a budget-bound projection, else none; 0: never.")
 
     @model_validator(mode="after")
     def _one_form(self) -> QueryRequest:
@@ -192,7 +195,8 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
                 out["seconds"]["explain"] = time.perf_counter() - t1
             return out
 
-        settings = {"method": method, "damping": req.damping, "layers": req.layers, "lowest": req.lowest}
+        settings = {"method": method, "damping": req.damping, "layers": req.layers, "lowest": req.lowest,
+                    "rerank_full": req.rerank_full}
         job = Job(QueryJob(rec, req.k, settings, explained if req.explain else None), deadline=t0 + request_timeout)
         out = await answer(job)
         out["batch"] = job.batch

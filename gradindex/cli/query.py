@@ -29,7 +29,7 @@ from gradindex.spec.layout import TRAJECTORY
 class RerankChoice(click.ParamType):
     """``auto`` (None: the engine's default) or a number of candidates >= 0."""
 
-    name = "auto|N"
+    name = "auto/N"
 
     def convert(self, value, param, ctx):
         if value is None or str(value).strip().lower() == "auto":
