@@ -154,7 +154,7 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, log=
                      BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
                                  transcode="ekfac", storage="int4", max_length=fc.max_tokens, damping=pc.damping))
     build_indices(default, progress=False)
-    raw_cfg = BuildConfig(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac",
+    raw_cfg = BuildConfig.raw(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac",
                           max_length=fc.max_tokens, damping=pc.damping)
     raw = _build(model, setup, work / "raw", model_dir, data, raw_cfg)
     q = query_gradients(model, setup.tokenizer, Tokenized(ids, labels, 0, "text"), raw_cfg)

@@ -54,7 +54,7 @@ def coded_store(request, tmp_path_factory, gpt2_dir, text_jsonl):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 48)
     out = tmp_path_factory.mktemp(f"coded-{request.param}") / "index"
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=9, k_g=8, seed=2), shard_size=16, storage=request.param,
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=9, k_g=8, seed=2), shard_size=16, storage=request.param,
                       max_length=48)
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), progress=False)
     return out

@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,9 +36,9 @@ from gradindex.manifest import (
     read_manifest,
     write_manifest,
 )
-from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
+from gradindex.spec.build import BuildOptions
 from gradindex.spec.manifest import layer_identity
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.append import append_batch
@@ -49,80 +49,34 @@ from gradindex.store.sizing import basis_identity, full_space_basis, sized_proje
 
 log = logging.getLogger("gradindex")
 
+AUTO_PROJECTION = ProjectionSpec()
+"""``BuildConfig.projection`` left out (compared by identity): the projection is sized by ``budget``."""
+
 LOSS_CONVENTION = "sum of next-token cross-entropy over each example's target tokens (offline)"
 
 
 @dataclass(frozen=True)
-class BuildConfig:
-    """Settings of a store build; serialized into the manifest."""
+class BuildConfig(BuildOptions):
+    """Settings of a store build; serialized into the manifest. ``BuildConfig()`` builds what ``gradindex build``
+    builds with no options (the fields and their defaults: :class:`gradindex.spec.build.BuildOptions`)."""
 
-    projection: ProjectionSpec = field(default_factory=ProjectionSpec)
-    """Factored projection (kind, k_a, k_g, seed)."""
-    layers: tuple[str, ...] = ()
-    """Glob patterns of layers to hook; empty = every linear layer in the transformer blocks."""
-    max_length: int = 512
-    """Examples longer than this many tokens are truncated (and counted in the manifest)."""
-    batch_size: int = 8
-    """Examples per forward/backward."""
-    route: str = "auto"
-    """``auto`` (cost model), ``factorized`` or ``materialized``."""
-    shard_size: int = 4096
-    """Examples per store file; also the most a torn file can cost on resume."""
-    collect_covariance: bool = False
-    """Accumulate K-FAC factors (A, S) per shard in the same pass."""
-    full_factors: bool = False
-    """Also sum the full-space (unprojected) ``A`` and ``S`` per shard in this pass, so that
-    ``gradindex precondition --space full`` needs only its correction pass."""
-    precondition: str = "none"
-    """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass); ``auto``:
-    ``ekfac``, or ``none`` with ``optimizer_state`` (:meth:`defaults`)."""
-    damping: float = DEFAULT_DAMPING
-    """Relative damping of the self-influence written with ``precondition``."""
-    storage: str = "fp32"
-    """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`);
-    ``auto``: ``int4`` for rows transcoded into the EK-FAC eigenbasis, else ``int8``."""
-    budget: int | str = 0
-    """Bytes per example for per-layer projection sizes (``--projection auto``): an integer, or a
-    fraction of the full gradient's float32 bytes such as ``"1/8"``; 0 = ``projection`` as given."""
-    allocation: str = "ratio"
-    """How the budget is spread over layers: ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
-    basis: str = "raw"
-    """``raw``; ``kfac``: whiten each side by its damped full-space factor before projection; ``eigen``:
-    store the eigen-coordinates of full-space EK-FAC that ``budget`` buys, chosen over all layers by
-    their K-FAC eigenvalue against the damping and whitened at capture (``precondition`` and
-    ``transcode`` ``none``: the rows already answer ``ekfac``; docs/math.md, "What a row holds")."""
-    basis_damping: float = 1.0
-    """Relative damping of the ``kfac`` whitening (a fraction of each factor's mean eigenvalue); 1.0 kept
-    the most of full-space EK-FAC's top-10 in benchmarks/rowspace.py (0.01, 0.1, 0.3, 3, 10 measured)."""
-    basis_examples: int = 0
-    """Examples sampled for the factor pass of a ``kfac`` basis (0 = all)."""
-    basis_seed: int = 0
-    """Seed of that sample."""
-    fisher: str = "empirical"
-    """Factors of ``precondition`` from the observed labels (``empirical``, collected in this pass) or
-    from labels sampled from the model (``true``: a model pass of its own; stored rows keep the observed)."""
-    fisher_seed: int = 0
-    """Seed of the true Fisher's sampled labels."""
-    optimizer_state: str = ""
-    """Adam state of the training run (safetensors or torch ``state_dict``): store ``G ⊘ (√v + ε)``,
-    the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
-    adam_mode: str = "exact"
-    """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
-    transcode: str = "none"
-    """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
-    eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
-    store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw.
-    ``auto``: ``ekfac`` after an EK-FAC fit of raw rows, else ``none``."""
+    projection: ProjectionSpec = AUTO_PROJECTION
+    """Factored projection (kind, k_a, k_g, seed). Left out (``gradindex build --projection auto``): per-layer
+    sizes bought by ``budget``; given: these sizes (``budget`` 0), unless a ``budget`` is given too, which
+    then sizes the layers and takes only ``kind`` and ``seed`` from it."""
 
     @classmethod
-    def defaults(cls, **settings) -> BuildConfig:
-        """What ``gradindex build`` builds with no options (``settings`` override fields): per-layer
-        projection sizes for the default byte budget, EK-FAC fitted, rows transcoded into its whitened
-        eigenbasis as int4 (each ``auto`` resolved here, from the other settings)."""
-        return cls(**{"budget": "auto", "precondition": "auto", "transcode": "auto", "storage": "auto", **settings})
+    def raw(cls, **fields) -> BuildConfig:
+        """Rows as captured (``fields`` override): a fixed 16x16 projection unless given, float32 codes, no
+        fit and no transcode (``gradindex build --projection 16 --storage fp32 --precondition none``)."""
+        return cls(**{"budget": 0, "precondition": "none", "transcode": "none", "storage": "fp32", **fields})
 
     def _resolve_auto(self) -> None:
-        """Each ``auto`` setting resolved from the others (the one place these defaults live)."""
+        """Each ``auto`` setting resolved from the others (the one place these defaults live): with no
+        options, per-layer projection sizes for the default byte budget, EK-FAC fitted, rows transcoded
+        into its whitened eigenbasis as int4 (what ``gradindex build`` builds with no options)."""
+        if self.budget is None:
+            object.__setattr__(self, "budget", "auto" if self.projection is AUTO_PROJECTION else 0)
         if self.basis == "eigen":  # whitened EK-FAC coordinates at capture: nothing to fit or transcode
             for name in ("precondition", "transcode"):
                 if getattr(self, name) == "auto":
