@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from gradindex.cli import main
 from gradindex.cli.common import Interrupted, damping_option, data_options, human_bytes, user_errors
@@ -76,6 +77,10 @@ def _default(name: str):
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Index directory to write.")
 @click.option("--projection", default="auto", show_default=True,
               help="K, KAxKG, none, or auto (per-layer sizes from --budget).")
+@click.option("--rows", default=None,
+              help="What a row holds, as one spec: e.g. auto,EKFAC@0.001,int4 (the default), P16x16,fp32, none,int8 "
+                   "or auto:1/64,EIGEN@0.001,int4 (docs/formats.md, 'Row specs'); instead of --projection, "
+                   "--budget, --allocation, --projection-basis, --basis-damping, --transcode, --storage.")
 @click.option("--budget", default=_default("budget"),
               help="Bytes per example for --projection auto: an integer, or a fraction of the full float32 "
                    "gradient such as 1/8 (default auto: 1/8, at most 256 KiB; the whole gradient where that buys it).")
@@ -225,27 +230,42 @@ def settings(o: dict) -> Settings:
     """Resolve ``build``'s (or ``plan``'s) options ``o`` and refuse inconsistent ones, before any work."""
     from gradindex.capture import ProjectionSpec
     from gradindex.pipeline import BuildConfig
+    from gradindex.spec.rows import check_projection_options
+    from gradindex.store.builder import row_fields
 
     projection, budget = o["projection"], o["budget"]
-    auto = projection.strip().lower() == "auto"
-    if budget and not auto:
-        raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
+    auto = check_projection_options(projection, budget)
     spec = ProjectionSpec(kind=o["projection_kind"], seed=o["seed"]) if auto else \
         ProjectionSpec.parse(projection, kind=o["projection_kind"], seed=o["seed"])
     # one option per field (OPTION_FIELDS); the library resolves each "auto" and refuses bad settings, before any work
     config = {name: o[name] for name in OPTION_FIELDS}
     config.update(projection=spec, layers=tuple(o["layers"]), optimizer_state=o["optimizer_state"] or "",
                   budget=(budget or "auto") if auto else 0)
+    if o.get("rows"):  # --rows SPEC: the row options in one string (docs/formats.md, "Row specs")
+        _refuse_row_options_with_rows(o["rows"])
+        config.update(row_fields(o["rows"], o["projection_kind"], o["seed"], o["damping"], config["optimizer_state"]))
+        spec = config["projection"]
     cfg = BuildConfig(**config)
-    precondition, transcode, whiten = cfg.precondition, cfg.transcode, o["whiten"]
-    icfg = index_config(o["index_type"], whiten, o["damping"], o["normalize"], o["train_size"], o["cpu_index"],
+    icfg = index_config(o["index_type"], o["whiten"], o["damping"], o["normalize"], o["train_size"], o["cpu_index"],
                         o.get("sketch_bytes", 2048))
-    if not o["no_index"] and whiten != "none" and (transcode == "ekfac" or o["basis"] == "eigen"):
-        raise ValueError(f"--whiten {whiten} does not apply: the rows are in the EK-FAC whitened "
-                         "eigenbasis (already whitened); drop --whiten, or add --transcode none")
-    if not o["no_index"] and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
-        raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
+    if not o["no_index"]:
+        cfg.rows.check_whiten(o["whiten"], cfg.precondition)
     return Settings(spec, config, icfg)
+
+
+ROW_OPTIONS = ("projection", "budget", "allocation", "basis", "basis_damping", "transcode", "storage", "adam_mode")
+"""The ``build`` options that a ``--rows`` spec sets."""
+
+
+def _refuse_row_options_with_rows(rows: str) -> None:
+    """Refuse ``--rows`` together with an option it sets (the spec alone says what a row holds)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    given = [f"--{n}" for n in ROW_OPTIONS if ctx.get_parameter_source(n) not in (None, ParameterSource.DEFAULT)]
+    if given:
+        flags = ", ".join(g.replace("_", "-").replace("--basis", "--projection-basis", 1) for g in given)
+        raise ValueError(f"--rows {rows} says what a row holds, and so do {flags}: give one or the other")
 
 
 def load_inputs(o: dict, opts: Settings):

@@ -36,14 +36,15 @@ from gradindex.manifest import (
     read_manifest,
     write_manifest,
 )
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.spec.build import BuildOptions
 from gradindex.spec.manifest import layer_identity
+from gradindex.spec.rows import RowSpec
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.append import append_batch
-from gradindex.store.basis import BASES, RowBasis, capture_transforms, index_basis
-from gradindex.store.codes import check_storage
+from gradindex.store.basis import RowBasis, capture_transforms, index_basis
 from gradindex.store.repair import repair_eigenbasis_store
 from gradindex.store.sizing import basis_identity, full_space_basis, sized_projection
 
@@ -81,58 +82,69 @@ class BuildConfig(BuildOptions):
             for name in ("precondition", "transcode"):
                 if getattr(self, name) == "auto":
                     object.__setattr__(self, name, "none")
-            if self.storage == "auto":
-                object.__setattr__(self, "storage", "int4")
         if self.precondition == "auto":
             object.__setattr__(self, "precondition", "none" if self.optimizer_state else "ekfac")
         if self.transcode == "auto":
             object.__setattr__(self, "transcode",
                                "ekfac" if self.precondition == "ekfac" and self.basis == "raw" else "none")
-        if self.storage == "auto":
-            object.__setattr__(self, "storage", "int4" if self.transcode == "ekfac" else "int8")
+        if self.storage == "auto":  # (the rows' rule: int4 for EK-FAC eigen-coordinates, else int8)
+            object.__setattr__(self, "storage", self.rows.storage)
+
+    @property
+    def rows(self) -> RowSpec:
+        """What a stored row holds (:mod:`gradindex.spec.rows`; ``str(BuildConfig().rows)`` is its ``DEFAULT_SPEC``)."""
+        p = self.projection
+        if self.budget or self.basis == "eigen":
+            kw = {"projection": "auto", "budget": str(self.budget or "auto"), "allocation": self.allocation}
+        elif p.is_identity:
+            kw = {"projection": "none"}
+        else:
+            if p.sizes:
+                raise ValueError("a projection with per-layer sizes is made by a budget: give BuildConfig a budget "
+                                 "(and the projection's kind and seed) instead of the sizes")
+            kw = {"projection": "fixed", "k_a": p.k_a, "k_g": p.k_g}
+        return RowSpec(**kw, basis=self.basis, basis_damping=self.basis_damping,
+                       adam=self.adam_mode if self.optimizer_state else "", transcode=self.transcode == "ekfac",
+                       damping=self.damping, storage=self.storage)
 
     @property
     def capture_storage(self) -> str:
         """Codes of the captured rows: ``storage``, or float16 when they are transcoded afterwards."""
-        return "fp16" if self.transcode == "ekfac" else self.storage
+        return self.rows.capture_storage
 
     def __post_init__(self) -> None:
         self._resolve_auto()
-        check_storage(self.storage)
         if self.batch_size < 1 or self.shard_size < 1 or self.max_length < 2:
             raise ValueError(f"batch size and shard size must be >= 1 and max length >= 2 (got {self.batch_size}, "
                              f"{self.shard_size}, {self.max_length}): --batch-size, --shard-size, --max-length")
         if self.precondition not in ("none", "kfac", "ekfac"):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
-        if self.basis not in (*BASES[:2], "eigen"):
-            raise ValueError(f"build basis {self.basis!r} is not one of {[*BASES[:2], 'eigen']} "
-                             "(the ekfac basis is a transcode after a fit: `gradindex compact`)")
-        if self.basis == "eigen" and (self.precondition != "none" or self.transcode != "none"
-                                      or self.collect_covariance or self.full_factors):
-            raise ValueError("--projection-basis eigen stores whitened full-space EK-FAC coordinates, which answer "
-                             "--method ekfac as they are: use it with --precondition none --transcode none "
-                             "(and without --full-factors)")
-        if self.basis == "eigen" and not self.budget:
-            raise ValueError("--projection-basis eigen chooses what to store from --budget: use --projection auto")
-        if self.allocation == "spectrum" and self.basis != "kfac":
-            raise ValueError("allocation by spectrum needs the full-space factors: add --projection-basis kfac")
+        if self.transcode not in ("none", "ekfac"):
+            raise ValueError(f"transcode {self.transcode!r} is not one of ['none', 'ekfac']")
         if self.fisher not in FISHERS:
             raise ValueError(f"fisher {self.fisher!r} is not one of {list(FISHERS)}")
         if self.adam_mode not in ADAM_MODES:
             raise ValueError(f"adam mode {self.adam_mode!r} is not one of {list(ADAM_MODES)}")
-        if self.optimizer_state and (self.precondition != "none" or self.collect_covariance):
-            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
-                             "K-FAC/EK-FAC are fitted on plain gradients: build those without it")
-        if self.transcode not in ("none", "ekfac"):
-            raise ValueError(f"transcode {self.transcode!r} is not one of ['none', 'ekfac']")
-        if self.transcode == "ekfac" and self.precondition != "ekfac":
-            raise ValueError("rows are transcoded into the EK-FAC eigenbasis after an EK-FAC fit: add "
-                             "--precondition ekfac, or --transcode none")
-        if self.transcode == "ekfac" and self.basis != "raw":
-            raise ValueError("--transcode ekfac rotates raw rows; with --projection-basis kfac use --transcode none")
-        if self.optimizer_state and self.basis != "raw":
-            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
-                             "the kfac basis whitens plain gradients: use --projection-basis raw with it")
+        if self.basis == "eigen" and not self.budget:
+            raise ValueError("--projection-basis eigen chooses what to store from --budget: use --projection auto")
+        self.rows.check_fit(self.precondition, self.collect_covariance, self.full_factors)  # (rows: checked made)
+
+
+def row_fields(spec: RowSpec | str, kind: str = "gaussian", seed: int = 0, damping: float = DEFAULT_DAMPING,
+               optimizer_state: str = "") -> dict:
+    """The :class:`BuildConfig` fields a row spec sets (``gradindex build --rows SPEC``); ``kind`` and ``seed``
+    are the projection's random stream, which a spec does not name; ``ADAM`` rows need ``optimizer_state``."""
+    r = RowSpec.parse(spec, damping) if isinstance(spec, str) else spec
+    if bool(r.adam) != bool(optimizer_state):
+        raise ValueError(f"row spec {str(r)!r}: ADAM rows are made from --optimizer-state, and only ADAM rows are: "
+                         + ("add --optimizer-state" if r.adam else "add ADAM to the spec, or drop --optimizer-state"))
+    projection = ProjectionSpec(kind=kind, seed=seed) if r.projection == "auto" else \
+        ProjectionSpec(kind="none", k_a=0, k_g=0, seed=seed) if r.projection == "none" else \
+        ProjectionSpec(kind=kind, k_a=r.k_a, k_g=r.k_g, seed=seed)
+    return {"projection": projection, "budget": r.budget if r.projection == "auto" else 0, "allocation": r.allocation,
+            "basis": r.basis, "basis_damping": r.basis_damping, "adam_mode": r.adam or "exact",
+            "transcode": "ekfac" if r.transcode else "none", "damping": r.damping, "storage": r.storage,
+            **({"precondition": "ekfac"} if r.transcode else {})}
 
 
 @dataclass
@@ -278,6 +290,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         "data_id": data_id,
         **({"chat_template": template_of(tokenizer)} if data.field == MESSAGES else {}),
         "build": identity,
+        "rows": str(cfg.rows),
         "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
                    "budget": str(cfg.budget),
                    "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
