@@ -246,9 +246,21 @@ def build_store(
         return _build_store(model, tokenizer, data, out, cfg, model_id, data_id, overwrite, progress, repair)
 
 
-def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str,
-                 data_id: str, overwrite: bool, progress: bool, repair: bool) -> BuildResult:
-    t0 = time.perf_counter()
+@dataclass
+class _Setup:
+    """What a store build settles before it writes: fingerprints, the capture and the identity it records."""
+
+    hashes: list
+    data_fp: str
+    pad_id: int
+    spec: ProjectionSpec
+    capture: GradientCapture
+    identity: dict
+    write_basis: object
+
+
+def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, progress: bool) -> _Setup:
+    """Fingerprints, the whitened basis (its factor pass, if any), the projection sizes and the capture."""
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
     model_fp = model_fingerprint(model)
@@ -267,20 +279,12 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                               collect_full_covariance=cfg.full_factors, transforms=transforms)
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer)
-    old = distributed.on_rank0(lambda: prepare_out_dir(out, identity, overwrite))  # (it may delete: one rank does it)
-    if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
-        computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
-            model, GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
-                                   transforms=capture_transforms(index_basis(out, old))),
-            data, out, old, pad_id, hashes, full=repair, progress=progress))
-        return BuildResult(out, old, time.perf_counter() - t0, computed or 0)
-    lead = distributed.rank() == 0
-    if lead:
-        (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
-        if old is not None:
-            _move_damaged_aside(out, repair)
-        if write is not None:
-            write()
+    return _Setup(hashes, data_fp, pad_id, spec, capture, identity, write)
+
+
+def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConfig, identity: dict, model_id: str,
+                    data_id: str, old: dict | None) -> dict:
+    """The manifest a build writes first (``status: building``); a resume keeps the old one's other keys."""
     manifest = {
         "format_version": FORMAT_VERSION,
         "library_version": gradindex.__version__,
@@ -302,19 +306,65 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                     "counts": {**old.get("counts", {}), **manifest["counts"]}}
         manifest["status"] = "building"
     manifest["generation"] = (old or {}).get("generation") or new_generation()  # kept by a resume
+    return manifest
+
+
+def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str,
+                 data_id: str, overwrite: bool, progress: bool, repair: bool) -> BuildResult:
+    t0 = time.perf_counter()
+    st = _setup(model, tokenizer, data, out, cfg, progress)
+    old = distributed.on_rank0(lambda: prepare_out_dir(out, st.identity, overwrite))  # (it may delete: one rank)
+    if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
+        computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
+            model, GradientCapture(model, cfg.layers, st.spec, cfg.route, weight_free=True,
+                                   transforms=capture_transforms(index_basis(out, old))),
+            data, out, old, st.pad_id, st.hashes, full=repair, progress=progress))
+        return BuildResult(out, old, time.perf_counter() - t0, computed or 0)
+    lead = distributed.rank() == 0
+    if lead:
+        (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
+        if old is not None:
+            _move_damaged_aside(out, repair)
+        if st.write_basis is not None:
+            st.write_basis()
+    manifest = _start_manifest(model, tokenizer, data, cfg, st.identity, model_id, data_id, old)
     if lead:
         write_manifest(out, manifest)
     distributed.barrier()  # the other ranks write their shards once rank 0 has set the directory up
+    nonfinite, computed = write_shards(out, model, st.capture, data, cfg, st.pad_id, st.hashes, st.data_fp,
+                                       set(manifest.get("nonfinite_ids", [])), progress)
+    parts = distributed.gather((sorted(nonfinite), dict(st.capture.route_counts), computed))
+    seconds = time.perf_counter() - t0
+    routes: dict[str, int] = {}
+    for _, r, _ in parts:
+        for key, v in r.items():
+            routes[key] = routes.get(key, 0) + v
+    manifest["status"] = "complete"
+    manifest["nonfinite_ids"] = sorted({i for ids, _, _ in parts for i in ids})
+    manifest["routes"] = routes
+    manifest["counts"]["shards"] = -(-len(data) // cfg.shard_size)
+    if distributed.world_size() > 1:
+        manifest["counts"]["ranks"] = distributed.world_size()
+    if lead:
+        write_manifest(out, manifest)
+    distributed.barrier()
+    return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
 
+
+def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig,
+                 pad_id: int, hashes: list, data_fp: str, nonfinite: set[int], progress: bool) -> tuple[set[int], int]:
+    """The store's one shard-writing loop: each shard this rank owns and has not committed is captured,
+    sealed and committed (hashed in a thread, overlapping the next capture); returns the examples with
+    non-finite gradients and how many examples were computed now."""
     N, S, B = len(data), cfg.shard_size, cfg.batch_size
     dims = {n: capture.dim(n) for n in capture.infos}
-    nonfinite: set[int] = set(manifest.get("nonfinite_ids", []))
     computed = 0
     model.requires_grad_(False)
     shards = [(k, k * S, min((k + 1) * S, N)) for k in range((N + S - 1) // S)]
     bar = progress_bar(total=N, unit="ex", desc="capture", disable=not progress or distributed.rank() > 0)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="gradindex-hash")  # commits overlap the next capture
     commits: list[Future] = []
+    factors = capture.collect_covariance or capture.collect_full_covariance
     try:
         with capture:
             for k, start, end in shards:
@@ -324,8 +374,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                     continue
                 w = ShardWriter(path, start, end - start, dims, data_fp, cfg.capture_storage)
                 done = w.open()
-                if (capture.collect_covariance or capture.collect_full_covariance) and done:  # factors need
-                    # the whole shard: redo it
+                if factors and done:  # factors need the whole shard: redo it
                     w.close()
                     w.partial.unlink()
                     done = w.open()
@@ -340,7 +389,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                             log.warning("examples %s have non-finite gradients; stored as zeros and flagged", bad)
                         computed += e - s
                         bar.update(e - s)
-                    if capture.collect_covariance or capture.collect_full_covariance:
+                    if factors:
                         _write_covariance(w, capture)
                     w.seal()
                 except BaseException:
@@ -355,23 +404,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     finally:
         hashing.shutdown(wait=True)
         bar.close()
-    parts = distributed.gather((sorted(nonfinite), dict(capture.route_counts), computed))
-    seconds = time.perf_counter() - t0
-    routes: dict[str, int] = {}
-    for _, r, _ in parts:
-        for key, v in r.items():
-            routes[key] = routes.get(key, 0) + v
-    manifest["status"] = "complete"
-    manifest["nonfinite_ids"] = sorted({i for ids, _, _ in parts for i in ids})
-    manifest["routes"] = routes
-    manifest["counts"]["shards"] = len(shards)
-    if distributed.world_size() > 1:
-        manifest["counts"]["ranks"] = distributed.world_size()
-    if lead:
-        write_manifest(out, manifest)
-    distributed.barrier()
-    return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
-
+    return nonfinite, computed
 
 
 def _move_damaged_aside(out: Path, full: bool) -> None:
