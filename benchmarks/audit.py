@@ -164,8 +164,8 @@ def _dedup_corpus(per_kind: int, steps: int):
 def pair_cosines(index_dir: Path, method: str, pairs: list[tuple[int, int]]) -> np.ndarray:
     """Exact cosines of ``pairs`` of rows under ``method``, as :func:`find_duplicates` confirms them."""
     from gradindex.apps.dedup import _space, _unit_rows
-    from gradindex.index.rows import RowReader
     from gradindex.store import Store
+    from gradindex.store.rows import RowReader
 
     cfg = DedupConfig(method=method)
     layers, base, pre = _space(index_dir, cfg, None)

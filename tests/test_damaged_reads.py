@@ -15,8 +15,8 @@ from click.testing import CliRunner
 
 from gradindex.checksum import DamagedIndexError
 from gradindex.cli import main
-from gradindex.index.rows import RowReader
 from gradindex.store import Store
+from gradindex.store.rows import RowReader
 
 SHARD = "store/shard-00001.h5"
 

@@ -45,7 +45,6 @@ def test_other_spellings_parse_to_the_canonical_form():
     ("P16,EKFAC@-1,int4", "damping must be a positive number"),
     ("P16,EKFAC@x,int4", "damping must be a positive number"),
     ("auto:banana,int4", "budget 'banana' is not understood"),
-    ("auto:1/8:sideways,int4", "allocation 'sideways'"),
     ("P16,EIGEN@0.001,int4", "chooses what to store from --budget"),
     ("auto,EIGEN@0.001,EKFAC@0.001,int4", "answer --method ekfac as they are"),
     ("auto:1/8:spectrum,int8", "allocation by spectrum needs the full-space factors"),

@@ -16,7 +16,6 @@ from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, OpenIndex, build_indices
 from gradindex.index import tier as tier_mod
 from gradindex.index.cost import choose_kind, lookup_cost
-from gradindex.index.rows import RowReader
 from gradindex.index.scan import CodeScanner, StoreScan
 from gradindex.index.sketch import Sketch, allocate, encode_sketch
 from gradindex.model import load_causal_lm
@@ -24,6 +23,7 @@ from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
 from gradindex.store import Store
 from gradindex.store.codes import decode, encode
+from gradindex.store.rows import RowReader
 
 
 def _copy(src, tmp_path, name="index"):

@@ -44,7 +44,6 @@ from gradindex.index.files import (
     write_norms,
 )
 from gradindex.index.opened import OpenIndex, open_index
-from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.sketch import SKETCH_BYTES
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
 from gradindex.index.tier import build_sketch, sketch_files
@@ -53,6 +52,7 @@ from gradindex.manifest import FORMAT_VERSION, refuse_unfinished_transcode, writ
 from gradindex.progress import progress_bar
 from gradindex.store import Store
 from gradindex.store.repair import check_store
+from gradindex.store.rows import RowReader, iter_layer
 
 log = logging.getLogger("gradindex")
 

@@ -35,7 +35,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 
@@ -67,6 +66,7 @@ from gradindex.precondition.files import (
 from gradindex.precondition.preconditioner import Preconditioner
 from gradindex.progress import progress_bar
 from gradindex.store import Store
+from gradindex.store.covariance import read_covariance
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
@@ -164,18 +164,16 @@ def build_pass_factors(index_dir: str | os.PathLike, layers: list[str]) -> tuple
     arrays: dict[str, np.ndarray] = {}
     tokens = 0
     for path in paths:
-        with h5py.File(path, "r") as f:
-            grp = f.get("covariance_full")
-            if grp is None or any(n not in grp for n in layers):
-                return None
-            for n in layers:
-                for side in ("A", "S"):
-                    x = grp[n][side][:]
-                    if not np.isfinite(x).all():
-                        return None
-                    key = f"{side}/{n}"
-                    arrays[key] = arrays[key] + x if key in arrays else x
-            tokens += int(grp[layers[0]].attrs["tokens"])
+        got = read_covariance(path, "covariance_full", layers)
+        if got is None:
+            return None
+        for n, sides in got.items():
+            for side, x in zip(("A", "S"), sides[:2], strict=True):
+                if not np.isfinite(x).all():
+                    return None
+                key = f"{side}/{n}"
+                arrays[key] = arrays[key] + x if key in arrays else x
+        tokens += got[layers[0]][2]
     return arrays, tokens
 
 

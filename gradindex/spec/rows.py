@@ -10,7 +10,8 @@ A spec is comma-separated tokens in this order (``str(RowSpec)`` writes this can
     CODE        fp32 | fp16 | int8 | int4 (left out: int4 for EK-FAC eigen-coordinates, else int8)
 
 ``<budget>`` is bytes per example (``65536``), a fraction of the full float32 gradient (``1/8``) or
-``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``ratio`` (default), ``equal`` or ``spectrum``.
+``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``ratio`` (default), ``equal`` or ``spectrum``
+(:mod:`gradindex.capture.allocation`, which refuses a name it does not know).
 Examples: ``auto,EKFAC@0.001,int4`` (what ``gradindex build`` stores with no options), ``P16x16,fp32``
 (raw projected float32 rows), ``none,int8`` (exact gradients, int8 codes), ``auto:1/64,EIGEN@0.001,int4``.
 The projection's random stream (kind, seed) is not part of a spec, as a seed is not part of a FAISS
@@ -33,7 +34,6 @@ CODE_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
 """Bits per stored number of each row code (``gradindex.store.codes`` encodes them; a test keeps both equal)."""
 SCALED = ("int8", "int4")
 """Codes with one float32 scale per row and layer."""
-ALLOCATIONS = ("ratio", "equal", "spectrum")
 BASES = ("raw", "kfac", "eigen")
 ADAM_MODES = ("exact", "factored")
 DEFAULT_BUDGET_CAP = 256 << 10
@@ -187,8 +187,6 @@ class RowSpec:
             raise ValueError(f"projection sizes must be positive, got {self.k_a}x{self.k_g}")
         if self.storage not in CODE_BITS:
             raise ValueError(f"storage {self.storage!r} is not one of {list(CODE_BITS)}")
-        if self.allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation {self.allocation!r} is not one of {list(ALLOCATIONS)}")
         if self.basis not in BASES:
             raise ValueError(f"build basis {self.basis!r} is not one of {list(BASES)} "
                              "(the ekfac basis is a transcode after a fit: `gradindex compact`)")

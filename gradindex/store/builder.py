@@ -18,7 +18,7 @@ from gradindex import distributed
 from gradindex.adapter import adapter_fingerprint, adapter_path
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
-from gradindex.capture.gram import upper_to_symmetric
+from gradindex.capture.allocation import ALLOCATIONS
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
@@ -45,6 +45,7 @@ from gradindex.spec.rows import RowSpec
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.append import append_batch
 from gradindex.store.basis import RowBasis, capture_transforms, index_basis
+from gradindex.store.covariance import write_covariance
 from gradindex.store.repair import repair_eigenbasis_store
 from gradindex.store.sizing import basis_identity, full_space_basis, sized_projection
 
@@ -121,6 +122,8 @@ class BuildConfig(BuildOptions):
             raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
         if self.transcode not in ("none", "ekfac"):
             raise ValueError(f"transcode {self.transcode!r} is not one of ['none', 'ekfac']")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation {self.allocation!r} is not one of {list(ALLOCATIONS)}")
         if self.fisher not in FISHERS:
             raise ValueError(f"fisher {self.fisher!r} is not one of {list(FISHERS)}")
         if self.adam_mode not in ADAM_MODES:
@@ -390,7 +393,7 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
                         computed += e - s
                         bar.update(e - s)
                     if factors:
-                        _write_covariance(w, capture)
+                        write_covariance(w.file, capture)
                     w.seal()
                 except BaseException:
                     w.abort()  # (a full disk: no HDF5 handle left to fail again, or crash, at exit)
@@ -415,24 +418,3 @@ def _move_damaged_aside(out: Path, full: bool) -> None:
                 if shard_of(x.file) != x.file and shard_of(x.file) not in damaged]
     for p in move_aside(out, damaged):
         log.warning("%s is damaged; moved to %s and recomputed", p.name, p.parent)
-
-
-def _write_covariance(w: ShardWriter, capture: GradientCapture) -> None:
-    """Store the shard's Σ ā āᵀ, Σ ḡ ḡᵀ and token counts (``covariance``; unprojected:
-    ``covariance_full``), then reset the accumulators."""
-    for group, (A, S, T) in (("covariance", (capture.cov_a, capture.cov_g, capture.cov_tokens)),
-                             ("covariance_full", (capture.full_a, capture.full_g, capture.full_tokens))):
-        if not A:
-            continue
-        g = w.file.create_group(group)
-        read = upper_to_symmetric if group == "covariance_full" else np.asarray  # full: upper triangles summed
-        for n in capture.infos:
-            if n in A:
-                grp = g.create_group(n)
-                grp["A"] = read(A[n].cpu().numpy())
-                grp["S"] = read(S[n].cpu().numpy())
-                grp.attrs["tokens"] = T[n]
-        A.clear()
-        S.clear()
-        T.clear()
-
