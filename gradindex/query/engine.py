@@ -363,7 +363,8 @@ class QueryEngine:
         """The engine's :class:`~gradindex.query.refine.Refiner` (training sample, curvature, cache), made once."""
         self._need_model()
         if self._refiner is None:
-            self._refiner = Refiner(self.model, self.capture, self.pad_id, self._refine_sample, self._row_curvature)
+            self._refiner = Refiner(self.model, self.capture, self.pad_id, self._refine_sample, self._row_curvature,
+                                    gradients=self._sample_gradients)
         return self._refiner
 
     def refined_rows(self, tokens: QueryTokens, grads: Mapping[str, torch.Tensor], method: str, damping: float,
@@ -381,6 +382,11 @@ class QueryEngine:
             raise ValueError(f"query refinement takes curvature products on training examples and needs the data the "
                              f"index was built from ({why}); pass data= / --data")
         return x, y
+
+    def _sample_gradients(self, ids: list[list[int]], labels: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Stored-basis rows of training examples captured as a query's are (Fisher refinement's sample)."""
+        grads, _, _ = self.gradients(QueryTokens([], ids, labels, [False] * len(ids)))
+        return grads
 
     def _row_curvature(self, base: str, damping: float, layer: str):
         if self.basis.kind == "ekfac":
