@@ -20,7 +20,10 @@ from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
 from gradindex.store import Store
 from gradindex.store.builder import build_store
-from gradindex.store.codes import LEVELS, STORAGES, decode, encode
+from gradindex.store.codes import STORAGES, decode, encode
+
+LEVELS = {"int8": 127, "int4": 7}
+"""Largest code magnitude of each integer storage (docs/formats.md)."""
 
 PLANTED = "noon noon river river hills hills fish fish bread bread noon noon river river"
 PLANTED_ID = 23

@@ -187,7 +187,7 @@ def build(**o):
 
 def _report(out, res, idx) -> None:
     """What the build wrote: examples, layers, numbers and bytes per example, time; warnings."""
-    from gradindex.store.sizing import bytes_per_number
+    from gradindex.store.codes import bytes_per_number
 
     m = res.manifest
     numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())

@@ -32,8 +32,8 @@ from fractions import Fraction
 
 CODE_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
 """Bits per stored number of each row code (``gradindex.store.codes`` encodes them; a test keeps both equal)."""
-SCALED = ("int8", "int4")
-"""Codes with one float32 scale per row and layer."""
+SCALED = {"int8", "int4"}
+"""Codes with one float32 scale per row and layer (``gradindex.store.codes.register_codec`` adds to both)."""
 BASES = ("raw", "kfac", "eigen")
 ADAM_MODES = ("exact", "factored")
 DEFAULT_BUDGET_CAP = 256 << 10

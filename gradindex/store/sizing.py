@@ -22,17 +22,12 @@ from gradindex.data import Tokenized
 from gradindex.progress import progress_bar
 from gradindex.spec.rows import FLOAT32_BYTES, parse_budget
 from gradindex.store.basis import RowBasis, capture_transforms, kfac_basis, read_basis, write_basis
-from gradindex.store.codes import code_dtype, has_scale
+from gradindex.store.codes import bytes_per_number, has_scale
 
 
 def full_bytes(infos: dict[str, LayerInfo]) -> int:
     """Float32 bytes of one example's full (unprojected) gradient over these layers."""
     return FLOAT32_BYTES * sum(i.n_in_total * i.n_out for i in infos.values())
-
-
-def bytes_per_number(storage: str) -> float:
-    """Bytes one stored number takes in ``storage`` (the per-row scale aside)."""
-    return code_dtype(storage).itemsize / (2 if storage == "int4" else 1)
 
 
 def sized_projection(cfg, infos: dict[str, LayerInfo], basis: RowBasis) -> ProjectionSpec:
