@@ -40,6 +40,10 @@ DEFAULT_BUDGET_CAP = 256 << 10
 """``auto`` budget: 1/8 of the full float32 gradient, at most this many bytes per example."""
 FLOAT32_BYTES = 4
 
+_EIGEN_AS_IS = ("--projection-basis eigen stores whitened full-space EK-FAC coordinates, which answer --method "
+                "ekfac as they are: use it with --precondition none --transcode none (and without --full-factors)")
+_ADAM_PLAIN = ("--optimizer-state builds an index of Adam-preconditioned rows (method adam); K-FAC/EK-FAC are "
+               "fitted on plain gradients: build those without it")
 _PROJECTION = re.compile(r"^(?:none|P(\d+)(?:x(\d+))?|auto(?::([^:]+))?(?::([a-z]+))?)$")
 _DAMPED = re.compile(r"^(KFAC|EIGEN|EKFAC)(?:@(.+))?$")
 
@@ -197,9 +201,7 @@ class RowSpec:
         if self.basis == "eigen" and self.projection != "auto":
             raise ValueError("--projection-basis eigen chooses what to store from --budget: use --projection auto")
         if self.basis == "eigen" and self.transcode:
-            raise ValueError("--projection-basis eigen stores whitened full-space EK-FAC coordinates, which answer "
-                             "--method ekfac as they are: use it with --precondition none --transcode none "
-                             "(and without --full-factors)")
+            raise ValueError(_EIGEN_AS_IS)
         if self.allocation == "spectrum" and self.basis != "kfac":
             raise ValueError("allocation by spectrum needs the full-space factors: add --projection-basis kfac")
         if self.transcode and self.basis != "raw":
@@ -208,18 +210,14 @@ class RowSpec:
             raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
                              "the kfac basis whitens plain gradients: use --projection-basis raw with it")
         if self.adam and self.transcode:
-            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
-                             "K-FAC/EK-FAC are fitted on plain gradients: build those without it")
+            raise ValueError(_ADAM_PLAIN)
 
     def check_fit(self, precondition: str, collect_covariance: bool = False, full_factors: bool = False) -> None:
         """Refuse a fit that does not go with these rows (``precondition``: ``none``, ``kfac`` or ``ekfac``)."""
         if self.basis == "eigen" and (precondition != "none" or collect_covariance or full_factors):
-            raise ValueError("--projection-basis eigen stores whitened full-space EK-FAC coordinates, which answer "
-                             "--method ekfac as they are: use it with --precondition none --transcode none "
-                             "(and without --full-factors)")
+            raise ValueError(_EIGEN_AS_IS)
         if self.adam and (precondition != "none" or collect_covariance):
-            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
-                             "K-FAC/EK-FAC are fitted on plain gradients: build those without it")
+            raise ValueError(_ADAM_PLAIN)
         if self.transcode and precondition != "ekfac":
             raise ValueError("rows are transcoded into the EK-FAC eigenbasis after an EK-FAC fit: add "
                              "--precondition ekfac, or --transcode none")

@@ -118,16 +118,10 @@ class BuildConfig(BuildOptions):
         if self.batch_size < 1 or self.shard_size < 1 or self.max_length < 2:
             raise ValueError(f"batch size and shard size must be >= 1 and max length >= 2 (got {self.batch_size}, "
                              f"{self.shard_size}, {self.max_length}): --batch-size, --shard-size, --max-length")
-        if self.precondition not in ("none", "kfac", "ekfac"):
-            raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
-        if self.transcode not in ("none", "ekfac"):
-            raise ValueError(f"transcode {self.transcode!r} is not one of ['none', 'ekfac']")
-        if self.allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation {self.allocation!r} is not one of {list(ALLOCATIONS)}")
-        if self.fisher not in FISHERS:
-            raise ValueError(f"fisher {self.fisher!r} is not one of {list(FISHERS)}")
-        if self.adam_mode not in ADAM_MODES:
-            raise ValueError(f"adam mode {self.adam_mode!r} is not one of {list(ADAM_MODES)}")
+        for name, allowed in (("precondition", ("none", "kfac", "ekfac")), ("transcode", ("none", "ekfac")),
+                              ("allocation", ALLOCATIONS), ("fisher", FISHERS), ("adam_mode", ADAM_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name.replace('_', ' ')} {getattr(self, name)!r} is not one of {list(allowed)}")
         if self.basis == "eigen" and not self.budget:
             raise ValueError("--projection-basis eigen chooses what to store from --budget: use --projection auto")
         self.rows.check_fit(self.precondition, self.collect_covariance, self.full_factors)  # (rows: checked made)
