@@ -10,7 +10,8 @@ A spec is comma-separated tokens in this order (``str(RowSpec)`` writes this can
     CODE        fp32 | fp16 | int8 | int4 (left out: int4 for EK-FAC eigen-coordinates, else int8)
 
 ``<budget>`` is bytes per example (``65536``), a fraction of the full float32 gradient (``1/8``) or
-``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``ratio`` (default), ``equal`` or ``spectrum``
+``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``ratio``, ``equal`` or ``spectrum`` (left out: the
+build's default, ``gradindex.spec.build.BuildOptions.allocation``)
 (:mod:`gradindex.capture.allocation`, which refuses a name it does not know).
 Examples: ``auto,EKFAC@0.001,int4`` (what ``gradindex build`` stores with no options), ``P16x16,fp32``
 (raw projected float32 rows), ``none,int8`` (exact gradients, int8 codes), ``auto:1/64,EIGEN@0.001,int4``.
@@ -29,6 +30,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
+
+from gradindex.spec.build import default as option_default
 
 CODE_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
 """Bits per stored number of each row code (``gradindex.store.codes`` encodes them; a test keeps both equal)."""
@@ -100,7 +103,8 @@ class RowSpec:
     k_g: int = 0
     budget: str = "auto"
     """Bytes per example of an ``auto`` projection (a ``parse_budget`` form)."""
-    allocation: str = "ratio"
+    allocation: str = option_default("allocation")
+    """How the budget is spread (left out of the string when it is the build's default)."""
     basis: str = "raw"
     """``raw``, ``kfac`` (whitened before projecting, at ``basis_damping``) or ``eigen`` (at ``damping``)."""
     basis_damping: float = 1.0
@@ -134,7 +138,8 @@ class RowSpec:
         elif m.group(1):
             fields.update(projection="fixed", k_a=int(m.group(1)), k_g=int(m.group(2) or m.group(1)))
         else:
-            fields.update(projection="auto", budget=m.group(3) or "auto", allocation=m.group(4) or "ratio")
+            fields.update(projection="auto", budget=m.group(3) or "auto",
+                          allocation=m.group(4) or option_default("allocation"))
         for token in tokens[1:]:
             cls._token(token, fields, damping, text)
         return cls(**fields)
@@ -170,7 +175,7 @@ class RowSpec:
         elif self.projection == "fixed":
             parts = [f"P{self.k_a}" if self.k_a == self.k_g else f"P{self.k_a}x{self.k_g}"]
         else:
-            tail = "" if self.allocation == "ratio" else f":{self.allocation}"
+            tail = "" if self.allocation == option_default("allocation") else f":{self.allocation}"
             parts = [f"auto:{self.budget}{tail}" if self.budget != "auto" or tail else "auto"]
         if self.basis == "kfac":
             parts.append(f"KFAC@{self.basis_damping:g}")
