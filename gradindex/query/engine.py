@@ -523,18 +523,22 @@ class QueryEngine:
             res.seconds = {"precondition": t1 - t0, "search": t2 - t1, "rerank": t3 - t2}
             out.append(res)
         if texts and self.tokenizer is not None:
-            t4 = time.perf_counter()
-            ids = np.unique(np.concatenate([[h.id for h in r.hits + r.lowest] for r in out]).astype(np.int64))
-            by_id = dict(zip(ids.tolist(), self.texts.texts(ids), strict=True))
-            for r in out:
-                for h in r.hits + r.lowest:
-                    h.text = by_id.get(h.id)
-                r.seconds["texts"] = time.perf_counter() - t4
-                if self.texts.problem and self.texts.problem not in r.notes:
-                    r.notes.append(self.texts.problem)
+            self._attach_texts(out)
         return out
 
     # -- internals ----------------------------------------------------------------------------
+    def _attach_texts(self, out: list[QueryResult]) -> None:
+        """Each hit's training text (read once per distinct id), its time, and any note on the texts."""
+        t4 = time.perf_counter()
+        ids = np.unique(np.concatenate([[h.id for h in r.hits + r.lowest] for r in out]).astype(np.int64))
+        by_id = dict(zip(ids.tolist(), self.texts.texts(ids), strict=True))
+        for r in out:
+            for h in r.hits + r.lowest:
+                h.text = by_id.get(h.id)
+            r.seconds["texts"] = time.perf_counter() - t4
+            if self.texts.problem and self.texts.problem not in r.notes:
+                r.notes.append(self.texts.problem)
+
     @staticmethod
     def _hits(r: S.Ranked, layers: list[str]) -> list[Hit]:
         return [Hit(int(i), float(s), {n: float(v) for n, v in zip(layers, ls, strict=True)})
