@@ -36,9 +36,10 @@ class TrainingTexts:
 
     def _records(self):
         if self._ds is None and self.problem is None:
-            if not str(self.path) or not self.path.exists():
-                self.problem = (f"the training data {str(self.path)!r} is not there, so results carry "
-                                "no text; pass the data file (data= / --data)")
+            if str(self.path) in ("", ".") or not self.path.exists():  # (Path("") is ".": no data recorded)
+                where = "the build recorded no data file" if str(self.path) in ("", ".") else \
+                    f"the training data {str(self.path)!r} is not there"
+                self.problem = f"{where}, so results carry no text; pass the data file (data= / --data)"
             else:
                 ds = load_records(self.path)
                 if len(ds) != self.n:
