@@ -113,3 +113,17 @@ def test_missing_full_space_fit_falls_back_with_the_command(two_stage, tmp_path)
         r = e.query(QUERY, k=5, damping=DAMPING)
     assert r.stage == "first stage"
     assert any("--space full" in n for n in r.notes), r.notes
+
+
+def test_explain_on_a_budget_bound_index_gives_the_exact_full_space_score(two_stage, ref):
+    from gradindex.apps.explain import Explainer
+
+    want = _reference_ekfac(ref)
+    with QueryEngine(two_stage, device="cpu") as e:
+        out = Explainer(e).explain(QUERY, [0, 7], "ekfac", damping=DAMPING)
+    for x in out:
+        assert x.full_score == pytest.approx(want[x.id], rel=1e-4, abs=1e-4 * np.abs(want).max())
+        assert x.score == pytest.approx(sum(x.query.scores), rel=1e-3, abs=1e-6)  # terms split the first stage's
+    res = CliRunner().invoke(main, ["explain", str(two_stage), "--query", QUERY, "--id", "7", "--damping",
+                                    str(DAMPING)])
+    assert res.exit_code == 0 and "full-space score" in res.output, res.output
