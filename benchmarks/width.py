@@ -108,7 +108,7 @@ most 48 tokens, what one shared CPU core fits in the time (its full-space fit an
 every token by the 4864-wide eigenbasis); C = 100 is a fifth of that set."""
 QUICK = {k: replace(s, n_layer=1, data=replace(s.data, n_train=48, n_query=4, steps=20, n_facts=2, vocab=512))
          for k, s in SHAPES.items()}
-TIMED = {"gpt2-4x256": (8, (50, 100, 200)), "qwen2.5-0.5b-block": (4, (100,))}
+TIMED = {"gpt2-4x256": (3, (100,)), "qwen2.5-0.5b-block": (2, (100,))}
 """Per shape: held-out queries run through the engine (plus every fact query) and the ``rerank_full``
 sizes C they run at (besides 0): a re-rank costs C forward+backward passes per query, on a CPU core
 shared with other jobs here."""
@@ -438,13 +438,27 @@ def timed_build(model, tok, data: Tokenized, path: Path, bcfg: BuildConfig, data
     return round(time.perf_counter() - t0, 1), read_manifest(path)
 
 
-def layer_groups(layers: list[str]) -> list[list[str]]:
-    """Layers grouped by transformer block (``...h.3.`` / ``...layers.3.``): one factor capture each."""
-    groups: dict[str, list[str]] = {}
+FACTOR_BYTES = 1536 << 20
+"""At most this many bytes of float16 per-token factors are held at once (:func:`layer_groups`)."""
+
+
+def layer_groups(layers: list[str], widths: dict[str, tuple[int, int]], tokens: int) -> list[list[str]]:
+    """Whole transformer blocks (``...h.3.`` / ``...layers.3.``) packed into groups whose float16 factors
+    over ``tokens`` tokens fit :data:`FACTOR_BYTES`: one factor capture (model pass) per group."""
+    blocks: dict[str, list[str]] = {}
     for n in layers:
         m = re.match(r"^(.*?\.\d+)\.", n)
-        groups.setdefault(m.group(1) if m else n, []).append(n)
-    return list(groups.values())
+        blocks.setdefault(m.group(1) if m else n, []).append(n)
+    groups: list[list[str]] = []
+    used = FACTOR_BYTES + 1
+    for names in blocks.values():
+        size = 2 * tokens * sum(sum(widths[n]) for n in names)
+        if used + size > FACTOR_BYTES:
+            groups.append([])
+            used = 0
+        groups[-1] += names
+        used += size
+    return groups
 
 
 def streamed_scores(model, layers: list[str], queries: Tokenized, train: Tokenized, pad: int, curv: dict,
@@ -452,7 +466,9 @@ def streamed_scores(model, layers: list[str], queries: Tokenized, train: Tokeniz
     """:func:`scheme_scores` one block of layers at a time (its per-token factors only in memory);
     also returns the factor capture's seconds."""
     ref, sims, secs, cap_s = None, {}, dict.fromkeys(plans, 0.0), 0.0
-    for group in layer_groups(layers):
+    widths = _full_shapes(model, layers)
+    tokens = sum(len(x) for x in train.input_ids) + sum(len(x) for x in queries.input_ids)
+    for group in layer_groups(layers, widths, tokens):
         t0 = time.perf_counter()
         fq, ft = token_factors(model, group, queries, pad, 8), token_factors(model, group, train, pad, 8)
         cap_s += time.perf_counter() - t0
@@ -483,15 +499,14 @@ def engine_rerank(model, tok, idx: Path, queries: Tokenized, ref: np.ndarray, n_
                   cands: tuple[int, ...], timed: int, log=print) -> dict:
     """The library's two stages through :class:`QueryEngine` (``rerank_full=C``, EK-FAC) on ``idx``
     (its full-space EK-FAC fitted): final top-10 agreement with the reference and seconds per query,
-    next to the plain query's (``rerank_full=0``). ``timed``: queries run through the engine per C
-    (every query: ``len(queries)``); held-out first, then the fact queries."""
+    next to the plain query's (``rerank_full=0``). ``timed``: held-out queries run through the engine per C
+    and fact queries each (the first ``timed`` of both)."""
     from gradindex.index import IndexConfig, build_indices
     from gradindex.query import QueryEngine
 
     build_indices(idx, IndexConfig(), progress=False)
     rtop = np.argsort(-ref, 1)[:, :10]
-    pick = sorted(set(range(min(timed, n_held))) | set(range(n_held, len(queries)))) if timed < len(queries) \
-        else list(range(len(queries)))
+    pick = sorted(set(range(min(timed, n_held))) | set(range(n_held, min(n_held + timed, len(queries)))))
     out: dict = {"queries": len(pick)}
     with QueryEngine(idx, model=model, tokenizer=tok) as e:
         recs = [{"input_ids": queries.input_ids[j], "labels": queries.labels[j]} for j in pick]
@@ -543,7 +558,7 @@ def file_data(setup, tok, max_tokens: int, work: Path, name: str) -> tuple[Token
     return tokenize_records(load_records(path), tok, max_tokens), str(path)
 
 
-def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, schemes: bool = True,
+def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, schemes: bool = True, reuse: bool = False,
               timed: tuple[int, tuple[int, ...]] = (1000, (50, 100, 200))) -> dict:
     cfg = shape.data
     setup = make_setup(cfg, cfg.corpora[0])
@@ -562,7 +577,12 @@ def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, schemes: 
     n_held = len(setup.query)
     idx = work / f"{shape.name}-default"
     bcfg = default_config(8)
-    res["default_build_seconds"], man = timed_build(model, tok, train, idx, bcfg, data_id)
+    old = read_manifest(idx) if reuse and (idx / "manifest.json").exists() else {}
+    if old.get("status") == "complete" and "ekfac" in old.get("full_space", {}):
+        res["default_build_seconds"], man = None, old  # (--reuse: built by an earlier run, not timed here)
+        res["reused_index"] = True
+    else:
+        res["default_build_seconds"], man = timed_build(model, tok, train, idx, bcfg, data_id)
     sizes = {n: (v["rows"], v["cols"]) for n, v in man["build"]["layers"].items()}
     res["hooked_numbers"] = int(sum(np.prod(v) for v in _full_shapes(model, list(sizes)).values()))
     res["default_numbers"] = int(sum(a * b for a, b in sizes.values()))
@@ -577,9 +597,13 @@ def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, schemes: 
         eigen_scores = library_rows_scores(model, setup, eig_idx, queries, ecfg)
         log(f"  eigen build {res['eigen_build_seconds']} s: {row_bytes(eig_man)} B", flush=True)
     t0 = time.perf_counter()
-    fit_preconditioner(idx, FitConfig(method="ekfac", space="full", damping=DAMPING), model=model,
-                       tokenizer=tok, data=train)
-    res["full_fit_seconds"] = round(time.perf_counter() - t0, 1)
+    if "ekfac" in man.get("full_space", {}):  # the default build fits it where it projects (its re-rank's)
+        res["full_fit_seconds"] = round(man["full_space"]["ekfac"]["seconds"], 1)
+        res["full_fit_in_build"] = True
+    else:
+        fit_preconditioner(idx, FitConfig(method="ekfac", space="full", damping=DAMPING), model=model,
+                           tokenizer=tok, data=train)
+        res["full_fit_seconds"] = round(time.perf_counter() - t0, 1)
     log(f"  full-space fit {res['full_fit_seconds']} s", flush=True)
     curv = load_full_preconditioner(idx, "ekfac").curvature
     kron = {n: c["Lambda"] for n, c in load_full_preconditioner(idx, "kfac").curvature.items()}
@@ -663,6 +687,8 @@ def main() -> int:
     ap.add_argument("--no-schemes", action="store_true",
                     help="skip the alternative stored-row schemes (the reference and the library's rows only)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep a complete default index (with its full-space fit) from an earlier run in --work-dir")
     ap.add_argument("--train-only", action="store_true",
                     help="train and cache the shapes' models, then stop (training needs no big memory)")
     args = ap.parse_args()
@@ -683,7 +709,8 @@ def main() -> int:
         return 0
     for name in args.shapes.split(","):
         out["shapes"][name] = run_shape(table[name], args.work_dir, eigen=not args.no_eigen,
-                                        schemes=not args.no_schemes, timed=TIMED.get(name, (1000, (50, 100, 200))))
+                                        schemes=not args.no_schemes, reuse=args.reuse,
+                                        timed=TIMED.get(name, (1000, (50, 100, 200))))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
     for name, res in out["shapes"].items():  # (results merged from a run before the share was recorded)
