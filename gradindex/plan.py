@@ -27,7 +27,7 @@ from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import BLOCK_BYTES
 from gradindex.store.basis import RowBasis
 from gradindex.store.builder import BuildConfig
-from gradindex.store.codes import row_bytes
+from gradindex.store.codes import encode, row_bytes
 from gradindex.store.sizing import sized_projection
 
 COLUMN_BYTES = 8 + 4 + 4 + 1 + 16
@@ -69,6 +69,10 @@ class BuildPlan:
     index_bytes: int
     """The FAISS stage's files (0 without it; an exhaustive index holds codes of every row)."""
     ram_bytes: int
+    rotated_bytes: int = 0
+    """The fused transcode's float16 copy of the rotated rows (:mod:`gradindex.precondition.rotated`),
+    beside the captured rows until each shard is coded."""
+    shards: int = 1
     seconds: dict[str, float] = field(default_factory=dict)
     """Estimated seconds per stage, when measured (:func:`measure_seconds`)."""
     approximate: bool = False
@@ -86,9 +90,13 @@ class BuildPlan:
 
     @property
     def peak_disk(self) -> int:
-        """The most on disk at once: the captured rows beside the transcoded copy, or the final index."""
-        during = self.capture_bytes + self.precond_bytes + (self.store_bytes + self.basis_bytes if self.transcode
-                                                            else self.index_bytes)
+        """The most on disk at once: the captured rows beside their rotated copy (which shrinks, a shard at a
+        time, as the coded shards grow: the peak is as the first shard is coded), or the final index."""
+        if self.transcode:
+            during = (self.capture_bytes + self.precond_bytes + self.basis_bytes
+                      + max(self.rotated_bytes + -(-self.store_bytes // self.shards), self.store_bytes))
+        else:
+            during = self.capture_bytes + self.precond_bytes + self.index_bytes
         return max(during, self.final_disk)
 
     def remaining(self, out: str | Path) -> int:
@@ -164,15 +172,16 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     capture_ram = 2 * 4 * cfg.batch_size * width + 2 * params  # float32 batch rows on the device and their host copy
     block = 3 * min(BLOCK_BYTES, 4 * width * max(1, examples))  # a block of rows, rotated, coded
     ram = BASE_RAM + params + max(capture_ram, block)
+    rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" else 0
     return BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
-                     index_bytes, ram, approximate=cfg.basis not in ("raw", "kfac"))
+                     index_bytes, ram, rotated, shards, approximate=cfg.basis not in ("raw", "kfac"))
 
 
 def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,
                     batches: int = 2) -> dict[str, float]:
     """Seconds per stage, extrapolated from ``batches`` timed capture batches (after one warm-up) and one
-    timed float32 rotation of a batch of random rows per layer (the fit's store pass and the transcode each
-    rotate every row once)."""
+    timed float32 rotation of a batch of random rows per layer (the fit's store pass rotates every row once;
+    the transcode scales and codes the rotated rows)."""
     B, N = cfg.batch_size, len(data)
     spec = sized_projection(cfg, {n: layer_info(m) for n, m in select_layers(model, cfg.layers or None).items()},
                             RowBasis())
@@ -203,5 +212,8 @@ def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: B
         rot = (time.perf_counter() - t) * N / B
         out["fit"] = rot
         if plan.transcode:
-            out["transcode"] = 1.5 * rot  # (its rotation, plus the decode and the int4 codes)
+            t = time.perf_counter()
+            for lp in plan.layers:
+                encode(torch.randn(B, lp.numbers, generator=g).numpy(), plan.storage)
+            out["transcode"] = 2 * (time.perf_counter() - t) * N / B  # (the codes, and the copy's write and read)
     return out

@@ -42,3 +42,4 @@ def test_plan_sizes_what_the_build_then_stores(gpt2_dir, text_jsonl, tmp_path):
     final = _bytes(out) - _bytes(out / "faiss") + b["index"]  # (the FAISS stage is another helper's; its plan size)
     assert 0.85 * final <= b["final"] <= 1.15 * final, (b["final"], final)
     assert b["peak"] >= b["capture"] + b["store"]  # the captured float16 rows beside their int4 copy
+    assert b["peak"] >= b["capture"] + b["rotated"] > b["capture"]  # ... and beside their rotated float16 copy

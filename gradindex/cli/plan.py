@@ -46,7 +46,8 @@ def _plan(model_dir, data, out, batches, as_json, **o):
             "examples": plan.examples, "storage": plan.storage, "transcode": plan.transcode,
             "layers": [{"name": lp.name, "n_out": lp.n_out, "n_in": lp.n_in, "k_g": lp.k_g, "k_a": lp.k_a,
                         "numbers": lp.numbers} for lp in plan.layers],
-            "bytes": {"capture": plan.capture_bytes, "store": plan.store_bytes, "precond": plan.precond_bytes,
+            "bytes": {"capture": plan.capture_bytes, "rotated": plan.rotated_bytes, "store": plan.store_bytes,
+                      "precond": plan.precond_bytes,
                       "basis": plan.basis_bytes, "index": plan.index_bytes, "final": plan.final_disk,
                       "peak": plan.peak_disk, "free": free, "per_example": plan.row_bytes},
             "ram_bytes": plan.ram_bytes, "seconds": plan.seconds,
@@ -59,6 +60,7 @@ def _plan(model_dir, data, out, batches, as_json, **o):
         click.echo(f"{lp.name:<40} {f'{lp.n_out}x{lp.n_in}':>12} {f'{lp.k_g}x{lp.k_a}':>17} {lp.numbers:>10,} "
                    f"{row_bytes(plan.storage, lp.numbers):>14,}")
     click.echo(f"disk: capture {human_bytes(plan.capture_bytes)} ({plan.capture_storage} rows)"
+               + (f", rotated copy {human_bytes(plan.rotated_bytes)} (while coded)" if plan.rotated_bytes else "")
                + (f", transcoded copy {human_bytes(plan.store_bytes)}" if plan.transcode else "")
                + f", fits {human_bytes(plan.precond_bytes + plan.basis_bytes)}, FAISS {human_bytes(plan.index_bytes)}; "
                f"peak {human_bytes(plan.peak_disk)}, final {human_bytes(plan.final_disk)}; "
