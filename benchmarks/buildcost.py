@@ -64,6 +64,39 @@ def _timed(seconds: dict) -> None:
             setattr(m, name, wrapped)
 
 
+def _bytes(d: Path) -> int:
+    total = 0
+    for p in Path(d).rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except FileNotFoundError:  # (moved or deleted while summed)
+            pass
+    return total
+
+
+class DiskPeak:
+    """The most bytes under a directory while the block runs, summed every 0.1 s by a thread."""
+
+    def __init__(self, d: Path):
+        import threading
+
+        self.d, self.peak, self._stop = d, 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.1):
+            self.peak = max(self.peak, _bytes(self.d))
+
+    def __enter__(self) -> DiskPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _bytes(self.d))
+
+
 def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path) -> dict:
     """One cell in this process: ``floor`` or ``default``; seconds (per stage) and peak RSS."""
     if root != ROOT:
@@ -100,12 +133,16 @@ def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, r
         data = Tokenized(seqs, [list(s) for s in seqs], 0, "input_ids")
         cfg = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
                           transcode="ekfac", max_length=tokens, batch_size=8)
-        with tempfile.TemporaryDirectory(prefix="gradindex-buildcost-") as d:
+        with tempfile.TemporaryDirectory(prefix="gradindex-buildcost-", dir=os.environ.get("BUILDCOST_TMP")) as d:
             import gradindex.pipeline as pipeline
 
-            pipeline.build_index(model, SimpleNamespace(pad_token_id=0), data, Path(d) / "idx", cfg,
-                                 index=IndexConfig(), progress=False)
-            out["index_bytes"] = sum(p.stat().st_size for p in (Path(d) / "idx").rglob("*") if p.is_file())
+            with DiskPeak(Path(d) / "idx") as disk:
+                pipeline.build_index(model, SimpleNamespace(pad_token_id=0), data, Path(d) / "idx", cfg,
+                                     index=IndexConfig(), progress=False)
+            out["index_bytes"] = _bytes(Path(d) / "idx")
+            out["store_bytes"] = _bytes(Path(d) / "idx" / "store")
+            out["peak_disk_bytes"] = disk.peak
+            out["peak_disk_over_store"] = round(disk.peak / out["store_bytes"], 3)
         out["stages"] = {k: round(v, 2) for k, v in seconds.items()}
     out["seconds"] = round(time.perf_counter() - t, 2)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
@@ -134,7 +171,8 @@ def ratios(floor: dict, build: dict) -> dict:
             "after_capture_over_capture": round(after_capture / st["capture"], 3),
             "after_capture_without_faiss_over_capture":
                 round((after_capture - st.get("faiss", 0.0)) / st["capture"], 3),
-            "rss_x_floor": round(build["peak_rss_mb"] / floor["peak_rss_mb"], 3)}
+            "rss_x_floor": round(build["peak_rss_mb"] / floor["peak_rss_mb"], 3),
+            "peak_disk_over_store": build.get("peak_disk_over_store")}
 
 
 def main(argv: list[str] | None = None) -> dict:

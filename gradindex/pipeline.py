@@ -111,5 +111,5 @@ def _check_disk(out: Path, plan: BuildPlan, overwrite: bool) -> None:
         parts.append(f"fits {human(plan.precond_bytes)}")
     if plan.index_bytes:
         parts.append(f"FAISS {human(plan.index_bytes)}")
-    check_space(out, plan.remaining(out) if not overwrite else plan.peak_disk, "build",
+    check_space(out, plan.remaining(out) if not overwrite else plan.least_disk, "build",
                 f"at its peak: {', '.join(parts)}")

@@ -99,11 +99,17 @@ class BuildPlan:
             during = self.capture_bytes + self.precond_bytes + self.index_bytes
         return max(during, self.final_disk)
 
+    @property
+    def least_disk(self) -> int:
+        """The peak without the rotated copy: the fused transcode then rotates each row twice instead
+        (:func:`gradindex.precondition.fused.fit_and_transcode` keeps the copy only where the disk has room)."""
+        return replace(self, rotated_bytes=0).peak_disk
+
     def remaining(self, out: str | Path) -> int:
-        """Bytes the build still adds to ``out`` at its peak (what is there counts as written)."""
+        """Bytes the build still adds to ``out`` at its least peak (what is there counts as written)."""
         out = Path(out)
         there = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.is_dir() else 0
-        return max(0, self.peak_disk - there)
+        return max(0, self.least_disk - there)
 
     def summary(self) -> str:
         """One line: rows, disk, memory, time (when measured), lookup."""

@@ -14,7 +14,7 @@ from gradindex.data import load_records, tokenize_records
 from gradindex.manifest import read_manifest, row_basis
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
-from gradindex.precondition import compact, ekfac, fit, rotated
+from gradindex.precondition import compact, ekfac, fit, fused, rotated
 from gradindex.precondition.files import precond_path
 from gradindex.store import Store
 
@@ -146,3 +146,20 @@ def read_layer_dims(inputs) -> list[int]:
     model, _, _ = inputs
     cap = GradientCapture(model, (), ProjectionSpec.parse("none"))
     return [cap.dim(n) for n in cap.infos]
+
+
+def test_without_disk_room_for_the_rotated_copy_the_transcode_rotates_again(inputs, tmp_path, monkeypatch):
+    """A disk that holds the coded rows but not the float16 copy beside them: no copy is written, the
+    transcode reads and rotates the store's rows, and the index's rows match the build that kept one."""
+    _build(inputs, tmp_path / "copy")
+    free = []
+    monkeypatch.setattr(fused, "free_bytes", lambda d: free.append(d) or 0)
+    made = []
+    monkeypatch.setattr(rotated.RotatedRows, "attach", lambda self, *a: made.append(1))
+    _build(inputs, tmp_path / "tight")
+    assert free and not made  # the disk was asked, and no copy written
+    got, want = _rows(tmp_path / "tight"), _rows(tmp_path / "copy")
+    for n in want:  # (the copy's float16 rounding: a number may land one int4 step off)
+        step = np.abs(want[n]).max(1, keepdims=True) / 7
+        assert (np.abs(got[n] - want[n]) <= 1.01 * step + 1e-7).all(), n
+        assert np.isclose(got[n], want[n], rtol=1e-3, atol=1e-7).mean() > 0.99, n
