@@ -72,8 +72,10 @@ def note_unhooked(model) -> None:
 @click.option("--budget", default="", help="Bytes per example for --projection auto: an integer, or a fraction "
                                             "of the full float32 gradient such as 1/8 (default: 1/8, at most "
                                             "256 KiB; the whole gradient where that buys it).")
-@click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
-              help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
+@click.option("--allocation", default="ratio", show_default=True,
+              type=click.Choice(["ratio", "equal", "spectrum", "cost"]),
+              help="How --budget is spread over layers (docs/math.md, 'What a row holds'); cost: ratio's numbers "
+                   "per layer, split between its sides for the cheapest capture.")
 @click.option("--projection-basis", "basis", default="raw", show_default=True,
               type=click.Choice(["raw", "kfac", "eigen"]),
               help="eigen: store the full-space EK-FAC eigen-coordinates --budget buys, chosen over all layers "
