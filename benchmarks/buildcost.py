@@ -8,8 +8,8 @@ its own process, one after another, so that its peak RSS (``ru_maxrss``) is its 
 * ``default``: ``build_index`` with the CLI's defaults (auto budget, int4 rows transcoded into the
   EK-FAC whitened eigenbasis, the default FAISS stage), with seconds per stage (capture, fit,
   transcode, FAISS), once with this checkout's gradindex (``after``) and once with ``--before``'s
-  (another checkout, e.g. ``git archive BASE | tar -x -C /tmp/base``); with ``--also-cost`` once more
-  with ``--allocation cost`` (each layer's numbers split between its sides for the cheapest capture);
+  (another checkout, e.g. ``git archive BASE | tar -x -C /tmp/base``); with ``--also-ratio`` once more
+  with ``--allocation ratio`` (each side ``k ∝`` its width: the split before the default ``cost``);
   each with the most bytes its index directory held at once (sampled every 0.1 s) over its final store.
 
 Then the same on a tiny model at a larger N (``--tiny-n`` examples of 16 tokens; GPT-2 2x48): the
@@ -100,7 +100,7 @@ class DiskPeak:
 
 
 def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path,
-          allocation: str = "ratio") -> dict:
+          allocation: str = "") -> dict:
     """One cell in this process: ``floor`` or ``default``; seconds (per stage) and peak RSS."""
     if root != ROOT:
         sys.path.insert(0, str(root))
@@ -136,8 +136,8 @@ def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, r
         data = Tokenized(seqs, [list(s) for s in seqs], 0, "input_ids")
         cfg = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
                           transcode="ekfac", max_length=tokens, batch_size=8,
-                          **({"allocation": allocation} if allocation != "ratio" else {}))
-        out["allocation"] = allocation
+                          **({"allocation": allocation} if allocation else {}))
+        out["allocation"] = allocation or "default"
         with tempfile.TemporaryDirectory(prefix="gradindex-buildcost-", dir=os.environ.get("BUILDCOST_TMP")) as d:
             import gradindex.pipeline as pipeline
 
@@ -155,12 +155,12 @@ def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, r
 
 
 def run(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path,
-        allocation: str = "ratio") -> dict:
+        allocation: str = "") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     args = [sys.executable, "-m", "benchmarks.buildcost", "--child", cell, "--n", str(n), "--tokens", str(tokens),
             "--width", str(width), "--blocks", str(blocks), "--vocab", str(vocab), "--root", str(root),
-            "--allocation", allocation]
+            *(["--allocation", allocation] if allocation else [])]
     r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
     if r.returncode:
         raise RuntimeError(f"{cell} ({root}) failed:\n{r.stderr[-3000:]}")
@@ -195,9 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--root", type=Path, default=ROOT)
-    ap.add_argument("--allocation", default="ratio")
-    ap.add_argument("--also-cost", action="store_true",
-                    help="a third build cell: this checkout with --allocation cost (the cheaper capture split)")
+    ap.add_argument("--allocation", default="")
+    ap.add_argument("--also-ratio", action="store_true",
+                    help="a third build cell: this checkout with --allocation ratio (the split before 'cost')")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.child, a.n, a.tokens, a.width, a.blocks, a.vocab, a.root, a.allocation)))
@@ -208,8 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     peers = {"floor": run("floor", n, a.tokens, a.width, a.blocks, a.vocab, ROOT)}
     for name, root in roots.items():
         peers[name] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, root)
-    if a.also_cost:
-        peers["after_cost"] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, ROOT, "cost")
+    if a.also_ratio:
+        peers["after_ratio"] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, ROOT, "ratio")
     peers["floor_again"] = run("floor", n, a.tokens, a.width, a.blocks, a.vocab, ROOT)
     floor = {"seconds": (peers["floor"]["seconds"] + peers["floor_again"]["seconds"]) / 2,
              "peak_rss_mb": max(peers["floor"]["peak_rss_mb"], peers["floor_again"]["peak_rss_mb"])}
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": round(load, 2),
                     "load_after": round(os.getloadavg()[0], 2)},
         "peers": peers, "floor": floor,
-        "ratios": {name: ratios(floor, peers[name]) for name in [*roots, *(["after_cost"] if a.also_cost else [])]},
+        "ratios": {name: ratios(floor, peers[name]) for name in [*roots, *(["after_ratio"] if a.also_ratio else [])]},
         "tiny": tiny,
         "tiny_after_capture_over_capture": {
             name: round(sum(v for k, v in t["stages"].items() if k != "capture") / t["stages"]["capture"], 3)

@@ -23,6 +23,7 @@ from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.data import Tokenized
 from gradindex.diskspace import human
+from gradindex.index.cost import TIERS, LookupCost, choose_kind, lookup_cost
 from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import BLOCK_BYTES
 from gradindex.store.basis import RowBasis
@@ -73,6 +74,9 @@ class BuildPlan:
     """The fused transcode's float16 copy of the rotated rows (:mod:`gradindex.precondition.rotated`),
     beside the captured rows until each shard is coded."""
     shards: int = 1
+    lookup: LookupCost | None = None
+    """One query's estimated cost on the index kind the FAISS stage builds (``store`` or ``sketch``;
+    :func:`gradindex.index.cost.lookup_cost`), None for a FAISS type or no FAISS stage."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Estimated seconds per stage, when measured (:func:`measure_seconds`)."""
     approximate: bool = False
@@ -119,10 +123,15 @@ class BuildPlan:
         if self.seconds:
             stages = ", ".join(f"{k} {_duration(v)}" for k, v in self.seconds.items())
             t = f", about {_duration(sum(self.seconds.values()))} ({stages})"
+        if self.lookup is None:
+            look = f"an exhaustive lookup scans {human(self.store_bytes)} of rows"
+        else:
+            lk = self.lookup
+            look = (f"a lookup ({lk.kind} index) about {lk.seconds:.2g} s a query on one idle core, "
+                    f"{human(lk.ram_bytes)} RAM, {human(lk.scanned_bytes)} read")
         return (f"plan: {self.examples:,} examples x {len(self.layers)} layers ({numbers:,} numbers, {rows}: "
                 f"{human(self.row_bytes)} per example); disk {human(self.final_disk)} final, {human(self.peak_disk)} "
-                f"at peak; RAM about {human(self.ram_bytes)}{t}; an exhaustive lookup scans "
-                f"{human(self.store_bytes)} of rows")
+                f"at peak; RAM about {human(self.ram_bytes)}{t}; {look}")
 
 
 def _duration(s: float) -> str:
@@ -156,8 +165,22 @@ def rows_bytes(examples: int, shard_size: int, layers: list[LayerPlan], storage:
     return total
 
 
-def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = True) -> BuildPlan:
-    """Sizes of a build of ``examples`` examples under ``cfg`` (``index``: with its FAISS stage)."""
+def plan_lookup(examples: int, layers: list[LayerPlan], storage: str, factory: str = "auto",
+                sketch_bytes: int = 0) -> LookupCost | None:
+    """The lookup cost of the index kind ``factory`` builds on these rows (``auto``: the kind it chooses,
+    :func:`gradindex.index.cost.choose_kind`); None for a FAISS type (no estimate)."""
+    numbers = sum(lp.numbers for lp in layers)
+    f = (factory or "auto").strip().lower()
+    kind = choose_kind(examples, numbers, storage) if f == "auto" else f
+    if kind not in TIERS:
+        return None
+    return lookup_cost(examples, numbers, storage, kind, len(layers), sketch_bytes)
+
+
+def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = True, factory: str = "auto",
+               sketch_bytes: int = 0) -> BuildPlan:
+    """Sizes of a build of ``examples`` examples under ``cfg`` (``index``: with its FAISS stage, of
+    ``factory`` and ``sketch_bytes`` as in :class:`gradindex.index.IndexConfig`)."""
     layers = hooked_layers(model, cfg)
     shards = max(1, -(-examples // cfg.shard_size))
     factors = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2) for lp in layers)  # one layer's A and S, float64
@@ -171,8 +194,9 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     fits = {"none": 0, "kfac": 1, "ekfac": 2}[cfg.precondition]
     precond = fits * per_fit + (8 * examples * (L + 1) if fits and not transcode else 0)  # (+ graddot's norms)
     basis = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2 + lp.numbers) for lp in layers) if transcode else 0
-    index_bytes = examples * sum(row_bytes(cfg.storage, lp.numbers) - 4 * (cfg.storage in ("int8", "int4"))
-                                 for lp in layers) if index else 0
+    lookup = plan_lookup(examples, layers, cfg.storage, factory, sketch_bytes) if index else None
+    index_bytes = lookup.index_bytes if lookup is not None else examples * sum(  # (a FAISS type: codes of every row)
+        row_bytes(cfg.storage, lp.numbers) - 4 * (cfg.storage in ("int8", "int4")) for lp in layers) if index else 0
     width = sum(lp.numbers for lp in layers)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     capture_ram = 2 * 4 * cfg.batch_size * width + 2 * params  # float32 batch rows on the device and their host copy
@@ -180,7 +204,7 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     ram = BASE_RAM + params + max(capture_ram, block)
     rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" else 0
     return BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
-                     index_bytes, ram, rotated, shards, approximate=cfg.basis not in ("raw", "kfac"))
+                     index_bytes, ram, rotated, shards, lookup, approximate=cfg.basis not in ("raw", "kfac"))
 
 
 def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,

@@ -37,7 +37,7 @@ def _plan(model_dir, data, out, batches, as_json, **o):
     opts = settings(o)
     o["device"] = str(resolve_device(o["device"]))
     model, tok, data_tok, cfg = load_inputs(o, opts)
-    plan = plan_build(model, cfg, len(data_tok), not o["no_index"])
+    plan = plan_build(model, cfg, len(data_tok), not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes)
     if batches > 0 and len(data_tok):
         plan.seconds = measure_seconds(model, data_tok, cfg, plan, resolve_pad_id(model, tok), batches)
     free = free_bytes(out or ".")
@@ -51,7 +51,7 @@ def _plan(model_dir, data, out, batches, as_json, **o):
                       "basis": plan.basis_bytes, "index": plan.index_bytes, "final": plan.final_disk,
                       "peak": plan.peak_disk, "free": free, "per_example": plan.row_bytes},
             "ram_bytes": plan.ram_bytes, "seconds": plan.seconds,
-            "lookup": {"exhaustive_scan_bytes": plan.store_bytes}}))
+            "lookup": {**(plan.lookup.to_dict() if plan.lookup else {}), "exhaustive_scan_bytes": plan.store_bytes}}))
         return
     click.echo(f"{'layer':<40} {'N_o x N_i':>12} {'stored k_g x k_a':>17} {'numbers':>10} {'bytes/example':>14}")
     from gradindex.store.codes import row_bytes

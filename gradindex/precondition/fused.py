@@ -34,16 +34,16 @@ from gradindex.precondition.compact import STAGING, compact_rows, finish_transco
 from gradindex.precondition.files import precond_path, write_precond
 from gradindex.precondition.fit import FitConfig, fit_manifest, register_fits, store_fit
 from gradindex.precondition.rotated import RotatedRows
-from gradindex.store.sizing import bytes_per_number
+from gradindex.store.codes import row_bytes
 
 
 def keeps_copy(d: Path, manifest: dict, storage: str) -> bool:
     """Whether ``d``'s disk holds the rotated copy beside the coded rows (with 10% to spare); without the
     copy the transcode rotates each row again, from the store (the same numbers up to round-off)."""
-    numbers = sum(int(v["rows"]) * int(v["cols"]) for v in manifest["build"]["layers"].values())
+    dims = [int(v["rows"]) * int(v["cols"]) for v in manifest["build"]["layers"].values()]
     examples = int(manifest["counts"]["examples"])
-    coded = examples * numbers * bytes_per_number(storage)
-    return free_bytes(d) > 1.1 * (2 * examples * numbers + coded)
+    coded = examples * sum(row_bytes(storage, x) for x in dims)
+    return free_bytes(d) > 1.1 * (2 * examples * sum(dims) + coded)
 
 
 def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str, model=None, tokenizer=None,

@@ -84,8 +84,9 @@ class BuildConfig:
     budget: int | str = 0
     """Bytes per example for per-layer projection sizes (``--projection auto``): an integer, or a
     fraction of the full gradient's float32 bytes such as ``"1/8"``; 0 = ``projection`` as given."""
-    allocation: str = "ratio"
-    """How the budget is spread over layers: ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
+    allocation: str = "cost"
+    """How the budget is spread over layers: ``cost`` (``ratio``'s numbers per layer, split between its
+    sides for the cheapest capture), ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
     basis: str = "raw"
     """``raw``; ``kfac``: whiten each side by its damped full-space factor before projection; ``eigen``:
     store the eigen-coordinates of full-space EK-FAC that ``budget`` buys, chosen over all layers by
