@@ -229,8 +229,10 @@ def test_damping_used_is_the_querys_or_the_one_the_rows_bake_in():
 def _unit(index_dir, method: str) -> tuple[np.ndarray, str]:
     """Every row's unit vector as dedup compares them under ``method``, and the operation on the rows."""
     from gradindex.apps.dedup import DedupConfig, _space, _unit_rows
+    from gradindex.store.opened import OpenStore
 
-    layers, base, pre = _space(index_dir, DedupConfig(method=method), None)
+    with OpenStore(index_dir) as ix:  # (dedup's _space takes an open store since 3679b3c)
+        layers, base, pre = _space(ix, DedupConfig(method=method), None)
     return _unit_rows(_rows(index_dir), layers, pre, base, 0.0).astype(np.float64), base
 
 

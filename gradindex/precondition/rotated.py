@@ -64,7 +64,7 @@ class RotatedRows:
         self._written.add((k, j))
         with open(self._path(k, j), mode) as f:
             f.seek(int(pos[0] - self.starts[k]) * self.dims[j] * 2)
-            f.write(h.tobytes())
+            h.tofile(f)
         self._bytes += h.nbytes
         self.peak_bytes = max(self.peak_bytes, self._bytes)
 
