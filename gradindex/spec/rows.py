@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.spec.build import default as option_default
 
 CODE_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
@@ -112,7 +113,7 @@ class RowSpec:
     """``""`` (plain gradients), ``exact`` or ``factored`` (Adam-preconditioned rows)."""
     transcode: bool = False
     """Rows rewritten in the EK-FAC whitened eigenbasis at ``damping`` after its fit."""
-    damping: float = 0.001
+    damping: float = DEFAULT_DAMPING
     storage: str = "auto"
 
     def __post_init__(self) -> None:
@@ -122,7 +123,7 @@ class RowSpec:
 
     # -- the string form -------------------------------------------------------------------------
     @classmethod
-    def parse(cls, text: str, damping: float = 0.001) -> RowSpec:
+    def parse(cls, text: str, damping: float = DEFAULT_DAMPING) -> RowSpec:
         """The spec ``text`` names; ``damping`` is the default of a ``KFAC``/``EIGEN``/``EKFAC`` token without
         ``@d``. One error naming the token and the grammar for anything else."""
         tokens = [t.strip() for t in str(text).split(",") if t.strip()]
