@@ -127,8 +127,8 @@ def owned_parameters(modules: Mapping[str, nn.Module]) -> list[nn.Parameter]:
     """The parameters the chosen layers attribute (a fused expert matrix counts once)."""
     seen: dict[int, nn.Parameter] = {}
     for m in modules.values():
-        fused = getattr(m, "fused", None)
-        for p in [fused] if isinstance(fused, nn.Parameter) else m.parameters(recurse=False):
+        fused = getattr(m, "fused", None)  # a group's stand-in: the fused parameter(s) it is a slice of
+        for p in [fused] if isinstance(fused, nn.Parameter) else fused or m.parameters(recurse=False):
             seen.setdefault(id(p), p)
     return list(seen.values())
 
