@@ -44,11 +44,11 @@ import numpy as np
 import torch
 
 from benchmarks import baselines as B
-from benchmarks.common import example_losses, lds_per_query, query_gradients, train_model
-from benchmarks.fidelity import DEFAULT_WORK, FidelityConfig, Setup, make_setup, new_model
+from benchmarks.common import example_losses, lds_per_query, query_gradients, spearman_rows, train_model
+from benchmarks.fidelity import CORPORA, DEFAULT_WORK, FidelityConfig, Setup, make_setup, new_model
 from fixtures.tiny import save_model_dir
 from gradindex.capture import ProjectionSpec
-from gradindex.data import Tokenized
+from gradindex.data import Tokenized, records_from_texts, tokenize_records
 from gradindex.index import build_indices
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
@@ -57,36 +57,96 @@ from gradindex.query.scores import score_matrix
 
 
 @dataclass(frozen=True)
-class ProtocolConfig:
-    """One run; ``fidelity`` fixes the corpus, model and recipe (smaller than fidelity.py's: 100 steps of 16)."""
+class PretrainConfig:
+    """The base model every run fine-tunes from: trained on the corpus's paragraphs that are neither training
+    nor query rows (so a retraining is a fine-tune from one trained model, as on Bergson's board, not a
+    chaotic run from scratch)."""
 
-    fidelity: FidelityConfig = FidelityConfig(n_query=48, steps=100, batch=16)
+    steps: int = 1500
+    batch: int = 32
+    lr: float = 3e-3
+
+
+@dataclass(frozen=True)
+class ProtocolConfig:
+    """One run; ``fidelity`` fixes the corpus, model and the fine-tuning recipe (``steps`` of ``batch`` at ``lr``
+    from the pretrained model, the same for the full model and every retraining)."""
+
+    fidelity: FidelityConfig = FidelityConfig(n_query=64, steps=48, batch=16, lr=1e-3)
+    pretrain: PretrainConfig = PretrainConfig()
+    val_queries: int = 16
+    """The first queries choose the damping (LDS over halves, plain EK-FAC); every reported figure is over the rest."""
+    dampings: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
     halves: int = 16
     """Random 50% subsets (LDS over halves)."""
-    drops: int = 24
+    drops: int = 64
     """Retrainings leaving out a random ``drop_frac`` of the examples (LDS over 1% drops)."""
     drop_frac: float = 0.01
+    ceiling_drops: int = 16
+    """The first 1%-drop retrainings repeated with another batch order: the LDS's noise ceiling (Spearman of the
+    two orders' losses over those drops, per test query)."""
     qld_queries: int = 4
-    """Queries whose loss rise after removing each method's top ``drop_frac`` is measured."""
+    """Test queries whose loss rise after removing each method's top ``drop_frac`` is measured."""
     qld_methods: tuple[str, ...] = ("ekfac (default index)", "ekfac refined, 4 steps", "graddot", "bm25", "repsim",
                                     "trackstar")
-    refine_steps: tuple[int, ...] = (2, 4, 8)
+    refine_steps: tuple[int, ...] = (1, 2, 4)
     refine_sample: int = 64
     refine_method: str = "cg"
+    refine_curvature: str = "ggn"
+    extra_refine: tuple[tuple[str, int, int], ...] = (("sampled", 4, 256), ("fisher", 1, 256))
+    """Other (curvature, steps, sample) refinements scored for comparison."""
+    study_dampings: tuple[float, ...] = (0.01, 0.1, 1.0)
+    """Validation-query study: plain vs GGN-refined (2 steps) EK-FAC on the raw index at these dampings."""
     cost_queries: int = 16
     corpora: tuple[str, ...] = ("stdlib", "gnu-info")
-    damping: float = 0.001
 
     def key(self, corpus: str) -> str:
-        d = asdict(self.fidelity) | {"corpus": corpus, "torch": torch.__version__, "recipe": "fixed-order-v1"}
+        d = asdict(self.fidelity) | {"corpus": corpus, "torch": torch.__version__, "recipe": "pretrain-finetune-v1",
+                                     "pretrain": asdict(self.pretrain)}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-QUICK = ProtocolConfig(fidelity=FidelityConfig(n_train=32, n_query=6, max_tokens=48, vocab=300, n_embd=32, steps=20,
-                                               batch=8, n_facts=2, corpora=("stdlib",)),
+QUICK = ProtocolConfig(fidelity=FidelityConfig(n_train=32, n_query=8, max_tokens=48, vocab=300, n_embd=32, steps=8,
+                                               batch=8, lr=1e-3, n_facts=2, corpora=("stdlib",)),
+                       pretrain=PretrainConfig(steps=30, batch=16), val_queries=2, dampings=(0.01, 0.1),
                        halves=4, drops=4, drop_frac=0.05, qld_queries=1, refine_steps=(2,), refine_sample=8,
-                       cost_queries=2, corpora=("stdlib",),
+                       extra_refine=(("sampled", 1, 8),), cost_queries=2, corpora=("stdlib",), ceiling_drops=2,
+                       study_dampings=(0.1,),
                        qld_methods=("ekfac (default index)", "ekfac refined, 2 steps", "bm25"))
+
+
+def pretrain_pool(fc: FidelityConfig, corpus: str, setup: Setup) -> Tokenized:
+    """The corpus's paragraphs that :func:`~benchmarks.fidelity.make_setup` made neither training nor query rows."""
+    paras = CORPORA[corpus][0]()
+    order = np.random.default_rng(0).permutation(len(paras))  # make_setup's permutation
+    rest = [paras[i] for i in order[fc.n_train + fc.n_query:]]
+    return tokenize_records(records_from_texts(rest), setup.tokenizer, fc.max_tokens)
+
+
+def unigram_loss(train: Tokenized, query: Tokenized, vocab: int) -> float:
+    """Per-token loss on the queries' targets of the training targets' unigram distribution (add-one smoothed)."""
+    counts = np.ones(vocab)
+    for y in train.labels:
+        np.add.at(counts, [t for t in y[1:] if t >= 0], 1)
+    logp = np.log(counts / counts.sum())
+    tgt = [t for y in query.labels for t in y[1:] if t >= 0]
+    return float(-logp[tgt].mean())
+
+
+def pretrained_init(pc: ProtocolConfig, corpus: str, setup: Setup, work: Path, log=print) -> dict:
+    """The base model's state (cached in ``work``): :class:`PretrainConfig` steps on :func:`pretrain_pool`."""
+    path = work / "pretrained.pt"
+    if path.exists():
+        return torch.load(path)
+    pool = pretrain_pool(pc.fidelity, corpus, setup)
+    model = new_model(pc.fidelity, len(setup.tokenizer))
+    t0 = time.perf_counter()
+    train_model(model, pool.input_ids, pc.pretrain, seed=7)
+    log(f"[{corpus}] pretrained on {len(pool)} paragraphs, {pc.pretrain.steps} steps "
+        f"({time.perf_counter() - t0:.0f} s)")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save(state, path)
+    return state
 
 
 _W: dict = {}
@@ -102,7 +162,8 @@ def _job(job: tuple[str, np.ndarray]) -> tuple[str, np.ndarray]:
     cfg, setup = _W["cfg"], _W["setup"]
     model = new_model(cfg, len(setup.tokenizer))
     model.load_state_dict(_W["init"])
-    train_model(model, setup.train.input_ids, cfg, seed=1000, keep=keep)
+    seed = int(name.split("@seed")[1]) if "@seed" in name else 1000  # "drop3@seed1001": another batch order
+    train_model(model, setup.train.input_ids, cfg, seed=seed, keep=keep)
     return name, example_losses(model, setup.query)
 
 
@@ -141,8 +202,45 @@ def _build(model, setup: Setup, out: Path, model_dir: Path, data: Path, cfg: Bui
     return out
 
 
-def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, log=print) -> tuple[dict, dict, Path]:
-    """method → ``[Q + F, N]`` scores (queries, then fact queries); seconds per method; the default index."""
+def choose_damping(pc: ProtocolConfig, raw: Path, q: dict, masks: np.ndarray, losses: np.ndarray) -> tuple[float, dict]:
+    """The damping of :attr:`ProtocolConfig.dampings` with the best plain EK-FAC LDS over halves on the
+    validation queries only (the first ``val_queries``; the raw index scores any damping at query time)."""
+    v = pc.val_queries
+    qv = {n: g[:v] for n, g in q.items()}
+    lds = {d: float(lds_per_query(score_matrix(raw, qv, "ekfac", damping=d, device="cpu"), masks, losses[:, :v]).mean())
+           for d in pc.dampings}
+    return max(lds, key=lds.get), lds
+
+
+def damping_study(pc: ProtocolConfig, raw: Path, model_dir: Path, data: Path, ids, labels, sets: dict) -> dict:
+    """Validation queries only: plain and GGN-refined (2 steps) EK-FAC on the raw index (damping applied at query
+    time) at each of ``study_dampings``; ``sets``: protocol → ``(masks, losses [M, Q])``."""
+    v, out = pc.val_queries, {}
+    rc = RefineConfig(method=pc.refine_method, steps=2, sample=pc.refine_sample, curvature="ggn")
+    with QueryEngine(raw, model_dir, device="cpu", data=data) as e:
+        for d in pc.study_dampings:
+            row = {}
+            for name, r in (("plain", False), ("ggn 2 steps", rc)):
+                sc = e.scores(_records(ids[:v], labels[:v]), method="ekfac", damping=d, refine=r)
+                row[name] = {p: round(float(lds_per_query(sc, m, L[:, :v]).mean()), 4) for p, (m, L) in sets.items()}
+            out[str(d)] = row
+    return out
+
+
+def _refines(pc: ProtocolConfig) -> dict[str, RefineConfig]:
+    out = {f"ekfac refined, {s} steps": RefineConfig(method=pc.refine_method, steps=s, sample=pc.refine_sample,
+                                                      curvature=pc.refine_curvature) for s in pc.refine_steps}
+    for curv, s, n in pc.extra_refine:
+        out[f"ekfac refined, {curv} {s} steps"] = RefineConfig(method=pc.refine_method, steps=s, sample=n,
+                                                               curvature=curv)
+    return out
+
+
+def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, sets: dict,
+                  log=print) -> tuple[dict, dict, Path, dict]:
+    """method → ``[Q + F, N]`` scores (queries, then fact queries); seconds per method; the default index; the
+    damping choice and study (``sets``: protocol → ``(masks, losses)``; the halves choose the damping)."""
+    masks, losses = sets["halves"]
     fc = pc.fidelity
     model_dir = save_model_dir(model, setup.tokenizer, work / "model")
     data = work / "train.jsonl"
@@ -150,35 +248,37 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, log=
     ids = setup.query.input_ids + setup.fact_query.input_ids
     labels = setup.query.labels + setup.fact_query.labels
     out, secs = {}, {}
-    default = _build(model, setup, work / "default", model_dir, data,
-                     BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
-                                 transcode="ekfac", storage="int4", max_length=fc.max_tokens, damping=pc.damping))
-    build_indices(default, progress=False)
-    raw_cfg = BuildConfig(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac",
-                          max_length=fc.max_tokens, damping=pc.damping)
+    raw_cfg = BuildConfig.raw(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac",
+                          max_length=fc.max_tokens)
     raw = _build(model, setup, work / "raw", model_dir, data, raw_cfg)
     q = query_gradients(model, setup.tokenizer, Tokenized(ids, labels, 0, "text"), raw_cfg)
+    damping, sweep = choose_damping(pc, raw, q, masks, losses)
+    log(f"  damping {damping:g} (validation LDS over halves {sweep})")
+    t0 = time.perf_counter()
+    study = damping_study(pc, raw, model_dir, data, ids, labels, sets)
+    log(f"  validation study ({time.perf_counter() - t0:.0f} s): {study}")
     for m in ("graddot", "kfac", "ekfac"):
         t0 = time.perf_counter()
-        out[m] = score_matrix(raw, q, m, damping=pc.damping, device="cpu")
+        out[m] = score_matrix(raw, q, m, damping=damping, device="cpu")
         secs[m] = time.perf_counter() - t0
+    default = _build(model, setup, work / "default", model_dir, data,
+                     BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
+                                 transcode="ekfac", storage="int4", max_length=fc.max_tokens, damping=damping))
+    build_indices(default, progress=False)
     with QueryEngine(default, model_dir, device="cpu", data=data) as e:
         t0 = time.perf_counter()
-        out["ekfac (default index)"] = e.scores(_records(ids, labels), method="ekfac", damping=pc.damping)
+        out["ekfac (default index)"] = e.scores(_records(ids, labels), method="ekfac", damping=damping)
         secs["ekfac (default index)"] = time.perf_counter() - t0
-        for s in pc.refine_steps:
-            rc = RefineConfig(method=pc.refine_method, steps=s, sample=pc.refine_sample)
+        for name, rc in _refines(pc).items():
             t0 = time.perf_counter()
-            out[f"ekfac refined, {s} steps"] = e.scores(_records(ids, labels), method="ekfac", damping=pc.damping,
-                                                        refine=rc)
-            secs[f"ekfac refined, {s} steps"] = time.perf_counter() - t0
-            log(f"  refined {s} steps: {secs[f'ekfac refined, {s} steps']:.0f} s")
-    t0 = time.perf_counter()
-    out["bm25"] = B.bm25_scores(setup.train.input_ids, ids, labels)
-    secs["bm25"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out["repsim"] = B.repsim_scores(model, setup.train.input_ids, ids)
-    secs["repsim"] = time.perf_counter() - t0
+            out[name] = e.scores(_records(ids, labels), method="ekfac", damping=damping, refine=rc)
+            secs[name] = time.perf_counter() - t0
+            log(f"  {name}: {secs[name]:.0f} s")
+    for name, fn in (("bm25", lambda: B.bm25_scores(setup.train.input_ids, ids, labels)),
+                     ("repsim", lambda: B.repsim_scores(model, setup.train.input_ids, ids))):
+        t0 = time.perf_counter()
+        out[name] = fn()
+        secs[name] = time.perf_counter() - t0
     from benchmarks._study import capture_full
 
     t0 = time.perf_counter()
@@ -188,7 +288,7 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, log=
     model.requires_grad_(False)
     out["trackstar"] = B.trackstar_scores(G, Gq, B.adam_second_moments(model, opt, list(G)))
     secs["trackstar"] = time.perf_counter() - t0
-    return out, secs, default
+    return out, secs, default, {"chosen": damping, "validation_lds_halves": sweep, "validation_study": study}
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -201,23 +301,24 @@ def fact_ranks(score: np.ndarray, rows: tuple[int, ...]) -> np.ndarray:
     return np.array([1 + int((s > s[r]).sum()) for s, r in zip(score, rows, strict=True)])
 
 
-def cost(pc: ProtocolConfig, default: Path, work: Path, setup: Setup) -> dict:
+def cost(pc: ProtocolConfig, default: Path, work: Path, setup: Setup, damping: float) -> dict:
     """p50/p95 seconds per query, one at a time, plain and refined (4 steps or the largest), fresh engine."""
     steps = 4 if 4 in pc.refine_steps else max(pc.refine_steps)
-    rc = RefineConfig(method=pc.refine_method, steps=steps, sample=pc.refine_sample)
+    rc = RefineConfig(method=pc.refine_method, steps=steps, sample=pc.refine_sample, curvature=pc.refine_curvature)
     n = min(pc.cost_queries, len(setup.query))
     recs = _records(setup.query.input_ids[:n], setup.query.labels[:n])
-    out = {"queries": n, "refine_steps": steps, "refine_sample": pc.refine_sample}
+    out = {"queries": n, "refine_steps": steps, "refine_sample": pc.refine_sample, "curvature": pc.refine_curvature}
     with QueryEngine(default, work / "model", device="cpu", data=work / "train.jsonl") as e:
-        e.query(recs[0], k=10, method="ekfac", texts=False)  # warm: FAISS read, first capture
+        e.query(recs[0], k=10, method="ekfac", damping=damping, texts=False)  # warm: FAISS read, first capture
         t0 = time.perf_counter()
-        e.query(recs[0], k=10, method="ekfac", texts=False, refine=replace(rc, seed=rc.seed + 1))
-        out["first_refined_query_s"] = time.perf_counter() - t0  # builds the sample's batches
+        e.query(recs[0], k=10, method="ekfac", damping=damping, texts=False, refine=replace(rc, seed=rc.seed + 1))
+        out["first_refined_query_s"] = time.perf_counter() - t0  # captures the sample (another seed: uncached)
+        e.query(recs[0], k=10, method="ekfac", damping=damping, texts=False, refine=rc)  # this seed's sample
         for name, r in (("plain", False), ("refined", rc)):
             ts = []
-            for rec in recs:
+            for rec in recs[1:]:
                 t0 = time.perf_counter()
-                e.query(rec, k=10, method="ekfac", texts=False, refine=r)
+                e.query(rec, k=10, method="ekfac", damping=damping, texts=False, refine=r)
                 ts.append(time.perf_counter() - t0)
             out[name] = {"p50_s": float(np.percentile(ts, 50)), "p95_s": float(np.percentile(ts, 95))}
     out["ratio_p50"] = out["refined"]["p50_s"] / out["plain"]["p50_s"]
@@ -225,22 +326,7 @@ def cost(pc: ProtocolConfig, default: Path, work: Path, setup: Setup) -> dict:
     return out
 
 
-def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, log=print) -> dict:
-    fc = pc.fidelity
-    work = work_root / f"refine-{corpus}-{pc.key(corpus)}"
-    work.mkdir(parents=True, exist_ok=True)
-    setup = make_setup(fc, corpus)
-    N, Q = fc.n_train, len(setup.query)
-    vocab = len(setup.tokenizer)
-    init = {k: v.clone() for k, v in new_model(fc, vocab).state_dict().items()}
-    model, opts = new_model(fc, vocab), []
-    model.load_state_dict(init)
-    t0 = time.perf_counter()
-    train_model(model, setup.train.input_ids, fc, seed=1000, optimizer_out=opts)
-    t_train = time.perf_counter() - t0
-    base = example_losses(model, setup.query)
-    log(f"[{corpus}] model trained ({t_train:.0f} s); query loss/token "
-        f"{base.sum() / sum(len(x) - 1 for x in setup.query.input_ids):.3f}")
+def _masks(pc: ProtocolConfig, N: int) -> tuple[np.ndarray, np.ndarray, int]:
     rng = np.random.default_rng(0)
     k_drop = max(1, math.ceil(pc.drop_frac * N))
     halves = np.zeros((pc.halves, N), bool)
@@ -249,25 +335,61 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
     drops = np.ones((pc.drops, N), bool)
     for m in range(pc.drops):
         drops[m, rng.choice(N, k_drop, replace=False)] = False
-    jobs = {f"half{m}": halves[m] for m in range(pc.halves)} | {f"drop{m}": drops[m] for m in range(pc.drops)}
-    losses = retrain(jobs, fc, setup, init, work / "retrain.npz", workers, log)
-    L_h = np.stack([losses[f"half{m}"] for m in range(pc.halves)])  # [M, Q]
-    L_d = np.stack([losses[f"drop{m}"] for m in range(pc.drops)])
-    S, secs, default = method_scores(pc, setup, model, opts[0], work, log)
-    qld_jobs = {}
+    return halves, drops, k_drop
+
+
+def _qld(pc: ProtocolConfig, S: dict, N: int, k_drop: int) -> dict[str, np.ndarray]:
+    """Retraining jobs without each QLD method's top ``k_drop`` for the first ``qld_queries`` test queries."""
+    v, jobs = pc.val_queries, {}
     for meth in pc.qld_methods:
-        top = np.argsort(-S[meth][: pc.qld_queries], axis=1, kind="stable")[:, :k_drop]
+        top = np.argsort(-S[meth][v: v + pc.qld_queries], axis=1, kind="stable")[:, :k_drop]
         for j in range(pc.qld_queries):
             keep = np.ones(N, bool)
             keep[top[j]] = False
-            qld_jobs[f"qld|{meth}|{j}|" + ",".join(map(str, sorted(top[j])))] = keep
+            jobs[f"qld|{meth}|{v + j}|" + ",".join(map(str, sorted(top[j])))] = keep
+    return jobs
+
+
+def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, log=print) -> dict:
+    fc, v = pc.fidelity, pc.val_queries
+    work = work_root / f"refine-{corpus}-{pc.key(corpus)}"
+    work.mkdir(parents=True, exist_ok=True)
+    setup = make_setup(fc, corpus)
+    N, Q = fc.n_train, len(setup.query)
+    vocab = len(setup.tokenizer)
+    init = pretrained_init(pc, corpus, setup, work, log)
+    model, opts = new_model(fc, vocab), []
+    model.load_state_dict(init)
+    ntok = sum(len(x) - 1 for x in setup.query.input_ids)
+    loss_pre = float(example_losses(model, setup.query).sum() / ntok)
+    t0 = time.perf_counter()
+    train_model(model, setup.train.input_ids, fc, seed=1000, optimizer_out=opts)
+    t_train = time.perf_counter() - t0
+    base = example_losses(model, setup.query)
+    losses_tok = {"unigram": unigram_loss(setup.train, setup.query, vocab), "pretrained": loss_pre,
+                  "fine_tuned": float(base.sum() / ntok)}
+    log(f"[{corpus}] query loss/token: unigram {losses_tok['unigram']:.3f}, pretrained {loss_pre:.3f}, fine-tuned "
+        f"{losses_tok['fine_tuned']:.3f} ({t_train:.1f} s)")
+    halves, drops, k_drop = _masks(pc, N)
+    nc = min(pc.ceiling_drops, pc.drops)
+    jobs = ({f"half{m}": halves[m] for m in range(pc.halves)} | {f"drop{m}": drops[m] for m in range(pc.drops)}
+            | {f"drop{m}@seed1001": drops[m] for m in range(nc)})
+    losses = retrain(jobs, fc, setup, init, work / "retrain.npz", workers, log)
+    L_h = np.stack([losses[f"half{m}"] for m in range(pc.halves)])  # [M, Q]
+    L_d = np.stack([losses[f"drop{m}"] for m in range(pc.drops)])
+    L_c = np.stack([losses[f"drop{m}@seed1001"] for m in range(nc)])
+    ceiling = spearman_rows(-L_d[:nc, v:].T, -L_c[:, v:].T)  # [test Q]: two batch orders over the same drops
+    S, secs, default, damping = method_scores(pc, setup, model, opts[0], work,
+                                              {"halves": (halves, L_h), "drop": (drops, L_d)}, log)
+    qld_jobs = _qld(pc, S, N, k_drop)
     qld_losses = retrain(qld_jobs, fc, setup, init, work / "retrain.npz", workers, log)
     table = {}
     for meth, s in S.items():
-        sq, sf = s[:Q], s[Q:]
-        lh, ld = lds_per_query(sq, halves, L_h), lds_per_query(sq, drops, L_d)
+        sq, sf = s[v:Q], s[Q:]
+        lh, ld = lds_per_query(sq, halves, L_h[:, v:]), lds_per_query(sq, drops, L_d[:, v:])
         ranks = fact_ranks(sf, setup.fact_rows)
-        row = {"lds_halves": _mean_se(lh), "lds_drop": _mean_se(ld),
+        row = {"lds_halves": _mean_se(lh), "lds_drop": _mean_se(ld), "lds_halves_per_query": lh.round(4).tolist(),
+               "lds_drop_per_query": ld.round(4).tolist(),
                "fact_recall": float(np.mean(ranks == 1)), "fact_mrr": float(np.mean(1.0 / ranks)),
                "fact_ranks": ranks.tolist(), "seconds": round(secs[meth], 2)}
         if meth in pc.qld_methods:
@@ -275,17 +397,20 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
                      if n.split("|")[1] == meth]
             row["qld"] = _mean_se(np.array(rises))
         table[meth] = row
-    random_rise = (L_d[:, : pc.qld_queries] - base[None, : pc.qld_queries]).mean(0)
-    out = {"n_train": N, "n_query": Q, "drop_examples": k_drop, "retrainings": len(jobs) + len(qld_jobs),
-           "train_seconds": round(t_train, 1), "methods": table, "qld_random": _mean_se(random_rise),
-           "cost": cost(pc, default, work, setup)}
+    tq = slice(v, v + pc.qld_queries)
+    out = {"n_train": N, "n_query": Q, "val_queries": v, "test_queries": Q - v, "drop_examples": k_drop,
+           "retrainings": len(jobs) + len(qld_jobs), "train_seconds": round(t_train, 1), "loss_per_token": losses_tok,
+           "damping": damping, "noise_ceiling_drop": _mean_se(ceiling), "ceiling_drops": nc,
+           "methods": table, "qld_random": _mean_se((L_d[:, tq] - base[None, tq]).mean(0)),
+           "cost": cost(pc, default, work, setup, damping["chosen"])}
     log(format_corpus(corpus, out))
     return out
 
 
 def format_corpus(corpus: str, r: dict) -> str:
-    lines = [f"== {corpus}: N={r['n_train']}, Q={r['n_query']}, 1% = {r['drop_examples']} examples; "
-             f"QLD random {r['qld_random'][0]:+.3f}",
+    lines = [f"== {corpus}: N={r['n_train']}, test queries {r['test_queries']}, 1% = {r['drop_examples']} examples; "
+             f"damping {r['damping']['chosen']:g}; QLD random {r['qld_random'][0]:+.3f}; 1%-drop noise ceiling "
+             f"{r['noise_ceiling_drop'][0]:.3f} (two batch orders, {r['ceiling_drops']} drops)",
              f"{'method':<26}{'LDS halves':>16}{'LDS 1%-drop':>16}{'QLD':>16}{'facts@1':>9}{'MRR':>6}{'s':>7}"]
     for m, row in r["methods"].items():
         qld = f"{row['qld'][0]:+.3f}±{row['qld'][1]:.3f}" if "qld" in row else ""
@@ -293,7 +418,8 @@ def format_corpus(corpus: str, r: dict) -> str:
                      f"{row['lds_drop'][0]:>9.3f}±{row['lds_drop'][1]:.3f}{qld:>16}{row['fact_recall']:>9.2f}"
                      f"{row['fact_mrr']:>6.2f}{row['seconds']:>7.1f}")
     c = r["cost"]
-    lines.append(f"cost per query (one at a time, {c['queries']} queries): plain p50 {c['plain']['p50_s']:.3f} s / p95 "
+    lines.append(f"cost per query (one at a time, {c['queries'] - 1} queries, {c['curvature']}): plain p50 "
+                 f"{c['plain']['p50_s']:.3f} s / p95 "
                  f"{c['plain']['p95_s']:.3f} s; refined ({c['refine_steps']} steps, sample {c['refine_sample']}) p50 "
                  f"{c['refined']['p50_s']:.3f} s / p95 {c['refined']['p95_s']:.3f} s: {c['ratio_p50']:.1f}x / "
                  f"{c['ratio_p95']:.1f}x")

@@ -27,7 +27,7 @@ from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import BLOCK_BYTES
 from gradindex.store.basis import RowBasis
 from gradindex.store.builder import BuildConfig
-from gradindex.store.codes import row_bytes
+from gradindex.store.codes import has_scale, row_bytes
 from gradindex.store.sizing import sized_projection
 
 COLUMN_BYTES = 8 + 4 + 4 + 1 + 16
@@ -130,7 +130,7 @@ def rows_bytes(examples: int, shard_size: int, layers: list[LayerPlan], storage:
     them out: HDF5 allocates whole chunks (up to 256 rows, at most 1 MiB), so a shard's last chunk is full,
     and each dataset's header and chunk index take about :data:`DATASET_BYTES` (measured)."""
     total = 0
-    datasets = 6 + len(layers) * (2 if storage in ("int8", "int4") else 1)
+    datasets = 6 + len(layers) * (2 if has_scale(storage) else 1)
     for first in range(0, examples, shard_size):
         n = min(shard_size, examples - first)
         chunk = max(1, min(256, n))
@@ -157,7 +157,7 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     fits = {"none": 0, "kfac": 1, "ekfac": 2}[cfg.precondition]
     precond = fits * per_fit + (8 * examples * (L + 1) if fits and not transcode else 0)  # (+ graddot's norms)
     basis = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2 + lp.numbers) for lp in layers) if transcode else 0
-    index_bytes = examples * sum(row_bytes(cfg.storage, lp.numbers) - 4 * (cfg.storage in ("int8", "int4"))
+    index_bytes = examples * sum(row_bytes(cfg.storage, lp.numbers) - 4 * has_scale(cfg.storage)
                                  for lp in layers) if index else 0
     width = sum(lp.numbers for lp in layers)
     params = sum(p.numel() * p.element_size() for p in model.parameters())

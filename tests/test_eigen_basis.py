@@ -30,7 +30,7 @@ DAMPING = 0.1  # the Reference's
 def _build(out, model_dir, data_path, budget, storage="fp32", damping=DAMPING):
     model, tok = load_causal_lm(model_dir, device="cpu")
     data = tokenize_records(load_records(data_path), tok, 64)
-    cfg = BuildConfig(projection=ProjectionSpec(), budget=budget, basis="eigen", storage=storage, damping=damping,
+    cfg = BuildConfig.raw(projection=ProjectionSpec(), budget=budget, basis="eigen", storage=storage, damping=damping,
                       shard_size=16, max_length=64)
     build_index(model, tok, data, out, cfg, model_id=str(model_dir), data_id=str(data_path), progress=False)
     return out
@@ -198,6 +198,6 @@ def test_budget_bound_cli_default_keeps_its_measured_agreement_with_full_space(t
 
 def test_eigen_basis_refuses_a_fit_or_transcode_and_needs_a_budget():
     with pytest.raises(ValueError, match="--precondition none --transcode none"):
-        BuildConfig(projection=ProjectionSpec(), budget="auto", basis="eigen", precondition="ekfac")
+        BuildConfig.raw(projection=ProjectionSpec(), budget="auto", basis="eigen", precondition="ekfac")
     with pytest.raises(ValueError, match="--projection auto"):
-        BuildConfig(basis="eigen")
+        BuildConfig.raw(basis="eigen")

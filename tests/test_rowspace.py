@@ -123,7 +123,7 @@ def test_budget_build_fits_indexes_and_queries_with_mixed_shapes(gpt2_dir, text_
     """A budget that leaves small layers exact: manifest shapes, stored rows, fit, index and query agree."""
     model, tok, data = _data(gpt2_dir, text_jsonl)
     out = tmp_path / "idx"
-    cfg = BuildConfig(budget="3/8", allocation="equal", shard_size=16, precondition="ekfac", max_length=48)
+    cfg = BuildConfig.raw(budget="3/8", allocation="equal", shard_size=16, precondition="ekfac", max_length=48)
     build_index(model, tok, data, out, cfg, index=IndexConfig(factory="Flat"), model_id=str(gpt2_dir),
                 data_id=str(text_jsonl), progress=False)
     m = read_manifest(out)
@@ -149,7 +149,7 @@ def test_budget_build_fits_indexes_and_queries_with_mixed_shapes(gpt2_dir, text_
         assert [h.id for h in hit[:5]] == list(np.argsort(-exact, kind="stable")[:5])
         assert np.allclose([h.score for h in hit], exact[[h.id for h in hit]], rtol=1e-4)
     with pytest.raises(IndexMismatchError, match="projection differs"):
-        build_store(model, tok, data, out, BuildConfig(budget="1/16", allocation="equal", shard_size=16,
+        build_store(model, tok, data, out, BuildConfig.raw(budget="1/16", allocation="equal", shard_size=16,
                                                        max_length=48), progress=False)
 
 
@@ -222,7 +222,7 @@ def test_compact_into_ekfac_eigenbasis_keeps_ekfac_scores(gpt2_dir, text_jsonl, 
     """Rows rotated and scaled by the fitted EK-FAC: their dot products are the source's EK-FAC scores."""
     model, tok, data = _data(gpt2_dir, text_jsonl)
     src, out = tmp_path / "src", tmp_path / "eig"
-    build_index(model, tok, data, src, BuildConfig(projection=ProjectionSpec(k_a=6, k_g=5, seed=1), shard_size=16,
+    build_index(model, tok, data, src, BuildConfig.raw(projection=ProjectionSpec(k_a=6, k_g=5, seed=1), shard_size=16,
                                                    max_length=48, collect_covariance=True), progress=False)
     args = ["compact", str(src), "--out", str(out), "--quiet", "--index-type", "Flat"]
     res = CliRunner().invoke(main, args)
@@ -345,14 +345,14 @@ def test_covariance_with_a_transform_is_refused_only_for_entrywise_weights(gpt2_
 
 def test_optimizer_state_with_the_kfac_basis_is_refused():
     with pytest.raises(ValueError, match="projection-basis raw"):
-        BuildConfig(optimizer_state="state.safetensors", basis="kfac")
+        BuildConfig.raw(optimizer_state="state.safetensors", basis="kfac")
 
 
 def test_verify_names_a_flipped_byte_in_the_row_basis(gpt2_dir, text_jsonl, tmp_path):
     """``basis.h5`` is hashed into checksums.json when written; ``gradindex verify`` names a flipped byte."""
     model, tok, data = _data(gpt2_dir, text_jsonl)
     out = tmp_path / "idx"
-    build_store(model, tok, data, out, BuildConfig(projection=ProjectionSpec.parse("4"), basis="kfac",
+    build_store(model, tok, data, out, BuildConfig.raw(projection=ProjectionSpec.parse("4"), basis="kfac",
                                                    basis_examples=8, shard_size=16, max_length=48), progress=False)
     ok = CliRunner().invoke(main, ["verify", str(out), "--json"])
     assert ok.exit_code == 0, ok.output

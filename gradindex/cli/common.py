@@ -103,16 +103,22 @@ def damping_option(help: str = "Relative damping (kfac, ekfac)."):
 
 
 def refine_options(fn):
-    """``--refine cg|neumann``, ``--refine-steps``, ``--refine-sample``: refined EK-FAC queries (docs/query.md);
-    the command receives them as one ``refine`` argument for :func:`refine_config`."""
+    """``--refine cg|neumann``, ``--refine-steps``, ``--refine-sample``, ``--refine-curvature``: refined EK-FAC
+    queries (docs/query.md); the command receives them as one ``refine`` argument for :func:`refine_config`."""
     import functools
 
     @functools.wraps(fn)
-    def wrapper(*args, refine=None, refine_steps=4, refine_sample=64, **kwargs):
-        return fn(*args, refine=None if refine is None else (refine, refine_steps, refine_sample), **kwargs)
+    def wrapper(*args, refine=None, refine_steps=4, refine_sample=64, refine_curvature="ggn", **kwargs):
+        return fn(*args, refine=None if refine is None else (refine, refine_steps, refine_sample, refine_curvature),
+                  **kwargs)
 
+    wrapper = click.option("--refine-curvature", default="ggn", show_default=True,
+                           type=click.Choice(["ggn", "sampled", "fisher"]),
+                           help="The matrix refined against: ggn (model products every step), sampled (the "
+                                "sample's gradients with model-drawn labels, captured once; cheap) or fisher "
+                                "(observed labels; rank-deficient, docs/math.md).")(wrapper)
     wrapper = click.option("--refine-sample", default=64, show_default=True, type=click.IntRange(min=1),
-                           help="Training examples the refinement's Gauss-Newton products average over.")(wrapper)
+                           help="Training examples the refinement's curvature averages over.")(wrapper)
     wrapper = click.option("--refine-steps", default=4, show_default=True, type=click.IntRange(min=0),
                            help="Refinement steps (curvature products per query; 0 = plain EK-FAC).")(wrapper)
     return click.option("--refine", default=None, type=click.Choice(["cg", "neumann"]),
@@ -126,8 +132,8 @@ def refine_config(refine):
         return None
     from gradindex.query.refine import RefineConfig
 
-    method, steps, sample = refine
-    return RefineConfig(method=method, steps=steps, sample=sample)
+    method, steps, sample, curvature = refine
+    return RefineConfig(method=method, steps=steps, sample=sample, curvature=curvature)
 
 
 def engine_options(cpu_index: bool = True):

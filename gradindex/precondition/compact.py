@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,7 @@ from gradindex.precondition.files import PRECOND_DIR
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
 from gradindex.progress import progress_bar
 from gradindex.spec import layout
+from gradindex.spec.manifest import rows_of
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
 from gradindex.store.basis import BASIS_FILE, index_basis, to_rows, write_basis
 from gradindex.store.codes import check_storage
@@ -96,6 +98,9 @@ def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: d
            "build": {**manifest["build"], "storage": storage, "basis": {"kind": "ekfac", "damping": damping,
                                                     "from": manifest["build"].get("basis", {"kind": "raw"}),
                                                     "fit": fit}}}
+    source = rows_of(manifest)
+    if source.basis == "raw":  # (the rows of other bases name their basis in build.basis.from)
+        new["rows"] = str(replace(source, transcode=True, damping=damping, storage=storage))
     _prepare(out, new, overwrite)
     write_manifest(out, new)  # first: a kill from here on leaves an unfinished compact that a re-run resumes
     write_basis(out, basis, {"source": manifest["build"]["data_fingerprint"], "damping": damping})

@@ -363,7 +363,8 @@ class QueryEngine:
         """The engine's :class:`~gradindex.query.refine.Refiner` (training sample, curvature, cache), made once."""
         self._need_model()
         if self._refiner is None:
-            self._refiner = Refiner(self.model, self.capture, self.pad_id, self._refine_sample, self._row_curvature)
+            self._refiner = Refiner(self.model, self.capture, self.pad_id, self._refine_sample, self._row_curvature,
+                                    gradients=self._sample_gradients)
         return self._refiner
 
     def refined_rows(self, tokens: QueryTokens, grads: Mapping[str, torch.Tensor], method: str, damping: float,
@@ -381,6 +382,11 @@ class QueryEngine:
             raise ValueError(f"query refinement takes curvature products on training examples and needs the data the "
                              f"index was built from ({why}); pass data= / --data")
         return x, y
+
+    def _sample_gradients(self, ids: list[list[int]], labels: list[list[int]]) -> dict[str, torch.Tensor]:
+        """Stored-basis rows of training examples captured as a query's are (Fisher refinement's sample)."""
+        grads, _, _ = self.gradients(QueryTokens([], ids, labels, [False] * len(ids)))
+        return grads
 
     def _row_curvature(self, base: str, damping: float, layer: str):
         if self.basis.kind == "ekfac":
@@ -463,18 +469,22 @@ class QueryEngine:
             res.seconds = {"precondition": t1 - t0, "search": t2 - t1, "rerank": t3 - t2}
             out.append(res)
         if texts and self.tokenizer is not None:
-            t4 = time.perf_counter()
-            ids = np.unique(np.concatenate([[h.id for h in r.hits + r.lowest] for r in out]).astype(np.int64))
-            by_id = dict(zip(ids.tolist(), self.texts.texts(ids), strict=True))
-            for r in out:
-                for h in r.hits + r.lowest:
-                    h.text = by_id.get(h.id)
-                r.seconds["texts"] = time.perf_counter() - t4
-                if self.texts.problem and self.texts.problem not in r.notes:
-                    r.notes.append(self.texts.problem)
+            self._attach_texts(out)
         return out
 
     # -- internals ----------------------------------------------------------------------------
+    def _attach_texts(self, out: list[QueryResult]) -> None:
+        """Each hit's training text (read once per distinct id), its time, and any note on the texts."""
+        t4 = time.perf_counter()
+        ids = np.unique(np.concatenate([[h.id for h in r.hits + r.lowest] for r in out]).astype(np.int64))
+        by_id = dict(zip(ids.tolist(), self.texts.texts(ids), strict=True))
+        for r in out:
+            for h in r.hits + r.lowest:
+                h.text = by_id.get(h.id)
+            r.seconds["texts"] = time.perf_counter() - t4
+            if self.texts.problem and self.texts.problem not in r.notes:
+                r.notes.append(self.texts.problem)
+
     @staticmethod
     def _hits(r: S.Ranked, layers: list[str]) -> list[Hit]:
         return [Hit(int(i), float(s), {n: float(v) for n, v in zip(layers, ls, strict=True)})

@@ -39,6 +39,7 @@ from gradindex.data import IGNORE, collate
 from gradindex.methods import parse_method
 
 REFINE_METHODS = ("neumann", "cg")
+REFINE_CURVATURES = ("ggn", "fisher", "sampled")
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,20 @@ class RefineConfig:
     iterations (the EK-FAC preconditioner does not bound the Gauss-Newton spectrum: with a step of 1 the
     iterations can diverge)."""
     seed: int = 0
-    """Seed of the training sample."""
+    """Seed of the training sample (and of ``sampled``'s labels)."""
+    curvature: str = "ggn"
+    """The matrix ``H`` refined against. ``ggn``: the exact Gauss-Newton matrix of the sample, products taken
+    with the model at every step (:class:`GaussNewton`). ``fisher``: the empirical Fisher of the sample,
+    ``mean_s g_s g_sᵀ`` of its captured per-example gradients (observed labels: the matrix the default
+    ``--fisher empirical`` EK-FAC approximates). ``sampled``: the same with labels drawn from the model (an
+    unbiased Monte-Carlo Gauss-Newton, what ``--fisher true`` fits). Both Fisher forms capture the sample's
+    gradients once and cache them (:class:`SampleFisher`): a step costs two products with ``[S, D]``."""
 
     def __post_init__(self) -> None:
         if self.method not in REFINE_METHODS:
             raise ValueError(f"refine method {self.method!r} is not one of {REFINE_METHODS}")
+        if self.curvature not in REFINE_CURVATURES:
+            raise ValueError(f"refine curvature {self.curvature!r} is not one of {REFINE_CURVATURES}")
         if self.steps < 0 or self.sample < 1 or self.batch < 1 or not self.alpha >= 0:
             raise ValueError(f"refine needs steps >= 0, sample >= 1, batch >= 1 and alpha >= 0; got "
                              f"steps={self.steps}, sample={self.sample}, batch={self.batch}, alpha={self.alpha}")
@@ -308,6 +318,44 @@ class GaussNewton:
         return out
 
 
+class SampleFisher:
+    """``H x = (1/S) Σ_s g_s (g_sᵀ x)`` over a sample's captured per-example gradients ``g_s`` (all layers
+    jointly, so cross-layer terms are kept), computed once: no model pass per product."""
+
+    def __init__(self, rows: Mapping[str, torch.Tensor]):
+        self.rows = {n: torch.as_tensor(v).float().contiguous() for n, v in rows.items()}
+        """float32: a product is two passes over ``[S, D]``, bound by memory traffic (accumulated in float64)."""
+        self.n = len(next(iter(self.rows.values())))
+
+    def captured_product(self, x: Rows, shapes: Mapping[str, tuple[int, int]] | None = None) -> Rows:
+        """``H x`` for captured rows ``x`` (layer → ``[D]``); ``shapes`` unused (the rows are flat)."""
+        coef = sum((self.rows[n] @ x[n].float()).double() for n in x)  # [S]
+        c = (coef / self.n).float()
+        return {n: (self.rows[n].T @ c).double() for n in x}
+
+
+@torch.no_grad()
+def sampled_labels(model: nn.Module, ids: Sequence[list[int]], labels: Sequence[list[int]], pad_id: int,
+                   seed: int, batch: int = 16) -> list[list[int]]:
+    """``labels`` with every target token replaced by one drawn from the model's own next-token distribution
+    (seeded): per-example gradients of these labels give an unbiased estimate of the Gauss-Newton matrix."""
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    out: list[list[int]] = []
+    for s in range(0, len(ids), batch):
+        b = collate(list(ids[s:s + batch]), list(labels[s:s + batch]), pad_id)
+        logits = model(input_ids=b["input_ids"].to(device), attention_mask=b["attention_mask"].to(device)).logits
+        p = torch.softmax(logits[:, :-1].double().cpu(), -1)  # [B, T-1, V]
+        draw = torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=g).reshape(p.shape[:2])
+        for i, y in enumerate(labels[s:s + batch]):
+            new = list(y)
+            for t in range(1, len(y)):
+                if y[t] != IGNORE:
+                    new[t] = int(draw[i, t - 1])
+            out.append(new)
+    return out
+
+
 # -- the engine's refiner --------------------------------------------------------------------------------------
 class Refiner:
     """Refined query rows for one engine: its model, capture and preconditioners; results cached.
@@ -318,13 +366,27 @@ class Refiner:
     """
 
     def __init__(self, model: nn.Module, capture, pad_id: int, sample: Callable[[RefineConfig], tuple],
-                 curvature: Callable[[str, float, str], RowCurvature], cache: int = 1024):
+                 curvature: Callable[[str, float, str], RowCurvature], cache: int = 1024,
+                 gradients: Callable[[list, list], Mapping[str, torch.Tensor]] | None = None):
         self.model, self.capture, self.pad_id = model, capture, pad_id
-        self._sample, self._curvature = sample, curvature
+        self._sample, self._curvature, self._gradients = sample, curvature, gradients
         self._ggn: dict[tuple, GaussNewton] = {}
         self._cache: OrderedDict = OrderedDict()
         self.cache_size = cache
         self.last_residuals: list[list[float]] = []
+
+    def fisher(self, cfg: RefineConfig, layers: Sequence[str], curv: Mapping[str, RowCurvature]) -> SampleFisher:
+        """The sample's :class:`SampleFisher` (``cfg.curvature`` ``fisher`` or ``sampled``), captured once."""
+        key = (cfg.sample, cfg.seed, cfg.curvature, tuple(layers))
+        if key not in self._ggn:
+            if self._gradients is None:
+                raise ValueError("this refiner has no gradient capture for Fisher curvature; use curvature='ggn'")
+            ids, labels = self._sample(cfg)
+            if cfg.curvature == "sampled":
+                labels = sampled_labels(self.model, ids, labels, self.pad_id, cfg.seed, cfg.batch)
+            rows = self._gradients(ids, labels)
+            self._ggn[key] = SampleFisher({n: curv[n].captured(torch.as_tensor(rows[n]).double()) for n in layers})
+        return self._ggn[key]
 
     def gauss_newton(self, cfg: RefineConfig, layers: Sequence[str], full: bool = False) -> GaussNewton:
         key = (cfg.sample, cfg.seed, cfg.batch, tuple(layers), full)
@@ -354,7 +416,7 @@ class Refiner:
             key = (tuple(tokens.input_ids[j]), tuple(tokens.labels[j]), base, float(damping), tuple(layers), cfg)
             if key not in self._cache:
                 g = {n: curv[n].captured(torch.as_tensor(grads[n][j:j + 1]).double())[0] for n in layers}
-                ggn = self.gauss_newton(cfg, layers)
+                ggn = self.gauss_newton(cfg, layers) if cfg.curvature == "ggn" else self.fisher(cfg, layers, curv)
                 x, res = refine_solve(g, curv, lambda v, ggn=ggn: ggn.captured_product(v, shapes), cfg.steps,
                                       cfg.method, cfg.alpha)
                 self._cache[key] = ({n: curv[n].query_rows(x[n][None])[0].float() for n in layers}, res)
@@ -370,7 +432,10 @@ class Refiner:
     def full_space(self, Gq: Mapping[str, torch.Tensor], pre, damping: float, layers: Sequence[str],
                    cfg: RefineConfig) -> dict[str, torch.Tensor]:
         """Refined full-space ``x = (H + δI)⁻¹ G_q`` per layer ``[N_o, N_i(+1)]`` for ``--rerank-full``
-        (``pre``: the full-space preconditioner; ``Gq``: the query's full gradients)."""
+        (``pre``: the full-space preconditioner; ``Gq``: the query's full gradients). Gauss-Newton products only."""
+        if cfg.curvature != "ggn":
+            raise ValueError(f"--rerank-full refines in full space with Gauss-Newton products; curvature "
+                             f"{cfg.curvature!r} is captured-space only (use --refine-curvature ggn there)")
         curv = {n: preconditioner_curvature(pre, n, damping) for n in layers}
         shapes = {n: tuple(Gq[n].shape) for n in layers}
         g = {n: Gq[n].double().reshape(-1) for n in layers}
