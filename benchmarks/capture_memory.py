@@ -80,8 +80,9 @@ def child(args, work: Path, mode: str, dtype: str) -> dict:
     from gradindex.capture.layers import layer_info
     from gradindex.data import collate
     from gradindex.model import load_causal_lm
+    from gradindex.store.basis import RowBasis
     from gradindex.store.builder import BuildConfig
-    from gradindex.store.sizing import RowBasis, sized_projection
+    from gradindex.store.sizing import sized_projection
 
     model, _ = load_causal_lm(work / dtype, dtype=dtype, device="cpu")
     with torch.no_grad():
@@ -98,7 +99,7 @@ def child(args, work: Path, mode: str, dtype: str) -> dict:
             model(**collate(b, b, 0), use_cache=False).loss.backward()
     elif mode == "capture":
         model.requires_grad_(False)
-        cfg = BuildConfig.defaults()
+        cfg = BuildConfig()  # the default build
         infos = {n: layer_info(m) for n, m in select_layers(model).items()}
         spec = sized_projection(cfg, infos, RowBasis())
         with GradientCapture(model, None, spec, cfg.route, weight_free=True, collect_covariance=True) as cap:
