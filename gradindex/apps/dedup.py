@@ -253,11 +253,14 @@ def resolved(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig) -> Dedu
     return replace(cfg, method=method)
 
 
-def _space(ix: OpenStore, cfg: DedupConfig, layers: Sequence[str] | None) -> tuple[list[str], str, Space]:
+def _space(ix: OpenStore | str | os.PathLike, cfg: DedupConfig, layers: Sequence[str] | None
+           ) -> tuple[list[str], str, Space]:
     """``(layers, row method, preconditioners)``: the method applied to the stored rows (whitened rows: ekfac
     is their plain cosine). ``graddot`` on rows in the EK-FAC eigenbasis, ``W = (Q_Sᵀ G Q_A) ⊙ (Λ* + δ)^{-1/2}``,
     is ``unwhiten``: ``W ⊙ √(Λ* + δ) = Q_Sᵀ G Q_A`` is an orthogonal rotation of the raw gradient ``G``, so its
     cosines are the raw gradients' (the preconditioners are then layer → ``[D]`` ``√(Λ* + δ)``)."""
+    if not isinstance(ix, OpenStore):
+        ix = OpenStore(ix, then="deduplicate")  # (its store opens no file until it is read)
     manifest, index_dir = ix.manifest, ix.dir
     layers = selected_layers(manifest, layers)
     base = parse_method(cfg.method)[0]

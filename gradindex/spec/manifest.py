@@ -29,6 +29,7 @@ from gradindex.manifest import (
     shape_problem,
     write_manifest,
 )
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.spec.rows import RowSpec
 
 
@@ -172,4 +173,4 @@ def rows_of(m: Mapping[str, Any]) -> RowSpec:
     return RowSpec(**kw, basis="eigen" if eigen else "kfac" if basis.get("kind") == "kfac" else "raw",
                    basis_damping=float(c.get("basis_damping", basis.get("damping", 1.0) if not eigen else 1.0)),
                    adam=str(c.get("adam_mode", "exact")) if b.get("optimizer") else "", transcode=transcoded,
-                   damping=float(done.get("damping") or c.get("damping", 0.001)), storage=storage)
+                   damping=float(done.get("damping") or c.get("damping", DEFAULT_DAMPING)), storage=storage)

@@ -10,7 +10,7 @@ A spec is comma-separated tokens in this order (``str(RowSpec)`` writes this can
     CODE        fp32 | fp16 | int8 | int4 (left out: int4 for EK-FAC eigen-coordinates, else int8)
 
 ``<budget>`` is bytes per example (``65536``), a fraction of the full float32 gradient (``1/8``) or
-``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``ratio``, ``equal`` or ``spectrum`` (left out: the
+``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``cost``, ``ratio``, ``equal`` or ``spectrum`` (left out: the
 build's default, ``gradindex.spec.build.BuildOptions.allocation``)
 (:mod:`gradindex.capture.allocation`, which refuses a name it does not know).
 Examples: ``auto,EKFAC@0.001,int4`` (what ``gradindex build`` stores with no options), ``P16x16,fp32``
@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.spec.build import default as option_default
 
 CODE_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
@@ -112,7 +113,7 @@ class RowSpec:
     """``""`` (plain gradients), ``exact`` or ``factored`` (Adam-preconditioned rows)."""
     transcode: bool = False
     """Rows rewritten in the EK-FAC whitened eigenbasis at ``damping`` after its fit."""
-    damping: float = 0.001
+    damping: float = DEFAULT_DAMPING
     storage: str = "auto"
 
     def __post_init__(self) -> None:
@@ -122,7 +123,7 @@ class RowSpec:
 
     # -- the string form -------------------------------------------------------------------------
     @classmethod
-    def parse(cls, text: str, damping: float = 0.001) -> RowSpec:
+    def parse(cls, text: str, damping: float = DEFAULT_DAMPING) -> RowSpec:
         """The spec ``text`` names; ``damping`` is the default of a ``KFAC``/``EIGEN``/``EKFAC`` token without
         ``@d``. One error naming the token and the grammar for anything else."""
         tokens = [t.strip() for t in str(text).split(",") if t.strip()]
