@@ -62,7 +62,8 @@ def build_index(
         if not overwrite and distributed.rank() == 0:
             finish_transcode(out_dir)  # a swap that a kill interrupted
         distributed.barrier()
-        plan = plan_build(model, cfg, len(data), index is not None)
+        plan = plan_build(model, cfg, len(data), index is not None,
+                          *((index.factory, index.sketch_bytes) if index is not None else ()))
         _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
         with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept"):
             res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
@@ -111,5 +112,5 @@ def _check_disk(out: Path, plan: BuildPlan, overwrite: bool) -> None:
         parts.append(f"fits {human(plan.precond_bytes)}")
     if plan.index_bytes:
         parts.append(f"FAISS {human(plan.index_bytes)}")
-    check_space(out, plan.remaining(out) if not overwrite else plan.peak_disk, "build",
+    check_space(out, plan.remaining(out) if not overwrite else plan.least_disk, "build",
                 f"at its peak: {', '.join(parts)}")

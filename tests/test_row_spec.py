@@ -31,7 +31,8 @@ def test_other_spellings_parse_to_the_canonical_form():
     assert str(RowSpec.parse(" auto , EKFAC , int4 ")) == "auto,EKFAC@0.001,int4"  # damping left out: default
     assert str(RowSpec.parse("auto,EKFAC", damping=0.01)) == "auto,EKFAC@0.01,int4"  # code left out: int4
     assert str(RowSpec.parse("P16")) == "P16,int8" and str(RowSpec.parse("auto,EKFAC@1e-3,int4")) == DEFAULT_SPEC
-    assert str(RowSpec.parse("auto:auto:ratio,int8")) == "auto,int8"
+    assert str(RowSpec.parse("auto:auto:cost,int8")) == "auto,int8"  # (cost: the default allocation)
+    assert str(RowSpec.parse("auto:auto:ratio,int8")) == "auto:auto:ratio,int8"
     p = RowSpec.parse("P32x4,fp16")
     assert (p.projection, p.k_a, p.k_g, p.storage, p.transcode) == ("fixed", 32, 4, "fp16", False)
 

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from test_capture import _G, _examples, _reference
 
 from gradindex.capture import GradientCapture, ProjectionSpec, projection_matrix
-from gradindex.capture.allocation import allocate, stored_numbers
+from gradindex.capture.allocation import allocate, capture_cost, stored_numbers
 from gradindex.capture.batch import batch_gradients
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
@@ -45,6 +45,24 @@ def test_allocation_spends_at_most_the_budget_and_keeps_small_layers_exact(rule,
         assert 0 <= k_a < WIDTHS[n][0] and 0 <= k_g < WIDTHS[n][1]
     if rule == "equal" and budget >= 4000:
         assert plan["small"] == (0, 0), "a layer narrower than k is stored exactly"
+
+
+@pytest.mark.parametrize("budget", [400, 4000, 40000])
+def test_cost_allocation_keeps_ratios_numbers_per_layer_at_the_least_capture_cost(budget):
+    """Against every split of the same layer's numbers (brute force): none within them is cheaper."""
+    ratio, cost = allocate(WIDTHS, budget, "ratio"), allocate(WIDTHS, budget, "cost")
+    assert stored_numbers(WIDTHS, cost) * 4 <= budget
+    for n, (a, g) in WIDTHS.items():
+        want = (ratio[n][0] or a) * (ratio[n][1] or g)
+        k_a, k_g = cost[n][0] or a, cost[n][1] or g
+        assert 0.98 * want <= k_a * k_g <= want
+        splits = [(x, y) for x in range(1, a + 1) for y in range(1, g + 1) if 0.98 * want <= x * y <= want]
+        assert capture_cost(a, g, k_a, k_g) == min(capture_cost(a, g, x, y) for x, y in splits)
+        assert capture_cost(a, g, k_a, k_g) <= capture_cost(a, g, ratio[n][0] or a, ratio[n][1] or g)
+    assert capture_cost(257, 1024, *[k or w for k, w in zip(allocate({"fc": (257, 1024)}, 2 * 33000, "cost")["fc"],
+                                                            (257, 1024))]) \
+        < 0.6 * capture_cost(257, 1024, *[k or w for k, w in zip(allocate({"fc": (257, 1024)}, 2 * 33000,
+                                                                          "ratio")["fc"], (257, 1024))])
 
 
 def test_allocation_edges():

@@ -85,8 +85,9 @@ def _default(name: str):
               help="Bytes per example for --projection auto: an integer, or a fraction of the full float32 "
                    "gradient such as 1/8 (default auto: 1/8, at most 256 KiB; the whole gradient where that buys it).")
 @click.option("--allocation", default=_default("allocation"), show_default=True,
-              type=click.Choice(["ratio", "equal", "spectrum"]),
-              help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
+              type=click.Choice(["ratio", "equal", "spectrum", "cost"]),
+              help="How --budget is spread over layers (docs/math.md, 'What a row holds'); cost: ratio's numbers "
+                   "per layer, split between its sides for the cheapest capture (a narrow side often kept exact).")
 @click.option("--projection-basis", "basis", default=_default("basis"), show_default=True,
               type=click.Choice(["raw", "kfac", "eigen"]),
               help="eigen: store the full-space EK-FAC eigen-coordinates --budget buys, chosen over all layers "
@@ -173,7 +174,8 @@ def build(**o):
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
         model, tok, data_tok, cfg = load_inputs(o, opts)
         if distributed.rank() == 0:
-            click.echo(plan_build(model, cfg, len(data_tok), not o["no_index"]).summary(), err=True)
+            click.echo(plan_build(model, cfg, len(data_tok), not o["no_index"], opts.icfg.factory,
+                                  opts.icfg.sketch_bytes).summary(), err=True)
         try:
             res, idx = build_index(model, tok, data_tok, out, cfg, index=None if o["no_index"] else opts.icfg,
                                    model_id=str(Path(o["model_dir"]).resolve()), data_id=str(Path(o["data"]).resolve()),

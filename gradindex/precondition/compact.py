@@ -36,6 +36,7 @@ from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.ekfac import block_rows
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
+from gradindex.precondition.rotated import RotatedRows
 from gradindex.progress import progress_bar
 from gradindex.spec.manifest import rows_of
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
@@ -68,13 +69,15 @@ def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: 
 
 def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: dict, fit: dict,
                  damping: float, storage: str | None, overwrite: bool, block: int, progress: bool,
-                 self_influence: bool = False) -> tuple[dict, np.ndarray | None]:
+                 self_influence: bool = False, rotated: RotatedRows | None = None) -> tuple[dict, np.ndarray | None]:
     """The compact itself, from ``curvature`` (layer → ``(Q_S, Q_A, Λ*)``) of the fit recorded as ``fit``.
 
     Streams the store in shard order, ``block`` rows at a time (fewer where a block of all layers
     would pass :data:`~gradindex.precondition.ekfac.BLOCK_BYTES`), so memory does not grow with the
     store. ``self_influence``: also return each row's ``[N, L]`` ``‖whitened row‖²`` before coding
     (the EK-FAC self-influence at ``damping``), recomputed for the rows a resumed run finds written.
+    ``rotated``: the rows already rotated into ``curvature``'s eigenbasis by the fit pass
+    (:mod:`gradindex.precondition.rotated`): they are only scaled, and each shard's are deleted once coded.
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -105,7 +108,7 @@ def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: d
         si = np.zeros((len(store), len(shapes))) if self_influence else None
         rows = block_rows(store.dims, list(shapes), block)
         for k in range(len(store.paths)):
-            _compact_shard(store, k, out, basis, shapes, storage, manifest, rows, si, bar.update)
+            _compact_shard(store, k, out, basis, shapes, storage, manifest, rows, si, bar.update, rotated)
     new["status"] = "complete"
     new["compact"] = {"source": str(src.resolve()), "seconds": round(time.perf_counter() - t0, 3)}
     write_manifest(out, new)
@@ -114,13 +117,15 @@ def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: d
 
 
 def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage: str, manifest: dict, rows: int,
-                   si: np.ndarray | None, advance) -> None:
+                   si: np.ndarray | None, advance, rotated: RotatedRows | None = None) -> None:
     """Shard ``k`` of ``store`` into ``out``, resuming a partial one (a run with ``si`` reads the written
     rows again, in the same blocks, for their self-influence: the same numbers as an unbroken run)."""
     first, size = store.first_ids[k], store.sizes[k]
     final = out / STORE_DIR / shard_name(k)
     if final.exists() and si is None:
         advance(size)
+        if rotated is not None:
+            rotated.drop(k)
         return
     w = None
     done = size
@@ -134,8 +139,7 @@ def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage
     try:
         start = first if si is not None else first + done
         advance(start - first)
-        for ids, grads in store.iter_blocks(None, rows, start, first + size):
-            coded = {n: to_rows(basis, n, grads[n], shapes[n]) for n in shapes}
+        for ids, coded in _blocks(store, k, rows, start, basis, shapes, rotated):
             pos = store.positions(ids)
             if si is not None:
                 si[pos] = np.stack([np.square(coded[n], dtype=np.float64).sum(1) for n in shapes], axis=1)
@@ -145,10 +149,26 @@ def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage
             advance(len(ids))
         if w is not None:
             w.finish()
+        if rotated is not None:
+            rotated.drop(k)
     except BaseException:
         if w is not None:
             w.abort()
         raise
+
+
+def _blocks(store: Store, k: int, rows: int, start: int, basis, shapes: dict, rotated: RotatedRows | None):
+    """``(ids, {layer: whitened rows})`` of shard ``k`` from id ``start``, ``rows`` at a time: the store's
+    rows rotated and scaled (:func:`to_rows`), or ``rotated``'s rows only scaled."""
+    if rotated is None:
+        for ids, grads in store.iter_blocks(None, rows, start, store.first_ids[k] + store.sizes[k]):
+            yield ids, {n: to_rows(basis, n, grads[n], shapes[n]) for n in shapes}
+        return
+    first, size = store.first_ids[k], store.sizes[k]
+    scale = {n: np.asarray(basis.scale[n], np.float32).reshape(-1) for n in shapes}  # [k_g·k_a]
+    for s in range(start - first, size, rows):
+        e = min(s + rows, size)
+        yield np.arange(first + s, first + e, dtype=np.int64), {n: rotated.get(k, n, s, e) * scale[n] for n in shapes}
 
 
 def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:

@@ -43,8 +43,9 @@ class BuildOptions:
     """Bytes per example for per-layer projection sizes (``--projection auto``): an integer, a fraction of
     the full gradient's float32 bytes such as ``"1/8"``, or ``auto`` (1/8, at most 256 KiB); 0 =
     ``projection`` as given. Left out: ``auto``, or 0 when a ``projection`` is given."""
-    allocation: str = "ratio"
-    """How the budget is spread over layers: ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
+    allocation: str = "cost"
+    """How the budget is spread over layers: ``cost`` (``ratio``'s numbers per layer, split between its
+    sides for the cheapest capture), ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
     basis: str = "raw"
     """``raw``; ``kfac``: whiten each side by its damped full-space factor before projection; ``eigen``:
     store the eigen-coordinates of full-space EK-FAC that ``budget`` buys, chosen over all layers by

@@ -10,7 +10,7 @@ A spec is comma-separated tokens in this order (``str(RowSpec)`` writes this can
     CODE        fp32 | fp16 | int8 | int4 (left out: int4 for EK-FAC eigen-coordinates, else int8)
 
 ``<budget>`` is bytes per example (``65536``), a fraction of the full float32 gradient (``1/8``) or
-``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``ratio``, ``equal`` or ``spectrum`` (left out: the
+``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``cost``, ``ratio``, ``equal`` or ``spectrum`` (left out: the
 build's default, ``gradindex.spec.build.BuildOptions.allocation``)
 (:mod:`gradindex.capture.allocation`, which refuses a name it does not know).
 Examples: ``auto,EKFAC@0.001,int4`` (what ``gradindex build`` stores with no options), ``P16x16,fp32``
