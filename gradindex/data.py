@@ -126,8 +126,10 @@ class Records:
         return Records([self.rows[int(i)] for i in ids])
 
 
-def records_from_texts(texts: list[str]) -> Records:
-    return Records([{"text": t} for t in texts])
+def records_from_texts(texts: list[str]) -> datasets.Dataset:
+    import datasets
+
+    return datasets.Dataset.from_dict({"text": list(texts)})
 
 
 @dataclass(frozen=True)
