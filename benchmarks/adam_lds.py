@@ -107,7 +107,7 @@ def run(cfg: F.FidelityConfig, work: Path, workers: int, threads: int, log=print
         for ps in range(1 if proj == "none" else cfg.proj_seeds):
             spec = ProjectionSpec.parse(proj, seed=ps)
             idx = work / f"idx-{proj}-s{ps}"
-            plain = BuildConfig(projection=spec, batch_size=16, precondition="ekfac", damping=cfg.damping)
+            plain = BuildConfig.raw(projection=spec, batch_size=16, precondition="ekfac", damping=cfg.damping)
             seconds[f"build+ekfac {proj}"] = seconds.get(f"build+ekfac {proj}", 0) + _build(model, setup, plain, idx)
             q = query_gradients(model, setup.tokenizer, setup.query, plain)
             bytes_per_example[proj] = 4 * sum(v.shape[1] for v in q.values())

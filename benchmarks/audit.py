@@ -106,7 +106,7 @@ def outliers_experiment(work: Path, seed: int, n: int = 300, flip: float = 0.1, 
     import shutil
 
     shutil.rmtree(out, ignore_errors=True)
-    cfg = BuildConfig(projection=ProjectionSpec.parse("none"), batch_size=16, precondition="ekfac")
+    cfg = BuildConfig.raw(projection=ProjectionSpec.parse("none"), batch_size=16, precondition="ekfac")
     t0 = time.perf_counter()
     build_index(model, tok, data, out, cfg, progress=False)
     t_build = time.perf_counter() - t0
@@ -164,8 +164,8 @@ def _dedup_corpus(per_kind: int, steps: int):
 def pair_cosines(index_dir: Path, method: str, pairs: list[tuple[int, int]]) -> np.ndarray:
     """Exact cosines of ``pairs`` of rows under ``method``, as :func:`find_duplicates` confirms them."""
     from gradindex.apps.dedup import _space, _unit_rows
-    from gradindex.index.rows import RowReader
     from gradindex.store import Store
+    from gradindex.store.rows import RowReader
 
     cfg = DedupConfig(method=method)
     layers, base, pre = _space(index_dir, cfg, None)
@@ -187,11 +187,11 @@ DEDUP_INDEXES = {
 
 def _dedup_build_config(name: str) -> BuildConfig:
     if name == "16x16":
-        return BuildConfig(projection=ProjectionSpec(k_a=16, k_g=16), batch_size=16, precondition="ekfac")
+        return BuildConfig.raw(projection=ProjectionSpec(k_a=16, k_g=16), batch_size=16, precondition="ekfac")
     if name == "default":  # `gradindex build`'s defaults
         return BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
                            transcode="ekfac", storage="int4")
-    return BuildConfig(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac", storage="fp32")
+    return BuildConfig.raw(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac", storage="fp32")
 
 
 def dedup_experiment(work: Path, thresholds=(0.5, 0.6, 0.7, 0.8, 0.9, 0.95), per_kind: int = 30,

@@ -8,7 +8,9 @@ its own process, one after another, so that its peak RSS (``ru_maxrss``) is its 
 * ``default``: ``build_index`` with the CLI's defaults (auto budget, int4 rows transcoded into the
   EK-FAC whitened eigenbasis, the default FAISS stage), with seconds per stage (capture, fit,
   transcode, FAISS), once with this checkout's gradindex (``after``) and once with ``--before``'s
-  (another checkout, e.g. ``git archive BASE | tar -x -C /tmp/base``).
+  (another checkout, e.g. ``git archive BASE | tar -x -C /tmp/base``); with ``--also-ratio`` once more
+  with ``--allocation ratio`` (each side ``k ∝`` its width: the split before the default ``cost``);
+  each with the most bytes its index directory held at once (sampled every 0.1 s) over its final store.
 
 Then the same on a tiny model at a larger N (``--tiny-n`` examples of 16 tokens; GPT-2 2x48): the
 stages after the capture divided by the capture. Writes ``benchmarks/results/buildcost.json``.
@@ -64,7 +66,41 @@ def _timed(seconds: dict) -> None:
             setattr(m, name, wrapped)
 
 
-def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path) -> dict:
+def _bytes(d: Path) -> int:
+    total = 0
+    for p in Path(d).rglob("*"):
+        try:
+            total += p.stat().st_size if p.is_file() else 0
+        except FileNotFoundError:  # (moved or deleted while summed)
+            pass
+    return total
+
+
+class DiskPeak:
+    """The most bytes under a directory while the block runs, summed every 0.1 s by a thread."""
+
+    def __init__(self, d: Path):
+        import threading
+
+        self.d, self.peak, self._stop = d, 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.1):
+            self.peak = max(self.peak, _bytes(self.d))
+
+    def __enter__(self) -> DiskPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _bytes(self.d))
+
+
+def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path,
+          allocation: str = "") -> dict:
     """One cell in this process: ``floor`` or ``default``; seconds (per stage) and peak RSS."""
     if root != ROOT:
         sys.path.insert(0, str(root))
@@ -99,24 +135,32 @@ def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, r
         _timed(seconds)
         data = Tokenized(seqs, [list(s) for s in seqs], 0, "input_ids")
         cfg = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
-                          transcode="ekfac", max_length=tokens, batch_size=8)
-        with tempfile.TemporaryDirectory(prefix="gradindex-buildcost-") as d:
+                          transcode="ekfac", max_length=tokens, batch_size=8,
+                          **({"allocation": allocation} if allocation else {}))
+        out["allocation"] = allocation or "default"
+        with tempfile.TemporaryDirectory(prefix="gradindex-buildcost-", dir=os.environ.get("BUILDCOST_TMP")) as d:
             import gradindex.pipeline as pipeline
 
-            pipeline.build_index(model, SimpleNamespace(pad_token_id=0), data, Path(d) / "idx", cfg,
-                                 index=IndexConfig(), progress=False)
-            out["index_bytes"] = sum(p.stat().st_size for p in (Path(d) / "idx").rglob("*") if p.is_file())
+            with DiskPeak(Path(d) / "idx") as disk:
+                pipeline.build_index(model, SimpleNamespace(pad_token_id=0), data, Path(d) / "idx", cfg,
+                                     index=IndexConfig(), progress=False)
+            out["index_bytes"] = _bytes(Path(d) / "idx")
+            out["store_bytes"] = _bytes(Path(d) / "idx" / "store")
+            out["peak_disk_bytes"] = disk.peak
+            out["peak_disk_over_store"] = round(disk.peak / out["store_bytes"], 3)
         out["stages"] = {k: round(v, 2) for k, v in seconds.items()}
     out["seconds"] = round(time.perf_counter() - t, 2)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return out
 
 
-def run(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path) -> dict:
+def run(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path,
+        allocation: str = "") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     args = [sys.executable, "-m", "benchmarks.buildcost", "--child", cell, "--n", str(n), "--tokens", str(tokens),
-            "--width", str(width), "--blocks", str(blocks), "--vocab", str(vocab), "--root", str(root)]
+            "--width", str(width), "--blocks", str(blocks), "--vocab", str(vocab), "--root", str(root),
+            *(["--allocation", allocation] if allocation else [])]
     r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
     if r.returncode:
         raise RuntimeError(f"{cell} ({root}) failed:\n{r.stderr[-3000:]}")
@@ -134,7 +178,8 @@ def ratios(floor: dict, build: dict) -> dict:
             "after_capture_over_capture": round(after_capture / st["capture"], 3),
             "after_capture_without_faiss_over_capture":
                 round((after_capture - st.get("faiss", 0.0)) / st["capture"], 3),
-            "rss_x_floor": round(build["peak_rss_mb"] / floor["peak_rss_mb"], 3)}
+            "rss_x_floor": round(build["peak_rss_mb"] / floor["peak_rss_mb"], 3),
+            "peak_disk_over_store": build.get("peak_disk_over_store")}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -150,9 +195,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--root", type=Path, default=ROOT)
+    ap.add_argument("--allocation", default="")
+    ap.add_argument("--also-ratio", action="store_true",
+                    help="a third build cell: this checkout with --allocation ratio (the split before 'cost')")
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.n, a.tokens, a.width, a.blocks, a.vocab, a.root)))
+        print(json.dumps(child(a.child, a.n, a.tokens, a.width, a.blocks, a.vocab, a.root, a.allocation)))
         return {}
     n = 32 if a.quick else a.n
     roots = {"after": ROOT, **({"before": a.before} if a.before else {})}
@@ -160,6 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     peers = {"floor": run("floor", n, a.tokens, a.width, a.blocks, a.vocab, ROOT)}
     for name, root in roots.items():
         peers[name] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, root)
+    if a.also_ratio:
+        peers["after_ratio"] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, ROOT, "ratio")
     peers["floor_again"] = run("floor", n, a.tokens, a.width, a.blocks, a.vocab, ROOT)
     floor = {"seconds": (peers["floor"]["seconds"] + peers["floor_again"]["seconds"]) / 2,
              "peak_rss_mb": max(peers["floor"]["peak_rss_mb"], peers["floor_again"]["peak_rss_mb"])}
@@ -173,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": round(load, 2),
                     "load_after": round(os.getloadavg()[0], 2)},
         "peers": peers, "floor": floor,
-        "ratios": {name: ratios(floor, peers[name]) for name in roots},
+        "ratios": {name: ratios(floor, peers[name]) for name in [*roots, *(["after_ratio"] if a.also_ratio else [])]},
         "tiny": tiny,
         "tiny_after_capture_over_capture": {
             name: round(sum(v for k, v in t["stages"].items() if k != "capture") / t["stages"]["capture"], 3)

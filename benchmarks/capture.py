@@ -82,7 +82,7 @@ def run_floor(model: nn.Module, seqs: list[list[int]], B: int) -> None:
 def run_build(model: nn.Module, seqs: list[list[int]], w: Workload) -> dict:
     """``build_store`` end to end into a temporary index directory; returns the manifest's routes."""
     data = Tokenized(seqs, [list(s) for s in seqs], 0, "input_ids")
-    cfg = BuildConfig(projection=ProjectionSpec.parse(w.projection), max_length=w.seq_len,
+    cfg = BuildConfig.raw(projection=ProjectionSpec.parse(w.projection), max_length=w.seq_len,
                       batch_size=w.batch_size)
     tokenizer = SimpleNamespace(pad_token_id=0)
     with tempfile.TemporaryDirectory(prefix="gradindex-bench-") as d:

@@ -320,7 +320,7 @@ def build_for(model, setup: Setup, spec: ProjectionSpec, out: Path, max_tokens: 
     the training texts' truncation (so that the engine re-tokenizes ``setup.train_texts`` to the same rows)."""
     t0 = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)  # measure this library version, never a stale store
-    bcfg = BuildConfig(projection=spec, batch_size=16, precondition="ekfac", max_length=max_tokens)
+    bcfg = BuildConfig.raw(projection=spec, batch_size=16, precondition="ekfac", max_length=max_tokens)
     build_index(model, setup.tokenizer, setup.train, out, bcfg, model_id="fidelity", progress=False)
     return bcfg, time.perf_counter() - t0
 

@@ -2,10 +2,12 @@
 
     python -m benchmarks.finetune            # writes benchmarks/results/finetune.json (about 2 min on 1 CPU)
 
-1. **MoE share**: tiny Mixtral-, Qwen2-MoE- and OLMoE-shaped configs (hidden 64, 2 blocks, 8 experts,
-   top-2, expert width 128); the share of non-embedding parameters (input embeddings and LM head left
-   out) the default layer selection attributes (:func:`gradindex.capture.hooks.attributed_share`), and
-   what is left (the routers).
+1. **MoE share**: tiny Mixtral-, Qwen2-MoE-, Qwen3-MoE-, OLMoE- and gpt-oss-shaped configs (hidden 64,
+   2 blocks, 8 experts, top-2, expert width 128); the share of non-embedding parameters (input
+   embeddings and LM head left out) the default layer selection attributes
+   (:func:`gradindex.capture.hooks.attributed_share`), and what is left (the routers, whose weight
+   is used through ``F.linear``, not an ``nn.Linear``, so no rule hooks it; gpt-oss's router bias and
+   attention sinks are vectors, counted in the total and not attributed either).
 2. **bf16**: a Qwen2-architecture model (hidden 64, 2 blocks, vocab 512) trained 150 steps on 256
    random-word texts, saved in float32; the default index (``gradindex build`` with no options:
    per-layer projection, EK-FAC, int4 eigenbasis rows) built from it loaded in float32 and in bfloat16
@@ -43,13 +45,19 @@ def moe_models() -> dict:
         "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, intermediate_size=128, moe_intermediate_size=128, shared_expert_intermediate_size=256,
             num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1)),
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=16, intermediate_size=128, moe_intermediate_size=128, num_experts=8,
+            num_experts_per_tok=2, decoder_sparse_step=1)),
         "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
             **common, intermediate_size=128, num_experts=8, num_experts_per_tok=2)),
+        "gpt_oss": lambda: transformers.GptOssForCausalLM(transformers.GptOssConfig(
+            **common, head_dim=16, intermediate_size=128, num_local_experts=8, num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
     }
 
 
 def moe_share() -> dict:
-    out = {}
+    out = {"routers_attributed": False}
     for arch, make in moe_models().items():
         torch.manual_seed(0)
         model = make()
@@ -68,6 +76,9 @@ def texts(n: int, seed: int) -> list[str]:
 
 
 def bf16_agreement(work: Path, n_train: int = 256, n_queries: int = 16) -> dict:
+    """Both builds with the defaults, and again with ``--storage fp16`` rows (the same eigenbasis rows
+    coded in float16 instead of int4: what the int4 codes' own rounding adds to the disagreement); and
+    the float32 build's int4 scores against its fp16 ones (the int4 codes alone, no bf16)."""
     from click.testing import CliRunner
 
     from gradindex.cli import main
@@ -82,24 +93,36 @@ def bf16_agreement(work: Path, n_train: int = 256, n_queries: int = 16) -> dict:
     data = work / "train.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in train))
     queries = train[:n_queries // 2] + texts(n_queries - n_queries // 2, 1)
-    scores, seconds = {}, {}
-    for dtype in ("float32", "bfloat16"):
-        out = work / f"index-{dtype}"
-        t0 = time.perf_counter()
-        r = CliRunner().invoke(main, ["build", str(model_dir), str(data), "--out", str(out), "--dtype", dtype,
-                                      "--device", "cpu", "--quiet", "--no-index"], catch_exceptions=False)
-        assert r.exit_code == 0, r.output
-        seconds[dtype] = round(time.perf_counter() - t0, 2)
-        with QueryEngine(out, device="cpu") as engine:
-            scores[dtype] = engine.scores(queries, method="ekfac")  # [Q, N]
-    rho = spearman_rows(scores["float32"], scores["bfloat16"])
-    top = overlap_at_k(top_indices(scores["bfloat16"], 10), top_indices(scores["float32"], 10))
-    res = {"spearman_mean": round(float(rho.mean()), 4), "spearman_min": round(float(rho.min()), 4),
-           "top10_overlap_mean": round(float(top.mean()), 4), "top10_overlap_min": round(float(top.min()), 4),
-           "build_seconds": seconds, "queries": n_queries, "examples": n_train,
-           "index": "gradindex build defaults (--projection auto, EK-FAC, int4 eigenbasis rows)"}
-    print(f"bf16 vs float32 build, EK-FAC scores: Spearman mean {res['spearman_mean']} (min {res['spearman_min']}), "
-          f"top-10 overlap mean {res['top10_overlap_mean']} (min {res['top10_overlap_min']})", flush=True)
+    res, both = {}, {}
+    for rows, extra in (("int4", []), ("fp16", ["--storage", "fp16"])):
+        scores, seconds = {}, {}
+        both[rows] = scores
+        for dtype in ("float32", "bfloat16"):
+            out = work / f"index-{dtype}-{rows}"
+            t0 = time.perf_counter()
+            r = CliRunner().invoke(main, ["build", str(model_dir), str(data), "--out", str(out), "--dtype", dtype,
+                                          "--device", "cpu", "--quiet", "--no-index", *extra], catch_exceptions=False)
+            assert r.exit_code == 0, r.output
+            seconds[dtype] = round(time.perf_counter() - t0, 2)
+            with QueryEngine(out, device="cpu") as engine:
+                scores[dtype] = engine.scores(queries, method="ekfac")  # [Q, N]
+        rho = spearman_rows(scores["float32"], scores["bfloat16"])
+        top = overlap_at_k(top_indices(scores["bfloat16"], 10), top_indices(scores["float32"], 10))
+        part = {"spearman_mean": round(float(rho.mean()), 4), "spearman_min": round(float(rho.min()), 4),
+                "top10_overlap_mean": round(float(top.mean()), 4), "top10_overlap_min": round(float(top.min()), 4),
+                "build_seconds": seconds}
+        if rows == "int4":
+            res.update(part, queries=n_queries, examples=n_train,
+                       index="gradindex build defaults (--projection auto, EK-FAC, int4 eigenbasis rows)")
+        else:
+            res["fp16_rows"] = {**part, "index": "the defaults with --storage fp16 (eigenbasis rows as float16)"}
+        print(f"bf16 vs float32 build ({rows} rows), EK-FAC scores: Spearman mean {part['spearman_mean']} "
+              f"(min {part['spearman_min']}), top-10 overlap mean {part['top10_overlap_mean']} "
+              f"(min {part['top10_overlap_min']})", flush=True)
+    rho = spearman_rows(both["fp16"]["float32"], both["int4"]["float32"])
+    res["int4_vs_fp16_rows_float32"] = {"spearman_mean": round(float(rho.mean()), 4),
+                                        "spearman_min": round(float(rho.min()), 4)}
+    print(f"int4 rows against fp16 rows, both float32 builds: Spearman mean {rho.mean():.4f} (min {rho.min():.4f})")
     return res
 
 

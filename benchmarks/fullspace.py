@@ -103,7 +103,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for full_factors in ((False, True) if args.build_factors else (False,)):
             out = Path(tmp) / f"idx-{int(full_factors)}"
-            cfg = BuildConfig(projection=ProjectionSpec(k_a=16, k_g=16), max_length=128, batch_size=8,
+            cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=16, k_g=16), max_length=128, batch_size=8,
                               shard_size=4096, full_factors=full_factors)
             t0, c0 = time.perf_counter(), time.process_time()
             build_store(model, tok, data, out, cfg, model_id="shared-workload", data_id="random", progress=False)

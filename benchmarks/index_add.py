@@ -63,7 +63,7 @@ def store(work: Path, n: int) -> Path:
     model = tiny_gpt2(vocab_size=len(tok), n_layer=2, n_embd=128, n_head=4, n_positions=128)
     mdir = save_model_dir(model, tok, work / "model")
     data = tokenize_records(records_from_texts([docs[i % len(docs)] for i in range(n)]), tok, 128)
-    cfg = BuildConfig(projection=ProjectionSpec.parse("none"), storage="int4", max_length=128)
+    cfg = BuildConfig.raw(projection=ProjectionSpec.parse("none"), storage="int4", max_length=128)
     build_store(model, tok, data, out, cfg, model_id=str(mdir), progress=False)
     return out
 

@@ -100,7 +100,7 @@ def base_store(work: Path, model_dir: Path, texts: list[str]) -> Path:
     log(f"capturing {len(texts)} real rows")
     model, tok = load_causal_lm(model_dir, device="cpu")
     data = tokenize_records(records_from_texts(texts), tok, MAX_LENGTH)
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=16, k_g=16), max_length=MAX_LENGTH, shard_size=1 << 16)
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=16, k_g=16), max_length=MAX_LENGTH, shard_size=1 << 16)
     build_store(model, tok, data, out, cfg, model_id=str(model_dir), progress=False)
     return out
 

@@ -249,7 +249,7 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, sets
     ids = setup.query.input_ids + setup.fact_query.input_ids
     labels = setup.query.labels + setup.fact_query.labels
     out, secs = {}, {}
-    raw_cfg = BuildConfig(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac",
+    raw_cfg = BuildConfig.raw(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac",
                           max_length=fc.max_tokens)
     raw = _build(model, setup, work / "raw", model_dir, data, raw_cfg)
     q = query_gradients(model, setup.tokenizer, Tokenized(ids, labels, 0, "text"), raw_cfg)

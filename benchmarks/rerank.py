@@ -80,7 +80,7 @@ def main() -> int:
         t0 = time.perf_counter()
         for name, proj in (("16x16", "16"), ("none", "none")):
             d = work / name
-            bc = BuildConfig(projection=ProjectionSpec.parse(proj), max_length=cfg.max_tokens, batch_size=16,
+            bc = BuildConfig.raw(projection=ProjectionSpec.parse(proj), max_length=cfg.max_tokens, batch_size=16,
                              precondition="ekfac")
             build_index(model, tok, data, d, bc, model_id=str(work / "model"), data_id=str(path), progress=False)
             dirs[name] = d
@@ -90,7 +90,7 @@ def main() -> int:
         res["full_space_fit_seconds"] = time.perf_counter() - t1
         print(f"built in {t1 - t0:.0f} s, full-space fit {res['full_space_fit_seconds']:.1f} s", flush=True)
         queries = [{"input_ids": x} for x in setup.query.input_ids]
-        grads = query_gradients(model, tok, setup.query, BuildConfig(projection=ProjectionSpec.parse("none"),
+        grads = query_gradients(model, tok, setup.query, BuildConfig.raw(projection=ProjectionSpec.parse("none"),
                                                                       batch_size=16))
         truth = score_matrix(dirs["none"], grads, "ekfac", damping=args.damping, device="cpu")  # [Q, N]
         res["full_space_numbers_per_example"] = int(sum(v.shape[1] for v in grads.values()))

@@ -265,7 +265,7 @@ def library_check(model, setup, Gt, Gq, factors, budget, log) -> dict:
     from gradindex.store.basis import read_basis
 
     with tempfile.TemporaryDirectory() as d:
-        cfg = BuildConfig(budget=budget, allocation="ratio", basis="kfac", basis_damping=DAMPING, batch_size=16,
+        cfg = BuildConfig.raw(budget=budget, allocation="ratio", basis="kfac", basis_damping=DAMPING, batch_size=16,
                           precondition="ekfac")
         res, _ = build_index(model, setup.tokenizer, setup.train, Path(d) / "idx", cfg, progress=False)
         spec = ProjectionSpec.from_dict(res.manifest["build"]["projection"])

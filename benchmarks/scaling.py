@@ -61,7 +61,7 @@ def child(layers: int, width: int, length: int, n: int, method: str) -> dict:
     else:
         kind, k = method.split("-")
         data = Tokenized(input_ids=ids, labels=[list(x) for x in ids], n_truncated=0, field="input_ids")
-        cfg = BuildConfig(projection=ProjectionSpec.parse(k), storage="int8", batch_size=batch, max_length=length,
+        cfg = BuildConfig.raw(projection=ProjectionSpec.parse(k), storage="int8", batch_size=batch, max_length=length,
                           precondition="ekfac" if kind == "ekfac" else "none")
         with tempfile.TemporaryDirectory() as d:
             res, _ = build_index(model, None, data, Path(d) / "idx", cfg, progress=False)

@@ -1,11 +1,12 @@
-"""CLI start-up: wall time and peak memory of ``gradindex --help``, ``info IDX`` and ``query --help``.
+"""CLI start-up: wall time and peak memory of ``gradindex --help``, ``info IDX``, ``query --help``, and of a
+one-off ``query IDX --text ...`` (model load, one query, its hits' texts).
 
 Each command runs ``--repeats`` times (default 5) in a fresh ``python -m gradindex.cli`` process;
 the median wall and CPU times (CPU time is what a loaded shared machine disturbs least) and the
 largest peak RSS (``wait4``'s ``ru_maxrss``) are reported. With
 ``--compare DIR`` the same commands run, interleaved, from another checkout (e.g. ``/work/main``)
 for a side-by-side figure. ``IDX`` is a tiny index built first in a temp dir (or ``--index``).
-Target (issue 7 item 4): each under 1 s.
+Target (issue 7 item 4): each but the query under 1 s; the query's CPU time is issue 17's figure.
 
     python -m benchmarks.startup                       # writes benchmarks/results/startup.json
     python -m benchmarks.startup --compare /work/main  # this checkout and another, side by side
@@ -25,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_S = 1.0
+UNDER_TARGET = ("--help", "info IDX", "query --help")
+"""The commands the target is for; a one-off ``query`` loads torch, transformers and the model (issue 17)."""
+QUERY = "example 3 of the start-up benchmark"
 
 
 def run_once(root: Path, args: list[str]) -> tuple[float, float, float]:
@@ -76,7 +80,8 @@ def main() -> None:
         return make_index(Path(args.make_index))
     with tempfile.TemporaryDirectory() as tmp:
         idx = Path(args.index) if args.index else tiny_index(Path(tmp))
-        commands = {"--help": ["--help"], "info IDX": ["info", str(idx)], "query --help": ["query", "--help"]}
+        commands = {"--help": ["--help"], "info IDX": ["info", str(idx)], "query --help": ["query", "--help"],
+                    "query IDX --text": ["query", str(idx), "--text", QUERY, "-k", "3"]}
         roots = {"this": ROOT} | ({"compare": Path(args.compare).resolve()} if args.compare else {})
         raw: dict[str, dict[str, list]] = {r: {c: [] for c in commands} for r in roots}
         for _ in range(args.repeats):
@@ -96,11 +101,11 @@ def main() -> None:
     for name in commands:
         print(f"{name:<14}" + "".join(f"{results[r][name]['median_s']:>14.3f}{results[r][name]['median_cpu_s']:>14.3f}"
                                       f"{results[r][name]['peak_rss_mib']:>16.1f}" for r in roots))
-    ok = all(results["this"][c]["median_s"] < TARGET_S for c in commands)
-    print(f"target: every median under {TARGET_S} s: {'met' if ok else 'NOT met'} "
+    ok = all(results["this"][c]["median_s"] < TARGET_S for c in commands if c in UNDER_TARGET)
+    print(f"target: every median but the query's under {TARGET_S} s: {'met' if ok else 'NOT met'} "
           f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
-    out = {"repeats": args.repeats, "target_s": TARGET_S, "target_met": ok, "load_average": os.getloadavg(),
-           "cpus": os.cpu_count(), "results": results}
+    out = {"repeats": args.repeats, "target_s": TARGET_S, "target_for": list(UNDER_TARGET), "target_met": ok,
+           "load_average": os.getloadavg(), "cpus": os.cpu_count(), "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

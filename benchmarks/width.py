@@ -43,6 +43,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import time
 from collections.abc import Mapping
@@ -95,13 +96,22 @@ class Shape:
 
 SHAPES = {
     "gpt2-4x256": Shape("gpt2-4x256", "gpt2", 4, 256, 4, data=FidelityConfig(
-        n_train=256, n_query=16, max_tokens=64, vocab=512, n_facts=8, steps=300, batch=16, lr=3e-3,
+        n_train=1024, n_query=16, max_tokens=64, vocab=512, n_facts=8, steps=400, batch=16, lr=3e-3,
         corpora=("stdlib",))),
     "qwen2.5-0.5b-block": Shape("qwen2.5-0.5b-block", "qwen2", 1, 896, 14, 2, 4864, data=FidelityConfig(
-        n_train=192, n_query=16, max_tokens=64, vocab=512, n_facts=8, steps=150, batch=16, lr=1e-3,
+        n_train=512, n_query=16, max_tokens=48, vocab=4096, n_facts=8, steps=120, batch=16, lr=2e-3,
         corpora=("stdlib",))),
 }
-QUICK = {k: replace(s, data=replace(s.data, n_train=48, n_query=4, steps=20, n_facts=2)) for k, s in SHAPES.items()}
+"""GPT-2 4x256: 1024 training examples, so that C = 200 candidates are a fifth of the set. The Qwen
+block (one decoder layer of Qwen2.5-0.5B's widths, its vocabulary cut to 4096): 512 examples of at
+most 48 tokens, what one shared CPU core fits in the time (its full-space fit and reference rotate
+every token by the 4864-wide eigenbasis); C = 100 is a fifth of that set."""
+QUICK = {k: replace(s, n_layer=1, data=replace(s.data, n_train=48, n_query=4, steps=20, n_facts=2, vocab=512))
+         for k, s in SHAPES.items()}
+TIMED = {"gpt2-4x256": (3, (100,)), "qwen2.5-0.5b-block": (2, (100,))}
+"""Per shape: held-out queries run through the engine (plus every fact query) and the ``rerank_full``
+sizes C they run at (besides 0): a re-rank costs C forward+backward passes per query, on a CPU core
+shared with other jobs here."""
 
 
 def new_model(shape: Shape, vocab: int) -> torch.nn.Module:
@@ -420,77 +430,200 @@ def measure(scores: np.ndarray, ref: np.ndarray, n_held: int, fact_rows) -> dict
 
 
 # -- one shape ----------------------------------------------------------------------------------------
-def run_shape(shape: Shape, work: Path, log=print) -> dict:
+def timed_build(model, tok, data: Tokenized, path: Path, bcfg: BuildConfig, data_id: str) -> tuple[float, dict]:
+    """Build ``path`` afresh with ``bcfg`` (store, fit, transcode; no FAISS); ``(seconds, manifest)``."""
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    build_index(model, tok, data, path, bcfg, model_id="width", data_id=data_id, progress=False)
+    return round(time.perf_counter() - t0, 1), read_manifest(path)
+
+
+FACTOR_BYTES = 1536 << 20
+"""At most this many bytes of float16 per-token factors are held at once (:func:`layer_groups`)."""
+
+
+def layer_groups(layers: list[str], widths: dict[str, tuple[int, int]], tokens: int) -> list[list[str]]:
+    """Whole transformer blocks (``...h.3.`` / ``...layers.3.``) packed into groups whose float16 factors
+    over ``tokens`` tokens fit :data:`FACTOR_BYTES`: one factor capture (model pass) per group."""
+    blocks: dict[str, list[str]] = {}
+    for n in layers:
+        m = re.match(r"^(.*?\.\d+)\.", n)
+        blocks.setdefault(m.group(1) if m else n, []).append(n)
+    groups: list[list[str]] = []
+    used = FACTOR_BYTES + 1
+    for names in blocks.values():
+        size = 2 * tokens * sum(sum(widths[n]) for n in names)
+        if used + size > FACTOR_BYTES:
+            groups.append([])
+            used = 0
+        groups[-1] += names
+        used += size
+    return groups
+
+
+def streamed_scores(model, layers: list[str], queries: Tokenized, train: Tokenized, pad: int, curv: dict,
+                    plans: dict[str, dict]) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float], float]:
+    """:func:`scheme_scores` one block of layers at a time (its per-token factors only in memory);
+    also returns the factor capture's seconds."""
+    ref, sims, secs, cap_s = None, {}, dict.fromkeys(plans, 0.0), 0.0
+    widths = _full_shapes(model, layers)
+    tokens = sum(len(x) for x in train.input_ids) + sum(len(x) for x in queries.input_ids)
+    for group in layer_groups(layers, widths, tokens):
+        t0 = time.perf_counter()
+        fq, ft = token_factors(model, group, queries, pad, 8), token_factors(model, group, train, pad, 8)
+        cap_s += time.perf_counter() - t0
+        r, s, sec = scheme_scores(fq, ft, {n: curv[n] for n in group}, plans)
+        del fq, ft
+        ref = r if ref is None else ref + r
+        for k, v in s.items():
+            sims[k] = v if k not in sims else sims[k] + v
+            secs[k] += sec[k]
+    return ref, sims, secs, cap_s
+
+
+def first_stage(scores: np.ndarray, ref: np.ndarray, n_held: int, fact_rows) -> dict:
+    """Per query: recall of the reference top 10 in the first stage's top C, and (planted facts) the
+    first-stage rank of the planted example (1 = first)."""
+    rtop = np.argsort(-ref, 1)[:, :10]
+    order = np.argsort(-scores, 1)
+    per = {str(c): [round(len(set(o[:c]) & set(r)) / 10, 2) for o, r in zip(order, rtop, strict=True)]
+           for c in CANDIDATES if c <= scores.shape[1]}
+    fact_rank = [int(np.flatnonzero(order[n_held + j] == row)[0]) + 1 for j, row in enumerate(fact_rows)]
+    return {"per_query_recall_at_C": {c: v[:n_held] for c, v in per.items()},
+            "fact_query_recall_at_C": {c: float(np.mean(v[n_held:])) if fact_rows else None for c, v in per.items()},
+            "fact_first_stage_rank": fact_rank,
+            "min_recall_at_C": {c: float(np.min(v[:n_held])) for c, v in per.items()}}
+
+
+def engine_rerank(model, tok, idx: Path, queries: Tokenized, ref: np.ndarray, n_held: int, fact_rows,
+                  cands: tuple[int, ...], timed: int, log=print) -> dict:
+    """The library's two stages through :class:`QueryEngine` (``rerank_full=C``, EK-FAC) on ``idx``
+    (its full-space EK-FAC fitted): final top-10 agreement with the reference and seconds per query,
+    next to the plain query's (``rerank_full=0``). ``timed``: held-out queries run through the engine per C
+    and fact queries each (the first ``timed`` of both)."""
+    from gradindex.index import IndexConfig, build_indices
+    from gradindex.query import QueryEngine
+
+    build_indices(idx, IndexConfig(), progress=False)
+    rtop = np.argsort(-ref, 1)[:, :10]
+    pick = sorted(set(range(min(timed, n_held))) | set(range(n_held, min(n_held + timed, len(queries)))))
+    out: dict = {"queries": len(pick)}
+    with QueryEngine(idx, model=model, tokenizer=tok) as e:
+        recs = [{"input_ids": queries.input_ids[j], "labels": queries.labels[j]} for j in pick]
+        e.query(recs[0], k=10, method="ekfac", damping=DAMPING, rerank_full=10, texts=False)  # warm-up
+        for C in (0, *cands):
+            top10, secs, exact, facts = [], [], [], []
+            for j, rec in zip(pick, recs, strict=True):
+                t0 = time.perf_counter()
+                r = e.query(rec, k=10, method="ekfac", damping=DAMPING, rerank_full=C, texts=False)
+                secs.append(time.perf_counter() - t0)
+                got = [h.id for h in r.hits]
+                if j < n_held:
+                    top10.append(len(set(got) & set(rtop[j].tolist())) / 10)
+                else:
+                    facts.append(got[0] == fact_rows[j - n_held])
+                if C:  # the re-ranked scores against the reference's (relative)
+                    fs = np.array([h.full_score for h in r.hits])
+                    exact.append(float(np.max(np.abs(fs - ref[j, got]) / np.abs(ref[j]).max())))
+            row = {"top10": float(np.mean(top10)), "fact_rank1": float(np.mean(facts)) if facts else None,
+                   "p50_s": round(float(np.percentile(secs, 50)), 3), "p95_s": round(float(np.percentile(secs, 95)), 3)}
+            if exact:
+                row["max_rel_score_diff"] = float(np.max(exact))
+            out[str(C)] = row
+            log(f"  engine rerank_full={C}: top10 {row['top10']:.3f} facts@1 {row['fact_rank1']} "
+                f"p50 {row['p50_s']} s p95 {row['p95_s']} s", flush=True)
+    return out
+
+
+def load_or_train(shape: Shape, setup, vocab: int, work: Path) -> tuple[torch.nn.Module, float]:
     cfg = shape.data
-    setup = make_setup(cfg, cfg.corpora[0])
-    vocab = len(setup.tokenizer)
     model = new_model(shape, vocab)
-    ckpt = work / f"{shape.name}-{cfg.retrain_key(cfg.corpora[0])}-{cfg.steps}.pt"
+    dims = f"{shape.n_layer}x{shape.hidden}x{shape.intermediate}v{vocab}"
+    ckpt = work / f"{shape.name}-{dims}-{cfg.retrain_key(cfg.corpora[0])}-{cfg.steps}.pt"
     t0 = time.perf_counter()
     if ckpt.exists():
         model.load_state_dict(torch.load(ckpt))
     else:
         train_model(model, setup.train.input_ids, cfg, seed=1000)
         torch.save(model.state_dict(), ckpt)
-    model.eval()
-    train_s = time.perf_counter() - t0
+    return model.eval(), time.perf_counter() - t0
+
+
+def file_data(setup, tok, max_tokens: int, work: Path, name: str) -> tuple[Tokenized, str]:
+    """The training set as a JSONL file (what the engine reads texts and re-rank tokens from), tokenized back."""
+    from gradindex.data import load_records, tokenize_records
+
+    path = work / f"{name}-train.jsonl"
+    path.write_text("".join(json.dumps({"text": tok.decode(x)}) + "\n" for x in setup.train.input_ids))
+    return tokenize_records(load_records(path), tok, max_tokens), str(path)
+
+
+def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, schemes: bool = True, reuse: bool = False,
+              timed: tuple[int, tuple[int, ...]] = (1000, (50, 100, 200))) -> dict:
+    cfg = shape.data
+    setup = make_setup(cfg, cfg.corpora[0])
+    tok = setup.tokenizer
+    vocab = len(tok)
+    model, train_s = load_or_train(shape, setup, vocab, work)
+    train, data_id = file_data(setup, tok, cfg.max_tokens, work, shape.name)
     res: dict = {"shape": shape.__dict__ | {"data": cfg.__dict__}, "vocab": vocab,
-                 "train_seconds": round(train_s, 1),
+                 "train_seconds": round(train_s, 1), "examples": len(train),
                  "query_token_loss": mean_token_loss(model, setup.query),
-                 "unigram_token_loss": unigram_loss(setup.train, setup.query, vocab)}
+                 "unigram_token_loss": unigram_loss(train, setup.query, vocab)}
     log(f"[{shape.name}] trained ({train_s:.0f} s): held-out token loss {res['query_token_loss']:.3f}, "
-        f"unigram {res['unigram_token_loss']:.3f}")
+        f"unigram {res['unigram_token_loss']:.3f}", flush=True)
     queries = Tokenized(setup.query.input_ids + setup.fact_query.input_ids,
                         setup.query.labels + setup.fact_query.labels, 0, setup.query.field)
     n_held = len(setup.query)
     idx = work / f"{shape.name}-default"
-    shutil.rmtree(idx, ignore_errors=True)
     bcfg = default_config(8)
-    t0 = time.perf_counter()
-    build_index(model, setup.tokenizer, setup.train, idx, bcfg, model_id="width", progress=False)
-    res["default_build_seconds"] = round(time.perf_counter() - t0, 1)
-    man = read_manifest(idx)
+    old = read_manifest(idx) if reuse and (idx / "manifest.json").exists() else {}
+    if old.get("status") == "complete" and "ekfac" in old.get("full_space", {}):
+        res["default_build_seconds"], man = None, old  # (--reuse: built by an earlier run, not timed here)
+        res["reused_index"] = True
+    else:
+        res["default_build_seconds"], man = timed_build(model, tok, train, idx, bcfg, data_id)
     sizes = {n: (v["rows"], v["cols"]) for n, v in man["build"]["layers"].items()}
     res["hooked_numbers"] = int(sum(np.prod(v) for v in _full_shapes(model, list(sizes)).values()))
     res["default_numbers"] = int(sum(a * b for a, b in sizes.values()))
     res["default_sizes"] = {n: list(v) for n, v in sizes.items()}
     log(f"  default build {res['default_build_seconds']} s: {res['default_numbers']} numbers "
-        f"({row_bytes(man)} B) of {res['hooked_numbers']}")
+        f"({row_bytes(man)} B) of {res['hooked_numbers']}", flush=True)
     default_scores = library_rows_scores(model, setup, idx, queries, bcfg)
-    eig_idx = work / f"{shape.name}-eigen"
-    shutil.rmtree(eig_idx, ignore_errors=True)
-    ecfg = eigen_config(8)
+    if eigen:
+        eig_idx = work / f"{shape.name}-eigen"
+        ecfg = eigen_config(8)
+        res["eigen_build_seconds"], eig_man = timed_build(model, tok, train, eig_idx, ecfg, data_id)
+        eigen_scores = library_rows_scores(model, setup, eig_idx, queries, ecfg)
+        log(f"  eigen build {res['eigen_build_seconds']} s: {row_bytes(eig_man)} B", flush=True)
     t0 = time.perf_counter()
-    build_index(model, setup.tokenizer, setup.train, eig_idx, ecfg, model_id="width", progress=False)
-    res["eigen_build_seconds"] = round(time.perf_counter() - t0, 1)
-    eig_man = read_manifest(eig_idx)
-    eigen_scores = library_rows_scores(model, setup, eig_idx, queries, ecfg)
-    log(f"  eigen build {res['eigen_build_seconds']} s: {row_bytes(eig_man)} B")
-    t0 = time.perf_counter()
-    fit_preconditioner(idx, FitConfig(method="ekfac", space="full", damping=DAMPING), model=model,
-                       tokenizer=setup.tokenizer, data=setup.train)
-    res["full_fit_seconds"] = round(time.perf_counter() - t0, 1)
+    if "ekfac" in man.get("full_space", {}):  # the default build fits it where it projects (its re-rank's)
+        res["full_fit_seconds"] = round(man["full_space"]["ekfac"]["seconds"], 1)
+        res["full_fit_in_build"] = True
+    else:
+        fit_preconditioner(idx, FitConfig(method="ekfac", space="full", damping=DAMPING), model=model,
+                           tokenizer=tok, data=train)
+        res["full_fit_seconds"] = round(time.perf_counter() - t0, 1)
+    log(f"  full-space fit {res['full_fit_seconds']} s", flush=True)
     curv = load_full_preconditioner(idx, "ekfac").curvature
-    layers = list(sizes)
-    pad = setup.tokenizer.pad_token_id
-    t0 = time.perf_counter()
-    fq = token_factors(model, layers, queries, pad, 8)
-    ft = token_factors(model, layers, setup.train, pad, 8)
-    res["factor_capture_seconds"] = round(time.perf_counter() - t0, 1)
     kron = {n: c["Lambda"] for n, c in load_full_preconditioner(idx, "kfac").curvature.items()}
     DAMP_CHECK.clear()
-    plans = plan_schemes(curv, sizes, kron)
-    ref, sims, secs = scheme_scores(fq, ft, curv, plans)
+    plans = plan_schemes(curv, sizes, kron) if schemes else {}
+    ref, sims, secs, res["factor_capture_seconds"] = streamed_scores(model, list(sizes), queries, train,
+                                                                      tok.pad_token_id, curv, plans)
+    del curv, kron
     res["reference"] = {"fact_rank1": fact_rank1(ref[n_held:], setup.fact_rows)}
     rows = {"default": {"bytes_per_example": row_bytes(man), "numbers": res["default_numbers"],
                         **measure(default_scores, ref, n_held, setup.fact_rows),
-                        "build_seconds": res["default_build_seconds"]},
-            "eigen (library)": {"bytes_per_example": row_bytes(eig_man),
-                                "numbers": int(sum(v["rows"] * v["cols"] for v in eig_man["build"]["layers"].values())),
-                                **measure(eigen_scores, ref, n_held, setup.fact_rows),
-                                "build_seconds": res["eigen_build_seconds"],
-                                "kept_share": eig_man["build"]["basis"].get("kept_share"),
-                                "layer_numbers": {n: v["cols"] for n, v in eig_man["build"]["layers"].items()}}}
+                        "build_seconds": res["default_build_seconds"]}}
+    res["default_first_stage"] = first_stage(default_scores, ref, n_held, setup.fact_rows)
+    if eigen:
+        rows["eigen (library)"] = {
+            "bytes_per_example": row_bytes(eig_man),
+            "numbers": int(sum(v["rows"] * v["cols"] for v in eig_man["build"]["layers"].values())),
+            **measure(eigen_scores, ref, n_held, setup.fact_rows), "build_seconds": res["eigen_build_seconds"],
+            "kept_share": eig_man["build"]["basis"].get("kept_share"),
+            "layer_numbers": {n: v["cols"] for n, v in eig_man["build"]["layers"].items()}}
     for s, sc in sims.items():
         nums = sum(p.numbers for p in plans[s].values())
         rows[s] = {"bytes_per_example": sum(codes.row_bytes("int4", p.numbers) for p in plans[s].values()),
@@ -498,12 +631,14 @@ def run_shape(shape: Shape, work: Path, log=print) -> dict:
                    "build_seconds": round(res["full_fit_seconds"] + res["factor_capture_seconds"] + secs[s], 1),
                    "layer_numbers": {n: p.numbers for n, p in plans[s].items()}}
     res["rows"] = rows
-    np.savez_compressed(work / f"{shape.name}-scores.npz", reference=ref, default=default_scores,
-                        eigen=eigen_scores, **{k.replace("+", "_"): v for k, v in sims.items()})
+    extra = {"eigen": eigen_scores} if eigen else {}
+    np.savez_compressed(work / f"{shape.name}-scores.npz", reference=ref, default=default_scores, **extra,
+                        **{k.replace("+", "_"): v for k, v in sims.items()})
     res["damping_estimate"] = {n: dict(v) for n, v in DAMP_CHECK.items()}
     for s, r in rows.items():
         log(f"  {s:20s} {r['bytes_per_example']:>8d} B  spearman {r['spearman']:.3f}  top10 {r['top10']:.2f}  "
-            f"facts@1 {r['fact_rank1']:.2f}")
+            f"facts@1 {r['fact_rank1']:.2f}  recall@C {r['recall_of_top10_at_C']}", flush=True)
+    res["engine"] = engine_rerank(model, tok, idx, queries, ref, n_held, setup.fact_rows, timed[1], timed[0], log)
     return res
 
 
@@ -548,18 +683,34 @@ def main() -> int:
                     / "gradindex" / "width")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "width.json")
     ap.add_argument("--merge", action="store_true", help="keep the other shapes already in --out")
+    ap.add_argument("--no-eigen", action="store_true", help="skip the --projection-basis eigen build")
+    ap.add_argument("--no-schemes", action="store_true",
+                    help="skip the alternative stored-row schemes (the reference and the library's rows only)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep a complete default index (with its full-space fit) from an earlier run in --work-dir")
+    ap.add_argument("--train-only", action="store_true",
+                    help="train and cache the shapes' models, then stop (training needs no big memory)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     table = QUICK if args.quick else SHAPES
     out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-                       "threads": 1, "loadavg_before": os.getloadavg()},
+                       "threads": args.threads, "loadavg_before": os.getloadavg()},
            "damping": DAMPING, "shapes": {}}
     if args.merge and args.out.exists():
         out["shapes"] = json.loads(args.out.read_text()).get("shapes", {})
     t0 = time.perf_counter()
+    if args.train_only:
+        for name in args.shapes.split(","):
+            setup = make_setup(table[name].data, table[name].data.corpora[0])
+            _, secs = load_or_train(table[name], setup, len(setup.tokenizer), args.work_dir)
+            print(f"[{name}] trained in {secs:.0f} s", flush=True)
+        return 0
     for name in args.shapes.split(","):
-        out["shapes"][name] = run_shape(table[name], args.work_dir)
+        out["shapes"][name] = run_shape(table[name], args.work_dir, eigen=not args.no_eigen,
+                                        schemes=not args.no_schemes, reuse=args.reuse,
+                                        timed=TIMED.get(name, (1000, (50, 100, 200))))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
     for name, res in out["shapes"].items():  # (results merged from a run before the share was recorded)

@@ -26,7 +26,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     model, tok = load_causal_lm(args.model, device=args.device)
     data = tokenize_records(load_records(args.data), tok, args.max_length)
-    cfg = BuildConfig(projection=ProjectionSpec.parse(args.projection), max_length=args.max_length,
+    cfg = BuildConfig.raw(projection=ProjectionSpec.parse(args.projection), max_length=args.max_length,
                       batch_size=args.batch_size, precondition=args.precondition)
     res, _ = build_index(model, tok, data, args.out, cfg, index=None if args.no_index else IndexConfig(gpu=False),
                          model_id=os.path.abspath(args.model), data_id=os.path.abspath(args.data), progress=False)

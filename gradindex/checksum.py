@@ -245,29 +245,6 @@ def row_hashes(codes: np.ndarray, scales: np.ndarray | None, rows: np.ndarray) -
     return h
 
 
-def write_row_hashes(shard: Path, block_bytes: int = 1 << 26) -> Path:
-    """Hash every row of every layer of a sealed shard into its sidecar (:data:`ROW_HASHES`); its path."""
-    import h5py
-    import numpy as np
-
-    with h5py.File(shard, "r") as f:
-        layers = list(f["grads"])
-        n = int(f["ids"].shape[0])
-        out = np.zeros((n, len(layers)), dtype=np.uint64)
-        for j, name in enumerate(layers):
-            ds, sc = f["grads"][name], f["scales"][name] if "scales" in f else None
-            step = max(1, block_bytes // max(1, ds.dtype.itemsize * ds.shape[1]))
-            for s in range(0, n, step):
-                e = min(n, s + step)
-                out[s:e, j] = row_hashes(ds[s:e], None if sc is None else sc[s:e], np.arange(s, e))
-    path = row_hash_path(shard)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        np.save(fh, out)
-    os.replace(tmp, path)
-    return path
-
-
 def check_rows(expected: np.ndarray, codes: np.ndarray, scales: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
     """Rows (of ``rows``) whose codes and scale no longer hash to ``expected`` ``[n]``."""
     import numpy as np

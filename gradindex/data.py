@@ -14,18 +14,23 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
 
 from gradindex.chat import IGNORE, MESSAGES, chat_tokens
+
+if TYPE_CHECKING:
+    import datasets  # (imported where a file or folder is read: it takes most of a second)
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 def load_records(path: str | os.PathLike) -> datasets.Dataset:
     """Load a jsonl/json/csv/parquet file or a ``save_to_disk`` folder as a Dataset."""
+    import datasets
+
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"data {str(p)!r} does not exist")
@@ -99,7 +104,31 @@ def check_utf8(path: Path, header: bool = False) -> None:
                 ) from None
 
 
+class Records:
+    """Records held in memory (dicts with the same fields), read as :func:`tokenize_records` reads a
+    ``datasets.Dataset`` (``column_names``, ``records[field]``, ``len``) without importing ``datasets``:
+    a query's few records, or texts given in code."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = list(rows)
+        self.column_names = list(dict.fromkeys(k for r in self.rows for k in r))
+
+    def __getitem__(self, field: str) -> list:
+        return [r.get(field) for r in self.rows]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def select(self, ids) -> Records:
+        return Records([self.rows[int(i)] for i in ids])
+
+
 def records_from_texts(texts: list[str]) -> datasets.Dataset:
+    import datasets
+
     return datasets.Dataset.from_dict({"text": list(texts)})
 
 
@@ -119,7 +148,8 @@ class Tokenized:
 
 
 def tokenize_records(
-    ds: datasets.Dataset, tokenizer, max_length: int, text_field: str = "text", vocab_size: int | None = None,
+    ds: datasets.Dataset | Records, tokenizer, max_length: int, text_field: str = "text",
+    vocab_size: int | None = None,
     require_targets: bool = True,
 ) -> Tokenized:
     """Token ids and labels for each record (labels are unshifted; -100 = not a target).
@@ -188,7 +218,7 @@ def tokenize_records(
     return Tokenized(ids_out, labels_out, n_trunc, field, tuple(truncated))
 
 
-def _check_one_format(ds: datasets.Dataset, text_field: str) -> None:
+def _check_one_format(ds: datasets.Dataset | Records, text_field: str) -> None:
     """Refuse a file whose rows use different formats (text / prompt+completion / input_ids)."""
     forms = {"input_ids": ("input_ids",), "prompt+completion": ("prompt", "completion"), MESSAGES: (MESSAGES,),
              text_field: (text_field,)}

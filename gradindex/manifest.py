@@ -219,7 +219,10 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     basis = m.get("build", {}).get("basis") or {}
     if basis.get("kind", "raw") == "kfac":
         args += ["--projection-basis", "kfac", "--basis-damping", str(basis.get("damping", 1.0)),
-                 "--fit-examples", str(basis.get("examples", 0))]
+                 "--fit-examples", str(basis.get("examples", 0)), "--fit-seed", str(c.get("basis_seed", 0))]
+    if c.get("basis") == "eigen":
+        args[args.index("--projection") + 1] = "auto"
+        args += ["--budget", str(c.get("budget", "auto")), "--projection-basis", "eigen"]
     if kind != "none":
         args += ["--projection-kind", kind]
     args += ["--seed", str(proj.get("seed", 0))]
@@ -233,10 +236,13 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     args += ["--max-length", str(c.get("max_length", 512)), "--batch-size", str(c.get("batch_size", 8)),
              "--dtype", m.get("dtype", "float32"), "--route", c.get("route", "auto"),
              "--storage", c.get("storage", "fp32"), "--shard-size", str(c.get("shard_size", 4096))]
-    if c.get("precondition", "none") != "none":
-        args += ["--precondition", c["precondition"], "--damping", str(c.get("damping", LEGACY_DAMPING))]
+    precondition, transcode = c.get("precondition", "none"), c.get("transcode", "none")  # (the CLI's are auto)
+    args += ["--precondition", precondition, "--transcode", transcode]
+    if precondition != "none" or transcode != "none":
+        args += ["--damping", str(c.get("damping", LEGACY_DAMPING))]
         if c.get("fisher", "empirical") != "empirical":
             args += ["--fisher", c["fisher"], "--fisher-seed", str(c.get("fisher_seed", 0))]
+    args += [f"--{flag.replace('_', '-')}" for flag in ("collect_covariance", "full_factors") if c.get(flag)]
     if c.get("optimizer_state"):
         args += ["--optimizer-state", c["optimizer_state"], "--adam-mode", str(c.get("adam_mode", "exact"))]
     return shlex.join(args + ([] if index else ["--no-index"])) + (f" {extra}" if extra else "")

@@ -23,10 +23,15 @@ from gradindex.manifest import manifest_path, read_manifest
 from gradindex.plan import BuildPlan, plan_build
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
+from gradindex.precondition.fullspace import budget_bound
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.store.builder import BuildConfig, BuildResult, build_store, refuse_foreign
 
 __all__ = ["BuildConfig", "BuildResult", "IndexConfig", "build_index"]
+
+RERANK_FIT_EXAMPLES = 2048
+"""The full-space fit a budget-bound build makes for the default query's exact re-rank takes every
+example up to this many, else a seeded sample of this many (its cost: two model passes over them)."""
 
 
 def build_index(
@@ -41,6 +46,7 @@ def build_index(
     overwrite: bool = False,
     progress: bool = True,
     repair: bool = False,
+    rerank_fit: bool | None = None,
 ) -> tuple[BuildResult, IndexBuildResult | None]:
     """Store every example's gradient, fit ``cfg.precondition`` (if any), then index (if ``index``).
 
@@ -49,6 +55,8 @@ def build_index(
     whitened eigenbasis as ``cfg.storage`` codes (the CLI's default; see docs/math.md).
     ``repair``: check every committed shard's whole-file hash and recompute the damaged ones
     (a plain re-run does the cheap sampled check only). Holds the directory's lock throughout.
+    ``rerank_fit``: also fit ``cfg.precondition`` in full space (:func:`rerank_fit_config`), what the
+    default query's exact re-rank needs; ``None``: where the rows are a budget-bound projection.
     An ``index.factory`` that cannot be trained on ``len(data)`` examples is refused before
     capturing. The manifest is passed from stage to stage, never re-read.
     """
@@ -62,7 +70,8 @@ def build_index(
         if not overwrite and distributed.rank() == 0:
             finish_transcode(out_dir)  # a swap that a kill interrupted
         distributed.barrier()
-        plan = plan_build(model, cfg, len(data), index is not None)
+        plan = plan_build(model, cfg, len(data), index is not None,
+                          *((index.factory, index.sketch_bytes) if index is not None else ()))
         _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
         with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept"):
             res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
@@ -72,13 +81,26 @@ def build_index(
             res.seconds = time.perf_counter() - t0
             return res, None
         try:
-            return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0, plan)
+            return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0, plan, rerank_fit)
         finally:
             distributed.barrier()
 
 
+def rerank_fit_config(cfg: BuildConfig, manifest: dict, n: int, asked: bool | None = None) -> FitConfig | None:
+    """The full-space fit a build makes for the exact re-rank, or ``None``: ``asked`` (``None``: where
+    the rows are a budget-bound projection, :func:`~gradindex.precondition.fullspace.budget_bound`)
+    and ``cfg.precondition`` is kfac/ekfac, on every example up to :data:`RERANK_FIT_EXAMPLES`."""
+    if cfg.precondition not in ("kfac", "ekfac") or manifest["build"].get("optimizer"):
+        return None
+    if not (asked if asked is not None else budget_bound(manifest)):
+        return None
+    return FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed,
+                     space="full", fit_examples=0 if n <= RERANK_FIT_EXAMPLES else RERANK_FIT_EXAMPLES)
+
+
 def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfig | None, res: BuildResult,
-            progress: bool, t0: float, plan: BuildPlan) -> tuple[BuildResult, IndexBuildResult | None]:
+            progress: bool, t0: float, plan: BuildPlan,
+            rerank_fit: bool | None = None) -> tuple[BuildResult, IndexBuildResult | None]:
     """The stages after the capture: fit, transcode, FAISS indices (one process), each checked for disk space."""
     fit = None if cfg.precondition == "none" else \
         FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
@@ -89,6 +111,11 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
                                              res.manifest)
         elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
             fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
+    full = rerank_fit_config(cfg, res.manifest, len(data), rerank_fit)
+    if full is not None and full.method not in read_manifest(out_dir).get("full_space", {}):
+        with disk_full_as_error(out_dir, "full-space fit", "the store and its stored-space fit are complete and kept"):
+            fit_preconditioner(out_dir, full, model, tokenizer, data, progress=progress)
+        res.manifest = read_manifest(out_dir)
     res.seconds = time.perf_counter() - t0
     if index is None:
         return res, None
@@ -111,5 +138,5 @@ def _check_disk(out: Path, plan: BuildPlan, overwrite: bool) -> None:
         parts.append(f"fits {human(plan.precond_bytes)}")
     if plan.index_bytes:
         parts.append(f"FAISS {human(plan.index_bytes)}")
-    check_space(out, plan.remaining(out) if not overwrite else plan.peak_disk, "build",
+    check_space(out, plan.remaining(out) if not overwrite else plan.least_disk, "build",
                 f"at its peak: {', '.join(parts)}")

@@ -23,11 +23,12 @@ from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.data import Tokenized
 from gradindex.diskspace import human
+from gradindex.index.cost import TIERS, LookupCost, choose_kind, lookup_cost
 from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import BLOCK_BYTES
 from gradindex.store.basis import RowBasis
 from gradindex.store.builder import BuildConfig
-from gradindex.store.codes import row_bytes
+from gradindex.store.codes import encode, has_scale, row_bytes
 from gradindex.store.sizing import sized_projection
 
 COLUMN_BYTES = 8 + 4 + 4 + 1 + 16
@@ -69,6 +70,13 @@ class BuildPlan:
     index_bytes: int
     """The FAISS stage's files (0 without it; an exhaustive index holds codes of every row)."""
     ram_bytes: int
+    rotated_bytes: int = 0
+    """The fused transcode's float16 copy of the rotated rows (:mod:`gradindex.precondition.rotated`),
+    beside the captured rows until each shard is coded."""
+    shards: int = 1
+    lookup: LookupCost | None = None
+    """One query's estimated cost on the index kind the FAISS stage builds (``store`` or ``sketch``;
+    :func:`gradindex.index.cost.lookup_cost`), None for a FAISS type or no FAISS stage."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Estimated seconds per stage, when measured (:func:`measure_seconds`)."""
     approximate: bool = False
@@ -86,16 +94,26 @@ class BuildPlan:
 
     @property
     def peak_disk(self) -> int:
-        """The most on disk at once: the captured rows beside the transcoded copy, or the final index."""
-        during = self.capture_bytes + self.precond_bytes + (self.store_bytes + self.basis_bytes if self.transcode
-                                                            else self.index_bytes)
+        """The most on disk at once: the captured rows beside their rotated copy (which shrinks, a shard at a
+        time, as the coded shards grow: the peak is as the first shard is coded), or the final index."""
+        if self.transcode:
+            during = (self.capture_bytes + self.precond_bytes + self.basis_bytes
+                      + max(self.rotated_bytes + -(-self.store_bytes // self.shards), self.store_bytes))
+        else:
+            during = self.capture_bytes + self.precond_bytes + self.index_bytes
         return max(during, self.final_disk)
 
+    @property
+    def least_disk(self) -> int:
+        """The peak without the rotated copy: the fused transcode then rotates each row twice instead
+        (:func:`gradindex.precondition.fused.fit_and_transcode` keeps the copy only where the disk has room)."""
+        return replace(self, rotated_bytes=0).peak_disk
+
     def remaining(self, out: str | Path) -> int:
-        """Bytes the build still adds to ``out`` at its peak (what is there counts as written)."""
+        """Bytes the build still adds to ``out`` at its least peak (what is there counts as written)."""
         out = Path(out)
         there = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.is_dir() else 0
-        return max(0, self.peak_disk - there)
+        return max(0, self.least_disk - there)
 
     def summary(self) -> str:
         """One line: rows, disk, memory, time (when measured), lookup."""
@@ -105,10 +123,15 @@ class BuildPlan:
         if self.seconds:
             stages = ", ".join(f"{k} {_duration(v)}" for k, v in self.seconds.items())
             t = f", about {_duration(sum(self.seconds.values()))} ({stages})"
+        if self.lookup is None:
+            look = f"an exhaustive lookup scans {human(self.store_bytes)} of rows"
+        else:
+            lk = self.lookup
+            look = (f"a lookup ({lk.kind} index) about {lk.seconds:.2g} s a query on one idle core, "
+                    f"{human(lk.ram_bytes)} RAM, {human(lk.scanned_bytes)} read")
         return (f"plan: {self.examples:,} examples x {len(self.layers)} layers ({numbers:,} numbers, {rows}: "
                 f"{human(self.row_bytes)} per example); disk {human(self.final_disk)} final, {human(self.peak_disk)} "
-                f"at peak; RAM about {human(self.ram_bytes)}{t}; an exhaustive lookup scans "
-                f"{human(self.store_bytes)} of rows")
+                f"at peak; RAM about {human(self.ram_bytes)}{t}; {look}")
 
 
 def _duration(s: float) -> str:
@@ -130,7 +153,7 @@ def rows_bytes(examples: int, shard_size: int, layers: list[LayerPlan], storage:
     them out: HDF5 allocates whole chunks (up to 256 rows, at most 1 MiB), so a shard's last chunk is full,
     and each dataset's header and chunk index take about :data:`DATASET_BYTES` (measured)."""
     total = 0
-    datasets = 6 + len(layers) * (2 if storage in ("int8", "int4") else 1)
+    datasets = 6 + len(layers) * (2 if has_scale(storage) else 1)
     for first in range(0, examples, shard_size):
         n = min(shard_size, examples - first)
         chunk = max(1, min(256, n))
@@ -142,8 +165,22 @@ def rows_bytes(examples: int, shard_size: int, layers: list[LayerPlan], storage:
     return total
 
 
-def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = True) -> BuildPlan:
-    """Sizes of a build of ``examples`` examples under ``cfg`` (``index``: with its FAISS stage)."""
+def plan_lookup(examples: int, layers: list[LayerPlan], storage: str, factory: str = "auto",
+                sketch_bytes: int = 0) -> LookupCost | None:
+    """The lookup cost of the index kind ``factory`` builds on these rows (``auto``: the kind it chooses,
+    :func:`gradindex.index.cost.choose_kind`); None for a FAISS type (no estimate)."""
+    numbers = sum(lp.numbers for lp in layers)
+    f = (factory or "auto").strip().lower()
+    kind = choose_kind(examples, numbers, storage) if f == "auto" else f
+    if kind not in TIERS:
+        return None
+    return lookup_cost(examples, numbers, storage, kind, len(layers), sketch_bytes)
+
+
+def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = True, factory: str = "auto",
+               sketch_bytes: int = 0) -> BuildPlan:
+    """Sizes of a build of ``examples`` examples under ``cfg`` (``index``: with its FAISS stage, of
+    ``factory`` and ``sketch_bytes`` as in :class:`gradindex.index.IndexConfig`)."""
     layers = hooked_layers(model, cfg)
     shards = max(1, -(-examples // cfg.shard_size))
     factors = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2) for lp in layers)  # one layer's A and S, float64
@@ -157,22 +194,24 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     fits = {"none": 0, "kfac": 1, "ekfac": 2}[cfg.precondition]
     precond = fits * per_fit + (8 * examples * (L + 1) if fits and not transcode else 0)  # (+ graddot's norms)
     basis = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2 + lp.numbers) for lp in layers) if transcode else 0
-    index_bytes = examples * sum(row_bytes(cfg.storage, lp.numbers) - 4 * (cfg.storage in ("int8", "int4"))
-                                 for lp in layers) if index else 0
+    lookup = plan_lookup(examples, layers, cfg.storage, factory, sketch_bytes) if index else None
+    index_bytes = lookup.index_bytes if lookup is not None else examples * sum(  # (a FAISS type: codes of every row)
+        row_bytes(cfg.storage, lp.numbers) - 4 * has_scale(cfg.storage) for lp in layers) if index else 0
     width = sum(lp.numbers for lp in layers)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     capture_ram = 2 * 4 * cfg.batch_size * width + 2 * params  # float32 batch rows on the device and their host copy
     block = 3 * min(BLOCK_BYTES, 4 * width * max(1, examples))  # a block of rows, rotated, coded
     ram = BASE_RAM + params + max(capture_ram, block)
+    rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" else 0
     return BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
-                     index_bytes, ram, approximate=cfg.basis not in ("raw", "kfac"))
+                     index_bytes, ram, rotated, shards, lookup, approximate=cfg.basis not in ("raw", "kfac"))
 
 
 def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,
                     batches: int = 2) -> dict[str, float]:
     """Seconds per stage, extrapolated from ``batches`` timed capture batches (after one warm-up) and one
-    timed float32 rotation of a batch of random rows per layer (the fit's store pass and the transcode each
-    rotate every row once)."""
+    timed float32 rotation of a batch of random rows per layer (the fit's store pass rotates every row once;
+    the transcode scales and codes the rotated rows)."""
     B, N = cfg.batch_size, len(data)
     spec = sized_projection(cfg, {n: layer_info(m) for n, m in select_layers(model, cfg.layers or None).items()},
                             RowBasis())
@@ -203,5 +242,8 @@ def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: B
         rot = (time.perf_counter() - t) * N / B
         out["fit"] = rot
         if plan.transcode:
-            out["transcode"] = 1.5 * rot  # (its rotation, plus the decode and the int4 codes)
+            t = time.perf_counter()
+            for lp in plan.layers:
+                encode(torch.randn(B, lp.numbers, generator=g).numpy(), plan.storage)
+            out["transcode"] = 2 * (time.perf_counter() - t) * N / B  # (the codes, and the copy's write and read)
     return out

@@ -82,7 +82,7 @@ def audit_index(tmp_path_factory, gpt2_dir, text_jsonl):
     out = tmp_path_factory.mktemp("audit") / "index"
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 64)
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=8, k_g=8, seed=3), shard_size=16, precondition="ekfac",
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8, seed=3), shard_size=16, precondition="ekfac",
                       max_length=64)
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
     build_indices(out, progress=False)
@@ -92,7 +92,6 @@ def audit_index(tmp_path_factory, gpt2_dir, text_jsonl):
 @pytest.fixture(scope="session")
 def default_index(tmp_path_factory, gpt2_dir, text_jsonl):
     """A tiny GPT-2 index built with the defaults (rows in the EK-FAC eigenbasis, int4), 3 shards, FAISS built."""
-    from gradindex.capture import ProjectionSpec
     from gradindex.data import load_records, tokenize_records
     from gradindex.index import build_indices
     from gradindex.model import load_causal_lm
@@ -101,8 +100,7 @@ def default_index(tmp_path_factory, gpt2_dir, text_jsonl):
     out = tmp_path_factory.mktemp("default") / "index"
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 48)
-    cfg = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
-                      transcode="ekfac", shard_size=16, max_length=48)  # `gradindex build`'s defaults
+    cfg = BuildConfig(shard_size=16, max_length=48)  # `gradindex build`'s defaults
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
     build_indices(out, progress=False)
     return out

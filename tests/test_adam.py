@@ -60,7 +60,7 @@ def trained(tmp_path_factory, tokenizer):
 def _build(trained, out, proj="8x6", index=None, **cfg):
     model, tok = load_causal_lm(trained["model"], device="cpu")
     data = tokenize_records(load_records(trained["data"]), tok, 64)
-    bcfg = BuildConfig(projection=ProjectionSpec.parse(proj, seed=2), batch_size=4, max_length=64, **cfg)
+    bcfg = BuildConfig.raw(projection=ProjectionSpec.parse(proj, seed=2), batch_size=4, max_length=64, **cfg)
     build_index(model, tok, data, out, bcfg, index=index, model_id=str(trained["model"]),
                 data_id=str(trained["data"]), progress=False)
     return model, tok, data
@@ -193,7 +193,7 @@ def test_queries_get_the_same_transform_and_methods_do_not_mix(tmp_path, trained
     with pytest.raises(ValueError, match="--optimizer-state"):
         score_matrix(plain, {n: v.numpy() for n, v in q.items()}, "adam", device="cpu")
     with pytest.raises(ValueError, match="K-FAC"):
-        BuildConfig(optimizer_state=str(trained["pt"]), precondition="ekfac")
+        BuildConfig.raw(optimizer_state=str(trained["pt"]), precondition="ekfac")
     # a changed state file is another index: resuming into it, or querying with it, is refused
     other = tmp_path / "other.safetensors"
     t = load_file(str(trained["st"]))

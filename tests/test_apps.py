@@ -32,7 +32,7 @@ def dup_index(tmp_path_factory, gpt2_dir):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     tokd = tokenize_records(load_records(data), tok, 64)
     out = d / "idx"
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=8, k_g=8), shard_size=16, precondition="ekfac")
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8), shard_size=16, precondition="ekfac")
     build_index(model, tok, tokd, out, cfg, model_id=str(gpt2_dir), data_id=str(data), progress=False)
     return out, texts
 

@@ -42,7 +42,7 @@ def _store_arrays(index_dir):
 def test_store_rows_match_in_memory_capture(gpt2_dir, text_jsonl, tmp_path):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 64)
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=8, k_g=4, seed=2), batch_size=5, shard_size=16)
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=4, seed=2), batch_size=5, shard_size=16)
     res = build_store(model, tok, data, tmp_path / "idx", cfg, progress=False)
     m = read_manifest(tmp_path / "idx")
     assert m["status"] == "complete" and m["counts"]["examples"] == len(data) == 40
@@ -76,7 +76,7 @@ def test_killed_build_resumes_to_identical_store(gpt2_dir, tmp_path, storage, n,
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ref = tmp_path / "ref"  # the uninterrupted build, in this process (what _build_cmd asks for)
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
-    cfg = BuildConfig(projection=ProjectionSpec.parse("8"), batch_size=4, shard_size=16, storage=storage)
+    cfg = BuildConfig.raw(projection=ProjectionSpec.parse("8"), batch_size=4, shard_size=16, storage=storage)
     records = tokenize_records(load_records(data), tok, 512)
     build_store(model, tok, records, ref, cfg, progress=False)
 
@@ -108,21 +108,21 @@ def test_resume_with_other_settings_is_refused_naming_the_difference(gpt2_dir, l
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 64)
     out = tmp_path / "idx"
-    build_store(model, tok, data, out, BuildConfig(projection=ProjectionSpec(k_a=8, k_g=8)), progress=False)
+    build_store(model, tok, data, out, BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8)), progress=False)
     with pytest.raises(IndexMismatchError, match="projection differs"):
-        build_store(model, tok, data, out, BuildConfig(projection=ProjectionSpec(k_a=8, k_g=8, seed=1)),
+        build_store(model, tok, data, out, BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8, seed=1)),
                     progress=False)
     with pytest.raises(IndexMismatchError, match="layer set differs"):
-        build_store(model, tok, data, out, BuildConfig(projection=ProjectionSpec(k_a=8, k_g=8),
+        build_store(model, tok, data, out, BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8),
                                                        layers=("*.mlp.*",)), progress=False)
     with pytest.raises(IndexMismatchError, match="data set differs"):
         build_store(model, tok, tokenize_records(load_records(text_jsonl), tok, 8), out,
-                    BuildConfig(projection=ProjectionSpec(k_a=8, k_g=8), max_length=64), progress=False)
+                    BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8), max_length=64), progress=False)
     other, _ = load_causal_lm(gpt2_dir, device="cpu")
     with torch.no_grad():
         other.transformer.h[0].mlp.c_fc.weight.add_(0.01)
     with pytest.raises(IndexMismatchError, match="model differs"):
-        build_store(other, tok, data, out, BuildConfig(projection=ProjectionSpec(k_a=8, k_g=8)), progress=False)
+        build_store(other, tok, data, out, BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8)), progress=False)
     # Nothing already written was touched by the refusals.
     assert read_manifest(out)["status"] == "complete" and len(Store(out)) == 40
 
@@ -135,7 +135,7 @@ def test_nonfinite_gradients_are_flagged_and_zeroed(gpt2_dir, tokenizer, tmp_pat
         model.transformer.wte.weight[bad_token] = float("nan")
     texts = ["the cat sat", "fish ate dog", "red sun over hills", "fish bread"]
     data = tokenize_records(load_records(_write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in texts])), tok, 32)
-    res = build_store(model, tok, data, tmp_path / "idx", BuildConfig(batch_size=4), progress=False)
+    res = build_store(model, tok, data, tmp_path / "idx", BuildConfig.raw(batch_size=4), progress=False)
     assert res.manifest["nonfinite_ids"] == [1, 3]
     arrays = _store_arrays(tmp_path / "idx")
     assert arrays["finite"].tolist() == [True, False, True, False]
@@ -267,7 +267,7 @@ def test_a_weight_the_old_sampler_skipped_is_refused_for_resume_and_query(tokeni
     texts = _write_jsonl(tmp_path / "d.jsonl", [{"text": t} for t in make_texts(6, seed=3, max_words=8)])
     data = tokenize_records(load_records(texts), tok, 16)
     out = tmp_path / "idx"
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4), layers=("*.mlp.c_fc",))
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=4, k_g=4), layers=("*.mlp.c_fc",))
     build_index(model, tok, data, out, cfg, index=IndexConfig(factory="Flat"), model_id=str(model_dir),
                 progress=False)
     other, _ = load_causal_lm(model_dir, device="cpu")

@@ -185,14 +185,16 @@ def test_ctrl_c_during_a_build_says_how_to_resume(gpt2_dir, text_jsonl, tmp_path
 @pytest.mark.parametrize("damage", ["flipped byte", "deleted"])
 def test_a_damaged_shard_of_an_eigenbasis_index_is_recomputed(damage, eigen_index, gpt2_dir, text_jsonl, tmp_path):
     """Before: `build ... --repair` (what `verify` names) printed "0 computed now" and left the shard damaged."""
-    import h5py
     import numpy as np
+
+    from gradindex.store import Store
 
     idx = tmp_path / "idx"
     shutil.copytree(eigen_index, idx)
     shard = idx / "store" / "shard-00001.h5"
-    with h5py.File(shard, "r") as f:
-        want = {n: f["grads"][n][:] for n in f["grads"]}
+    with Store(idx) as st:
+        ids = np.arange(st.first_ids[1], st.first_ids[1] + st.sizes[1])
+        want = st.read_rows(ids)
     if damage == "deleted":
         shard.unlink()
     else:
@@ -205,9 +207,15 @@ def test_a_damaged_shard_of_an_eigenbasis_index_is_recomputed(damage, eigen_inde
     res = CliRunner().invoke(main, [*repair, "--quiet"])
     assert res.exit_code == 0 and "(16 computed now)" in res.output, res.output
     assert CliRunner().invoke(main, ["verify", str(idx)]).exit_code == 0
-    with h5py.File(shard, "r") as f:  # the same codes as the transcode wrote (captured rows rounded as it read them)
-        for n, w in want.items():
-            assert np.array_equal(f["grads"][n][:], w), n
+    # the codes the transcode wrote, recomputed from the captured rows (rounded as it read them); the build coded
+    # its float16 copy of the rotated rows (precondition/rotated.py), so a number on a rounding boundary of its
+    # int4 code may land one step off
+    with Store(idx) as st:
+        got = st.read_rows(ids)
+    for n, w in want.items():
+        step = np.abs(w).max(1, keepdims=True) / 7
+        assert (np.abs(got[n] - w) <= 1.01 * step + 1e-7).all(), n
+        assert np.isclose(got[n], w, rtol=1e-3, atol=1e-7).mean() > 0.99, n
 
 
 def test_an_index_given_as_the_model_names_the_model_it_was_built_from(eigen_index, gpt2_dir):

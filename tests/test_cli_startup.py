@@ -19,6 +19,7 @@ def _loaded_after(code: str) -> list[str]:
 
 
 def test_importing_the_cli_and_asking_for_help_loads_no_heavy_library():
+    assert _loaded_after("import gradindex") == []
     assert _loaded_after("import gradindex.cli") == []
     helps = "\n".join(
         f"main({args!r}, standalone_mode=False)"

@@ -30,7 +30,7 @@ DAMPING = 0.1  # the Reference's
 def _build(out, model_dir, data_path, budget, storage="fp32", damping=DAMPING):
     model, tok = load_causal_lm(model_dir, device="cpu")
     data = tokenize_records(load_records(data_path), tok, 64)
-    cfg = BuildConfig(projection=ProjectionSpec(), budget=budget, basis="eigen", storage=storage, damping=damping,
+    cfg = BuildConfig.raw(projection=ProjectionSpec(), budget=budget, basis="eigen", storage=storage, damping=damping,
                       shard_size=16, max_length=64)
     build_index(model, tok, data, out, cfg, model_id=str(model_dir), data_id=str(data_path), progress=False)
     return out
@@ -172,7 +172,7 @@ def test_cli_eigen_basis_builds_answers_queries_and_the_default_stays_raw(tmp_pa
     assert 0 < m["build"]["basis"]["kept_share"] < 1
     q = CliRunner().invoke(main, ["query", str(tmp_path / "b"), "--text", QUERY, "-k", "3", "--json"])
     assert q.exit_code == 0, q.output
-    assert len(json.loads(q.output.splitlines()[0])) == 3
+    assert len(json.loads(q.stdout.splitlines()[0])) == 3
     raw = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(tmp_path / "c"),
                                     "--budget", "1/64", "--no-index", "--quiet", "--max-length", "32"])
     assert raw.exit_code == 0, raw.output
@@ -198,6 +198,6 @@ def test_budget_bound_cli_default_keeps_its_measured_agreement_with_full_space(t
 
 def test_eigen_basis_refuses_a_fit_or_transcode_and_needs_a_budget():
     with pytest.raises(ValueError, match="--precondition none --transcode none"):
-        BuildConfig(projection=ProjectionSpec(), budget="auto", basis="eigen", precondition="ekfac")
+        BuildConfig.raw(projection=ProjectionSpec(), budget="auto", basis="eigen", precondition="ekfac")
     with pytest.raises(ValueError, match="--projection auto"):
-        BuildConfig(basis="eigen")
+        BuildConfig.raw(basis="eigen")

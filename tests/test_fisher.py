@@ -123,7 +123,7 @@ def test_true_fisher_fit_keeps_stored_rows_and_records_itself(tmp_path, gpt2_dir
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 64)
     out = tmp_path / "idx"
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=6, k_g=5, seed=1), batch_size=8, max_length=64,
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=6, k_g=5, seed=1), batch_size=8, max_length=64,
                       precondition="ekfac")
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
     with Store(out) as st:

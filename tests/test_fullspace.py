@@ -35,7 +35,7 @@ QUERY = "the cat sat on a mat"
 def _index(out, model_dir, data_path, **kw):
     model, tok = load_causal_lm(model_dir, device="cpu")
     data = tokenize_records(load_records(data_path), tok, 64)
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, max_length=64,
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, max_length=64,
                       precondition="ekfac", **kw)
     build_index(model, tok, data, out, cfg, model_id=str(model_dir), data_id=str(data_path), progress=False)
     build_indices(out, IndexConfig(), progress=False)

@@ -34,7 +34,7 @@ def store_dir(tmp_path_factory, gpt2_dir, text_jsonl):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 512)
     out = tmp_path_factory.mktemp("idx") / "index"
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, precondition="ekfac")
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, precondition="ekfac")
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
     return out
 

@@ -29,7 +29,7 @@ def _model(path):
 
 def _offline(model_dir, tokenizer, data, out, projection="8"):
     model = _model(model_dir).eval()
-    cfg = BuildConfig(projection=ProjectionSpec.parse(projection), shard_size=16, batch_size=8)
+    cfg = BuildConfig.raw(projection=ProjectionSpec.parse(projection), shard_size=16, batch_size=8)
     build_store(model, tokenizer, data, out, cfg, progress=False)
     return out
 

@@ -34,7 +34,7 @@ def built(tmp_path_factory, gpt2_dir, text_jsonl):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 512)
     out = tmp_path_factory.mktemp("integrity") / "index"
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, precondition="kfac",
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, precondition="kfac",
                       storage="int8")
     build_index(model, tok, data, out, cfg, index=IndexConfig(factory="Flat"), model_id=str(gpt2_dir),
                 data_id=str(text_jsonl), progress=False)
@@ -227,7 +227,7 @@ def test_a_flipped_block_outside_the_sampled_ones_is_refused_when_a_query_reads_
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 64)
     out = tmp_path / "index"
-    cfg = BuildConfig(projection=ProjectionSpec.parse("none"), shard_size=16, storage="fp32", max_length=64)
+    cfg = BuildConfig.raw(projection=ProjectionSpec.parse("none"), shard_size=16, storage="fp32", max_length=64)
     build_index(model, tok, data, out, cfg, index=IndexConfig(factory="Flat"), model_id=str(gpt2_dir),
                 data_id=str(text_jsonl), progress=False)
     shard = out / "store" / "shard-00001.h5"

@@ -37,10 +37,23 @@ def test_method_none_is_the_index_default(default_index):
     assert [g.ids for g in res.groups] == [g.ids for g in ref.groups]
 
 
-def test_build_config_defaults_build_what_gradindex_build_does(tmp_path, gpt2_dir, text_jsonl):
-    """``gradindex build MODEL DATA --out A`` (no options) and ``build_index(..., BuildConfig.defaults(),
-    IndexConfig())`` write the same bytes: every data file's content hash (checksums.json) and the
-    manifest's build identity and config are equal; only timings, dates and paths may differ."""
+def _tree(d) -> dict[str, bytes]:
+    """Every file under an index directory, by relative path (the lock files aside)."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file() and not p.name.endswith(".lock")}
+
+
+def _without_moments(d: dict) -> dict:
+    """A manifest or stage record with its timings, dates, generation id and paths left out."""
+    drop = ("generation", "seconds", "created", "created_at", "timings", "model_id", "data_id", "date", "time")
+    return {k: _without_moments(v) if isinstance(v, dict) else v for k, v in d.items()
+            if k not in drop and not k.endswith("_seconds") and not k.endswith("_at")}
+
+
+def test_plain_build_config_builds_what_gradindex_build_does(tmp_path, gpt2_dir, text_jsonl):
+    """``gradindex build MODEL DATA --out A`` (no options) and ``build_index(..., BuildConfig(), IndexConfig())``
+    write the same files: every file but the manifests and stage records byte for byte, those equal once
+    timings, dates, generation ids and paths are left out."""
     import json
 
     from click.testing import CliRunner
@@ -56,17 +69,57 @@ def test_build_config_defaults_build_what_gradindex_build_does(tmp_path, gpt2_di
                                     "--device", "cpu"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
-    data = tokenize_records(load_records(text_jsonl), tok, BuildConfig.defaults().max_length)
-    build_index(model, tok, data, lib, BuildConfig.defaults(), IndexConfig(),
+    data = tokenize_records(load_records(text_jsonl), tok, BuildConfig().max_length)
+    build_index(model, tok, data, lib, BuildConfig(), IndexConfig(),
                 model_id=str(gpt2_dir.resolve()), data_id=str(text_jsonl.resolve()), progress=False)
 
-    def files(d):
-        recs = json.loads((d / "checksums.json").read_text())["files"]
-        return {n: (e["bytes"], e["blake2b"]) for n, e in recs.items()}
+    a, b = _tree(cli), _tree(lib)
+    assert sorted(a) == sorted(b) and any(n.startswith("store/") for n in a) and "faiss/index.json" in a
+    for name in sorted(a, key=lambda n: n.endswith(".json")):  # (checksums.json last: a data file is named first)
+        if name.endswith(".json"):
+            assert _without_moments(json.loads(a[name])) == _without_moments(json.loads(b[name])), name
+        else:
+            assert a[name] == b[name], name
+    m = read_manifest(cli)
+    assert m["build"]["basis"]["kind"] == "ekfac" and m["build"]["storage"] == "int4"  # what the defaults are
+    assert BuildConfig().precondition == "ekfac" and BuildConfig().transcode == "ekfac"
+    assert BuildConfig(optimizer_state="s.safetensors").precondition == "none"
+    assert BuildConfig(projection=BuildConfig().projection.__class__(k_a=8, k_g=8)).budget == 0  # given: as given
 
-    assert files(cli) == files(lib) and any(n.startswith("store/") for n in files(cli))
-    a, b = read_manifest(cli), read_manifest(lib)
-    assert a["build"] == b["build"] and a["config"] == b["config"] and a["counts"] == b["counts"]
-    assert a["build"]["basis"]["kind"] == "ekfac" and a["build"]["storage"] == "int4"  # what the defaults are
-    assert BuildConfig.defaults().precondition == "ekfac" and BuildConfig.defaults().transcode == "ekfac"
-    assert BuildConfig.defaults(optimizer_state="s.safetensors").precondition == "none"
+
+def test_every_build_option_is_one_config_field_with_the_library_default():
+    """``gradindex build``'s options map one to one onto BuildConfig: each field is one option of that name
+    (the projection: --projection, --projection-kind, --seed), and each option's default is the field's."""
+    from dataclasses import fields
+
+    from gradindex.cli.build import OPTION_FIELDS, build, settings
+    from gradindex.spec.build import BuildOptions
+    from gradindex.store.builder import BuildConfig
+
+    names = {f.name for f in fields(BuildOptions)}
+    assert set(OPTION_FIELDS) == names and {f.name for f in fields(BuildConfig)} == names | {"projection"}
+    params = {p.name: p for p in build.params}
+    for f in fields(BuildOptions):
+        if f.name not in ("layers", "optimizer_state"):  # (a repeatable option and a path: empty, checked below)
+            assert params[f.name].default == f.default, f.name
+    spec = BuildConfig().projection
+    assert (params["projection_kind"].default, params["seed"].default) == (spec.kind, spec.seed)
+    ctx = build.make_context("build", ["MODEL", "DATA", "--out", "OUT"])
+    assert BuildConfig(**settings(ctx.params).config) == BuildConfig()
+
+
+def test_the_recorded_build_command_rebuilds_the_same_config(default_index):
+    """The command ``build_command`` regenerates from a manifest parses back into the config that built it."""
+    import shlex
+    from dataclasses import asdict
+
+    from gradindex.cli.build import build, settings
+    from gradindex.manifest import build_command
+    from gradindex.store.builder import BuildConfig
+
+    m = read_manifest(default_index)
+    args = shlex.split(build_command(default_index, m, extra=""))[2:]
+    ctx = build.make_context("build", args)
+    cfg = BuildConfig(**settings(ctx.params).config)
+    got = {k: v for k, v in asdict(cfg).items() if k != "projection"}
+    assert got == {**m["config"], "layers": (), "budget": cfg.budget} and str(cfg.budget) == m["config"]["budget"]

@@ -101,3 +101,22 @@ def test_typed_view_round_trips_an_old_manifest_and_refuses_a_malformed_write(tm
     with pytest.raises(ValueError, match="build.layers"):
         write_manifest(tmp_path, {"build": {}})
     assert not IndexLayout(tmp_path).manifest.exists()
+
+
+def test_the_apps_on_an_open_store_ask_for_no_manifest(default_index):
+    """Dedup and outliers take the store-level opened directory: after it is open, not even a call of
+    read_manifest (the kept copy) is made; they used to re-read the manifest by path 2-3 times each."""
+    from gradindex.apps.dedup import DedupConfig, find_duplicates
+    from gradindex.apps.outliers import rank_outliers
+    from gradindex.store.opened import OpenStore
+
+    forget_manifests()
+    before = manifest_reads()
+    with OpenStore(default_index) as ix:
+        assert manifest_reads() - before == 1
+        calls = manifest_reads(calls=True)
+        dup = find_duplicates(ix, DedupConfig())
+        out = rank_outliers(ix, "ekfac")
+        assert manifest_reads(calls=True) == calls
+    assert dup.n == out.self_influence.shape[0] == ix.n > 0
+    assert [g.ids for g in dup.groups] == [g.ids for g in find_duplicates(default_index, DedupConfig()).groups]

@@ -1,6 +1,6 @@
 """Fused mixture-of-experts weights: per-expert per-example gradients equal torch.func's on tiny Mixtral,
-Qwen2-MoE and OLMoE configs (with padding); the share of non-embedding parameters attributed; an expert
-layout no rule covers is refused by name."""
+Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss configs (with padding); the share of non-embedding parameters
+attributed; an expert layout no rule covers is refused by name."""
 
 from __future__ import annotations
 
@@ -25,9 +25,27 @@ def configs() -> dict:
         "qwen2_moe": lambda: transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
             **common, intermediate_size=24, moe_intermediate_size=24, shared_expert_intermediate_size=20,
             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=False)),
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=8, intermediate_size=24, moe_intermediate_size=24, num_experts=4,
+            num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)),
         "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
             **common, intermediate_size=24, num_experts=4, num_experts_per_tok=2)),
+        "gpt_oss": lambda: _gpt_oss(common),
     }
+
+
+def _gpt_oss(common: dict) -> torch.nn.Module:
+    """A tiny gpt-oss: transposed expert weights with biases, interleaved and clamped gate/up (swiglu_limit
+    small enough that some clamps bind), a biased router."""
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(
+        **common, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.05,
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4))
+    with torch.no_grad():
+        for layer in model.model.layers:  # (the biases and sinks start at zero; make them count)
+            for p in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias, layer.mlp.router.bias):
+                p.normal_(0, 0.05)
+    return model
 
 
 @pytest.mark.parametrize("arch", list(configs()))
@@ -42,7 +60,7 @@ def test_per_expert_gradients_equal_torch_func(arch):
     share = attributed_share(model, cap.modules)
     assert share >= 0.95, share
     assert not [g for g in unhooked_weights(model, cap.modules) if "experts" in g]
-    fused = {n: p for n, p in model.named_parameters() if p.ndim == 3}
+    fused = {n: p for n, p in model.named_parameters() if ".experts." in n}
     worst = 0.0
     for b, ids in enumerate(seqs):
         x = torch.tensor([ids])
@@ -55,7 +73,9 @@ def test_per_expert_gradients_equal_torch_func(arch):
         ref = torch.func.grad(loss)({n: p.detach() for n, p in fused.items()})
         for name in experts:
             group, side, e = name.rsplit(".", 2)
-            want = ref[f"{group}.{side}"][int(e)].reshape(-1)
+            bias = ref.get(f"{group}.{side}_bias")
+            want = cap.infos[name].weight_grad_to_G(ref[f"{group}.{side}"][int(e)],
+                                                    None if bias is None else bias[int(e)]).reshape(-1)
             got = rows[name][b].detach()
             if want.norm() == 0:  # no token of this example was routed to expert e
                 assert got.abs().max() == 0
@@ -76,7 +96,7 @@ def test_an_expert_layout_no_rule_covers_is_one_line():
     torch.manual_seed(0)
     model = configs()["mixtral"]()
     for layer in model.model.layers:
-        layer.mlp.experts.is_transposed = True  # as gpt-oss stores them: not the layout the rule computes
+        layer.mlp.experts.has_post_expert_norm = True  # a norm after the experts: no rule computes it
     with pytest.raises(ValueError, match=r"model\.layers\.\*\.mlp\.experts\.gate_up_proj is a fused 3-D weight.*"
                                          r"--layers"):
         select_layers(model)

@@ -59,7 +59,7 @@ def model_and_data(gpt2_dir, text_jsonl):
 def built(tmp_path_factory, model_and_data, gpt2_dir, text_jsonl):
     """An EK-FAC build with whitened indices, run twice; the manifest I/O of each run."""
     model, tok, data = model_and_data
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4), max_length=64, shard_size=16, precondition="ekfac")
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=4, k_g=4), max_length=64, shard_size=16, precondition="ekfac")
     out = tmp_path_factory.mktemp("open") / "idx"
     counts = []
     with pytest.MonkeyPatch.context() as mp:

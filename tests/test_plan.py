@@ -39,6 +39,11 @@ def test_plan_sizes_what_the_build_then_stores(gpt2_dir, text_jsonl, tmp_path):
     assert 0.9 * store <= b["store"] <= 1.1 * store, (b["store"], store)
     fits = _bytes(out / "precond") + (out / "basis.h5").stat().st_size
     assert 0.8 * fits <= b["precond"] + b["basis"] <= 1.2 * fits, (b, fits)
-    final = _bytes(out) - _bytes(out / "faiss") + b["index"]  # (the FAISS stage is another helper's; its plan size)
+    final = _bytes(out)
     assert 0.85 * final <= b["final"] <= 1.15 * final, (b["final"], final)
+    kind = {e["factory"] for e in json.loads((out / "faiss" / "index.json").read_text())["layers"].values()}
+    look = plan["lookup"]  # the lookup cost of the kind the build then chose (gradindex.index.cost)
+    assert kind == {look["kind"]} == {"store"} and 0 < look["scanned_bytes"] <= b["store"] and look["seconds"] > 0
+    assert b["index"] == look["index_bytes"] <= _bytes(out / "faiss")  # norms only: no copy of the rows
     assert b["peak"] >= b["capture"] + b["store"]  # the captured float16 rows beside their int4 copy
+    assert b["peak"] >= b["capture"] + b["rotated"] > b["capture"]  # ... and beside their rotated float16 copy

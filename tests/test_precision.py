@@ -50,3 +50,33 @@ def test_bf16_capture_rows_are_float32_and_near_the_float32_model():
         assert low[n].dtype == torch.float32
         cos = torch.nn.functional.cosine_similarity(low[n], ref[n], dim=1)
         assert (cos > 0.98).all(), (n, cos)
+
+
+def test_a_bf16_heads_loss_and_gradient_are_float32_math():
+    """The fused head of a bf16 model computes its logits, softmax and hidden-state gradient in float32
+    from the bf16 values (only the final gradient is rounded to bf16), in blocks of the vocabulary."""
+    from gradindex.capture import head as fused
+
+    torch.manual_seed(0)
+    d, V = 32, 700
+    h = (3 * torch.randn(2, 9, d)).bfloat16().requires_grad_()
+    lin = torch.nn.Linear(d, V).bfloat16()
+    labels = torch.randint(0, V, (2, 9))
+    labels[1, 6:] = -100
+    ref_h = h.detach().float().requires_grad_()
+    logits = ref_h @ lin.weight.float().T + lin.bias.float()  # [B, T, V], float32 math on the bf16 values
+    ref_loss, _ = per_example_loss(logits, labels)
+    (ref_grad,) = torch.autograd.grad(ref_loss.sum(), ref_h)
+    saved = fused.CAST_BYTES
+    try:
+        fused.CAST_BYTES = 4 * d * 256  # three vocabulary blocks
+        loss, _ = fused.fused_per_example_loss(h, lin, labels)
+        (grad,) = torch.autograd.grad(loss.sum(), h)
+    finally:
+        fused.CAST_BYTES = saved
+    assert loss.dtype == torch.float32 and grad.dtype == torch.bfloat16
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(grad.float(), ref_grad.bfloat16().float(), rtol=0, atol=1e-2 * ref_grad.abs().max())
+    # the bf16 logits of the unfused head are off by far more (what the float32 math avoids)
+    bf16_loss, _ = per_example_loss(h.detach() @ lin.weight.T + lin.bias, labels)
+    assert (bf16_loss - ref_loss).abs().max() > 20 * (loss - ref_loss).abs().max().clamp_min(1e-6)

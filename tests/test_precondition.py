@@ -36,7 +36,7 @@ MAX_LEN = 48
 def _build(model_dir, data_path, out, **cfg):
     model, tok = load_causal_lm(model_dir, device="cpu")
     data = tokenize_records(load_records(data_path), tok, MAX_LEN)
-    cfg = BuildConfig(
+    cfg = BuildConfig.raw(
         projection=ProjectionSpec.parse("none"),
         layers=LAYERS,
         max_length=MAX_LEN,

@@ -32,7 +32,7 @@ METHODS = ["graddot", "cosine", "kfac", "ekfac", "graddot-selfnorm", "ekfac-self
 def _build(out, model_dir, data_path, projection, precondition="ekfac", max_length=512):
     model, tok = load_causal_lm(model_dir, device="cpu")
     data = tokenize_records(load_records(data_path), tok, max_length)
-    cfg = BuildConfig(projection=projection, shard_size=16, precondition=precondition, max_length=max_length)
+    cfg = BuildConfig.raw(projection=projection, shard_size=16, precondition=precondition, max_length=max_length)
     build_index(model, tok, data, out, cfg, model_id=str(model_dir), data_id=str(data_path), progress=False)
     return out
 
@@ -425,7 +425,7 @@ def test_pretokenized_data_builds_without_a_tokenizer(store_dir, tmp_path, gpt2_
     """The pad id comes from the model config: the store equals the one built with the tokenizer."""
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 512)
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, precondition="ekfac")
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, precondition="ekfac")
     out = tmp_path / "notok"
     build_index(model, None, data, out, cfg, IndexConfig(), model_id=str(gpt2_dir), data_id=str(text_jsonl),
                 progress=False)

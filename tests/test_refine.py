@@ -94,7 +94,7 @@ def setup(model_dir, train_jsonl):
 
 def _index(model_dir, train_jsonl, out, **kw):
     model, tok = load_causal_lm(model_dir, device="cpu")
-    cfg = BuildConfig(projection=ProjectionSpec(kind="none"), layers=LAYERS, precondition="ekfac",
+    cfg = BuildConfig.raw(projection=ProjectionSpec(kind="none"), layers=LAYERS, precondition="ekfac",
                       max_length=MAX_LEN, **kw)
     build_index(model, tok, _data(tok, train_jsonl), out, cfg, model_id=str(model_dir), data_id=str(train_jsonl),
                 progress=False)

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from test_capture import _G, _examples, _reference
 
 from gradindex.capture import GradientCapture, ProjectionSpec, projection_matrix
-from gradindex.capture.allocation import allocate, stored_numbers
+from gradindex.capture.allocation import allocate, capture_cost, stored_numbers
 from gradindex.capture.batch import batch_gradients
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
@@ -45,6 +45,24 @@ def test_allocation_spends_at_most_the_budget_and_keeps_small_layers_exact(rule,
         assert 0 <= k_a < WIDTHS[n][0] and 0 <= k_g < WIDTHS[n][1]
     if rule == "equal" and budget >= 4000:
         assert plan["small"] == (0, 0), "a layer narrower than k is stored exactly"
+
+
+@pytest.mark.parametrize("budget", [400, 4000, 40000])
+def test_cost_allocation_keeps_ratios_numbers_per_layer_at_the_least_capture_cost(budget):
+    """Against every split of the same layer's numbers (brute force): none within them is cheaper."""
+    ratio, cost = allocate(WIDTHS, budget, "ratio"), allocate(WIDTHS, budget, "cost")
+    assert stored_numbers(WIDTHS, cost) * 4 <= budget
+    for n, (a, g) in WIDTHS.items():
+        want = (ratio[n][0] or a) * (ratio[n][1] or g)
+        k_a, k_g = cost[n][0] or a, cost[n][1] or g
+        assert 0.98 * want <= k_a * k_g <= want
+        splits = [(x, y) for x in range(1, a + 1) for y in range(1, g + 1) if 0.98 * want <= x * y <= want]
+        assert capture_cost(a, g, k_a, k_g) == min(capture_cost(a, g, x, y) for x, y in splits)
+        assert capture_cost(a, g, k_a, k_g) <= capture_cost(a, g, ratio[n][0] or a, ratio[n][1] or g)
+    assert capture_cost(257, 1024, *[k or w for k, w in zip(allocate({"fc": (257, 1024)}, 2 * 33000, "cost")["fc"],
+                                                            (257, 1024))]) \
+        < 0.6 * capture_cost(257, 1024, *[k or w for k, w in zip(allocate({"fc": (257, 1024)}, 2 * 33000,
+                                                                          "ratio")["fc"], (257, 1024))])
 
 
 def test_allocation_edges():
@@ -123,7 +141,7 @@ def test_budget_build_fits_indexes_and_queries_with_mixed_shapes(gpt2_dir, text_
     """A budget that leaves small layers exact: manifest shapes, stored rows, fit, index and query agree."""
     model, tok, data = _data(gpt2_dir, text_jsonl)
     out = tmp_path / "idx"
-    cfg = BuildConfig(budget="3/8", allocation="equal", shard_size=16, precondition="ekfac", max_length=48)
+    cfg = BuildConfig.raw(budget="3/8", allocation="equal", shard_size=16, precondition="ekfac", max_length=48)
     build_index(model, tok, data, out, cfg, index=IndexConfig(factory="Flat"), model_id=str(gpt2_dir),
                 data_id=str(text_jsonl), progress=False)
     m = read_manifest(out)
@@ -149,7 +167,7 @@ def test_budget_build_fits_indexes_and_queries_with_mixed_shapes(gpt2_dir, text_
         assert [h.id for h in hit[:5]] == list(np.argsort(-exact, kind="stable")[:5])
         assert np.allclose([h.score for h in hit], exact[[h.id for h in hit]], rtol=1e-4)
     with pytest.raises(IndexMismatchError, match="projection differs"):
-        build_store(model, tok, data, out, BuildConfig(budget="1/16", allocation="equal", shard_size=16,
+        build_store(model, tok, data, out, BuildConfig.raw(budget="1/16", allocation="equal", shard_size=16,
                                                        max_length=48), progress=False)
 
 
@@ -222,7 +240,7 @@ def test_compact_into_ekfac_eigenbasis_keeps_ekfac_scores(gpt2_dir, text_jsonl, 
     """Rows rotated and scaled by the fitted EK-FAC: their dot products are the source's EK-FAC scores."""
     model, tok, data = _data(gpt2_dir, text_jsonl)
     src, out = tmp_path / "src", tmp_path / "eig"
-    build_index(model, tok, data, src, BuildConfig(projection=ProjectionSpec(k_a=6, k_g=5, seed=1), shard_size=16,
+    build_index(model, tok, data, src, BuildConfig.raw(projection=ProjectionSpec(k_a=6, k_g=5, seed=1), shard_size=16,
                                                    max_length=48, collect_covariance=True), progress=False)
     args = ["compact", str(src), "--out", str(out), "--quiet", "--index-type", "Flat"]
     res = CliRunner().invoke(main, args)
@@ -345,14 +363,14 @@ def test_covariance_with_a_transform_is_refused_only_for_entrywise_weights(gpt2_
 
 def test_optimizer_state_with_the_kfac_basis_is_refused():
     with pytest.raises(ValueError, match="projection-basis raw"):
-        BuildConfig(optimizer_state="state.safetensors", basis="kfac")
+        BuildConfig.raw(optimizer_state="state.safetensors", basis="kfac")
 
 
 def test_verify_names_a_flipped_byte_in_the_row_basis(gpt2_dir, text_jsonl, tmp_path):
     """``basis.h5`` is hashed into checksums.json when written; ``gradindex verify`` names a flipped byte."""
     model, tok, data = _data(gpt2_dir, text_jsonl)
     out = tmp_path / "idx"
-    build_store(model, tok, data, out, BuildConfig(projection=ProjectionSpec.parse("4"), basis="kfac",
+    build_store(model, tok, data, out, BuildConfig.raw(projection=ProjectionSpec.parse("4"), basis="kfac",
                                                    basis_examples=8, shard_size=16, max_length=48), progress=False)
     ok = CliRunner().invoke(main, ["verify", str(out), "--json"])
     assert ok.exit_code == 0, ok.output

@@ -149,7 +149,7 @@ def test_scores_are_invariant_to_scaling_the_loss(tmp_path, gpt2_dir, text_jsonl
     small.write_text("".join(json.dumps(r) + "\n" for r in list(load_records(text_jsonl))[:12]))
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(small), tok, 48)
-    cfg = BuildConfig(
+    cfg = BuildConfig.raw(
         projection=ProjectionSpec.parse("6x5"), max_length=48, batch_size=4, precondition="ekfac"
     )
     original = GradientCapture.backward

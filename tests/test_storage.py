@@ -20,7 +20,10 @@ from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
 from gradindex.store import Store
 from gradindex.store.builder import build_store
-from gradindex.store.codes import LEVELS, STORAGES, decode, encode
+from gradindex.store.codes import STORAGES, decode, encode
+
+LEVELS = {"int8": 127, "int4": 7}
+"""Largest code magnitude of each integer storage (docs/formats.md)."""
 
 PLANTED = "noon noon river river hills hills fish fish bread bread noon noon river river"
 PLANTED_ID = 23
@@ -96,7 +99,7 @@ def stores(tmp_path_factory, gpt2_dir):
     path, data = _data(tok, root)
     out = {}
     for storage in STORAGES:
-        cfg = BuildConfig(projection=ProjectionSpec.parse("none"), shard_size=16, storage=storage)
+        cfg = BuildConfig.raw(projection=ProjectionSpec.parse("none"), shard_size=16, storage=storage)
         build_index(model, tok, data, root / storage, cfg, index=IndexConfig(factory="Flat"),
                     model_id=str(gpt2_dir), data_id=str(path), progress=False)
         out[storage] = root / storage
@@ -208,6 +211,6 @@ def test_faiss_scalar_quantizers_use_inner_product_and_find_the_planted_example(
 def test_resume_with_another_storage_is_refused(stores, gpt2_dir, tmp_path):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     _, data = _data(tok, tmp_path)
-    cfg = BuildConfig(projection=ProjectionSpec.parse("none"), shard_size=16, storage="int4")
+    cfg = BuildConfig.raw(projection=ProjectionSpec.parse("none"), shard_size=16, storage="int4")
     with pytest.raises(IndexMismatchError, match="storage differs.*int8.*int4"):
         build_store(model, tok, data, stores["int8"], cfg, progress=False)

@@ -16,7 +16,6 @@ from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, OpenIndex, build_indices
 from gradindex.index import tier as tier_mod
 from gradindex.index.cost import choose_kind, lookup_cost
-from gradindex.index.rows import RowReader
 from gradindex.index.scan import CodeScanner, StoreScan
 from gradindex.index.sketch import Sketch, allocate, encode_sketch
 from gradindex.model import load_causal_lm
@@ -24,6 +23,7 @@ from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
 from gradindex.store import Store
 from gradindex.store.codes import decode, encode
+from gradindex.store.rows import RowReader
 
 
 def _copy(src, tmp_path, name="index"):
@@ -54,7 +54,7 @@ def coded_store(request, tmp_path_factory, gpt2_dir, text_jsonl):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 48)
     out = tmp_path_factory.mktemp(f"coded-{request.param}") / "index"
-    cfg = BuildConfig(projection=ProjectionSpec(k_a=9, k_g=8, seed=2), shard_size=16, storage=request.param,
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=9, k_g=8, seed=2), shard_size=16, storage=request.param,
                       max_length=48)
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), progress=False)
     return out

@@ -39,6 +39,16 @@ def _rows(index_dir) -> dict[str, np.ndarray]:
         return {n: st.read_rows(np.arange(len(st)), [n])[n] for n in st.layers}
 
 
+def _same_codes(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> None:
+    """The default build's int4 rows against the two-step compact's: it codes the fit pass's float16 copy of
+    the rotated rows (precondition/rotated.py), so a number on a rounding boundary of its code may land one
+    step off, nothing more, and almost all are equal."""
+    for n in ref:
+        step = np.abs(ref[n]).max(1, keepdims=True) / 7
+        assert (np.abs(got[n] - ref[n]) <= 1.01 * step + 1e-7).all(), n
+        assert np.isclose(got[n], ref[n], rtol=1e-3, atol=1e-7).mean() > 0.99, n
+
+
 @pytest.fixture(scope="module")
 def built(gpt2_dir, text_jsonl, tmp_path_factory):
     """The default index, and the two-step reference: a raw float16 build compacted into int4."""
@@ -62,9 +72,7 @@ def test_default_build_equals_the_two_step_compact(built):
     assert sorted(m["preconditioners"]) == ["ekfac", "kfac"]  # kept for explanations
     # every layer stored whole: the auto budget (1/8 of float32) buys all numbers at int4
     assert all(v["rows"] == v["n_out"] and v["cols"] == v["n_in"] + v["bias"] for v in m["build"]["layers"].values())
-    got, ref = _rows(d / "idx"), _rows(d / "ref")
-    for n in ref:
-        np.testing.assert_array_equal(got[n], ref[n])
+    _same_codes(_rows(d / "idx"), _rows(d / "ref"))
     files = read_checksums(d / "idx")
     assert all(n.startswith(("store/", "basis.h5", "precond/", "faiss/")) for n in files)
     assert not any(n == "precond/graddot.h5" for n in files)
@@ -132,9 +140,7 @@ def test_a_kill_during_the_swap_resumes_to_the_same_rows(built, tmp_path, monkey
     assert (work / "manifest.json").exists()
     build_index(model, tok, data, work, whole, progress=False)  # the re-run finishes the swap
     assert row_basis(read_manifest(work)) == "ekfac"
-    got, ref = _rows(work), _rows(d / "ref")
-    for n in ref:
-        np.testing.assert_array_equal(got[n], ref[n])
+    _same_codes(_rows(work), _rows(d / "ref"))  # (a kill before the swap: the re-run is the fused build's)
     assert not (work / JOURNAL).exists() and not (work / STAGING).exists()
 
 
@@ -223,8 +229,10 @@ def test_damping_used_is_the_querys_or_the_one_the_rows_bake_in():
 def _unit(index_dir, method: str) -> tuple[np.ndarray, str]:
     """Every row's unit vector as dedup compares them under ``method``, and the operation on the rows."""
     from gradindex.apps.dedup import DedupConfig, _space, _unit_rows
+    from gradindex.store.opened import OpenStore
 
-    layers, base, pre = _space(index_dir, DedupConfig(method=method), None)
+    with OpenStore(index_dir) as ix:  # (dedup's _space takes an open store since 3679b3c)
+        layers, base, pre = _space(ix, DedupConfig(method=method), None)
     return _unit_rows(_rows(index_dir), layers, pre, base, 0.0).astype(np.float64), base
 
 

@@ -28,14 +28,14 @@ import faiss
 import numpy as np
 import torch
 
-from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
 from gradindex.manifest import read_complete_manifest, row_basis
 from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
 from gradindex.precondition.preconditioner import selected_layers
 from gradindex.progress import progress_bar
 from gradindex.store import Store
-from gradindex.store.basis import index_basis
+from gradindex.store.opened import OpenStore, open_store
+from gradindex.store.rows import RowReader
 
 log = logging.getLogger("gradindex")
 
@@ -192,15 +192,17 @@ def _sketch_rows(rows: dict[str, np.ndarray], layers: Sequence[str], pre: Space,
     return np.where(nrm > 0, out / np.where(nrm > 0, nrm, 1.0), 0.0).astype(np.float32), nonzero
 
 
-def find_duplicates(index_dir: str | os.PathLike, cfg: DedupConfig = DedupConfig(),
+def find_duplicates(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig = DedupConfig(),
                     layers: Sequence[str] | None = None, progress: bool = False) -> DedupResult:
-    """Groups of exact and near-duplicate training examples (module doc)."""
+    """Groups of exact and near-duplicate training examples (module doc); ``index_dir`` a path or an open index."""
     import time
 
     t0 = time.perf_counter()
-    cfg = resolved(index_dir, cfg)
-    layers, base, pre = _space(index_dir, cfg, layers)
-    with Store(index_dir) as store:
+    ix, opened = open_store(index_dir, "deduplicate")
+    try:
+        cfg = resolved(ix, cfg)
+        layers, base, pre = _space(ix, cfg, layers)
+        store = ix.store
         N = len(store)
         vecs, nonzero, sketched = _vectors(store, layers, pre, base, cfg, progress)
         t1 = time.perf_counter()
@@ -210,6 +212,9 @@ def find_duplicates(index_dir: str | os.PathLike, cfg: DedupConfig = DedupConfig
         parent = np.arange(N)
         confirmed, cosines, checked = _confirm(store, layers, pre, base, cfg, pairs, parent)
         hashes = store.column("token_hash")
+    finally:
+        if opened:
+            ix.close()
     t3 = time.perf_counter()
     groups = _groups(parent, confirmed, cosines, hashes)
     secs = {"vectors": t1 - t0, "search": t2 - t1, "confirm": t3 - t2, "total": time.perf_counter() - t0}
@@ -223,35 +228,44 @@ def candidate_floor(cfg: DedupConfig, sketched: bool = True) -> float:
     return cfg.cut - (cfg.margin if sketched else 1e-4)
 
 
-def candidate_vectors(index_dir: str | os.PathLike, cfg: DedupConfig = DedupConfig(),
+def candidate_vectors(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig = DedupConfig(),
                       layers: Sequence[str] | None = None, progress: bool = False
                       ) -> tuple[np.ndarray, np.ndarray, bool]:
     """``([N, d] unit vectors searched for candidates, [N] nonzero, sketched)`` as :func:`find_duplicates`
     makes them (for measurements of the candidate search)."""
-    cfg = resolved(index_dir, cfg)
-    layers, base, pre = _space(index_dir, cfg, layers)
-    with Store(index_dir) as store:
-        return _vectors(store, layers, pre, base, cfg, progress)
+    ix, opened = open_store(index_dir, "deduplicate")
+    try:
+        cfg = resolved(ix, cfg)
+        layers, base, pre = _space(ix, cfg, layers)
+        return _vectors(ix.store, layers, pre, base, cfg, progress)
+    finally:
+        if opened:
+            ix.close()
 
 
-def resolved(index_dir: str | os.PathLike, cfg: DedupConfig) -> DedupConfig:
+def resolved(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig) -> DedupConfig:
     """``cfg`` with its method set: when None, the first of graddot, ekfac, kfac the index answers."""
     if cfg.method is not None:
         return cfg
+    if isinstance(index_dir, OpenStore):
+        return replace(cfg, method=default_method(index_dir.manifest, index_dir.dir, app="dedup"))
     method = default_method(read_complete_manifest(index_dir, "deduplicate"), index_dir, app="dedup")
     return replace(cfg, method=method)
 
 
-def _space(index_dir, cfg: DedupConfig, layers: Sequence[str] | None) -> tuple[list[str], str, Space]:
+def _space(ix: OpenStore | str | os.PathLike, cfg: DedupConfig, layers: Sequence[str] | None
+           ) -> tuple[list[str], str, Space]:
     """``(layers, row method, preconditioners)``: the method applied to the stored rows (whitened rows: ekfac
     is their plain cosine). ``graddot`` on rows in the EK-FAC eigenbasis, ``W = (Q_Sᵀ G Q_A) ⊙ (Λ* + δ)^{-1/2}``,
     is ``unwhiten``: ``W ⊙ √(Λ* + δ) = Q_Sᵀ G Q_A`` is an orthogonal rotation of the raw gradient ``G``, so its
     cosines are the raw gradients' (the preconditioners are then layer → ``[D]`` ``√(Λ* + δ)``)."""
-    manifest = read_complete_manifest(index_dir, "deduplicate")
+    if not isinstance(ix, OpenStore):
+        ix = OpenStore(ix, then="deduplicate")  # (its store opens no file until it is read)
+    manifest, index_dir = ix.manifest, ix.dir
     layers = selected_layers(manifest, layers)
     base = parse_method(cfg.method)[0]
     if base == "graddot" and row_basis(manifest) == "ekfac":
-        basis = index_basis(index_dir, manifest)
+        basis = ix.basis
         return layers, UNWHITEN, {n: (1.0 / basis.scale[n]).astype(np.float32).reshape(-1) for n in layers}
     base = index_row_base(manifest, index_dir, base, cfg.method)
     pre = Preconditioners(index_dir, manifest)

@@ -32,6 +32,7 @@ from gradindex.data import IGNORE
 from gradindex.index.space import query_vectors
 from gradindex.methods import DEFAULT_DAMPING, all_methods, index_row_base, parse_method
 from gradindex.query import QueryEngine
+from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import as_records
 from gradindex.store.basis import rows_dual, to_rows
 
@@ -82,6 +83,9 @@ class Explanation:
     """The query's tokens against the example's stored vector; they sum to ``score``."""
     residual_cause: str = ""
     """Why ``score`` and the training tokens' sum differ (:attr:`residual`)."""
+    full_score: float | None = None
+    """On a budget-bound index (docs/query.md, "Two stages"): the example's exact full-space score, which
+    the default query ranks by; ``score`` and the token terms are the first stage's (the stored rows')."""
 
     @property
     def residual(self) -> float:
@@ -92,7 +96,7 @@ class Explanation:
     def to_dict(self) -> dict:
         return {"id": self.id, "score": self.score, "method": self.method, "damping": self.damping,
                 "layers": self.layers, "train": self.train.to_dict(), "query": self.query.to_dict(),
-                "residual": self.residual, "residual_cause": self.residual_cause}
+                "residual": self.residual, "residual_cause": self.residual_cause, "full_score": self.full_score}
 
 
 def residual_cause(manifest: dict) -> str:
@@ -210,7 +214,23 @@ class Explainer:
             score = float(sum(float(np.dot(m[n][0], stored[n][j].astype(np.float64))) for n in chosen))
             out.append(Explanation(i, score, base, e.basis.damping_used(base, damping), chosen, train, query_side,
                                    residual_cause(e.manifest)))
+        self._full_scores(out, (q_ids, q_labels), method, damping, chosen)
         return out
+
+    def _full_scores(self, out: list[Explanation], query: tuple[list[int], list[int]], method: str, damping: float,
+                     layers: list[str]) -> None:
+        """Fill :attr:`Explanation.full_score` where the default query would re-rank in full space."""
+        e = self.engine
+        if not out or not e.rerank_plan(method, None)[0]:
+            return
+        ids, labels, ok = e.texts.tokens(np.array([x.id for x in out], dtype=np.int64))
+        if len(ids) != len(out) or not ok.all():
+            return
+        scores = full_gradient_scores(e.model, layers, query, (ids, labels), e.pad_id, method,
+                                      int(e.manifest.get("config", {}).get("batch_size", 8)),
+                                      e.full_preconditioner(method), damping)
+        for x, s in zip(out, scores, strict=True):
+            x.full_score = float(s)
 
     def _scores(self, ids: list[int], labels: list[int], fac: Factors, vec: dict[str, np.ndarray]) -> TokenScores:
         """Per-token terms ``Σ_layers ḡ_tᵀ V ā_t`` of one sequence against per-layer vectors ``V``."""

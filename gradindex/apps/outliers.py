@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradindex.manifest import read_complete_manifest
 from gradindex.methods import DEFAULT_DAMPING, parse_method
 from gradindex.precondition import self_influence
-from gradindex.store import Store
+from gradindex.store.opened import OpenStore, open_store
 
 RANKINGS = ("self_influence", "per_token")
 
@@ -49,18 +48,21 @@ class OutlierRanking:
                  "loss": float(self.loss[i])} for i in ids]
 
 
-def rank_outliers(index_dir: str | os.PathLike, method: str = "ekfac", damping: float = DEFAULT_DAMPING,
-                  layers: Sequence[str] | None = None) -> OutlierRanking:
+def rank_outliers(index_dir: str | os.PathLike | OpenStore, method: str = "ekfac",
+                  damping: float = DEFAULT_DAMPING, layers: Sequence[str] | None = None) -> OutlierRanking:
     """Self-influence of every stored example under ``method`` (``graddot``, ``kfac``, ``ekfac``)."""
     base, selfnorm = parse_method(method)
     if selfnorm or base == "cosine":
         raise ValueError(f"outliers rank by self-influence, which {method!r} does not have (it is 1 "
                          "for every example); use graddot, kfac or ekfac")
-    read_complete_manifest(index_dir, "look for outliers")
-    si = self_influence(index_dir, base, damping, layers)
-    with Store(index_dir) as st:
-        ntok = st.column("num_tokens").astype(np.int64)
-        loss = st.column("loss").astype(np.float64)
+    ix, opened = open_store(index_dir, "look for outliers")
+    try:
+        si = self_influence(ix.dir, base, damping, layers, manifest=ix.manifest)
+        ntok = ix.store.column("num_tokens").astype(np.int64)
+        loss = ix.store.column("loss").astype(np.float64)
+    finally:
+        if opened:
+            ix.close()
     per_tok = np.where(ntok > 0, si / np.maximum(ntok, 1), 0.0)
     return OutlierRanking(base, damping, si, per_tok, ntok, loss)
 

@@ -64,6 +64,9 @@ class QueryRequest(BaseModel):
     layers: list[str] | None = Field(None, max_length=1000)
     lowest: int = Field(0, ge=0, le=MAX_K)
     explain: int = Field(0, ge=0, le=50, description="Explain the top N results token by token (graddot, kfac, ekfac).")
+    rerank_full: int | None = Field(None, ge=0, le=1000,
+                                    description="Candidates re-ranked exactly in full space; default: 100 where the "
+                                                "index stores a budget-bound projection, else none; 0: never.")
 
     @model_validator(mode="after")
     def _one_form(self) -> QueryRequest:
@@ -104,29 +107,8 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def create_app(engine: QueryEngine, token: str | None = None, request_timeout: float = 30.0, queue_size: int = 64,
-               max_batch: int = 16, batch_window: float = 0.002) -> FastAPI:
-    """The FastAPI app over ``engine`` (which it does not close); ``app.state.batcher`` owns the engine."""
-    if not request_timeout > 0:
-        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
-    app = FastAPI(title="gradindex", description="Which training examples made the model say this?",
-                  docs_url=None, redoc_url=None, openapi_url=None)
-    batcher = Batcher(engine, max_batch=max_batch, queue_size=queue_size, window=batch_window)
-    app.state.batcher = batcher
-    explainer = Explainer(engine)
-    vocab = engine.model.get_input_embeddings().num_embeddings
-    num_tokens = engine.store.column("num_tokens")
-    losses = engine.store.column("loss")
-    default = default_method(engine.manifest, engine.dir)
-    answers = methods_of(engine.manifest, engine.dir, selfnorm=True)
-    answers = [default] + [m for m in answers if m != default]
-    stages = StageTimes()
-    app.state.stages = stages
-    app.add_middleware(Guard, token=token, max_body=MAX_BODY)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        return JSONResponse({"detail": _validation_message(exc)}, status_code=422)
+def _answerer(batcher: Batcher, request_timeout: float):
+    """The coroutine that queues a job on ``batcher`` and waits for its answer, errors as HTTP statuses."""
 
     async def answer(job: Job):
         """Queue ``job`` and wait for the worker's answer, within the request's time limit."""
@@ -150,19 +132,16 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
             log.error("request failed: %s: %s", type(e).__name__, e)
             raise HTTPException(500, f"internal error: {type(e).__name__}: {e}") from e
 
-    @app.get("/health")
-    async def health() -> dict:
-        try:
-            engine.index.check_current()
-            status = "ok"
-        except IndexReplacedError as e:
-            status = f"stale: {e}"
-        return {"status": status, "examples": engine.n, "layers": len(engine.select_layers(None)),
-                "methods": answers, "default_method": default,
-                "queue": {"depth": batcher.depth(), "answering": batcher.answering, "size": batcher.queue_size,
-                          "max_batch": batcher.max_batch, "window_s": batcher.window,
-                          "request_timeout_s": request_timeout},
-                "served": batcher.stats.to_dict(), "stages": stages.to_dict()}
+
+    return answer
+
+
+def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], default: str,
+               request_timeout: float) -> None:
+    """``POST /query``: check the request, queue it, add the explanations asked for and the stage timings."""
+    explainer = Explainer(engine)
+    vocab = engine.model.get_input_embeddings().num_embeddings
+    stages = app.state.stages
 
     @app.post("/query")
     async def query(req: QueryRequest) -> dict:
@@ -192,7 +171,8 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
                 out["seconds"]["explain"] = time.perf_counter() - t1
             return out
 
-        settings = {"method": method, "damping": req.damping, "layers": req.layers, "lowest": req.lowest}
+        settings = {"method": method, "damping": req.damping, "layers": req.layers, "lowest": req.lowest,
+                    "rerank_full": req.rerank_full}
         job = Job(QueryJob(rec, req.k, settings, explained if req.explain else None), deadline=t0 + request_timeout)
         out = await answer(job)
         out["batch"] = job.batch
@@ -200,6 +180,47 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
         out["seconds"]["total"] = time.monotonic() - t0
         stages.add(out["seconds"])
         return out
+
+
+def create_app(engine: QueryEngine, token: str | None = None, request_timeout: float = 30.0, queue_size: int = 64,
+               max_batch: int = 16, batch_window: float = 0.002) -> FastAPI:
+    """The FastAPI app over ``engine`` (which it does not close); ``app.state.batcher`` owns the engine."""
+    if not request_timeout > 0:
+        raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
+    app = FastAPI(title="gradindex", description="Which training examples made the model say this?",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    batcher = Batcher(engine, max_batch=max_batch, queue_size=queue_size, window=batch_window)
+    app.state.batcher = batcher
+    num_tokens = engine.store.column("num_tokens")
+    losses = engine.store.column("loss")
+    default = default_method(engine.manifest, engine.dir)
+    answers = methods_of(engine.manifest, engine.dir, selfnorm=True)
+    answers = [default] + [m for m in answers if m != default]
+    stages = StageTimes()
+    app.state.stages = stages
+    app.add_middleware(Guard, token=token, max_body=MAX_BODY)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": _validation_message(exc)}, status_code=422)
+
+    answer = _answerer(batcher, request_timeout)
+
+    @app.get("/health")
+    async def health() -> dict:
+        try:
+            engine.index.check_current()
+            status = "ok"
+        except IndexReplacedError as e:
+            status = f"stale: {e}"
+        return {"status": status, "examples": engine.n, "layers": len(engine.select_layers(None)),
+                "methods": answers, "default_method": default,
+                "queue": {"depth": batcher.depth(), "answering": batcher.answering, "size": batcher.queue_size,
+                          "max_batch": batcher.max_batch, "window_s": batcher.window,
+                          "request_timeout_s": request_timeout},
+                "served": batcher.stats.to_dict(), "stages": stages.to_dict()}
+
+    _add_query(app, engine, answer, answers, default, request_timeout)
 
     @app.get("/example/{example_id}")
     async def example(example_id: int) -> dict:

@@ -8,7 +8,10 @@ Rules, each a one-parameter family searched for the largest member within the bu
 * ``equal``: one ``k`` for every side of every layer (capped at the side's width), the fixed-``K``
   default made budget-aware;
 * ``spectrum``: each side ``k ∝`` its effective rank (``(Σλ)²/Σλ²`` of its factor), capped at the
-  width; needs the factors' eigenvalues.
+  width; needs the factors' eigenvalues;
+* ``cost``: each layer the numbers ``ratio`` gives it, split between its sides so that the capture
+  computes them with the fewest multiply-adds per token (:func:`capture_cost`: mapping each side,
+  their outer product and the covariance factors); a narrow side is then often kept exact.
 
 ``benchmarks/rowspace.py`` measures them against full-space EK-FAC; docs/math.md ("What a row holds") gives the curve.
 """
@@ -20,8 +23,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-ALLOCATIONS = ("ratio", "equal", "spectrum")
-DEFAULT_ALLOCATION = "ratio"
+ALLOCATIONS = ("ratio", "equal", "spectrum", "cost")
+DEFAULT_ALLOCATION = "cost"
+"""The build's default (``BuildConfig.allocation``): as faithful as ``ratio`` at the same bytes, and the
+capture's mapping about half as costly (``benchmarks/results/rowspace_cost.json``, ``buildcost.json``)."""
 
 
 def effective_rank(eigenvalues: np.ndarray) -> float:
@@ -47,10 +52,33 @@ def stored_numbers(widths: Mapping[str, tuple[int, int]], sizes: Mapping[str, tu
     return sum((sizes[n][0] or n_a) * (sizes[n][1] or n_g) for n, (n_a, n_g) in widths.items())
 
 
+def capture_cost(n_a: int, n_g: int, k_a: int, k_g: int) -> int:
+    """Multiply-adds per token of one layer's row ``[k_g, k_a]`` on the factorized route: each side mapped
+    (nothing for an exact side, ``k = n``), the outer product, and the covariance factors ``A``, ``S``."""
+    return n_a * k_a * (k_a < n_a) + n_g * k_g * (k_g < n_g) + k_a * k_g + k_a * k_a + k_g * k_g
+
+
+def cheapest_split(n_a: int, n_g: int, numbers: int, keep: float = 0.98) -> tuple[int, int]:
+    """``(k_a, k_g)`` (0 = exact side) with at most ``numbers`` and at least ``keep`` of them, at the
+    least :func:`capture_cost` (which grows with ``k_g`` but drops where the side becomes exact: for each
+    ``k_a`` the fewest ``k_g`` that keep enough, and the exact side)."""
+    best, plan = None, (n_a, n_g)
+    for k_a in range(1, n_a + 1):
+        top = min(n_g, numbers // k_a)
+        for k_g in {-(-math.ceil(keep * numbers) // k_a), n_g}:
+            if k_g > top or k_a * k_g < keep * numbers:
+                continue
+            c = capture_cost(n_a, n_g, k_a, k_g)
+            if best is None or c < best:
+                best, plan = c, (k_a, k_g)
+    k_a, k_g = plan
+    return 0 if k_a >= n_a else k_a, 0 if k_g >= n_g else k_g
+
+
 def allocate(
     widths: Mapping[str, tuple[int, int]],
     budget: int,
-    rule: str = DEFAULT_ALLOCATION,
+    rule: str = "ratio",
     bytes_per_number: float = 4.0,
     spectra: Mapping[str, tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> dict[str, tuple[int, int]]:
@@ -61,6 +89,10 @@ def allocate(
     """
     if rule not in ALLOCATIONS:
         raise ValueError(f"allocation rule {rule!r} is not one of {ALLOCATIONS}")
+    if rule == "cost":
+        ratio = allocate(widths, budget, "ratio", bytes_per_number)
+        return {n: (0, 0) if ratio[n] == (0, 0) else cheapest_split(a, g, (ratio[n][0] or a) * (ratio[n][1] or g))
+                for n, (a, g) in widths.items()}
     cap = budget / bytes_per_number
     floor = len(widths)  # 1x1 per layer
     if cap < floor:

@@ -5,7 +5,9 @@ The plain path (``model(...).logits`` → :func:`gradindex.data.per_example_loss
 gradients), which at a vocabulary of thousands costs about half as much again as the head's two
 matmuls. Here the head runs on the rows that have a target only, some hundreds of rows at a time:
 each chunk's logits become log-probabilities, the token losses, and then, in place, the gradient
-``softmax - onehot``, which is multiplied by the head weight at once. The backward only scales
+``softmax - onehot``, which is multiplied by the head weight at once. All of it runs in float32 for
+any model dtype (a bf16 head weight is cast in blocks), so only the final ``[rows, d]`` gradient is
+rounded to the model's dtype. The backward only scales
 those saved ``[rows, d]`` gradients by the incoming per-example weights.
 
 The head's parameters are constants here: capture differentiates with respect to hooked layer
@@ -31,6 +33,8 @@ CHUNK_BYTES = {"cpu": 16 << 20}
 """Bytes of one chunk of fp32 logits per device type (elsewhere 256 MiB). On CPU, 16 MiB is
 about the fastest measured: smaller chunks make the head's matmuls short and slow (128 rows cost
 ~30% more than 512 at vocab 8192, one or two threads), larger ones leave the cache."""
+CAST_BYTES = 32 << 20
+"""Bytes of one float32 block of a low-precision head weight (:func:`_weight_blocks`)."""
 MIN_ROWS = 256
 """Fewest rows per chunk, whatever the vocabulary: below it the matmuls lose efficiency."""
 
@@ -63,11 +67,10 @@ class _TokenLossWithGrad(torch.autograd.Function):
         rows = max(MIN_ROWS, CHUNK_BYTES.get(h.device.type, 256 << 20) // (4 * V))
         loss = torch.empty(N, device=h.device, dtype=torch.float32)
         grad_h = torch.empty_like(h)  # [N, d]
-        w_t = weight.t()  # [d, V]
         for s in range(0, N, rows):
             e = min(s + rows, N)
-            logits = h[s:e] @ w_t if bias is None else torch.addmm(bias, h[s:e], w_t)  # [n, V]
-            logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V] fp32
+            logits = _logits_f32(h[s:e], weight, bias)  # [n, V] fp32
+            logp = torch.log_softmax(logits, dim=-1)  # [n, V] fp32
             del logits
             if u is None:
                 y = targets[s:e, None]  # [n, 1]
@@ -79,7 +82,7 @@ class _TokenLossWithGrad(torch.autograd.Function):
                 loss[s:e] = -logp.gather(1, y).squeeze(1)
                 del logp
             dlogits.scatter_add_(1, y, torch.full_like(y, -1, dtype=dlogits.dtype))  # - onehot
-            torch.mm(dlogits.to(h.dtype), weight, out=grad_h[s:e])  # [n, d]
+            grad_h[s:e] = _grad_f32(dlogits, weight)  # [n, d], rounded once to h's dtype
         ctx.save_for_backward(grad_h)
         return loss
 
@@ -88,6 +91,41 @@ class _TokenLossWithGrad(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         (grad_h,) = ctx.saved_tensors
         return grad_h * grad_loss.to(grad_h.dtype).unsqueeze(1), None, None, None, None
+
+
+def _weight_blocks(weight: torch.Tensor):
+    """``(start, end, block as float32)`` over the vocabulary rows of ``weight`` ``[V, d]``: the whole
+    matrix when it is float32 already, else blocks of :data:`CAST_BYTES` cast one at a time (a bf16
+    model's head, computed in float32 without a float32 copy of it)."""
+    V, d = weight.shape
+    if weight.dtype == torch.float32:
+        yield 0, V, weight
+        return
+    step = max(1, CAST_BYTES // (4 * d))
+    for v in range(0, V, step):
+        yield v, min(v + step, V), weight[v:v + step].float()
+
+
+def _logits_f32(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``h W^T + b`` ``[n, V]`` in float32 from ``h`` ``[n, d]`` of any dtype (the per-example math of a bf16
+    model in float32: its loss and softmax gradient do not round through bf16 logits)."""
+    h32 = h.float()
+    out = torch.empty(h.shape[0], weight.shape[0], device=h.device, dtype=torch.float32)
+    for v, w, W in _weight_blocks(weight):
+        if bias is None:
+            torch.mm(h32, W.t(), out=out[:, v:w])
+        else:
+            torch.addmm(bias[v:w].float(), h32, W.t(), out=out[:, v:w])
+    return out
+
+
+def _grad_f32(dlogits: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``dlogits W`` ``[n, d]`` in float32 (``dlogits`` ``[n, V]`` float32)."""
+    out = None
+    for v, w, W in _weight_blocks(weight):
+        part = dlogits[:, v:w] @ W  # [n, d]
+        out = part if out is None else out.add_(part)
+    return out
 
 
 def fused_per_example_loss(

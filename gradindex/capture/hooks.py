@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gradindex.adapter import adapter_layers
 from gradindex.capture.gram import add_gram, gram_block
@@ -127,8 +128,8 @@ def owned_parameters(modules: Mapping[str, nn.Module]) -> list[nn.Parameter]:
     """The parameters the chosen layers attribute (a fused expert matrix counts once)."""
     seen: dict[int, nn.Parameter] = {}
     for m in modules.values():
-        fused = getattr(m, "fused", None)
-        for p in [fused] if isinstance(fused, nn.Parameter) else m.parameters(recurse=False):
+        fused = getattr(m, "fused", None)  # a group's stand-in: the fused parameter(s) it is a slice of
+        for p in [fused] if isinstance(fused, nn.Parameter) else fused or m.parameters(recurse=False):
             seen.setdefault(id(p), p)
     return list(seen.values())
 
@@ -258,7 +259,9 @@ class GradientCapture:
         self._handles: list = []
         self._mask: torch.Tensor | None = None
         self._batch_shape: tuple[int, int] | None = None
-        self._records: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._records: list[tuple[str, tuple, GradientEdge, tuple]] = []
+        """Weight-free: per hooked call, its key, inputs, the output's gradient edge and ``(shape, dtype, device)``
+        (the edge, not the output: an output no later op saves is freed in the forward, as without hooks)."""
         self._grads: dict[str, torch.Tensor] = {}
         self._proj: dict[tuple[str, str, str], torch.Tensor | None] = {}
         self._proj_a: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -370,8 +373,8 @@ class GradientCapture:
         outs = [r[2] for r in self._records]
         grads = torch.autograd.grad(loss, outs + list(inputs), grad_outputs=grad_output, allow_unused=True)
         records, self._records = self._records, []
-        for (key, ins, out), g in zip(records, grads[:len(outs)], strict=True):
-            self._dispatch(key, ins, torch.zeros_like(out) if g is None else g)
+        for (key, ins, _, (shape, dtype, device)), g in zip(records, grads[:len(outs)], strict=True):
+            self._dispatch(key, ins, torch.zeros(shape, dtype=dtype, device=device) if g is None else g)
         return tuple(grads[len(outs):])
 
     def pop(self) -> dict[str, torch.Tensor]:
@@ -398,7 +401,8 @@ class GradientCapture:
             if self.weight_free:
                 if not output.requires_grad:  # frozen upstream: start the graph here
                     output = output.detach().requires_grad_()
-                self._records.append((key, ins, output))
+                self._records.append((key, ins, get_gradient_edge(output), (output.shape, output.dtype,
+                                                                            output.device)))
                 return output
             if output.requires_grad:
                 output.register_hook(lambda g, ins=ins: self._dispatch(key, ins, g))

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from gradindex.cli import main
 from gradindex.cli.common import Interrupted, damping_option, data_options, human_bytes, user_errors
@@ -63,27 +64,42 @@ def note_unhooked(model) -> None:
                    "`gradindex layers MODEL_DIR` marks", err=True)
 
 
+def _default(name: str):
+    """The library's default of a build setting (:mod:`gradindex.spec.build`; never restated here)."""
+    from gradindex.spec.build import default
+
+    return default(name)
+
+
 @main.command()
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.argument("data", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Index directory to write.")
 @click.option("--projection", default="auto", show_default=True,
               help="K, KAxKG, none, or auto (per-layer sizes from --budget).")
-@click.option("--budget", default="", help="Bytes per example for --projection auto: an integer, or a fraction "
-                                            "of the full float32 gradient such as 1/8 (default: 1/8, at most "
-                                            "256 KiB; the whole gradient where that buys it).")
-@click.option("--allocation", default="ratio", show_default=True, type=click.Choice(["ratio", "equal", "spectrum"]),
-              help="How --budget is spread over layers (docs/math.md, 'What a row holds').")
-@click.option("--projection-basis", "basis", default="raw", show_default=True,
+@click.option("--rows", default=None,
+              help="What a row holds, as one spec: e.g. auto,EKFAC@0.001,int4 (the default), P16x16,fp32, none,int8 "
+                   "or auto:1/64,EIGEN@0.001,int4 (docs/formats.md, 'Row specs'); instead of --projection, "
+                   "--budget, --allocation, --projection-basis, --basis-damping, --transcode, --storage.")
+@click.option("--budget", default=_default("budget"),
+              help="Bytes per example for --projection auto: an integer, or a fraction of the full float32 "
+                   "gradient such as 1/8 (default auto: 1/8, at most 256 KiB; the whole gradient where that buys it).")
+@click.option("--allocation", default=_default("allocation"), show_default=True,
+              type=click.Choice(["ratio", "equal", "spectrum", "cost"]),
+              help="How --budget is spread over layers (docs/math.md, 'What a row holds'); cost: ratio's numbers "
+                   "per layer, split between its sides for the cheapest capture (a narrow side often kept exact).")
+@click.option("--projection-basis", "basis", default=_default("basis"), show_default=True,
               type=click.Choice(["raw", "kfac", "eigen"]),
               help="eigen: store the full-space EK-FAC eigen-coordinates --budget buys, chosen over all layers "
                    "(two model passes first; rows answer ekfac; wins where the budget holds most of the "
                    "influence, benchmarks/width.py). kfac: whiten each side by its damped full-space K-FAC factor "
                    "before projecting; rows then answer kfac/ekfac, not graddot.")
-@click.option("--basis-damping", default=1.0, show_default=True, type=float,
+@click.option("--basis-damping", default=_default("basis_damping"), show_default=True, type=float,
               help="Relative damping of the kfac whitening.")
-@click.option("--fit-examples", default=0, show_default=True, type=int,
+@click.option("--fit-examples", "basis_examples", default=_default("basis_examples"), show_default=True, type=int,
               help="Examples sampled for the kfac basis's factor pass (0 = all).")
+@click.option("--fit-seed", "basis_seed", default=_default("basis_seed"), show_default=True, type=int,
+              help="Seed of the --fit-examples sample.")
 @click.option("--projection-kind", type=click.Choice(["gaussian", "rademacher"]), default="gaussian", show_default=True)
 @click.option("--seed", default=0, show_default=True, type=int, help="Projection seed.")
 @click.option("--layers", multiple=True, help="Glob of layer names to hook (repeatable). Default: all block linears "
@@ -94,49 +110,53 @@ def note_unhooked(model) -> None:
 @click.option("--chat-template", default=None, type=click.Path(dir_okay=False, exists=True),
               help="A Jinja chat template file for 'messages' records when the tokenizer has none.")
 @data_options
-@click.option("--batch-size", default=8, show_default=True, type=int)
+@click.option("--batch-size", default=_default("batch_size"), show_default=True, type=int)
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
-@click.option("--route", default="auto", show_default=True, type=click.Choice(["auto", "factorized", "materialized"]))
-@click.option("--storage", default="auto", show_default=True, type=click.Choice(["auto", *STORAGES]),
+@click.option("--route", default=_default("route"), show_default=True,
+              type=click.Choice(["auto", "factorized", "materialized"]))
+@click.option("--storage", default=_default("storage"), show_default=True, type=click.Choice(["auto", *STORAGES]),
               help="Row codes on disk: float32, float16, or int8/int4 with a per-row scale (2x/4x/8x smaller). "
                    "auto: int4 for rows transcoded into the EK-FAC eigenbasis, else int8.")
-@click.option("--shard-size", default=4096, show_default=True, type=int, help="Examples per store file.")
+@click.option("--shard-size", default=_default("shard_size"), show_default=True, type=int,
+              help="Examples per store file.")
 @click.option("--overwrite", is_flag=True,
               help="Replace whatever index is in --out (everything is recomputed; a killed --overwrite "
                    "build resumes with a plain re-run).")
 @click.option("--repair", is_flag=True,
               help="Check every committed shard's whole-file hash and recompute the damaged or missing ones "
                    "(a plain re-run does a cheap sampled check). Damaged files are kept in --out/damaged/.")
-@click.option("--precondition", default="auto", show_default=True,
+@click.option("--precondition", default=_default("precondition"), show_default=True,
               type=click.Choice(["auto", "none", "kfac", "ekfac"]),
               help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too). "
                    "auto: ekfac (none with --optimizer-state).")
-@click.option("--transcode", default="auto", show_default=True, type=click.Choice(["auto", "ekfac", "none"]),
+@click.option("--transcode", default=_default("transcode"), show_default=True,
+              type=click.Choice(["auto", "ekfac", "none"]),
               help="ekfac: after the EK-FAC fit, rewrite the rows in place in its whitened eigenbasis at "
                    "--damping (plain inner products = EK-FAC; what low-bit codes need). auto: ekfac when "
                    "--precondition is ekfac on raw rows. The index then answers --method ekfac.")
 @damping_option("Relative damping of the self-influence written with --precondition (and of --whiten).")
-@click.option("--full-factors", is_flag=True,
+@click.option("--collect-covariance", is_flag=True, default=_default("collect_covariance"),
+              help="Sum the projected K-FAC factors per shard in the capture pass without fitting them "
+                   "(`gradindex precondition` fits them later without a model pass).")
+@click.option("--full-factors", is_flag=True, default=_default("full_factors"),
               help="Also sum full-space (unprojected) K-FAC factors in the capture pass, so that "
                    "`gradindex precondition --space full` needs one model pass instead of two.")
-@click.option("--fisher", default="empirical", show_default=True, type=click.Choice(["empirical", "true"]),
+@click.option("--fisher", default=_default("fisher"), show_default=True, type=click.Choice(["empirical", "true"]),
               help="Factors of --precondition from the observed labels or from labels sampled from the model.")
-@click.option("--fisher-seed", default=0, show_default=True, type=int, help="Seed of --fisher true's labels.")
+@click.option("--fisher-seed", default=_default("fisher_seed"), show_default=True, type=int,
+              help="Seed of --fisher true's labels.")
 @click.option("--optimizer-state", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Adam state of the training run (.safetensors of '<param>.exp_avg_sq', or a torch "
                    "optimizer state_dict, read with weights_only=True): store G/(sqrt(v)+eps), method adam.")
-@click.option("--adam-mode", default="exact", show_default=True, type=click.Choice(["exact", "factored"]),
+@click.option("--adam-mode", default=_default("adam_mode"), show_default=True,
+              type=click.Choice(["exact", "factored"]),
               help="exact: entrywise (materialized route); factored: rank-1 v per layer (factorized route).")
 @index_options
 @click.option("--no-index", is_flag=True, help="Skip the FAISS index stage (run `gradindex index` later).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
-def build(model_dir, data, out, projection, budget, allocation, basis, basis_damping, fit_examples,
-          projection_kind, seed, layers, adapter, chat_template, text_field, max_length, batch_size, dtype, device,
-          route, storage, shard_size, overwrite, repair, precondition, transcode, damping, fisher, fisher_seed,
-          optimizer_state, adam_mode, full_factors, index_type, whiten, normalize, train_size, cpu_index, no_index,
-          quiet, sketch_bytes=2048):
+def build(**o):
     """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
     from gradindex import distributed
     from gradindex.model import resolve_device
@@ -144,29 +164,33 @@ def build(model_dir, data, out, projection, budget, allocation, basis, basis_dam
     from gradindex.plan import plan_build
     from gradindex.store.builder import refuse_foreign
 
-    o = dict(locals())
     opts = settings(o)
-    resolve_device(device)
-    if distributed.init_from_env(device):  # under torchrun: each rank captures its share of the shards
-        device = distributed.local_device(device)
-        quiet = quiet or distributed.rank() > 0
-    o["device"] = device
+    resolve_device(o["device"])
+    if distributed.init_from_env(o["device"]):  # under torchrun: each rank captures its share of the shards
+        o["device"] = distributed.local_device(o["device"])
+        o["quiet"] = o["quiet"] or distributed.rank() > 0
+    out = o["out"]
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
         model, tok, data_tok, cfg = load_inputs(o, opts)
         if distributed.rank() == 0:
-            click.echo(plan_build(model, cfg, len(data_tok), not no_index).summary(), err=True)
+            click.echo(plan_build(model, cfg, len(data_tok), not o["no_index"], opts.icfg.factory,
+                                  opts.icfg.sketch_bytes).summary(), err=True)
         try:
-            res, idx = build_index(model, tok, data_tok, out, cfg, index=None if no_index else opts.icfg,
-                                   model_id=str(Path(model_dir).resolve()), data_id=str(Path(data).resolve()),
-                                   overwrite=overwrite, progress=not quiet, repair=repair)
+            res, idx = build_index(model, tok, data_tok, out, cfg, index=None if o["no_index"] else opts.icfg,
+                                   model_id=str(Path(o["model_dir"]).resolve()), data_id=str(Path(o["data"]).resolve()),
+                                   overwrite=o["overwrite"], progress=not o["quiet"], repair=o["repair"])
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted; the shards written so far in {out} are kept: re-run the same command "
                               "(without --overwrite) to resume") from None
-    from gradindex.store.sizing import bytes_per_number
+    if distributed.rank() == 0:
+        _report(out, res, idx)
 
-    if distributed.rank() > 0:
-        return
+
+def _report(out, res, idx) -> None:
+    """What the build wrote: examples, layers, numbers and bytes per example, time; warnings."""
+    from gradindex.store.codes import bytes_per_number
+
     m = res.manifest
     numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
     row_bytes = int(numbers * bytes_per_number(m["build"]["storage"]))
@@ -196,35 +220,54 @@ class Settings:
     """The FAISS stage's :class:`~gradindex.index.IndexConfig`."""
 
 
+OPTION_FIELDS = ("layers", "max_length", "batch_size", "route", "shard_size", "collect_covariance", "full_factors",
+                 "precondition", "damping", "storage", "budget", "allocation", "basis", "basis_damping",
+                 "basis_examples", "basis_seed", "fisher", "fisher_seed", "optimizer_state", "adam_mode", "transcode")
+"""The ``build`` options that are :class:`~gradindex.spec.build.BuildOptions` fields of the same name (the
+projection field is ``--projection``, ``--projection-kind`` and ``--seed``; tests/test_library_defaults.py
+keeps this the whole list)."""
+
+
 def settings(o: dict) -> Settings:
     """Resolve ``build``'s (or ``plan``'s) options ``o`` and refuse inconsistent ones, before any work."""
     from gradindex.capture import ProjectionSpec
     from gradindex.pipeline import BuildConfig
+    from gradindex.spec.rows import check_projection_options
+    from gradindex.store.builder import row_fields
 
     projection, budget = o["projection"], o["budget"]
-    auto = projection.strip().lower() == "auto"
-    if budget and not auto:
-        raise ValueError(f"--budget sizes the projection per layer: use it with --projection auto, not {projection!r}")
+    auto = check_projection_options(projection, budget)
     spec = ProjectionSpec(kind=o["projection_kind"], seed=o["seed"]) if auto else \
         ProjectionSpec.parse(projection, kind=o["projection_kind"], seed=o["seed"])
-    # the library resolves each "auto" (BuildConfig.defaults) and refuses bad settings, before any work
-    config = dict(projection=spec, layers=tuple(o["layers"]), max_length=o["max_length"], batch_size=o["batch_size"],
-                  route=o["route"], shard_size=o["shard_size"], storage=o["storage"], precondition=o["precondition"],
-                  damping=o["damping"], fisher=o["fisher"], fisher_seed=o["fisher_seed"],
-                  optimizer_state=o["optimizer_state"] or "", adam_mode=o["adam_mode"],
-                  full_factors=o["full_factors"], budget=(budget or "auto") if auto else 0,
-                  transcode=o["transcode"], allocation=o["allocation"], basis=o["basis"],
-                  basis_damping=o["basis_damping"], basis_examples=o["fit_examples"])
+    # one option per field (OPTION_FIELDS); the library resolves each "auto" and refuses bad settings, before any work
+    config = {name: o[name] for name in OPTION_FIELDS}
+    config.update(projection=spec, layers=tuple(o["layers"]), optimizer_state=o["optimizer_state"] or "",
+                  budget=(budget or "auto") if auto else 0)
+    if o.get("rows"):  # --rows SPEC: the row options in one string (docs/formats.md, "Row specs")
+        _refuse_row_options_with_rows(o["rows"])
+        config.update(row_fields(o["rows"], o["projection_kind"], o["seed"], o["damping"], config["optimizer_state"]))
+        spec = config["projection"]
     cfg = BuildConfig(**config)
-    precondition, transcode, whiten = cfg.precondition, cfg.transcode, o["whiten"]
-    icfg = index_config(o["index_type"], whiten, o["damping"], o["normalize"], o["train_size"], o["cpu_index"],
+    icfg = index_config(o["index_type"], o["whiten"], o["damping"], o["normalize"], o["train_size"], o["cpu_index"],
                         o.get("sketch_bytes", 2048))
-    if not o["no_index"] and whiten != "none" and (transcode == "ekfac" or o["basis"] == "eigen"):
-        raise ValueError(f"--whiten {whiten} does not apply: the rows are in the EK-FAC whitened "
-                         "eigenbasis (already whitened); drop --whiten, or add --transcode none")
-    if not o["no_index"] and whiten not in ("none", precondition, "kfac" if precondition == "ekfac" else "none"):
-        raise ValueError(f"--whiten {whiten} needs that preconditioner: add --precondition {whiten}")
+    if not o["no_index"]:
+        cfg.rows.check_whiten(o["whiten"], cfg.precondition)
     return Settings(spec, config, icfg)
+
+
+ROW_OPTIONS = ("projection", "budget", "allocation", "basis", "basis_damping", "transcode", "storage", "adam_mode")
+"""The ``build`` options that a ``--rows`` spec sets."""
+
+
+def _refuse_row_options_with_rows(rows: str) -> None:
+    """Refuse ``--rows`` together with an option it sets (the spec alone says what a row holds)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return
+    given = [f"--{n}" for n in ROW_OPTIONS if ctx.get_parameter_source(n) not in (None, ParameterSource.DEFAULT)]
+    if given:
+        flags = ", ".join(g.replace("_", "-").replace("--basis", "--projection-basis", 1) for g in given)
+        raise ValueError(f"--rows {rows} says what a row holds, and so do {flags}: give one or the other")
 
 
 def load_inputs(o: dict, opts: Settings):

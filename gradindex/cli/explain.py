@@ -67,6 +67,9 @@ def explain(index_dir, text, prompt, completion, messages, ids, method, damping,
         where = f"{len(e.layers)} layers" if len(e.layers) > 1 else e.layers[0]
         click.echo(f"training example {e.id}: score {e.score:.6g} ({e.method}"
                    f"{f', damping {e.damping}' if e.damping is not None else ''}; {where})")
+        if e.full_score is not None:
+            click.echo(f"  full-space score {e.full_score:.6g} (exact, what the default query ranks by; the score and "
+                       "token terms below are the first stage's, from the index's budget-bound rows)")
         text = shown.get(e.id) or "".join(e.train.tokens)
         if "\n[" in text:  # a conversation: one turn a line, with its role
             click.echo("  turns:\n" + "\n".join(f"    {t[:200]}" for t in text.splitlines()))

@@ -36,6 +36,17 @@ def _size(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
 
 
+def _rows(m: dict) -> dict | None:
+    """The index's row spec and what it means in words (None for rows no spec names)."""
+    from gradindex.spec.manifest import rows_of
+
+    try:
+        spec = rows_of(m)
+    except (ValueError, TypeError, KeyError):
+        return None
+    return {"spec": str(spec), "describe": spec.describe()}
+
+
 def summary(index_dir: str) -> dict:
     """A JSON-able summary of an index directory."""
     d = Path(index_dir)
@@ -59,7 +70,7 @@ def summary(index_dir: str) -> dict:
                  "truncated": counts.get("truncated"), "field": counts.get("text_field"),
                  "nonfinite": len(m.get("nonfinite_ids", []))},
         "projection": b.get("projection"), "basis": b.get("basis", {"kind": "raw"}),
-        "max_length": b.get("max_length"), "storage": b.get("storage", "fp32"),
+        "max_length": b.get("max_length"), "storage": b.get("storage", "fp32"), "rows": _rows(m),
         "layers": layers, "dims_total": sum(v["dim"] for v in layers.values()),
         "methods": methods_of(m, d, selfnorm=True),
         "index": None if meta is None else {"status": meta.get("status"), "space": meta.get("space"),
@@ -91,6 +102,8 @@ def info(index_dir, as_json):
     click.echo(f"data       {d['id']}: {d['examples']} examples (field {d['field']!r}, "
                f"{d['truncated']} truncated, {d['nonfinite']} non-finite)")
     click.echo(f"projection {proj}, seed {p.get('seed')}; max length {s['max_length']}; rows stored as {s['storage']}")
+    if s["rows"]:
+        click.echo(f"rows       {s['rows']['spec']}: {s['rows']['describe']}")
     click.echo(f"layers     {len(s['layers'])}, {s['dims_total']} numbers per example")
     for n, v in s["layers"].items():
         idx = f"{v['index']} {human_bytes(v['index_bytes'])}" if v["index"] else "no index"

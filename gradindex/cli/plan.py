@@ -37,7 +37,7 @@ def _plan(model_dir, data, out, batches, as_json, **o):
     opts = settings(o)
     o["device"] = str(resolve_device(o["device"]))
     model, tok, data_tok, cfg = load_inputs(o, opts)
-    plan = plan_build(model, cfg, len(data_tok), not o["no_index"])
+    plan = plan_build(model, cfg, len(data_tok), not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes)
     if batches > 0 and len(data_tok):
         plan.seconds = measure_seconds(model, data_tok, cfg, plan, resolve_pad_id(model, tok), batches)
     free = free_bytes(out or ".")
@@ -46,11 +46,12 @@ def _plan(model_dir, data, out, batches, as_json, **o):
             "examples": plan.examples, "storage": plan.storage, "transcode": plan.transcode,
             "layers": [{"name": lp.name, "n_out": lp.n_out, "n_in": lp.n_in, "k_g": lp.k_g, "k_a": lp.k_a,
                         "numbers": lp.numbers} for lp in plan.layers],
-            "bytes": {"capture": plan.capture_bytes, "store": plan.store_bytes, "precond": plan.precond_bytes,
+            "bytes": {"capture": plan.capture_bytes, "rotated": plan.rotated_bytes, "store": plan.store_bytes,
+                      "precond": plan.precond_bytes,
                       "basis": plan.basis_bytes, "index": plan.index_bytes, "final": plan.final_disk,
                       "peak": plan.peak_disk, "free": free, "per_example": plan.row_bytes},
             "ram_bytes": plan.ram_bytes, "seconds": plan.seconds,
-            "lookup": {"exhaustive_scan_bytes": plan.store_bytes}}))
+            "lookup": {**(plan.lookup.to_dict() if plan.lookup else {}), "exhaustive_scan_bytes": plan.store_bytes}}))
         return
     click.echo(f"{'layer':<40} {'N_o x N_i':>12} {'stored k_g x k_a':>17} {'numbers':>10} {'bytes/example':>14}")
     from gradindex.store.codes import row_bytes
@@ -59,6 +60,7 @@ def _plan(model_dir, data, out, batches, as_json, **o):
         click.echo(f"{lp.name:<40} {f'{lp.n_out}x{lp.n_in}':>12} {f'{lp.k_g}x{lp.k_a}':>17} {lp.numbers:>10,} "
                    f"{row_bytes(plan.storage, lp.numbers):>14,}")
     click.echo(f"disk: capture {human_bytes(plan.capture_bytes)} ({plan.capture_storage} rows)"
+               + (f", rotated copy {human_bytes(plan.rotated_bytes)} (while coded)" if plan.rotated_bytes else "")
                + (f", transcoded copy {human_bytes(plan.store_bytes)}" if plan.transcode else "")
                + f", fits {human_bytes(plan.precond_bytes + plan.basis_bytes)}, FAISS {human_bytes(plan.index_bytes)}; "
                f"peak {human_bytes(plan.peak_disk)}, final {human_bytes(plan.final_disk)}; "

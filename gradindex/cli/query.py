@@ -26,6 +26,23 @@ from gradindex.methods import REGISTRY
 from gradindex.spec.layout import TRAJECTORY
 
 
+class RerankChoice(click.ParamType):
+    """``auto`` (None: the engine's default) or a number of candidates >= 0."""
+
+    name = "auto/N"
+
+    def convert(self, value, param, ctx):
+        if value is None or str(value).strip().lower() == "auto":
+            return None
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            n = -1
+        if n < 0:
+            self.fail(f"{value!r} is not auto or a number of candidates >= 0", param, ctx)
+        return n
+
+
 def _queries(texts, prompt, completion, queries_file, text_field, messages=()) -> list[dict]:
     """Every query of the command line as a record dict (texts, the prompt/completion pair, chats, the file's)."""
     from gradindex.query import read_queries
@@ -56,18 +73,21 @@ def _print_result(i: int, q: str, r) -> None:
     click.echo(f"query {i + 1}: {_line(q, width)}")
     click.echo(f"  {r.num_tokens} target tokens, loss {r.loss:.3f}, method {r.method}"
                f"{f' (damping {r.damping})' if r.damping is not None else ''}, {where}")
+    if getattr(r, "stage", ""):
+        click.echo(f"  scores: {r.stage}")
     for title, hits in (("most influential", r.hits), ("most negative", r.lowest)):
         if not hits:
             continue
         click.echo(f"  {title}:")
         click.echo(f"  {'rank':>4}  {'id':>8}  {'score':>11}  text")
         for j, h in enumerate(hits):
-            click.echo(f"  {j + 1:>4}  {h.id:>8}  {number(h.score):>11}  {_line(h.text, width)}")
+            score = h.full_score if getattr(h, "full_score", None) is not None else h.score
+            click.echo(f"  {j + 1:>4}  {h.id:>8}  {number(score):>11}  {_line(h.text, width)}")
 
 
 def _json(r) -> list[dict]:
     """The query's results, each row also saying what produced it: method, damping, the query's seconds."""
-    made = {"method": r.method, "damping": getattr(r, "damping", None),
+    made = {"method": r.method, "damping": getattr(r, "damping", None), "stage": getattr(r, "stage", ""),
             "seconds": {n: round(float(v), 6) for n, v in getattr(r, "seconds", {}).items()}}
     out = [{"rank": j + 1, "kind": "top", **h.to_dict(), **made} for j, h in enumerate(r.hits)]
     out += [{"rank": j + 1, "kind": "lowest", **h.to_dict(), **made} for j, h in enumerate(r.lowest)]
@@ -91,9 +111,10 @@ def _json(r) -> list[dict]:
 @click.option("--layers", multiple=True, help="Glob of layers to search (repeatable). Default: all.")
 @click.option("--lowest", default=0, show_default=True, type=click.IntRange(min=0),
               help="Also the N most negative examples.")
-@click.option("--rerank-full", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Re-rank the index's top N candidates in full (unprojected) space, any method "
-                   "(kfac/ekfac need `gradindex precondition INDEX --method M --space full`).")
+@click.option("--rerank-full", default="auto", show_default=True, type=RerankChoice(),
+              help="Re-rank the index's top N candidates exactly, in full (unprojected) space, any method "
+                   "(kfac/ekfac need the full-space fit, which the default build makes where it projects). "
+                   "auto: the top 100 where the index stores a budget-bound projection, else none; 0: never.")
 @click.option("--candidates", default=None, type=click.IntRange(min=1),
               help="Sketch index: examples its first tier hands to the exact re-rank (default 200); "
                    "per-layer FAISS indices: ANN results per layer (default 2000).")

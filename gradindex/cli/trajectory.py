@@ -47,7 +47,7 @@ def trajectory(data, out, models, lrs, projection, seed, layers, text_field, max
     records = load_records(data)
     tokens = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(first))
     del first
-    cfg = BuildConfig(projection=ProjectionSpec.parse(projection, seed=seed), layers=tuple(layers),
+    cfg = BuildConfig.raw(projection=ProjectionSpec.parse(projection, seed=seed), layers=tuple(layers),
                       max_length=max_length, batch_size=batch_size, shard_size=shard_size, storage=storage)
     meta = build_trajectory(ckpts, tokens, out, cfg, lambda m: load_causal_lm(m, device=device),
                             data_id=str(Path(data).resolve()), progress=not quiet)

@@ -15,8 +15,8 @@ from gradindex.index.factory import default_factory, resolve_factory
 from gradindex.index.files import FAISS_DIR, faiss_dir, layer_file, live_dir, read_meta
 from gradindex.index.load import IndexSet, LayerIndex
 from gradindex.index.opened import IndexReplacedError, OpenIndex, open_index
-from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.space import IndexSpace, Preconditioners, query_vectors
+from gradindex.store.rows import RowReader, iter_layer
 
 __all__ = [
     "FAISS_DIR",

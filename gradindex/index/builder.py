@@ -44,7 +44,6 @@ from gradindex.index.files import (
     write_norms,
 )
 from gradindex.index.opened import OpenIndex, open_index
-from gradindex.index.rows import RowReader, iter_layer
 from gradindex.index.sketch import SKETCH_BYTES
 from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
 from gradindex.index.tier import build_sketch, sketch_files
@@ -53,6 +52,7 @@ from gradindex.manifest import FORMAT_VERSION, refuse_unfinished_transcode, writ
 from gradindex.progress import progress_bar
 from gradindex.store import Store
 from gradindex.store.repair import check_store
+from gradindex.store.rows import RowReader, iter_layer
 
 log = logging.getLogger("gradindex")
 
@@ -140,21 +140,7 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
             and all(layer_path(live, n).exists() for n, f in factories.items() if f not in TIERS)
             and all((live / f).exists() for f in sketch_files(old))):
         return IndexBuildResult(live, old, time.perf_counter() - t0, 0, up_to_date=True)
-    staged = read_meta_at(out) if out.exists() else None
-    meta = {"format_version": FORMAT_VERSION, "status": "building", "key": key, "space": space.to_dict(),
-            "examples": N, "layers": {}, "norms": None, "kind": kind}
-    if staged is not None and staged.get("key") == key and not force:  # resume the interrupted build
-        meta["layers"], meta["norms"] = dict(staged["layers"]), staged.get("norms")
-        if staged.get("sketch"):
-            meta["sketch"] = staged["sketch"]
-    else:
-        shutil.rmtree(out, ignore_errors=True)
-        forget(index_dir, recorded(index_dir, f"{out.name}/"))
-        out.mkdir()
-        if old is not None and old.get("key") == key and not force:  # keep what is still valid
-            meta["norms"] = old.get("norms") if _carry(live, out, NORMS if old.get("norms") else None) else None
-            meta["layers"] = {n: e for n, e in old["layers"].items()
-                              if e["factory"] == factories.get(n) and _carry(live, out, e["file"])}
+    meta = _staged_meta(index_dir, live, out, old, key, factories, kind, space, N, force)
     write_json(out / META, meta)
     norms = _norms(store, out / NORMS, meta, progress)
     write_json(out / META, meta)
@@ -192,6 +178,28 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
     swap_in(index_dir)
     _register(index_dir, manifest, meta)
     return IndexBuildResult(live, meta, meta["seconds"], added)
+
+
+def _staged_meta(index_dir, live, out, old: dict | None, key: dict, factories: dict, kind: str, space, N: int,
+                 force: bool) -> dict:
+    """The staging directory's ``index.json`` to build on: an interrupted build of the same key resumed, else
+    a fresh staging directory holding what the live indices still have valid."""
+    staged = read_meta_at(out) if out.exists() else None
+    meta = {"format_version": FORMAT_VERSION, "status": "building", "key": key, "space": space.to_dict(),
+            "examples": N, "layers": {}, "norms": None, "kind": kind}
+    if staged is not None and staged.get("key") == key and not force:  # resume the interrupted build
+        meta["layers"], meta["norms"] = dict(staged["layers"]), staged.get("norms")
+        if staged.get("sketch"):
+            meta["sketch"] = staged["sketch"]
+        return meta
+    shutil.rmtree(out, ignore_errors=True)
+    forget(index_dir, recorded(index_dir, f"{out.name}/"))
+    out.mkdir()
+    if old is not None and old.get("key") == key and not force:  # keep what is still valid
+        meta["norms"] = old.get("norms") if _carry(live, out, NORMS if old.get("norms") else None) else None
+        meta["layers"] = {n: e for n, e in old["layers"].items()
+                          if e["factory"] == factories.get(n) and _carry(live, out, e["file"])}
+    return meta
 
 
 SQ_TRAIN_ROWS = 4096

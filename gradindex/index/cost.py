@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 
-from gradindex.store.codes import row_bytes
+from gradindex.store.codes import has_scale, row_bytes
 
 SCAN_NS = {"int4": 0.55, "int8": 0.15, "fp16": 0.5, "fp32": 0.35}
 """Seconds × 1e9 per stored number per query of a store scan (FAISS kernels; fp32: BLAS)."""
@@ -61,7 +61,7 @@ def lookup_cost(n: int, numbers: int, storage: str, kind: str, layers: int = 1,
     """The cost of one lookup over ``n`` examples of ``numbers`` stored numbers each (``storage`` codes)."""
     from gradindex.index.sketch import SKETCH_BYTES
 
-    per_row = row_bytes(storage, numbers) + (4 * (layers - 1) if storage in ("int4", "int8") else 0)
+    per_row = row_bytes(storage, numbers) + (4 * (layers - 1) if has_scale(storage) else 0)
     norms = 4 * n * layers
     if kind == "store":
         secs = n * numbers * SCAN_NS.get(storage, SCAN_NS["fp32"]) * 1e-9

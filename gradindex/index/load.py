@@ -16,12 +16,12 @@ from gradindex.index import gpu
 from gradindex.index.cost import TIERS
 from gradindex.index.factory import apply_search_params, is_coded_exhaustive, is_exhaustive
 from gradindex.index.files import NORMS, check_faiss, index_command, layer_path, live_dir, read_meta_at, staging_dir
-from gradindex.index.rows import RowReader
 from gradindex.index.scan import StoreScan
 from gradindex.index.sketch import SketchIndex
 from gradindex.index.space import IndexSpace
 from gradindex.index.tier import load_sketch, sketch_files
 from gradindex.manifest import IndexMismatchError, identity_differences, refuse_unfinished_transcode
+from gradindex.store.rows import RowReader
 
 
 def rebuild_hint(index_dir: str | os.PathLike) -> str:

@@ -13,71 +13,30 @@ from pathlib import Path
 
 import numpy as np
 
-from gradindex.capture import ProjectionSpec
-from gradindex.checksum import damage_error
 from gradindex.index.load import IndexSet
-from gradindex.index.rows import RowReader
 from gradindex.index.space import Preconditioners
-from gradindex.manifest import MANIFEST, IndexMismatchError, read_complete_manifest, read_manifest
+from gradindex.manifest import MANIFEST, IndexMismatchError, read_manifest
 from gradindex.methods import methods_of
 from gradindex.precondition import Preconditioner, self_influence
-from gradindex.precondition.preconditioner import layer_shapes, selected_layers
-from gradindex.store import Store
-from gradindex.store.basis import RowBasis, index_basis
-from gradindex.store.repair import check_store
+from gradindex.precondition.preconditioner import selected_layers
+from gradindex.store.opened import OpenStore
 
 
-class OpenIndex:
-    """One open index directory. ``manifest``: the directory's, when the caller already holds it.
-
-    The build must be complete (else an error says how to finish it before ``then``).
+class OpenIndex(OpenStore):
+    """One open index directory: the store's floor (:class:`gradindex.store.opened.OpenStore`: manifest,
+    store, basis, shapes, rows) plus its preconditioners and FAISS indices. ``manifest``: the directory's,
+    when the caller already holds it. The build must be complete (else an error says how to finish it
+    before ``then``).
     """
 
     def __init__(self, index_dir: str | os.PathLike, manifest: dict | None = None, then: str = "query it"):
-        self.dir = Path(index_dir)
-        if manifest is None:
-            manifest = read_complete_manifest(index_dir, then)
-        elif manifest.get("status") != "complete":
-            read_complete_manifest(index_dir, then)  # the same error, from the file itself
-        damage = check_store(index_dir, full=False, manifest=manifest)  # the cheap sampled check
-        if damage:
-            raise damage_error(index_dir, damage, then=then)
-        self.manifest = manifest
+        super().__init__(index_dir, manifest, then)
         self._stamp = _stamp(self.dir)
-        self.layers: list[str] = list(manifest["build"]["layers"])
-        """Every stored layer, model order."""
-        self.shapes = layer_shapes(manifest)
-        self.store = Store(index_dir)
-        self.n = len(self.store)
-        self.pre = Preconditioners(index_dir, manifest)
+        self.pre = Preconditioners(index_dir, self.manifest)
         self.indices: IndexSet | None = None
-        self._rows: RowReader | None = None
-        self._projection: ProjectionSpec | None = None
-        self._basis: RowBasis | None = None
         self._self_influence: dict[tuple, np.ndarray] = {}
 
     # -- parts, each made once ------------------------------------------------------------------
-    @property
-    def projection(self) -> ProjectionSpec:
-        """The projection the store was built with (decoded once)."""
-        if self._projection is None:
-            self._projection = ProjectionSpec.from_dict(self.manifest["build"]["projection"])
-        return self._projection
-
-    @property
-    def basis(self) -> RowBasis:
-        """The basis the stored rows are in (``basis.h5``, read once; empty for raw rows)."""
-        if self._basis is None:
-            self._basis = index_basis(self.dir, self.manifest)
-        return self._basis
-
-    @property
-    def rows(self) -> RowReader:
-        """Random reads of stored rows over every layer."""
-        if self._rows is None:
-            self._rows = RowReader(self.store, self.layers)
-        return self._rows
-
     def load_indices(self, layers: Sequence[str] | None = None, use_gpu: bool = True) -> IndexSet:
         """The FAISS indices of ``layers`` (default: all), checked against the store; loaded once
         (again only when layers not loaded yet are asked for)."""
@@ -130,16 +89,6 @@ class OpenIndex:
                                      f"{self.manifest.get('generation')} → {m.get('generation')}): its answers "
                                      f"would come from the deleted index; {fix}")
         self._stamp = now
-
-    # -- lifetime -------------------------------------------------------------------------------
-    def close(self) -> None:
-        self.store.close()
-
-    def __enter__(self) -> OpenIndex:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class IndexReplacedError(IndexMismatchError):

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import faiss
 import numpy as np
 
-from gradindex.store.codes import check_storage
+from gradindex.store.codes import check_storage, codec, decode
 
 QUERY_LEVELS = 127.0
 """The int8 kernels round the query to integers: it is scaled to this largest magnitude first."""
@@ -58,6 +58,8 @@ class CodeScanner:
                factor: np.ndarray | None = None) -> np.ndarray:
         """``[Q, n]`` float32 ``decode(codes, scales) @ u.T`` for ``u`` from :meth:`prepare` (``factor`` its factor)."""
         n = len(codes)
+        if self.index is None and self.storage != "fp32":  # a code with no FAISS kernel: decoded, then BLAS
+            return (u @ decode(codes, scales, self.storage, self.dim).T) * (1 if factor is None else factor[:, None])
         if self.index is None:  # fp32: the codes are the vectors
             out = u @ np.asarray(codes, np.float32).T
         else:
@@ -115,7 +117,7 @@ class StoreScan:
             if first is None:
                 continue
             s, codes, scales, storage = first
-            width = codes.shape[1] * (2 if storage == "int4" else 1)
+            width = codes.shape[1] * codec(storage).per_code
             un = np.asarray(u[n], np.float32)
             if un.shape[1] < width:  # an odd int4 row pads with the zero code
                 un = np.concatenate([un, np.zeros((Q, width - un.shape[1]), np.float32)], axis=1)

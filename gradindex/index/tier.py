@@ -17,10 +17,10 @@ import numpy as np
 
 from gradindex.checksum import record
 from gradindex.index.files import META, write_json
-from gradindex.index.rows import RowReader
 from gradindex.index.sketch import Sketch, SketchIndex, allocate, encode_sketch
 from gradindex.index.space import index_vectors
 from gradindex.progress import progress_bar
+from gradindex.store.rows import RowReader
 
 CODES = "sketch.codes.npy"
 SCALES = "sketch.scales.npy"

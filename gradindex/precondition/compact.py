@@ -17,34 +17,32 @@ answer token explanations and self-influence at the fitted damping).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from gradindex.checksum import read_checksums, write_checksums
 from gradindex.manifest import (
     manifest_path,
-    new_generation,
     read_complete_manifest,
-    read_manifest,
     row_basis,
     write_manifest,
 )
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.ekfac import block_rows
-from gradindex.precondition.files import PRECOND_DIR
 from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
+from gradindex.precondition.rotated import RotatedRows
 from gradindex.progress import progress_bar
-from gradindex.spec import layout
+from gradindex.spec.manifest import rows_of
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
-from gradindex.store.basis import BASIS_FILE, index_basis, to_rows, write_basis
+from gradindex.store.basis import index_basis, to_rows, write_basis
 from gradindex.store.codes import check_storage
+from gradindex.store.swap import JOURNAL, STAGING, finish_transcode, swap_in  # noqa: F401 (re-exported)
 
 log = logging.getLogger("gradindex")
 COLUMNS = ("loss", "num_tokens", "finite", "token_hash")
@@ -71,13 +69,15 @@ def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: 
 
 def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: dict, fit: dict,
                  damping: float, storage: str | None, overwrite: bool, block: int, progress: bool,
-                 self_influence: bool = False) -> tuple[dict, np.ndarray | None]:
+                 self_influence: bool = False, rotated: RotatedRows | None = None) -> tuple[dict, np.ndarray | None]:
     """The compact itself, from ``curvature`` (layer → ``(Q_S, Q_A, Λ*)``) of the fit recorded as ``fit``.
 
     Streams the store in shard order, ``block`` rows at a time (fewer where a block of all layers
     would pass :data:`~gradindex.precondition.ekfac.BLOCK_BYTES`), so memory does not grow with the
     store. ``self_influence``: also return each row's ``[N, L]`` ``‖whitened row‖²`` before coding
     (the EK-FAC self-influence at ``damping``), recomputed for the rows a resumed run finds written.
+    ``rotated``: the rows already rotated into ``curvature``'s eigenbasis by the fit pass
+    (:mod:`gradindex.precondition.rotated`): they are only scaled, and each shard's are deleted once coded.
     """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
@@ -96,6 +96,9 @@ def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: d
            "build": {**manifest["build"], "storage": storage, "basis": {"kind": "ekfac", "damping": damping,
                                                     "from": manifest["build"].get("basis", {"kind": "raw"}),
                                                     "fit": fit}}}
+    source = rows_of(manifest)
+    if source.basis == "raw":  # (the rows of other bases name their basis in build.basis.from)
+        new["rows"] = str(replace(source, transcode=True, damping=damping, storage=storage))
     _prepare(out, new, overwrite)
     write_manifest(out, new)  # first: a kill from here on leaves an unfinished compact that a re-run resumes
     write_basis(out, basis, {"source": manifest["build"]["data_fingerprint"], "damping": damping})
@@ -105,7 +108,7 @@ def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: d
         si = np.zeros((len(store), len(shapes))) if self_influence else None
         rows = block_rows(store.dims, list(shapes), block)
         for k in range(len(store.paths)):
-            _compact_shard(store, k, out, basis, shapes, storage, manifest, rows, si, bar.update)
+            _compact_shard(store, k, out, basis, shapes, storage, manifest, rows, si, bar.update, rotated)
     new["status"] = "complete"
     new["compact"] = {"source": str(src.resolve()), "seconds": round(time.perf_counter() - t0, 3)}
     write_manifest(out, new)
@@ -114,13 +117,15 @@ def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: d
 
 
 def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage: str, manifest: dict, rows: int,
-                   si: np.ndarray | None, advance) -> None:
+                   si: np.ndarray | None, advance, rotated: RotatedRows | None = None) -> None:
     """Shard ``k`` of ``store`` into ``out``, resuming a partial one (a run with ``si`` reads the written
     rows again, in the same blocks, for their self-influence: the same numbers as an unbroken run)."""
     first, size = store.first_ids[k], store.sizes[k]
     final = out / STORE_DIR / shard_name(k)
     if final.exists() and si is None:
         advance(size)
+        if rotated is not None:
+            rotated.drop(k)
         return
     w = None
     done = size
@@ -134,8 +139,7 @@ def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage
     try:
         start = first if si is not None else first + done
         advance(start - first)
-        for ids, grads in store.iter_blocks(None, rows, start, first + size):
-            coded = {n: to_rows(basis, n, grads[n], shapes[n]) for n in shapes}
+        for ids, coded in _blocks(store, k, rows, start, basis, shapes, rotated):
             pos = store.positions(ids)
             if si is not None:
                 si[pos] = np.stack([np.square(coded[n], dtype=np.float64).sum(1) for n in shapes], axis=1)
@@ -145,10 +149,26 @@ def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage
             advance(len(ids))
         if w is not None:
             w.finish()
+        if rotated is not None:
+            rotated.drop(k)
     except BaseException:
         if w is not None:
             w.abort()
         raise
+
+
+def _blocks(store: Store, k: int, rows: int, start: int, basis, shapes: dict, rotated: RotatedRows | None):
+    """``(ids, {layer: whitened rows})`` of shard ``k`` from id ``start``, ``rows`` at a time: the store's
+    rows rotated and scaled (:func:`to_rows`), or ``rotated``'s rows only scaled."""
+    if rotated is None:
+        for ids, grads in store.iter_blocks(None, rows, start, store.first_ids[k] + store.sizes[k]):
+            yield ids, {n: to_rows(basis, n, grads[n], shapes[n]) for n in shapes}
+        return
+    first, size = store.first_ids[k], store.sizes[k]
+    scale = {n: np.asarray(basis.scale[n], np.float32).reshape(-1) for n in shapes}  # [k_g·k_a]
+    for s in range(start - first, size, rows):
+        e = min(s + rows, size)
+        yield np.arange(first + s, first + e, dtype=np.int64), {n: rotated.get(k, n, s, e) * scale[n] for n in shapes}
 
 
 def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
@@ -171,17 +191,6 @@ def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
     out.mkdir(parents=True)
 
 
-STAGING = layout.TRANSCODE_STAGING
-"""The compacted copy an in-place transcode writes before it swaps it in."""
-JOURNAL = layout.TRANSCODE_JOURNAL
-"""Present while the swap runs: a re-run finishes it."""
-_RAW_OLD = "raw.old"
-_SWAPPED = (STORE_DIR, BASIS_FILE)
-"""What moves from the staging copy into the index (its manifest and checksums are merged)."""
-_STALE = (layout.FAISS_DIR, layout.DAMAGED_DIR, f"{PRECOND_DIR}/graddot.h5")
-"""What was computed from the raw rows and does not hold for the new ones (moved out too)."""
-
-
 def transcode_in_place(index_dir: str | os.PathLike, damping: float = DEFAULT_DAMPING, storage: str = "int4",
                        progress: bool = False) -> dict:
     """Rewrite ``index_dir``'s rows in the EK-FAC whitened eigenbasis as ``storage`` codes; return the manifest.
@@ -198,45 +207,3 @@ def transcode_in_place(index_dir: str | os.PathLike, damping: float = DEFAULT_DA
     new = compact_eigenbasis(d, d / STAGING, damping=damping, storage=storage, overwrite=True,  # resumed if the same
                              progress=progress)
     return swap_in(d, manifest, new, damping)
-
-
-def swap_in(d: Path, manifest: dict, new: dict, damping: float) -> dict:
-    """Swap the compacted copy in ``d / STAGING`` (manifest ``new``) into ``d``, whose manifest is ``manifest``
-    (with its fits), under the journal; return the final manifest."""
-    final = {**new, "preconditioners": manifest.get("preconditioners", {}),
-             "transcode": {"source_build": manifest["build"], "damping": damping, "storage": new["build"]["storage"],
-                           "seconds": new["compact"]["seconds"]}}
-    final.pop("compact", None)
-    final["generation"] = new_generation()  # other rows: an engine open on the raw ones must not read these
-    (d / JOURNAL).write_text(json.dumps({"manifest": final}, default=str))
-    finish_transcode(d)
-    log.info("rows of %s transcoded in place into the ekfac eigenbasis (%s)", d, new["build"]["storage"])
-    return read_manifest(d)
-
-
-def finish_transcode(index_dir: str | os.PathLike) -> None:
-    """Complete (or, with no journal, do nothing for) an in-place transcode's swap; idempotent."""
-    d = Path(index_dir)
-    journal = d / JOURNAL
-    if not journal.exists():
-        return
-    final = json.loads(journal.read_text())["manifest"]
-    staging, old = d / STAGING, d / _RAW_OLD
-    if row_basis(read_manifest(d)) != "ekfac":  # the commit point (the manifest write) is not reached yet
-        old.mkdir(exist_ok=True)
-        for name in (*_SWAPPED, *_STALE):  # raw rows out (with what was computed from them) ...
-            if (d / name).exists() and not (old / name).exists() and ((staging / name).exists() or name in _STALE):
-                (old / name).parent.mkdir(parents=True, exist_ok=True)
-                os.replace(d / name, old / name)
-        for name in _SWAPPED:  # ... the eigenbasis rows in
-            if (staging / name).exists() and not (d / name).exists():
-                os.replace(staging / name, d / name)
-        sums = {n: e for n, e in read_checksums(d).items() if not n.startswith((*_SWAPPED, *_STALE))}
-        sums.update({n: e for n, e in read_checksums(staging).items() if n.startswith((f"{STORE_DIR}/",
-                                                                                      BASIS_FILE))})
-        write_checksums(d, sums)
-        write_manifest(d, final)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(staging, ignore_errors=True)
-    journal.unlink(missing_ok=True)
-

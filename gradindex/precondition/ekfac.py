@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from gradindex.precondition.apply import eigen_quadratic, rotate
+from gradindex.precondition.rotated import RotatedRows
 from gradindex.progress import progress_bar
 from gradindex.store import Store
 
@@ -69,9 +70,11 @@ def store_pass(
     block: int = 1024,
     progress: bool = False,
     desc: str = "store pass",
+    spill: RotatedRows | None = None,
 ) -> PassResult:
     """One streaming pass over the store; see the module docstring. ``shapes``: layer → ``(k_g, k_a)``;
-    ``dtype``: of the rotations, one for all layers or per layer (sums are float64 either way)."""
+    ``dtype``: of the rotations, one for all layers or per layer (sums are float64 either way);
+    ``spill``: where the rotated rows are written for the fused transcode (:mod:`gradindex.precondition.rotated`)."""
     layers = list(layers)
     N, L = len(store), len(layers)
     finite = store.column("finite").astype(bool)
@@ -95,6 +98,8 @@ def store_pass(
     si = np.zeros((N, L)) if with_lam else None
     sq = np.zeros((N, L))
     rows = block_rows({n: shapes[n][0] * shapes[n][1] for n in layers}, layers, block)
+    if spill is not None:
+        spill.attach(store.sizes, {n: shapes[n][0] * shapes[n][1] for n in layers}, layers)
     with progress_bar(total=N, unit="ex", desc=desc, disable=not progress) as bar:
         for ids, grads in store.iter_blocks(layers, rows):
             pos = store.positions(ids)
@@ -107,6 +112,8 @@ def store_pass(
                     continue
                 Q_S, Q_A, Lam, delta = mats[n]
                 R = rotate(x.view(-1, k_g, k_a), Q_S, Q_A)  # [n, k_g, k_a]
+                if spill is not None:
+                    spill.put(pos, n, R)
                 if correct:
                     sums[n] += R[keep].square().sum(0).double()
                 if Lam is not None:

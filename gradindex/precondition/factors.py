@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import h5py
 import numpy as np
 from torch import nn
 
@@ -27,6 +26,7 @@ from gradindex.manifest import IndexMismatchError
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.store import Store
+from gradindex.store.covariance import read_covariance
 
 
 @dataclass
@@ -67,21 +67,13 @@ def store_covariance(store: Store, layers: Sequence[str]) -> tuple[FactorSums, l
     """Sum the shards' covariance groups; also return ``(first_id, n)`` of shards lacking a finite one."""
     sums, missing = FactorSums(), []
     for k, path in enumerate(store.paths):
-        with h5py.File(path, "r") as f:
-            grp = f.get("covariance")
-            got = (
-                None
-                if grp is None or any(n not in grp for n in layers)
-                else {n: (grp[n]["A"][:], grp[n]["S"][:], int(grp[n].attrs["tokens"])) for n in layers}
-            )
-            if got is None or not all(
-                np.isfinite(a).all() and np.isfinite(s).all() for a, s, _ in got.values()
-            ):
-                missing.append((store.first_ids[k], store.sizes[k]))  # absent, or hit by a non-finite example
-                continue
-            for n, (a, s, t) in got.items():
-                sums.add(n, a, s, t)
-            sums.examples += store.sizes[k]
+        got = read_covariance(path, "covariance", layers)
+        if got is None or not all(np.isfinite(a).all() and np.isfinite(s).all() for a, s, _ in got.values()):
+            missing.append((store.first_ids[k], store.sizes[k]))  # absent, or hit by a non-finite example
+            continue
+        for n, (a, s, t) in got.items():
+            sums.add(n, a, s, t)
+        sums.examples += store.sizes[k]
     return sums, missing
 
 

@@ -35,7 +35,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import h5py
 import numpy as np
 import torch
 
@@ -67,6 +66,7 @@ from gradindex.precondition.files import (
 from gradindex.precondition.preconditioner import Preconditioner
 from gradindex.progress import progress_bar
 from gradindex.store import Store
+from gradindex.store.covariance import read_covariance
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
@@ -77,6 +77,24 @@ STATE = "full-space.state.npz"
 def full_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
     """layer → ``(N_o, N_i(+1))`` of its full-space gradient matrix, model order."""
     return {n: (int(v["n_out"]), int(v["n_in"]) + int(bool(v["bias"]))) for n, v in manifest["build"]["layers"].items()}
+
+
+def stored_share(manifest: dict) -> float:
+    """Numbers a row stores over the numbers of the whole (unprojected) gradient of its layers;
+    below 1 the rows are a budget-bound projection: the default build fits full-space curvature and
+    the default query re-ranks its first stage in full space (docs/query.md, "Two stages")."""
+    layers = manifest["build"]["layers"]
+    stored = sum(int(v["rows"]) * int(v["cols"]) for v in layers.values())
+    full = sum(int(v["n_out"]) * (int(v["n_in"]) + int(bool(v["bias"]))) for v in layers.values())
+    return stored / full if full else 1.0
+
+
+def budget_bound(manifest: dict) -> bool:
+    """Whether the rows are a projection sized by the byte budget (``--projection auto``, the default)
+    that holds less than the whole gradient: where the default build fits full-space curvature and the
+    default query re-ranks exactly. A projection the user chose (``--projection 16``) is taken as asked."""
+    budget = str(manifest.get("config", {}).get("budget") or "").strip()
+    return budget not in ("", "0") and stored_share(manifest) < 1
 
 
 def full_path(index_dir: str | os.PathLike, method: str) -> Path:
@@ -164,18 +182,16 @@ def build_pass_factors(index_dir: str | os.PathLike, layers: list[str]) -> tuple
     arrays: dict[str, np.ndarray] = {}
     tokens = 0
     for path in paths:
-        with h5py.File(path, "r") as f:
-            grp = f.get("covariance_full")
-            if grp is None or any(n not in grp for n in layers):
-                return None
-            for n in layers:
-                for side in ("A", "S"):
-                    x = grp[n][side][:]
-                    if not np.isfinite(x).all():
-                        return None
-                    key = f"{side}/{n}"
-                    arrays[key] = arrays[key] + x if key in arrays else x
-            tokens += int(grp[layers[0]].attrs["tokens"])
+        got = read_covariance(path, "covariance_full", layers)
+        if got is None:
+            return None
+        for n, sides in got.items():
+            for side, x in zip(("A", "S"), sides[:2], strict=True):
+                if not np.isfinite(x).all():
+                    return None
+                key = f"{side}/{n}"
+                arrays[key] = arrays[key] + x if key in arrays else x
+        tokens += got[layers[0]][2]
     return arrays, tokens
 
 
@@ -248,6 +264,80 @@ class _State:
             self.save()
 
 
+def _fit_set(manifest: dict, cfg, tokenizer, data: Tokenized | None) -> tuple[Tokenized, np.ndarray, str]:
+    """The fit's data, its rows and where they come from (``cfg.fit_data``, else the indexed finite examples)."""
+    if cfg.fit_data:
+        data = load_build_data(manifest, tokenizer, str(Path(cfg.fit_data)), check=False)
+        rows, source = sample_rows(len(data), cfg.fit_examples, cfg.seed), cfg.fit_data
+    else:
+        skip = set(manifest.get("nonfinite_ids", []))
+        data = data if data is not None else load_build_data(manifest, tokenizer)
+        rows = np.array([r for r in sample_rows(len(data), cfg.fit_examples, cfg.seed) if int(r) not in skip],
+                        dtype=np.int64)
+        source = manifest.get("data_id", "")
+    if len(rows) == 0:
+        raise ValueError("the fit set is empty; pass --fit-data with examples, or a larger --fit-examples")
+    return data, rows, source
+
+
+def _eigen_factors(state: _State, layers: list[str], examples: int) -> dict[str, LayerFactors]:
+    """The K-FAC factors of the summed ``A``/``S`` (per token), eigendecomposed; non-finite ones refused."""
+    tokens, factors = state.tokens, {}
+    for n in layers:
+        A, S = state.arrays[f"A/{n}"] / tokens, state.arrays[f"S/{n}"] / tokens
+        if not (np.isfinite(A).all() and np.isfinite(S).all()):
+            raise ValueError(f"the full-space factors of layer {n!r} are not finite; some fit examples have "
+                             "non-finite activations or gradients (fit on others with --fit-data)")
+        lam_A, Q_A = eigendecompose(A)
+        lam_S, Q_S = eigendecompose(S)
+        factors[n] = LayerFactors(A, S, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, examples)
+    return factors
+
+
+class _Pass:
+    """The model passes of one full-space fit (factor sums, then EK-FAC's correction), checkpointed in ``state``."""
+
+    def __init__(self, model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: list[str], bs: int,
+                 state: _State, progress: bool):
+        self.model, self.pad_id, self.data, self.rows, self.layers, self.bs = model, pad_id, data, rows, layers, bs
+        self.state, self.progress = state, progress
+        self.heads = _HeadGrads(HEAD_CACHE_BYTES)
+        self.device = next(model.parameters()).device
+
+    def factors(self, shapes: dict, method: str) -> None:
+        """Sum the full-space ``A`` and ``S`` over the fit rows (resumed from the checkpoint)."""
+        state, n_rows = self.state, len(self.rows)
+        fs = _FactorSums(shapes, self.device)
+        fs.load(state.arrays)
+
+        def ckpt(done: int, tokens: int, base=state.tokens) -> None:
+            state.done, state.tokens = done, base + tokens
+            state.maybe_save(done == n_rows, fs.arrays)
+
+        _model_pass(self.model, self.pad_id, self.data, self.rows, self.layers, fs, state.done, self.bs,
+                    "full-space factors", self.progress, ckpt, self.heads, record=method == "ekfac")
+        state.arrays = fs.arrays(symmetric=True)
+        state.stage, state.done = ("correction" if method == "ekfac" else "done"), 0
+        state.maybe_save(force=True)
+
+    def correction(self, factors: dict[str, LayerFactors]) -> dict[str, LayerFactors]:
+        """EK-FAC: each layer's eigenvalues corrected in the K-FAC eigenbasis (resumed from the checkpoint)."""
+        state, n_rows = self.state, len(self.rows)
+        cs = _CorrectionSums({n: (f.Q_S, f.Q_A) for n, f in factors.items()}, self.device)
+        cs.load(state.arrays)
+        if state.stage == "correction":
+            keep = {k: v for k, v in state.arrays.items() if not k.startswith("C/")}
+
+            def ckpt(done: int, _tokens: int) -> None:
+                state.done = done
+                state.maybe_save(done == n_rows, lambda: {**keep, **cs.arrays()})
+
+            _model_pass(self.model, self.pad_id, self.data, self.rows, self.layers, cs, state.done, self.bs,
+                        "eigenvalue correction", self.progress, ckpt, self.heads)
+        sums = cs.arrays()
+        return {n: LayerFactors(**{**asdict(f), "Lambda": sums[f"C/{n}"] / n_rows}) for n, f in factors.items()}
+
+
 def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None, data: Tokenized | None = None,
                    progress: bool = False, checkpoint_seconds: float = 60.0) -> dict:
     """Fit full-space K-FAC (and EK-FAC when ``cfg.method == 'ekfac'``); return the manifest's ``full_space``.
@@ -261,19 +351,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     layers = list(shapes)
     if model is None or tokenizer is None:
         model, tokenizer = load_build_model(manifest, cfg.device)
-    device = next(model.parameters()).device
-    skip = set(manifest.get("nonfinite_ids", []))
-    if cfg.fit_data:
-        data = load_build_data(manifest, tokenizer, str(Path(cfg.fit_data)), check=False)
-        rows = sample_rows(len(data), cfg.fit_examples, cfg.seed)
-        source = cfg.fit_data
-    else:
-        data = data if data is not None else load_build_data(manifest, tokenizer)
-        rows = np.array([r for r in sample_rows(len(data), cfg.fit_examples, cfg.seed) if int(r) not in skip],
-                        dtype=np.int64)
-        source = manifest.get("data_id", "")
-    if len(rows) == 0:
-        raise ValueError("the fit set is empty; pass --fit-data with examples, or a larger --fit-examples")
+    data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
     bs = int(manifest.get("config", {}).get("batch_size", 8))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     fp = data_fingerprint(data)
@@ -302,52 +380,19 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         clock[:] = now
 
     try:
-        heads = _HeadGrads(HEAD_CACHE_BYTES)
+        passes = _Pass(model, pad_id, data, rows, layers, bs, state, progress)
         if state.stage == "factors":
-            fs = _FactorSums(shapes, device)
-            fs.load(state.arrays)
-
-            def ckpt(done: int, tokens: int, base=state.tokens) -> None:
-                state.done, state.tokens = done, base + tokens
-                state.maybe_save(done == len(rows), fs.arrays)
-
-            _model_pass(model, pad_id, data, rows, layers, fs, state.done, bs, "full-space factors", progress, ckpt,
-                        heads, record=cfg.method == "ekfac")
-            state.arrays = fs.arrays(symmetric=True)
-            state.stage, state.done = ("correction" if cfg.method == "ekfac" else "done"), 0
-            state.maybe_save(force=True)
+            passes.factors(shapes, cfg.method)
             lap("factor_pass")
-        tokens = state.tokens
-        factors = {}
-        for n in layers:
-            A, S = state.arrays[f"A/{n}"] / tokens, state.arrays[f"S/{n}"] / tokens
-            if not (np.isfinite(A).all() and np.isfinite(S).all()):
-                raise ValueError(f"the full-space factors of layer {n!r} are not finite; some fit examples have "
-                                 "non-finite activations or gradients (fit on others with --fit-data)")
-            lam_A, Q_A = eigendecompose(A)
-            lam_S, Q_S = eigendecompose(S)
-            factors[n] = LayerFactors(A, S, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, len(rows))
-        written = {"kfac": factors}
+        written = {"kfac": _eigen_factors(state, layers, len(rows))}
         lap("eigendecomposition")
         if cfg.method == "ekfac":
-            cs = _CorrectionSums({n: (f.Q_S, f.Q_A) for n, f in factors.items()}, device)
-            cs.load(state.arrays)
-            if state.stage == "correction":
-                keep = {k: v for k, v in state.arrays.items() if not k.startswith("C/")}
-
-                def ckpt2(done: int, _tokens: int) -> None:
-                    state.done = done
-                    state.maybe_save(done == len(rows), lambda: {**keep, **cs.arrays()})
-
-                _model_pass(model, pad_id, data, rows, layers, cs, state.done, bs, "eigenvalue correction",
-                            progress, ckpt2, heads)
-            sums = cs.arrays()
-            written["ekfac"] = {n: LayerFactors(**{**asdict(f), "Lambda": sums[f"C/{n}"] / len(rows)})
-                                for n, f in factors.items()}
+            written["ekfac"] = passes.correction(written["kfac"])
             lap("correction_pass")
     finally:
         for n, p in model.named_parameters():
             p.requires_grad_(was[n])
+    tokens = state.tokens
     fit = {"source": "model pass" if from_build is None else "build pass + model pass", "space": "full",
            "data": source, "data_fingerprint": fp,
            "examples": int(len(rows)), "tokens": {n: int(tokens) for n in layers},
@@ -355,6 +400,12 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
            "phase_seconds": phases}  # [wall, process CPU] of each phase run now
     if cfg.fit_examples:
         fit["sample_seed"] = cfg.seed
+    return _record(index_dir, cfg, manifest, layers, written, fit, state, t0)
+
+
+def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fit: dict, state: _State,
+            t0: float) -> dict:
+    """Write each fitted method's file and its ``full_space`` manifest entry; drop the checkpoint."""
     for m, fac in written.items():
         write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit)
     seconds = time.perf_counter() - t0

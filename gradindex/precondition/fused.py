@@ -1,19 +1,24 @@
-"""The default build's stages after the capture: the EK-FAC fit and the transcode in two reads of the store.
+"""The default build's stages after the capture: the EK-FAC fit and the transcode, each row rotated once.
 
 Separately they read the store three times, rotating every row into the Kronecker eigenbasis each
 time: the fit's first pass (``Λ*``, K-FAC self-influence), its second (EK-FAC self-influence, which
 needs the finished ``Λ*``), then the transcode. Fused:
 
 1. one store pass (:func:`gradindex.precondition.fit.store_fit`): factors from the capture, their
-   eigenbases, then every row rotated once for ``Λ*`` and the K-FAC self-influence;
-2. the transcode (:func:`gradindex.precondition.compact.compact_rows`): every row rotated and
-   whitened, ``W = (Q_Sᵀ Ĝ Q_A) ⊙ (Λ* + δ)^{-1/2}``, coded, and its EK-FAC self-influence taken
-   from the row it codes: ``‖W‖² = ⟨(H + δI)⁻¹ Ĝ, Ĝ⟩`` (``Λ* ≥ 0``, so no floor acts).
+   eigenbases, then every row rotated once for ``Λ*`` and the K-FAC self-influence; the rotated rows
+   are kept on disk as float16 (:mod:`gradindex.precondition.rotated`);
+2. the transcode (:func:`gradindex.precondition.compact.compact_rows`) reads those rotated rows back
+   (not the store) and only scales them, ``W = R ⊙ (Λ* + δ)^{-1/2}``, codes them, and takes each row's
+   EK-FAC self-influence from the row it codes: ``‖W‖² = ⟨(H + δI)⁻¹ Ĝ, Ĝ⟩`` (``Λ* ≥ 0``, so no floor
+   acts); each shard's rotated rows are deleted once it is coded. Where the disk has no room for the
+   copy (:func:`keeps_copy`) the transcode rotates the store's rows again instead.
 
-Both stream the store in shard order with memory bounded by a block, and resume after a kill: the
-fit is recomputed (the same numbers), finished shards of the transcode are kept, and the self-influence
-of their rows is read again from the raw rows in the same blocks. The rows equal those of
-``gradindex precondition --method ekfac`` followed by ``gradindex compact`` bit for bit.
+Both stream in shard order with memory bounded by a block, and resume after a kill: the fit is
+recomputed (the same numbers, the rotated rows written again), finished shards of the transcode are
+kept, and the self-influence of their rows is read again from the rotated rows in the same blocks.
+The rows equal those of ``gradindex precondition --method ekfac`` followed by ``gradindex compact``
+up to the float16 rounding of the kept rotated rows (≤ 2⁻¹² of a row's largest number, against the
+int4 step of 1/7 of it).
 """
 
 from __future__ import annotations
@@ -22,11 +27,23 @@ import os
 import time
 from pathlib import Path
 
+from gradindex.diskspace import free_bytes
 from gradindex.heap import bound_heap
 from gradindex.manifest import read_manifest, row_basis
 from gradindex.precondition.compact import STAGING, compact_rows, finish_transcode, swap_in
 from gradindex.precondition.files import precond_path, write_precond
 from gradindex.precondition.fit import FitConfig, fit_manifest, register_fits, store_fit
+from gradindex.precondition.rotated import RotatedRows
+from gradindex.store.codes import row_bytes
+
+
+def keeps_copy(d: Path, manifest: dict, storage: str) -> bool:
+    """Whether ``d``'s disk holds the rotated copy beside the coded rows (with 10% to spare); without the
+    copy the transcode rotates each row again, from the store (the same numbers up to round-off)."""
+    dims = [int(v["rows"]) * int(v["cols"]) for v in manifest["build"]["layers"].values()]
+    examples = int(manifest["counts"]["examples"])
+    coded = examples * sum(row_bytes(storage, x) for x in dims)
+    return free_bytes(d) > 1.1 * (2 * examples * sum(dims) + coded)
 
 
 def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str, model=None, tokenizer=None,
@@ -45,11 +62,14 @@ def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str
     if row_basis(manifest) == "ekfac":
         return manifest
     held, manifest = fit_manifest(d, manifest)
-    fitted = store_fit(d, cfg, manifest, model, tokenizer, data, progress, ekfac_self_influence=False)
+    rotated = RotatedRows(d) if keeps_copy(d, manifest, storage) else None
+    fitted = store_fit(d, cfg, manifest, model, tokenizer, data, progress, ekfac_self_influence=False, spill=rotated)
     ek, _ = fitted.written["ekfac"]
     curvature = {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in ek.items()}
     new, si = compact_rows(d, d / STAGING, manifest, curvature, fitted.fit, cfg.damping, storage, overwrite=True,
-                           block=cfg.block, progress=progress, self_influence=True)
+                           block=cfg.block, progress=progress, self_influence=True, rotated=rotated)
+    if rotated is not None:
+        rotated.discard()
     write_precond(precond_path(d, "ekfac"), "ekfac", manifest, fitted.layers, ek, si, cfg.damping, fitted.fit)
     fitted.written["ekfac"] = (ek, si)
     register_fits(d, cfg, manifest, held, fitted, time.perf_counter() - t0)

@@ -26,7 +26,14 @@ from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, m
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
-from gradindex.query.full import full_gradient_scores, full_query_gradient
+from gradindex.query.full import (
+    DEFAULT_RERANK,
+    FULL_SPACE_METHODS,
+    budget_bound,
+    full_gradient_scores,
+    full_query_gradient,
+    stored_share,
+)
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
 from gradindex.query.refine import RefineConfig, Refiner, eigenbasis_curvature, preconditioner_curvature
 from gradindex.query.scores import score_matrix
@@ -73,12 +80,18 @@ class QueryResult:
     truncated: bool = False
     notes: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    stage: str = ""
+    """Which stage produced the scores of :attr:`hits`: ``index rows`` (exact on the stored rows, which
+    hold the whole gradient), ``first stage`` (the stored rows are a budget-bound projection) or
+    ``full-space re-rank of the top C`` (:attr:`Hit.full_score`; docs/query.md, "Two stages")."""
+    reranked: int = 0
+    """Candidates re-scored in full space (0: none)."""
 
     def to_dict(self) -> dict:
         return {"hits": [h.to_dict() for h in self.hits], "lowest": [h.to_dict() for h in self.lowest],
                 "method": self.method, "damping": self.damping, "layers": self.layers,
                 "num_tokens": self.num_tokens, "loss": self.loss, "truncated": self.truncated,
-                "notes": self.notes, "seconds": self.seconds}
+                "notes": self.notes, "seconds": self.seconds, "stage": self.stage, "reranked": self.reranked}
 
 
 def check_damping(damping: float) -> None:
@@ -252,7 +265,7 @@ class QueryEngine:
         return self.query_batch([query], **kwargs)[0]
 
     def query_batch(self, queries, k: int = 10, method: str | None = None, damping: float = DEFAULT_DAMPING,
-                    layers: Sequence[str] | str | None = None, lowest: int = 0, rerank_full: int = 0,
+                    layers: Sequence[str] | str | None = None, lowest: int = 0, rerank_full: int | None = None,
                     candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
                     texts: bool = True, text_field: str = "text",
                     refine: RefineConfig | bool | None = None) -> list[QueryResult]:
@@ -261,7 +274,10 @@ class QueryEngine:
         ``k`` results per query (best first), ``lowest`` most negative ones on request,
         ``rerank_full=C``: the top ``C`` candidates of the index re-scored in full (unprojected)
         space under ``method`` (:mod:`gradindex.query.full`; ``kfac``/``ekfac`` need the full-space
-        fit, ``gradindex precondition --space full``), the best ``k`` of them returned;
+        fit, ``gradindex precondition --space full``), the best ``k`` of them returned; ``None``
+        (default): :data:`~gradindex.query.full.DEFAULT_RERANK` where the index's rows are a
+        budget-bound projection and the re-rank can run, else none, with a note saying why
+        (:meth:`rerank_plan`); ``0``: never;
         ``candidates`` (ANN results per layer), ``shortlist`` (kept per layer after exact
         per-layer scoring) and the index's ``nprobe`` tune the ANN search (docs/query.md);
         ``refine``: a :class:`~gradindex.query.refine.RefineConfig` (``None``: the engine's default,
@@ -273,8 +289,7 @@ class QueryEngine:
         self.index.check_current()  # before the gradient pass: refused at once when a build replaced the index
         method = self.resolve_method(method)
         refine = self.refine_config(refine, method)
-        if rerank_full < 0:
-            raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
+        rerank_full, fallback = self.rerank_plan(method, rerank_full)
         full_pre = self.full_preconditioner(method) if rerank_full else None
         rerank_full = min(rerank_full, self.n)
         tokens = self.tokenize(as_records(queries, text_field), text_field)
@@ -301,8 +316,47 @@ class QueryEngine:
                 t1 = time.perf_counter()
                 self._rerank_full(r, (tokens.input_ids[j], tokens.labels[j]), rerank_full, full_pre, damping, refine)
                 r.seconds["rerank_full"] = time.perf_counter() - t1
+                r.reranked = min(rerank_full, len(r.hits))
+                r.stage = f"full-space re-rank of the top {r.reranked}"
+                if len(r.hits) > rerank_full:
+                    r.notes.append(f"results below rank {rerank_full} carry first-stage scores (raise --rerank-full)")
+            else:
+                r.stage = "first stage" if stored_share(self.manifest) < 1 else "index rows"
+                if fallback:
+                    r.notes.append(fallback)
             r.hits = r.hits[:k]
+        if fallback:
+            log.info(fallback)
         return results
+
+    def rerank_plan(self, method: str, rerank_full: int | None) -> tuple[int, str | None]:
+        """``(C, note)``: the candidates to re-rank in full space, and, when the default (``None``)
+        re-ranks none on a budget-bound index, the note saying why and how to get it.
+
+        An explicit ``C`` is taken as asked (what it needs missing is an error at the re-rank); the
+        default re-ranks :data:`DEFAULT_RERANK` where the rows are a budget-bound projection
+        (:func:`~gradindex.query.full.budget_bound`) and the method, its full-space fit and the
+        training data are all there."""
+        if rerank_full is not None:
+            if rerank_full < 0:
+                raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
+            return rerank_full, None
+        if not budget_bound(self.manifest):
+            return 0, None
+        share = stored_share(self.manifest)
+        base, _ = parse_method(method)
+        why = (f"first-stage scores: this index stores {share:.2%} of each example's gradient (a budget-bound "
+               "projection), and ")
+        if base not in FULL_SPACE_METHODS:
+            return 0, why + f"--method {base} has no full-space re-rank"
+        if method_spec(base).fitted is not None and base not in self.manifest.get("full_space", {}):
+            return 0, why + (f"the exact re-rank needs the full-space {base} fit: run `gradindex precondition "
+                             f"{self.dir} --method {base} --space full` (or query with --rerank-full 0 to "
+                             "silence this)")
+        if self.texts.unavailable():
+            return 0, why + f"the exact re-rank recomputes the candidates' gradients from the training data: " \
+                            f"{self.texts.problem}"
+        return DEFAULT_RERANK, None
 
     def resolve_method(self, method: str | None = None) -> str:
         """``method``, or when None the index's default (``ekfac`` where it answers it, else ``graddot``)."""
@@ -469,18 +523,22 @@ class QueryEngine:
             res.seconds = {"precondition": t1 - t0, "search": t2 - t1, "rerank": t3 - t2}
             out.append(res)
         if texts and self.tokenizer is not None:
-            t4 = time.perf_counter()
-            ids = np.unique(np.concatenate([[h.id for h in r.hits + r.lowest] for r in out]).astype(np.int64))
-            by_id = dict(zip(ids.tolist(), self.texts.texts(ids), strict=True))
-            for r in out:
-                for h in r.hits + r.lowest:
-                    h.text = by_id.get(h.id)
-                r.seconds["texts"] = time.perf_counter() - t4
-                if self.texts.problem and self.texts.problem not in r.notes:
-                    r.notes.append(self.texts.problem)
+            self._attach_texts(out)
         return out
 
     # -- internals ----------------------------------------------------------------------------
+    def _attach_texts(self, out: list[QueryResult]) -> None:
+        """Each hit's training text (read once per distinct id), its time, and any note on the texts."""
+        t4 = time.perf_counter()
+        ids = np.unique(np.concatenate([[h.id for h in r.hits + r.lowest] for r in out]).astype(np.int64))
+        by_id = dict(zip(ids.tolist(), self.texts.texts(ids), strict=True))
+        for r in out:
+            for h in r.hits + r.lowest:
+                h.text = by_id.get(h.id)
+            r.seconds["texts"] = time.perf_counter() - t4
+            if self.texts.problem and self.texts.problem not in r.notes:
+                r.notes.append(self.texts.problem)
+
     @staticmethod
     def _hits(r: S.Ranked, layers: list[str]) -> list[Hit]:
         return [Hit(int(i), float(s), {n: float(v) for n, v in zip(layers, ls, strict=True)})

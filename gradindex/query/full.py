@@ -24,7 +24,18 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.capture.tokens import TokenCapture
 from gradindex.methods import DEFAULT_DAMPING, method_spec, parse_method
 from gradindex.precondition.apply import damped
+from gradindex.precondition.fullspace import budget_bound, stored_share
 from gradindex.precondition.preconditioner import Preconditioner
+
+DEFAULT_RERANK = 100
+"""Candidates the default query re-ranks in full space where the index's rows are a budget-bound
+projection (``QueryEngine.query_batch(rerank_full=None)``): ``benchmarks/results/width.json``, the
+first stage's recall of exhaustive full-space EK-FAC's top 10 against C (docs/query.md, "Two stages")."""
+FULL_SPACE_METHODS = ("graddot", "cosine", "kfac", "ekfac")
+"""Methods :func:`full_gradient_scores` answers (each also ``-selfnorm``)."""
+__all__ = ["DEFAULT_RERANK", "FULL_SPACE_METHODS", "budget_bound", "full_gradient_scores", "full_query_gradient",
+           "stored_share"]
+
 
 
 def full_query_gradient(model: nn.Module, layers: list[str], query: tuple[list[int], list[int]], pad_id: int,

@@ -12,12 +12,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import datasets
 import numpy as np
 import torch
 
 from gradindex.chat import MESSAGES, render_turns
-from gradindex.data import IGNORE, load_records, tokenize_records
+from gradindex.data import IGNORE, Records, load_records, tokenize_records
 
 
 @dataclass
@@ -101,7 +100,7 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
     for i, rec in enumerate(records):
         groups.setdefault(tuple(sorted(rec)), []).append(i)
     for members in groups.values():
-        ds = datasets.Dataset.from_list([records[i] for i in members])
+        ds = Records([records[i] for i in members])
         tok = tokenize_records(ds, tokenizer, max_length, text_field, vocab_size=vocab_size,
                                require_targets=False)
         for j, i in enumerate(members):

@@ -16,6 +16,7 @@ import numpy as np
 
 from gradindex.chat import MESSAGES, render_turns
 from gradindex.data import load_records, token_hash, tokenize_records
+from gradindex.query.jsonl import JsonlRows
 from gradindex.store import Store
 
 log = logging.getLogger("gradindex")
@@ -31,16 +32,18 @@ class TrainingTexts:
         self.n = int(manifest["counts"]["examples"])
         self.store, self.tokenizer = store, tokenizer
         self._ds = None
+        self._no_jsonl = False
         self._hashes: np.ndarray | None = None
         self.problem: str | None = None
 
     def _records(self):
         if self._ds is None and self.problem is None:
-            if not str(self.path) or not self.path.exists():
-                self.problem = (f"the training data {str(self.path)!r} is not there, so results carry "
-                                "no text; pass the data file (data= / --data)")
+            if str(self.path) in ("", ".") or not self.path.exists():  # (Path("") is ".": no data recorded)
+                where = "the build recorded no data file" if str(self.path) in ("", ".") else \
+                    f"the training data {str(self.path)!r} is not there"
+                self.problem = f"{where}, so results carry no text; pass the data file (data= / --data)"
             else:
-                ds = load_records(self.path)
+                ds = (None if self._no_jsonl else self._jsonl()) or load_records(self.path)
                 if len(ds) != self.n:
                     self.problem = (f"{str(self.path)!r} holds {len(ds)} records, the index {self.n}: "
                                     "not the data the index was built from, so results carry no text; "
@@ -51,6 +54,21 @@ class TrainingTexts:
                 log.info(self.problem)  # also a note on every result
         return self._ds
 
+    def unavailable(self) -> bool:
+        """Whether the training data cannot be read (:attr:`problem` says why), checked once."""
+        return self._records() is None
+
+    def _jsonl(self) -> JsonlRows | None:
+        """The file's rows read without ``datasets`` (:mod:`gradindex.query.jsonl`) when it is JSONL of the
+        index's length; ``None`` (read it with ``datasets``) otherwise."""
+        if self.path.suffix.lower() != ".jsonl":
+            return None
+        try:
+            rows = JsonlRows(self.path)
+        except (OSError, ValueError):
+            return None
+        return rows if len(rows) == self.n else None
+
     def tokens(self, ids: np.ndarray) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
         """Token ids and labels of rows ``ids`` as the build made them, and whether each matches
         the stored hash."""
@@ -58,11 +76,20 @@ class TrainingTexts:
         if ds is None or len(ids) == 0:
             return [], [], np.zeros(len(ids), dtype=bool)
         tf = self.field if self.field not in ("input_ids", "prompt+completion") else "text"
-        tok = tokenize_records(ds.select([int(i) for i in ids]), self.tokenizer, self.max_length, tf)
+        try:
+            tok = tokenize_records(ds.select([int(i) for i in ids]), self.tokenizer, self.max_length, tf)
+        except ValueError:
+            if not isinstance(ds, JsonlRows):
+                raise
+            tok = None
         if self._hashes is None:
             self._hashes = self.store.column("token_hash")
-        ok = np.array([token_hash(x, y) == self._hashes[i].tobytes()
-                       for i, x, y in zip(ids, tok.input_ids, tok.labels, strict=True)], dtype=bool)
+        ok = np.zeros(len(ids), dtype=bool) if tok is None else np.array(
+            [token_hash(x, y) == self._hashes[i].tobytes() for i, x, y in zip(ids, tok.input_ids, tok.labels,
+                                                                              strict=True)], dtype=bool)
+        if not ok.all() and isinstance(ds, JsonlRows):  # read differently than datasets did: read it as the build
+            self._ds, self._no_jsonl = None, True
+            return self.tokens(ids)
         if not ok.all():
             log.warning("training rows %s of %s differ from what was indexed (the file changed since "
                         "the build); their text is not shown", [int(i) for i in np.asarray(ids)[~ok]],

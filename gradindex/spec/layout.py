@@ -13,6 +13,7 @@
       capture/               rows captured during training, before assembly
       damaged/<time>/        files moved aside by a repair
       transcode.json         present while an in-place transcode swaps its rows in
+      rotated.partial/       the fused transcode's rotated rows, while it runs (gradindex.precondition.rotated)
       trajectory.json        a TracIn index over checkpoints (gradindex.apps.tracin)
 
 Modules that own a file keep writing and reading it; they take its name from here, so no other
@@ -39,6 +40,7 @@ CAPTURE_LOG_DIR = "capture"
 DAMAGED_DIR = "damaged"
 TRANSCODE_JOURNAL = "transcode.json"
 TRANSCODE_STAGING = "eigenbasis.partial"
+TRANSCODE_ROTATED = "rotated.partial"
 TRAJECTORY = "trajectory.json"
 
 

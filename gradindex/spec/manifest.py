@@ -29,6 +29,8 @@ from gradindex.manifest import (
     shape_problem,
     write_manifest,
 )
+from gradindex.methods import DEFAULT_DAMPING
+from gradindex.spec.rows import RowSpec
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,12 @@ class Manifest:
         """Whether the rows are Adam-preconditioned (built with ``--optimizer-state``)."""
         return bool(self.build.get("optimizer"))
 
+    @property
+    def rows(self) -> RowSpec:
+        """What a stored row holds (:mod:`gradindex.spec.rows`): the spec the build recorded, or the one an
+        index built before the specs existed was made with (from its build and config)."""
+        return rows_of(self._data)
+
     def identity(self) -> dict[str, Any]:
         """The ``build`` keys that must match for a resume or a query (:data:`IDENTITY_KEYS`)."""
         return {k: self.build[k] for k in IDENTITY_KEYS if k in self.build}
@@ -144,3 +152,25 @@ class Manifest:
     def build_command(self, index_dir: str | os.PathLike, extra: str = "--repair") -> str:
         """The ``gradindex build`` command line that made this index, plus ``extra``."""
         return build_command(index_dir, self._data, extra)
+
+
+def rows_of(m: Mapping[str, Any]) -> RowSpec:
+    """The row spec of a manifest dict: its ``rows`` key, or (an index built before it) its build and config."""
+    if m.get("rows"):
+        return RowSpec.parse(m["rows"])
+    c, b = m.get("config", {}), m.get("build", {})
+    proj, basis, done = b.get("projection", {}), b.get("basis") or {}, m.get("transcode") or {}
+    eigen = basis.get("space") == "full-eigen" or c.get("basis") == "eigen"
+    if proj.get("kind") == "none" and not eigen:
+        kw: dict[str, Any] = {"projection": "none"}
+    elif proj.get("sizes") or eigen:
+        kw = {"projection": "auto", "budget": str(c.get("budget") or "auto"),
+              "allocation": c.get("allocation", "ratio")}
+    else:
+        kw = {"projection": "fixed", "k_a": int(proj.get("k_a", 0)), "k_g": int(proj.get("k_g", 0))}
+    transcoded = bool(done) or str(c.get("transcode", "none")) == "ekfac"
+    storage = (b.get("transcode") or {}).get("storage") or c.get("storage") or b.get("storage", "fp32")
+    return RowSpec(**kw, basis="eigen" if eigen else "kfac" if basis.get("kind") == "kfac" else "raw",
+                   basis_damping=float(c.get("basis_damping", basis.get("damping", 1.0) if not eigen else 1.0)),
+                   adam=str(c.get("adam_mode", "exact")) if b.get("optimizer") else "", transcode=transcoded,
+                   damping=float(done.get("damping") or c.get("damping", DEFAULT_DAMPING)), storage=storage)

@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,7 @@ from gradindex import distributed
 from gradindex.adapter import adapter_fingerprint, adapter_path
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
-from gradindex.capture.gram import upper_to_symmetric
+from gradindex.capture.allocation import ALLOCATIONS
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
@@ -39,146 +39,109 @@ from gradindex.manifest import (
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
+from gradindex.spec.build import BuildOptions
 from gradindex.spec.manifest import layer_identity
+from gradindex.spec.rows import RowSpec
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.append import append_batch
-from gradindex.store.basis import BASES, RowBasis, capture_transforms, index_basis
-from gradindex.store.codes import check_storage
+from gradindex.store.basis import RowBasis, capture_transforms, index_basis
+from gradindex.store.covariance import write_covariance
 from gradindex.store.repair import repair_eigenbasis_store
 from gradindex.store.sizing import basis_identity, full_space_basis, sized_projection
 
 log = logging.getLogger("gradindex")
 
+AUTO_PROJECTION = ProjectionSpec()
+"""``BuildConfig.projection`` left out (compared by identity): the projection is sized by ``budget``."""
+
 LOSS_CONVENTION = "sum of next-token cross-entropy over each example's target tokens (offline)"
 
 
 @dataclass(frozen=True)
-class BuildConfig:
-    """Settings of a store build; serialized into the manifest."""
+class BuildConfig(BuildOptions):
+    """Settings of a store build; serialized into the manifest. ``BuildConfig()`` builds what ``gradindex build``
+    builds with no options (the fields and their defaults: :class:`gradindex.spec.build.BuildOptions`)."""
 
-    projection: ProjectionSpec = field(default_factory=ProjectionSpec)
-    """Factored projection (kind, k_a, k_g, seed)."""
-    layers: tuple[str, ...] = ()
-    """Glob patterns of layers to hook; empty = every linear layer in the transformer blocks."""
-    max_length: int = 512
-    """Examples longer than this many tokens are truncated (and counted in the manifest)."""
-    batch_size: int = 8
-    """Examples per forward/backward."""
-    route: str = "auto"
-    """``auto`` (cost model), ``factorized`` or ``materialized``."""
-    shard_size: int = 4096
-    """Examples per store file; also the most a torn file can cost on resume."""
-    collect_covariance: bool = False
-    """Accumulate K-FAC factors (A, S) per shard in the same pass."""
-    full_factors: bool = False
-    """Also sum the full-space (unprojected) ``A`` and ``S`` per shard in this pass, so that
-    ``gradindex precondition --space full`` needs only its correction pass."""
-    precondition: str = "none"
-    """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass); ``auto``:
-    ``ekfac``, or ``none`` with ``optimizer_state`` (:meth:`defaults`)."""
-    damping: float = DEFAULT_DAMPING
-    """Relative damping of the self-influence written with ``precondition``."""
-    storage: str = "fp32"
-    """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`);
-    ``auto``: ``int4`` for rows transcoded into the EK-FAC eigenbasis, else ``int8``."""
-    budget: int | str = 0
-    """Bytes per example for per-layer projection sizes (``--projection auto``): an integer, or a
-    fraction of the full gradient's float32 bytes such as ``"1/8"``; 0 = ``projection`` as given."""
-    allocation: str = "ratio"
-    """How the budget is spread over layers: ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
-    basis: str = "raw"
-    """``raw``; ``kfac``: whiten each side by its damped full-space factor before projection; ``eigen``:
-    store the eigen-coordinates of full-space EK-FAC that ``budget`` buys, chosen over all layers by
-    their K-FAC eigenvalue against the damping and whitened at capture (``precondition`` and
-    ``transcode`` ``none``: the rows already answer ``ekfac``; docs/math.md, "What a row holds")."""
-    basis_damping: float = 1.0
-    """Relative damping of the ``kfac`` whitening (a fraction of each factor's mean eigenvalue); 1.0 kept
-    the most of full-space EK-FAC's top-10 in benchmarks/rowspace.py (0.01, 0.1, 0.3, 3, 10 measured)."""
-    basis_examples: int = 0
-    """Examples sampled for the factor pass of a ``kfac`` basis (0 = all)."""
-    basis_seed: int = 0
-    """Seed of that sample."""
-    fisher: str = "empirical"
-    """Factors of ``precondition`` from the observed labels (``empirical``, collected in this pass) or
-    from labels sampled from the model (``true``: a model pass of its own; stored rows keep the observed)."""
-    fisher_seed: int = 0
-    """Seed of the true Fisher's sampled labels."""
-    optimizer_state: str = ""
-    """Adam state of the training run (safetensors or torch ``state_dict``): store ``G ⊘ (√v + ε)``,
-    the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
-    adam_mode: str = "exact"
-    """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
-    transcode: str = "none"
-    """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
-    eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
-    store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw.
-    ``auto``: ``ekfac`` after an EK-FAC fit of raw rows, else ``none``."""
+    projection: ProjectionSpec = AUTO_PROJECTION
+    """Factored projection (kind, k_a, k_g, seed). Left out (``gradindex build --projection auto``): per-layer
+    sizes bought by ``budget``; given: these sizes (``budget`` 0), unless a ``budget`` is given too, which
+    then sizes the layers and takes only ``kind`` and ``seed`` from it."""
 
     @classmethod
-    def defaults(cls, **settings) -> BuildConfig:
-        """What ``gradindex build`` builds with no options (``settings`` override fields): per-layer
-        projection sizes for the default byte budget, EK-FAC fitted, rows transcoded into its whitened
-        eigenbasis as int4 (each ``auto`` resolved here, from the other settings)."""
-        return cls(**{"budget": "auto", "precondition": "auto", "transcode": "auto", "storage": "auto", **settings})
+    def raw(cls, **fields) -> BuildConfig:
+        """Rows as captured (``fields`` override): a fixed 16x16 projection unless given, float32 codes, no
+        fit and no transcode (``gradindex build --projection 16 --storage fp32 --precondition none``)."""
+        return cls(**{"budget": 0, "precondition": "none", "transcode": "none", "storage": "fp32", **fields})
 
     def _resolve_auto(self) -> None:
-        """Each ``auto`` setting resolved from the others (the one place these defaults live)."""
+        """Each ``auto`` setting resolved from the others (the one place these defaults live): with no
+        options, per-layer projection sizes for the default byte budget, EK-FAC fitted, rows transcoded
+        into its whitened eigenbasis as int4 (what ``gradindex build`` builds with no options)."""
+        if self.budget is None:
+            object.__setattr__(self, "budget", "auto" if self.projection is AUTO_PROJECTION else 0)
         if self.basis == "eigen":  # whitened EK-FAC coordinates at capture: nothing to fit or transcode
             for name in ("precondition", "transcode"):
                 if getattr(self, name) == "auto":
                     object.__setattr__(self, name, "none")
-            if self.storage == "auto":
-                object.__setattr__(self, "storage", "int4")
         if self.precondition == "auto":
             object.__setattr__(self, "precondition", "none" if self.optimizer_state else "ekfac")
         if self.transcode == "auto":
             object.__setattr__(self, "transcode",
                                "ekfac" if self.precondition == "ekfac" and self.basis == "raw" else "none")
-        if self.storage == "auto":
-            object.__setattr__(self, "storage", "int4" if self.transcode == "ekfac" else "int8")
+        if self.storage == "auto":  # (the rows' rule: int4 for EK-FAC eigen-coordinates, else int8)
+            object.__setattr__(self, "storage", self.rows.storage)
+
+    @property
+    def rows(self) -> RowSpec:
+        """What a stored row holds (:mod:`gradindex.spec.rows`; ``str(BuildConfig().rows)`` is its ``DEFAULT_SPEC``)."""
+        p = self.projection
+        if self.budget or self.basis == "eigen":
+            kw = {"projection": "auto", "budget": str(self.budget or "auto"), "allocation": self.allocation}
+        elif p.is_identity:
+            kw = {"projection": "none"}
+        else:
+            if p.sizes:
+                raise ValueError("a projection with per-layer sizes is made by a budget: give BuildConfig a budget "
+                                 "(and the projection's kind and seed) instead of the sizes")
+            kw = {"projection": "fixed", "k_a": p.k_a, "k_g": p.k_g}
+        return RowSpec(**kw, basis=self.basis, basis_damping=self.basis_damping,
+                       adam=self.adam_mode if self.optimizer_state else "", transcode=self.transcode == "ekfac",
+                       damping=self.damping, storage=self.storage)
 
     @property
     def capture_storage(self) -> str:
         """Codes of the captured rows: ``storage``, or float16 when they are transcoded afterwards."""
-        return "fp16" if self.transcode == "ekfac" else self.storage
+        return self.rows.capture_storage
 
     def __post_init__(self) -> None:
         self._resolve_auto()
-        check_storage(self.storage)
         if self.batch_size < 1 or self.shard_size < 1 or self.max_length < 2:
             raise ValueError(f"batch size and shard size must be >= 1 and max length >= 2 (got {self.batch_size}, "
                              f"{self.shard_size}, {self.max_length}): --batch-size, --shard-size, --max-length")
-        if self.precondition not in ("none", "kfac", "ekfac"):
-            raise ValueError(f"precondition {self.precondition!r} is not one of ['none', 'kfac', 'ekfac']")
-        if self.basis not in (*BASES[:2], "eigen"):
-            raise ValueError(f"build basis {self.basis!r} is not one of {[*BASES[:2], 'eigen']} "
-                             "(the ekfac basis is a transcode after a fit: `gradindex compact`)")
-        if self.basis == "eigen" and (self.precondition != "none" or self.transcode != "none"
-                                      or self.collect_covariance or self.full_factors):
-            raise ValueError("--projection-basis eigen stores whitened full-space EK-FAC coordinates, which answer "
-                             "--method ekfac as they are: use it with --precondition none --transcode none "
-                             "(and without --full-factors)")
+        for name, allowed in (("precondition", ("none", "kfac", "ekfac")), ("transcode", ("none", "ekfac")),
+                              ("allocation", ALLOCATIONS), ("fisher", FISHERS), ("adam_mode", ADAM_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name.replace('_', ' ')} {getattr(self, name)!r} is not one of {list(allowed)}")
         if self.basis == "eigen" and not self.budget:
             raise ValueError("--projection-basis eigen chooses what to store from --budget: use --projection auto")
-        if self.allocation == "spectrum" and self.basis != "kfac":
-            raise ValueError("allocation by spectrum needs the full-space factors: add --projection-basis kfac")
-        if self.fisher not in FISHERS:
-            raise ValueError(f"fisher {self.fisher!r} is not one of {list(FISHERS)}")
-        if self.adam_mode not in ADAM_MODES:
-            raise ValueError(f"adam mode {self.adam_mode!r} is not one of {list(ADAM_MODES)}")
-        if self.optimizer_state and (self.precondition != "none" or self.collect_covariance):
-            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
-                             "K-FAC/EK-FAC are fitted on plain gradients: build those without it")
-        if self.transcode not in ("none", "ekfac"):
-            raise ValueError(f"transcode {self.transcode!r} is not one of ['none', 'ekfac']")
-        if self.transcode == "ekfac" and self.precondition != "ekfac":
-            raise ValueError("rows are transcoded into the EK-FAC eigenbasis after an EK-FAC fit: add "
-                             "--precondition ekfac, or --transcode none")
-        if self.transcode == "ekfac" and self.basis != "raw":
-            raise ValueError("--transcode ekfac rotates raw rows; with --projection-basis kfac use --transcode none")
-        if self.optimizer_state and self.basis != "raw":
-            raise ValueError("--optimizer-state builds an index of Adam-preconditioned rows (method adam); "
-                             "the kfac basis whitens plain gradients: use --projection-basis raw with it")
+        self.rows.check_fit(self.precondition, self.collect_covariance, self.full_factors)  # (rows: checked made)
+
+
+def row_fields(spec: RowSpec | str, kind: str = "gaussian", seed: int = 0, damping: float = DEFAULT_DAMPING,
+               optimizer_state: str = "") -> dict:
+    """The :class:`BuildConfig` fields a row spec sets (``gradindex build --rows SPEC``); ``kind`` and ``seed``
+    are the projection's random stream, which a spec does not name; ``ADAM`` rows need ``optimizer_state``."""
+    r = RowSpec.parse(spec, damping) if isinstance(spec, str) else spec
+    if bool(r.adam) != bool(optimizer_state):
+        raise ValueError(f"row spec {str(r)!r}: ADAM rows are made from --optimizer-state, and only ADAM rows are: "
+                         + ("add --optimizer-state" if r.adam else "add ADAM to the spec, or drop --optimizer-state"))
+    projection = ProjectionSpec(kind=kind, seed=seed) if r.projection == "auto" else \
+        ProjectionSpec(kind="none", k_a=0, k_g=0, seed=seed) if r.projection == "none" else \
+        ProjectionSpec(kind=kind, k_a=r.k_a, k_g=r.k_g, seed=seed)
+    return {"projection": projection, "budget": r.budget if r.projection == "auto" else 0, "allocation": r.allocation,
+            "basis": r.basis, "basis_damping": r.basis_damping, "adam_mode": r.adam or "exact",
+            "transcode": "ekfac" if r.transcode else "none", "damping": r.damping, "storage": r.storage,
+            **({"precondition": "ekfac"} if r.transcode else {})}
 
 
 @dataclass
@@ -280,9 +243,21 @@ def build_store(
         return _build_store(model, tokenizer, data, out, cfg, model_id, data_id, overwrite, progress, repair)
 
 
-def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str,
-                 data_id: str, overwrite: bool, progress: bool, repair: bool) -> BuildResult:
-    t0 = time.perf_counter()
+@dataclass
+class _Setup:
+    """What a store build settles before it writes: fingerprints, the capture and the identity it records."""
+
+    hashes: list
+    data_fp: str
+    pad_id: int
+    spec: ProjectionSpec
+    capture: GradientCapture
+    identity: dict
+    write_basis: object
+
+
+def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, progress: bool) -> _Setup:
+    """Fingerprints, the whitened basis (its factor pass, if any), the projection sizes and the capture."""
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
     model_fp = model_fingerprint(model)
@@ -301,20 +276,12 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                               collect_full_covariance=cfg.full_factors, transforms=transforms)
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer)
-    old = distributed.on_rank0(lambda: prepare_out_dir(out, identity, overwrite))  # (it may delete: one rank does it)
-    if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
-        computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
-            model, GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
-                                   transforms=capture_transforms(index_basis(out, old))),
-            data, out, old, pad_id, hashes, full=repair, progress=progress))
-        return BuildResult(out, old, time.perf_counter() - t0, computed or 0)
-    lead = distributed.rank() == 0
-    if lead:
-        (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
-        if old is not None:
-            _move_damaged_aside(out, repair)
-        if write is not None:
-            write()
+    return _Setup(hashes, data_fp, pad_id, spec, capture, identity, write)
+
+
+def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConfig, identity: dict, model_id: str,
+                    data_id: str, old: dict | None) -> dict:
+    """The manifest a build writes first (``status: building``); a resume keeps the old one's other keys."""
     manifest = {
         "format_version": FORMAT_VERSION,
         "library_version": gradindex.__version__,
@@ -324,6 +291,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         "data_id": data_id,
         **({"chat_template": template_of(tokenizer)} if data.field == MESSAGES else {}),
         "build": identity,
+        "rows": str(cfg.rows),
         "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
                    "budget": str(cfg.budget),
                    "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
@@ -335,19 +303,65 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                     "counts": {**old.get("counts", {}), **manifest["counts"]}}
         manifest["status"] = "building"
     manifest["generation"] = (old or {}).get("generation") or new_generation()  # kept by a resume
+    return manifest
+
+
+def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str,
+                 data_id: str, overwrite: bool, progress: bool, repair: bool) -> BuildResult:
+    t0 = time.perf_counter()
+    st = _setup(model, tokenizer, data, out, cfg, progress)
+    old = distributed.on_rank0(lambda: prepare_out_dir(out, st.identity, overwrite))  # (it may delete: one rank)
+    if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
+        computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
+            model, GradientCapture(model, cfg.layers, st.spec, cfg.route, weight_free=True,
+                                   transforms=capture_transforms(index_basis(out, old))),
+            data, out, old, st.pad_id, st.hashes, full=repair, progress=progress))
+        return BuildResult(out, old, time.perf_counter() - t0, computed or 0)
+    lead = distributed.rank() == 0
+    if lead:
+        (out / STORE_DIR).mkdir(parents=True, exist_ok=True)
+        if old is not None:
+            _move_damaged_aside(out, repair)
+        if st.write_basis is not None:
+            st.write_basis()
+    manifest = _start_manifest(model, tokenizer, data, cfg, st.identity, model_id, data_id, old)
     if lead:
         write_manifest(out, manifest)
     distributed.barrier()  # the other ranks write their shards once rank 0 has set the directory up
+    nonfinite, computed = write_shards(out, model, st.capture, data, cfg, st.pad_id, st.hashes, st.data_fp,
+                                       set(manifest.get("nonfinite_ids", [])), progress)
+    parts = distributed.gather((sorted(nonfinite), dict(st.capture.route_counts), computed))
+    seconds = time.perf_counter() - t0
+    routes: dict[str, int] = {}
+    for _, r, _ in parts:
+        for key, v in r.items():
+            routes[key] = routes.get(key, 0) + v
+    manifest["status"] = "complete"
+    manifest["nonfinite_ids"] = sorted({i for ids, _, _ in parts for i in ids})
+    manifest["routes"] = routes
+    manifest["counts"]["shards"] = -(-len(data) // cfg.shard_size)
+    if distributed.world_size() > 1:
+        manifest["counts"]["ranks"] = distributed.world_size()
+    if lead:
+        write_manifest(out, manifest)
+    distributed.barrier()
+    return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
 
+
+def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig,
+                 pad_id: int, hashes: list, data_fp: str, nonfinite: set[int], progress: bool) -> tuple[set[int], int]:
+    """The store's one shard-writing loop: each shard this rank owns and has not committed is captured,
+    sealed and committed (hashed in a thread, overlapping the next capture); returns the examples with
+    non-finite gradients and how many examples were computed now."""
     N, S, B = len(data), cfg.shard_size, cfg.batch_size
     dims = {n: capture.dim(n) for n in capture.infos}
-    nonfinite: set[int] = set(manifest.get("nonfinite_ids", []))
     computed = 0
     model.requires_grad_(False)
     shards = [(k, k * S, min((k + 1) * S, N)) for k in range((N + S - 1) // S)]
     bar = progress_bar(total=N, unit="ex", desc="capture", disable=not progress or distributed.rank() > 0)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="gradindex-hash")  # commits overlap the next capture
     commits: list[Future] = []
+    factors = capture.collect_covariance or capture.collect_full_covariance
     try:
         with capture:
             for k, start, end in shards:
@@ -357,8 +371,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                     continue
                 w = ShardWriter(path, start, end - start, dims, data_fp, cfg.capture_storage)
                 done = w.open()
-                if (capture.collect_covariance or capture.collect_full_covariance) and done:  # factors need
-                    # the whole shard: redo it
+                if factors and done:  # factors need the whole shard: redo it
                     w.close()
                     w.partial.unlink()
                     done = w.open()
@@ -373,8 +386,8 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                             log.warning("examples %s have non-finite gradients; stored as zeros and flagged", bad)
                         computed += e - s
                         bar.update(e - s)
-                    if capture.collect_covariance or capture.collect_full_covariance:
-                        _write_covariance(w, capture)
+                    if factors:
+                        write_covariance(w.file, capture)
                     w.seal()
                 except BaseException:
                     w.abort()  # (a full disk: no HDF5 handle left to fail again, or crash, at exit)
@@ -388,23 +401,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     finally:
         hashing.shutdown(wait=True)
         bar.close()
-    parts = distributed.gather((sorted(nonfinite), dict(capture.route_counts), computed))
-    seconds = time.perf_counter() - t0
-    routes: dict[str, int] = {}
-    for _, r, _ in parts:
-        for key, v in r.items():
-            routes[key] = routes.get(key, 0) + v
-    manifest["status"] = "complete"
-    manifest["nonfinite_ids"] = sorted({i for ids, _, _ in parts for i in ids})
-    manifest["routes"] = routes
-    manifest["counts"]["shards"] = len(shards)
-    if distributed.world_size() > 1:
-        manifest["counts"]["ranks"] = distributed.world_size()
-    if lead:
-        write_manifest(out, manifest)
-    distributed.barrier()
-    return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
-
+    return nonfinite, computed
 
 
 def _move_damaged_aside(out: Path, full: bool) -> None:
@@ -415,24 +412,3 @@ def _move_damaged_aside(out: Path, full: bool) -> None:
                 if shard_of(x.file) != x.file and shard_of(x.file) not in damaged]
     for p in move_aside(out, damaged):
         log.warning("%s is damaged; moved to %s and recomputed", p.name, p.parent)
-
-
-def _write_covariance(w: ShardWriter, capture: GradientCapture) -> None:
-    """Store the shard's Σ ā āᵀ, Σ ḡ ḡᵀ and token counts (``covariance``; unprojected:
-    ``covariance_full``), then reset the accumulators."""
-    for group, (A, S, T) in (("covariance", (capture.cov_a, capture.cov_g, capture.cov_tokens)),
-                             ("covariance_full", (capture.full_a, capture.full_g, capture.full_tokens))):
-        if not A:
-            continue
-        g = w.file.create_group(group)
-        read = upper_to_symmetric if group == "covariance_full" else np.asarray  # full: upper triangles summed
-        for n in capture.infos:
-            if n in A:
-                grp = g.create_group(n)
-                grp["A"] = read(A[n].cpu().numpy())
-                grp["S"] = read(S[n].cpu().numpy())
-                grp.attrs["tokens"] = T[n]
-        A.clear()
-        S.clear()
-        T.clear()
-

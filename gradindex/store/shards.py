@@ -42,8 +42,8 @@ from gradindex.checksum import (
     read_checksums,
     record,
     row_hash_path,
+    row_hashes,
     shard_of,
-    write_row_hashes,
 )
 from gradindex.diskspace import reserve
 from gradindex.manifest import build_command
@@ -53,6 +53,28 @@ from gradindex.store.codes import check_storage, code_dtype, code_width, decode,
 
 STORE_DIR = layout.STORE_DIR
 SCALARS = {"loss": np.float32, "num_tokens": np.int32, "finite": np.bool_}
+
+
+def write_row_hashes(shard: Path, block_bytes: int = 1 << 26) -> Path:
+    """Hash every row of every layer of a sealed shard into its sidecar (:data:`gradindex.checksum.ROW_HASHES`,
+    :func:`gradindex.checksum.row_hashes`); its path."""
+    with h5py.File(shard, "r") as f:
+        layers = list(f["grads"])
+        n = int(f["ids"].shape[0])
+        out = np.zeros((n, len(layers)), dtype=np.uint64)
+        for j, name in enumerate(layers):
+            ds, sc = f["grads"][name], f["scales"][name] if "scales" in f else None
+            step = max(1, block_bytes // max(1, ds.dtype.itemsize * ds.shape[1]))
+            for s in range(0, n, step):
+                e = min(n, s + step)
+                out[s:e, j] = row_hashes(ds[s:e], None if sc is None else sc[s:e], np.arange(s, e))
+    path = row_hash_path(shard)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        np.save(fh, out)
+    os.replace(tmp, path)
+    return path
+
 
 
 class ShardWriter:
@@ -164,7 +186,7 @@ class ShardWriter:
         self.file = None
 
     def commit(self) -> None:
-        """Hash its rows into the sidecar (:func:`gradindex.checksum.write_row_hashes`), record the sealed file's
+        """Hash its rows into the sidecar (:func:`write_row_hashes`), record the sealed file's
         and the sidecar's hashes in the index's ``checksums.json``, then rename the shard into place.
 
         Safe on another thread (the builder overlaps it with the next shard's capture).

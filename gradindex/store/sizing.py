@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from fractions import Fraction
 
 import numpy as np
 import torch
@@ -21,43 +20,14 @@ from gradindex.capture.fullcov import FullCovariance
 from gradindex.capture.layers import LayerInfo
 from gradindex.data import Tokenized
 from gradindex.progress import progress_bar
+from gradindex.spec.rows import FLOAT32_BYTES, parse_budget
 from gradindex.store.basis import RowBasis, capture_transforms, kfac_basis, read_basis, write_basis
-from gradindex.store.codes import code_dtype, has_scale
-
-FLOAT32_BYTES = 4
-DEFAULT_BUDGET_CAP = 256 << 10
-"""``auto`` budget: 1/8 of the full float32 gradient, at most this many bytes per example."""
-
-
-def parse_budget(budget: int | str, full_bytes: int) -> int:
-    """Bytes per example: an integer (``65536``), a fraction of ``full_bytes`` (``"1/8"``, ``"0.125"``),
-    or ``auto``: ``min(full_bytes / 8, 256 KiB)`` (int4 codes of the whole gradient where it is that small)."""
-    text = str(budget).strip()
-    if text.lower() == "auto":
-        return min(full_bytes // 8, DEFAULT_BUDGET_CAP)
-    try:
-        if "/" in text or "." in text:
-            frac = Fraction(text)
-            if not 0 < frac <= 1:
-                raise ValueError
-            return int(full_bytes * frac)
-        value = int(text)
-        if value <= 0:
-            raise ValueError
-        return value
-    except (ValueError, ZeroDivisionError):
-        raise ValueError(f"budget {budget!r} is not understood; give bytes per example (e.g. 65536) or a fraction "
-                         f"of the full float32 gradient ({full_bytes} bytes here), e.g. 1/8") from None
+from gradindex.store.codes import bytes_per_number, has_scale
 
 
 def full_bytes(infos: dict[str, LayerInfo]) -> int:
     """Float32 bytes of one example's full (unprojected) gradient over these layers."""
     return FLOAT32_BYTES * sum(i.n_in_total * i.n_out for i in infos.values())
-
-
-def bytes_per_number(storage: str) -> float:
-    """Bytes one stored number takes in ``storage`` (the per-row scale aside)."""
-    return code_dtype(storage).itemsize / (2 if storage == "int4" else 1)
 
 
 def sized_projection(cfg, infos: dict[str, LayerInfo], basis: RowBasis) -> ProjectionSpec:

@@ -54,7 +54,7 @@ def built(w: Workload, d: str, cfg: BuildConfig, fit: FitConfig | None = None) -
 
 def method(name: str, projection: str, precondition: str):
     def run(w: Workload, queries: list[int], clock: Clock) -> dict:
-        cfg = BuildConfig(projection=ProjectionSpec.parse(projection), max_length=w.train.shape[1],
+        cfg = BuildConfig.raw(projection=ProjectionSpec.parse(projection), max_length=w.train.shape[1],
                           batch_size=w.batch_size, precondition=precondition)
         out = {}
         with tempfile.TemporaryDirectory(prefix="gradindex-peers-") as d:
@@ -78,7 +78,7 @@ def full_space(name: str):
     pass), then each query's full gradient preconditioned once and scored against every stored row."""
 
     def run(w: Workload, queries: list[int], clock: Clock) -> dict:
-        cfg = BuildConfig(projection=ProjectionSpec.parse("none"), max_length=w.train.shape[1],
+        cfg = BuildConfig.raw(projection=ProjectionSpec.parse("none"), max_length=w.train.shape[1],
                           batch_size=w.batch_size, full_factors=True)
         out = {}
         with tempfile.TemporaryDirectory(prefix="gradindex-peers-") as d:

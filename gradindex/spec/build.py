@@ -1,0 +1,83 @@
+"""The store build's settings as plain values, and their defaults: what ``gradindex build``'s options and
+:class:`gradindex.store.builder.BuildConfig` share (the CLI reads its defaults here, without loading a stage).
+
+Stage 0: no stage is imported; the checks of a combination live in ``BuildConfig``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from gradindex.methods import DEFAULT_DAMPING
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Every build setting but the projection (``BuildConfig.projection``); each is one ``gradindex build``
+    option (:data:`gradindex.cli.build.OPTION_FIELDS`)."""
+
+    layers: tuple[str, ...] = ()
+    """Glob patterns of layers to hook; empty = every linear layer in the transformer blocks."""
+    max_length: int = 512
+    """Examples longer than this many tokens are truncated (and counted in the manifest)."""
+    batch_size: int = 8
+    """Examples per forward/backward."""
+    route: str = "auto"
+    """``auto`` (cost model), ``factorized`` or ``materialized``."""
+    shard_size: int = 4096
+    """Examples per store file; also the most a torn file can cost on resume."""
+    collect_covariance: bool = False
+    """Accumulate K-FAC factors (A, S) per shard in the same pass."""
+    full_factors: bool = False
+    """Also sum the full-space (unprojected) ``A`` and ``S`` per shard in this pass, so that
+    ``gradindex precondition --space full`` needs only its correction pass."""
+    precondition: str = "auto"
+    """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass); ``auto``:
+    ``ekfac``, or ``none`` with ``optimizer_state`` or ``basis="eigen"``."""
+    damping: float = DEFAULT_DAMPING
+    """Relative damping of the self-influence written with ``precondition``."""
+    storage: str = "auto"
+    """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`);
+    ``auto``: ``int4`` for rows transcoded into the EK-FAC eigenbasis, else ``int8``."""
+    budget: int | str | None = None
+    """Bytes per example for per-layer projection sizes (``--projection auto``): an integer, a fraction of
+    the full gradient's float32 bytes such as ``"1/8"``, or ``auto`` (1/8, at most 256 KiB); 0 =
+    ``projection`` as given. Left out: ``auto``, or 0 when a ``projection`` is given."""
+    allocation: str = "cost"
+    """How the budget is spread over layers: ``cost`` (``ratio``'s numbers per layer, split between its
+    sides for the cheapest capture), ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
+    basis: str = "raw"
+    """``raw``; ``kfac``: whiten each side by its damped full-space factor before projection; ``eigen``:
+    store the eigen-coordinates of full-space EK-FAC that ``budget`` buys, chosen over all layers by
+    their K-FAC eigenvalue against the damping and whitened at capture (``precondition`` and
+    ``transcode`` ``none``: the rows already answer ``ekfac``; docs/math.md, "What a row holds")."""
+    basis_damping: float = 1.0
+    """Relative damping of the ``kfac`` whitening (a fraction of each factor's mean eigenvalue); 1.0 kept
+    the most of full-space EK-FAC's top-10 in benchmarks/rowspace.py (0.01, 0.1, 0.3, 3, 10 measured)."""
+    basis_examples: int = 0
+    """Examples sampled for the factor pass of a ``kfac`` basis (0 = all)."""
+    basis_seed: int = 0
+    """Seed of that sample."""
+    fisher: str = "empirical"
+    """Factors of ``precondition`` from the observed labels (``empirical``, collected in this pass) or
+    from labels sampled from the model (``true``: a model pass of its own; stored rows keep the observed)."""
+    fisher_seed: int = 0
+    """Seed of the true Fisher's sampled labels."""
+    optimizer_state: str = ""
+    """Adam state of the training run (safetensors or torch ``state_dict``): store ``G ⊘ (√v + ε)``,
+    the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
+    adam_mode: str = "exact"
+    """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
+    transcode: str = "auto"
+    """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
+    eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
+    store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw.
+    ``auto``: ``ekfac`` after an EK-FAC fit of raw rows, else ``none``."""
+
+
+def default(name: str):
+    """The default of field ``name`` (what ``gradindex build`` uses when its option is left out)."""
+    for f in fields(BuildOptions):
+        if f.name == name:
+            return f.default
+    raise KeyError(f"BuildOptions has no field {name!r}")

@@ -1,0 +1,48 @@
+"""The K-FAC factor sums a capture pass stores in each shard: group ``covariance`` (``Σ ā āᵀ``, ``Σ ḡ ḡᵀ`` of
+the projected sides) and ``covariance_full`` (unprojected, upper triangles summed); tokens as an attribute.
+
+The store owns these bytes: the build writes them (:func:`write_covariance`), the fits read them
+(:func:`read_covariance`); nothing outside ``gradindex.store`` opens a shard file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from gradindex.capture.gram import upper_to_symmetric
+
+GROUPS = ("covariance", "covariance_full")
+
+
+def write_covariance(file: h5py.File, capture) -> None:
+    """Store a shard's sums from ``capture``'s accumulators (both groups, where collected), then reset them."""
+    for group, (A, S, T) in (("covariance", (capture.cov_a, capture.cov_g, capture.cov_tokens)),
+                             ("covariance_full", (capture.full_a, capture.full_g, capture.full_tokens))):
+        if not A:
+            continue
+        g = file.create_group(group)
+        read = upper_to_symmetric if group == "covariance_full" else np.asarray  # full: upper triangles summed
+        for n in capture.infos:
+            if n in A:
+                grp = g.create_group(n)
+                grp["A"] = read(A[n].cpu().numpy())
+                grp["S"] = read(S[n].cpu().numpy())
+                grp.attrs["tokens"] = T[n]
+        A.clear()
+        S.clear()
+        T.clear()
+
+
+def read_covariance(path: str | Path, group: str, layers: Sequence[str]) -> dict[str, tuple] | None:
+    """``{layer: (A, S, tokens)}`` of one shard's ``group``, or None when it lacks the group or a layer."""
+    if group not in GROUPS:
+        raise ValueError(f"covariance group {group!r} is not one of {GROUPS}")
+    with h5py.File(path, "r") as f:
+        grp = f.get(group)
+        if grp is None or any(n not in grp for n in layers):
+            return None
+        return {n: (grp[n]["A"][:], grp[n]["S"][:], int(grp[n].attrs["tokens"])) for n in layers}

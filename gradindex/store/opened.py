@@ -1,0 +1,94 @@
+"""An index directory opened at the store's floor: its manifest (read once), store, row basis, layer shapes,
+row spec and fast row reader.
+
+The stages above the store (precondition, apps) take an :class:`OpenStore` instead of a path, so that
+nothing re-reads ``manifest.json`` or the basis; :class:`gradindex.index.OpenIndex` is built on it
+(adding the preconditioners and FAISS indices a query needs).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gradindex.capture import ProjectionSpec
+from gradindex.checksum import damage_error
+from gradindex.manifest import read_complete_manifest
+from gradindex.spec.manifest import Manifest
+from gradindex.spec.rows import RowSpec
+from gradindex.store.basis import RowBasis, index_basis
+from gradindex.store.repair import check_store
+from gradindex.store.rows import RowReader
+from gradindex.store.shards import Store
+
+
+class OpenStore:
+    """One open index directory. ``manifest``: the directory's, when the caller already holds it.
+
+    The build must be complete (else an error says how to finish it before ``then``); the store gets its
+    cheap sampled hash check.
+    """
+
+    def __init__(self, index_dir: str | os.PathLike, manifest: dict | None = None, then: str = "read it"):
+        self.dir = Path(index_dir)
+        if manifest is None:
+            manifest = read_complete_manifest(index_dir, then)
+        elif manifest.get("status") != "complete":
+            read_complete_manifest(index_dir, then)  # the same error, from the file itself
+        damage = check_store(index_dir, full=False, manifest=manifest)  # the cheap sampled check
+        if damage:
+            raise damage_error(index_dir, damage, then=then)
+        self.manifest = manifest
+        self.described = Manifest(manifest)
+        """The typed view of the manifest (:class:`gradindex.spec.manifest.Manifest`)."""
+        self.layers: list[str] = list(manifest["build"]["layers"])
+        """Every stored layer, model order."""
+        self.shapes: dict[str, tuple[int, int]] = {n: (s.rows, s.cols) for n, s in self.described.layers.items()}
+        """layer → ``(rows, cols)`` of its stored matrix."""
+        self.store = Store(index_dir)
+        self.n = len(self.store)
+        self._rows: RowReader | None = None
+        self._projection: ProjectionSpec | None = None
+        self._basis: RowBasis | None = None
+
+    @property
+    def spec(self) -> RowSpec:
+        """What a stored row holds (the manifest's row spec)."""
+        return self.described.rows
+
+    @property
+    def projection(self) -> ProjectionSpec:
+        """The projection the store was built with (decoded once)."""
+        if self._projection is None:
+            self._projection = ProjectionSpec.from_dict(self.manifest["build"]["projection"])
+        return self._projection
+
+    @property
+    def basis(self) -> RowBasis:
+        """The basis the stored rows are in (``basis.h5``, read once; empty for raw rows)."""
+        if self._basis is None:
+            self._basis = index_basis(self.dir, self.manifest)
+        return self._basis
+
+    @property
+    def rows(self) -> RowReader:
+        """Random reads of stored rows over every layer."""
+        if self._rows is None:
+            self._rows = RowReader(self.store, self.layers)
+        return self._rows
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_store(index: str | os.PathLike | OpenStore, then: str = "read it") -> tuple[OpenStore, bool]:
+    """``(OpenStore, opened_here)``: an open store (or index) as is, or a path opened (the caller closes it)."""
+    if isinstance(index, OpenStore):
+        return index, False
+    return OpenStore(index, then=then), True
