@@ -34,6 +34,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.buildcost import DiskPeak, _bytes  # noqa: E402
+from benchmarks.common import spearman  # noqa: E402
 from benchmarks.lookup import model_dir, query_rows, windows  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.data import records_from_texts, tokenize_records  # noqa: E402
@@ -44,16 +45,6 @@ from gradindex.query.scores import score_matrix  # noqa: E402
 from gradindex.store.builder import BuildConfig, build_store  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _ranks(x: np.ndarray) -> np.ndarray:
-    r = np.empty(len(x))
-    r[np.argsort(x, kind="stable")] = np.arange(len(x))
-    return r
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.corrcoef(_ranks(a), _ranks(b))[0, 1])
 
 
 def finish(d: Path, model, tok, data, cfg: BuildConfig, once: bool) -> dict:
