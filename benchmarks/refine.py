@@ -125,14 +125,7 @@ QUICK = ProtocolConfig(fidelity=FidelityConfig(n_train=32, n_query=8, max_tokens
                        ceiling_seeds=(1001, 1002),
                        study_dampings=(0.1,), study_refines=(("ggn", 2, 8),),
                        qld_methods=("ekfac (default index)", "ekfac refined, 2 steps", "bm25"))
-SHARED = replace(ProtocolConfig(), refine_steps=(2,), extra_refine=(("ggn", 2, 64), ("ggn", 1, 32)), study_dampings=(),
-                 ceiling_drops=16, ceiling_seeds=(1001,),
-                 qld_methods=("ekfac (default index)", "ekfac refined, ggn 2 steps", "graddot", "bm25", "repsim",
-                              "trackstar"))
-"""Cut to fit a shared two-core machine: the sampled curvature at 2 steps only (1/2/4 were within ±0.01 on stdlib),
-no empirical-Fisher variant (it lost 0.23 on stdlib) and no validation damping study; a cheaper exact-GGN
-setting (1 step, 32 examples) beside the 2-step one; QLD without the sampled refinement."""
-PRESETS = {"full": ProtocolConfig(), "shared": SHARED, "quick": QUICK}
+PRESETS = {"full": ProtocolConfig(), "quick": QUICK}
 
 
 def pretrain_pool(fc: FidelityConfig, corpus: str, setup: Setup) -> Tokenized:
@@ -358,7 +351,8 @@ def cost(pc: ProtocolConfig, default: Path, work: Path, setup: Setup, damping: f
     rc = RefineConfig(method=pc.refine_method, steps=steps, sample=pc.refine_sample, curvature=pc.refine_curvature)
     n = min(pc.cost_queries, len(setup.query))
     recs = _records(setup.query.input_ids[:n], setup.query.labels[:n])
-    out = {"queries": n, "refine_steps": steps, "refine_sample": pc.refine_sample, "curvature": pc.refine_curvature}
+    out = {"queries": n, "refine_steps": steps, "refine_sample": pc.refine_sample, "curvature": pc.refine_curvature,
+           "loadavg_before": list(os.getloadavg())}
     with QueryEngine(default, work / "model", device="cpu", data=work / "train.jsonl") as e:
         e.query(recs[0], k=10, method="ekfac", damping=damping, texts=False)  # warm: FAISS read, first capture
         t0 = time.perf_counter()
@@ -375,7 +369,18 @@ def cost(pc: ProtocolConfig, default: Path, work: Path, setup: Setup, damping: f
     out["ratio_p50"] = out["refined"]["p50_s"] / out["plain"]["p50_s"]
     out["ratio_p95"] = out["refined"]["p95_s"] / out["plain"]["p95_s"]
     out["variants"] = variant_cost(pc, default, work, recs, damping, out["plain"])
+    out["loadavg_after"] = list(os.getloadavg())
     return out
+
+
+def remeasure_cost(pc: ProtocolConfig, corpus: str, work_root: Path, results: Path) -> dict:
+    """Re-time :func:`cost` on a finished run's default index (its work directory) into ``results``."""
+    res = json.loads(results.read_text())
+    r = res["corpora"][corpus]
+    work = work_root / f"refine-{corpus}-{pc.key(corpus)}"
+    r["cost"] = cost(pc, work / "default", work, make_setup(pc.fidelity, corpus), r["damping"]["chosen"])
+    results.write_text(json.dumps(res, indent=2, default=float) + "\n")
+    return r["cost"]
 
 
 def variant_cost(pc: ProtocolConfig, default: Path, work: Path, recs: list[dict], damping: float, plain: dict) -> dict:
@@ -674,8 +679,6 @@ def merge(paths: list[Path]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="full",
-                    help="shared: the cut run that fits a shared two-core machine (see SHARED)")
     ap.add_argument("--corpora", help="comma-separated (stdlib, gnu-info, linux-man)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK)
@@ -684,7 +687,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path, help="print benchmarks/README.md's table of a results file, then stop")
     ap.add_argument("--hybrid", type=Path, metavar="WORK", help="add the hybrid first-stage study of a run's saved "
                     "scores (its work directory) to --out's --corpora entry, then stop")
+    ap.add_argument("--cost-only", action="store_true", help="re-time the cost per query of --out's --corpora entry "
+                    "on its run's saved default index, then stop")
     a = ap.parse_args(argv)
+    if a.cost_only:
+        torch.set_num_threads(1)
+        c = remeasure_cost(QUICK if a.quick else ProtocolConfig(), a.corpora, a.work_dir, a.out)
+        print(json.dumps(c, indent=1))
+        return 0
     if a.hybrid:
         r = json.loads(a.out.read_text())["corpora"][a.corpora]
         for key, row in add_hybrid(a.hybrid, a.out, a.corpora, r["val_queries"], r["n_query"]).items():
@@ -702,7 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.set_num_threads(1)
-    pc = QUICK if a.quick else PRESETS[a.preset]
+    pc = QUICK if a.quick else ProtocolConfig()
     if a.corpora:
         pc = replace(pc, corpora=tuple(a.corpora.split(",")))
     t0 = time.perf_counter()
