@@ -66,7 +66,7 @@ from gradindex.precondition.files import (
 from gradindex.precondition.preconditioner import Preconditioner
 from gradindex.progress import progress_bar
 from gradindex.store import Store
-from gradindex.store.covariance import read_covariance
+from gradindex.store.covariance import covariance_rows, read_covariance, rows_digest
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
@@ -157,32 +157,34 @@ class _CorrectionSums:
         return {f"C/{n}": v.cpu().numpy() for n, v in self.sums.items()}
 
 
-class _HeadGrads:
-    """Per batch (by its first row), the factor pass's gradient w.r.t. the final hidden states, on the CPU,
-    up to ``budget`` bytes; the correction pass replays it instead of running the LM head and the loss."""
+class HeadGrads:
+    """Per batch (by its examples' data indices), the gradient w.r.t. the final hidden states of an earlier
+    pass over the same batch (the fit's factor pass, or the build's capture), on the CPU, up to ``budget``
+    bytes; the correction pass replays it instead of running the LM head and the loss."""
 
-    def __init__(self, budget: int):
-        self.budget, self.bytes, self.grads = budget, 0, {}
+    def __init__(self, budget: int = 0):
+        self.budget, self.bytes, self.grads = budget or HEAD_CACHE_BYTES, 0, {}
 
-    def put(self, key: int, grad: torch.Tensor) -> None:
+    def put(self, key, grad: torch.Tensor) -> None:
         size = grad.numel() * grad.element_size()
         if self.bytes + size <= self.budget:
-            self.grads[key] = grad.detach().cpu()
+            self.grads[tuple(int(i) for i in key)] = grad.detach().cpu()
             self.bytes += size
 
-    def pop(self, key: int) -> torch.Tensor | None:
-        return self.grads.pop(key, None)
+    def pop(self, key) -> torch.Tensor | None:
+        return self.grads.pop(tuple(int(i) for i in key), None)
 
 
-def build_pass_factors(index_dir: str | os.PathLike, layers: list[str]) -> tuple[dict, int] | None:
+def build_pass_factors(index_dir: str | os.PathLike, layers: list[str], rows: str = "") -> tuple[dict, int] | None:
     """``({"A/<layer>": Σ a aᵀ, "S/<layer>": Σ g gᵀ}, tokens)`` summed over the shards' ``covariance_full``
-    groups (a build with ``full_factors``), or ``None`` unless every shard has finite ones."""
+    groups (a build with ``full_factors``, or the default build's sums over its re-rank fit set), or
+    ``None`` unless every shard has finite ones over the examples of digest ``rows`` (empty: all)."""
     with Store(index_dir) as store:
         paths = list(store.paths)
     arrays: dict[str, np.ndarray] = {}
     tokens = 0
     for path in paths:
-        got = read_covariance(path, "covariance_full", layers)
+        got = read_covariance(path, "covariance_full", layers) if covariance_rows(path) == rows else None
         if got is None:
             return None
         for n, sides in got.items():
@@ -201,7 +203,7 @@ def _batches(rows: np.ndarray, start: int, size: int):
 
 
 def _model_pass(model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: list[str], visit, start: int,
-                batch_size: int, desc: str, progress: bool, checkpoint, heads: _HeadGrads | None = None,
+                batch_size: int, desc: str, progress: bool, checkpoint, heads: HeadGrads | None = None,
                 record: bool = False) -> int:
     """Forward + weight-free backward over ``rows[start:]``; ``checkpoint(done)`` now and then; tokens seen.
 
@@ -216,11 +218,11 @@ def _model_pass(model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: l
             heads = None
         for s, idx in _batches(rows, start, batch_size):
             ids = [data.input_ids[i] for i in idx]
-            known = None if heads is None or record else heads.pop(s)
+            known = None if heads is None or record else heads.pop(idx)
             bg = batch_gradients(model, cap, ids, [data.labels[i] for i in idx], pad_id, head_grad=known,
                                  keep_head_grad=heads is not None and record)
             if bg.head_grad is not None:
-                heads.put(s, bg.head_grad)
+                heads.put(idx, bg.head_grad)
             tokens += sum(len(x) for x in ids)
             bar.update(len(idx))
             checkpoint(s + len(idx), tokens)
@@ -298,10 +300,10 @@ class _Pass:
     """The model passes of one full-space fit (factor sums, then EK-FAC's correction), checkpointed in ``state``."""
 
     def __init__(self, model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: list[str], bs: int,
-                 state: _State, progress: bool):
+                 state: _State, progress: bool, heads: HeadGrads | None = None):
         self.model, self.pad_id, self.data, self.rows, self.layers, self.bs = model, pad_id, data, rows, layers, bs
         self.state, self.progress = state, progress
-        self.heads = _HeadGrads(HEAD_CACHE_BYTES)
+        self.heads = heads if heads is not None else HeadGrads()
         self.device = next(model.parameters()).device
 
     def factors(self, shapes: dict, method: str) -> None:
@@ -339,11 +341,14 @@ class _Pass:
 
 
 def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None, data: Tokenized | None = None,
-                   progress: bool = False, checkpoint_seconds: float = 60.0) -> dict:
+                   progress: bool = False, checkpoint_seconds: float = 60.0, heads: HeadGrads | None = None) -> dict:
     """Fit full-space K-FAC (and EK-FAC when ``cfg.method == 'ekfac'``); return the manifest's ``full_space``.
 
     ``cfg`` is a :class:`~gradindex.precondition.fit.FitConfig`; its ``fit_data`` / ``fit_examples``
-    choose the fit set as for the stored-space fit (default: every finite indexed example).
+    choose the fit set as for the stored-space fit (default: every finite indexed example). Where the
+    build's capture pass summed ``A`` and ``S`` over exactly that set (:func:`build_pass_factors`),
+    the factor pass is skipped; ``heads``: the capture's gradients w.r.t. the final hidden states
+    (:class:`HeadGrads`), which spare the correction pass the LM head on those batches.
     """
     t0 = time.perf_counter()
     manifest = read_complete_manifest(index_dir, "fit")
@@ -359,7 +364,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
                                     cfg.method]).encode()])
     (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
     state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
-    from_build = None if (cfg.fit_data or cfg.fit_examples) else build_pass_factors(index_dir, layers)
+    from_build = _build_sums(index_dir, manifest, cfg, layers, rows)
     if from_build is not None:
         damage = check_store(index_dir, full=True, manifest=manifest)
         if damage:
@@ -380,7 +385,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         clock[:] = now
 
     try:
-        passes = _Pass(model, pad_id, data, rows, layers, bs, state, progress)
+        passes = _Pass(model, pad_id, data, rows, layers, bs, state, progress, heads)
         if state.stage == "factors":
             passes.factors(shapes, cfg.method)
             lap("factor_pass")
@@ -401,6 +406,19 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     if cfg.fit_examples:
         fit["sample_seed"] = cfg.seed
     return _record(index_dir, cfg, manifest, layers, written, fit, state, t0)
+
+
+def _build_sums(index_dir, manifest: dict, cfg, layers: list[str], rows: np.ndarray) -> tuple[dict, int] | None:
+    """The capture pass's full-space sums over exactly the fit set ``rows``, or None (:func:`build_pass_factors`)."""
+    if cfg.fit_data:
+        return None
+    if not cfg.fit_examples:
+        return build_pass_factors(index_dir, layers)
+    sample = sample_rows(int(manifest["counts"]["examples"]), cfg.fit_examples, cfg.seed)
+    if len(sample) != len(rows):  # (a sampled example is non-finite: the sums hold it)
+        return None
+    return build_pass_factors(index_dir, layers, "" if len(sample) == int(manifest["counts"]["examples"])
+                              else rows_digest(sample))
 
 
 def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fit: dict, state: _State,
