@@ -25,7 +25,7 @@ from gradindex.plan import BuildPlan, plan_build
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
-from gradindex.precondition.fullspace import HeadGrads, budget_bound
+from gradindex.precondition.fullspace import HeadGrads, budget_bound, keep_build_sums
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.store.builder import BuildConfig, BuildResult, build_store, refuse_foreign
 
@@ -120,14 +120,12 @@ def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None
 def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfig | None, res: BuildResult,
             progress: bool, t0: float, plan: BuildPlan, rerank_fit: bool | None = None,
             heads: HeadGrads | None = None) -> tuple[BuildResult, IndexBuildResult | None]:
-    """The stages after the capture: the full-space fit (first: it reads the capture's sums, which the
-    transcode's rows do not keep), the fit and transcode, FAISS indices (one process), each checked for
-    disk space."""
+    """The stages after the capture: fit, transcode, the full-space fit (its factor sums from the capture
+    pass kept as its checkpoint first: the transcoded shards do not hold them), FAISS indices (one
+    process), each checked for disk space."""
     full = rerank_fit_config(cfg, res.manifest, len(data), rerank_fit)
-    if full is not None and full.method not in res.manifest.get("full_space", {}):
-        with disk_full_as_error(out_dir, "full-space fit", "the store and its stored-space fit are complete and kept"):
-            fit_preconditioner(out_dir, full, model, tokenizer, data, progress=progress, heads=heads)
-        res.manifest = read_manifest(out_dir)
+    if full is not None and full.method not in res.manifest.get("full_space", {}) and not res.manifest.get("transcode"):
+        keep_build_sums(out_dir, full, tokenizer, data)  # the fit's checkpoint: the transcode drops the shards' sums
     fit = None if cfg.precondition == "none" else \
         FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
     kept = "the captured rows are kept (and the transcode's finished shards)"
@@ -137,6 +135,10 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
                                              res.manifest)
         elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
             fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
+    if full is not None and full.method not in read_manifest(out_dir).get("full_space", {}):
+        with disk_full_as_error(out_dir, "full-space fit", "the store and its stored-space fit are complete and kept"):
+            fit_preconditioner(out_dir, full, model, tokenizer, data, progress=progress, heads=heads)
+        res.manifest = read_manifest(out_dir)
     res.seconds = time.perf_counter() - t0
     if index is None:
         return res, None

@@ -36,15 +36,18 @@ def _rel(a, b) -> float:
 
 
 def _same_curvature(a, b) -> None:
+    """The same factors (``Q diag(λ) Qᵀ``, sign-free) and eigenvalues within float tolerance."""
     for m in ("kfac", "ekfac"):
         with h5py.File(fs.full_path(a, m), "r") as fa, h5py.File(fs.full_path(b, m), "r") as fb:
             assert sorted(fa["layers"]) == sorted(fb["layers"])
             for n in fa["layers"]:
                 x, y = fa["layers"][n], fb["layers"][n]
-                for key in ("A", "S"):  # the same sums up to float32 summation order
+                for key in ("lambda_A", "lambda_S"):  # the same sums up to float32 summation order
                     assert _rel(x[key][:], y[key][:]) < 1e-5, (m, n, key)
-                for key in ("lambda_A", "lambda_S"):
-                    assert _rel(x[key][:], y[key][:]) < 1e-5, (m, n, key)
+                for q, lam in (("Q_A", "lambda_A"), ("Q_S", "lambda_S")):
+                    fx = x[q][:] @ np.diag(x[lam][:]) @ x[q][:].T
+                    fy = y[q][:] @ np.diag(y[lam][:]) @ y[q][:].T
+                    assert _rel(fx, fy) < 1e-5, (m, n, q)
                 # eigenvalues in the (sign-free) eigenbasis: the same multiset
                 assert _rel(np.sort(x["Lambda"][:].ravel()), np.sort(y["Lambda"][:].ravel())) < 1e-4, (m, n)
 
@@ -101,3 +104,26 @@ def test_sums_of_another_sample_are_not_taken(tmp_path, gpt2_dir, text_jsonl):
     assert other["kfac"]["fit"]["source"] == "model pass"
     every = fit_preconditioner(tmp_path / "idx", FitConfig(method="kfac", space="full"))
     assert every["kfac"]["fit"]["source"] == "model pass"
+
+
+def test_build_killed_in_the_transcode_keeps_the_sums_and_resumes(tmp_path, gpt2_dir, text_jsonl, separate,
+                                                                   monkeypatch):
+    """The capture's sums are the full-space fit's checkpoint before the transcode drops them: a build killed
+    there resumes, and its fit still skips the factor pass and gives the same curvature."""
+    import gradindex.precondition.fused as fused
+
+    real = fused.compact_rows
+
+    def dying(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fused, "compact_rows", dying)
+    with pytest.raises(KeyboardInterrupt):
+        _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    assert (tmp_path / "idx" / "precond" / fs.STATE).exists()
+    monkeypatch.setattr(fused, "compact_rows", real)
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    man = read_manifest(d)
+    assert man["transcode"] and man["full_space"]["ekfac"]["fit"]["source"] == "build pass + model pass"
+    assert not (d / "precond" / fs.STATE).exists()
+    _same_curvature(d, separate)

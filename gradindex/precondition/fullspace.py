@@ -71,6 +71,9 @@ from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
 FULL = "-full"
+FULL_KEYS = ("lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda")
+"""What a full-space file holds per layer: the eigenbases and eigenvalues (``A``, ``S`` are ``Q diag(λ) Qᵀ``;
+at ``[N_o, N_i(+1)]`` they would add about 40% to the files, which a query never reads)."""
 STATE = "full-space.state.npz"
 
 
@@ -229,12 +232,16 @@ def _model_pass(model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: l
     return tokens
 
 
+BUILD_PASS = "build pass"
+
+
 class _State:
-    """The resumable state of a fit: stage, rows done, sums; saved atomically to ``precond/`` now and then."""
+    """The resumable state of a fit: stage, rows done, sums (``source``: :data:`BUILD_PASS` where the factor
+    sums came from the capture pass); saved atomically to ``precond/`` now and then."""
 
     def __init__(self, path: Path, key: str, every: float):
         self.path, self.key, self.every = path, key, every
-        self.stage, self.done, self.tokens = "factors", 0, 0
+        self.stage, self.done, self.tokens, self.source = "factors", 0, 0, ""
         self.arrays: dict[str, np.ndarray] = {}
         self._last = time.monotonic()
 
@@ -246,6 +253,7 @@ class _State:
                 if str(z["key"]) != self.key:
                     return False
                 self.stage, self.done, self.tokens = str(z["stage"]), int(z["done"]), int(z["tokens"])
+                self.source = str(z["source"]) if "source" in z.files else ""
                 self.arrays = {k[2:]: z[k] for k in z.files if k.startswith("a:")}
         except (OSError, ValueError, KeyError):  # torn file: start over
             return False
@@ -253,7 +261,7 @@ class _State:
 
     def save(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp.npz")
-        np.savez(tmp, key=self.key, stage=self.stage, done=self.done, tokens=self.tokens,
+        np.savez(tmp, key=self.key, stage=self.stage, done=self.done, tokens=self.tokens, source=self.source,
                  **{f"a:{k}": v for k, v in self.arrays.items()})
         os.replace(tmp, self.path)
         self._last = time.monotonic()
@@ -356,24 +364,9 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     layers = list(shapes)
     if model is None or tokenizer is None:
         model, tokenizer = load_build_model(manifest, cfg.device)
-    data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
+    data, rows, source, fp, state = _start(index_dir, manifest, cfg, tokenizer, data, checkpoint_seconds)
     bs = int(manifest.get("config", {}).get("batch_size", 8))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    fp = data_fingerprint(data)
-    key = digest_bytes([json.dumps([manifest["build"]["model_fingerprint"], fp, layers, rows.tolist(), bs,
-                                    cfg.method]).encode()])
-    (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
-    state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
-    from_build = _build_sums(index_dir, manifest, cfg, layers, rows)
-    if from_build is not None:
-        damage = check_store(index_dir, full=True, manifest=manifest)
-        if damage:
-            raise damage_error(index_dir, damage, then="fit")
-    if state.load():
-        log.info("resuming the full-space fit at %s, %d/%d examples", state.stage, state.done, len(rows))
-    elif from_build is not None:  # the build pass summed the factors: only the correction pass is left
-        state.arrays, state.tokens = from_build
-        state.stage = "correction" if cfg.method == "ekfac" else "done"
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
     phases: dict[str, list[float]] = {}
@@ -398,7 +391,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         for n, p in model.named_parameters():
             p.requires_grad_(was[n])
     tokens = state.tokens
-    fit = {"source": "model pass" if from_build is None else "build pass + model pass", "space": "full",
+    fit = {"source": "build pass + model pass" if state.source == BUILD_PASS else "model pass", "space": "full",
            "data": source, "data_fingerprint": fp,
            "examples": int(len(rows)), "tokens": {n: int(tokens) for n in layers},
            "tokens_per_example": round(tokens / len(rows), 3),
@@ -406,6 +399,42 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     if cfg.fit_examples:
         fit["sample_seed"] = cfg.seed
     return _record(index_dir, cfg, manifest, layers, written, fit, state, t0)
+
+
+def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None,
+           checkpoint_seconds: float) -> tuple[Tokenized, np.ndarray, str, str, _State]:
+    """The fit set (data, rows, where from, fingerprint) and the fit's state: resumed from its checkpoint,
+    else from the capture pass's sums over that set (only the correction pass left), else from scratch."""
+    layers = list(full_shapes(manifest))
+    data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
+    bs = int(manifest.get("config", {}).get("batch_size", 8))
+    fp = data_fingerprint(data)
+    key = digest_bytes([json.dumps([manifest["build"]["model_fingerprint"], fp, layers, rows.tolist(), bs,
+                                    cfg.method]).encode()])
+    (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
+    state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
+    if state.load():
+        log.info("resuming the full-space fit at %s, %d/%d examples", state.stage, state.done, len(rows))
+        return data, rows, source, fp, state
+    from_build = _build_sums(index_dir, manifest, cfg, layers, rows)
+    if from_build is not None:  # the build pass summed the factors: only the correction pass is left
+        damage = check_store(index_dir, full=True, manifest=manifest)
+        if damage:
+            raise damage_error(index_dir, damage, then="fit")
+        state.arrays, state.tokens = from_build
+        state.stage, state.source = ("correction" if cfg.method == "ekfac" else "done"), BUILD_PASS
+    return data, rows, source, fp, state
+
+
+def keep_build_sums(index_dir: str | os.PathLike, cfg, tokenizer, data: Tokenized | None = None) -> bool:
+    """Save the capture pass's full-space sums over ``cfg``'s fit set as the fit's checkpoint (before the
+    transcode replaces the shards that hold them; :func:`fit_full_space` then resumes from it). Whether saved."""
+    manifest = read_complete_manifest(index_dir, "fit")
+    _, _, _, _, state = _start(index_dir, manifest, cfg, tokenizer, data, 0.0)
+    if state.source != BUILD_PASS or state.path.exists():
+        return False
+    state.save()
+    return True
 
 
 def _build_sums(index_dir, manifest: dict, cfg, layers: list[str], rows: np.ndarray) -> tuple[dict, int] | None:
@@ -425,7 +454,7 @@ def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fi
             t0: float) -> dict:
     """Write each fitted method's file and its ``full_space`` manifest entry; drop the checkpoint."""
     for m, fac in written.items():
-        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit)
+        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit, FULL_KEYS)
     seconds = time.perf_counter() - t0
     manifest = read_manifest(index_dir)
     entries = manifest.setdefault("full_space", {})
