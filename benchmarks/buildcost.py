@@ -10,7 +10,9 @@ its own process, one after another, so that its peak RSS (``ru_maxrss``) is its 
   transcode, FAISS), once with this checkout's gradindex (``after``) and once with ``--before``'s
   (another checkout, e.g. ``git archive BASE | tar -x -C /tmp/base``); with ``--also-ratio`` once more
   with ``--allocation ratio`` (each side ``k ∝`` its width: the split before the default ``cost``);
-  each with the most bytes its index directory held at once (sampled every 0.1 s) over its final store.
+  each with the most bytes its index directory held at once (sampled every 0.1 s) over its final store,
+  the most per stage, and what each entry of the directory held at that peak (``disk_at_peak``); the
+  full-space fit of a budget-bound build is its own stage (``full_fit``, with its phases' seconds).
 
 Then the same on a tiny model at a larger N (``--tiny-n`` examples of 16 tokens; GPT-2 2x48): the
 stages after the capture divided by the capture. Writes ``benchmarks/results/buildcost.json``.
@@ -252,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--root", type=Path, default=ROOT)
     ap.add_argument("--allocation", default="")
+    ap.add_argument("--keep-as", default="", help="keep the --out file's earlier content under this key")
     ap.add_argument("--also-ratio", action="store_true",
                     help="a third build cell: this checkout with --allocation ratio (the split before 'cost')")
     a = ap.parse_args(argv)
@@ -287,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(res["ratios"], indent=1), json.dumps(res["tiny_after_capture_over_capture"]))
     a.out.parent.mkdir(parents=True, exist_ok=True)
+    if a.keep_as and a.out.exists():
+        old = json.loads(a.out.read_text())
+        res[a.keep_as] = {k: v for k, v in old.items() if k != a.keep_as}
     a.out.write_text(json.dumps(res, indent=1))
     return res
 

@@ -300,7 +300,8 @@ def _eigen_factors(state: _State, layers: list[str], examples: int) -> dict[str,
                              "non-finite activations or gradients (fit on others with --fit-data)")
         lam_A, Q_A = eigendecompose(A)
         lam_S, Q_S = eigendecompose(S)
-        factors[n] = LayerFactors(A, S, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, examples)
+        none = np.zeros((0, 0))  # (A and S are not kept: the files hold FULL_KEYS only)
+        factors[n] = LayerFactors(none, none, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, examples)
     return factors
 
 
