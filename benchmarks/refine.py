@@ -623,7 +623,7 @@ def markdown_notes(res: dict, plain: str = "ekfac (default index)",
         if cs is None:
             continue
         p = meth[plain]["lds_drop"][0]
-        ceil = r["noise_ceiling_drop"][0]
+        ceil = cs["r"][0]
         heads = [f"{m.removeprefix('ekfac refined, ')}: {meth[m]['lds_drop'][0] - p:+.3f} "
                  f"({(meth[m]['lds_drop'][0] - p) / (ceil - p):.0%} of the headroom)" for m in refined if m in meth]
         vs = "; ".join(f"{m.removeprefix('ekfac refined, ')} {_pm(cs['methods'][m]['order_a'])} → "
