@@ -57,8 +57,11 @@ def child(n: int, work: Path, steps: int) -> dict:
     seconds = time.perf_counter() - t
     store = _bytes(out / "store")
     st = {k: round(v, 2) for k, v in stages.seconds.items()}
+    cpu = {k: round(v, 2) for k, v in stages.cpu.items()}
     after = sum(v for k, v in st.items() if k != "capture")
-    res = {"examples": n, "seconds": round(seconds, 2), "stages": st,
+    res = {"examples": n, "seconds": round(seconds, 2), "stages": st, "stages_cpu": cpu,
+           "after_capture_over_capture_cpu":
+               round(sum(v for k, v in cpu.items() if k != "capture") / cpu["capture"], 3),
            "after_capture_over_capture": round(after / st["capture"], 3),
            "after_capture_without_index_over_capture": round((after - st.get("faiss", 0.0)) / st["capture"], 3),
            "store_bytes": store, "index_bytes": _bytes(out), "peak_disk_bytes": disk.peak,
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "buildscale.json")
     ap.add_argument("--child", type=int, default=0)
+    ap.add_argument("--merge", action="store_true", help="keep the --out file's runs at other N")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.child, a.work, a.train_steps)))
@@ -85,14 +89,17 @@ def main(argv: list[str] | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     load = os.getloadavg()[0]
-    runs = []
+    runs = [r for r in json.loads(a.out.read_text())["runs"] if r["examples"] not in a.examples] \
+        if a.merge and a.out.exists() else []
     for n in a.examples:
         r = subprocess.run([sys.executable, "-m", "benchmarks.buildscale", "--child", str(n), "--work", str(a.work),
                             "--train-steps", str(a.train_steps)], capture_output=True, text=True, env=env, cwd=ROOT)
         if r.returncode:
             raise RuntimeError(f"N={n} failed:\n{r.stderr[-3000:]}")
-        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
-        print(json.dumps(runs[-1]), flush=True)
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+        runs.append({**json.loads(r.stdout.strip().splitlines()[-1]), "commit": commit.stdout.strip()})
+        runs.sort(key=lambda x: x["examples"])
+        print(r.stdout.strip().splitlines()[-1], flush=True)
         res = {"workload": "benchmarks/lookup.py's GPT-2 2x32 (trained), stdlib windows, batch 32, one thread; "
                            "build_index with the CLI defaults (fused EK-FAC fit + transcode, int4, default index)",
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": round(load, 2),
