@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     if a.keep_as and a.out.exists():
         old = json.loads(a.out.read_text())
-        res[a.keep_as] = {k: v for k, v in old.items() if k != a.keep_as}
+        res[a.keep_as] = old[a.keep_as] if a.keep_as in old else old
     a.out.write_text(json.dumps(res, indent=1))
     return res
 

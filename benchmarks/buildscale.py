@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "buildscale.json")
     ap.add_argument("--child", type=int, default=0)
-    ap.add_argument("--merge", action="store_true", help="keep the --out file's runs at other N")
+    ap.add_argument("--merge", action="store_true", help="keep the --out file's runs (but this commit's at these N)")
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.child, a.work, a.train_steps)))
@@ -89,16 +89,17 @@ def main(argv: list[str] | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     load = os.getloadavg()[0]
-    runs = [r for r in json.loads(a.out.read_text())["runs"] if r["examples"] not in a.examples] \
-        if a.merge and a.out.exists() else []
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=ROOT).stdout.strip()
+    runs = [r for r in json.loads(a.out.read_text())["runs"] if (r["examples"], r.get("commit")) not in
+            {(n, head) for n in a.examples}] if a.merge and a.out.exists() else []
     for n in a.examples:
         r = subprocess.run([sys.executable, "-m", "benchmarks.buildscale", "--child", str(n), "--work", str(a.work),
                             "--train-steps", str(a.train_steps)], capture_output=True, text=True, env=env, cwd=ROOT)
         if r.returncode:
             raise RuntimeError(f"N={n} failed:\n{r.stderr[-3000:]}")
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-        runs.append({**json.loads(r.stdout.strip().splitlines()[-1]), "commit": commit.stdout.strip()})
-        runs.sort(key=lambda x: x["examples"])
+        runs.append({**json.loads(r.stdout.strip().splitlines()[-1]), "commit": head})
+        runs.sort(key=lambda x: (x["examples"], x["commit"]))
         print(r.stdout.strip().splitlines()[-1], flush=True)
         res = {"workload": "benchmarks/lookup.py's GPT-2 2x32 (trained), stdlib windows, batch 32, one thread; "
                            "build_index with the CLI defaults (fused EK-FAC fit + transcode, int4, default index)",
