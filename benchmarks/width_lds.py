@@ -89,33 +89,46 @@ def job_order(n_subsets: int, ceiling: int) -> list[tuple[int, int]]:
             + [(m, SEEDS[0]) for m in range(first, n_subsets)])
 
 
-def load_cache(path: Path) -> dict[str, np.ndarray]:
-    return dict(np.load(path)) if path.exists() else {}
+def load_cache(work: Path) -> dict[str, np.ndarray]:
+    """Every retraining's losses so far: the union of ``work/retrain*.npz`` (one file per worker)."""
+    out: dict[str, np.ndarray] = {}
+    for p in sorted(work.glob("retrain*.npz")):
+        z = dict(np.load(p))
+        out["_seconds"] = np.concatenate([out.get("_seconds", np.array([])), z.pop("_seconds", np.array([]))])
+        out |= z
+    return out
 
 
-def retrain(work: Path, n_subsets: int, ceiling: int, log=print) -> None:
+def retrain(work: Path, n_subsets: int, ceiling: int, worker: str = "", log=print) -> None:
     """Train the full model (``width.load_or_train``'s checkpoint), then every job of :func:`job_order`
-    not yet in ``work/retrain.npz``: ``"m{subset}@{seed}"`` → ``[Q + F]`` query losses (summed tokens)."""
+    that no worker has done or claimed (``work/claims/<job>``, taken atomically): ``"m{subset}@{seed}"`` →
+    ``[Q + F]`` query losses (summed tokens), written to ``work/retrain{worker}.npz``. Several workers
+    (``--worker 1``, ``--worker 2``, ...) share the jobs."""
     setup, queries = lds_setup()
     vocab = len(setup.tokenizer)
     model, secs = W.load_or_train(SHAPE, setup, vocab, work)
     log(f"full model ready ({secs:.0f} s)", flush=True)
-    cache = work / "retrain.npz"
-    have = load_cache(cache)
-    have.setdefault("full@1000", example_losses(model, queries))
+    cache, claims = work / f"retrain{worker}.npz", work / "claims"
+    claims.mkdir(exist_ok=True)
+    mine = dict(np.load(cache)) if cache.exists() else {}
+    mine.setdefault("full@1000", example_losses(model, queries))
     mk = masks(n_subsets)
-    times = list(have.get("_seconds", []))
+    times = list(mine.get("_seconds", []))
     for m, seed in job_order(n_subsets, ceiling):
         key = f"m{m}@{seed}"
-        if key in have:
+        if key in load_cache(work):
+            continue
+        try:
+            os.close(os.open(claims / key, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
             continue
         t0 = time.perf_counter()
         net = W.new_model(SHAPE, vocab)
         train_model(net, setup.train.input_ids, SHAPE.data, seed=seed, keep=mk[m])
-        have[key] = example_losses(net, queries)
+        mine[key] = example_losses(net, queries)
         times.append(time.perf_counter() - t0)
-        have["_seconds"] = np.array(times)
-        np.savez(cache, **have)
+        mine["_seconds"] = np.array(times)
+        np.savez(cache, **mine)
         log(f"  {key}: {times[-1]:.0f} s (load {os.getloadavg()[0]:.1f}); {len(times)} done", flush=True)
 
 
@@ -187,7 +200,7 @@ def head_from(first: np.ndarray, ref: np.ndarray, C: int) -> tuple[np.ndarray, n
 def retrained(work: Path) -> tuple[np.ndarray, np.ndarray, dict]:
     """``(masks [M, N], losses [M, Q+F] at seed 1000, ceiling)`` from ``work/retrain.npz``; ``ceiling``
     has the subsets retrained at both seeds and their losses."""
-    have = load_cache(work / "retrain.npz")
+    have = load_cache(work)
     subs = sorted(int(k[1:].split("@")[0]) for k in have if k.startswith("m") and k.endswith(f"@{SEEDS[0]}"))
     if len(subs) < 4:
         raise SystemExit(f"only {len(subs)} retrained subsets in {work}; run `retrain` first")
@@ -308,6 +321,8 @@ def main() -> int:
     ap.add_argument("--ceiling", type=int, default=8, help="halves retrained with a second batch order")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "width-lds.json")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--worker", default="", help="retrain: this worker's name (its own cache file); "
+                    "several workers share the jobs")
     ap.add_argument("--quick", action="store_true", help="a 1-layer smoke run of minutes (width.QUICK's shape)")
     args = ap.parse_args()
     if args.quick:
@@ -319,7 +334,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.mode == "retrain":
-        retrain(args.work_dir, args.subsets, args.ceiling)
+        retrain(args.work_dir, args.subsets, args.ceiling, args.worker)
         return 0
     return evaluate(args)
 
