@@ -10,7 +10,9 @@ its own process, one after another, so that its peak RSS (``ru_maxrss``) is its 
   transcode, FAISS), once with this checkout's gradindex (``after``) and once with ``--before``'s
   (another checkout, e.g. ``git archive BASE | tar -x -C /tmp/base``); with ``--also-ratio`` once more
   with ``--allocation ratio`` (each side ``k ∝`` its width: the split before the default ``cost``);
-  each with the most bytes its index directory held at once (sampled every 0.1 s) over its final store.
+  each with the most bytes its index directory held at once (sampled every 0.1 s) over its final store,
+  the most per stage, and what each entry of the directory held at that peak (``disk_at_peak``); the
+  full-space fit of a budget-bound build is its own stage (``full_fit``, with its phases' seconds).
 
 Then the same on a tiny model at a larger N (``--tiny-n`` examples of 16 tokens; GPT-2 2x48): the
 stages after the capture divided by the capture. Writes ``benchmarks/results/buildcost.json``.
@@ -37,33 +39,56 @@ RESULTS = ROOT / "benchmarks" / "results"
 STAGES = {  # stage → (module, function) timed when present (the fused build has no transcode_in_place, ...)
     "capture": [("gradindex.pipeline", "build_store")],
     "fit": [("gradindex.pipeline", "fit_preconditioner"), ("gradindex.precondition.fused", "store_fit")],
+    "full_fit": [("gradindex.precondition.fit", "fit_full_space")],
     "transcode": [("gradindex.pipeline", "transcode_in_place"), ("gradindex.precondition.fused", "compact_rows")],
     "faiss": [("gradindex.pipeline", "build_indices")],
 }
+"""Seconds are exclusive: a stage called inside another (the full-space fit inside ``fit_preconditioner``)
+counts for itself only."""
 
 
-def _timed(seconds: dict) -> None:
-    """Wrap each stage's function (where this gradindex has it) to add its wall seconds to ``seconds``."""
-    import importlib
+class Stages:
+    """Exclusive wall seconds per stage, and the stage running now (for the disk sampler)."""
 
-    for stage, places in STAGES.items():
-        for mod, name in places:
-            try:
-                m = importlib.import_module(mod)
-            except ImportError:
-                continue
-            fn = getattr(m, name, None)
-            if fn is None:
-                continue
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.stack: list[str] = []
 
-            def wrapped(*a, _fn=fn, _stage=stage, **k):
-                t = time.perf_counter()
+    @property
+    def now(self) -> str:
+        return self.stack[-1] if self.stack else "other"
+
+    def wrap(self) -> None:
+        """Wrap each stage's function (where this gradindex has it) to add its exclusive seconds."""
+        import importlib
+
+        for stage, places in STAGES.items():
+            for mod, name in places:
                 try:
-                    return _fn(*a, **k)
-                finally:
-                    seconds[_stage] = seconds.get(_stage, 0.0) + time.perf_counter() - t
+                    m = importlib.import_module(mod)
+                except ImportError:
+                    continue
+                fn = getattr(m, name, None)
+                if fn is not None:
+                    setattr(m, name, self._timed(fn, stage))
 
-            setattr(m, name, wrapped)
+    def _timed(self, fn, stage: str):
+        def wrapped(*a, **k):
+            outer = self.now if self.stack else None
+            t = time.perf_counter()
+            if outer is not None:  # pause the outer stage's clock
+                self.seconds[outer] = self.seconds.get(outer, 0.0) + t - self._since
+            self.stack.append(stage)
+            self._since = t
+            try:
+                return fn(*a, **k)
+            finally:
+                e = time.perf_counter()
+                self.seconds[stage] = self.seconds.get(stage, 0.0) + e - self._since
+                self.stack.pop()
+                self._since = e
+
+        return wrapped
 
 
 def _bytes(d: Path) -> int:
@@ -76,18 +101,41 @@ def _bytes(d: Path) -> int:
     return total
 
 
-class DiskPeak:
-    """The most bytes under a directory while the block runs, summed every 0.1 s by a thread."""
+def _parts(d: Path) -> dict[str, int]:
+    """Bytes per top-level entry of an index directory (``store``, ``rotated.partial``, ``precond``, ...)."""
+    out: dict[str, int] = {}
+    for p in Path(d).iterdir() if Path(d).is_dir() else []:
+        try:
+            out[p.name] = _bytes(p) if p.is_dir() else p.stat().st_size
+        except FileNotFoundError:
+            pass
+    return out
 
-    def __init__(self, d: Path):
+
+class DiskPeak:
+    """The most bytes under a directory while the block runs, summed every 0.1 s by a thread; with
+    ``stages``, also the most per stage and what the directory held (per entry) at the overall peak."""
+
+    def __init__(self, d: Path, stages: Stages | None = None):
         import threading
 
-        self.d, self.peak, self._stop = d, 0, threading.Event()
+        self.d, self.peak, self._stop, self.stages = d, 0, threading.Event(), stages
+        self.by_stage: dict[str, int] = {}
+        self.at_peak: dict[str, int] = {}
+        self.peak_stage = ""
         self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _sample(self) -> None:
+        stage = self.stages.now if self.stages is not None else "other"
+        parts = _parts(self.d)
+        total = sum(parts.values())
+        self.by_stage[stage] = max(self.by_stage.get(stage, 0), total)
+        if total > self.peak:
+            self.peak, self.at_peak, self.peak_stage = total, parts, stage
 
     def _poll(self) -> None:
         while not self._stop.wait(0.1):
-            self.peak = max(self.peak, _bytes(self.d))
+            self._sample()
 
     def __enter__(self) -> DiskPeak:
         self._thread.start()
@@ -96,7 +144,7 @@ class DiskPeak:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _bytes(self.d))
+        self._sample()
 
 
 def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path,
@@ -131,8 +179,8 @@ def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, r
         from gradindex.index import IndexConfig
         from gradindex.pipeline import BuildConfig
 
-        seconds: dict = {}
-        _timed(seconds)
+        stages = Stages()
+        stages.wrap()
         data = Tokenized(seqs, [list(s) for s in seqs], 0, "input_ids")
         cfg = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
                           transcode="ekfac", max_length=tokens, batch_size=8,
@@ -141,14 +189,23 @@ def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, r
         with tempfile.TemporaryDirectory(prefix="gradindex-buildcost-", dir=os.environ.get("BUILDCOST_TMP")) as d:
             import gradindex.pipeline as pipeline
 
-            with DiskPeak(Path(d) / "idx") as disk:
+            with DiskPeak(Path(d) / "idx", stages) as disk:
                 pipeline.build_index(model, SimpleNamespace(pad_token_id=0), data, Path(d) / "idx", cfg,
                                      index=IndexConfig(), progress=False)
             out["index_bytes"] = _bytes(Path(d) / "idx")
             out["store_bytes"] = _bytes(Path(d) / "idx" / "store")
             out["peak_disk_bytes"] = disk.peak
             out["peak_disk_over_store"] = round(disk.peak / out["store_bytes"], 3)
-        out["stages"] = {k: round(v, 2) for k, v in seconds.items()}
+            out["peak_disk_stage"] = disk.peak_stage
+            out["disk_at_peak"] = disk.at_peak
+            out["peak_disk_by_stage_over_store"] = {k: round(v / out["store_bytes"], 3)
+                                                    for k, v in disk.by_stage.items()}
+            full = json.loads((Path(d) / "idx" / "manifest.json").read_text()).get("full_space", {})
+            if full:
+                fit = next(iter(full.values()))["fit"]
+                out["full_fit"] = {"examples": fit["examples"], "source": fit.get("source"),
+                                   "phase_seconds": fit.get("phase_seconds")}
+        out["stages"] = {k: round(v, 2) for k, v in stages.seconds.items()}
     out["seconds"] = round(time.perf_counter() - t, 2)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return out
@@ -175,6 +232,7 @@ def ratios(floor: dict, build: dict) -> dict:
     return {"x_floor": round(build["seconds"] / floor["seconds"], 3),
             "x_floor_without_faiss": round((build["seconds"] - st.get("faiss", 0.0)) / floor["seconds"], 3),
             "capture_x_floor": round(st["capture"] / floor["seconds"], 3),
+            "full_fit_x_floor": round(st.get("full_fit", 0.0) / floor["seconds"], 3),
             "after_capture_over_capture": round(after_capture / st["capture"], 3),
             "after_capture_without_faiss_over_capture":
                 round((after_capture - st.get("faiss", 0.0)) / st["capture"], 3),
@@ -186,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--before", type=Path, help="another checkout's root: its gradindex is the 'before' cell")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tiny-n", type=int, default=3000)
+    ap.add_argument("--tiny-n", type=int, default=3000, help="0: no tiny-model cells")
     ap.add_argument("--out", type=Path, default=RESULTS / "buildcost.json")
     ap.add_argument("--child")
     ap.add_argument("--n", type=int, default=512)
@@ -196,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--root", type=Path, default=ROOT)
     ap.add_argument("--allocation", default="")
+    ap.add_argument("--keep-as", default="", help="keep the --out file's earlier content under this key")
     ap.add_argument("--also-ratio", action="store_true",
                     help="a third build cell: this checkout with --allocation ratio (the split before 'cost')")
     a = ap.parse_args(argv)
@@ -214,10 +273,10 @@ def main(argv: list[str] | None = None) -> dict:
     floor = {"seconds": (peers["floor"]["seconds"] + peers["floor_again"]["seconds"]) / 2,
              "peak_rss_mb": max(peers["floor"]["peak_rss_mb"], peers["floor_again"]["peak_rss_mb"])}
     tiny_n = 200 if a.quick else a.tiny_n
-    tiny = {name: run("default", tiny_n, 16, 48, 2, 256, root) for name, root in roots.items()}
+    tiny = {name: run("default", tiny_n, 16, 48, 2, 256, root) for name, root in roots.items()} if tiny_n else {}
     res = {
         "workload": {"peers": f"GPT-2 {a.blocks}x{a.width}, vocab {a.vocab}, {n} x {a.tokens} random tokens, batch 8",
-                     "tiny": f"GPT-2 2x48, vocab 256, {tiny_n} x 16 random tokens, batch 8",
+                     **({"tiny": f"GPT-2 2x48, vocab 256, {tiny_n} x 16 random tokens, batch 8"} if tiny_n else {}),
                      "build": "build_index with the CLI defaults (auto budget, int4 EK-FAC eigenbasis rows, "
                               "default FAISS stage); one thread; each cell its own process"},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": round(load, 2),
@@ -231,6 +290,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print(json.dumps(res["ratios"], indent=1), json.dumps(res["tiny_after_capture_over_capture"]))
     a.out.parent.mkdir(parents=True, exist_ok=True)
+    if a.keep_as and a.out.exists():
+        old = json.loads(a.out.read_text())
+        res[a.keep_as] = {k: v for k, v in old.items() if k != a.keep_as}
     a.out.write_text(json.dumps(res, indent=1))
     return res
 

@@ -11,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 from torch import nn
 
 from gradindex import distributed
@@ -23,7 +24,8 @@ from gradindex.manifest import manifest_path, read_manifest
 from gradindex.plan import BuildPlan, plan_build
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
-from gradindex.precondition.fullspace import budget_bound
+from gradindex.precondition.factors import sample_rows
+from gradindex.precondition.fullspace import HeadGrads, budget_bound, keep_build_sums
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.store.builder import BuildConfig, BuildResult, build_store, refuse_foreign
 
@@ -73,15 +75,17 @@ def build_index(
         plan = plan_build(model, cfg, len(data), index is not None,
                           *((index.factory, index.sketch_bytes) if index is not None else ()))
         _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
+        rows = _full_fit_rows(cfg, plan, len(data), rerank_fit)
+        heads = HeadGrads() if rows is not None and len(rows) == len(data) else None
         with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept"):
             res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
-                              overwrite=overwrite, progress=progress, repair=repair)
+                              overwrite=overwrite, progress=progress, repair=repair, full_fit_rows=rows, heads=heads)
         if distributed.rank() > 0:  # under torchrun: the fit, transcode and indices read the store, on rank 0
             distributed.barrier()
             res.seconds = time.perf_counter() - t0
             return res, None
         try:
-            return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0, plan, rerank_fit)
+            return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0, plan, rerank_fit, heads)
         finally:
             distributed.barrier()
 
@@ -90,18 +94,38 @@ def rerank_fit_config(cfg: BuildConfig, manifest: dict, n: int, asked: bool | No
     """The full-space fit a build makes for the exact re-rank, or ``None``: ``asked`` (``None``: where
     the rows are a budget-bound projection, :func:`~gradindex.precondition.fullspace.budget_bound`)
     and ``cfg.precondition`` is kfac/ekfac, on every example up to :data:`RERANK_FIT_EXAMPLES`."""
-    if cfg.precondition not in ("kfac", "ekfac") or manifest["build"].get("optimizer"):
-        return None
-    if not (asked if asked is not None else budget_bound(manifest)):
+    return _rerank_fit(cfg, n, asked if asked is not None else budget_bound(manifest),
+                       bool(manifest["build"].get("optimizer")))
+
+
+def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitConfig | None:
+    if cfg.precondition not in ("kfac", "ekfac") or optimizer or not wanted:
         return None
     return FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed,
                      space="full", fit_examples=0 if n <= RERANK_FIT_EXAMPLES else RERANK_FIT_EXAMPLES)
 
 
+def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None) -> np.ndarray | None:
+    """The examples of the full-space fit the build will make (:func:`rerank_fit_config`, budget-bound
+    judged from the plan's row sizes), whose ``A`` and ``S`` its capture pass sums; None where it makes none."""
+    if plan.approximate:
+        return None
+    stored = sum(lp.numbers for lp in plan.layers)
+    whole = sum(lp.n_out * lp.n_in for lp in plan.layers)
+    bound = str(cfg.budget or "").strip() not in ("", "0") and stored < whole
+    full = _rerank_fit(cfg, n, asked if asked is not None else bound, bool(cfg.optimizer_state))
+    return None if full is None else sample_rows(n, full.fit_examples, full.seed)
+
+
 def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfig | None, res: BuildResult,
-            progress: bool, t0: float, plan: BuildPlan,
-            rerank_fit: bool | None = None) -> tuple[BuildResult, IndexBuildResult | None]:
-    """The stages after the capture: fit, transcode, FAISS indices (one process), each checked for disk space."""
+            progress: bool, t0: float, plan: BuildPlan, rerank_fit: bool | None = None,
+            heads: HeadGrads | None = None) -> tuple[BuildResult, IndexBuildResult | None]:
+    """The stages after the capture: fit, transcode, the full-space fit (its factor sums from the capture
+    pass kept as its checkpoint first: the transcoded shards do not hold them), FAISS indices (one
+    process), each checked for disk space."""
+    full = rerank_fit_config(cfg, res.manifest, len(data), rerank_fit)
+    if full is not None and full.method not in res.manifest.get("full_space", {}) and not res.manifest.get("transcode"):
+        keep_build_sums(out_dir, full, tokenizer, data)  # the fit's checkpoint: the transcode drops the shards' sums
     fit = None if cfg.precondition == "none" else \
         FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
     kept = "the captured rows are kept (and the transcode's finished shards)"
@@ -111,10 +135,9 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
                                              res.manifest)
         elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
             fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
-    full = rerank_fit_config(cfg, res.manifest, len(data), rerank_fit)
     if full is not None and full.method not in read_manifest(out_dir).get("full_space", {}):
         with disk_full_as_error(out_dir, "full-space fit", "the store and its stored-space fit are complete and kept"):
-            fit_preconditioner(out_dir, full, model, tokenizer, data, progress=progress)
+            fit_preconditioner(out_dir, full, model, tokenizer, data, progress=progress, heads=heads)
         res.manifest = read_manifest(out_dir)
     res.seconds = time.perf_counter() - t0
     if index is None:

@@ -150,7 +150,10 @@ def test_full_space_factors_and_correction_equal_dense_float64(case):
 
     with h5py.File(fs.full_path(d, "ekfac"), "r") as f:
         for n in ref.layers:
-            A, S = f["layers"][n]["A"][:], f["layers"][n]["S"][:]
+            L = f["layers"][n]
+            assert "A" not in L and "S" not in L  # (full-space files keep the eigen-decomposition only)
+            A = L["Q_A"][:] @ np.diag(L["lambda_A"][:]) @ L["Q_A"][:].T
+            S = L["Q_S"][:] @ np.diag(L["lambda_S"][:]) @ L["Q_S"][:].T
             assert _rel(A, ref.A[n]) < 1e-5 and _rel(S, ref.S[n]) < 1e-5
     for n in ref.layers:
         Q_S, Q_A = ek.curvature[n]["Q_S"], ek.curvature[n]["Q_A"]
@@ -238,7 +241,7 @@ def test_killed_full_space_fit_resumes(tmp_path, gpt2_dir, text_jsonl, monkeypat
     with h5py.File(fs.full_path(d, "ekfac"), "r") as fa, h5py.File(fs.full_path(ref_dir, "ekfac"), "r") as fb:
         for n in a.layers:
             np.testing.assert_allclose(a.curvature[n]["Lambda"], b.curvature[n]["Lambda"], rtol=1e-10, atol=0)
-            for key in ("A", "S"):
+            for key in ("lambda_A", "lambda_S"):
                 np.testing.assert_allclose(fa["layers"][n][key][:], fb["layers"][n][key][:], rtol=1e-12, atol=0)
 
 
@@ -253,7 +256,7 @@ def test_factors_from_the_build_pass_skip_the_factor_pass(tmp_path, gpt2_dir, te
     fa, fb = h5py.File(fs.full_path(a, "ekfac"), "r"), h5py.File(fs.full_path(b, "ekfac"), "r")
     with fa, fb:
         for n in fa["layers"]:  # same sums up to float32 summation order; Σ Λ* = mean ‖G‖² in any basis
-            for key in ("A", "S"):
+            for key in ("lambda_A", "lambda_S"):
                 assert _rel(fa["layers"][n][key][:], fb["layers"][n][key][:]) < 1e-5, (n, key)
             assert fa["layers"][n]["Lambda"][:].sum() == pytest.approx(fb["layers"][n]["Lambda"][:].sum(), rel=1e-5)
 

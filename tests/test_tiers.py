@@ -17,7 +17,7 @@ from gradindex.index import IndexConfig, OpenIndex, build_indices
 from gradindex.index import tier as tier_mod
 from gradindex.index.cost import choose_kind, lookup_cost
 from gradindex.index.scan import CodeScanner, StoreScan
-from gradindex.index.sketch import Sketch, allocate, encode_sketch
+from gradindex.index.sketch import Sketch, SketchIndex, allocate, encode_sketch, split_levels
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
@@ -109,6 +109,29 @@ def test_sketch_inner_products_are_within_the_jl_bound(default_index):
     assert (z ** 2).mean() <= 1.0  # E[err²] <= the variance bound
     assert (np.abs(z) > 3).mean() <= 1 / 9  # Chebyshev
     assert (zq ** 2).mean() <= 1.05 * (z ** 2).mean() + 0.01
+
+
+@pytest.mark.parametrize("m", [1, 7, 300])
+def test_sketch_scan_equals_the_decoded_codes_by_both_kernels(m, monkeypatch):
+    """The int8 matrix product (two query levels) and FAISS's kernel both give ``decode(codes) @ y``."""
+    rng = np.random.default_rng(m)
+    y = rng.standard_normal((500, m)).astype(np.float32) * rng.lognormal(0, 1, (500, 1)).astype(np.float32)
+    codes, scales = encode_sketch(y)
+    yhat = (codes.view(np.int8) ^ np.int8(-128)).astype(np.float64) * scales[:, None]
+    q = rng.standard_normal((11, m)).astype(np.float32)
+    want = q.astype(np.float64) @ yhat.T
+    sk = Sketch(0, {"a": m}, {"a": m})
+    fast = SketchIndex(sk, codes, scales, block=128)
+    got = fast.scores(q, batch=4)
+    assert (fast.index is None) == (m > 1)  # torch's kernel is wrong at m = 1: FAISS serves it
+    assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
+    levels, f = split_levels(q)
+    assert levels.dtype == np.int8 and np.abs(levels).max() <= 127
+    np.testing.assert_allclose(levels[:11] * f[:11, None] + levels[11:] * f[11:, None], q, atol=1e-4 * np.abs(q).max())
+    monkeypatch.setattr("gradindex.index.sketch._int_mm_works", lambda m: False)
+    slow = SketchIndex(sk, codes, scales, block=128)
+    assert slow.index is not None and slow.codes is None
+    assert np.abs(slow.scores(q) - want).max() <= 2e-4 * np.abs(want).max()
 
 
 def test_store_kind_is_exact_and_writes_no_copy(default_index, tmp_path):

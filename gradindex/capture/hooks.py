@@ -274,6 +274,8 @@ class GradientCapture:
         self.full_a: dict[str, torch.Tensor] = {}
         self.full_g: dict[str, torch.Tensor] = {}
         self.full_tokens: dict[str, int] = {}
+        self.full_select: torch.Tensor | None = None
+        """Batch positions whose tokens the full sums take (``None``: all; set per batch by the caller)."""
 
     # -- shapes -------------------------------------------------------------------------------
     def side_size(self, name: str, side: str) -> int:
@@ -481,19 +483,39 @@ class GradientCapture:
         return G.reshape(B, -1) if t is None else t.select(G.reshape(B, -1))
 
     def _add_full_covariance(self, name: str, a: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
-        """Add the unprojected ``Σ a aᵀ`` (with the bias column) and ``Σ g gᵀ`` over real tokens."""
+        """Add the unprojected ``Σ a aᵀ`` (with the bias column) and ``Σ g gᵀ`` over real tokens (of the
+        examples at :attr:`full_select` only, when set)."""
+        sel = self.full_select
+        if sel is not None and a.dim() != 3:  # (tokens not laid out per example: no selection; the sums are
+            self.ensure_full_sums(name, a.device)  # marked unusable, and the fit makes its own factor pass)
+            self.full_a[name].fill_(float("nan"))
+            return
+        if sel is not None:
+            sel = sel.to(a.device)
+            a, g, m = a[sel], g[sel], None if m is None else m[sel]
+        self.ensure_full_sums(name, a.device)
+        if a.shape[0] == 0:
+            return
         a1 = _with_ones(a, m, self.infos[name].bias)
         a2 = a1.reshape(-1, a1.shape[-1])
         g2 = (g if m is None else g * m).reshape(-1, g.shape[-1])
-        if name not in self.full_a:
-            z = dict(dtype=torch.float64, device=a.device)
-            self.full_a[name] = torch.zeros(a2.shape[1], a2.shape[1], **z)
-            self.full_g[name] = torch.zeros(g2.shape[1], g2.shape[1], **z)
-            self.full_tokens[name] = 0
         block = gram_block(a.device)
         add_gram(self.full_a[name], a2, block)
         add_gram(self.full_g[name], g2, block)
-        self.full_tokens[name] += self._tokens(a, m)
+        self.full_tokens[name] += self._tokens(a, m) if sel is None else \
+            (a.shape[0] * a.shape[1] if m is None else int(m.sum()))
+
+    def ensure_full_sums(self, name: str | None = None, device: torch.device | None = None) -> None:
+        """Zero full sums for layer ``name`` (``None``: every layer) where none are held yet: a shard
+        none of whose examples are selected still stores (zero) sums."""
+        device = device if device is not None else next(self.model.parameters()).device
+        for n in [name] if name is not None else list(self.infos):
+            if n not in self.full_a:
+                info = self.infos[n]
+                z = dict(dtype=torch.float64, device=device)
+                self.full_a[n] = torch.zeros(info.n_in_total, info.n_in_total, **z)
+                self.full_g[n] = torch.zeros(info.n_out, info.n_out, **z)
+                self.full_tokens[n] = 0
 
     def _tokens(self, a: torch.Tensor, m: torch.Tensor | None) -> int:
         """Real tokens in the batch (one host sync per batch, not per layer)."""

@@ -120,6 +120,7 @@ def fit_preconditioner(
     data: Tokenized | None = None,
     progress: bool = False,
     manifest: dict | None = None,
+    heads=None,
 ) -> dict:
     """Fit ``cfg.method`` on the index in ``index_dir``; return the manifest's ``preconditioners``.
 
@@ -128,11 +129,12 @@ def fit_preconditioner(
     ``cfg.space == 'full'`` fits full-space curvature instead and returns the manifest's ``full_space``.
     ``manifest``: the index's, when the caller holds it (the pipeline): it is used instead of
     reading the file, and updated in place with the new entries before it is written.
+    ``heads``: the capture's :class:`~gradindex.precondition.fullspace.HeadGrads` (full space only).
     """
     space = " --space full" if cfg.space == "full" else ""
     with index_lock(index_dir, f"gradindex precondition --method {cfg.method}{space}"):
         if cfg.space == "full":
-            return fit_full_space(index_dir, cfg, model, tokenizer, data, progress)
+            return fit_full_space(index_dir, cfg, model, tokenizer, data, progress, heads=heads)
         return _fit(index_dir, cfg, model, tokenizer, data, progress, manifest)
 
 

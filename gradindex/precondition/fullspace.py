@@ -66,11 +66,14 @@ from gradindex.precondition.files import (
 from gradindex.precondition.preconditioner import Preconditioner
 from gradindex.progress import progress_bar
 from gradindex.store import Store
-from gradindex.store.covariance import read_covariance
+from gradindex.store.covariance import covariance_rows, read_covariance, rows_digest
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
 FULL = "-full"
+FULL_KEYS = ("lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda")
+"""What a full-space file holds per layer: the eigenbases and eigenvalues (``A``, ``S`` are ``Q diag(λ) Qᵀ``;
+at ``[N_o, N_i(+1)]`` they would add about 40% to the files, which a query never reads)."""
 STATE = "full-space.state.npz"
 
 
@@ -157,32 +160,34 @@ class _CorrectionSums:
         return {f"C/{n}": v.cpu().numpy() for n, v in self.sums.items()}
 
 
-class _HeadGrads:
-    """Per batch (by its first row), the factor pass's gradient w.r.t. the final hidden states, on the CPU,
-    up to ``budget`` bytes; the correction pass replays it instead of running the LM head and the loss."""
+class HeadGrads:
+    """Per batch (by its examples' data indices), the gradient w.r.t. the final hidden states of an earlier
+    pass over the same batch (the fit's factor pass, or the build's capture), on the CPU, up to ``budget``
+    bytes; the correction pass replays it instead of running the LM head and the loss."""
 
-    def __init__(self, budget: int):
-        self.budget, self.bytes, self.grads = budget, 0, {}
+    def __init__(self, budget: int = 0):
+        self.budget, self.bytes, self.grads = budget or HEAD_CACHE_BYTES, 0, {}
 
-    def put(self, key: int, grad: torch.Tensor) -> None:
+    def put(self, key, grad: torch.Tensor) -> None:
         size = grad.numel() * grad.element_size()
         if self.bytes + size <= self.budget:
-            self.grads[key] = grad.detach().cpu()
+            self.grads[tuple(int(i) for i in key)] = grad.detach().cpu()
             self.bytes += size
 
-    def pop(self, key: int) -> torch.Tensor | None:
-        return self.grads.pop(key, None)
+    def pop(self, key) -> torch.Tensor | None:
+        return self.grads.pop(tuple(int(i) for i in key), None)
 
 
-def build_pass_factors(index_dir: str | os.PathLike, layers: list[str]) -> tuple[dict, int] | None:
+def build_pass_factors(index_dir: str | os.PathLike, layers: list[str], rows: str = "") -> tuple[dict, int] | None:
     """``({"A/<layer>": Σ a aᵀ, "S/<layer>": Σ g gᵀ}, tokens)`` summed over the shards' ``covariance_full``
-    groups (a build with ``full_factors``), or ``None`` unless every shard has finite ones."""
+    groups (a build with ``full_factors``, or the default build's sums over its re-rank fit set), or
+    ``None`` unless every shard has finite ones over the examples of digest ``rows`` (empty: all)."""
     with Store(index_dir) as store:
         paths = list(store.paths)
     arrays: dict[str, np.ndarray] = {}
     tokens = 0
     for path in paths:
-        got = read_covariance(path, "covariance_full", layers)
+        got = read_covariance(path, "covariance_full", layers) if covariance_rows(path) == rows else None
         if got is None:
             return None
         for n, sides in got.items():
@@ -201,7 +206,7 @@ def _batches(rows: np.ndarray, start: int, size: int):
 
 
 def _model_pass(model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: list[str], visit, start: int,
-                batch_size: int, desc: str, progress: bool, checkpoint, heads: _HeadGrads | None = None,
+                batch_size: int, desc: str, progress: bool, checkpoint, heads: HeadGrads | None = None,
                 record: bool = False) -> int:
     """Forward + weight-free backward over ``rows[start:]``; ``checkpoint(done)`` now and then; tokens seen.
 
@@ -216,23 +221,27 @@ def _model_pass(model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: l
             heads = None
         for s, idx in _batches(rows, start, batch_size):
             ids = [data.input_ids[i] for i in idx]
-            known = None if heads is None or record else heads.pop(s)
+            known = None if heads is None or record else heads.pop(idx)
             bg = batch_gradients(model, cap, ids, [data.labels[i] for i in idx], pad_id, head_grad=known,
                                  keep_head_grad=heads is not None and record)
             if bg.head_grad is not None:
-                heads.put(s, bg.head_grad)
+                heads.put(idx, bg.head_grad)
             tokens += sum(len(x) for x in ids)
             bar.update(len(idx))
             checkpoint(s + len(idx), tokens)
     return tokens
 
 
+BUILD_PASS = "build pass"
+
+
 class _State:
-    """The resumable state of a fit: stage, rows done, sums; saved atomically to ``precond/`` now and then."""
+    """The resumable state of a fit: stage, rows done, sums (``source``: :data:`BUILD_PASS` where the factor
+    sums came from the capture pass); saved atomically to ``precond/`` now and then."""
 
     def __init__(self, path: Path, key: str, every: float):
         self.path, self.key, self.every = path, key, every
-        self.stage, self.done, self.tokens = "factors", 0, 0
+        self.stage, self.done, self.tokens, self.source = "factors", 0, 0, ""
         self.arrays: dict[str, np.ndarray] = {}
         self._last = time.monotonic()
 
@@ -244,6 +253,7 @@ class _State:
                 if str(z["key"]) != self.key:
                     return False
                 self.stage, self.done, self.tokens = str(z["stage"]), int(z["done"]), int(z["tokens"])
+                self.source = str(z["source"]) if "source" in z.files else ""
                 self.arrays = {k[2:]: z[k] for k in z.files if k.startswith("a:")}
         except (OSError, ValueError, KeyError):  # torn file: start over
             return False
@@ -251,7 +261,7 @@ class _State:
 
     def save(self) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp.npz")
-        np.savez(tmp, key=self.key, stage=self.stage, done=self.done, tokens=self.tokens,
+        np.savez(tmp, key=self.key, stage=self.stage, done=self.done, tokens=self.tokens, source=self.source,
                  **{f"a:{k}": v for k, v in self.arrays.items()})
         os.replace(tmp, self.path)
         self._last = time.monotonic()
@@ -290,7 +300,8 @@ def _eigen_factors(state: _State, layers: list[str], examples: int) -> dict[str,
                              "non-finite activations or gradients (fit on others with --fit-data)")
         lam_A, Q_A = eigendecompose(A)
         lam_S, Q_S = eigendecompose(S)
-        factors[n] = LayerFactors(A, S, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, examples)
+        none = np.zeros((0, 0))  # (A and S are not kept: the files hold FULL_KEYS only)
+        factors[n] = LayerFactors(none, none, lam_A, Q_A, lam_S, Q_S, kfac_eigenvalues(lam_S, lam_A), tokens, examples)
     return factors
 
 
@@ -298,10 +309,10 @@ class _Pass:
     """The model passes of one full-space fit (factor sums, then EK-FAC's correction), checkpointed in ``state``."""
 
     def __init__(self, model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: list[str], bs: int,
-                 state: _State, progress: bool):
+                 state: _State, progress: bool, heads: HeadGrads | None = None):
         self.model, self.pad_id, self.data, self.rows, self.layers, self.bs = model, pad_id, data, rows, layers, bs
         self.state, self.progress = state, progress
-        self.heads = _HeadGrads(HEAD_CACHE_BYTES)
+        self.heads = heads if heads is not None else HeadGrads()
         self.device = next(model.parameters()).device
 
     def factors(self, shapes: dict, method: str) -> None:
@@ -339,11 +350,14 @@ class _Pass:
 
 
 def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None, data: Tokenized | None = None,
-                   progress: bool = False, checkpoint_seconds: float = 60.0) -> dict:
+                   progress: bool = False, checkpoint_seconds: float = 60.0, heads: HeadGrads | None = None) -> dict:
     """Fit full-space K-FAC (and EK-FAC when ``cfg.method == 'ekfac'``); return the manifest's ``full_space``.
 
     ``cfg`` is a :class:`~gradindex.precondition.fit.FitConfig`; its ``fit_data`` / ``fit_examples``
-    choose the fit set as for the stored-space fit (default: every finite indexed example).
+    choose the fit set as for the stored-space fit (default: every finite indexed example). Where the
+    build's capture pass summed ``A`` and ``S`` over exactly that set (:func:`build_pass_factors`),
+    the factor pass is skipped; ``heads``: the capture's gradients w.r.t. the final hidden states
+    (:class:`HeadGrads`), which spare the correction pass the LM head on those batches.
     """
     t0 = time.perf_counter()
     manifest = read_complete_manifest(index_dir, "fit")
@@ -351,24 +365,9 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     layers = list(shapes)
     if model is None or tokenizer is None:
         model, tokenizer = load_build_model(manifest, cfg.device)
-    data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
+    data, rows, source, fp, state = _start(index_dir, manifest, cfg, tokenizer, data, checkpoint_seconds)
     bs = int(manifest.get("config", {}).get("batch_size", 8))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    fp = data_fingerprint(data)
-    key = digest_bytes([json.dumps([manifest["build"]["model_fingerprint"], fp, layers, rows.tolist(), bs,
-                                    cfg.method]).encode()])
-    (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
-    state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
-    from_build = None if (cfg.fit_data or cfg.fit_examples) else build_pass_factors(index_dir, layers)
-    if from_build is not None:
-        damage = check_store(index_dir, full=True, manifest=manifest)
-        if damage:
-            raise damage_error(index_dir, damage, then="fit")
-    if state.load():
-        log.info("resuming the full-space fit at %s, %d/%d examples", state.stage, state.done, len(rows))
-    elif from_build is not None:  # the build pass summed the factors: only the correction pass is left
-        state.arrays, state.tokens = from_build
-        state.stage = "correction" if cfg.method == "ekfac" else "done"
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
     phases: dict[str, list[float]] = {}
@@ -380,7 +379,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         clock[:] = now
 
     try:
-        passes = _Pass(model, pad_id, data, rows, layers, bs, state, progress)
+        passes = _Pass(model, pad_id, data, rows, layers, bs, state, progress, heads)
         if state.stage == "factors":
             passes.factors(shapes, cfg.method)
             lap("factor_pass")
@@ -393,7 +392,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         for n, p in model.named_parameters():
             p.requires_grad_(was[n])
     tokens = state.tokens
-    fit = {"source": "model pass" if from_build is None else "build pass + model pass", "space": "full",
+    fit = {"source": "build pass + model pass" if state.source == BUILD_PASS else "model pass", "space": "full",
            "data": source, "data_fingerprint": fp,
            "examples": int(len(rows)), "tokens": {n: int(tokens) for n in layers},
            "tokens_per_example": round(tokens / len(rows), 3),
@@ -403,11 +402,60 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     return _record(index_dir, cfg, manifest, layers, written, fit, state, t0)
 
 
+def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None,
+           checkpoint_seconds: float) -> tuple[Tokenized, np.ndarray, str, str, _State]:
+    """The fit set (data, rows, where from, fingerprint) and the fit's state: resumed from its checkpoint,
+    else from the capture pass's sums over that set (only the correction pass left), else from scratch."""
+    layers = list(full_shapes(manifest))
+    data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
+    bs = int(manifest.get("config", {}).get("batch_size", 8))
+    fp = data_fingerprint(data)
+    key = digest_bytes([json.dumps([manifest["build"]["model_fingerprint"], fp, layers, rows.tolist(), bs,
+                                    cfg.method]).encode()])
+    (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
+    state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
+    if state.load():
+        log.info("resuming the full-space fit at %s, %d/%d examples", state.stage, state.done, len(rows))
+        return data, rows, source, fp, state
+    from_build = _build_sums(index_dir, manifest, cfg, layers, rows)
+    if from_build is not None:  # the build pass summed the factors: only the correction pass is left
+        damage = check_store(index_dir, full=True, manifest=manifest)
+        if damage:
+            raise damage_error(index_dir, damage, then="fit")
+        state.arrays, state.tokens = from_build
+        state.stage, state.source = ("correction" if cfg.method == "ekfac" else "done"), BUILD_PASS
+    return data, rows, source, fp, state
+
+
+def keep_build_sums(index_dir: str | os.PathLike, cfg, tokenizer, data: Tokenized | None = None) -> bool:
+    """Save the capture pass's full-space sums over ``cfg``'s fit set as the fit's checkpoint (before the
+    transcode replaces the shards that hold them; :func:`fit_full_space` then resumes from it). Whether saved."""
+    manifest = read_complete_manifest(index_dir, "fit")
+    _, _, _, _, state = _start(index_dir, manifest, cfg, tokenizer, data, 0.0)
+    if state.source != BUILD_PASS or state.path.exists():
+        return False
+    state.save()
+    return True
+
+
+def _build_sums(index_dir, manifest: dict, cfg, layers: list[str], rows: np.ndarray) -> tuple[dict, int] | None:
+    """The capture pass's full-space sums over exactly the fit set ``rows``, or None (:func:`build_pass_factors`)."""
+    if cfg.fit_data:
+        return None
+    if not cfg.fit_examples:
+        return build_pass_factors(index_dir, layers)
+    sample = sample_rows(int(manifest["counts"]["examples"]), cfg.fit_examples, cfg.seed)
+    if len(sample) != len(rows):  # (a sampled example is non-finite: the sums hold it)
+        return None
+    return build_pass_factors(index_dir, layers, "" if len(sample) == int(manifest["counts"]["examples"])
+                              else rows_digest(sample))
+
+
 def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fit: dict, state: _State,
             t0: float) -> dict:
     """Write each fitted method's file and its ``full_space`` manifest entry; drop the checkpoint."""
     for m, fac in written.items():
-        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit)
+        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit, FULL_KEYS)
     seconds = time.perf_counter() - t0
     manifest = read_manifest(index_dir)
     entries = manifest.setdefault("full_space", {})

@@ -13,10 +13,15 @@ from gradindex.store.shards import ShardWriter
 
 
 def append_batch(w: ShardWriter, model: nn.Module, capture: GradientCapture, data: Tokenized, s: int, e: int,
-                 pad_id: int, hashes: list[bytes], rows=None) -> np.ndarray:
+                 pad_id: int, hashes: list[bytes], rows=None, heads=None) -> np.ndarray:
     """Capture examples ``s:e`` and append them to ``w`` (non-finite rows as zeros, through ``rows(grads)``
-    when given), with their loss, token count, finite flag and token hash; return the ``[e - s]`` finite mask."""
-    bg = batch_gradients(model, capture, data.input_ids[s:e], data.labels[s:e], pad_id)
+    when given), with their loss, token count, finite flag and token hash; return the ``[e - s]`` finite mask.
+    ``heads`` (a :class:`~gradindex.precondition.fullspace.HeadGrads`): keep the batch's gradient w.r.t. the
+    final hidden states there (the model must have a plain head), for the full-space fit's correction pass."""
+    bg = batch_gradients(model, capture, data.input_ids[s:e], data.labels[s:e], pad_id,
+                         keep_head_grad=heads is not None)
+    if heads is not None:
+        heads.put(range(s, e), bg.head_grad)
     grads = {n: v.cpu().numpy() for n, v in bg.grads.items()}
     ok = finite_rows(grads)
     if not ok.all():

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
 
 import gradindex
@@ -19,6 +20,7 @@ from gradindex.adapter import adapter_fingerprint, adapter_path
 from gradindex.capture import GradientCapture, ProjectionSpec
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.allocation import ALLOCATIONS
+from gradindex.capture.head import plain_head
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
@@ -45,7 +47,7 @@ from gradindex.spec.rows import RowSpec
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.append import append_batch
 from gradindex.store.basis import RowBasis, capture_transforms, index_basis
-from gradindex.store.covariance import write_covariance
+from gradindex.store.covariance import rows_digest, write_covariance
 from gradindex.store.repair import repair_eigenbasis_store
 from gradindex.store.sizing import basis_identity, full_space_basis, sized_projection
 
@@ -230,17 +232,23 @@ def build_store(
     overwrite: bool = False,
     progress: bool = True,
     repair: bool = False,
+    full_fit_rows: np.ndarray | None = None,
+    heads=None,
 ) -> BuildResult:
     """Capture every example's projected gradient into ``out_dir/store`` (resuming if present).
 
     Holds ``out_dir``'s write lock (:mod:`gradindex.lock`) throughout. Committed shards are
     checked against their recorded hashes first (``repair``: whole files, else the cheap sampled
     check); a damaged one is moved to ``out_dir/damaged/`` and recomputed.
+    ``full_fit_rows``: also sum the full-space ``A`` and ``S`` over these examples (sorted data indices:
+    the full-space fit's set, which then skips its factor pass); ``heads``: keep each batch's gradient
+    w.r.t. the final hidden states there (:class:`~gradindex.precondition.fullspace.HeadGrads`).
     """
     out = Path(out_dir)
     refuse_foreign(out)
     with index_lock(out, "gradindex build"):
-        return _build_store(model, tokenizer, data, out, cfg, model_id, data_id, overwrite, progress, repair)
+        return _build_store(model, tokenizer, data, out, cfg, model_id, data_id, overwrite, progress, repair,
+                            full_fit_rows, heads)
 
 
 @dataclass
@@ -256,7 +264,8 @@ class _Setup:
     write_basis: object
 
 
-def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, progress: bool) -> _Setup:
+def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, progress: bool,
+           full_sums: bool = False) -> _Setup:
     """Fingerprints, the whitened basis (its factor pass, if any), the projection sizes and the capture."""
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
@@ -273,7 +282,7 @@ def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildCo
     capture = GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
                               collect_covariance=cfg.collect_covariance
                               or (cfg.precondition != "none" and cfg.fisher == "empirical"),
-                              collect_full_covariance=cfg.full_factors, transforms=transforms)
+                              collect_full_covariance=cfg.full_factors or full_sums, transforms=transforms)
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer)
     return _Setup(hashes, data_fp, pad_id, spec, capture, identity, write)
@@ -307,9 +316,10 @@ def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConf
 
 
 def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str,
-                 data_id: str, overwrite: bool, progress: bool, repair: bool) -> BuildResult:
+                 data_id: str, overwrite: bool, progress: bool, repair: bool, full_fit_rows: np.ndarray | None = None,
+                 heads=None) -> BuildResult:
     t0 = time.perf_counter()
-    st = _setup(model, tokenizer, data, out, cfg, progress)
+    st = _setup(model, tokenizer, data, out, cfg, progress, full_fit_rows is not None)
     old = distributed.on_rank0(lambda: prepare_out_dir(out, st.identity, overwrite))  # (it may delete: one rank)
     if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
         computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
@@ -329,7 +339,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         write_manifest(out, manifest)
     distributed.barrier()  # the other ranks write their shards once rank 0 has set the directory up
     nonfinite, computed = write_shards(out, model, st.capture, data, cfg, st.pad_id, st.hashes, st.data_fp,
-                                       set(manifest.get("nonfinite_ids", [])), progress)
+                                       set(manifest.get("nonfinite_ids", [])), progress, full_fit_rows, heads)
     parts = distributed.gather((sorted(nonfinite), dict(st.capture.route_counts), computed))
     seconds = time.perf_counter() - t0
     routes: dict[str, int] = {}
@@ -349,10 +359,12 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
 
 
 def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig,
-                 pad_id: int, hashes: list, data_fp: str, nonfinite: set[int], progress: bool) -> tuple[set[int], int]:
+                 pad_id: int, hashes: list, data_fp: str, nonfinite: set[int], progress: bool,
+                 full_rows: np.ndarray | None = None, heads=None) -> tuple[set[int], int]:
     """The store's one shard-writing loop: each shard this rank owns and has not committed is captured,
     sealed and committed (hashed in a thread, overlapping the next capture); returns the examples with
-    non-finite gradients and how many examples were computed now."""
+    non-finite gradients and how many examples were computed now. ``full_rows``, ``heads``: as for
+    :func:`build_store` (the full sums over ``full_rows`` only, their digest stored with them)."""
     N, S, B = len(data), cfg.shard_size, cfg.batch_size
     dims = {n: capture.dim(n) for n in capture.infos}
     computed = 0
@@ -362,6 +374,9 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
     hashing = ThreadPoolExecutor(1, thread_name_prefix="gradindex-hash")  # commits overlap the next capture
     commits: list[Future] = []
     factors = capture.collect_covariance or capture.collect_full_covariance
+    select, digest = _full_selection(full_rows, N)
+    if heads is not None and (distributed.world_size() > 1 or plain_head(model, set(capture.modules.values())) is None):
+        heads = None
     try:
         with capture:
             for k, start, end in shards:
@@ -379,7 +394,9 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
                 try:
                     for s in range(start + done, end, B):
                         e = min(s + B, end)
-                        ok = append_batch(w, model, capture, data, s, e, pad_id, hashes)
+                        if select is not None:
+                            capture.full_select = torch.from_numpy(np.nonzero(select[s:e])[0])
+                        ok = append_batch(w, model, capture, data, s, e, pad_id, hashes, heads=heads)
                         if not ok.all():
                             bad = [int(s + i) for i in np.nonzero(~ok)[0]]
                             nonfinite.update(bad)
@@ -387,7 +404,9 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
                         computed += e - s
                         bar.update(e - s)
                     if factors:
-                        write_covariance(w.file, capture)
+                        if capture.collect_full_covariance:
+                            capture.ensure_full_sums()
+                        write_covariance(w.file, capture, digest)
                     w.seal()
                 except BaseException:
                     w.abort()  # (a full disk: no HDF5 handle left to fail again, or crash, at exit)
@@ -399,9 +418,19 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
         for f in commits:
             f.result()
     finally:
+        capture.full_select = None
         hashing.shutdown(wait=True)
         bar.close()
     return nonfinite, computed
+
+
+def _full_selection(rows: np.ndarray | None, n: int) -> tuple[np.ndarray | None, str]:
+    """``([n]`` membership mask or None for all, the digest the shards record``)`` of full sums over ``rows``."""
+    if rows is None or len(rows) == n:
+        return None, ""
+    mask = np.zeros(n, bool)
+    mask[np.asarray(rows, np.int64)] = True
+    return mask, rows_digest(rows)
 
 
 def _move_damaged_aside(out: Path, full: bool) -> None:

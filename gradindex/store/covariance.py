@@ -18,13 +18,16 @@ from gradindex.capture.gram import upper_to_symmetric
 GROUPS = ("covariance", "covariance_full")
 
 
-def write_covariance(file: h5py.File, capture) -> None:
-    """Store a shard's sums from ``capture``'s accumulators (both groups, where collected), then reset them."""
+def write_covariance(file: h5py.File, capture, full_rows: str = "") -> None:
+    """Store a shard's sums from ``capture``'s accumulators (both groups, where collected), then reset them;
+    ``full_rows``: the digest of the examples the full sums take (empty: all), an attribute of their group."""
     for group, (A, S, T) in (("covariance", (capture.cov_a, capture.cov_g, capture.cov_tokens)),
                              ("covariance_full", (capture.full_a, capture.full_g, capture.full_tokens))):
         if not A:
             continue
         g = file.create_group(group)
+        if group == "covariance_full" and full_rows:
+            g.attrs["rows"] = full_rows
         read = upper_to_symmetric if group == "covariance_full" else np.asarray  # full: upper triangles summed
         for n in capture.infos:
             if n in A:
@@ -46,3 +49,17 @@ def read_covariance(path: str | Path, group: str, layers: Sequence[str]) -> dict
         if grp is None or any(n not in grp for n in layers):
             return None
         return {n: (grp[n]["A"][:], grp[n]["S"][:], int(grp[n].attrs["tokens"])) for n in layers}
+
+
+def covariance_rows(path: str | Path, group: str = "covariance_full") -> str | None:
+    """The digest of the examples one shard's ``group`` sums take (``""``: all of them), or None without it."""
+    with h5py.File(path, "r") as f:
+        grp = f.get(group)
+        return None if grp is None else str(grp.attrs.get("rows", ""))
+
+
+def rows_digest(rows) -> str:
+    """The digest a shard's full sums record for the examples they take (sorted data indices)."""
+    import hashlib
+
+    return hashlib.sha256(np.asarray(rows, dtype=np.int64).tobytes()).hexdigest()[:32]

@@ -1,0 +1,129 @@
+"""The default budget-bound build sums the full-space ``A`` and ``S`` in its capture pass (issue 17): its
+full-space fit skips the factor pass and replays the capture's head gradients, and writes the same
+curvature as the separate passes (``gradindex precondition --space full`` on a build without the sums),
+also for a sampled fit set (more examples than ``RERANK_FIT_EXAMPLES``)."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+import gradindex.pipeline as pipeline
+from gradindex.capture import ProjectionSpec
+from gradindex.data import load_records, tokenize_records
+from gradindex.manifest import read_manifest
+from gradindex.model import load_causal_lm
+from gradindex.pipeline import BuildConfig, build_index
+from gradindex.precondition import FitConfig, fit_preconditioner
+from gradindex.precondition import fullspace as fs
+
+DAMPING = 0.1
+
+
+def _build(out, gpt2_dir, text_jsonl, rerank_fit=None):
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    data = tokenize_records(load_records(text_jsonl), tok, 64)
+    cfg = BuildConfig(projection=ProjectionSpec(), budget="1/64", precondition="ekfac", transcode="ekfac",
+                      storage="int4", damping=DAMPING, shard_size=16, max_length=64)
+    build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False,
+                rerank_fit=rerank_fit)
+    return out
+
+
+def _rel(a, b) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def _same_curvature(a, b) -> None:
+    """The same factors (``Q diag(λ) Qᵀ``, sign-free) and eigenvalues within float tolerance."""
+    for m in ("kfac", "ekfac"):
+        with h5py.File(fs.full_path(a, m), "r") as fa, h5py.File(fs.full_path(b, m), "r") as fb:
+            assert sorted(fa["layers"]) == sorted(fb["layers"])
+            for n in fa["layers"]:
+                x, y = fa["layers"][n], fb["layers"][n]
+                for key in ("lambda_A", "lambda_S"):  # the same sums up to float32 summation order
+                    assert _rel(x[key][:], y[key][:]) < 1e-5, (m, n, key)
+                for q, lam in (("Q_A", "lambda_A"), ("Q_S", "lambda_S")):
+                    fx = x[q][:] @ np.diag(x[lam][:]) @ x[q][:].T
+                    fy = y[q][:] @ np.diag(y[lam][:]) @ y[q][:].T
+                    assert _rel(fx, fy) < 1e-5, (m, n, q)
+                # eigenvalues in the (sign-free) eigenbasis: the same multiset
+                assert _rel(np.sort(x["Lambda"][:].ravel()), np.sort(y["Lambda"][:].ravel())) < 1e-4, (m, n)
+
+
+@pytest.fixture(scope="module")
+def separate(tmp_path_factory, gpt2_dir, text_jsonl):
+    """The same build with no full-space fit, then the fit's own two passes."""
+    d = _build(tmp_path_factory.mktemp("sep") / "idx", gpt2_dir, text_jsonl, rerank_fit=False)
+    assert "full_space" not in read_manifest(d)
+    fit_preconditioner(d, FitConfig(method="ekfac", damping=DAMPING, space="full"))
+    return d
+
+
+def test_default_build_sums_the_factors_in_the_capture(tmp_path, gpt2_dir, text_jsonl, separate, monkeypatch):
+    calls = []
+    real = fs.batch_gradients
+
+    def counting(*args, **kw):
+        calls.append(kw.get("head_grad") is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fs, "batch_gradients", counting)
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    fit = read_manifest(d)["full_space"]["ekfac"]["fit"]
+    assert fit["source"] == "build pass + model pass" and "factor_pass" not in fit["phase_seconds"]
+    assert fit["examples"] == 40 and calls == [True] * 5  # one correction pass, every batch's head replayed
+    _same_curvature(d, separate)
+
+
+def test_sampled_fit_set_sums_only_its_examples(tmp_path, gpt2_dir, text_jsonl, monkeypatch):
+    monkeypatch.setattr(pipeline, "RERANK_FIT_EXAMPLES", 24)  # 40 examples: a seeded sample of 24
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    fit = read_manifest(d)["full_space"]["ekfac"]["fit"]
+    assert fit["source"] == "build pass + model pass" and fit["examples"] == 24
+    ref = _build(tmp_path / "ref", gpt2_dir, text_jsonl, rerank_fit=False)
+    fit_preconditioner(ref, FitConfig(method="ekfac", damping=DAMPING, space="full", fit_examples=24))
+    assert read_manifest(ref)["full_space"]["ekfac"]["fit"]["source"] == "model pass"
+    _same_curvature(d, ref)
+
+
+def test_sums_of_another_sample_are_not_taken(tmp_path, gpt2_dir, text_jsonl):
+    from gradindex.precondition.factors import sample_rows
+    from gradindex.store.builder import build_store
+
+    model, tok = load_causal_lm(gpt2_dir, device="cpu")
+    data = tokenize_records(load_records(text_jsonl), tok, 64)
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=4, k_g=4, seed=1), shard_size=16, max_length=64,
+                          precondition="ekfac")
+    build_store(model, tok, data, tmp_path / "idx", cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl),
+                progress=False, full_fit_rows=sample_rows(40, 24, 0))
+    same = fit_preconditioner(tmp_path / "idx", FitConfig(method="kfac", space="full", fit_examples=24))
+    assert same["kfac"]["fit"]["source"] == "build pass + model pass"
+    other = fit_preconditioner(tmp_path / "idx", FitConfig(method="kfac", space="full", fit_examples=24, seed=5))
+    assert other["kfac"]["fit"]["source"] == "model pass"
+    every = fit_preconditioner(tmp_path / "idx", FitConfig(method="kfac", space="full"))
+    assert every["kfac"]["fit"]["source"] == "model pass"
+
+
+def test_build_killed_in_the_transcode_keeps_the_sums_and_resumes(tmp_path, gpt2_dir, text_jsonl, separate,
+                                                                   monkeypatch):
+    """The capture's sums are the full-space fit's checkpoint before the transcode drops them: a build killed
+    there resumes, and its fit still skips the factor pass and gives the same curvature."""
+    import gradindex.precondition.fused as fused
+
+    real = fused.compact_rows
+
+    def dying(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fused, "compact_rows", dying)
+    with pytest.raises(KeyboardInterrupt):
+        _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    assert (tmp_path / "idx" / "precond" / fs.STATE).exists()
+    monkeypatch.setattr(fused, "compact_rows", real)
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    man = read_manifest(d)
+    assert man["transcode"] and man["full_space"]["ekfac"]["fit"]["source"] == "build pass + model pass"
+    assert not (d / "precond" / fs.STATE).exists()
+    _same_curvature(d, separate)
