@@ -82,23 +82,33 @@ class ProtocolConfig:
     drops: int = 64
     """Retrainings leaving out a random ``drop_frac`` of the examples (LDS over 1% drops)."""
     drop_frac: float = 0.01
-    ceiling_drops: int = 16
+    ceiling_drops: int = 64
+    ceiling_seeds: tuple[int, ...] = (1001, 1002)
+    """Batch orders (training seeds) the first ``ceiling_drops`` drops are repeated with (the full model's: 1000)."""
     """The first 1%-drop retrainings repeated with another batch order: the LDS's noise ceiling (Spearman of the
     two orders' losses over those drops, per test query)."""
     qld_queries: int = 4
     """Test queries whose loss rise after removing each method's top ``drop_frac`` is measured."""
-    qld_methods: tuple[str, ...] = ("ekfac (default index)", "ekfac refined, 4 steps", "ekfac refined, ggn 2 steps",
-                                    "graddot", "bm25", "repsim", "trackstar")
+    qld_methods: tuple[str, ...] = ("ekfac (default index)", "ekfac refined, ggn 2 steps",
+                                    "ekfac refined, ggn 1 steps (sample 32)", "graddot", "bm25", "repsim", "trackstar")
     refine_steps: tuple[int, ...] = (1, 2, 4)
     refine_sample: int = 256
     refine_method: str = "cg"
     refine_curvature: str = "sampled"
     """The cheap Monte-Carlo Gauss-Newton (the sample's gradients captured once), within the cost target."""
-    extra_refine: tuple[tuple[str, int, int], ...] = (("ggn", 2, 64), ("fisher", 1, 256))
-    """Other (curvature, steps, sample) refinements scored for comparison (exact GGN products: ~10x the time)."""
-    study_dampings: tuple[float, ...] = (0.01, 1.0)
-    """Validation-query study: plain vs GGN-refined (2 steps) EK-FAC on the raw index at these dampings."""
+    extra_refine: tuple[tuple[str, int, int], ...] = (("ggn", 2, 64), ("ggn", 1, 32), ("ggn", 1, 64), ("ggn", 4, 64),
+                                                      ("ggn", 2, 256), ("fisher", 1, 256))
+    """Other (curvature, steps, sample) refinements scored for comparison (exact GGN products: a forward and three
+    backward passes over the sample per product, ``steps + 1`` products per query); named with ``(sample n)``
+    where the sample is not 64."""
+    study_dampings: tuple[float, ...] = (0.01, 0.1, 1.0, 10.0)
+    """Validation-query study: plain vs refined EK-FAC (each of ``study_refines``) on the raw index at these
+    dampings; the best (damping, setting) by validation LDS over halves is then scored on the test queries on a
+    default index built at that damping (row ``ekfac refined, validation-chosen``)."""
+    study_refines: tuple[tuple[str, int, int], ...] = (("ggn", 2, 64), ("ggn", 1, 32), ("ggn", 2, 256))
     cost_queries: int = 16
+    cost_variant_queries: int = 6
+    """Timed queries per :attr:`extra_refine` setting (exact GGN products take seconds each)."""
     corpora: tuple[str, ...] = ("stdlib", "gnu-info")
 
     def key(self, corpus: str) -> str:
@@ -112,8 +122,10 @@ QUICK = ProtocolConfig(fidelity=FidelityConfig(n_train=32, n_query=8, max_tokens
                        pretrain=PretrainConfig(steps=30, batch=16), val_queries=2, dampings=(0.01, 0.1),
                        halves=4, drops=4, drop_frac=0.05, qld_queries=1, refine_steps=(2,), refine_sample=8,
                        extra_refine=(("sampled", 1, 8),), cost_queries=2, corpora=("stdlib",), ceiling_drops=2,
-                       study_dampings=(0.1,),
+                       ceiling_seeds=(1001, 1002),
+                       study_dampings=(0.1,), study_refines=(("ggn", 2, 8),),
                        qld_methods=("ekfac (default index)", "ekfac refined, 2 steps", "bm25"))
+PRESETS = {"full": ProtocolConfig(), "quick": QUICK}
 
 
 def pretrain_pool(fc: FidelityConfig, corpus: str, setup: Setup) -> Tokenized:
@@ -214,25 +226,37 @@ def choose_damping(pc: ProtocolConfig, raw: Path, q: dict, masks: np.ndarray, lo
 
 
 def damping_study(pc: ProtocolConfig, raw: Path, model_dir: Path, data: Path, ids, labels, sets: dict) -> dict:
-    """Validation queries only: plain and GGN-refined (2 steps) EK-FAC on the raw index (damping applied at query
-    time) at each of ``study_dampings``; ``sets``: protocol → ``(masks, losses [M, Q])``."""
+    """Validation queries only: plain and refined EK-FAC (each of ``study_refines``) on the raw index (damping applied
+    at query time) at each of ``study_dampings``; ``sets``: protocol → ``(masks, losses [M, Q])``."""
     v, out = pc.val_queries, {}
-    rc = RefineConfig(method=pc.refine_method, steps=2, sample=64, curvature="ggn")
+    settings = {"plain": False} | {refine_name(c, s, n): RefineConfig(method=pc.refine_method, steps=s, sample=n,
+                                                                      curvature=c) for c, s, n in pc.study_refines}
     with QueryEngine(raw, model_dir, device="cpu", data=data) as e:
         for d in pc.study_dampings:
             row = {}
-            for name, r in (("plain", False), ("ggn 2 steps", rc)):
+            for name, r in settings.items():
                 sc = e.scores(_records(ids[:v], labels[:v]), method="ekfac", damping=d, refine=r)
                 row[name] = {p: round(float(lds_per_query(sc, m, L[:, :v]).mean()), 4) for p, (m, L) in sets.items()}
             out[str(d)] = row
     return out
 
 
+def joint_choice(study: dict) -> tuple[float, str, float] | None:
+    """``(damping, setting, validation LDS over halves)`` of the study's best entry, plain included; None if empty."""
+    best = max(((float(d), name, r["halves"]) for d, row in study.items() for name, r in row.items()),
+               key=lambda t: t[2], default=None)
+    return best
+
+
+def refine_name(curvature: str, steps: int, sample: int) -> str:
+    return f"ekfac refined, {curvature} {steps} steps" + ("" if sample == 64 else f" (sample {sample})")
+
+
 def _refines(pc: ProtocolConfig) -> dict[str, RefineConfig]:
     out = {f"ekfac refined, {s} steps": RefineConfig(method=pc.refine_method, steps=s, sample=pc.refine_sample,
                                                       curvature=pc.refine_curvature) for s in pc.refine_steps}
     for curv, s, n in pc.extra_refine:
-        out[f"ekfac refined, {curv} {s} steps"] = RefineConfig(method=pc.refine_method, steps=s, sample=n,
+        out[refine_name(curv, s, n)] = RefineConfig(method=pc.refine_method, steps=s, sample=n,
                                                                curvature=curv)
     return out
 
@@ -266,6 +290,21 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, sets
                      BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
                                  transcode="ekfac", storage="int4", max_length=fc.max_tokens, damping=damping))
     build_indices(default, progress=False)
+    choice = joint_choice(study)
+    if choice is not None and choice[1] != "plain":
+        d_r, name_r = choice[0], choice[1]
+        idx_r = default if d_r == damping else _build(
+            model, setup, work / "default-chosen", model_dir, data,
+            BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
+                        transcode="ekfac", storage="int4", max_length=fc.max_tokens, damping=d_r))
+        rc = next(_refines(replace(pc, refine_steps=(), extra_refine=(t,))) for t in pc.study_refines
+                  if refine_name(*t) == name_r)
+        with QueryEngine(idx_r, model_dir, device="cpu", data=data) as e:
+            t0 = time.perf_counter()
+            out["ekfac refined, validation-chosen"] = e.scores(_records(ids, labels), method="ekfac", damping=d_r,
+                                                               refine=next(iter(rc.values())))
+            secs["ekfac refined, validation-chosen"] = time.perf_counter() - t0
+        log(f"  validation-chosen: {name_r} at damping {d_r:g} ({secs['ekfac refined, validation-chosen']:.0f} s)")
     with QueryEngine(default, model_dir, device="cpu", data=data) as e:
         t0 = time.perf_counter()
         out["ekfac (default index)"] = e.scores(_records(ids, labels), method="ekfac", damping=damping)
@@ -275,6 +314,8 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, sets
             out[name] = e.scores(_records(ids, labels), method="ekfac", damping=damping, refine=rc)
             secs[name] = time.perf_counter() - t0
             log(f"  {name}: {secs[name]:.0f} s")
+    for name in [n for n in out if n == "ekfac refined, validation-chosen"]:  # after the other refinements
+        out[name] = out.pop(name)
     for name, fn in (("bm25", lambda: B.bm25_scores(setup.train.input_ids, ids, labels)),
                      ("repsim", lambda: B.repsim_scores(model, setup.train.input_ids, ids))):
         t0 = time.perf_counter()
@@ -289,7 +330,9 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, sets
     model.requires_grad_(False)
     out["trackstar"] = B.trackstar_scores(G, Gq, B.adam_second_moments(model, opt, list(G)))
     secs["trackstar"] = time.perf_counter() - t0
-    return out, secs, default, {"chosen": damping, "validation_lds_halves": sweep, "validation_study": study}
+    return out, secs, default, {"chosen": damping, "validation_lds_halves": sweep, "validation_study": study,
+                                "joint_choice": None if choice is None else
+                                {"damping": choice[0], "setting": choice[1], "validation_lds_halves": choice[2]}}
 
 
 # -- metrics ---------------------------------------------------------------------------------------
@@ -308,7 +351,8 @@ def cost(pc: ProtocolConfig, default: Path, work: Path, setup: Setup, damping: f
     rc = RefineConfig(method=pc.refine_method, steps=steps, sample=pc.refine_sample, curvature=pc.refine_curvature)
     n = min(pc.cost_queries, len(setup.query))
     recs = _records(setup.query.input_ids[:n], setup.query.labels[:n])
-    out = {"queries": n, "refine_steps": steps, "refine_sample": pc.refine_sample, "curvature": pc.refine_curvature}
+    out = {"queries": n, "refine_steps": steps, "refine_sample": pc.refine_sample, "curvature": pc.refine_curvature,
+           "loadavg_before": list(os.getloadavg())}
     with QueryEngine(default, work / "model", device="cpu", data=work / "train.jsonl") as e:
         e.query(recs[0], k=10, method="ekfac", damping=damping, texts=False)  # warm: FAISS read, first capture
         t0 = time.perf_counter()
@@ -324,7 +368,113 @@ def cost(pc: ProtocolConfig, default: Path, work: Path, setup: Setup, damping: f
             out[name] = {"p50_s": float(np.percentile(ts, 50)), "p95_s": float(np.percentile(ts, 95))}
     out["ratio_p50"] = out["refined"]["p50_s"] / out["plain"]["p50_s"]
     out["ratio_p95"] = out["refined"]["p95_s"] / out["plain"]["p95_s"]
+    out["variants"] = variant_cost(pc, default, work, recs, damping, out["plain"])
+    out["loadavg_after"] = list(os.getloadavg())
     return out
+
+
+def remeasure_cost(pc: ProtocolConfig, corpus: str, work_root: Path, results: Path) -> dict:
+    """Re-time :func:`cost` on a finished run's default index (its work directory) into ``results``."""
+    res = json.loads(results.read_text())
+    r = res["corpora"][corpus]
+    work = work_root / f"refine-{corpus}-{pc.key(corpus)}"
+    r["cost"] = cost(pc, work / "default", work, make_setup(pc.fidelity, corpus), r["damping"]["chosen"])
+    results.write_text(json.dumps(res, indent=2, default=float) + "\n")
+    return r["cost"]
+
+
+def variant_cost(pc: ProtocolConfig, default: Path, work: Path, recs: list[dict], damping: float, plain: dict) -> dict:
+    """p50/p95 seconds per query of each :attr:`ProtocolConfig.extra_refine` setting (``cost_variant_queries``
+    queries after a warm one that captures its sample), and the ratio to ``plain`` (measured just before)."""
+    out = {}
+    for curv, steps, n in pc.extra_refine:
+        rc = RefineConfig(method=pc.refine_method, steps=steps, sample=n, curvature=curv)
+        with QueryEngine(default, work / "model", device="cpu", data=work / "train.jsonl") as e:
+            e.query(recs[0], k=10, method="ekfac", damping=damping, texts=False, refine=rc)
+            ts = []
+            for rec in recs[1: 1 + pc.cost_variant_queries]:
+                t0 = time.perf_counter()
+                e.query(rec, k=10, method="ekfac", damping=damping, texts=False, refine=rc)
+                ts.append(time.perf_counter() - t0)
+        p50, p95 = float(np.percentile(ts, 50)), float(np.percentile(ts, 95))
+        out[f"{curv} {steps} steps, sample {n}"] = {"queries": len(ts), "p50_s": p50, "p95_s": p95,
+                                                   "ratio_p50": p50 / plain["p50_s"], "ratio_p95": p95 / plain["p95_s"]}
+    return out
+
+
+def ceiling_study(S: dict, v: int, Q: int, masks: np.ndarray, L: np.ndarray) -> dict:
+    """How much of the 1%-drop LDS is retraining noise, on the drops retrained with several batch orders (``L``
+    ``[K, M, test Q]``, order 0 the full model's). ``r``: two orders' agreement (mean over pairs; the noise
+    ceiling quoted); ``sqrt_r``: the classical-test-theory bound on a predictor of the order-averaged effect scored
+    against one order; ``mean_reliability``: Spearman-Brown ``K r / (1 + (K-1) r)``, the reliability of the K
+    orders' mean. Per method, LDS on these drops against order 0 (``order_a``), the mean of all orders
+    (``mean_all``) and the mean of the other orders (``mean_others``: not the order the model was trained in)."""
+    K = len(L)
+    pairs = [spearman_rows(-L[a].T, -L[b].T) for a in range(K) for b in range(a + 1, K)]
+    r = np.mean(pairs, axis=0)
+    rm = float(r.mean())
+    out = {"drops": len(masks), "orders": K, "r": _mean_se(r), "sqrt_r": math.sqrt(max(rm, 0.0)),
+           "mean_reliability": K * rm / (1 + (K - 1) * rm), "methods": {}}
+    for m, s in S.items():
+        sq = s[v:Q]
+        out["methods"][m] = {k: _mean_se(lds_per_query(sq, masks, x)) for k, x in
+                             (("order_a", L[0]), ("mean_all", L.mean(0)), ("mean_others", L[1:].mean(0)))}
+    return out
+
+
+HYBRID_SIZES = (1, 2, 5, 10, 20, 40)
+
+
+def interleave(lists: list[np.ndarray], c: int) -> np.ndarray:
+    """The first ``c`` distinct rows taking one from each ranked list in turn (equal candidate count)."""
+    seen, out, pos = set(), [], [0] * len(lists)
+    while len(out) < c and any(p < len(x) for p, x in zip(pos, lists, strict=True)):
+        for i, x in enumerate(lists):
+            while pos[i] < len(x) and int(x[pos[i]]) in seen:
+                pos[i] += 1
+            if pos[i] < len(x) and len(out) < c:
+                seen.add(int(x[pos[i]]))
+                out.append(int(x[pos[i]]))
+    return np.array(out)
+
+
+def hybrid_study(S: dict, v: int, Q: int, fact_rows, first: str = "ekfac (default index)",
+                 exact: tuple[str, ...] = ("ekfac", "ekfac refined, ggn 2 steps"),
+                 others: tuple[str, ...] = ("bm25", "repsim"), sizes: tuple[int, ...] = HYBRID_SIZES,
+                 k: int = 10) -> dict:
+    """A hybrid first stage, from the score matrices: ``C`` candidates from the default index (``first``) alone, or
+    interleaved with BM25's / Rep-Sim's ranking (same ``C``), re-ranked by an exact scorer. Per (re-ranker, stage,
+    C): recall of the exact scorer's exhaustive top ``k`` among the candidates (test queries) and the planted facts'
+    recall@1 / MRR after the re-rank (a fact not among the candidates counts rank ∞)."""
+    out = {}
+    for ex in (e for e in exact if e in S):
+        E = S[ex]
+        for stage in ("gradient",) + tuple(f"gradient+{o}" for o in others if o in S):
+            srcs = [S[first]] + ([S[stage.split("+")[1]]] if "+" in stage else [])
+            for c in sizes:
+                rec, rr = [], []
+                for j in range(v, Q + len(fact_rows)):
+                    cand = interleave([np.argsort(-x[j], kind="stable") for x in srcs], c)
+                    if j < Q:
+                        top = np.argsort(-E[j], kind="stable")[:k]
+                        rec.append(len(set(top) & set(cand.tolist())) / k)
+                    else:
+                        f = fact_rows[j - Q]
+                        rr.append(1.0 / (1 + int((E[j, cand] > E[j, f]).sum())) if f in cand else 0.0)
+                rr = np.array(rr)
+                out[f"{ex} | {stage} | C={c}"] = {"topk_recall": float(np.mean(rec)), "fact_mrr": float(np.mean(rr)),
+                                                  "fact_recall": float(np.mean(rr == 1))}
+    return out
+
+
+def add_hybrid(work: Path, results: Path, corpus: str, v: int, Q: int) -> dict:
+    """:func:`hybrid_study` of a run's saved scores (``work/scores.npz``) written into ``results``' corpus entry."""
+    z = np.load(work / "scores.npz")
+    S = {k[2:]: z[k] for k in z.files if k.startswith("S|")}
+    res = json.loads(results.read_text())
+    res["corpora"][corpus]["hybrid"] = hybrid_study(S, v, Q, [int(r) for r in z["fact_rows"]])
+    results.write_text(json.dumps(res, indent=2, default=float) + "\n")
+    return res["corpora"][corpus]["hybrid"]
 
 
 def _masks(pc: ProtocolConfig, N: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -374,14 +524,16 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
     halves, drops, k_drop = _masks(pc, N)
     nc = min(pc.ceiling_drops, pc.drops)
     jobs = ({f"half{m}": halves[m] for m in range(pc.halves)} | {f"drop{m}": drops[m] for m in range(pc.drops)}
-            | {f"drop{m}@seed1001": drops[m] for m in range(nc)})
+            | {f"drop{m}@seed{sd}": drops[m] for sd in pc.ceiling_seeds for m in range(nc)})
     losses = retrain(jobs, fc, setup, init, work / "retrain.npz", workers, log)
     L_h = np.stack([losses[f"half{m}"] for m in range(pc.halves)])  # [M, Q]
     L_d = np.stack([losses[f"drop{m}"] for m in range(pc.drops)])
-    L_c = np.stack([losses[f"drop{m}@seed1001"] for m in range(nc)])
-    ceiling = spearman_rows(-L_d[:nc, v:].T, -L_c[:, v:].T)  # [test Q]: two batch orders over the same drops
+    L_c = np.stack([np.stack([losses[f"drop{m}@seed{sd}"] for m in range(nc)]) for sd in pc.ceiling_seeds])
+    ceiling = spearman_rows(-L_d[:nc, v:].T, -L_c[0, :, v:].T)  # [test Q]: two batch orders over the same drops
     S, secs, default, damping = method_scores(pc, setup, model, opts[0], work,
                                               {"halves": (halves, L_h), "drop": (drops, L_d)}, log)
+    np.savez(work / "scores.npz", **{f"S|{m}": x for m, x in S.items()}, halves=halves, drops=drops, L_h=L_h, L_d=L_d,
+             L_c=L_c, base=base, fact_rows=np.array(setup.fact_rows))
     qld_jobs = _qld(pc, S, N, k_drop)
     qld_losses = retrain(qld_jobs, fc, setup, init, work / "retrain.npz", workers, log)
     table = {}
@@ -402,6 +554,8 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
     out = {"n_train": N, "n_query": Q, "val_queries": v, "test_queries": Q - v, "drop_examples": k_drop,
            "retrainings": len(jobs) + len(qld_jobs), "train_seconds": round(t_train, 1), "loss_per_token": losses_tok,
            "damping": damping, "noise_ceiling_drop": _mean_se(ceiling), "ceiling_drops": nc,
+           "ceiling_study": ceiling_study(S, v, Q, drops[:nc], np.concatenate([L_d[None, :nc, v:], L_c[:, :, v:]])),
+           "hybrid": hybrid_study(S, v, Q, list(setup.fact_rows)),
            "methods": table, "qld_random": _mean_se((L_d[:, tq] - base[None, tq]).mean(0)),
            "cost": cost(pc, default, work, setup, damping["chosen"])}
     log(format_corpus(corpus, out))
@@ -412,10 +566,10 @@ def format_corpus(corpus: str, r: dict) -> str:
     lines = [f"== {corpus}: N={r['n_train']}, test queries {r['test_queries']}, 1% = {r['drop_examples']} examples; "
              f"damping {r['damping']['chosen']:g}; QLD random {r['qld_random'][0]:+.3f}; 1%-drop noise ceiling "
              f"{r['noise_ceiling_drop'][0]:.3f} (two batch orders, {r['ceiling_drops']} drops)",
-             f"{'method':<26}{'LDS halves':>16}{'LDS 1%-drop':>16}{'QLD':>16}{'facts@1':>9}{'MRR':>6}{'s':>7}"]
+             f"{'method':<42}{'LDS halves':>16}{'LDS 1%-drop':>16}{'QLD':>16}{'facts@1':>9}{'MRR':>6}{'s':>7}"]
     for m, row in r["methods"].items():
         qld = f"{row['qld'][0]:+.3f}±{row['qld'][1]:.3f}" if "qld" in row else ""
-        lines.append(f"{m:<26}{row['lds_halves'][0]:>9.3f}±{row['lds_halves'][1]:.3f}"
+        lines.append(f"{m:<42}{row['lds_halves'][0]:>9.3f}±{row['lds_halves'][1]:.3f}"
                      f"{row['lds_drop'][0]:>9.3f}±{row['lds_drop'][1]:.3f}{qld:>16}{row['fact_recall']:>9.2f}"
                      f"{row['fact_mrr']:>6.2f}{row['seconds']:>7.1f}")
     c = r["cost"]
@@ -450,8 +604,67 @@ def markdown(res: dict) -> str:
                      f"({k['curvature']}, {k['refine_steps']} steps, sample {k['refine_sample']}): plain p50 "
                      f"{1e3 * k['plain']['p50_s']:.0f} ms / p95 {1e3 * k['plain']['p95_s']:.0f} ms, refined p50 "
                      f"{1e3 * k['refined']['p50_s']:.0f} ms / p95 {1e3 * k['refined']['p95_s']:.0f} ms "
-                     f"({k['ratio_p50']:.1f}x / {k['ratio_p95']:.1f}x); validation study "
-                     f"{r['damping']['validation_study']}")
+                     f"({k['ratio_p50']:.1f}x / {k['ratio_p95']:.1f}x)")
+    return "\n".join(lines)
+
+
+def _pm(x) -> str:
+    return f"{x[0]:.3f} ± {x[1]:.3f}"
+
+
+def markdown_notes(res: dict, plain: str = "ekfac (default index)",
+                   refined: tuple[str, ...] = ("ekfac refined, ggn 2 steps", "ekfac refined, ggn 1 steps (sample 32)",
+                                               "ekfac refined, validation-chosen")) -> str:
+    """Per corpus: the noise-ceiling study, the share of the headroom each refinement closes, refinement cost per
+    query against plain, the validation-chosen setting; then the hybrid first stage's table."""
+    lines = []
+    for c, r in res["corpora"].items():
+        cs, meth = r.get("ceiling_study"), r["methods"]
+        if cs is None:
+            continue
+        p = meth[plain]["lds_drop"][0]
+        ceil = r["noise_ceiling_drop"][0]
+        heads = [f"{m.removeprefix('ekfac refined, ')}: {meth[m]['lds_drop'][0] - p:+.3f} "
+                 f"({(meth[m]['lds_drop'][0] - p) / (ceil - p):.0%} of the headroom)" for m in refined if m in meth]
+        vs = "; ".join(f"{m.removeprefix('ekfac refined, ')} {_pm(cs['methods'][m]['order_a'])} → "
+                       f"{_pm(cs['methods'][m]['mean_all'])} (other orders only {_pm(cs['methods'][m]['mean_others'])})"
+                       for m in (plain,) + refined if m in cs["methods"])
+        lines.append(f"- **{c}**: 1%-drop noise ceiling r = {_pm(cs['r'])} ({cs['orders']} batch orders over "
+                     f"{cs['drops']} drops; √r = {cs['sqrt_r']:.3f}, the bound for a predictor of the order-averaged "
+                     f"effect scored against one order; the {cs['orders']}-order mean's reliability "
+                     f"{cs['mean_reliability']:.3f}). Headroom above plain EK-FAC ({p:.3f}) to r: {ceil - p:.3f}; "
+                     f"refinement gains {'; '.join(heads)}. LDS on those drops against one order → against the "
+                     f"{cs['orders']} orders' mean: {vs}.")
+        k = r["cost"]
+        var = "; ".join(f"{n}: p50 {1e3 * v['p50_s']:.0f} ms / p95 {1e3 * v['p95_s']:.0f} ms ({v['ratio_p50']:.1f}x / "
+                        f"{v['ratio_p95']:.1f}x)" for n, v in k.get("variants", {}).items())
+        jc = r["damping"].get("joint_choice")
+        lines.append(f"  Cost per query against plain (p50 {1e3 * k['plain']['p50_s']:.0f} ms / p95 "
+                     f"{1e3 * k['plain']['p95_s']:.0f} ms; {k['queries'] - 1} queries, variants "
+                     f"{next(iter(k.get('variants', {}).values()), {}).get('queries', 0)}): {var}."
+                     + (f" Validation-chosen refinement: {jc['setting']} at damping {jc['damping']:g} (validation "
+                        f"LDS over halves {jc['validation_lds_halves']:.3f}; plain at the chosen damping "
+                        f"{r['damping']['validation_lds_halves'][str(r['damping']['chosen'])]:.3f})." if jc else ""))
+    for c, r in res["corpora"].items():
+        st = r["damping"].get("validation_study") or {}
+        names = list(dict.fromkeys(n for row in st.values() for n in row))
+        if st:
+            lines += ["", f"{c}, validation queries (raw index, damping at query time), LDS halves / 1%-drop:", "",
+                      "| damping | " + " | ".join(n.removeprefix("ekfac refined, ") for n in names) + " |",
+                      "| --- " * (1 + len(names)) + "|"]
+            lines += [f"| {d} | " + " | ".join(f"{row[n]['halves']:.3f} / {row[n]['drop']:.3f}" for n in names) + " |"
+                      for d, row in st.items()]
+    hy = [(c, r["hybrid"]) for c, r in res["corpora"].items() if "hybrid" in r]
+    if hy:
+        stages = ("gradient", "gradient+bm25", "gradient+repsim")
+        lines += ["", "| corpus, re-rank | C | " + " | ".join(f"{s}: top-10 recall / facts@1" for s in stages) + " |",
+                  "| --- " * (2 + len(stages)) + "|"]
+        for c, h in hy:
+            for ex in dict.fromkeys(k.split(" | ")[0] for k in h):
+                for C in (1, 10, 20, 40):
+                    hs = [h[f"{ex} | {s} | C={C}"] for s in stages if f"{ex} | {s} | C={C}" in h]
+                    cells = [f"{x['topk_recall']:.2f} / {x['fact_recall']:.2f}" for x in hs]
+                    lines.append(f"| {c}, {ex} | {C} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -459,7 +672,7 @@ def merge(paths: list[Path]) -> dict:
     """One results dict from per-corpus runs (each ``--corpora X --out F``)."""
     parts = [json.loads(Path(p).read_text()) for p in paths]
     return {"benchmark": "refine", "config": parts[0]["config"],
-            "corpora": {c: r for p in parts for c, r in p["corpora"].items()},
+            "corpora": {c: {"config": p["config"]} | r for p in parts for c, r in p["corpora"].items()},
             "seconds_total": round(sum(p["seconds_total"] for p in parts), 1), "merged_from": len(parts)}
 
 
@@ -472,9 +685,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="default benchmarks/results/refine.json (none with --quick)")
     ap.add_argument("--merge", nargs="+", type=Path, help="merge per-corpus results files into --out, then stop")
     ap.add_argument("--markdown", type=Path, help="print benchmarks/README.md's table of a results file, then stop")
+    ap.add_argument("--hybrid", type=Path, metavar="WORK", help="add the hybrid first-stage study of a run's saved "
+                    "scores (its work directory) to --out's --corpora entry, then stop")
+    ap.add_argument("--cost-only", action="store_true", help="re-time the cost per query of --out's --corpora entry "
+                    "on its run's saved default index, then stop")
     a = ap.parse_args(argv)
+    if a.cost_only:
+        torch.set_num_threads(1)
+        c = remeasure_cost(QUICK if a.quick else ProtocolConfig(), a.corpora, a.work_dir, a.out)
+        print(json.dumps(c, indent=1))
+        return 0
+    if a.hybrid:
+        r = json.loads(a.out.read_text())["corpora"][a.corpora]
+        for key, row in add_hybrid(a.hybrid, a.out, a.corpora, r["val_queries"], r["n_query"]).items():
+            print(f"{key:<60} top-10 recall {row['topk_recall']:.3f}  facts@1 {row['fact_recall']:.2f}  "
+                  f"MRR {row['fact_mrr']:.2f}")
+        return 0
     if a.markdown:
-        print(markdown(json.loads(a.markdown.read_text())))
+        res = json.loads(a.markdown.read_text())
+        print(markdown(res) + "\n\n" + markdown_notes(res))
         return 0
     if a.merge:
         out = a.out or Path("benchmarks/results/refine.json")

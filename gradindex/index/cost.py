@@ -9,8 +9,8 @@ Two index kinds serve the default rows (docs/query.md):
   example, then the top ``C`` are re-ranked exactly from the store: ``N × m`` numbers scanned
   plus ``C`` rows read.
 
-The per-number costs are FAISS's kernels timed alone on one idle core of this project's 2-core
-machine (AVX-512); ``benchmarks/lookup.py`` records each estimate beside the measured latency
+The per-number costs are the scan kernels timed on one core of this project's 2-core machine
+(AVX-512); ``benchmarks/lookup.py`` records each estimate beside the measured latency
 (``benchmarks/results/lookup-*.json``; on a loaded machine the measurements run several-fold
 over). A plan (``gradindex plan``) can quote them.
 """
@@ -25,7 +25,9 @@ from gradindex.store.codes import has_scale, row_bytes
 SCAN_NS = {"int4": 0.55, "int8": 0.15, "fp16": 0.5, "fp32": 0.35}
 """Seconds × 1e9 per stored number per query of a store scan (FAISS kernels; fp32: BLAS)."""
 SKETCH_NS = 0.15
-"""Seconds × 1e9 per sketch number per query (every row's score, int8 kernel)."""
+"""Seconds × 1e9 per sketch number per query (every row's score by the int8 matrix product, then the
+top ``C``): between the product alone (0.05 at load 3.5) and product plus selection at load 5 (0.24,
+``benchmarks/results/sketch_scan.json``), one thread."""
 ROW_READ_S = 20e-6
 """Seconds per re-ranked row read from the page cache, plus its bytes at :data:`READ_BYTES_S`."""
 READ_BYTES_S = 2e9

@@ -11,8 +11,8 @@ preconditioner:
 * ``cg``: preconditioned conjugate gradients from ``x₀`` on the same system.
 
 Zero steps is plain EK-FAC exactly (the query rows are returned as they are). ``H`` products are
-taken with the model (:class:`GaussNewton`: one forward-mode and one reverse-mode pass per batch,
-``torch.func``) in the space the rows are captured in: where a side is projected (``P_g``, ``P_a``,
+taken with the model (:class:`GaussNewton`: one forward pass and three reverse-mode passes per batch,
+``torch.func.functional_call``) in the space the rows are captured in: where a side is projected (``P_g``, ``P_a``,
 or the side maps of a whitened basis), ``(M H Mᵀ) x`` with ``M G = P_g G P_aᵀ`` and
 ``Mᵀ X = P_gᵀ X P_a``, i.e. the exact Gauss-Newton matrix of the projected coordinates, the one the
 EK-FAC fitted on those rows approximates. The refined ``x`` is then written as the query rows that
@@ -281,23 +281,27 @@ class GaussNewton:
         return {n: (t / self.n).cpu() for n, t in total.items()}
 
     def _batch_product(self, b: dict, tangents: dict) -> dict[str, torch.Tensor]:
-        """``Σ_{n ∈ batch} J_nᵀ H_n J_n V`` per layer (float64)."""
-        from torch.func import functional_call, jvp, vjp
+        """``Σ_{n ∈ batch} J_nᵀ H_n J_n V`` per layer (float64).
+
+        ``J V`` by the double-backward trick (``∂/∂u ⟨Jᵀu, V⟩``, ``u = 0``) rather than ``torch.func.jvp``, whose
+        forward-mode rules run as Python decompositions (1.5x slower here); one forward serves both products."""
+        from torch.func import functional_call
 
         b = {k: v.to(self.device) for k, v in b.items()}
         kwargs = {"input_ids": b["input_ids"], "attention_mask": b["attention_mask"], "use_cache": False}
-
-        def f(p):
-            return functional_call(self.model, p, (), kwargs).logits
-
-        z, back = vjp(f, self.params)
-        _, Jv = jvp(f, (self.params,), (tangents,))  # [B, T, V]
-        mask = (b["labels"][:, 1:] != IGNORE)[..., None]  # [B, T-1, 1]: target tokens
-        p = torch.softmax(z[:, :-1].double(), -1)
-        u = Jv[:, :-1].double()
-        Hu = (p * u - p * (p * u).sum(-1, keepdim=True)) * mask  # (diag p − p pᵀ) J V per token
-        Hu = torch.cat([Hu, torch.zeros_like(Hu[:, :1])], 1).to(z.dtype)  # [B, T, V]
-        (grads,) = back(Hu)
+        names = list(self.params)
+        params = {k: self.params[k].detach().requires_grad_(True) for k in names}
+        with torch.enable_grad():
+            z = functional_call(self.model, params, (), kwargs).logits
+            u = torch.zeros_like(z, requires_grad=True)
+            jt = torch.autograd.grad(z, [params[k] for k in names], u, create_graph=True)
+            (Jv,) = torch.autograd.grad(jt, u, [tangents[k] for k in names], retain_graph=True)  # [B, T, V]
+            mask = (b["labels"][:, 1:] != IGNORE)[..., None]  # [B, T-1, 1]: target tokens
+            p = torch.softmax(z[:, :-1].detach().double(), -1)
+            w = Jv[:, :-1].double()
+            Hu = (p * w - p * (p * w).sum(-1, keepdim=True)) * mask  # (diag p − p pᵀ) J V per token
+            Hu = torch.cat([Hu, torch.zeros_like(Hu[:, :1])], 1).to(z.dtype)  # [B, T, V]
+            grads = dict(zip(names, torch.autograd.grad(z, [params[k] for k in names], Hu), strict=True))
         return {n: self.infos[n].weight_grad_to_G(grads[f"{n}.weight"], grads.get(f"{n}.bias")).double()
                 for n in self.modules}
 
