@@ -45,6 +45,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -99,7 +100,7 @@ SHAPES = {
         n_train=1024, n_query=16, max_tokens=64, vocab=512, n_facts=8, steps=400, batch=16, lr=3e-3,
         corpora=("stdlib",))),
     "qwen2.5-0.5b-block": Shape("qwen2.5-0.5b-block", "qwen2", 1, 896, 14, 2, 4864, data=FidelityConfig(
-        n_train=512, n_query=16, max_tokens=48, vocab=4096, n_facts=8, steps=120, batch=16, lr=2e-3,
+        n_train=512, n_query=16, max_tokens=48, vocab=4096, n_facts=8, steps=480, batch=16, lr=2e-3,
         corpora=("stdlib",))),
 }
 """GPT-2 4x256: 1024 training examples, so that C = 200 candidates are a fifth of the set. The Qwen
@@ -108,7 +109,7 @@ most 48 tokens, what one shared CPU core fits in the time (its full-space fit an
 every token by the 4864-wide eigenbasis); C = 100 is a fifth of that set."""
 QUICK = {k: replace(s, n_layer=1, data=replace(s.data, n_train=48, n_query=4, steps=20, n_facts=2, vocab=512))
          for k, s in SHAPES.items()}
-TIMED = {"gpt2-4x256": (3, (100,)), "qwen2.5-0.5b-block": (2, (100,))}
+TIMED = {"gpt2-4x256": (16, (100,)), "qwen2.5-0.5b-block": (16, (100,))}
 """Per shape: held-out queries run through the engine (plus every fact query) and the ``rerank_full``
 sizes C they run at (besides 0): a re-rank costs C forward+backward passes per query, on a CPU core
 shared with other jobs here."""
@@ -691,6 +692,7 @@ def main() -> int:
                     help="keep a complete default index (with its full-space fit) from an earlier run in --work-dir")
     ap.add_argument("--train-only", action="store_true",
                     help="train and cache the shapes' models, then stop (training needs no big memory)")
+    ap.add_argument("--what", help="the results file's description (kept from the file with --merge otherwise)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -698,8 +700,11 @@ def main() -> int:
     out = {"machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                        "threads": args.threads, "loadavg_before": os.getloadavg()},
            "damping": DAMPING, "shapes": {}}
-    if args.merge and args.out.exists():
-        out["shapes"] = json.loads(args.out.read_text()).get("shapes", {})
+    if args.merge and args.out.exists():  # the other shapes, their runs and any notes kept
+        out = json.loads(args.out.read_text()) | {"machine": out["machine"], "damping": DAMPING}
+    out.setdefault("shapes", {})
+    if args.what:
+        out["what"] = args.what
     t0 = time.perf_counter()
     if args.train_only:
         for name in args.shapes.split(","):
@@ -708,9 +713,14 @@ def main() -> int:
             print(f"[{name}] trained in {secs:.0f} s", flush=True)
         return 0
     for name in args.shapes.split(","):
+        t1, load1 = time.perf_counter(), os.getloadavg()
         out["shapes"][name] = run_shape(table[name], args.work_dir, eigen=not args.no_eigen,
                                         schemes=not args.no_schemes, reuse=args.reuse,
                                         timed=TIMED.get(name, (1000, (50, 100, 200))))
+        out.setdefault("runs", {})[name] = {
+            "machine": out["machine"] | {"loadavg_before": load1, "loadavg_after": os.getloadavg()},
+            "seconds": round(time.perf_counter() - t1, 1),
+            "command": "python -m benchmarks.width " + " ".join(sys.argv[1:])}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
     for name, res in out["shapes"].items():  # (results merged from a run before the share was recorded)

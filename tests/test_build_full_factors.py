@@ -127,3 +127,30 @@ def test_build_killed_in_the_transcode_keeps_the_sums_and_resumes(tmp_path, gpt2
     assert man["transcode"] and man["full_space"]["ekfac"]["fit"]["source"] == "build pass + model pass"
     assert not (d / "precond" / fs.STATE).exists()
     _same_curvature(d, separate)
+
+
+def test_build_killed_in_the_correction_pass_resumes(tmp_path, gpt2_dir, text_jsonl, separate, monkeypatch):
+    """Killed part-way through the full-space fit's correction pass (after the transcode: the shards no
+    longer hold the sums), the re-run resumes from the checkpoint, still counted a build-pass fit."""
+    from test_fullspace import _EagerState
+
+    monkeypatch.setattr(fs, "_State", _EagerState)
+    calls = {"n": 0}
+    real = fs._CorrectionSums.__call__
+
+    def dying(self, name, a, g):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise KeyboardInterrupt
+        real(self, name, a, g)
+
+    monkeypatch.setattr(fs._CorrectionSums, "__call__", dying)
+    with pytest.raises(KeyboardInterrupt):
+        _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    state = np.load(tmp_path / "idx" / "precond" / fs.STATE)
+    assert str(state["stage"]) == "correction" and 0 < int(state["done"]) < 40
+    assert read_manifest(tmp_path / "idx")["transcode"]
+    monkeypatch.setattr(fs._CorrectionSums, "__call__", real)
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    assert read_manifest(d)["full_space"]["ekfac"]["fit"]["source"] == "build pass + model pass"
+    _same_curvature(d, separate)

@@ -402,10 +402,11 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     return _record(index_dir, cfg, manifest, layers, written, fit, state, t0)
 
 
-def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None,
-           checkpoint_seconds: float) -> tuple[Tokenized, np.ndarray, str, str, _State]:
+def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None, checkpoint_seconds: float,
+           full_check: bool = True) -> tuple[Tokenized, np.ndarray, str, str, _State]:
     """The fit set (data, rows, where from, fingerprint) and the fit's state: resumed from its checkpoint,
-    else from the capture pass's sums over that set (only the correction pass left), else from scratch."""
+    else from the capture pass's sums over that set (only the correction pass left; the shards checked
+    first, ``full_check``: whole-file hashes, else the sampled check), else from scratch."""
     layers = list(full_shapes(manifest))
     data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
     bs = int(manifest.get("config", {}).get("batch_size", 8))
@@ -419,7 +420,7 @@ def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None,
         return data, rows, source, fp, state
     from_build = _build_sums(index_dir, manifest, cfg, layers, rows)
     if from_build is not None:  # the build pass summed the factors: only the correction pass is left
-        damage = check_store(index_dir, full=True, manifest=manifest)
+        damage = check_store(index_dir, full=full_check, manifest=manifest)
         if damage:
             raise damage_error(index_dir, damage, then="fit")
         state.arrays, state.tokens = from_build
@@ -429,9 +430,10 @@ def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None,
 
 def keep_build_sums(index_dir: str | os.PathLike, cfg, tokenizer, data: Tokenized | None = None) -> bool:
     """Save the capture pass's full-space sums over ``cfg``'s fit set as the fit's checkpoint (before the
-    transcode replaces the shards that hold them; :func:`fit_full_space` then resumes from it). Whether saved."""
+    transcode replaces the shards that hold them; :func:`fit_full_space` then resumes from it). Whether saved.
+    The build has just written and hashed the shards: they get the sampled check, not a whole read."""
     manifest = read_complete_manifest(index_dir, "fit")
-    _, _, _, _, state = _start(index_dir, manifest, cfg, tokenizer, data, 0.0)
+    _, _, _, _, state = _start(index_dir, manifest, cfg, tokenizer, data, 0.0, full_check=False)
     if state.source != BUILD_PASS or state.path.exists():
         return False
     state.save()
