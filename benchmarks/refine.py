@@ -617,10 +617,14 @@ def markdown(res: dict) -> str:
     cs = list(res["corpora"])
     head = "| method | " + " | ".join(f"{c}: LDS halves | LDS 1%-drop | QLD | facts@1 / MRR" for c in cs) + " |"
     lines = [head, "| --- " * (1 + 4 * len(cs)) + "|"]
-    for m in res["corpora"][cs[0]]["methods"]:
+    by_size = sorted(cs, key=lambda c: -len(res["corpora"][c]["methods"]))
+    for m in dict.fromkeys(m for c in by_size for m in res["corpora"][c]["methods"]):
         cells = []
         for c in cs:
-            r = res["corpora"][c]["methods"][m]
+            r = res["corpora"][c]["methods"].get(m)
+            if r is None:  # not run on this corpus
+                cells += ["—"] * 4
+                continue
             ranks = r["fact_ranks"]
             cells += [f"{r['lds_halves'][0]:.3f} ± {r['lds_halves'][1]:.3f}", f"{r['lds_drop'][0]:.3f} ± "
                       f"{r['lds_drop'][1]:.3f}", f"{r['qld'][0]:+.2f} ± {r['qld'][1]:.2f}" if "qld" in r else "—",
