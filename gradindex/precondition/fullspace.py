@@ -73,7 +73,9 @@ log = logging.getLogger("gradindex")
 FULL = "-full"
 FULL_KEYS = ("lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda")
 """What a full-space file holds per layer: the eigenbases and eigenvalues (``A``, ``S`` are ``Q diag(λ) Qᵀ``;
-at ``[N_o, N_i(+1)]`` they would add about 40% to the files, which a query never reads)."""
+at ``[N_o, N_i(+1)]`` they would add about 40% to the files, which a query never reads), as float32: the
+re-rank computes in float32 (:func:`~gradindex.query.full.full_gradient_scores`), so its scores are the same
+as from float64 files; a float64 reference reads them rounded (relative 6e-8)."""
 STATE = "full-space.state.npz"
 
 
@@ -457,7 +459,7 @@ def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fi
             t0: float) -> dict:
     """Write each fitted method's file and its ``full_space`` manifest entry; drop the checkpoint."""
     for m, fac in written.items():
-        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit, FULL_KEYS)
+        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit, FULL_KEYS, np.float32)
     seconds = time.perf_counter() - t0
     manifest = read_manifest(index_dir)
     entries = manifest.setdefault("full_space", {})
