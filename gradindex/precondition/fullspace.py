@@ -17,10 +17,14 @@ rotating dense gradients. The factor pass keeps each batch's gradient w.r.t. the
 (a third of a weight-free model pass at a vocabulary of 8192) and gets the same ``g_t`` bit for bit.
 
 A build with ``BuildConfig(full_factors=True)`` (``gradindex build --full-factors``) sums ``A`` and
-``S`` in its capture pass (store group ``covariance_full``); the fit then skips its factor pass.
+``S`` in its capture pass (store group ``covariance_full``); the fit then skips its factor pass. The
+default budget-bound build does the same over exactly its full-space fit set (the group's attribute
+``rows`` names it) and keeps the capture's head gradients for the correction pass (:class:`HeadGrads`);
+it saves the sums as the fit's checkpoint before the transcode rewrites the shards (:func:`keep_build_sums`).
 
 Output, beside the stored-space files: ``precond/kfac-full.h5`` and (EK-FAC) ``precond/ekfac-full.h5``,
-the same layout as ``precond/<method>.h5`` with ``[N_o, N_i(+1)]`` matrices and no self-influence,
+the same layout as ``precond/<method>.h5`` with ``[N_o, N_i(+1)]`` matrices (float32, no ``A``, ``S``:
+:data:`FULL_KEYS`) and no self-influence,
 registered in the manifest under ``full_space``. Progress is checkpointed to
 ``precond/full-space.state.npz`` every ``checkpoint_seconds``; a killed fit re-run with the same
 settings resumes from it.
