@@ -107,14 +107,25 @@ def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitC
 
 def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None) -> np.ndarray | None:
     """The examples of the full-space fit the build will make (:func:`rerank_fit_config`, budget-bound
-    judged from the plan's row sizes), whose ``A`` and ``S`` its capture pass sums; None where it makes none."""
+    judged from the plan's row sizes), whose ``A`` and ``S`` its capture pass sums; None where it makes none,
+    or where the shards' copies of the sums would take too much disk (:data:`FACTOR_SUMS_NOTE`)."""
     if plan.approximate:
         return None
     stored = sum(lp.numbers for lp in plan.layers)
     whole = sum(lp.n_out * lp.n_in for lp in plan.layers)
     bound = str(cfg.budget or "").strip() not in ("", "0") and stored < whole
     full = _rerank_fit(cfg, n, asked if asked is not None else bound, bool(cfg.optimizer_state))
-    return None if full is None else sample_rows(n, full.fit_examples, full.seed)
+    if full is None:
+        return None
+    rows = sample_rows(n, full.fit_examples, full.seed)
+    sums = 8 * sum(lp.n_in ** 2 + lp.n_out ** 2 for lp in plan.layers)  # one shard's float64 A and S
+    copies = len(np.unique(rows // cfg.shard_size))
+    return rows if copies * sums <= max(2 * sums, plan.capture_bytes // 2) else None
+
+
+FACTOR_SUMS_NOTE = """Each capture shard holding fit examples stores its own float64 sums (``N_i² + N_o²`` per
+layer): the capture sums them only while those copies stay within twice one copy (what the fit's own
+checkpoint holds) or half the captured rows' bytes; else the fit makes its own factor pass."""
 
 
 def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfig | None, res: BuildResult,
