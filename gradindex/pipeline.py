@@ -135,8 +135,10 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     pass kept as its checkpoint first: the transcoded shards do not hold them), FAISS indices (one
     process), each checked for disk space."""
     full = rerank_fit_config(cfg, res.manifest, len(data), rerank_fit)
-    if full is not None and full.method not in res.manifest.get("full_space", {}) and not res.manifest.get("transcode"):
-        keep_build_sums(out_dir, full, tokenizer, data)  # the fit's checkpoint: the transcode drops the shards' sums
+    if full is not None and cfg.transcode == "ekfac" and full.method not in res.manifest.get("full_space", {}) \
+            and not res.manifest.get("transcode"):  # the fit's checkpoint: the transcode drops the shards' sums
+        with disk_full_as_error(out_dir, "full-space fit", "the store is complete and kept"):
+            keep_build_sums(out_dir, full, tokenizer, data)
     fit = None if cfg.precondition == "none" else \
         FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
     kept = "the captured rows are kept (and the transcode's finished shards)"
