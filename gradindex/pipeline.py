@@ -76,6 +76,8 @@ def build_index(
                           *((index.factory, index.sketch_bytes) if index is not None else ()))
         _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
         rows = _full_fit_rows(cfg, plan, len(data), rerank_fit)
+        if cfg.full_factors and rows is not None and len(rows) < len(data):
+            rows = None  # (--full-factors: the sums over every example, as asked)
         heads = HeadGrads() if rows is not None and len(rows) == len(data) else None
         with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept"):
             res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
