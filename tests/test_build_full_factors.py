@@ -21,11 +21,11 @@ from gradindex.precondition import fullspace as fs
 DAMPING = 0.1
 
 
-def _build(out, gpt2_dir, text_jsonl, rerank_fit=None):
+def _build(out, gpt2_dir, text_jsonl, rerank_fit=None, shard_size=64):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 64)
     cfg = BuildConfig(projection=ProjectionSpec(), budget="1/64", precondition="ekfac", transcode="ekfac",
-                      storage="int4", damping=DAMPING, shard_size=16, max_length=64)
+                      storage="int4", damping=DAMPING, shard_size=shard_size, max_length=64)
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False,
                 rerank_fit=rerank_fit)
     return out
@@ -153,4 +153,13 @@ def test_build_killed_in_the_correction_pass_resumes(tmp_path, gpt2_dir, text_js
     monkeypatch.setattr(fs._CorrectionSums, "__call__", real)
     d = _build(tmp_path / "idx", gpt2_dir, text_jsonl)
     assert read_manifest(d)["full_space"]["ekfac"]["fit"]["source"] == "build pass + model pass"
+    _same_curvature(d, separate)
+
+
+def test_sums_in_many_shards_are_left_to_the_fit(tmp_path, gpt2_dir, text_jsonl, separate):
+    """Every shard holding fit examples would store its own copy of the sums: over three small shards
+    (more than twice one copy, and more than half the captured rows) the fit makes its own factor pass."""
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl, shard_size=16)
+    fit = read_manifest(d)["full_space"]["ekfac"]["fit"]
+    assert fit["source"] == "model pass" and "factor_pass" in fit["phase_seconds"]
     _same_curvature(d, separate)
