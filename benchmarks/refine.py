@@ -477,6 +477,37 @@ def add_hybrid(work: Path, results: Path, corpus: str, v: int, Q: int) -> dict:
     return res["corpora"][corpus]["hybrid"]
 
 
+def add_refine_at(pc: ProtocolConfig, corpus: str, work_root: Path, results: Path, damping: float,
+                  setting: tuple[str, int, int] = ("ggn", 2, 256)) -> dict:
+    """Score ``setting`` on a finished run's default index (built at the damping chosen for plain EK-FAC) with
+    ``RefineConfig(damping=damping)``, the refined system at its own damping; added to ``results`` as a method row
+    (LDS both protocols, facts), from the run's saved masks and losses."""
+    res = json.loads(results.read_text())
+    r = res["corpora"][corpus]
+    work = work_root / f"refine-{corpus}-{pc.key(corpus)}"
+    setup = make_setup(pc.fidelity, corpus)
+    z = np.load(work / "scores.npz")
+    v, Q = r["val_queries"], r["n_query"]
+    ids = setup.query.input_ids + setup.fact_query.input_ids
+    labels = setup.query.labels + setup.fact_query.labels
+    rc = RefineConfig(method=pc.refine_method, steps=setting[1], sample=setting[2], curvature=setting[0],
+                      damping=damping)
+    t0 = time.perf_counter()
+    with QueryEngine(work / "default", work / "model", device="cpu", data=work / "train.jsonl") as e:
+        s = e.scores(_records(ids, labels), method="ekfac", damping=r["damping"]["chosen"], refine=rc)
+    lh = lds_per_query(s[v:Q], z["halves"], z["L_h"][:, v:])
+    ld = lds_per_query(s[v:Q], z["drops"], z["L_d"][:, v:])
+    ranks = fact_ranks(s[Q:], tuple(int(x) for x in z["fact_rows"]))
+    name = refine_name(*setting) + f", refine damping {damping:g}"
+    r["methods"][name] = {"lds_halves": _mean_se(lh), "lds_drop": _mean_se(ld), "lds_halves_per_query":
+                          lh.round(4).tolist(), "lds_drop_per_query": ld.round(4).tolist(),
+                          "fact_recall": float(np.mean(ranks == 1)), "fact_mrr": float(np.mean(1.0 / ranks)),
+                          "fact_ranks": ranks.tolist(), "seconds": round(time.perf_counter() - t0, 2),
+                          "index_damping": r["damping"]["chosen"]}
+    results.write_text(json.dumps(res, indent=2, default=float) + "\n")
+    return r["methods"][name]
+
+
 def _masks(pc: ProtocolConfig, N: int) -> tuple[np.ndarray, np.ndarray, int]:
     rng = np.random.default_rng(0)
     k_drop = max(1, math.ceil(pc.drop_frac * N))
@@ -586,10 +617,14 @@ def markdown(res: dict) -> str:
     cs = list(res["corpora"])
     head = "| method | " + " | ".join(f"{c}: LDS halves | LDS 1%-drop | QLD | facts@1 / MRR" for c in cs) + " |"
     lines = [head, "| --- " * (1 + 4 * len(cs)) + "|"]
-    for m in res["corpora"][cs[0]]["methods"]:
+    by_size = sorted(cs, key=lambda c: -len(res["corpora"][c]["methods"]))
+    for m in dict.fromkeys(m for c in by_size for m in res["corpora"][c]["methods"]):
         cells = []
         for c in cs:
-            r = res["corpora"][c]["methods"][m]
+            r = res["corpora"][c]["methods"].get(m)
+            if r is None:  # not run on this corpus
+                cells += ["—"] * 4
+                continue
             ranks = r["fact_ranks"]
             cells += [f"{r['lds_halves'][0]:.3f} ± {r['lds_halves'][1]:.3f}", f"{r['lds_drop'][0]:.3f} ± "
                       f"{r['lds_drop'][1]:.3f}", f"{r['qld'][0]:+.2f} ± {r['qld'][1]:.2f}" if "qld" in r else "—",
@@ -623,7 +658,7 @@ def markdown_notes(res: dict, plain: str = "ekfac (default index)",
         if cs is None:
             continue
         p = meth[plain]["lds_drop"][0]
-        ceil = r["noise_ceiling_drop"][0]
+        ceil = cs["r"][0]
         heads = [f"{m.removeprefix('ekfac refined, ')}: {meth[m]['lds_drop'][0] - p:+.3f} "
                  f"({(meth[m]['lds_drop'][0] - p) / (ceil - p):.0%} of the headroom)" for m in refined if m in meth]
         vs = "; ".join(f"{m.removeprefix('ekfac refined, ')} {_pm(cs['methods'][m]['order_a'])} → "
@@ -689,7 +724,14 @@ def main(argv: list[str] | None = None) -> int:
                     "scores (its work directory) to --out's --corpora entry, then stop")
     ap.add_argument("--cost-only", action="store_true", help="re-time the cost per query of --out's --corpora entry "
                     "on its run's saved default index, then stop")
+    ap.add_argument("--refine-at", type=float, metavar="D", help="add a row to --out's --corpora entry: ggn 2 steps "
+                    "over 256 at refine damping D on the run's saved default index (RefineConfig.damping), then stop")
     a = ap.parse_args(argv)
+    if a.refine_at:
+        torch.set_num_threads(1)
+        row = add_refine_at(QUICK if a.quick else ProtocolConfig(), a.corpora, a.work_dir, a.out, a.refine_at)
+        print({k: row[k] for k in ("lds_halves", "lds_drop", "fact_ranks", "seconds")})
+        return 0
     if a.cost_only:
         torch.set_num_threads(1)
         c = remeasure_cost(QUICK if a.quick else ProtocolConfig(), a.corpora, a.work_dir, a.out)

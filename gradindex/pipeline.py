@@ -76,6 +76,8 @@ def build_index(
                           *((index.factory, index.sketch_bytes) if index is not None else ()))
         _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
         rows = _full_fit_rows(cfg, plan, len(data), rerank_fit)
+        if cfg.full_factors and rows is not None and len(rows) < len(data):
+            rows = None  # (--full-factors: the sums over every example, as asked)
         heads = HeadGrads() if rows is not None and len(rows) == len(data) else None
         with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept"):
             res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
@@ -107,14 +109,25 @@ def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitC
 
 def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None) -> np.ndarray | None:
     """The examples of the full-space fit the build will make (:func:`rerank_fit_config`, budget-bound
-    judged from the plan's row sizes), whose ``A`` and ``S`` its capture pass sums; None where it makes none."""
+    judged from the plan's row sizes), whose ``A`` and ``S`` its capture pass sums; None where it makes none,
+    or where the shards' copies of the sums would take too much disk (:data:`FACTOR_SUMS_NOTE`)."""
     if plan.approximate:
         return None
     stored = sum(lp.numbers for lp in plan.layers)
     whole = sum(lp.n_out * lp.n_in for lp in plan.layers)
     bound = str(cfg.budget or "").strip() not in ("", "0") and stored < whole
     full = _rerank_fit(cfg, n, asked if asked is not None else bound, bool(cfg.optimizer_state))
-    return None if full is None else sample_rows(n, full.fit_examples, full.seed)
+    if full is None:
+        return None
+    rows = sample_rows(n, full.fit_examples, full.seed)
+    sums = 8 * sum(lp.n_in ** 2 + lp.n_out ** 2 for lp in plan.layers)  # one shard's float64 A and S
+    copies = len(np.unique(rows // cfg.shard_size))
+    return rows if copies * sums <= max(2 * sums, plan.capture_bytes // 2) else None
+
+
+FACTOR_SUMS_NOTE = """Each capture shard holding fit examples stores its own float64 sums (``N_i² + N_o²`` per
+layer): the capture sums them only while those copies stay within twice one copy (what the fit's own
+checkpoint holds) or half the captured rows' bytes; else the fit makes its own factor pass."""
 
 
 def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfig | None, res: BuildResult,
@@ -124,8 +137,10 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     pass kept as its checkpoint first: the transcoded shards do not hold them), FAISS indices (one
     process), each checked for disk space."""
     full = rerank_fit_config(cfg, res.manifest, len(data), rerank_fit)
-    if full is not None and full.method not in res.manifest.get("full_space", {}) and not res.manifest.get("transcode"):
-        keep_build_sums(out_dir, full, tokenizer, data)  # the fit's checkpoint: the transcode drops the shards' sums
+    if full is not None and cfg.transcode == "ekfac" and full.method not in res.manifest.get("full_space", {}) \
+            and not res.manifest.get("transcode"):  # the fit's checkpoint: the transcode drops the shards' sums
+        with disk_full_as_error(out_dir, "full-space fit", "the store is complete and kept"):
+            keep_build_sums(out_dir, full, tokenizer, data)
     fit = None if cfg.precondition == "none" else \
         FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
     kept = "the captured rows are kept (and the transcode's finished shards)"

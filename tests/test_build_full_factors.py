@@ -21,11 +21,11 @@ from gradindex.precondition import fullspace as fs
 DAMPING = 0.1
 
 
-def _build(out, gpt2_dir, text_jsonl, rerank_fit=None):
+def _build(out, gpt2_dir, text_jsonl, rerank_fit=None, shard_size=64):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 64)
     cfg = BuildConfig(projection=ProjectionSpec(), budget="1/64", precondition="ekfac", transcode="ekfac",
-                      storage="int4", damping=DAMPING, shard_size=16, max_length=64)
+                      storage="int4", damping=DAMPING, shard_size=shard_size, max_length=64)
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False,
                 rerank_fit=rerank_fit)
     return out
@@ -126,4 +126,40 @@ def test_build_killed_in_the_transcode_keeps_the_sums_and_resumes(tmp_path, gpt2
     man = read_manifest(d)
     assert man["transcode"] and man["full_space"]["ekfac"]["fit"]["source"] == "build pass + model pass"
     assert not (d / "precond" / fs.STATE).exists()
+    _same_curvature(d, separate)
+
+
+def test_build_killed_in_the_correction_pass_resumes(tmp_path, gpt2_dir, text_jsonl, separate, monkeypatch):
+    """Killed part-way through the full-space fit's correction pass (after the transcode: the shards no
+    longer hold the sums), the re-run resumes from the checkpoint, still counted a build-pass fit."""
+    from test_fullspace import _EagerState
+
+    monkeypatch.setattr(fs, "_State", _EagerState)
+    calls = {"n": 0}
+    real = fs._CorrectionSums.__call__
+
+    def dying(self, name, a, g):
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise KeyboardInterrupt
+        real(self, name, a, g)
+
+    monkeypatch.setattr(fs._CorrectionSums, "__call__", dying)
+    with pytest.raises(KeyboardInterrupt):
+        _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    state = np.load(tmp_path / "idx" / "precond" / fs.STATE)
+    assert str(state["stage"]) == "correction" and 0 < int(state["done"]) < 40
+    assert read_manifest(tmp_path / "idx")["transcode"]
+    monkeypatch.setattr(fs._CorrectionSums, "__call__", real)
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl)
+    assert read_manifest(d)["full_space"]["ekfac"]["fit"]["source"] == "build pass + model pass"
+    _same_curvature(d, separate)
+
+
+def test_sums_in_many_shards_are_left_to_the_fit(tmp_path, gpt2_dir, text_jsonl, separate):
+    """Every shard holding fit examples would store its own copy of the sums: over three small shards
+    (more than twice one copy, and more than half the captured rows) the fit makes its own factor pass."""
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl, shard_size=16)
+    fit = read_manifest(d)["full_space"]["ekfac"]["fit"]
+    assert fit["source"] == "model pass" and "factor_pass" in fit["phase_seconds"]
     _same_curvature(d, separate)

@@ -4,6 +4,7 @@ Jacobians, a dense linear solve, and plain EK-FAC queries."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -207,6 +208,35 @@ def test_refined_scores_match_the_dense_reference_on_raw_and_eigenbasis_rows(set
     np.testing.assert_allclose(raw, want, atol=1e-4 * scale)
     np.testing.assert_allclose(eig, want, atol=1e-3 * scale)  # rows rotated and scaled in float32
     assert np.linalg.norm(raw - exact) < 0.5 * np.linalg.norm(plain - exact)
+
+
+def test_refine_damping_solves_at_its_own_damping_on_raw_and_eigenbasis_rows(setup, raw_index, eigen_index):
+    """``RefineConfig(damping=d)`` solves ``(H + δ_d I) x = g`` from ``P_d⁻¹ g`` (the index's EK-FAC at damping d),
+    scored against rows stored at another damping: it equals the dense iterations at ``d``, on raw and eigenbasis
+    rows; ``d`` equal to the query's damping changes nothing."""
+    _, _, _, H = setup
+    d2 = 10 * DAMPING
+    cfg = RefineConfig(method="cg", steps=3, sample=N_TRAIN, batch=6)
+    with QueryEngine(raw_index, device="cpu") as e:
+        tokens, grads = _query_grads(e, QUERIES)
+        dims = {n: e.capture.dim(n) for n in LAYERS}
+        curv = {n: preconditioner_curvature(e.pre.get("ekfac"), n, d2) for n in LAYERS}
+        T = np.concatenate([e.store.read_rows(np.arange(e.n), list(LAYERS))[n].astype(np.float64) for n in LAYERS], 1)
+        X = [np.concatenate([x[n].numpy() for n in LAYERS]) for x, _ in
+             (refine_solve({n: grads[n][j].double() for n in LAYERS}, curv, _dense_hvp(H, dims), cfg.steps, "cg")
+              for j in range(len(QUERIES)))]
+        want = np.array(X) @ T.T
+        raw = e.scores(QUERIES, method="ekfac", damping=DAMPING, refine=replace(cfg, damping=d2))
+        same = e.scores(QUERIES, method="ekfac", damping=DAMPING, refine=replace(cfg, damping=DAMPING))
+        np.testing.assert_allclose(same, e.scores(QUERIES, method="ekfac", damping=DAMPING, refine=cfg), rtol=1e-6,
+                                   atol=1e-9 * np.abs(same).max())
+    with QueryEngine(eigen_index, device="cpu") as e:
+        eig = e.scores(QUERIES, method="ekfac", damping=DAMPING, refine=replace(cfg, damping=d2))
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(raw, want, atol=1e-4 * scale)
+    np.testing.assert_allclose(eig, want, atol=1e-3 * scale)
+    with pytest.raises(ValueError, match="refine damping must be a positive"):
+        RefineConfig(damping=0.0)
 
 
 def test_refinement_caches_queries_and_refuses_methods_without_curvature(raw_index):

@@ -108,9 +108,15 @@ def refine_options(fn):
     import functools
 
     @functools.wraps(fn)
-    def wrapper(*args, refine=None, refine_steps=4, refine_sample=64, refine_curvature="ggn", **kwargs):
-        return fn(*args, refine=None if refine is None else (refine, refine_steps, refine_sample, refine_curvature),
-                  **kwargs)
+    def wrapper(*args, refine=None, refine_steps=4, refine_sample=64, refine_curvature="ggn", refine_damping=None,
+                **kwargs):
+        return fn(*args, refine=None if refine is None else (refine, refine_steps, refine_sample, refine_curvature,
+                                                             refine_damping), **kwargs)
+
+    wrapper = click.option("--refine-damping", default=None, type=float, callback=_positive_damping,
+                           help="Relative damping of the refined system (default: the query's; on the default "
+                                "rows the build's). Refinement wants a larger one than plain EK-FAC (docs/math.md)."
+                           )(wrapper)
 
     wrapper = click.option("--refine-curvature", default="ggn", show_default=True,
                            type=click.Choice(["ggn", "sampled", "fisher"]),
@@ -132,8 +138,8 @@ def refine_config(refine):
         return None
     from gradindex.query.refine import RefineConfig
 
-    method, steps, sample, curvature = refine
-    return RefineConfig(method=method, steps=steps, sample=sample, curvature=curvature)
+    method, steps, sample, curvature, damping = refine
+    return RefineConfig(method=method, steps=steps, sample=sample, curvature=curvature, damping=damping)
 
 
 def engine_options(cpu_index: bool = True):

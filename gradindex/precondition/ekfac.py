@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gradindex.precondition.apply import eigen_quadratic, rotate
+from gradindex.precondition.apply import damped, rotate
 from gradindex.precondition.rotated import RotatedRows
 from gradindex.progress import progress_bar
 from gradindex.store import Store
@@ -71,10 +71,12 @@ def store_pass(
     progress: bool = False,
     desc: str = "store pass",
     spill: RotatedRows | None = None,
+    norms: bool = True,
 ) -> PassResult:
     """One streaming pass over the store; see the module docstring. ``shapes``: layer → ``(k_g, k_a)``;
     ``dtype``: of the rotations, one for all layers or per layer (sums are float64 either way);
-    ``spill``: where the rotated rows are written for the fused transcode (:mod:`gradindex.precondition.rotated`)."""
+    ``spill``: where the rotated rows are written for the fused transcode (:mod:`gradindex.precondition.rotated`);
+    ``norms``: also ``‖Ĝ‖²`` (else ``sq_norms`` is left zero)."""
     layers = list(layers)
     N, L = len(store), len(layers)
     finite = store.column("finite").astype(bool)
@@ -91,8 +93,7 @@ def store_pass(
             mats[n] = (
                 torch.as_tensor(b.Q_S, dtype=dt, device=dev),
                 torch.as_tensor(b.Q_A, dtype=dt, device=dev),
-                None if b.Lam is None else torch.as_tensor(b.Lam, dtype=dt, device=dev),
-                b.delta,
+                None if b.Lam is None else damped(torch.as_tensor(b.Lam, dtype=dt, device=dev), b.delta, -1.0),
             )
     sums = {n: torch.zeros(shapes[n], dtype=torch.float64, device=dev) for n in layers} if correct else None
     si = np.zeros((N, L)) if with_lam else None
@@ -103,21 +104,23 @@ def store_pass(
     with progress_bar(total=N, unit="ex", desc=desc, disable=not progress) as bar:
         for ids, grads in store.iter_blocks(layers, rows):
             pos = store.positions(ids)
-            keep = torch.as_tensor(finite[pos], device=dev)
+            keep = None if finite[pos].all() else torch.as_tensor(finite[pos], device=dev)
             for j, n in enumerate(layers):
                 k_g, k_a = shapes[n]
                 x = torch.from_numpy(grads[n]).to(dev, dtypes[n])  # [n, k_g·k_a]
-                sq[pos, j] = x.double().square().sum(1).cpu().numpy()
+                if norms:
+                    sq[pos, j] = x.double().square().sum(1).cpu().numpy()
                 if not need_rot:
                     continue
-                Q_S, Q_A, Lam, delta = mats[n]
+                Q_S, Q_A, weight = mats[n]
                 R = rotate(x.view(-1, k_g, k_a), Q_S, Q_A)  # [n, k_g, k_a]
                 if spill is not None:
                     spill.put(pos, n, R)
+                R2 = R.square_() if correct or weight is not None else None  # (R is not needed after this)
                 if correct:
-                    sums[n] += R[keep].square().sum(0).double()
-                if Lam is not None:
-                    si[pos, j] = eigen_quadratic(R, Lam, delta).double().cpu().numpy()
+                    sums[n] += (R2 if keep is None else R2[keep]).sum(0).double()
+                if weight is not None:  # eigen_quadratic(R, Λ, δ), its weights (Λ + δ)⁻¹ formed once
+                    si[pos, j] = (R2 * weight).sum(dim=(1, 2)).double().cpu().numpy()
             bar.update(len(ids))
     n_finite = int(finite.sum())
     corrected = None

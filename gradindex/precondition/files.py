@@ -5,8 +5,8 @@ Layout (one file per method; ``graddot.h5`` holds only the self-influence column
     attrs   method, format_version, library_version, damping (of the self-influence), fit (JSON:
             source, examples, tokens, fit-set fingerprint), fp_<key> (JSON of manifest["build"][key]
             for model_fingerprint, data_fingerprint, projection, layers), layer_names (JSON list)
-    layers/<layer>/  A [k_a,k_a], S [k_g,k_g]      token-mean factors (float64; not in full-space files:
-                                                   ``Q diag(λ) Qᵀ`` of the two below)
+    layers/<layer>/  A [k_a,k_a], S [k_g,k_g]      token-mean factors (float64; not in full-space files,
+                                                   whose arrays are float32: ``Q diag(λ) Qᵀ`` of the two below)
                      lambda_A [k_a], Q_A [k_a,k_a]  eigenvalues (ascending) and eigenvectors of A
                      lambda_S [k_g], Q_S [k_g,k_g]  same for S
                      Lambda [k_g,k_a]               eigenvalues used: λ_S λ_Aᵀ (kfac) or Λ* (ekfac)
@@ -80,9 +80,11 @@ def write_precond(
     damping: float,
     fit: dict,
     keys: tuple[str, ...] = ("A", "S", "lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda"),
+    dtype: type = np.float64,
 ) -> None:
     """Write one method's file atomically. ``self_influence`` ``[N, L]`` per layer (full-space fits: none);
-    ``keys``: the :class:`LayerFactors` arrays written per layer (full-space fits: all but ``A`` and ``S``)."""
+    ``keys``: the :class:`LayerFactors` arrays written per layer (full-space fits: all but ``A`` and ``S``),
+    as ``dtype`` (full-space fits: float32, what their queries compute in)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with h5py.File(tmp, "w") as f:
@@ -100,7 +102,7 @@ def write_precond(
                 lf = factors[n]
                 grp = g.create_group(n)
                 for key in keys:
-                    grp[key] = np.asarray(getattr(lf, key), dtype=np.float64)
+                    grp[key] = np.asarray(getattr(lf, key), dtype=dtype)
                 grp.attrs["tokens"] = int(lf.tokens)
                 grp.attrs["examples"] = int(lf.examples)
                 grp.attrs["rows"], grp.attrs["cols"] = lf.Lambda.shape

@@ -174,13 +174,15 @@ class StoreFit:
 
 
 def store_fit(index_dir, cfg: FitConfig, manifest: dict, model, tokenizer, data, progress: bool,
-              ekfac_self_influence: bool = True, spill=None) -> StoreFit:
+              ekfac_self_influence: bool = True, spill=None, full_check: bool = True) -> StoreFit:
     """Factors → eigenbases → one store pass (K-FAC self-influence, ``Λ*``, ``‖Ĝ‖²``); for EK-FAC a
     second pass for its self-influence unless ``ekfac_self_influence`` is False (the fused transcode
     computes it from the rows it rotates anyway: :mod:`gradindex.precondition.fused`); ``spill``
     (a :class:`~gradindex.precondition.rotated.RotatedRows`) keeps the first pass's rotated rows for it.
-    Writes every method's file whose self-influence is known."""
-    damage = check_store(index_dir, full=True, manifest=manifest)
+    Writes every method's file whose self-influence is known. ``full_check``: the shards' whole-file hashes
+    are checked first (else the sampled check, as a resumed build does: the fused transcode right after
+    the capture that hashed them)."""
+    damage = check_store(index_dir, full=full_check, manifest=manifest)
     if damage:
         raise damage_error(index_dir, damage, then="fit")
     shapes = layer_shapes(manifest)
@@ -202,7 +204,7 @@ def store_fit(index_dir, cfg: FitConfig, manifest: dict, model, tokenizer, data,
         kw = dict(device=device, dtype=dtypes, block=cfg.block, progress=progress)
         empirical = cfg.fisher == "empirical"
         first = store_pass(store, layers, shapes, bases, correct=cfg.method == "ekfac" and empirical,
-                           desc="store pass (kfac)", spill=spill, **kw)
+                           desc="store pass (kfac)", spill=spill, norms=ekfac_self_influence, **kw)
         written = {"kfac": (factors, first.self_influence), "graddot": (None, first.sq_norms)}
         if cfg.method == "ekfac":
             corrected = first.corrected if empirical else model_correction(

@@ -17,10 +17,14 @@ rotating dense gradients. The factor pass keeps each batch's gradient w.r.t. the
 (a third of a weight-free model pass at a vocabulary of 8192) and gets the same ``g_t`` bit for bit.
 
 A build with ``BuildConfig(full_factors=True)`` (``gradindex build --full-factors``) sums ``A`` and
-``S`` in its capture pass (store group ``covariance_full``); the fit then skips its factor pass.
+``S`` in its capture pass (store group ``covariance_full``); the fit then skips its factor pass. The
+default budget-bound build does the same over exactly its full-space fit set (the group's attribute
+``rows`` names it) and keeps the capture's head gradients for the correction pass (:class:`HeadGrads`);
+it saves the sums as the fit's checkpoint before the transcode rewrites the shards (:func:`keep_build_sums`).
 
 Output, beside the stored-space files: ``precond/kfac-full.h5`` and (EK-FAC) ``precond/ekfac-full.h5``,
-the same layout as ``precond/<method>.h5`` with ``[N_o, N_i(+1)]`` matrices and no self-influence,
+the same layout as ``precond/<method>.h5`` with ``[N_o, N_i(+1)]`` matrices (float32, no ``A``, ``S``:
+:data:`FULL_KEYS`) and no self-influence,
 registered in the manifest under ``full_space``. Progress is checkpointed to
 ``precond/full-space.state.npz`` every ``checkpoint_seconds``; a killed fit re-run with the same
 settings resumes from it.
@@ -73,7 +77,9 @@ log = logging.getLogger("gradindex")
 FULL = "-full"
 FULL_KEYS = ("lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda")
 """What a full-space file holds per layer: the eigenbases and eigenvalues (``A``, ``S`` are ``Q diag(λ) Qᵀ``;
-at ``[N_o, N_i(+1)]`` they would add about 40% to the files, which a query never reads)."""
+at ``[N_o, N_i(+1)]`` they would add about 40% to the files, which a query never reads), as float32: the
+re-rank computes in float32 (:func:`~gradindex.query.full.full_gradient_scores`), so its scores are the same
+as from float64 files; a float64 reference reads them rounded (relative 6e-8)."""
 STATE = "full-space.state.npz"
 
 
@@ -402,10 +408,11 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     return _record(index_dir, cfg, manifest, layers, written, fit, state, t0)
 
 
-def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None,
-           checkpoint_seconds: float) -> tuple[Tokenized, np.ndarray, str, str, _State]:
+def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None, checkpoint_seconds: float,
+           full_check: bool = True) -> tuple[Tokenized, np.ndarray, str, str, _State]:
     """The fit set (data, rows, where from, fingerprint) and the fit's state: resumed from its checkpoint,
-    else from the capture pass's sums over that set (only the correction pass left), else from scratch."""
+    else from the capture pass's sums over that set (only the correction pass left; the shards checked
+    first, ``full_check``: whole-file hashes, else the sampled check), else from scratch."""
     layers = list(full_shapes(manifest))
     data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
     bs = int(manifest.get("config", {}).get("batch_size", 8))
@@ -419,7 +426,7 @@ def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None,
         return data, rows, source, fp, state
     from_build = _build_sums(index_dir, manifest, cfg, layers, rows)
     if from_build is not None:  # the build pass summed the factors: only the correction pass is left
-        damage = check_store(index_dir, full=True, manifest=manifest)
+        damage = check_store(index_dir, full=full_check, manifest=manifest)
         if damage:
             raise damage_error(index_dir, damage, then="fit")
         state.arrays, state.tokens = from_build
@@ -429,9 +436,10 @@ def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None,
 
 def keep_build_sums(index_dir: str | os.PathLike, cfg, tokenizer, data: Tokenized | None = None) -> bool:
     """Save the capture pass's full-space sums over ``cfg``'s fit set as the fit's checkpoint (before the
-    transcode replaces the shards that hold them; :func:`fit_full_space` then resumes from it). Whether saved."""
+    transcode replaces the shards that hold them; :func:`fit_full_space` then resumes from it). Whether saved.
+    The build has just written and hashed the shards: they get the sampled check, not a whole read."""
     manifest = read_complete_manifest(index_dir, "fit")
-    _, _, _, _, state = _start(index_dir, manifest, cfg, tokenizer, data, 0.0)
+    _, _, _, _, state = _start(index_dir, manifest, cfg, tokenizer, data, 0.0, full_check=False)
     if state.source != BUILD_PASS or state.path.exists():
         return False
     state.save()
@@ -455,7 +463,7 @@ def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fi
             t0: float) -> dict:
     """Write each fitted method's file and its ``full_space`` manifest entry; drop the checkpoint."""
     for m, fac in written.items():
-        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit, FULL_KEYS)
+        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit, FULL_KEYS, np.float32)
     seconds = time.perf_counter() - t0
     manifest = read_manifest(index_dir)
     entries = manifest.setdefault("full_space", {})

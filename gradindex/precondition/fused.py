@@ -63,7 +63,8 @@ def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str
         return manifest
     held, manifest = fit_manifest(d, manifest)
     rotated = RotatedRows(d) if keeps_copy(d, manifest, storage) else None
-    fitted = store_fit(d, cfg, manifest, model, tokenizer, data, progress, ekfac_self_influence=False, spill=rotated)
+    fitted = store_fit(d, cfg, manifest, model, tokenizer, data, progress, ekfac_self_influence=False, spill=rotated,
+                       full_check=False)
     ek, _ = fitted.written["ekfac"]
     curvature = {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in ek.items()}
     new, si = compact_rows(d, d / STAGING, manifest, curvature, fitted.fit, cfg.damping, storage, overwrite=True,

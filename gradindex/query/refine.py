@@ -26,6 +26,7 @@ score it against the index's stored rows as they are (:class:`RowCurvature`):
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
@@ -60,6 +61,11 @@ class RefineConfig:
     iterations can diverge)."""
     seed: int = 0
     """Seed of the training sample (and of ``sampled``'s labels)."""
+    damping: float | None = None
+    """Relative damping ``d`` of the refined system, ``(H + δ'I) x = g`` with ``δ' = d · mean Λ`` of the index's
+    EK-FAC (the preconditioner moved to it too); ``None``: the query's damping (on the default rows, the damping the
+    build baked in). The rows are scored as stored either way. Refinement wants a larger damping than plain
+    EK-FAC (docs/math.md, "Damping")."""
     curvature: str = "ggn"
     """The matrix ``H`` refined against. ``ggn``: the exact Gauss-Newton matrix of the sample, products taken
     with the model at every step (:class:`GaussNewton`). ``fisher``: the empirical Fisher of the sample,
@@ -73,6 +79,9 @@ class RefineConfig:
             raise ValueError(f"refine method {self.method!r} is not one of {REFINE_METHODS}")
         if self.curvature not in REFINE_CURVATURES:
             raise ValueError(f"refine curvature {self.curvature!r} is not one of {REFINE_CURVATURES}")
+        if self.damping is not None and not (math.isfinite(self.damping) and self.damping > 0):
+            raise ValueError(f"refine damping must be a positive finite number (relative, like --damping); got "
+                             f"{self.damping}")
         if self.steps < 0 or self.sample < 1 or self.batch < 1 or not self.alpha >= 0:
             raise ValueError(f"refine needs steps >= 0, sample >= 1, batch >= 1 and alpha >= 0; got "
                              f"steps={self.steps}, sample={self.sample}, batch={self.batch}, alpha={self.alpha}")
@@ -93,6 +102,20 @@ class RowCurvature:
     """Absolute damping ``δ`` added to ``H`` in the refined system."""
     eigen_rows: bool
     """Stored rows are ``(Q_Sᵀ Ĝ Q_A) ⊙ (Λ + δ)^{-1/2}`` (else raw rows, preconditioned by the engine)."""
+    rows_lam: torch.Tensor | None = None
+    """The ``Λ + δ`` the rows (or the engine's query-time ``P⁻¹``) use, where the solve's differs
+    (:meth:`at_damping`); ``None``: ``lam``."""
+
+    def at_damping(self, damping: float) -> RowCurvature:
+        """The same rows solved at relative damping ``damping``: ``P' = P + (δ' − δ)I``, ``δ' = damping · mean Λ``."""
+        lam0 = self.lam if self.rows_lam is None else self.rows_lam
+        base = lam0 - self.delta
+        delta = damping * float(base.mean())
+        return RowCurvature(self.Q_S, self.Q_A, (base + delta).clamp_min(0.5 * delta), delta, self.eigen_rows, lam0)
+
+    @property
+    def _row_lam(self) -> torch.Tensor:
+        return self.lam if self.rows_lam is None else self.rows_lam
 
     def _rot(self, x: torch.Tensor) -> torch.Tensor:  # [n, k_g·k_a] → [n, k_g, k_a]
         k_g, k_a = self.lam.shape
@@ -107,7 +130,7 @@ class RowCurvature:
 
     def query_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The query rows that score ``x`` against the stored rows: ``(Q_Sᵀ x Q_A) ⊘ s`` or ``P x``."""
-        R = self._rot(x) * (self.lam.sqrt() if self.eigen_rows else self.lam)
+        R = self._rot(x) * (self._row_lam.sqrt() if self.eigen_rows else self._row_lam)
         return R.reshape(len(x), -1) if self.eigen_rows else self._back(R)
 
     def captured(self, rows: torch.Tensor) -> torch.Tensor:
@@ -115,7 +138,7 @@ class RowCurvature:
         if not self.eigen_rows:
             return rows
         k_g, k_a = self.lam.shape
-        return self._back(rows.reshape(-1, k_g, k_a) * self.lam.sqrt())
+        return self._back(rows.reshape(-1, k_g, k_a) * self._row_lam.sqrt())
 
 
 def eigenbasis_curvature(Q_S: np.ndarray, Q_A: np.ndarray, scale: np.ndarray, damping: float) -> RowCurvature:
@@ -413,6 +436,8 @@ class Refiner:
         if cfg.steps == 0:
             return {n: torch.as_tensor(grads[n]) for n in layers}
         curv = {n: self._curvature(base, damping, n) for n in layers}
+        if cfg.damping is not None:
+            curv = {n: c.at_damping(cfg.damping) for n, c in curv.items()}
         shapes = {n: tuple(curv[n].lam.shape) for n in layers}
         out = {n: [] for n in layers}
         self.last_residuals = []
@@ -440,7 +465,7 @@ class Refiner:
         if cfg.curvature != "ggn":
             raise ValueError(f"--rerank-full refines in full space with Gauss-Newton products; curvature "
                              f"{cfg.curvature!r} is captured-space only (use --refine-curvature ggn there)")
-        curv = {n: preconditioner_curvature(pre, n, damping) for n in layers}
+        curv = {n: preconditioner_curvature(pre, n, damping if cfg.damping is None else cfg.damping) for n in layers}
         shapes = {n: tuple(Gq[n].shape) for n in layers}
         g = {n: Gq[n].double().reshape(-1) for n in layers}
         ggn = self.gauss_newton(cfg, layers, full=True)
