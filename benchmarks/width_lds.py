@@ -24,6 +24,7 @@ Scores, each for every training example:
 
     python -m benchmarks.width_lds retrain          # the retrainings (resumable; run under nice)
     python -m benchmarks.width_lds evaluate         # scores + LDS; writes benchmarks/results/width-lds.json
+    python -m benchmarks.width_lds markdown         # its table (benchmarks/README.md)
 """
 
 from __future__ import annotations
@@ -313,9 +314,27 @@ def evaluate(args) -> int:
     return 0
 
 
+def markdown(res: dict) -> str:
+    """The results as benchmarks/README.md's table (``python -m benchmarks.width_lds markdown``)."""
+    lines = [f"{res['subsets']} halves, {res['queries']} held-out queries, {res['fact_queries']} planted facts; "
+             f"held-out token loss {res['query_token_loss']:.2f} (unigram {res['unigram_token_loss']:.2f}); the "
+             f"engine's candidates = the first stage's top {res['engine']['C']}: "
+             f"{res['engine']['candidates_match_first_stage']:.2f}",
+             "", "| scores | LDS ± se | share of full-space EK-FAC's | minus it (paired se) | top 10 | Spearman "
+             "| facts at rank 1 |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = dict(res["rows"]) | {f"two-stage at C = {c} (reference head)": r
+                                for c, r in res["two_stage_by_C (reference scores for the head)"].items() if c != "100"}
+    for n, r in rows.items():
+        share = f"{r['share_of_reference']:.3f}" if "share_of_reference" in r else "1"
+        diff = f"{r['minus_reference']:+.3f} ({r['minus_reference_se']:.3f})" if "minus_reference" in r else "—"
+        lines.append(f"| {n} | {r['lds']:.3f} ± {r['se']:.3f} | {share} | {diff} | {r['top10']:.2f} | "
+                     f"{r['spearman']:.3f} | {r['fact_rank1']:.2f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("mode", choices=("retrain", "evaluate"))
+    ap.add_argument("mode", choices=("retrain", "evaluate", "markdown"))
     ap.add_argument("--work-dir", type=Path, default=DEFAULT_WORK)
     ap.add_argument("--subsets", type=int, default=64, help="random halves to retrain on (at most)")
     ap.add_argument("--ceiling", type=int, default=8, help="halves retrained with a second batch order")
@@ -333,6 +352,9 @@ def main() -> int:
             args.out = args.work_dir / "width-lds.json"
     torch.set_num_threads(args.threads)
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    if args.mode == "markdown":
+        print(markdown(json.loads(args.out.read_text())))
+        return 0
     if args.mode == "retrain":
         retrain(args.work_dir, args.subsets, args.ceiling, args.worker)
         return 0
