@@ -48,7 +48,9 @@ def main(argv=None) -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():  # under torchrun the Trainer made the process group: end it
-        dist.destroy_process_group()
+        del trainer, model  # DDP's reducer holds the group
+        dist.barrier()  # every rank's outstanding work done first: destroying gloo's group with work still in
+        dist.destroy_process_group()  # flight deadlocked (its loop thread waited for the GIL the join held)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ def main(argv=None) -> None:
         m = cap.manifest
         print(f"captured {m['counts']['examples']} examples over {m['training']['steps']} steps on {world} ranks "
               f"({args.wrap}) into {args.out}; model saved to {model_out}")
+    dist.barrier()  # no work in flight when the group goes (builders/hf_trainer.py)
     dist.destroy_process_group()
 
 
