@@ -25,7 +25,7 @@ from gradindex.plan import BuildPlan, plan_build
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
-from gradindex.precondition.fullspace import HeadGrads, budget_bound, keep_build_sums
+from gradindex.precondition.fullspace import HeadGrads, budget_bound, budget_sized, keep_build_sums
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.store.builder import BuildConfig, BuildResult, build_store, refuse_foreign
 
@@ -115,7 +115,7 @@ def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None
         return None
     stored = sum(lp.numbers for lp in plan.layers)
     whole = sum(lp.n_out * lp.n_in for lp in plan.layers)
-    bound = str(cfg.budget or "").strip() not in ("", "0") and stored < whole
+    bound = budget_sized(cfg.budget) and stored < whole
     full = _rerank_fit(cfg, n, asked if asked is not None else bound, bool(cfg.optimizer_state))
     if full is None:
         return None

@@ -27,6 +27,14 @@ from gradindex.store.codes import check_storage, codec, decode
 
 QUERY_LEVELS = 127.0
 """The int8 kernels round the query to integers: it is scaled to this largest magnitude first."""
+
+
+def level_factor(u: np.ndarray) -> np.ndarray:
+    """``[Q]`` per-row factor that scales rows ``u`` ``[Q, dim]`` to ``max|u| = 127`` (1 for a zero row)."""
+    top = np.abs(u).max(axis=1)
+    return np.where(top > 0, top / QUERY_LEVELS, 1.0)
+
+
 _QT = {"int4": "QT_4bit_uniform", "int8": "QT_8bit_direct_signed", "fp16": "QT_fp16"}
 
 
@@ -50,8 +58,7 @@ class CodeScanner:
         u = np.ascontiguousarray(u, dtype=np.float32)
         if self.storage != "int8":
             return u, np.ones(len(u), np.float32)
-        top = np.abs(u).max(axis=1)
-        f = np.where(top > 0, top / QUERY_LEVELS, 1.0).astype(np.float32)
+        f = level_factor(u).astype(np.float32)
         return np.ascontiguousarray(u / f[:, None]), f
 
     def scores(self, codes: np.ndarray, scales: np.ndarray | None, u: np.ndarray,

@@ -36,7 +36,7 @@ import faiss
 import numpy as np
 import torch
 
-from gradindex.index.scan import QUERY_LEVELS
+from gradindex.index.scan import level_factor
 from gradindex.store.codes import encode
 
 SKETCH_BYTES = 2048
@@ -187,8 +187,7 @@ class SketchIndex:
         return out
 
     def _faiss(self, q: np.ndarray) -> np.ndarray:
-        top = np.abs(q).max(axis=1)
-        f = np.where(top > 0, top / QUERY_LEVELS, 1.0).astype(np.float32)
+        f = level_factor(q).astype(np.float32)
         d, i = self.index.search(np.ascontiguousarray(q / f[:, None]), self.n)
         part = np.empty((len(q), self.n), np.float32)
         np.put_along_axis(part, i, d, axis=1)
@@ -199,8 +198,7 @@ def split_levels(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``q`` ``[Q, m]`` as ``f₁ q₁ + f₂ q₂`` (int8 levels stacked ``[2Q, m]``, factors ``[2Q]``)."""
     out, fs, r = [], [], np.asarray(q, np.float64)
     for _ in range(2):
-        top = np.abs(r).max(axis=1)
-        f = np.where(top > 0, top / QUERY_LEVELS, 1.0)
+        f = level_factor(r)
         lv = np.clip(np.rint(r / f[:, None]), -127, 127)
         out.append(lv.astype(np.int8))
         fs.append(f)

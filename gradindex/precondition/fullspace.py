@@ -102,8 +102,12 @@ def budget_bound(manifest: dict) -> bool:
     """Whether the rows are a projection sized by the byte budget (``--projection auto``, the default)
     that holds less than the whole gradient: where the default build fits full-space curvature and the
     default query re-ranks exactly. A projection the user chose (``--projection 16``) is taken as asked."""
-    budget = str(manifest.get("config", {}).get("budget") or "").strip()
-    return budget not in ("", "0") and stored_share(manifest) < 1
+    return budget_sized(manifest.get("config", {}).get("budget")) and stored_share(manifest) < 1
+
+
+def budget_sized(budget) -> bool:
+    """Whether a build's ``budget`` setting sizes its projection (``auto`` or bytes, not empty or 0)."""
+    return str(budget or "").strip() not in ("", "0")
 
 
 def full_path(index_dir: str | os.PathLike, method: str) -> Path:
