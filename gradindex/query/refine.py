@@ -108,7 +108,7 @@ class RowCurvature:
 
     def at_damping(self, damping: float) -> RowCurvature:
         """The same rows solved at relative damping ``damping``: ``P' = P + (δ' − δ)I``, ``δ' = damping · mean Λ``."""
-        lam0 = self.lam if self.rows_lam is None else self.rows_lam
+        lam0 = self._row_lam
         base = lam0 - self.delta
         delta = damping * float(base.mean())
         return RowCurvature(self.Q_S, self.Q_A, (base + delta).clamp_min(0.5 * delta), delta, self.eigen_rows, lam0)
