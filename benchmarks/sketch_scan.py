@@ -52,7 +52,7 @@ def run_n(n: int, m: int, queries: int, c: int) -> dict:
     ix = SketchIndex(sk, codes, scales)
     assert ix.index is None, "torch._int_mm is not usable here"
     fast, s_fast = time_kernel(ix, q, c)
-    ix._to_faiss(1 << 16)
+    ix._to_faiss(codes, 1 << 16)
     slow, s_slow = time_kernel(ix, q, c)
     rel = float(np.abs(s_fast - s_slow).max() / np.abs(s_slow).max())
     row = {"examples": n, "sketch_numbers": m, "int8_matmul": fast, "faiss": slow,

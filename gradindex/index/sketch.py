@@ -142,21 +142,26 @@ class SketchIndex:
     def __init__(self, sketch: Sketch, codes: np.ndarray, scales: np.ndarray, block: int = 1 << 16):
         self.sketch, self.n = sketch, len(codes)
         self.scales = np.asarray(scales, np.float32)
-        self.codes: torch.Tensor | None = torch.empty((self.n, sketch.m), dtype=torch.int8)
+        self.codes: torch.Tensor | None = None
+        self.index = None
+        if not _int_mm_works(sketch.m):  # straight from the FAISS-layout codes, no int8 copy first
+            self._to_faiss(codes, block)
+            return
+        self.codes = torch.empty((self.n, sketch.m), dtype=torch.int8)
         for s in range(0, self.n, block):  # from a memory map, a block at a time
             c = np.ascontiguousarray(codes[s:s + block]).view(np.uint8) ^ np.uint8(0x80)
             self.codes[s:s + len(c)] = torch.from_numpy(c.view(np.int8))
-        self.index = None
-        if not _int_mm_works(sketch.m):
-            self._to_faiss(block)
 
-    def _to_faiss(self, block: int) -> None:
-        """Hand the codes to FAISS's ``QT_8bit_direct_signed`` kernel (no integer matrix product here)."""
+    def _to_faiss(self, codes, block: int) -> None:
+        """Hand ``codes`` ``[N, m]`` (FAISS's ``code + 128`` bytes, or the int8 tensor) to its
+        ``QT_8bit_direct_signed`` kernel a block at a time (no integer matrix product here); the int8 copy goes."""
         self.index = faiss.IndexScalarQuantizer(self.sketch.m, faiss.ScalarQuantizer.QT_8bit_direct_signed,
                                                 faiss.METRIC_INNER_PRODUCT)
         self.index.train(np.zeros((1, self.sketch.m), np.float32))
         for s in range(0, self.n, block):
-            self.index.add_sa_codes(self.codes[s:s + block].numpy().view(np.uint8) ^ np.uint8(0x80))
+            c = codes[s:s + block]
+            c = _faiss_layout(c) if isinstance(c, torch.Tensor) else np.ascontiguousarray(c).view(np.uint8)
+            self.index.add_sa_codes(c)
         self.codes = None
 
     def nbytes(self) -> int:
@@ -172,7 +177,7 @@ class SketchIndex:
                     out[s:s + len(q)] = self._int8(q)
                     continue
                 except RuntimeError:  # a shape this build of torch refuses: FAISS from now on
-                    self._to_faiss(1 << 16)
+                    self._to_faiss(self.codes, 1 << 16)
             out[s:s + len(q)] = self._faiss(q)
         out *= self.scales[None, :]
         return out
@@ -192,6 +197,11 @@ class SketchIndex:
         part = np.empty((len(q), self.n), np.float32)
         np.put_along_axis(part, i, d, axis=1)
         return part * f[:, None]
+
+
+def _faiss_layout(codes: torch.Tensor) -> np.ndarray:
+    """int8 codes ``[N, m]`` as FAISS's ``code + 128`` bytes (a copy)."""
+    return codes.numpy().view(np.uint8) ^ np.uint8(0x80)
 
 
 def split_levels(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
