@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 STAGES = {  # stage → (module, function) timed when present (the fused build has no transcode_in_place, ...)
     "capture": [("gradindex.pipeline", "build_store")],
+    "fit_sample": [("gradindex.pipeline", "fit_on_sample")],
     "fit": [("gradindex.pipeline", "fit_preconditioner"), ("gradindex.precondition.fused", "store_fit")],
     "full_fit": [("gradindex.precondition.fit", "fit_full_space")],
     "transcode": [("gradindex.pipeline", "transcode_in_place"), ("gradindex.precondition.fused", "compact_rows")],

@@ -243,6 +243,10 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
         if c.get("fisher", "empirical") != "empirical":
             args += ["--fisher", c["fisher"], "--fisher-seed", str(c.get("fisher_seed", 0))]
     args += [f"--{flag.replace('_', '-')}" for flag in ("collect_covariance", "full_factors") if c.get(flag)]
+    if "fit_sample" in c:  # (recorded where it is not the default)
+        args += ["--fit-sample", str(c["fit_sample"])]
+        if c.get("fisher", "empirical") == "empirical" and c["fit_sample"]:  # (its sample's seed)
+            args += ["--fisher-seed", str(c.get("fisher_seed", 0))]
     if c.get("optimizer_state"):
         args += ["--optimizer-state", c["optimizer_state"], "--adam-mode", str(c.get("adam_mode", "exact"))]
     return shlex.join(args + ([] if index else ["--no-index"])) + (f" {extra}" if extra else "")

@@ -7,6 +7,7 @@ module only chains them, and is what ``gradindex build`` calls.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -27,9 +28,18 @@ from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
 from gradindex.precondition.fullspace import HeadGrads, budget_bound, budget_sized, keep_build_sums
 from gradindex.precondition.fused import fit_and_transcode
-from gradindex.store.builder import BuildConfig, BuildResult, build_store, refuse_foreign
+from gradindex.precondition.sampled import EigenCoder, fit_on_sample, sampled_reason
+from gradindex.store.builder import (
+    BuildConfig,
+    BuildResult,
+    build_store,
+    check_resumable,
+    clear_out_dir,
+    refuse_foreign,
+)
 
 __all__ = ["BuildConfig", "BuildResult", "IndexConfig", "build_index"]
+log = logging.getLogger("gradindex")
 
 RERANK_FIT_EXAMPLES = 2048
 """The full-space fit a budget-bound build makes for the default query's exact re-rank takes every
@@ -79,9 +89,17 @@ def build_index(
         if cfg.full_factors and rows is not None and len(rows) < len(data):
             rows = None  # (--full-factors: the sums over every example, as asked)
         heads = HeadGrads() if rows is not None and len(rows) == len(data) else None
+        why = sampled_reason(cfg, len(data))
+        if why and cfg.transcode == "ekfac" and cfg.fit_sample > 0:
+            log.info("EK-FAC fitted on every example: %s", why)
         with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept"):
-            res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
-                              overwrite=overwrite, progress=progress, repair=repair, full_fit_rows=rows, heads=heads)
+            if not why:  # fit on a sample, rows coded in the capture pass
+                res = _sampled(model, tokenizer, data, Path(out_dir), cfg, model_id, data_id, overwrite, progress,
+                               repair, rows, heads)
+            else:
+                res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
+                                  overwrite=overwrite, progress=progress, repair=repair, full_fit_rows=rows,
+                                  heads=heads)
         if distributed.rank() > 0:  # under torchrun: the fit, transcode and indices read the store, on rank 0
             distributed.barrier()
             res.seconds = time.perf_counter() - t0
@@ -90,6 +108,25 @@ def build_index(
             return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0, plan, rerank_fit, heads)
         finally:
             distributed.barrier()
+
+
+def _sampled(model, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str, data_id: str,
+             overwrite: bool, progress: bool, repair: bool, rows: np.ndarray | None, heads) -> BuildResult:
+    """A build that fits EK-FAC on ``cfg.fit_sample`` sampled examples first, then writes every row coded
+    in its whitened eigenbasis in the capture pass (:mod:`gradindex.precondition.sampled`); resumable."""
+    coder = EigenCoder(cfg, len(data), out)
+    if overwrite:
+        clear_out_dir(out)
+    m = read_manifest(out) if manifest_path(out).exists() else {}
+    if not (m.get("status") == "complete" and "ekfac" in m.get("preconditioners", {})):
+        check_resumable(model, tokenizer, data, out, cfg, coder)  # another index there: refused before the sample
+        coder.fitted = fit_on_sample(model, tokenizer, data, out, cfg, model_id, data_id, progress)
+    res = build_store(model, tokenizer, data, out, cfg, model_id=model_id, data_id=data_id, progress=progress,
+                      repair=repair, full_fit_rows=rows, heads=heads, coder=coder)
+    if "ekfac" not in res.manifest.get("preconditioners", {}):
+        res.manifest = coder.finish(res.manifest, cfg.shard_size)
+    coder.discard()
+    return res
 
 
 def rerank_fit_config(cfg: BuildConfig, manifest: dict, n: int, asked: bool | None = None) -> FitConfig | None:
@@ -170,7 +207,10 @@ def _check_disk(out: Path, plan: BuildPlan, overwrite: bool) -> None:
     if plan.approximate or m.get("status") == "complete" and (m.get("transcode") or not plan.transcode):
         return  # only the FAISS stage (if any) is left: checked before it
     parts = [f"{human(plan.capture_bytes)} of {plan.capture_storage} rows"]
-    if plan.transcode:
+    if plan.sample_examples:  # (the sample's rows, deleted before the coded rows are written)
+        parts = [f"{human(plan.capture_bytes)} of the fit sample's {plan.capture_storage} rows, then the "
+                 f"{plan.storage} rows coded in the capture pass {human(plan.store_bytes)}"]
+    elif plan.transcode:
         parts.append(f"their {plan.storage} copy in the eigenbasis {human(plan.store_bytes)}")
     if plan.precond_bytes:
         parts.append(f"fits {human(plan.precond_bytes)}")

@@ -26,6 +26,7 @@ from gradindex.diskspace import human
 from gradindex.index.cost import TIERS, LookupCost, choose_kind, lookup_cost
 from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import BLOCK_BYTES
+from gradindex.precondition.sampled import sampled_reason
 from gradindex.store.basis import RowBasis
 from gradindex.store.builder import BuildConfig
 from gradindex.store.codes import encode, has_scale, row_bytes
@@ -79,6 +80,9 @@ class BuildPlan:
     :func:`gradindex.index.cost.lookup_cost`), None for a FAISS type or no FAISS stage."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Estimated seconds per stage, when measured (:func:`measure_seconds`)."""
+    sample_examples: int = 0
+    """A sampled build's fit sample (:mod:`gradindex.precondition.sampled`; 0: the fit takes every example):
+    ``capture_bytes`` are then the sample's float16 rows, deleted before the main pass writes the coded rows."""
     approximate: bool = False
     """The rows' sizes are only settled by the build's own factor pass (``--projection-basis eigen``):
     the bytes are those of the budget's raw-basis rows, and the build checks no disk space against them."""
@@ -96,7 +100,10 @@ class BuildPlan:
     def peak_disk(self) -> int:
         """The most on disk at once: the captured rows beside their rotated copy (which shrinks, a shard at a
         time, as the coded shards grow: the peak is as the first shard is coded), or the final index."""
-        if self.transcode:
+        if self.sample_examples:  # the sample's rows, then the coded rows with their kept self-influence
+            kept = 16 * self.examples * len(self.layers)
+            during = max(self.capture_bytes, self.store_bytes + self.basis_bytes + kept) + self.precond_bytes
+        elif self.transcode:
             during = (self.capture_bytes + self.precond_bytes + self.basis_bytes
                       + max(self.rotated_bytes + -(-self.store_bytes // self.shards), self.store_bytes))
         else:
@@ -119,6 +126,8 @@ class BuildPlan:
         """One line: rows, disk, memory, time (when measured), lookup."""
         numbers = sum(lp.numbers for lp in self.layers)
         rows = f"{'ekfac-whitened ' if self.transcode else ''}{self.storage}"
+        if self.sample_examples:
+            rows += f", fitted on a sample of {self.sample_examples:,}"
         t = ""
         if self.seconds:
             stages = ", ".join(f"{k} {_duration(v)}" for k, v in self.seconds.items())
@@ -185,7 +194,10 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     shards = max(1, -(-examples // cfg.shard_size))
     factors = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2) for lp in layers)  # one layer's A and S, float64
     collect = cfg.precondition != "none" or cfg.collect_covariance
-    capture = rows_bytes(examples, cfg.shard_size, layers, cfg.capture_storage) + (shards * factors if collect else 0)
+    sample = 0 if sampled_reason(cfg, examples) else cfg.fit_sample  # (its rows are the captured ones)
+    captured = sample or examples
+    capture = rows_bytes(captured, cfg.shard_size, layers, cfg.capture_storage) + \
+        (-(-captured // cfg.shard_size) * factors if collect else 0)
     store = rows_bytes(examples, cfg.shard_size, layers, cfg.storage)
     transcode = cfg.transcode == "ekfac"
     L = len(layers)
@@ -202,9 +214,11 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     capture_ram = 2 * 4 * cfg.batch_size * width + 2 * params  # float32 batch rows on the device and their host copy
     block = 3 * min(BLOCK_BYTES, 4 * width * max(1, examples))  # a block of rows, rotated, coded
     ram = BASE_RAM + params + max(capture_ram, block)
-    rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" else 0
+    rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" \
+        and not sample else 0
     return BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
-                     index_bytes, ram, rotated, shards, lookup, approximate=cfg.basis not in ("raw", "kfac"))
+                     index_bytes, ram, rotated, shards, lookup, sample_examples=sample,
+                     approximate=cfg.basis not in ("raw", "kfac"))
 
 
 def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,
@@ -239,11 +253,16 @@ def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: B
             X = torch.randn(B, lp.k_g, lp.k_a, generator=g)
             Q_S, Q_A = torch.eye(lp.k_g), torch.eye(lp.k_a)
             rotate(X, Q_S, Q_A).square().sum()
-        rot = (time.perf_counter() - t) * N / B
-        out["fit"] = rot
+        rot = (time.perf_counter() - t) / B  # a row's
         if plan.transcode:
             t = time.perf_counter()
             for lp in plan.layers:
                 encode(torch.randn(B, lp.numbers, generator=g).numpy(), plan.storage)
-            out["transcode"] = 2 * (time.perf_counter() - t) * N / B  # (the codes, and the copy's write and read)
+            code = (time.perf_counter() - t) / B
+        if plan.sample_examples:  # the sample captured and fitted; every row rotated and coded as it is captured
+            S = plan.sample_examples
+            return {"fit sample": (per_batch / B + rot) * S, "capture": out["capture"] + (rot + code) * N}
+        out["fit"] = rot * N
+        if plan.transcode:
+            out["transcode"] = 2 * code * N  # (the codes, and the copy's write and read)
     return out

@@ -135,6 +135,10 @@ def _default(name: str):
               help="ekfac: after the EK-FAC fit, rewrite the rows in place in its whitened eigenbasis at "
                    "--damping (plain inner products = EK-FAC; what low-bit codes need). auto: ekfac when "
                    "--precondition is ekfac on raw rows. The index then answers --method ekfac.")
+@click.option("--fit-sample", default=_default("fit_sample"), show_default=True, type=click.IntRange(min=0),
+              help="With more examples than this, the default build (EK-FAC, --transcode ekfac) fits EK-FAC on a "
+                   "seeded sample of this many (--fisher-seed) and codes every row in its whitened eigenbasis in the "
+                   "capture pass: no raw store, no transcode. 0: fit on every example.")
 @damping_option("Relative damping of the self-influence written with --precondition (and of --whiten).")
 @click.option("--collect-covariance", is_flag=True, default=_default("collect_covariance"),
               help="Sum the projected K-FAC factors per shard in the capture pass without fitting them "
@@ -145,7 +149,7 @@ def _default(name: str):
 @click.option("--fisher", default=_default("fisher"), show_default=True, type=click.Choice(["empirical", "true"]),
               help="Factors of --precondition from the observed labels or from labels sampled from the model.")
 @click.option("--fisher-seed", default=_default("fisher_seed"), show_default=True, type=int,
-              help="Seed of --fisher true's labels.")
+              help="Seed of --fisher true's labels (and of the --fit-sample sample).")
 @click.option("--optimizer-state", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Adam state of the training run (.safetensors of '<param>.exp_avg_sq', or a torch "
                    "optimizer state_dict, read with weights_only=True): store G/(sqrt(v)+eps), method adam.")
@@ -222,7 +226,8 @@ class Settings:
 
 OPTION_FIELDS = ("layers", "max_length", "batch_size", "route", "shard_size", "collect_covariance", "full_factors",
                  "precondition", "damping", "storage", "budget", "allocation", "basis", "basis_damping",
-                 "basis_examples", "basis_seed", "fisher", "fisher_seed", "optimizer_state", "adam_mode", "transcode")
+                 "basis_examples", "basis_seed", "fisher", "fisher_seed", "optimizer_state", "adam_mode", "transcode",
+                 "fit_sample")
 """The ``build`` options that are :class:`~gradindex.spec.build.BuildOptions` fields of the same name (the
 projection field is ``--projection``, ``--projection-kind`` and ``--seed``; tests/test_library_defaults.py
 keeps this the whole list)."""

@@ -85,20 +85,8 @@ def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: d
         raise ValueError("--out must be another directory (the source index is never modified)")
     storage = check_storage(storage or manifest["build"].get("storage", "fp32"))
     shapes = layer_shapes(manifest)
-    basis = index_basis(src, manifest)
-    basis.kind, basis.damping = "ekfac", damping
-    for n in shapes:
-        Q_S, Q_A, Lam = curvature[n]
-        lam = np.clip(np.asarray(Lam, np.float64), 0.0, None)
-        basis.Q_S[n], basis.Q_A[n] = np.asarray(Q_S, np.float64), np.asarray(Q_A, np.float64)
-        basis.scale[n] = 1.0 / np.sqrt(lam + absolute_damping(Lam, damping))
-    new = {**manifest, "status": "building", "preconditioners": {},
-           "build": {**manifest["build"], "storage": storage, "basis": {"kind": "ekfac", "damping": damping,
-                                                    "from": manifest["build"].get("basis", {"kind": "raw"}),
-                                                    "fit": fit}}}
-    source = rows_of(manifest)
-    if source.basis == "raw":  # (the rows of other bases name their basis in build.basis.from)
-        new["rows"] = str(replace(source, transcode=True, damping=damping, storage=storage))
+    basis = eigen_basis(index_basis(src, manifest), curvature, damping)
+    new = eigen_manifest(manifest, storage, damping, fit)
     _prepare(out, new, overwrite)
     write_manifest(out, new)  # first: a kill from here on leaves an unfinished compact that a re-run resumes
     write_basis(out, basis, {"source": manifest["build"]["data_fingerprint"], "damping": damping})
@@ -114,6 +102,30 @@ def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: d
     write_manifest(out, new)
     log.info("compacted %s into the ekfac eigenbasis at %s", src, out)
     return new, si
+
+
+def eigen_basis(basis, curvature: dict, damping: float):
+    """``basis`` (the rows' own, its pre-projection maps kept) turned into the ``ekfac`` one of ``curvature``
+    (layer → ``(Q_S, Q_A, Λ*)``): the rotation and the scale ``(Λ* + δ)^{-1/2}`` of every layer."""
+    basis.kind, basis.damping = "ekfac", damping
+    for n, (Q_S, Q_A, Lam) in curvature.items():
+        lam = np.clip(np.asarray(Lam, np.float64), 0.0, None)
+        basis.Q_S[n], basis.Q_A[n] = np.asarray(Q_S, np.float64), np.asarray(Q_A, np.float64)
+        basis.scale[n] = 1.0 / np.sqrt(lam + absolute_damping(Lam, damping))
+    return basis
+
+
+def eigen_manifest(manifest: dict, storage: str, damping: float, fit: dict) -> dict:
+    """The manifest of ``manifest``'s rows in the EK-FAC whitened eigenbasis at ``damping`` as ``storage``
+    codes (status ``building``, no fits yet): what a compact writes, and a sampled build's main pass."""
+    new = {**manifest, "status": "building", "preconditioners": {},
+           "build": {**manifest["build"], "storage": storage, "basis": {"kind": "ekfac", "damping": damping,
+                                                    "from": manifest["build"].get("basis", {"kind": "raw"}),
+                                                    "fit": fit}}}
+    source = rows_of(manifest)
+    if source.basis == "raw":  # (the rows of other bases name their basis in build.basis.from)
+        new["rows"] = str(replace(source, transcode=True, damping=damping, storage=storage))
+    return new
 
 
 def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage: str, manifest: dict, rows: int,

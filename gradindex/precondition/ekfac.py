@@ -72,14 +72,21 @@ def store_pass(
     desc: str = "store pass",
     spill: RotatedRows | None = None,
     norms: bool = True,
+    fit_rows: np.ndarray | None = None,
 ) -> PassResult:
     """One streaming pass over the store; see the module docstring. ``shapes``: layer → ``(k_g, k_a)``;
     ``dtype``: of the rotations, one for all layers or per layer (sums are float64 either way);
     ``spill``: where the rotated rows are written for the fused transcode (:mod:`gradindex.precondition.rotated`);
-    ``norms``: also ``‖Ĝ‖²`` (else ``sq_norms`` is left zero)."""
+    ``norms``: also ``‖Ĝ‖²`` (else ``sq_norms`` is left zero); ``fit_rows``: the store positions whose rows
+    make ``Λ*`` (a fit on a sample of the stored rows; None: every finite row)."""
     layers = list(layers)
     N, L = len(store), len(layers)
     finite = store.column("finite").astype(bool)
+    fitted = finite.copy()
+    if fit_rows is not None:
+        fitted[:] = False
+        fitted[np.asarray(fit_rows, np.int64)] = True
+        fitted &= finite
     need_rot = bases is not None
     with_lam = need_rot and all(bases[n].Lam is not None for n in layers)
     if correct and not need_rot:
@@ -104,7 +111,7 @@ def store_pass(
     with progress_bar(total=N, unit="ex", desc=desc, disable=not progress) as bar:
         for ids, grads in store.iter_blocks(layers, rows):
             pos = store.positions(ids)
-            keep = None if finite[pos].all() else torch.as_tensor(finite[pos], device=dev)
+            keep = None if fitted[pos].all() else torch.as_tensor(fitted[pos], device=dev)
             for j, n in enumerate(layers):
                 k_g, k_a = shapes[n]
                 x = torch.from_numpy(grads[n]).to(dev, dtypes[n])  # [n, k_g·k_a]
@@ -125,5 +132,5 @@ def store_pass(
     n_finite = int(finite.sum())
     corrected = None
     if correct:
-        corrected = {n: (sums[n] / max(1, n_finite)).cpu().numpy() for n in layers}
+        corrected = {n: (sums[n] / max(1, int(fitted.sum()))).cpu().numpy() for n in layers}
     return PassResult(si, sq, corrected, n_finite)

@@ -166,6 +166,14 @@ def read_layers(
         return {n: {k: f["layers"][n][k][:] for k in keys} for n in names}
 
 
+def read_factors(path: Path) -> dict[str, LayerFactors]:
+    """layer → the :class:`LayerFactors` of a stored-space fit's file (what :func:`write_precond` wrote)."""
+    with h5py.File(path, "r") as f:
+        return {n: LayerFactors(**{k: g[k][:] for k in ("A", "S", "lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda")},
+                                tokens=int(g.attrs["tokens"]), examples=int(g.attrs["examples"]))
+                for n, g in ((n, f["layers"][n]) for n in json.loads(f.attrs["layer_names"]))}
+
+
 def read_self_influence(path: Path) -> tuple[float, list[str], np.ndarray]:
     """``(damping, layer_names, [N, L] per-layer self-influence)``."""
     with h5py.File(path, "r") as f:

@@ -174,14 +174,16 @@ class StoreFit:
 
 
 def store_fit(index_dir, cfg: FitConfig, manifest: dict, model, tokenizer, data, progress: bool,
-              ekfac_self_influence: bool = True, spill=None, full_check: bool = True) -> StoreFit:
+              ekfac_self_influence: bool = True, spill=None, full_check: bool = True,
+              sample_correction: bool = False) -> StoreFit:
     """Factors → eigenbases → one store pass (K-FAC self-influence, ``Λ*``, ``‖Ĝ‖²``); for EK-FAC a
     second pass for its self-influence unless ``ekfac_self_influence`` is False (the fused transcode
     computes it from the rows it rotates anyway: :mod:`gradindex.precondition.fused`); ``spill``
     (a :class:`~gradindex.precondition.rotated.RotatedRows`) keeps the first pass's rotated rows for it.
     Writes every method's file whose self-influence is known. ``full_check``: the shards' whole-file hashes
     are checked first (else the sampled check, as a resumed build does: the fused transcode right after
-    the capture that hashed them)."""
+    the capture that hashed them). ``sample_correction``: ``Λ*`` from the rows of ``cfg.fit_examples``'s sample
+    only, as its factors (what a sampled build fits: :mod:`gradindex.precondition.sampled`)."""
     damage = check_store(index_dir, full=full_check, manifest=manifest)
     if damage:
         raise damage_error(index_dir, damage, then="fit")
@@ -203,8 +205,9 @@ def store_fit(index_dir, cfg: FitConfig, manifest: dict, model, tokenizer, data,
         dtypes = layer_dtypes(cfg.precision, shapes)
         kw = dict(device=device, dtype=dtypes, block=cfg.block, progress=progress)
         empirical = cfg.fisher == "empirical"
+        fit_rows = store.positions(np.asarray(mp.rows, np.int64)) if sample_correction and mp is not None else None
         first = store_pass(store, layers, shapes, bases, correct=cfg.method == "ekfac" and empirical,
-                           desc="store pass (kfac)", spill=spill, norms=ekfac_self_influence, **kw)
+                           desc="store pass (kfac)", spill=spill, norms=ekfac_self_influence, fit_rows=fit_rows, **kw)
         written = {"kfac": (factors, first.self_influence), "graddot": (None, first.sq_norms)}
         if cfg.method == "ekfac":
             corrected = first.corrected if empirical else model_correction(

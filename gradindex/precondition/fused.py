@@ -47,10 +47,13 @@ def keeps_copy(d: Path, manifest: dict, storage: str) -> bool:
 
 
 def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str, model=None, tokenizer=None,
-                      data=None, progress: bool = False, manifest: dict | None = None) -> dict:
+                      data=None, progress: bool = False, manifest: dict | None = None,
+                      sample_correction: bool = False) -> dict:
     """Fit EK-FAC (and K-FAC) on ``index_dir``'s raw rows and rewrite them in place in its whitened
     eigenbasis at ``cfg.damping`` as ``storage`` codes; return the new manifest. The caller holds the
-    directory's lock (the pipeline); ``model``/``tokenizer``/``data`` as for :func:`fit_preconditioner`."""
+    directory's lock (the pipeline); ``model``/``tokenizer``/``data`` as for :func:`fit_preconditioner`.
+    ``sample_correction``: ``Λ*`` too from ``cfg.fit_examples``'s sample only (the fit a sampled build makes,
+    :mod:`gradindex.precondition.sampled`, here over the stored rows: its reference)."""
     if cfg.method != "ekfac" or cfg.space != "stored":
         raise ValueError("the fused transcode fits EK-FAC on the stored rows (method 'ekfac', space 'stored')")
     d = Path(index_dir)
@@ -64,7 +67,7 @@ def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str
     held, manifest = fit_manifest(d, manifest)
     rotated = RotatedRows(d) if keeps_copy(d, manifest, storage) else None
     fitted = store_fit(d, cfg, manifest, model, tokenizer, data, progress, ekfac_self_influence=False, spill=rotated,
-                       full_check=False)
+                       full_check=False, sample_correction=sample_correction)
     ek, _ = fitted.written["ekfac"]
     curvature = {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in ek.items()}
     new, si = compact_rows(d, d / STAGING, manifest, curvature, fitted.fit, cfg.damping, storage, overwrite=True,

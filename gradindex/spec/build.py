@@ -68,6 +68,12 @@ class BuildOptions:
     the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
     adam_mode: str = "exact"
     """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
+    fit_sample: int = 8192
+    """A default build (EK-FAC rows transcoded to int4) of more examples than this fits EK-FAC on a seeded
+    sample of this many (its rows captured first, then discarded) and writes every row already coded in
+    that whitened eigenbasis in its one capture pass: no raw store, no transcode (docs/math.md, "Fit on a
+    sample"). 0: fit on every example (the capture, then the fit and the transcode over all rows).
+    Builds of at most this many examples, other options and torchrun fit on every example."""
     transcode: str = "auto"
     """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
     eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last

@@ -14,6 +14,7 @@
       damaged/<time>/        files moved aside by a repair
       transcode.json         present while an in-place transcode swaps its rows in
       rotated.partial/       the fused transcode's rotated rows, while it runs (gradindex.precondition.rotated)
+      fit-sample.partial/    a sampled build's fit sample and its fit, while it runs (gradindex.precondition.sampled)
       trajectory.json        a TracIn index over checkpoints (gradindex.apps.tracin)
 
 Modules that own a file keep writing and reading it; they take its name from here, so no other
@@ -41,6 +42,7 @@ DAMAGED_DIR = "damaged"
 TRANSCODE_JOURNAL = "transcode.json"
 TRANSCODE_STAGING = "eigenbasis.partial"
 TRANSCODE_ROTATED = "rotated.partial"
+FIT_SAMPLE_DIR = "fit-sample.partial"
 TRAJECTORY = "trajectory.json"
 
 

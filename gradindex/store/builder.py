@@ -8,6 +8,7 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ from gradindex.manifest import (
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
+from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
 from gradindex.spec.manifest import layer_identity
 from gradindex.spec.rows import RowSpec
@@ -181,8 +183,9 @@ def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: Bu
 
 
 def _contents(out: Path) -> list[Path]:
-    """What an output directory holds, besides its lock file."""
-    return [p for p in out.iterdir() if p.name not in (LOCK, ".checksums.lock")] if out.is_dir() else []
+    """What an output directory holds, besides its lock file and a sampled build's fit sample (written first)."""
+    skip = (LOCK, ".checksums.lock", layout.FIT_SAMPLE_DIR)
+    return [p for p in out.iterdir() if p.name not in skip] if out.is_dir() else []
 
 
 def refuse_foreign(out: Path) -> None:
@@ -204,12 +207,17 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool) -> dict | None:
     if not _contents(out):
         return None
     if overwrite:
-        for p in _contents(out):
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        clear_out_dir(out)
         return None
     old = read_manifest(out)
     transcoded = old.get("transcode")  # rows rewritten in place after the build: compare the build that made them
-    diffs = identity_differences(transcoded["source_build"] if transcoded else old.get("build", {}), identity)
+    built = transcoded["source_build"] if transcoded else old.get("build", {})
+    diffs = identity_differences(built, identity)
+    if built.get("fit_sample") != identity.get("fit_sample"):
+        said = {k: f"a fit on a sample of {v['size']} (--fit-sample {v['size']})" if v else
+                "a fit on every example (--fit-sample 0, or not more examples than --fit-sample)"
+                for k, v in (("index", built.get("fit_sample")), ("now", identity.get("fit_sample")))}
+        diffs.append(f"its rows were coded after {said['index']} and this build asks for {said['now']}")
     if transcoded and "transcode" not in identity:
         diffs.append(f"its rows were transcoded into the {old['build'].get('basis', {}).get('kind')} eigenbasis "
                      "after the build (the default) and this build asks for raw rows (--transcode none)")
@@ -219,6 +227,20 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool) -> dict | None:
             + ". Use another --out, or --overwrite to replace it."
         )
     return old
+
+
+def clear_out_dir(out: Path) -> None:
+    """Delete what an output directory holds (``--overwrite``), besides its lock file."""
+    for p in _contents(out):
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    shutil.rmtree(out / layout.FIT_SAMPLE_DIR, ignore_errors=True)
+
+
+def check_resumable(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, coder) -> None:
+    """Refuse (writing nothing) an output directory holding another index than the one ``cfg`` and ``coder``
+    build, before a sampled build's sample pass (the main pass checks again)."""
+    if manifest_path(out).exists():
+        prepare_out_dir(out, _setup(model, tokenizer, data, out, cfg, False, coder=coder).identity, False)
 
 
 def build_store(
@@ -234,6 +256,7 @@ def build_store(
     repair: bool = False,
     full_fit_rows: np.ndarray | None = None,
     heads=None,
+    coder=None,
 ) -> BuildResult:
     """Capture every example's projected gradient into ``out_dir/store`` (resuming if present).
 
@@ -243,12 +266,14 @@ def build_store(
     ``full_fit_rows``: also sum the full-space ``A`` and ``S`` over these examples (sorted data indices:
     the full-space fit's set, which then skips its factor pass); ``heads``: keep each batch's gradient
     w.r.t. the final hidden states there (:class:`~gradindex.precondition.fullspace.HeadGrads`).
+    ``coder`` (a :class:`~gradindex.precondition.sampled.EigenCoder`): write every row already coded in its
+    whitened eigenbasis (a sampled build's main pass; the manifest is the transcoded one from the start).
     """
     out = Path(out_dir)
     refuse_foreign(out)
     with index_lock(out, "gradindex build"):
         return _build_store(model, tokenizer, data, out, cfg, model_id, data_id, overwrite, progress, repair,
-                            full_fit_rows, heads)
+                            full_fit_rows, heads, coder)
 
 
 @dataclass
@@ -265,7 +290,7 @@ class _Setup:
 
 
 def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, progress: bool,
-           full_sums: bool = False) -> _Setup:
+           full_sums: bool = False, coder=None) -> _Setup:
     """Fingerprints, the whitened basis (its factor pass, if any), the projection sizes and the capture."""
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
@@ -280,11 +305,13 @@ def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildCo
     if cfg.optimizer_state:  # (the kfac basis is refused with it: one transform per layer)
         transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.adam_mode, model, cfg.layers)
     capture = GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
-                              collect_covariance=cfg.collect_covariance
-                              or (cfg.precondition != "none" and cfg.fisher == "empirical"),
+                              collect_covariance=cfg.collect_covariance  # (a coder's rows are fitted already)
+                              or (cfg.precondition != "none" and cfg.fisher == "empirical" and coder is None),
                               collect_full_covariance=cfg.full_factors or full_sums, transforms=transforms)
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer)
+    if coder is not None:
+        identity = coder.identity(identity)
     return _Setup(hashes, data_fp, pad_id, spec, capture, identity, write)
 
 
@@ -301,7 +328,8 @@ def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConf
         **({"chat_template": template_of(tokenizer)} if data.field == MESSAGES else {}),
         "build": identity,
         "rows": str(cfg.rows),
-        "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
+        "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"  # it is build.projection
+                      and (k != "fit_sample" or v != BuildOptions.fit_sample)},  # (where not the default)
                    "budget": str(cfg.budget),
                    "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
         "dtype": identity["dtype"],
@@ -317,9 +345,9 @@ def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConf
 
 def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str,
                  data_id: str, overwrite: bool, progress: bool, repair: bool, full_fit_rows: np.ndarray | None = None,
-                 heads=None) -> BuildResult:
+                 heads=None, coder=None) -> BuildResult:
     t0 = time.perf_counter()
-    st = _setup(model, tokenizer, data, out, cfg, progress, full_fit_rows is not None)
+    st = _setup(model, tokenizer, data, out, cfg, progress, full_fit_rows is not None, coder)
     old = distributed.on_rank0(lambda: prepare_out_dir(out, st.identity, overwrite))  # (it may delete: one rank)
     if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
         computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
@@ -335,11 +363,13 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         if st.write_basis is not None:
             st.write_basis()
     manifest = _start_manifest(model, tokenizer, data, cfg, st.identity, model_id, data_id, old)
+    if coder is not None:  # (the rows' basis file, then the manifest of rows in it)
+        manifest = coder.start(out, manifest)
     if lead:
         write_manifest(out, manifest)
     distributed.barrier()  # the other ranks write their shards once rank 0 has set the directory up
     nonfinite, computed = write_shards(out, model, st.capture, data, cfg, st.pad_id, st.hashes, st.data_fp,
-                                       set(manifest.get("nonfinite_ids", [])), progress, full_fit_rows, heads)
+                                       set(manifest.get("nonfinite_ids", [])), progress, full_fit_rows, heads, coder)
     parts = distributed.gather((sorted(nonfinite), dict(st.capture.route_counts), computed))
     seconds = time.perf_counter() - t0
     routes: dict[str, int] = {}
@@ -360,11 +390,12 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
 
 def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig,
                  pad_id: int, hashes: list, data_fp: str, nonfinite: set[int], progress: bool,
-                 full_rows: np.ndarray | None = None, heads=None) -> tuple[set[int], int]:
+                 full_rows: np.ndarray | None = None, heads=None, coder=None) -> tuple[set[int], int]:
     """The store's one shard-writing loop: each shard this rank owns and has not committed is captured,
     sealed and committed (hashed in a thread, overlapping the next capture); returns the examples with
-    non-finite gradients and how many examples were computed now. ``full_rows``, ``heads``: as for
-    :func:`build_store` (the full sums over ``full_rows`` only, their digest stored with them)."""
+    non-finite gradients and how many examples were computed now. ``full_rows``, ``heads``, ``coder``: as for
+    :func:`build_store` (the full sums over ``full_rows`` only, their digest stored with them; the coder's
+    per-shard results kept before the shard is sealed, so a shard is redone whole, as with factor sums)."""
     N, S, B = len(data), cfg.shard_size, cfg.batch_size
     dims = {n: capture.dim(n) for n in capture.infos}
     computed = 0
@@ -384,9 +415,10 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
                 if path.exists() or not distributed.owned(k):  # done, or another rank's (round-robin)
                     bar.update(end - start)
                     continue
-                w = ShardWriter(path, start, end - start, dims, data_fp, cfg.capture_storage)
+                w = ShardWriter(path, start, end - start, dims, data_fp,
+                                cfg.capture_storage if coder is None else coder.storage)
                 done = w.open()
-                if factors and done:  # factors need the whole shard: redo it
+                if (factors or coder is not None) and done:  # factors need the whole shard: redo it
                     w.close()
                     w.partial.unlink()
                     done = w.open()
@@ -396,7 +428,8 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
                         e = min(s + B, end)
                         if select is not None:
                             capture.full_select = torch.from_numpy(np.nonzero(select[s:e])[0])
-                        ok = append_batch(w, model, capture, data, s, e, pad_id, hashes, heads=heads)
+                        ok = append_batch(w, model, capture, data, s, e, pad_id, hashes, heads=heads,
+                                          rows=None if coder is None else partial(coder.rows, s))
                         if not ok.all():
                             bad = [int(s + i) for i in np.nonzero(~ok)[0]]
                             nonfinite.update(bad)
@@ -407,6 +440,8 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
                         if capture.collect_full_covariance:
                             capture.ensure_full_sums()
                         write_covariance(w.file, capture, digest)
+                    if coder is not None:
+                        coder.shard_done(k, start, end)
                     w.seal()
                 except BaseException:
                     w.abort()  # (a full disk: no HDF5 handle left to fail again, or crash, at exit)

@@ -69,14 +69,14 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
             for s in range(start + done, end, B):
                 e = min(s + B, end)
                 append_batch(w, model, capture, data, s, e, pad_id, hashes, rows=lambda grads: {
-                    n: to_rows(basis, n, _as_captured(g, captured), shapes[n]) for n, g in grads.items()})
+                    n: to_rows(basis, n, as_captured(g, captured), shapes[n]) for n, g in grads.items()})
                 computed += e - s
             w.finish()
             log.warning("recomputed %s in the index's ekfac eigenbasis", path.name)
     return computed
 
 
-def _as_captured(x: np.ndarray, storage: str) -> np.ndarray:
+def as_captured(x: np.ndarray, storage: str) -> np.ndarray:
     """``x`` as the build's capture stored and the transcode read it back (e.g. rounded to float16)."""
     from gradindex.store.codes import decode, encode
 
