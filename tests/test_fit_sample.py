@@ -5,6 +5,7 @@ resumed to the same index; a build of at most ``fit_sample`` examples exactly as
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import h5py
 import numpy as np
@@ -80,3 +81,96 @@ def test_sampled_build_rows_and_fits_are_the_fused_build_on_the_same_sample(inpu
         g, w = _fit(built, method), _fit(reference, method)
         for k in w:
             np.testing.assert_allclose(g[k], w[k], rtol=2e-4, atol=1e-7 * np.abs(w[k]).max(), err_msg=f"{method} {k}")
+
+
+def test_sampled_index_answers_queries_as_the_reference(built, reference, gpt2_dir):
+    from gradindex.index import build_indices
+    from gradindex.query import QueryEngine
+
+    queries = ["the cat sat on a mat", "red sun over green hills", "a dog ran in the park"]
+    got = {}
+    for name, d in (("built", built), ("reference", reference)):
+        if not (d / "faiss").exists():
+            build_indices(d, progress=False)
+        with QueryEngine(d, gpt2_dir, device="cpu") as e:
+            got[name] = e.query_batch(queries, k=10, texts=False)
+    for a, b in zip(got["built"], got["reference"], strict=True):
+        ids_a, ids_b = [h.id for h in a.hits], [h.id for h in b.hits]
+        assert len(set(ids_a) & set(ids_b)) >= 9 and ids_a[:3] == ids_b[:3]
+        np.testing.assert_allclose([h.score for h in a.hits[:3]], [h.score for h in b.hits[:3]], rtol=2e-2)
+
+
+def _same_index(a, b) -> None:
+    for n, w in _codes(b).items():
+        np.testing.assert_array_equal(_codes(a)[n], w)
+    for method in ("kfac", "ekfac"):
+        for k, v in _fit(b, method).items():
+            np.testing.assert_array_equal(_fit(a, method)[k], v)
+
+
+@pytest.mark.parametrize("kill_at", ["after the sample fit", 2, 5])
+def test_a_killed_sampled_build_resumes_to_the_same_index(inputs, built, tmp_path, monkeypatch, kill_at):
+    """Killed after the sample's fit (its checkpoint), or at the ``kill_at``-th batch of the main pass (batches
+    of 8 in shards of 16: mid-shard at 2, in the third shard at 5): the re-run ends with the same index."""
+    model, tok, data = inputs
+    calls = {"n": 0}
+    real_rows, real_fit = sampled.EigenCoder.rows, sampled.fit_on_sample
+
+    def dying(self, s, grads):
+        calls["n"] += 1
+        if calls["n"] == kill_at:
+            raise KeyboardInterrupt("killed")
+        return real_rows(self, s, grads)
+
+    def fit_then_die(*a, **k):
+        real_fit(*a, **k)
+        raise KeyboardInterrupt("killed")
+
+    import gradindex.pipeline as pipeline
+
+    monkeypatch.setattr(sampled.EigenCoder, "rows", dying)
+    if kill_at == "after the sample fit":
+        monkeypatch.setattr(pipeline, "fit_on_sample", fit_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        build_index(model, tok, data, tmp_path / "idx", SAMPLED, progress=False)
+    assert (tmp_path / "idx" / sampled.SAMPLE_DIR / sampled.CHECKPOINT).exists()
+    monkeypatch.setattr(sampled.EigenCoder, "rows", real_rows)
+    monkeypatch.setattr(pipeline, "fit_on_sample", real_fit)
+    monkeypatch.setattr(sampled, "store_fit", lambda *a, **k: pytest.fail("the sample was fitted again"))
+    build_index(model, tok, data, tmp_path / "idx", SAMPLED, progress=False)
+    _same_index(tmp_path / "idx", built)
+    assert not (tmp_path / "idx" / sampled.SAMPLE_DIR).exists()
+
+
+def test_not_more_examples_than_the_sample_builds_as_before(inputs, tmp_path):
+    """N <= fit_sample: the fused build over every example (fit_sample 0), the same rows and fits."""
+    model, tok, data = inputs
+    build_index(model, tok, data, tmp_path / "a", dataclasses.replace(SAMPLED, fit_sample=len(data)), progress=False)
+    build_index(model, tok, data, tmp_path / "b", dataclasses.replace(SAMPLED, fit_sample=0), progress=False)
+    _same_index(tmp_path / "a", tmp_path / "b")
+    a, b = read_manifest(tmp_path / "a"), read_manifest(tmp_path / "b")
+    assert "fit_sample" not in a["transcode"] and a["build"] == b["build"]
+
+
+def test_cli_build_with_fit_sample_then_query(gpt2_dir, text_jsonl, tmp_path):
+    from click.testing import CliRunner
+
+    from gradindex.cli import main
+
+    def run(*args):
+        res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return res
+
+    out = tmp_path / "idx"
+    res = run("build", gpt2_dir, text_jsonl, "--out", out, "--shard-size", "16", "--max-length", "48",
+              "--fit-sample", S, "--device", "cpu", "--quiet")
+    assert f"fitted on a sample of {S}" in res.output
+    m = read_manifest(out)
+    assert m["transcode"]["fit_sample"] == {"size": S, "seed": 0} and m["config"]["fit_sample"] == S
+    assert f"--fit-sample {S}" in __import__("gradindex.manifest").manifest.build_command(out, m)
+    res = run("query", out, "--text", "the cat sat on a mat", "-k", "3", "--json")
+    assert len(json.loads(res.stdout.strip().splitlines()[0])) >= 3
+    res = run("build", gpt2_dir, text_jsonl, "--out", out, "--shard-size", "16", "--max-length", "48",
+              "--fit-sample", S, "--device", "cpu", "--quiet")  # a re-run: complete, nothing recomputed
+    assert read_manifest(out)["generation"] == m["generation"]
