@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gradindex.methods import LEGACY_DAMPING
+from gradindex.spec.build import default
 from gradindex.spec.layout import MANIFEST
 
 FORMAT_VERSION = 1
@@ -243,10 +244,13 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
         if c.get("fisher", "empirical") != "empirical":
             args += ["--fisher", c["fisher"], "--fisher-seed", str(c.get("fisher_seed", 0))]
     args += [f"--{flag.replace('_', '-')}" for flag in ("collect_covariance", "full_factors") if c.get(flag)]
-    if "fit_sample" in c:  # (recorded where it is not the default)
-        args += ["--fit-sample", str(c["fit_sample"])]
-        if c.get("fisher", "empirical") == "empirical" and c["fit_sample"]:  # (its sample's seed)
-            args += ["--fisher-seed", str(c.get("fisher_seed", 0))]
+    sample = (m.get("transcode") or {}).get("fit_sample")  # (rows coded after a fit on a sample)
+    every = int(m.get("counts", {}).get("examples", 0)) > c.get("fit_sample", 0)  # else: fitted on every example
+    fit_sample = sample["size"] if sample else 0 if every else c["fit_sample"]
+    if fit_sample != default("fit_sample"):
+        args += ["--fit-sample", str(fit_sample)]
+    if sample and sample.get("seed") and c.get("fisher", "empirical") == "empirical":  # (the sample's seed)
+        args += ["--fisher-seed", str(sample["seed"])]
     if c.get("optimizer_state"):
         args += ["--optimizer-state", c["optimizer_state"], "--adam-mode", str(c.get("adam_mode", "exact"))]
     return shlex.join(args + ([] if index else ["--no-index"])) + (f" {extra}" if extra else "")

@@ -162,7 +162,6 @@ class EigenCoder:
         self.si = np.zeros((2, self.examples, len(self.shapes)))
         (self.sub / SELF_INFLUENCE).mkdir(parents=True, exist_ok=True)
         new = eigen_manifest(manifest, self.storage, self.damping, f.fit)
-        new["config"] = {**new["config"], "fit_sample": self.sample["size"]}  # (its command line names it)
         new["transcode"] = {"source_build": manifest["build"], "damping": self.damping, "storage": self.storage,
                             "seconds": f.seconds, "fit_sample": self.sample}
         return new

@@ -328,8 +328,7 @@ def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConf
         **({"chat_template": template_of(tokenizer)} if data.field == MESSAGES else {}),
         "build": identity,
         "rows": str(cfg.rows),
-        "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"  # it is build.projection
-                      and (k != "fit_sample" or v != BuildOptions.fit_sample)},  # (where not the default)
+        "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
                    "budget": str(cfg.budget),
                    "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
         "dtype": identity["dtype"],
