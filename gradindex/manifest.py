@@ -246,7 +246,7 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     args += [f"--{flag.replace('_', '-')}" for flag in ("collect_covariance", "full_factors") if c.get(flag)]
     sample = (m.get("transcode") or {}).get("fit_sample")  # (rows coded after a fit on a sample)
     every = int(m.get("counts", {}).get("examples", 0)) > c.get("fit_sample", 0)  # else: fitted on every example
-    fit_sample = sample["size"] if sample else 0 if every else c["fit_sample"]
+    fit_sample = sample["size"] if sample else 0 if every else c.get("fit_sample", 0)
     if fit_sample != default("fit_sample"):
         args += ["--fit-sample", str(fit_sample)]
     if sample and sample.get("seed") and c.get("fisher", "empirical") == "empirical":  # (the sample's seed)
