@@ -3,15 +3,21 @@ recall@10 against the exhaustive default, first-stage recall, p50/p95 latency (i
 
 Workload: ``benchmarks/lookup.py``'s (a trained GPT-2 2x32, vocab 1024, its 8 block layers hooked:
 25,152 numbers per example; int4 rows in the EK-FAC whitened eigenbasis, 12.6 KiB per example), but
-the training texts are :func:`windows` (distinct windows of 8-27 words of the standard-library
-corpus, up to ~6x10^5 of them: ``lookup.windows`` gives at most ~1.2x10^5). Each N is built by
+the model is trained on, and the training texts are, :func:`windows` of the standard-library
+corpus and the GNU info manuals (distinct windows of 8-27 words, up to ~2.8x10^6 of them:
+``lookup.windows`` gives at most ~1.2x10^5). Each N is built by
 ``build_index`` as ``gradindex build`` builds it (the fused fit + transcode, the default ``auto``
 index), in its own process (``--build N``), timed per stage with ``benchmarks.buildcost``'s clock.
 
     python -m benchmarks.lookup_scale --build 200000 --work /work/tmp/lookup   # one build, resumable
 
-Only the build step exists so far (``idx-N.build.json`` beside each index); the lookup measurement
-(recall against a batched exact scan of the codes, latency one query at a time) is still to write.
+    python -m benchmarks.lookup_scale --measure 200000 --work /work/tmp/lookup  # exact top 100, then lookups
+
+``--measure N`` computes the exhaustive default's scores once (``--truth``, in its own process, kept in
+``truth-N.npz``), then, in a fresh process, opens the index as the build left it with its model and
+times 40 queries one at a time (search alone, and end to end with the query's gradient), their
+recall@10 against the exhaustive scores, the sketch's first-stage recall, and the process's memory
+(``benchmarks/results/lookup-scale.json``).
 """
 
 from __future__ import annotations
@@ -36,15 +42,21 @@ def log(msg: str) -> None:
 
 
 def windows(n: int, n_queries: int) -> tuple[list[str], list[str], list[str]]:
-    """(corpus documents, ``n`` distinct training windows, query windows of the held-out last 5%).
-    Window ``i``: start ``s = i mod M``, length ``8 + (i // M + 7 s) mod 20`` words (every start
-    takes all 20 lengths over the first 20 M windows; the queries are ``lookup.windows``')."""
-    from benchmarks import lookup
+    """(corpus documents, ``n`` distinct training windows, query windows from the held-out tails).
+    The corpus is the standard-library paragraphs and the GNU info manuals (``fixtures.corpus``), each
+    with its last 5% of words held out; the training words are both heads, one after the other.
+    Window ``i``: start ``s = i mod M``, length ``8 + (i // M + 7 s) mod 20`` words (every start takes
+    all 20 lengths over the first 20 M windows); queries: 16-word windows spread over both tails."""
+    from fixtures.corpus import gnu_info_paragraphs
     from fixtures.tiny import stdlib_corpus
 
-    docs = stdlib_corpus()
-    words = " ".join(docs).split()
-    train = words[:int(len(words) * 0.95)]
+    docs = stdlib_corpus() + gnu_info_paragraphs(max_chars=600)
+    train, held = [], []
+    for part in (stdlib_corpus(), gnu_info_paragraphs(max_chars=600)):
+        words = " ".join(part).split()
+        cut = int(len(words) * 0.95)
+        train += words[:cut]
+        held.append(words[cut:])
     m = len(train) - 8 - LENGTHS
     if n > m * LENGTHS:
         raise ValueError(f"the corpus gives at most {m * LENGTHS} windows, asked for {n}")
@@ -58,7 +70,12 @@ def windows(n: int, n_queries: int) -> tuple[list[str], list[str], list[str]]:
         i += 1
     if len(out) < n:
         raise ValueError(f"the corpus gives {len(out)} distinct windows, asked for {n}")
-    return docs, out, lookup.windows(10, n_queries)[2]
+    queries = []
+    for j in range(n_queries):
+        tail = held[j % 2]
+        step = max(1, (len(tail) - 16) // ((n_queries + 1) // 2))
+        queries.append(" ".join(tail[(j // 2) * step:(j // 2) * step + 16]))
+    return docs, out, queries
 
 
 def _spare_copy() -> None:
@@ -77,7 +94,7 @@ def _spare_copy() -> None:
     fused.keeps_copy = keeps_with_spare
 
 
-def build(n: int, work: Path, steps: int) -> dict:
+def build(n: int, work: Path, steps: int, index_type: str = "auto") -> dict:
     """Build (or resume) ``work/idx-N``; its stage seconds, bytes and peak disk go to its ``bench-build.json``
     (a resumed build adds one entry per attempt)."""
     import resource
@@ -112,7 +129,7 @@ def build(n: int, work: Path, steps: int) -> dict:
     log(f"N={n}: building {out}")
     t = time.perf_counter()
     with DiskPeak(out, stages) as disk:
-        pipeline.build_index(model, tok, data, out, cfg, index=IndexConfig(), model_id=str(mdir), progress=True)
+        pipeline.build_index(model, tok, data, out, cfg, index=IndexConfig(factory=index_type), model_id=str(mdir), progress=True)
     done["attempts"].append({"seconds": round(time.perf_counter() - t, 2),
                              "stages": {k: round(v, 2) for k, v in stages.seconds.items()},
                              "stages_cpu": {k: round(v, 2) for k, v in stages.cpu.items()},
@@ -125,15 +142,123 @@ def build(n: int, work: Path, steps: int) -> dict:
     return done
 
 
+def _vm(key: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def truth(n: int, work: Path, n_queries: int) -> Path:
+    """The exhaustive default's top 100 per query (``score_matrix``: float64 over every stored row),
+    with the query rows, in ``work/truth-N.npz`` (its own process: its memory is not the lookup's)."""
+    import numpy as np
+    import torch
+
+    from benchmarks.lookup import query_rows
+    from gradindex.index import OpenIndex
+    from gradindex.query.scores import score_matrix
+
+    torch.set_num_threads(1)
+    f = work / f"truth-{n}.npz"
+    if f.exists():
+        return f
+    d, mdir = work / f"idx-{n}", work / "model"
+    _, _, queries = windows(1, n_queries)
+    q = query_rows(d, mdir, queries)
+    log(f"N={n}: exact scores of {len(queries)} queries over every row")
+    with OpenIndex(d) as ix:
+        t = time.perf_counter()
+        exact = score_matrix(ix, {k: torch.from_numpy(v) for k, v in q.items()}, None, 1e-3, ix.layers)
+        secs = time.perf_counter() - t
+    top = np.argsort(-exact, axis=1, kind="stable")[:, :100]
+    np.savez(f, ids=top, scores=np.take_along_axis(exact, top, 1), seconds=secs,
+             **{f"q:{k}": v for k, v in q.items()})
+    log(f"N={n}: exact scores took {secs:.0f} s ({secs / len(queries):.1f} s a query, batched)")
+    return f
+
+
+def measure(n: int, work: Path, n_queries: int, out: Path) -> dict:
+    """Recall@10 against :func:`truth`, latency one query at a time and this process's memory, on the
+    index as the build left it (``auto``: the sketch tier at 10^6)."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    import torch
+
+    from benchmarks.lookup import first_stage, lookups
+    from gradindex.index.cost import lookup_cost
+    from gradindex.query import QueryEngine
+
+    f = work / f"truth-{n}.npz"
+    if not f.exists():
+        subprocess.run([sys.executable, "-m", "benchmarks.lookup_scale", "--truth", str(n), "--work", str(work),
+                        "--queries", str(n_queries)], check=True)
+    torch.set_num_threads(1)
+    z = np.load(f)
+    ids = z["ids"][:, :10]
+    q = {k[2:]: z[k] for k in z.files if k.startswith("q:")}
+    _, _, queries = windows(1, n_queries)
+    d = work / f"idx-{n}"
+    rss0 = _vm("VmRSS")
+    entry: dict = {"examples": n, "queries": len(queries), "exact_seconds_batched": float(z["seconds"])}
+    with QueryEngine(d, work / "model", device="cpu") as e:
+        e.indices  # noqa: B018 - load them
+        sk = e.indices.sketch
+        entry["index_kind"] = e.indices.kind
+        entry["rss_after_open_bytes"] = _vm("VmRSS")
+        entry["rss_open_index_bytes"] = _vm("VmRSS") - rss0
+        entry["index_ram_bytes"] = int((sk.nbytes() if sk is not None else 0) + e.indices.sq_norms.nbytes)
+        numbers = sum(e.index.store.dims.values())
+        entry["search"] = lookups(e, q, ids)
+        if sk is not None:
+            entry["first_stage_recall"] = first_stage(e, q, ids)
+            entry["search_by_C"] = {str(c): lookups(e, q, ids, candidates=c) for c in (100, 500)}
+        ts = []
+        for text in queries:  # end to end: tokenize, forward/backward, search, texts
+            t = time.perf_counter()
+            e.query(text, k=10)
+            ts.append(time.perf_counter() - t)
+        entry["end_to_end"] = {"p50_s": float(np.percentile(ts, 50)), "p95_s": float(np.percentile(ts, 95))}
+    entry["peak_rss_bytes"] = _vm("VmHWM")
+    if entry["index_kind"] in ("store", "sketch"):
+        entry["estimate"] = lookup_cost(n, numbers, "int4", entry["index_kind"], layers=len(q)).to_dict()
+    stamp = work / f"idx-{n}.build.json"
+    if stamp.exists():
+        b = json.loads(stamp.read_text())
+        entry["build"] = {k: b.get(k) for k in ("store_bytes", "index_dir_bytes")}
+        entry["build"]["attempts"] = b["attempts"]
+        entry["index_dir_over_rows"] = b["index_dir_bytes"] / b["store_bytes"]
+    entry["load_average"] = os.getloadavg()
+    report = json.loads(out.read_text()) if out.exists() else {
+        "workload": __doc__.split("\n\n")[1], "machine": {"cpus": os.cpu_count(), "threads": 1}, "runs": []}
+    report["runs"] = sorted([r for r in report["runs"] if r["examples"] != n] + [entry], key=lambda r: r["examples"])
+    out.write_text(json.dumps(report, indent=1))
+    log(f"N={n}: {entry['index_kind']}, recall@10 {entry['search']['recall@10']:.3f}, search p50/p95 "
+        f"{entry['search']['p50_s'] * 1e3:.0f}/{entry['search']['p95_s'] * 1e3:.0f} ms, end to end p95 "
+        f"{entry['end_to_end']['p95_s'] * 1e3:.0f} ms, peak RSS {entry['peak_rss_bytes'] / 2**30:.2f} GiB")
+    return entry
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--build", type=int, nargs="*", default=[])
+    ap.add_argument("--truth", type=int, nargs="*", default=[])
+    ap.add_argument("--measure", type=int, nargs="*", default=[])
+    ap.add_argument("--queries", type=int, default=40)
     ap.add_argument("--work", type=Path, default=Path("/work/tmp/lookup"))
     ap.add_argument("--train-steps", type=int, default=300)
+    ap.add_argument("--index-type", default="auto", help="the build's --index-type (auto: store or sketch by N)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/lookup-scale.json")
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     for n in a.build:
-        build(n, a.work, a.train_steps)
+        build(n, a.work, a.train_steps, a.index_type)
+    for n in a.truth:
+        truth(n, a.work, a.queries)
+    for n in a.measure:
+        measure(n, a.work, a.queries, a.out)
 
 
 if __name__ == "__main__":

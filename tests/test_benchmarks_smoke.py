@@ -85,3 +85,40 @@ def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path):
         no_gpu = subprocess.run(["bash", "benchmarks/gpu_check.sh"], capture_output=True, text=True, timeout=60,
                                 cwd=ROOT, env=env)
         assert no_gpu.returncode == 2 and "--dry-run" in no_gpu.stderr
+
+
+@pytest.mark.slow
+def test_lookup_scale_builds_then_measures_against_an_independent_exact_scan(tmp_path):
+    """The 10^6 lookup benchmark's two steps at 300 examples (sketch tier forced): the recall it reports is
+    recomputed here from a brute-force float64 scan of the decoded store and the engine's own answers."""
+    import numpy as np
+    import torch
+
+    from benchmarks import lookup_scale as L
+    from gradindex.index import OpenIndex, query_vectors
+    from gradindex.manifest import row_basis
+    from gradindex.methods import parse_method, row_base
+    from gradindex.query import QueryEngine
+    from gradindex.store.rows import RowReader
+
+    out = tmp_path / "scale.json"
+    L.main(["--build", "300", "--measure", "300", "--work", str(tmp_path), "--train-steps", "5",
+            "--queries", "4", "--index-type", "sketch", "--out", str(out)])
+    r = json.loads(out.read_text())["runs"][0]
+    assert r["examples"] == 300 and r["index_kind"] == "sketch" and r["queries"] == 4
+    assert 0 < r["search"]["p50_s"] <= r["search"]["p95_s"] and r["peak_rss_bytes"] > 0
+    assert set(r["first_stage_recall"]) == {"50", "100", "200", "500"}
+    z = np.load(tmp_path / "truth-300.npz")
+    q = {k[2:]: z[k] for k in z.files if k.startswith("q:")}
+    with OpenIndex(tmp_path / "idx-300") as ix:  # the index's rows, decoded: their inner products with the query
+        rows = RowReader(ix.store, ix.layers).read(np.arange(300))
+        with QueryEngine(tmp_path / "idx-300", load_model=False) as e:
+            method = e.resolve_method(None)
+            base = row_base(parse_method(method)[0], row_basis(e.manifest), method)
+            m, _, _ = query_vectors(e.indices.space, e.pre, base, 1e-3, {n: torch.from_numpy(v) for n, v in q.items()})
+            hits = [{h.id for h in res.hits} for res in e.search(q, k=10, texts=False)]
+    brute = sum(np.asarray(m[n], np.float64) @ np.asarray(rows[n], np.float64).T for n in ix.layers)
+    top = np.argsort(-brute, axis=1, kind="stable")[:, :10]
+    assert (top == z["ids"][:, :10]).mean() == 1.0  # the benchmark's truth is the exhaustive scan's
+    recall = np.mean([len(hits[j] & set(top[j].tolist())) / 10 for j in range(4)])
+    assert r["search"]["recall@10"] == pytest.approx(recall, abs=0.1)
