@@ -129,7 +129,8 @@ def build(n: int, work: Path, steps: int, index_type: str = "auto") -> dict:
     log(f"N={n}: building {out}")
     t = time.perf_counter()
     with DiskPeak(out, stages) as disk:
-        pipeline.build_index(model, tok, data, out, cfg, index=IndexConfig(factory=index_type), model_id=str(mdir), progress=True)
+        pipeline.build_index(model, tok, data, out, cfg, index=IndexConfig(factory=index_type), model_id=str(mdir),
+                             progress=True)
     done["attempts"].append({"seconds": round(time.perf_counter() - t, 2),
                              "stages": {k: round(v, 2) for k, v in stages.seconds.items()},
                              "stages_cpu": {k: round(v, 2) for k, v in stages.cpu.items()},
