@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     args = parser(__doc__).parse_args(argv)
     model, tok = load_causal_lm(args.model, device=args.device)
     data = tokenize_records(load_records(args.data), tok, args.max_length)
-    train = with_row_ids(datasets.Dataset.from_dict({"input_ids": data.input_ids}))
+    train = with_row_ids(datasets.Dataset.from_dict({"input_ids": list(data.input_ids)}))
     model_out = args.model_out or args.out.rstrip("/") + "-model"
     callback = GradIndexCallback(args.out, projection=args.projection, max_length=args.max_length,
                                  model_id=os.path.abspath(model_out), data_id=os.path.abspath(args.data))

@@ -76,7 +76,8 @@ def train(args, base: Path, data: Path, adapter_out: Path) -> dict:
 
     model, tok = load_causal_lm(base, device=args.device, chat_template=args.chat_template)
     toks = tokenize_records(load_records(data), tok, args.max_length)
-    train_set = with_row_ids(datasets.Dataset.from_dict({"input_ids": toks.input_ids, "labels": toks.labels}))
+    train_set = with_row_ids(datasets.Dataset.from_dict({"input_ids": list(toks.input_ids),
+                                                         "labels": list(toks.labels)}))
     lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules="all-linear",
                       task_type="CAUSAL_LM")
     callback = GradIndexCallback(args.out, projection=args.projection, max_length=args.max_length,

@@ -12,6 +12,8 @@ import hashlib
 import json
 import logging
 import os
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -132,12 +134,90 @@ def records_from_texts(texts: list[str]) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": list(texts)})
 
 
+class Ragged(Sequence):
+    """Rows of ints held as one flat array and offsets (4 bytes a token; a list of lists of Python ints
+    takes ~40): what :func:`tokenize_records` returns, so that 10^6 tokenized examples hold ~0.3 GB,
+    not ~1.5 GB. Reads as a list of lists: ``r[i]`` and iteration give lists, ``r[s:e]`` a list of them."""
+
+    def __init__(self, rows: Iterable[Sequence[int]] = ()):
+        b = RaggedBuilder()
+        for r in rows:
+            b.append(r)
+        self.flat, self.offsets = b.arrays()
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._row(j) for j in range(*i.indices(len(self)))]
+        n = len(self)
+        j = int(i) + n if int(i) < 0 else int(i)
+        if not 0 <= j < n:
+            raise IndexError(f"row {i} of {n}")
+        return self._row(j)
+
+    def _row(self, j: int) -> list[int]:
+        return self.flat[self.offsets[j]:self.offsets[j + 1]].tolist()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (self._row(j) for j in range(len(self)))
+
+    def __add__(self, other) -> list[list[int]]:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list[list[int]]:
+        return list(other) + list(self)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(
+            list(a) == b for a, b in zip(other, self))
+
+    def __hash__(self) -> int:  # (mutable contents, like a list)
+        raise TypeError("unhashable type: 'Ragged'")
+
+    def lengths(self) -> np.ndarray:
+        """``[N]`` int64 row lengths."""
+        return np.diff(self.offsets)
+
+    def __repr__(self) -> str:
+        return f"Ragged({len(self)} rows, {len(self.flat)} values)"
+
+
+class RaggedBuilder:
+    """Rows appended one at a time into a growing flat buffer, then :meth:`build` → :class:`Ragged`."""
+
+    def __init__(self):
+        self.values, self.lengths = array("q"), array("q")
+
+    def append(self, row: Sequence[int]) -> None:
+        self.values.extend(row)
+        self.lengths.append(len(row))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(flat, offsets)``: the values (int32 where they fit) and the ``N + 1`` row offsets; empties the builder."""
+        flat = np.frombuffer(self.values, np.int64) if len(self.values) else np.zeros(0, np.int64)
+        fits = len(flat) == 0 or (flat.min() >= -(1 << 31) and flat.max() < (1 << 31))
+        flat = flat.astype(np.int32) if fits else flat.copy()
+        offsets = np.zeros(len(self.lengths) + 1, np.int64)
+        if len(self.lengths):
+            np.cumsum(np.frombuffer(self.lengths, np.int64), out=offsets[1:])
+        self.values, self.lengths = array("q"), array("q")
+        return flat, offsets
+
+    def build(self) -> Ragged:
+        r = Ragged.__new__(Ragged)
+        r.flat, r.offsets = self.arrays()
+        return r
+
+
 @dataclass(frozen=True)
 class Tokenized:
     """Token ids and labels per example, plus what tokenizing did."""
 
-    input_ids: list[list[int]]
-    labels: list[list[int]]
+    input_ids: Sequence[list[int]]
+    """Per example its token ids (a list of lists, or a :class:`Ragged` from :func:`tokenize_records`)."""
+    labels: Sequence[list[int]]
     n_truncated: int
     field: str
     truncated: tuple[bool, ...] = ()
@@ -164,9 +244,17 @@ def tokenize_records(
         raise ValueError("the data set is empty; nothing to index")
     cols = set(ds.column_names)
     _check_one_format(ds, text_field)
-    ids_out: list[list[int]] = []
-    labels_out: list[list[int]] = []
-    n_trunc = 0
+    ids_out, labels_out, truncated = RaggedBuilder(), RaggedBuilder(), []
+
+    def add(ids: list[int], lab: list[int]) -> None:  # cut to max_length; an empty example: one pad-free token
+        truncated.append(len(ids) > max_length)
+        if truncated[-1]:
+            ids, lab = ids[:max_length], lab[:max_length]
+        if not ids:
+            ids, lab = [tokenizer.eos_token_id or 0], [IGNORE]
+        ids_out.append(ids)
+        labels_out.append(lab)
+
     if "input_ids" in cols:
         field = "input_ids"
         labels_col = _column(ds, "labels") if "labels" in cols else None
@@ -176,46 +264,33 @@ def tokenize_records(
             if len(lab) != len(ids):
                 raise ValueError(f"record {i}: labels ({len(lab)}) and input_ids ({len(ids)}) differ in length")
             _check_ids(ids, i, vocab_size)
-            ids_out.append(ids)
-            labels_out.append(lab)
+            add(ids, lab)
     elif {"prompt", "completion"} <= cols:
         field = "prompt+completion"
         for i, (p, c) in enumerate(zip(_column(ds, "prompt"), _column(ds, "completion"))):
             pi = _tokens(tokenizer, _text(p, i, "prompt"), i, max_length)
             ci = _tokens(tokenizer, _text(c, i, "completion"), i, max_length)
-            ids_out.append(pi + ci)
-            labels_out.append([IGNORE] * len(pi) + ci)
+            add(pi + ci, [IGNORE] * len(pi) + ci)
     elif MESSAGES in cols:
         field = MESSAGES
         for i, msgs in enumerate(_column(ds, MESSAGES)):
             ids, lab = chat_tokens(tokenizer, msgs, i)
             _check_ids(ids, i, vocab_size)
-            ids_out.append(ids)
-            labels_out.append(lab)
+            add(ids, lab)
     elif text_field in cols:
         field = text_field
         for i, t in enumerate(_column(ds, text_field)):
             ids = _tokens(tokenizer, _text(t, i, text_field), i, max_length)
-            ids_out.append(ids)
-            labels_out.append(list(ids))
+            add(ids, ids)
     else:
         raise ValueError(
             f"no field {text_field!r} in the data (columns: {sorted(cols)}); pass --text-field NAME, "
             "or give 'prompt' and 'completion', chat 'messages', or pre-tokenized 'input_ids'"
         )
-    truncated = [len(x) > max_length for x in ids_out]
-    for i in range(len(ids_out)):
-        if truncated[i]:
-            ids_out[i] = ids_out[i][:max_length]
-            labels_out[i] = labels_out[i][:max_length]
-            n_trunc += 1
+    ids, labels = ids_out.build(), labels_out.build()
     if require_targets:
-        _check_targets(labels_out, truncated, max_length)
-    for i in range(len(ids_out)):
-        if not ids_out[i]:  # keep row alignment: an empty example is one pad-free token
-            ids_out[i] = [tokenizer.eos_token_id or 0]
-            labels_out[i] = [IGNORE]
-    return Tokenized(ids_out, labels_out, n_trunc, field, tuple(truncated))
+        _check_targets(labels, truncated, max_length)
+    return Tokenized(ids, labels, sum(truncated), field, tuple(truncated))
 
 
 def _column(ds: datasets.Dataset | Records, field: str) -> list:
@@ -299,9 +374,12 @@ def _check_ids(ids: list[int], row: int, vocab_size: int | None) -> None:
                          "were these ids made with another tokenizer?")
 
 
-def _check_targets(labels: list[list[int]], truncated: list[bool], max_length: int) -> None:
+def _check_targets(labels: Ragged, truncated: list[bool], max_length: int) -> None:
     """Refuse examples with no target token: their gradient would be a silent row of zeros."""
-    empty = [i for i, y in enumerate(labels) if not any(t != IGNORE for t in y[1:])]
+    target = labels.flat != IGNORE
+    target[labels.offsets[:-1][labels.lengths() > 0]] = False  # (a row's first token is no target)
+    seen = np.concatenate([[0], np.cumsum(target)])
+    empty = np.flatnonzero(seen[labels.offsets[1:]] == seen[labels.offsets[:-1]]).tolist()
     if not empty:
         return
     i = empty[0]
