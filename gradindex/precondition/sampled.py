@@ -141,7 +141,9 @@ class EigenCoder:
         self.out = Path(out_dir)
         self.sub = self.out / SAMPLE_DIR
         self.fitted = fitted
-        self.si: np.ndarray | None = None
+        self.shard_size = int(cfg.shard_size)
+        self.si: np.ndarray | None = None  # the current shard's self-influence [2, shard_size, layers]
+        self.si_start = -1
 
     def identity(self, identity: dict) -> dict:
         """The build's identity with the fit sample (a resume with another one is refused)."""
@@ -159,7 +161,6 @@ class EigenCoder:
             kf = f.kfac[n].Lambda
             w = damped(torch.as_tensor(kf), absolute_damping(kf, self.damping), -1.0).numpy()
             self.weights[n] = (w / np.square(self.basis.scale[n])).reshape(-1)
-        self.si = np.zeros((2, self.examples, len(self.shapes)))
         (self.sub / SELF_INFLUENCE).mkdir(parents=True, exist_ok=True)
         new = eigen_manifest(manifest, self.storage, self.damping, f.fit)
         new["transcode"] = {"source_build": manifest["build"], "damping": self.damping, "storage": self.storage,
@@ -168,12 +169,15 @@ class EigenCoder:
 
     def rows(self, s: int, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Captured rows of examples ``s, s+1, ...`` → their whitened rows (recording their self-influence)."""
+        start = s - s % self.shard_size
+        if start != self.si_start:  # (a shard's rows come in order, one shard at a time)
+            self.si, self.si_start = np.zeros((2, self.shard_size, len(self.shapes))), start
         out = {}
         for j, n in enumerate(self.shapes):
             W = to_rows(self.basis, n, as_captured(grads[n], self.captured), self.shapes[n])
             W2 = np.square(W, dtype=np.float64)
-            self.si[1, s:s + len(W), j] = W2.sum(1)
-            self.si[0, s:s + len(W), j] = W2 @ self.weights[n]
+            self.si[1, s - start:s - start + len(W), j] = W2.sum(1)
+            self.si[0, s - start:s - start + len(W), j] = W2 @ self.weights[n]
             out[n] = W
         return out
 
@@ -183,7 +187,9 @@ class EigenCoder:
     def shard_done(self, k: int, start: int, end: int) -> None:
         """Keep shard ``k``'s self-influence (before the shard is sealed: a shard without it is redone)."""
         tmp = self._file(k).with_suffix(".tmp.npy")
-        np.save(tmp, self.si[:, start:end])
+        if self.si_start != start:
+            raise RuntimeError(f"self-influence of shard {k} (examples {start}:{end}) was not computed")
+        np.save(tmp, self.si[:, :end - start])
         os.replace(tmp, self._file(k))
 
     def finish(self, manifest: dict, shard_size: int) -> dict:
