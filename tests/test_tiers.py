@@ -243,3 +243,22 @@ def test_auto_kind_follows_n_row_size_and_memory():
     assert big.seconds > small.seconds and big.ram_bytes == 100 * small.ram_bytes
     store, sketch = (lookup_cost(1_000, 400_000, "int4", k) for k in ("store", "sketch"))
     assert store.ram_bytes < sketch.ram_bytes
+
+
+def test_sketch_candidates_grow_with_n_and_the_engine_defaults_to_them(default_index, tmp_path, monkeypatch):
+    from gradindex.index import cost
+
+    assert [cost.sketch_candidates(n) for n in (50, 10_000, 200_000, 1_000_000, 5_000_000)] == [
+        50, 200, 200, 1_000, 5_000]
+    assert lookup_cost(1_000_000, 25_000, "int4", "sketch").scanned_bytes == \
+        lookup_cost(1_000_000, 25_000, "int4", "sketch", candidates=1_000).scanned_bytes
+    d = _copy(default_index, tmp_path)
+    build_indices(d, IndexConfig(factory="sketch", sketch_bytes=68), progress=False)  # a coarse first tier
+    q = _queries(d, QUERIES)
+    monkeypatch.setattr(cost, "DEFAULT_CANDIDATES", 1)
+    monkeypatch.setattr(cost, "CANDIDATE_SHARE", 0.3)
+    with QueryEngine(d, device="cpu") as e:
+        c = cost.sketch_candidates(e.n)
+        assert c == -(-3 * e.n // 10)
+        default = [[h.id for h in r.hits] for r in e.search(q, k=5, texts=False)]
+        assert default == [[h.id for h in r.hits] for r in e.search(q, k=5, candidates=c, texts=False)]

@@ -17,6 +17,7 @@ over). A plan (``gradindex plan``) can quote them.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -38,7 +39,17 @@ STORE_SCAN_RAM_SHARE = 0.25
 """... and the store fits in this share of the machine's memory (the page cache keeps it)."""
 TIERS = ("store", "sketch")
 DEFAULT_CANDIDATES = 200
-"""Examples the sketch tier hands to the exact re-rank (``C``)."""
+"""The fewest examples the sketch tier hands to the exact re-rank (``C``; :func:`sketch_candidates`)."""
+CANDIDATE_SHARE = 1e-3
+"""... and the share of ``N`` it hands on beyond that: a row's sketch estimate errs by a spread that does not
+shrink with ``N``, so the rows that can outrank a true top-10 row grow in proportion to ``N``. On real default
+rows (``benchmarks/results/lookup-scale.json``) the first tier's top C held 0.885 / 0.94 / 0.98 / 0.99 of the
+exact top 10 at C = 200 / 500 / 1,000 / 2,000 over 10^6 examples, each extra candidate costing one row read."""
+
+
+def sketch_candidates(n: int) -> int:
+    """``C`` for ``n`` examples: ``max(DEFAULT_CANDIDATES, ⌈n × CANDIDATE_SHARE⌉)``, at most ``n``."""
+    return int(min(n, max(DEFAULT_CANDIDATES, math.ceil(n * CANDIDATE_SHARE))))
 
 
 @dataclass(frozen=True)
@@ -59,7 +70,7 @@ class LookupCost:
 
 
 def lookup_cost(n: int, numbers: int, storage: str, kind: str, layers: int = 1,
-                sketch_bytes: int = 0, candidates: int = DEFAULT_CANDIDATES) -> LookupCost:
+                sketch_bytes: int = 0, candidates: int | None = None) -> LookupCost:
     """The cost of one lookup over ``n`` examples of ``numbers`` stored numbers each (``storage`` codes)."""
     from gradindex.index.sketch import SKETCH_BYTES
 
@@ -71,7 +82,7 @@ def lookup_cost(n: int, numbers: int, storage: str, kind: str, layers: int = 1,
     if kind != "sketch":
         raise ValueError(f"lookup cost is known for the kinds {TIERS}, not {kind!r}")
     m = max(1, (sketch_bytes or SKETCH_BYTES) - 4)
-    c = min(n, candidates)
+    c = min(n, candidates or sketch_candidates(n))
     secs = n * m * SKETCH_NS * 1e-9 + c * (ROW_READ_S + per_row / READ_BYTES_S)
     return LookupCost("sketch", secs, n * (m + 4) + norms, n * (m + 4) + norms, n * (m + 4) + c * per_row)
 

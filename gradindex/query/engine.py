@@ -21,6 +21,7 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.chat import set_chat_template, template_of
 from gradindex.fingerprint import model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
+from gradindex.index.cost import sketch_candidates
 from gradindex.manifest import IndexMismatchError, identity_differences
 from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, method_spec, parse_method
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
@@ -485,7 +486,7 @@ class QueryEngine:
         want = max(k, lowest)
         short = [False] * len(next(iter(m.values())))
         if self.indices.sketch is not None:  # two tiers: the sketch's top C, re-ranked exactly below
-            c = max(candidates or S.DEFAULT_SKETCH_CANDIDATES, k, lowest)
+            c = max(candidates or sketch_candidates(self.n), k, lowest)
             cands = S.sketch_candidates(self.indices, chosen, u, cosine, c, c if lowest else 0, scale)
         elif all(self.indices.layers[n].exhaustive for n in chosen):
             # scores from scalar codes are approximate: a shortlist of them goes to the exact re-rank

@@ -24,8 +24,6 @@ from gradindex.index import IndexSet, RowReader
 
 DEFAULT_CANDIDATES = 2000
 """ANN results per layer (queries' ``candidates``)."""
-DEFAULT_SKETCH_CANDIDATES = 200
-"""Examples the first tier of a ``sketch`` index hands to the exact re-rank (``C``; queries' ``candidates``)."""
 DEFAULT_SHORTLIST = 100
 """Of those, kept per layer after exact per-layer scoring (queries' ``shortlist``)."""
 EXHAUSTIVE_MARGIN = 16
