@@ -249,7 +249,7 @@ def test_sketch_candidates_grow_with_n_and_the_engine_defaults_to_them(default_i
     from gradindex.index import cost
 
     assert [cost.sketch_candidates(n) for n in (50, 10_000, 200_000, 1_000_000, 5_000_000)] == [
-        50, 200, 200, 1_000, 5_000]
+        50, 500, 500, 1_000, 5_000]
     assert lookup_cost(1_000_000, 25_000, "int4", "sketch").scanned_bytes == \
         lookup_cost(1_000_000, 25_000, "int4", "sketch", candidates=1_000).scanned_bytes
     d = _copy(default_index, tmp_path)

@@ -116,8 +116,8 @@ def _json(r) -> list[dict]:
                    "(kfac/ekfac need the full-space fit, which the default build makes where it projects). "
                    "auto: the top 100 where the index stores a budget-bound projection, else none; 0: never.")
 @click.option("--candidates", default=None, type=click.IntRange(min=1),
-              help="Sketch index: examples its first tier hands to the exact re-rank (default: 200, or N/1000 "
-                   "above 200,000 examples); "
+              help="Sketch index: examples its first tier hands to the exact re-rank (default: 500, or N/1000 "
+                   "above 500,000 examples); "
                    "per-layer FAISS indices: ANN results per layer (default 2000).")
 @click.option("--shortlist", default=None, type=click.IntRange(min=1),
               help="Of those, kept per layer after exact per-layer scoring (default 100).")

@@ -38,13 +38,14 @@ STORE_SCAN_SECONDS = 0.5
 STORE_SCAN_RAM_SHARE = 0.25
 """... and the store fits in this share of the machine's memory (the page cache keeps it)."""
 TIERS = ("store", "sketch")
-DEFAULT_CANDIDATES = 200
+DEFAULT_CANDIDATES = 500
 """The fewest examples the sketch tier hands to the exact re-rank (``C``; :func:`sketch_candidates`)."""
 CANDIDATE_SHARE = 1e-3
 """... and the share of ``N`` it hands on beyond that: a row's sketch estimate errs by a spread that does not
 shrink with ``N``, so the rows that can outrank a true top-10 row grow in proportion to ``N``. On real default
-rows (``benchmarks/results/lookup-scale.json``) the first tier's top C held 0.885 / 0.94 / 0.98 / 0.99 of the
-exact top 10 at C = 200 / 500 / 1,000 / 2,000 over 10^6 examples, each extra candidate costing one row read."""
+rows (``benchmarks/results/lookup-scale.json``) the first tier's top C held 0.94 / 0.975 of the exact top 10 at
+C = 200 / 500 over 10^5 examples, and 0.885 / 0.94 / 0.98 / 0.99 at C = 200 / 500 / 1,000 / 2,000 over 10^6,
+each extra candidate costing one row read (~0.1 ms on that model)."""
 
 
 def sketch_candidates(n: int) -> int:
