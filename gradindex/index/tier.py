@@ -10,6 +10,7 @@ at the start from a seeded sample of rows, so a resumed build sketches the same 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def build_sketch(ix, cfg, out: Path, meta: dict, inv: np.ndarray | None, progres
         scales = np.lib.format.open_memmap(scales_p, mode="w+", dtype=np.float32, shape=(N,))
     meta["sketch"] = {"spec": sketch.to_dict(), "rows": done, "codes": CODES, "scales": SCALES, "bytes": 0}
     write_json(out / META, meta)
+    codes = _RowWriter(codes)  # (the codes by plain writes: a written memory map's pages count in the RSS)
     per_row = 4 * sum(store.dims.values())
     block = max(1, min(cfg.block, cfg.block_bytes // max(1, per_row)))
     bar = progress_bar(total=N, initial=done, unit="ex", desc="sketch", disable=not progress)
@@ -73,21 +75,45 @@ def build_sketch(ix, cfg, out: Path, meta: dict, inv: np.ndarray | None, progres
             s = int(ids[0])
             v = {n: index_vectors(cfg.space, ix.pre, n, x[n], None if inv is None else inv[s:s + len(ids)])
                  for n in store.layers}
-            codes[s:s + len(ids)], scales[s:s + len(ids)] = encode_sketch(sketch.apply(v))
+            codes[s], scales[s:s + len(ids)] = encode_sketch(sketch.apply(v))
             bar.update(len(ids))
             if time.perf_counter() - last >= cfg.checkpoint_seconds:
                 _checkpoint(codes, scales, out, meta, s + len(ids))
                 last = time.perf_counter()
+        _checkpoint(codes, scales, out, meta, N)
     finally:
         bar.close()
-    _checkpoint(codes, scales, out, meta, N)
-    del codes, scales
+        codes.close()
+    del scales
     record(out.parent, [codes_p, scales_p], [f"{out.name}/{CODES}", f"{out.name}/{SCALES}"])
     meta["sketch"]["bytes"] = int(codes_p.stat().st_size + scales_p.stat().st_size)
     write_json(out / META, meta)
 
 
-def _checkpoint(codes: np.ndarray, scales: np.ndarray, out: Path, meta: dict, rows: int) -> None:
+class _RowWriter:
+    """Rows of a ``.npy`` memory map's file written with ``os.pwrite`` from row ``s`` on (``w[s] = rows``)."""
+
+    def __init__(self, mm: np.memmap):
+        self.path, self.offset, self.row = mm.filename, int(mm.offset), int(mm.shape[1] * mm.dtype.itemsize)
+        del mm
+        self.fd = os.open(self.path, os.O_WRONLY)
+
+    def __setitem__(self, s: int, rows: np.ndarray) -> None:
+        data = np.ascontiguousarray(rows).view(np.uint8).reshape(-1)
+        at, done = self.offset + s * self.row, 0
+        while done < len(data):
+            done += os.pwrite(self.fd, memoryview(data[done:]), at + done)
+
+    def flush(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _checkpoint(codes: _RowWriter, scales: np.ndarray, out: Path, meta: dict, rows: int) -> None:
     codes.flush()
     scales.flush()
     meta["sketch"]["rows"] = int(rows)
