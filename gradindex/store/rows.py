@@ -63,6 +63,10 @@ def _gather(mm: np.ndarray, off: np.ndarray, width: int, dtype: np.dtype) -> np.
     return mm[off[:, None] + np.arange(size * width)].view(dtype).reshape(-1, width)
 
 
+PREFETCH_ROWS = 64
+"""Reads of at least this many rows first ask the kernel for all of them at once (:meth:`RowReader._prefetch`)."""
+
+
 class RowReader:
     """Random rows of any layers, by store row id, in one sorted pass per shard file."""
 
@@ -104,8 +108,10 @@ class RowReader:
         out = {n: np.empty((len(ids), self.store.dims[n]), dtype=np.float32) for n in layers}
         starts = np.asarray(self.store.first_ids, dtype=np.int64)
         shard = np.searchsorted(starts, ids, side="right") - 1
-        for k in np.unique(shard):
-            sel = np.nonzero(shard == k)[0]
+        parts = [(k, np.nonzero(shard == k)[0]) for k in np.unique(shard)]
+        if len(ids) >= PREFETCH_ROWS:
+            self._prefetch(parts, ids, starts, layers)
+        for k, sel in parts:
             local = ids[sel] - starts[k]
             mm = self._maps[k]
             for n in layers:
@@ -117,6 +123,29 @@ class RowReader:
                 self.store.verify_rows(int(k), n, local[order], rows, scales)
                 out[n][sel[order]] = decode(rows, scales, self.store.storage, self.store.dims[n])
         return out
+
+    def _prefetch(self, parts, ids: np.ndarray, starts: np.ndarray, layers: list[str]) -> None:
+        """Ask the kernel to read every wanted row now (``POSIX_FADV_WILLNEED``), so that the reads of rows
+        outside the page cache overlap instead of waiting one by one (a re-rank of 1,000 rows of 8 layers from
+        a cold 12.7 GB store: 8,000 random reads)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for k, sel in parts:
+            local = ids[sel] - starts[k]
+            try:
+                fd = os.open(self.store.paths[k], os.O_RDONLY)
+            except OSError:
+                return
+            try:
+                for n in layers:
+                    tab = self._tables[k][n]
+                    nbytes = tab.width * tab.itemsize
+                    for off in np.unique(tab.byte_offsets(local)).tolist():
+                        os.posix_fadvise(fd, off, nbytes, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
     def code_blocks(self, layer: str, max_bytes: int = 32 << 20
                     ) -> Iterator[tuple[int, np.ndarray, np.ndarray | None, str]]:
