@@ -509,7 +509,8 @@ def _extra_rows(raw: dict, cfg: FidelityConfig, setup: Setup, model, model_info:
     data = work / f"train-{setup.name}.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in setup.train_texts))
     found["ekfac-refined"] = refined_scores(idx, model, setup.tokenizer, data, ids, labels, cfg.damping,
-                                            RefineConfig(steps=cfg.refine_steps, sample=cfg.refine_sample))
+                                            RefineConfig(steps=cfg.refine_steps, sample=cfg.refine_sample,
+                                                         damping=None))
     for name, s in found.items():
         ev = evaluate(s[:Q], masks, losses)
         ev["top"] = top_indices(s[:Q], cfg.top_k)

@@ -230,7 +230,8 @@ def damping_study(pc: ProtocolConfig, raw: Path, model_dir: Path, data: Path, id
     at query time) at each of ``study_dampings``; ``sets``: protocol → ``(masks, losses [M, Q])``."""
     v, out = pc.val_queries, {}
     settings = {"plain": False} | {refine_name(c, s, n): RefineConfig(method=pc.refine_method, steps=s, sample=n,
-                                                                      curvature=c) for c, s, n in pc.study_refines}
+                                                                      curvature=c, damping=None)
+                                           for c, s, n in pc.study_refines}
     with QueryEngine(raw, model_dir, device="cpu", data=data) as e:
         for d in pc.study_dampings:
             row = {}
@@ -254,31 +255,47 @@ def refine_name(curvature: str, steps: int, sample: int) -> str:
 
 def _refines(pc: ProtocolConfig) -> dict[str, RefineConfig]:
     out = {f"ekfac refined, {s} steps": RefineConfig(method=pc.refine_method, steps=s, sample=pc.refine_sample,
-                                                      curvature=pc.refine_curvature) for s in pc.refine_steps}
+                                                      curvature=pc.refine_curvature, damping=None)
+           for s in pc.refine_steps}
     for curv, s, n in pc.extra_refine:
         out[refine_name(curv, s, n)] = RefineConfig(method=pc.refine_method, steps=s, sample=n,
-                                                               curvature=curv)
+                                                               curvature=curv, damping=None)
     return out
+
+
+def raw_setup(pc: ProtocolConfig, setup: Setup, model, work: Path, halves: tuple[np.ndarray, np.ndarray],
+              log=print) -> tuple:
+    """``(model_dir, data, ids, labels, raw, q, damping, sweep)``: the model and training data saved for the engine,
+    the query rows (queries, then fact queries), the raw index and their gradients on it, and the damping chosen on
+    the validation queries (:func:`choose_damping`; ``halves``: ``(masks, losses)``)."""
+    model_dir = save_model_dir(model, setup.tokenizer, work / "model")
+    data = work / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in setup.train_texts))
+    ids = setup.query.input_ids + setup.fact_query.input_ids
+    labels = setup.query.labels + setup.fact_query.labels
+    raw_cfg = BuildConfig.raw(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac",
+                          max_length=pc.fidelity.max_tokens)
+    raw = _build(model, setup, work / "raw", model_dir, data, raw_cfg)
+    q = query_gradients(model, setup.tokenizer, Tokenized(ids, labels, 0, "text"), raw_cfg)
+    damping, sweep = choose_damping(pc, raw, q, *halves)
+    log(f"  damping {damping:g} (validation LDS over halves {sweep})")
+    return model_dir, data, ids, labels, raw, q, damping, sweep
+
+
+def default_index(pc: ProtocolConfig, setup: Setup, model, out: Path, model_dir: Path, data: Path,
+                  damping: float) -> Path:
+    """The default index (``gradindex build``'s defaults) built at ``damping``."""
+    return _build(model, setup, out, model_dir, data,
+                  BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
+                              transcode="ekfac", storage="int4", max_length=pc.fidelity.max_tokens, damping=damping))
 
 
 def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, sets: dict,
                   log=print) -> tuple[dict, dict, Path, dict]:
     """method → ``[Q + F, N]`` scores (queries, then fact queries); seconds per method; the default index; the
     damping choice and study (``sets``: protocol → ``(masks, losses)``; the halves choose the damping)."""
-    masks, losses = sets["halves"]
-    fc = pc.fidelity
-    model_dir = save_model_dir(model, setup.tokenizer, work / "model")
-    data = work / "train.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in setup.train_texts))
-    ids = setup.query.input_ids + setup.fact_query.input_ids
-    labels = setup.query.labels + setup.fact_query.labels
+    model_dir, data, ids, labels, raw, q, damping, sweep = raw_setup(pc, setup, model, work, sets["halves"], log)
     out, secs = {}, {}
-    raw_cfg = BuildConfig.raw(projection=ProjectionSpec(kind="none"), batch_size=16, precondition="ekfac",
-                          max_length=fc.max_tokens)
-    raw = _build(model, setup, work / "raw", model_dir, data, raw_cfg)
-    q = query_gradients(model, setup.tokenizer, Tokenized(ids, labels, 0, "text"), raw_cfg)
-    damping, sweep = choose_damping(pc, raw, q, masks, losses)
-    log(f"  damping {damping:g} (validation LDS over halves {sweep})")
     t0 = time.perf_counter()
     study = damping_study(pc, raw, model_dir, data, ids, labels, sets)
     log(f"  validation study ({time.perf_counter() - t0:.0f} s): {study}")
@@ -286,17 +303,13 @@ def method_scores(pc: ProtocolConfig, setup: Setup, model, opt, work: Path, sets
         t0 = time.perf_counter()
         out[m] = score_matrix(raw, q, m, damping=damping, device="cpu")
         secs[m] = time.perf_counter() - t0
-    default = _build(model, setup, work / "default", model_dir, data,
-                     BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
-                                 transcode="ekfac", storage="int4", max_length=fc.max_tokens, damping=damping))
+    default = default_index(pc, setup, model, work / "default", model_dir, data, damping)
     build_indices(default, progress=False)
     choice = joint_choice(study)
     if choice is not None and choice[1] != "plain":
         d_r, name_r = choice[0], choice[1]
-        idx_r = default if d_r == damping else _build(
-            model, setup, work / "default-chosen", model_dir, data,
-            BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
-                        transcode="ekfac", storage="int4", max_length=fc.max_tokens, damping=d_r))
+        idx_r = default if d_r == damping else default_index(pc, setup, model, work / "default-chosen", model_dir,
+                                                               data, d_r)
         rc = next(_refines(replace(pc, refine_steps=(), extra_refine=(t,))) for t in pc.study_refines
                   if refine_name(*t) == name_r)
         with QueryEngine(idx_r, model_dir, device="cpu", data=data) as e:
@@ -348,7 +361,8 @@ def fact_ranks(score: np.ndarray, rows: tuple[int, ...]) -> np.ndarray:
 def cost(pc: ProtocolConfig, default: Path, work: Path, setup: Setup, damping: float) -> dict:
     """p50/p95 seconds per query, one at a time, plain and refined (4 steps or the largest), fresh engine."""
     steps = 4 if 4 in pc.refine_steps else max(pc.refine_steps)
-    rc = RefineConfig(method=pc.refine_method, steps=steps, sample=pc.refine_sample, curvature=pc.refine_curvature)
+    rc = RefineConfig(method=pc.refine_method, steps=steps, sample=pc.refine_sample, curvature=pc.refine_curvature,
+                      damping=None)
     n = min(pc.cost_queries, len(setup.query))
     recs = _records(setup.query.input_ids[:n], setup.query.labels[:n])
     out = {"queries": n, "refine_steps": steps, "refine_sample": pc.refine_sample, "curvature": pc.refine_curvature,
@@ -388,7 +402,7 @@ def variant_cost(pc: ProtocolConfig, default: Path, work: Path, recs: list[dict]
     queries after a warm one that captures its sample), and the ratio to ``plain`` (measured just before)."""
     out = {}
     for curv, steps, n in pc.extra_refine:
-        rc = RefineConfig(method=pc.refine_method, steps=steps, sample=n, curvature=curv)
+        rc = RefineConfig(method=pc.refine_method, steps=steps, sample=n, curvature=curv, damping=None)
         with QueryEngine(default, work / "model", device="cpu", data=work / "train.jsonl") as e:
             e.query(recs[0], k=10, method="ekfac", damping=damping, texts=False, refine=rc)
             ts = []
@@ -532,12 +546,13 @@ def _qld(pc: ProtocolConfig, S: dict, N: int, k_drop: int) -> dict[str, np.ndarr
     return jobs
 
 
-def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, log=print) -> dict:
-    fc, v = pc.fidelity, pc.val_queries
+def fine_tuned(pc: ProtocolConfig, corpus: str, work_root: Path, log=print) -> dict:
+    """A run's shared start: its work directory, setup, base model (cached), the full model fine-tuned on all N
+    examples (with its optimizer, for TrackStar) and its query losses."""
+    fc = pc.fidelity
     work = work_root / f"refine-{corpus}-{pc.key(corpus)}"
     work.mkdir(parents=True, exist_ok=True)
     setup = make_setup(fc, corpus)
-    N, Q = fc.n_train, len(setup.query)
     vocab = len(setup.tokenizer)
     init = pretrained_init(pc, corpus, setup, work, log)
     model, opts = new_model(fc, vocab), []
@@ -552,6 +567,16 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
                   "fine_tuned": float(base.sum() / ntok)}
     log(f"[{corpus}] query loss/token: unigram {losses_tok['unigram']:.3f}, pretrained {loss_pre:.3f}, fine-tuned "
         f"{losses_tok['fine_tuned']:.3f} ({t_train:.1f} s)")
+    return {"work": work, "setup": setup, "init": init, "model": model, "opt": opts[0], "base": base,
+            "t_train": t_train, "losses_tok": losses_tok}
+
+
+def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, log=print) -> dict:
+    fc, v = pc.fidelity, pc.val_queries
+    ft = fine_tuned(pc, corpus, work_root, log)
+    work, setup, init, model, base = ft["work"], ft["setup"], ft["init"], ft["model"], ft["base"]
+    t_train, losses_tok = ft["t_train"], ft["losses_tok"]
+    N, Q = fc.n_train, len(setup.query)
     halves, drops, k_drop = _masks(pc, N)
     nc = min(pc.ceiling_drops, pc.drops)
     jobs = ({f"half{m}": halves[m] for m in range(pc.halves)} | {f"drop{m}": drops[m] for m in range(pc.drops)}
@@ -561,7 +586,7 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
     L_d = np.stack([losses[f"drop{m}"] for m in range(pc.drops)])
     L_c = np.stack([np.stack([losses[f"drop{m}@seed{sd}"] for m in range(nc)]) for sd in pc.ceiling_seeds])
     ceiling = spearman_rows(-L_d[:nc, v:].T, -L_c[0, :, v:].T)  # [test Q]: two batch orders over the same drops
-    S, secs, default, damping = method_scores(pc, setup, model, opts[0], work,
+    S, secs, default, damping = method_scores(pc, setup, model, ft["opt"], work,
                                               {"halves": (halves, L_h), "drop": (drops, L_d)}, log)
     np.savez(work / "scores.npz", **{f"S|{m}": x for m, x in S.items()}, halves=halves, drops=drops, L_h=L_h, L_d=L_d,
              L_c=L_c, base=base, fact_rows=np.array(setup.fact_rows))
@@ -591,6 +616,170 @@ def run_corpus(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, l
            "cost": cost(pc, default, work, setup, damping["chosen"])}
     log(format_corpus(corpus, out))
     return out
+
+
+# -- solve study: how far an iHVP against the Gauss-Newton matrix goes ----------------------------------------------
+SOLVE_STEPS = (1, 2, 4, 8, 16, 32)
+SOLVE_DAMPINGS = (1.0, 10.0, 100.0)
+SOLVE_CHEAP = (("ggn", 1, 32), ("ggn", 1, 64), ("ggn", 2, 32))
+SOLVE_CHEAP_DAMPING = 10.0
+SOLVE_COST = (("ggn", 1, 32), ("ggn", 1, 64), ("ggn", 2, 32), ("ggn", 2, 256), ("ggn", 4, 256))
+
+
+class _SolveRecorder:
+    """While active, :func:`gradindex.query.refine.refine_solve` (as the engine's refiner calls it) records each
+    query's ``‖g‖`` in the captured space and takes its curvature products through a memo: CG from the same start is
+    the same arithmetic whatever its step count, so the solves of ``k`` steps after one of more steps on the same query
+    and sample (the memo cleared between queries and samples) cost no product; ``misses`` counts the products taken."""
+
+    def __init__(self) -> None:
+        self.memo: dict[bytes, dict] = {}
+        self.gnorms: list[float] = []
+        self.misses = 0
+
+    def _hvp(self, hvp):
+        def memo(x):
+            h = hashlib.blake2b()
+            for n in sorted(x):
+                h.update(n.encode())
+                h.update(x[n].detach().cpu().numpy().tobytes())
+            key = h.digest()
+            if key not in self.memo:
+                self.misses += 1
+                self.memo[key] = hvp(x)
+            return self.memo[key]
+        return memo
+
+    def __enter__(self) -> _SolveRecorder:
+        from gradindex.query import refine as R
+
+        self._orig = orig = R.refine_solve
+
+        def solve(g, curv, hvp, steps, method="cg", alpha=0.0):
+            self.gnorms.append(sum(float((v * v).sum()) for v in g.values()) ** 0.5)
+            return orig(g, curv, self._hvp(hvp), steps, method, alpha)
+
+        R.refine_solve = solve
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from gradindex.query import refine as R
+
+        R.refine_solve = self._orig
+
+
+def _score_row(s: np.ndarray, v: int, Q: int, masks: dict, fact_rows) -> dict:
+    """LDS (both protocols, test queries) and fact ranks of one setting's ``[test Q + F, N]`` scores."""
+    T = Q - v
+    lh = lds_per_query(s[:T], *masks["halves"])
+    ld = lds_per_query(s[:T], *masks["drop"])
+    ranks = fact_ranks(s[T:], fact_rows)
+    return {"lds_drop": _mean_se(ld), "lds_halves": _mean_se(lh), "fact_recall": float(np.mean(ranks == 1)),
+            "fact_mrr": float(np.mean(1.0 / ranks)), "fact_ranks": ranks.tolist(),
+            "lds_drop_per_query": ld.round(4).tolist()}
+
+
+def solve_study(pc: ProtocolConfig, corpus: str, work_root: Path, workers: int, steps: tuple[int, ...] = SOLVE_STEPS,
+                dampings: tuple[float, ...] = SOLVE_DAMPINGS, cheap: tuple = SOLVE_CHEAP,
+                cheap_damping: float = SOLVE_CHEAP_DAMPING, cost_settings: tuple = SOLVE_COST, log=print) -> dict:
+    """Test queries (a normal run's setup, retrainings and split; the damping chosen as there): plain EK-FAC on the
+    default index against exact-GGN CG refinement over ``pc.refine_sample`` examples at each refine damping
+    (``RefineConfig.damping``) and step count, with the relative residual ``‖(H + δ'I) x_k − g‖ / ‖g‖`` of every
+    iterate (CG's recursive residual, mean / median / max over test queries) so that convergence is shown; and the
+    ``cheap`` (curvature, steps, sample) settings at ``cheap_damping``; cost per query as :func:`cost` times it."""
+    fc, v = pc.fidelity, pc.val_queries
+    t_start = time.perf_counter()
+    ft = fine_tuned(pc, corpus, work_root, log)
+    work, setup, model = ft["work"], ft["setup"], ft["model"]
+    N, Q = fc.n_train, len(setup.query)
+    halves, drops, k_drop = _masks(pc, N)
+    jobs = {f"half{m}": halves[m] for m in range(pc.halves)} | {f"drop{m}": drops[m] for m in range(pc.drops)}
+    losses = retrain(jobs, fc, setup, ft["init"], work / "retrain.npz", workers, log)
+    L_h = np.stack([losses[f"half{m}"] for m in range(pc.halves)])
+    L_d = np.stack([losses[f"drop{m}"] for m in range(pc.drops)])
+    model_dir, data, ids, labels, _, _, damping, sweep = raw_setup(pc, setup, model, work, (halves, L_h), log)
+    default = default_index(pc, setup, model, work / "default", model_dir, data, damping)
+    build_indices(default, progress=False)
+    masks = {"halves": (halves, L_h[:, v:]), "drop": (drops, L_d[:, v:])}
+    recs = _records(ids[v:], labels[v:])  # test queries, then fact queries
+    T, fr = Q - v, tuple(setup.fact_rows)
+    n = min(pc.refine_sample, N)
+    methods, residuals, secs = {}, {}, {}
+    with QueryEngine(default, model_dir, device="cpu", data=data) as e:
+        t0 = time.perf_counter()
+        methods["ekfac (default index)"] = _score_row(e.scores(recs, method="ekfac", damping=damping), v, Q, masks, fr)
+        secs["ekfac (default index)"] = time.perf_counter() - t0
+        for curv, k, m in cheap:
+            name = refine_name(curv, k, m) + f", refine damping {cheap_damping:g}"
+            t0 = time.perf_counter()
+            rc = RefineConfig(method="cg", steps=k, sample=m, curvature=curv, damping=cheap_damping)
+            methods[name] = _score_row(e.scores(recs, method="ekfac", damping=damping, refine=rc), v, Q, masks, fr)
+            methods[name]["setting"] = [curv, k, m]
+            secs[name] = time.perf_counter() - t0
+            log(f"  {name}: drop {methods[name]['lds_drop'][0]:.3f}, halves {methods[name]['lds_halves'][0]:.3f} "
+                f"({secs[name]:.0f} s)")
+        last = max(steps)
+        for d in dampings:
+            S = {k: np.zeros((len(recs), N)) for k in steps}
+            rel = np.full((len(recs), last + 1), np.nan)
+            t0 = time.perf_counter()
+            with _SolveRecorder() as rec:
+                for j, r in enumerate(recs):
+                    rec.memo.clear()
+                    for k in sorted(steps) + [last + 1]:  # the last solve only gives the residual of x_last
+                        rc = RefineConfig(method="cg", steps=k, sample=n, curvature="ggn", damping=d)
+                        s = e.scores([r], method="ekfac", damping=damping, refine=rc)
+                        if k in S:
+                            S[k][j] = s[0]
+                    res = e.refiner.last_residuals[0]  # ‖r_0‖ … ‖r_last‖ (fewer if CG stopped early)
+                    rel[j, : len(res)] = np.array(res) / rec.gnorms[-1]
+                    if j == 0 or (j + 1) % 8 == 0:
+                        el = time.perf_counter() - t0
+                        log(f"    damping {d:g}: {j + 1}/{len(recs)} queries, {rec.misses} products "
+                            f"({el:.0f} s, ~{el / (j + 1) * (len(recs) - j - 1):.0f} s to go)")
+            secs[f"damping {d:g}"] = time.perf_counter() - t0
+            rel = np.where(np.isnan(rel), 0.0, rel)  # CG stopped (exactly converged)
+            residuals[f"{d:g}"] = {str(k): {"mean": float(rel[:T, k].mean()), "median": float(np.median(rel[:T, k])),
+                                            "max": float(rel[:T, k].max())} for k in (0, *steps)}
+            for k in steps:
+                name = refine_name("ggn", k, n) + f", refine damping {d:g}"
+                methods[name] = _score_row(S[k], v, Q, masks, fr) | {"rel_residual": residuals[f"{d:g}"][str(k)],
+                                                                      "setting": ["ggn", k, n]}
+                log(f"  {name}: drop {methods[name]['lds_drop'][0]:.3f}, halves "
+                    f"{methods[name]['lds_halves'][0]:.3f}, facts {methods[name]['fact_recall']:.2f}, residual "
+                    f"{residuals[f'{d:g}'][str(k)]['mean']:.2e}")
+            log(f"  refine damping {d:g}: {secs[f'damping {d:g}']:.0f} s, {rec.misses} products")
+    t0 = time.perf_counter()
+    cpc = replace(pc, refine_steps=(cheap[0][1],), refine_sample=cheap[0][2], refine_curvature=cheap[0][0],
+                  extra_refine=cost_settings)
+    c = cost(cpc, default, work, setup, damping)
+    log(f"  cost ({time.perf_counter() - t0:.0f} s): plain p50 {c['plain']['p50_s']:.3f} s; "
+        + "; ".join(f"{k} {x['ratio_p50']:.1f}x" for k, x in c["variants"].items()))
+    out = {"n_train": N, "n_query": Q, "val_queries": v, "test_queries": T, "drop_examples": k_drop,
+           "damping": {"chosen": damping, "validation_lds_halves": sweep}, "refine_sample": n,
+           "refine_dampings": list(dampings), "steps": list(steps), "cheap_damping": cheap_damping,
+           "methods": methods, "residuals": residuals, "cost": c, "seconds": {k: round(x, 1) for k, x in secs.items()},
+           "seconds_total": round(time.perf_counter() - t_start, 1)}
+    log(format_solve(corpus, out))
+    return out
+
+
+def format_solve(corpus: str, r: dict) -> str:
+    """The solve study's table: per setting LDS 1%-drop / halves, facts@1, relative residual, p50 cost ratio."""
+    p = r["methods"]["ekfac (default index)"]["lds_drop"][0]
+    ratio = {k: x["ratio_p50"] for k, x in r["cost"]["variants"].items()}  # "ggn 2 steps, sample 256"
+    lines = [f"== {corpus} solve study: test queries {r['test_queries']}, damping {r['damping']['chosen']:g}, "
+             f"sample {r['refine_sample']}",
+             f"{'setting':<58}{'LDS 1%-drop':>14}{'vs plain':>9}{'LDS halves':>14}{'facts@1':>8}{'resid':>10}"
+             f"{'cost':>7}"]
+    for m, row in r["methods"].items():
+        key = "{} {} steps, sample {}".format(*row["setting"]) if "setting" in row else None
+        key = key if key in ratio else None
+        res = f"{row['rel_residual']['mean']:.1e}" if "rel_residual" in row else ""
+        lines.append(f"{m:<58}{row['lds_drop'][0]:>8.3f}±{row['lds_drop'][1]:.3f}{row['lds_drop'][0] - p:>+9.3f}"
+                     f"{row['lds_halves'][0]:>8.3f}±{row['lds_halves'][1]:.3f}{row['fact_recall']:>8.2f}{res:>10}"
+                     + (f"{ratio[key]:>6.1f}x" if key else ""))
+    return "\n".join(lines)
 
 
 def format_corpus(corpus: str, r: dict) -> str:
@@ -711,6 +900,26 @@ def merge(paths: list[Path]) -> dict:
             "seconds_total": round(sum(p["seconds_total"] for p in parts), 1), "merged_from": len(parts)}
 
 
+def solve_main(a: argparse.Namespace) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(1)
+    pc = QUICK if a.quick else ProtocolConfig()
+    steps = tuple(int(x) for x in a.solve_steps.split(",")) if a.solve_steps else (
+        (1, 2, 4) if a.quick else SOLVE_STEPS)
+    dampings = tuple(float(x) for x in a.solve_dampings.split(",")) if a.solve_dampings else SOLVE_DAMPINGS
+    kw = {"cheap": (("ggn", 1, 4), ("ggn", 2, 4)), "cost_settings": (("ggn", 1, 4), ("ggn", 2, 8))} if a.quick else {}
+    out = a.out or (None if a.quick else Path("benchmarks/results/refine_solve.json"))
+    res = json.loads(out.read_text()) if out and out.exists() else {"benchmark": "refine_solve", "corpora": {}}
+    for c in (a.corpora.split(",") if a.corpora else pc.corpora):
+        res["corpora"][c] = solve_study(pc, c, a.work_dir, a.workers, steps, dampings, **kw) | {
+            "config": asdict(pc)}
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(res, indent=2, default=float) + "\n")
+            print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -726,7 +935,16 @@ def main(argv: list[str] | None = None) -> int:
                     "on its run's saved default index, then stop")
     ap.add_argument("--refine-at", type=float, metavar="D", help="add a row to --out's --corpora entry: ggn 2 steps "
                     "over 256 at refine damping D on the run's saved default index (RefineConfig.damping), then stop")
+    ap.add_argument("--solve-study", action="store_true", help="the solve study of --corpora (converged and cheap "
+                    "exact-GGN refinements on the test queries, solve_study) into --out (default "
+                    "benchmarks/results/refine_solve.json, none with --quick; other corpora there are kept), then stop")
+    ap.add_argument("--solve-steps", help="comma-separated CG step counts of the solve study (default "
+                    f"{','.join(map(str, SOLVE_STEPS))})")
+    ap.add_argument("--solve-dampings", help="comma-separated refine dampings of the solve study (default "
+                    f"{','.join(f'{d:g}' for d in SOLVE_DAMPINGS)})")
     a = ap.parse_args(argv)
+    if a.solve_study:
+        return solve_main(a)
     if a.refine_at:
         torch.set_num_threads(1)
         row = add_refine_at(QUICK if a.quick else ProtocolConfig(), a.corpora, a.work_dir, a.out, a.refine_at)

@@ -135,10 +135,10 @@ def test_zero_steps_is_plain_ekfac_exactly(raw_index, eigen_index):
     for d in (raw_index, eigen_index):
         with QueryEngine(d, device="cpu") as e:
             plain = e.scores(QUERIES, method="ekfac")
-            zero = e.scores(QUERIES, method="ekfac", refine=RefineConfig(steps=0))
+            zero = e.scores(QUERIES, method="ekfac", refine=RefineConfig(steps=0, damping=None))
             assert np.array_equal(plain, zero)
             a = e.query_batch(QUERIES, k=5, method="ekfac", texts=False)
-            b = e.query_batch(QUERIES, k=5, method="ekfac", texts=False, refine=RefineConfig(steps=0))
+            b = e.query_batch(QUERIES, k=5, method="ekfac", texts=False, refine=RefineConfig(steps=0, damping=None))
             assert [[(h.id, h.score) for h in r.hits] for r in a] == [[(h.id, h.score) for h in r.hits] for r in b]
 
 
@@ -186,7 +186,7 @@ def test_refined_scores_match_the_dense_reference_on_raw_and_eigenbasis_rows(set
     rows in the EK-FAC whitened eigenbasis (the refined vector mapped through the basis); and they move towards
     the dense solve ``⟨(H + δI)⁻¹ g_q, g_t⟩`` (closer than plain EK-FAC)."""
     _, _, _, H = setup
-    cfg = RefineConfig(method="cg", steps=6, sample=N_TRAIN, batch=6)
+    cfg = RefineConfig(method="cg", steps=6, sample=N_TRAIN, batch=6, damping=None)
     with QueryEngine(raw_index, device="cpu") as e:
         tokens, grads = _query_grads(e, QUERIES)
         dims = {n: e.capture.dim(n) for n in LAYERS}
@@ -216,7 +216,7 @@ def test_refine_damping_solves_at_its_own_damping_on_raw_and_eigenbasis_rows(set
     rows; ``d`` equal to the query's damping changes nothing."""
     _, _, _, H = setup
     d2 = 10 * DAMPING
-    cfg = RefineConfig(method="cg", steps=3, sample=N_TRAIN, batch=6)
+    cfg = RefineConfig(method="cg", steps=3, sample=N_TRAIN, batch=6, damping=None)
     with QueryEngine(raw_index, device="cpu") as e:
         tokens, grads = _query_grads(e, QUERIES)
         dims = {n: e.capture.dim(n) for n in LAYERS}
@@ -312,7 +312,7 @@ def test_fisher_refinement_matches_the_dense_fisher(setup, raw_index, curvature)
     the model's own draws), cross-layer blocks included; the residual falls and the scores move towards the
     dense solve ``⟨(F + δI)⁻¹ g_q, g_t⟩`` (closer than plain EK-FAC)."""
     model, _, data, _ = setup
-    cfg = RefineConfig(method="cg", steps=8, sample=N_TRAIN, curvature=curvature)
+    cfg = RefineConfig(method="cg", steps=8, sample=N_TRAIN, curvature=curvature, damping=None)
     with QueryEngine(raw_index, device="cpu") as e:
         ids, labels = e._refine_sample(cfg)
         if curvature == "sampled":

@@ -108,24 +108,24 @@ def refine_options(fn):
     import functools
 
     @functools.wraps(fn)
-    def wrapper(*args, refine=None, refine_steps=4, refine_sample=64, refine_curvature="ggn", refine_damping=None,
+    def wrapper(*args, refine=None, refine_steps=1, refine_sample=32, refine_curvature="ggn", refine_damping=10.0,
                 **kwargs):
         return fn(*args, refine=None if refine is None else (refine, refine_steps, refine_sample, refine_curvature,
                                                              refine_damping), **kwargs)
 
-    wrapper = click.option("--refine-damping", default=None, type=float, callback=_positive_damping,
-                           help="Relative damping of the refined system (default: the query's; on the default "
-                                "rows the build's). Refinement wants a larger one than plain EK-FAC (docs/math.md)."
-                           )(wrapper)
+    wrapper = click.option("--refine-damping", default=10.0, show_default=True, type=float,
+                           callback=_positive_damping,
+                           help="Relative damping of the refined system (the query's --damping to refine at it). "
+                                "Refinement wants a larger one than plain EK-FAC (docs/math.md).")(wrapper)
 
     wrapper = click.option("--refine-curvature", default="ggn", show_default=True,
                            type=click.Choice(["ggn", "sampled", "fisher"]),
                            help="The matrix refined against: ggn (model products every step), sampled (the "
                                 "sample's gradients with model-drawn labels, captured once; cheap) or fisher "
                                 "(observed labels; rank-deficient, docs/math.md).")(wrapper)
-    wrapper = click.option("--refine-sample", default=64, show_default=True, type=click.IntRange(min=1),
+    wrapper = click.option("--refine-sample", default=32, show_default=True, type=click.IntRange(min=1),
                            help="Training examples the refinement's curvature averages over.")(wrapper)
-    wrapper = click.option("--refine-steps", default=4, show_default=True, type=click.IntRange(min=0),
+    wrapper = click.option("--refine-steps", default=1, show_default=True, type=click.IntRange(min=0),
                            help="Refinement steps (curvature products per query; 0 = plain EK-FAC).")(wrapper)
     return click.option("--refine", default=None, type=click.Choice(["cg", "neumann"]),
                         help="Refine kfac/ekfac queries against the model's Gauss-Newton matrix, EK-FAC "
