@@ -53,6 +53,21 @@ def _plain(ds: h5py.Dataset, storage: str) -> bool:
             and hasattr(ds.id, "chunk_iter"))
 
 
+PREAD = hasattr(os, "preadv")
+"""Rows are read with ``preadv`` (a copy from the page cache) where the OS has it, else gathered from a memory map,
+whose page faults map the neighbouring cached pages too: over 10^6 rows the re-rank's RSS grew by GBs of store."""
+
+
+def _pread_rows(fd: int, off: np.ndarray, width: int, dtype: np.dtype, path) -> np.ndarray:
+    """``[len(off), width]`` rows of ``dtype`` at byte offsets ``off`` of the open file ``fd``, one read a row."""
+    nbytes = width * dtype.itemsize
+    buf = np.empty((len(off), nbytes), np.uint8)
+    for i, o in enumerate(off.tolist()):
+        if os.preadv(fd, [memoryview(buf[i])], o) != nbytes:
+            raise OSError(f"{str(path)!r}: a short read of a stored row at byte {o} (a truncated shard)")
+    return buf.view(dtype)
+
+
 def _gather(mm: np.ndarray, off: np.ndarray, width: int, dtype: np.dtype) -> np.ndarray:
     """``[len(off), width]`` rows of ``dtype`` starting at byte offsets ``off`` of a byte map."""
     size = dtype.itemsize
@@ -111,17 +126,23 @@ class RowReader:
         parts = [(k, np.nonzero(shard == k)[0]) for k in np.unique(shard)]
         if len(ids) >= PREFETCH_ROWS:
             self._prefetch(parts, ids, starts, layers)
+        dt = code_dtype(self.store.storage)
         for k, sel in parts:
             local = ids[sel] - starts[k]
-            mm = self._maps[k]
-            for n in layers:
-                tab = self._tables[k][n]
-                off = tab.byte_offsets(local)
-                order = np.argsort(off, kind="stable")
-                rows = _gather(mm, off[order], tab.width, code_dtype(self.store.storage))
-                scales = self._scales[k][n][local[order]] if self._scales[k] else None
-                self.store.verify_rows(int(k), n, local[order], rows, scales)
-                out[n][sel[order]] = decode(rows, scales, self.store.storage, self.store.dims[n])
+            fd = os.open(self.store.paths[k], os.O_RDONLY) if PREAD else -1
+            try:
+                for n in layers:
+                    tab = self._tables[k][n]
+                    off = tab.byte_offsets(local)
+                    order = np.argsort(off, kind="stable")
+                    rows = (_pread_rows(fd, off[order], tab.width, dt, self.store.paths[k]) if fd >= 0
+                            else _gather(self._maps[k], off[order], tab.width, dt))
+                    scales = self._scales[k][n][local[order]] if self._scales[k] else None
+                    self.store.verify_rows(int(k), n, local[order], rows, scales)
+                    out[n][sel[order]] = decode(rows, scales, self.store.storage, self.store.dims[n])
+            finally:
+                if fd >= 0:
+                    os.close(fd)
         return out
 
     def _prefetch(self, parts, ids: np.ndarray, starts: np.ndarray, layers: list[str]) -> None:
