@@ -179,9 +179,22 @@ def truth(n: int, work: Path, n_queries: int) -> Path:
     return f
 
 
-def measure(n: int, work: Path, n_queries: int, out: Path) -> dict:
+def page_cache(d: Path, state: str) -> None:
+    """``warm``: read every store file once (as the build or a long-running server leaves them); ``cold``: drop the
+    page cache (root only); ``as-is``: nothing."""
+    if state == "warm":
+        for f in sorted((d / "store").glob("*.h5")):
+            with open(f, "rb") as fh:
+                while fh.read(64 << 20):
+                    pass
+    elif state == "cold":
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def measure(n: int, work: Path, n_queries: int, out: Path, cache: str = "warm", threads: int = 1) -> dict:
     """Recall@10 against :func:`truth`, latency one query at a time and this process's memory, on the
-    index as the build left it (``auto``: the sketch tier at 10^6)."""
+    index as the build left it (``auto``: the sketch tier at 10^6), the store's page cache in state ``cache``."""
     import subprocess
     import sys
 
@@ -196,17 +209,20 @@ def measure(n: int, work: Path, n_queries: int, out: Path) -> dict:
     if not f.exists():
         subprocess.run([sys.executable, "-m", "benchmarks.lookup_scale", "--truth", str(n), "--work", str(work),
                         "--queries", str(n_queries)], check=True)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     z = np.load(f)
     ids = z["ids"][:, :10]
     q = {k[2:]: z[k] for k in z.files if k.startswith("q:")}
     _, _, queries = windows(1, n_queries)
     d = work / f"idx-{n}"
     rss0 = _vm("VmRSS")
-    entry: dict = {"examples": n, "queries": len(queries), "exact_seconds_batched": float(z["seconds"])}
+    entry: dict = {"examples": n, "queries": len(queries), "exact_seconds_batched": float(z["seconds"]),
+                   "page_cache": cache, "threads": threads}
     with QueryEngine(d, work / "model", device="cpu") as e:
         e.indices  # noqa: B018 - load them
+        page_cache(d, cache)
         sk = e.indices.sketch
+        entry["first_pass"] = lookups(e, q, ids)  # (each shard's row hashes loaded once; then the steady state)
         entry["index_kind"] = e.indices.kind
         entry["rss_after_open_bytes"] = _vm("VmRSS")
         entry["rss_open_index_bytes"] = _vm("VmRSS") - rss0
@@ -235,8 +251,12 @@ def measure(n: int, work: Path, n_queries: int, out: Path) -> dict:
         entry["index_dir_over_rows"] = b["index_dir_bytes"] / b["store_bytes"]
     entry["load_average"] = os.getloadavg()
     report = json.loads(out.read_text()) if out.exists() else {
-        "workload": __doc__.split("\n\n")[1], "machine": {"cpus": os.cpu_count(), "threads": 1}, "runs": []}
-    report["runs"] = sorted([r for r in report["runs"] if r["examples"] != n] + [entry], key=lambda r: r["examples"])
+        "workload": __doc__.split("\n\n")[1], "machine": {"cpus": os.cpu_count()}, "runs": []}
+    key = (n, cache, threads)
+    def key_of(r):
+        return r["examples"], r.get("page_cache", ""), r.get("threads", 1)
+
+    report["runs"] = sorted([r for r in report["runs"] if key_of(r) != key] + [entry], key=key_of)
     out.write_text(json.dumps(report, indent=1))
     log(f"N={n}: {entry['index_kind']}, recall@10 {entry['search']['recall@10']:.3f}, search p50/p95 "
         f"{entry['search']['p50_s'] * 1e3:.0f}/{entry['search']['p95_s'] * 1e3:.0f} ms, end to end p95 "
@@ -250,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--truth", type=int, nargs="*", default=[])
     ap.add_argument("--measure", type=int, nargs="*", default=[])
     ap.add_argument("--queries", type=int, default=40)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the lookups (the int8 scan)")
+    ap.add_argument("--page-cache", choices=("warm", "cold", "as-is"), default="warm",
+                    help="the store's page cache before the lookups (cold: root only)")
     ap.add_argument("--work", type=Path, default=Path("/work/tmp/lookup"))
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--index-type", default="auto", help="the build's --index-type (auto: store or sketch by N)")
@@ -260,8 +283,17 @@ def main(argv: list[str] | None = None) -> None:
         build(n, a.work, a.train_steps, a.index_type)
     for n in a.truth:
         truth(n, a.work, a.queries)
+    if len(a.measure) > 1:  # each N in its own process: its peak RSS is its own
+        import subprocess
+        import sys
+
+        rest = ["--work", str(a.work), "--queries", str(a.queries), "--out", str(a.out), "--page-cache", a.page_cache,
+                "--threads", str(a.threads)]
+        for n in a.measure:
+            subprocess.run([sys.executable, "-m", "benchmarks.lookup_scale", "--measure", str(n), *rest], check=True)
+        return
     for n in a.measure:
-        measure(n, a.work, a.queries, a.out)
+        measure(n, a.work, a.queries, a.out, a.page_cache, a.threads)
 
 
 if __name__ == "__main__":
