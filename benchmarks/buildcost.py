@@ -57,6 +57,7 @@ class Stages:
         self.seconds: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
         self.stack: list[str] = []
+        self._originals: list[tuple] = []
 
     @property
     def now(self) -> str:
@@ -74,7 +75,14 @@ class Stages:
                     continue
                 fn = getattr(m, name, None)
                 if fn is not None:
+                    self._originals.append((m, name, fn))
                     setattr(m, name, self._timed(fn, stage))
+
+    def unwrap(self) -> None:
+        """Put the wrapped functions back (a caller sharing the process, e.g. a test, sees them unchanged)."""
+        while self._originals:
+            m, name, fn = self._originals.pop()
+            setattr(m, name, fn)
 
     def _timed(self, fn, stage: str):
         def wrapped(*a, **k):

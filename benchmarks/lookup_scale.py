@@ -78,8 +78,9 @@ def windows(n: int, n_queries: int) -> tuple[list[str], list[str], list[str]]:
     return docs, out, queries
 
 
-def _spare_copy() -> None:
-    """The fused transcode keeps its rotated copy only where that leaves SPARE bytes to others."""
+def _spare_copy():
+    """The fused transcode keeps its rotated copy only where that leaves SPARE bytes to others; returns the undo
+    (the patch is process-wide: a caller in a test suite must restore it)."""
     from gradindex.precondition import fused
 
     keeps = fused.keeps_copy
@@ -92,6 +93,7 @@ def _spare_copy() -> None:
         return ok
 
     fused.keeps_copy = keeps_with_spare
+    return lambda: setattr(fused, "keeps_copy", keeps)
 
 
 def build(n: int, work: Path, steps: int, index_type: str = "auto") -> dict:
@@ -121,16 +123,20 @@ def build(n: int, work: Path, steps: int, index_type: str = "auto") -> dict:
     data = tokenize_records(records_from_texts(texts), tok, lookup.MAX_LENGTH)
     cfg = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
                       transcode="ekfac", max_length=lookup.MAX_LENGTH, batch_size=32)
-    _spare_copy()
+    undo = _spare_copy()
     stages = Stages()
     stages.wrap()
     import gradindex.pipeline as pipeline
 
     log(f"N={n}: building {out}")
     t = time.perf_counter()
-    with DiskPeak(out, stages) as disk:
-        pipeline.build_index(model, tok, data, out, cfg, index=IndexConfig(factory=index_type), model_id=str(mdir),
-                             progress=True)
+    try:
+        with DiskPeak(out, stages) as disk:
+            pipeline.build_index(model, tok, data, out, cfg, index=IndexConfig(factory=index_type),
+                                 model_id=str(mdir), progress=True)
+    finally:
+        undo()
+        stages.unwrap()
     done["attempts"].append({"seconds": round(time.perf_counter() - t, 2),
                              "stages": {k: round(v, 2) for k, v in stages.seconds.items()},
                              "stages_cpu": {k: round(v, 2) for k, v in stages.cpu.items()},

@@ -157,6 +157,24 @@ class Ragged(Sequence):
             raise IndexError(f"row {i} of {n}")
         return self._row(j)
 
+    def __setitem__(self, i: int, row: Sequence[int]) -> None:
+        """Replace row ``i`` (a row of another length moves the rows after it: O(total) per call)."""
+        n = len(self)
+        j = int(i) + n if int(i) < 0 else int(i)
+        if not 0 <= j < n:
+            raise IndexError(f"row {i} of {n}")
+        new = np.asarray(list(row), dtype=np.int64)
+        a, b = int(self.offsets[j]), int(self.offsets[j + 1])
+        info = np.iinfo(self.flat.dtype)
+        fits = len(new) == 0 or (new.min() >= info.min and new.max() <= info.max)
+        flat = self.flat if fits else self.flat.astype(np.int64)
+        if len(new) == b - a:
+            flat[a:b] = new
+        else:
+            flat = np.concatenate([flat[:a], new.astype(flat.dtype), flat[b:]])
+            self.offsets[j + 1:] += len(new) - (b - a)
+        self.flat = flat
+
     def _row(self, j: int) -> list[int]:
         return self.flat[self.offsets[j]:self.offsets[j + 1]].tolist()
 

@@ -24,6 +24,14 @@ def test_ragged_reads_as_a_list_of_lists():
     with pytest.raises(IndexError):
         r[4]
     assert Ragged([]) == [] and len(Ragged([])) == 0
+    r[1] = [9, 9]  # rows can be replaced, longer, shorter or past int32
+    r[0] = [1]
+    r[-1] = [2**40]
+    assert r == [[1], [9, 9], [8], [2**40]] and r.lengths().tolist() == [1, 2, 1, 1]
+    s = Ragged([[1, 2], [3]])
+    s[0] = [4, 5]
+    s[1] = [2**35, 6]
+    assert s == [[4, 5], [2**35, 6]] and s.flat.dtype == np.int64
 
 
 def test_tokenize_records_holds_four_bytes_a_token_and_the_same_rows_as_the_tokenizer(tokenizer):
