@@ -91,6 +91,7 @@ class ShardWriter:
         self.file: h5py.File | None = None
         self.committed = 0
         self._handles: dict[str, h5py.Dataset] = {}
+        self._handles_of: h5py.File | None = None  # the file they belong to
         self._chunks: list[tuple[int, int]] | None = None  # (rows, bytes a row) of each dataset's chunks
 
     def open(self) -> int:
@@ -104,7 +105,7 @@ class ShardWriter:
             except Exception:  # noqa: BLE001 - a torn HDF5 file: start this shard over
                 ok, f = False, None
             if ok:
-                self.file, self.committed, self._handles = f, committed, {}
+                self.file, self.committed = f, committed
                 for ds in self._datasets():
                     ds.resize(committed, axis=0)
                 return committed
@@ -131,7 +132,7 @@ class ShardWriter:
             ds.attrs["dim"] = d
             if sc is not None:
                 sc.create_dataset(name, (0,), maxshape=(self.n_rows,), dtype=np.float32, chunks=(chunk,))
-        self.file, self.committed, self._handles = f, 0, {}
+        self.file, self.committed = f, 0
         return 0
 
     def _append_bytes(self, n0: int, n: int) -> int:
@@ -150,8 +151,8 @@ class ShardWriter:
     def _ds(self) -> dict[str, h5py.Dataset]:
         """The open file's datasets by path, looked up once per open (h5py's lookups by name were a fifth
         of the write path's time at batch 32)."""
-        if not self._handles:
-            f = self.file
+        if self._handles_of is not self.file:
+            f = self._handles_of = self.file
             paths = ["ids", "token_hash", *SCALARS, *(f"grads/{n}" for n in f["grads"]),
                      *(f"scales/{n}" for n in f.get("scales", ()))]
             self._handles = {k: f[k] for k in paths}
@@ -189,7 +190,7 @@ class ShardWriter:
         if self.committed != self.n_rows:
             raise RuntimeError(f"shard {self.final.name} has {self.committed}/{self.n_rows} rows")
         self.file.close()
-        self.file, self._handles = None, {}
+        self.file = None
 
     def commit(self) -> None:
         """Hash its rows into the sidecar (:func:`write_row_hashes`), record the sealed file's
@@ -205,12 +206,12 @@ class ShardWriter:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
-            self.file, self._handles = None, {}
+            self.file = None
 
     def abort(self) -> None:
         """Close after a failed write (a full disk), ignoring the close's own errors: the committed rows
         stay in ``.partial`` for a resume, and no open HDF5 handle is left to fail again at exit."""
-        f, self.file, self._handles = self.file, None, {}
+        f, self.file = self.file, None
         if f is not None:
             try:
                 f.close()
