@@ -151,18 +151,18 @@ class Ragged(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self._row(j) for j in range(*i.indices(len(self)))]
+        return self._row(self._index(i))
+
+    def _index(self, i: int) -> int:
         n = len(self)
         j = int(i) + n if int(i) < 0 else int(i)
         if not 0 <= j < n:
             raise IndexError(f"row {i} of {n}")
-        return self._row(j)
+        return j
 
     def __setitem__(self, i: int, row: Sequence[int]) -> None:
         """Replace row ``i`` (a row of another length moves the rows after it: O(total) per call)."""
-        n = len(self)
-        j = int(i) + n if int(i) < 0 else int(i)
-        if not 0 <= j < n:
-            raise IndexError(f"row {i} of {n}")
+        j = self._index(i)
         new = np.asarray(list(row), dtype=np.int64)
         a, b = int(self.offsets[j]), int(self.offsets[j + 1])
         info = np.iinfo(self.flat.dtype)
