@@ -94,8 +94,8 @@ class RowReader:
                                             if has_scale(storage) else {})
                 except (OSError, RuntimeError) as e:  # h5py cannot read its own structure: a damaged file
                     raise store.damaged_error(path, e) from None
-                mm = np.memmap(path, dtype=np.uint8, mode="r")
-                self._maps.append(mm)
+                if not PREAD:  # (the rows' fallback reader)
+                    self._maps.append(np.memmap(path, dtype=np.uint8, mode="r"))
         except ValueError:
             self._tables, self._maps, self._scales = None, [], []
 
