@@ -251,6 +251,9 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
         args += ["--fit-sample", str(fit_sample)]
     if sample and sample.get("seed") and c.get("fisher", "empirical") == "empirical":  # (the sample's seed)
         args += ["--fisher-seed", str(sample["seed"])]
+    correction = int(c.get("rerank_correction", 0))  # (builds before it corrected on every example)
+    if correction != default("rerank_correction"):
+        args += ["--rerank-correction", str(correction)]
     if c.get("optimizer_state"):
         args += ["--optimizer-state", c["optimizer_state"], "--adam-mode", str(c.get("adam_mode", "exact"))]
     return shlex.join(args + ([] if index else ["--no-index"])) + (f" {extra}" if extra else "")

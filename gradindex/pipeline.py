@@ -26,9 +26,10 @@ from gradindex.plan import BuildPlan, plan_build
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
-from gradindex.precondition.fullspace import HeadGrads, budget_bound, budget_sized, keep_build_sums
+from gradindex.precondition.fullspace import HeadGrads, budget_bound, keep_build_sums
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.precondition.sampled import EigenCoder, fit_on_sample, sampled_reason
+from gradindex.spec.build import RERANK_FIT_EXAMPLES
 from gradindex.store.builder import (
     BuildConfig,
     BuildResult,
@@ -41,9 +42,6 @@ from gradindex.store.builder import (
 __all__ = ["BuildConfig", "BuildResult", "IndexConfig", "build_index"]
 log = logging.getLogger("gradindex")
 
-RERANK_FIT_EXAMPLES = 2048
-"""The full-space fit a budget-bound build makes for the default query's exact re-rank takes every
-example up to this many, else a seeded sample of this many (its cost: two model passes over them)."""
 
 
 def build_index(
@@ -88,7 +86,8 @@ def build_index(
         rows = _full_fit_rows(cfg, plan, len(data), rerank_fit)
         if cfg.full_factors and rows is not None and len(rows) < len(data):
             rows = None  # (--full-factors: the sums over every example, as asked)
-        heads = HeadGrads() if rows is not None and len(rows) == len(data) else None
+        every = rows is not None and len(rows) == len(data) and not 0 < cfg.rerank_correction < len(data)
+        heads = HeadGrads() if every else None  # (replayed by a correction pass over the capture's own batches)
         why = sampled_reason(cfg, len(data))
         if why and cfg.transcode == "ekfac" and cfg.fit_sample > 0:
             log.info("EK-FAC fitted on every example: %s", why)
@@ -140,8 +139,11 @@ def rerank_fit_config(cfg: BuildConfig, manifest: dict, n: int, asked: bool | No
 def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitConfig | None:
     if cfg.precondition not in ("kfac", "ekfac") or optimizer or not wanted:
         return None
+    examples = min(n, RERANK_FIT_EXAMPLES)
+    correction = cfg.rerank_correction if cfg.precondition == "ekfac" and cfg.rerank_correction < examples else 0
     return FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed,
-                     space="full", fit_examples=0 if n <= RERANK_FIT_EXAMPLES else RERANK_FIT_EXAMPLES)
+                     space="full", fit_examples=0 if n <= RERANK_FIT_EXAMPLES else RERANK_FIT_EXAMPLES,
+                     correction_examples=correction)
 
 
 def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None) -> np.ndarray | None:
@@ -150,10 +152,7 @@ def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None
     or where the shards' copies of the sums would take too much disk (:data:`FACTOR_SUMS_NOTE`)."""
     if plan.approximate:
         return None
-    stored = sum(lp.numbers for lp in plan.layers)
-    whole = sum(lp.n_out * lp.n_in for lp in plan.layers)
-    bound = budget_sized(cfg.budget) and stored < whole
-    full = _rerank_fit(cfg, n, asked if asked is not None else bound, bool(cfg.optimizer_state))
+    full = _rerank_fit(cfg, n, asked if asked is not None else plan.budget_bound, bool(cfg.optimizer_state))
     if full is None:
         return None
     rows = sample_rows(n, full.fit_examples, full.seed)

@@ -26,7 +26,9 @@ from gradindex.diskspace import human
 from gradindex.index.cost import TIERS, LookupCost, choose_kind, lookup_cost
 from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import BLOCK_BYTES
+from gradindex.precondition.fullspace import budget_sized
 from gradindex.precondition.sampled import sampled_reason
+from gradindex.spec.build import RERANK_FIT_EXAMPLES
 from gradindex.store.basis import RowBasis
 from gradindex.store.builder import BuildConfig
 from gradindex.store.codes import encode, has_scale, row_bytes
@@ -86,6 +88,17 @@ class BuildPlan:
     approximate: bool = False
     """The rows' sizes are only settled by the build's own factor pass (``--projection-basis eigen``):
     the bytes are those of the budget's raw-basis rows, and the build checks no disk space against them."""
+    full_fit: int = 0
+    """Examples of the full-space fit for the default query's exact re-rank (:func:`rerank_fit_sizes`; 0:
+    none); its files are in ``precond_bytes``."""
+    correction: int = 0
+    """Examples of that fit's EK-FAC correction pass (a model pass over them; 0: a K-FAC fit)."""
+
+    @property
+    def budget_bound(self) -> bool:
+        """Whether the rows hold fewer numbers than the whole gradients of their layers (where a build sized
+        by its byte budget fits full-space curvature for the exact re-rank)."""
+        return sum(lp.numbers for lp in self.layers) < sum(lp.n_out * lp.n_in for lp in self.layers)
 
     @property
     def row_bytes(self) -> int:
@@ -216,9 +229,25 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     ram = BASE_RAM + params + max(capture_ram, block)
     rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" \
         and not sample else 0
-    return BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
+    plan = BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
                      index_bytes, ram, rotated, shards, lookup, sample_examples=sample,
                      approximate=cfg.basis not in ("raw", "kfac"))
+    plan.full_fit, plan.correction = rerank_fit_sizes(cfg, examples, plan.budget_bound and not plan.approximate)
+    if plan.full_fit:  # per layer and method, float32 Q_S, Q_A, their eigenvalues and Λ (precondition.fullspace)
+        per = sum(4 * (lp.n_out ** 2 + (lp.n_in + 1) ** 2 + (lp.n_out + 1) * (lp.n_in + 2) - 1)  # (a bias column)
+                  for lp in layers)
+        plan.precond_bytes += per * (1 + (cfg.precondition == "ekfac"))
+    return plan
+
+
+def rerank_fit_sizes(cfg: BuildConfig, examples: int, bound: bool) -> tuple[int, int]:
+    """``(fit examples, correction examples)`` of the full-space fit a build of ``examples`` makes for the exact
+    re-rank (``bound``: the rows are a budget-bound projection), ``(0, 0)`` where it makes none."""
+    if not (bound and budget_sized(cfg.budget)) or cfg.precondition not in ("kfac", "ekfac") or cfg.optimizer_state:
+        return 0, 0
+    fit = min(examples, RERANK_FIT_EXAMPLES)
+    correction = min(fit, cfg.rerank_correction or fit) if cfg.precondition == "ekfac" else 0
+    return fit, correction
 
 
 def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,
@@ -261,8 +290,11 @@ def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: B
             code = (time.perf_counter() - t) / B
         if plan.sample_examples:  # the sample captured and fitted; every row rotated and coded as it is captured
             S = plan.sample_examples
-            return {"fit sample": (per_batch / B + rot) * S, "capture": out["capture"] + (rot + code) * N}
-        out["fit"] = rot * N
-        if plan.transcode:
-            out["transcode"] = 2 * code * N  # (the codes, and the copy's write and read)
+            out = {"fit sample": (per_batch / B + rot) * S, "capture": out["capture"] + (rot + code) * N}
+        else:
+            out["fit"] = rot * N
+            if plan.transcode:
+                out["transcode"] = 2 * code * N  # (the codes, and the copy's write and read)
+    if plan.correction:  # the full-space fit's correction pass: about a capture batch per batch
+        out["full-space fit"] = per_batch * plan.correction / B
     return out

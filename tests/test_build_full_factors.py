@@ -5,6 +5,8 @@ also for a sampled fit set (more examples than ``RERANK_FIT_EXAMPLES``)."""
 
 from __future__ import annotations
 
+import shutil
+
 import h5py
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import pytest
 import gradindex.pipeline as pipeline
 from gradindex.capture import ProjectionSpec
 from gradindex.data import load_records, tokenize_records
-from gradindex.manifest import read_manifest
+from gradindex.manifest import build_command, read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import FitConfig, fit_preconditioner
@@ -21,11 +23,12 @@ from gradindex.precondition import fullspace as fs
 DAMPING = 0.1
 
 
-def _build(out, gpt2_dir, text_jsonl, rerank_fit=None, shard_size=64):
+def _build(out, gpt2_dir, text_jsonl, rerank_fit=None, shard_size=64, rerank_correction=0):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 64)
     cfg = BuildConfig(projection=ProjectionSpec(), budget="1/64", precondition="ekfac", transcode="ekfac",
-                      storage="int4", damping=DAMPING, shard_size=shard_size, max_length=64)
+                      storage="int4", damping=DAMPING, shard_size=shard_size, max_length=64,
+                      rerank_correction=rerank_correction)
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False,
                 rerank_fit=rerank_fit)
     return out
@@ -75,6 +78,33 @@ def test_default_build_sums_the_factors_in_the_capture(tmp_path, gpt2_dir, text_
     assert fit["source"] == "build pass + model pass" and "factor_pass" not in fit["phase_seconds"]
     assert fit["examples"] == 40 and calls == [True] * 5  # one correction pass, every batch's head replayed
     _same_curvature(d, separate)
+
+
+def test_default_build_corrects_on_a_sample(tmp_path, gpt2_dir, text_jsonl, separate, monkeypatch):
+    """``--rerank-correction 16`` (the default 128 of a larger set): the factors from all 40 examples of the
+    capture pass, ``Λ*`` from a model pass over a seeded sample of 16 only, as the fit's own passes give it;
+    the capture keeps no head gradients (the sample's batches are not the capture's)."""
+    calls = []
+    real = fs.batch_gradients
+
+    def counting(*args, **kw):
+        calls.append((kw.get("keep_head_grad", False), kw.get("head_grad") is not None))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fs, "batch_gradients", counting)
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl, rerank_correction=16)
+    m = read_manifest(d)
+    fit = m["full_space"]["ekfac"]["fit"]
+    assert fit["source"] == "build pass + model pass" and fit["examples"] == 40 and fit["correction_examples"] == 16
+    assert calls == [(False, False)] * 2  # one correction pass over 16 examples, batches of 8, heads computed
+    assert "--rerank-correction 16" in build_command(d, m)
+    every = fs.read_layers(fs.full_path(separate, "ekfac"), ("Lambda",))
+    ref = tmp_path / "ref"
+    shutil.copytree(separate, ref)
+    fit_preconditioner(ref, FitConfig(method="ekfac", damping=DAMPING, space="full", correction_examples=16))
+    _same_curvature(d, ref)
+    mine = fs.read_layers(fs.full_path(d, "ekfac"), ("Lambda",))
+    assert all(_rel(np.sort(mine[n]["Lambda"].ravel()), np.sort(every[n]["Lambda"].ravel())) > 1e-2 for n in mine)
 
 
 def test_sampled_fit_set_sums_only_its_examples(tmp_path, gpt2_dir, text_jsonl, monkeypatch):

@@ -296,3 +296,34 @@ def test_correction_pass_replays_the_head_gradients_of_the_factor_pass(tmp_path,
     monkeypatch.setattr(fs, "HEAD_CACHE_BYTES", 0)  # nothing fits: the correction pass runs the head itself
     fit_preconditioner(d, FitConfig(method="ekfac", space="full"))
     assert calls[half:] == [(False, False)] * half
+
+
+def test_correction_from_a_sample_equals_dense_float64_over_it(case, tmp_path):
+    """``--correction-examples K``: the factors from every example, ``Λ*`` from a seeded sample of K of them,
+    against torch.func's dense gradients of exactly those examples (and not of all 40)."""
+    from gradindex.precondition.factors import sample_rows
+
+    src, ref = case
+    d = tmp_path / "idx"
+    shutil.copytree(src, d)
+    res = CliRunner().invoke(main, ["precondition", str(d), "--method", "ekfac", "--space", "full",
+                                    "--correction-examples", "12", "--seed", "3", "--quiet"])
+    assert res.exit_code == 0, res.output
+    fit = read_manifest(d)["full_space"]["ekfac"]["fit"]
+    assert fit["examples"] == 40 and fit["correction_examples"] == 12 and fit["correction_seed"] == 3
+    ek, every = load_full_preconditioner(d, "ekfac"), load_full_preconditioner(src, "ekfac")
+    picked = sample_rows(40, 12, 3)
+    factors = fs.read_layers(fs.full_path(d, "ekfac"), ("lambda_S",))
+    for n in ref.layers:
+        Q_S, Q_A = ek.curvature[n]["Q_S"], ek.curvature[n]["Q_A"]
+        assert _rel(Q_S @ np.diag(factors[n]["lambda_S"]) @ Q_S.T, ref.S[n]) < 1e-5  # factors: all 40
+        lam = np.mean([(Q_S.T @ ref.G[k][n] @ Q_A) ** 2 for k in picked], axis=0)
+        assert _rel(ek.curvature[n]["Lambda"], lam) < 1e-4, n
+        assert _rel(every.curvature[n]["Lambda"], lam) > 1e-2, n  # (the sample's mean is not all 40's)
+
+
+def test_correction_examples_are_refused_outside_full_space():
+    with pytest.raises(ValueError, match="--space full"):
+        FitConfig(method="ekfac", correction_examples=8)
+    with pytest.raises(ValueError, match=">= 0"):
+        FitConfig(method="ekfac", space="full", correction_examples=-1)

@@ -47,3 +47,21 @@ def test_plan_sizes_what_the_build_then_stores(gpt2_dir, text_jsonl, tmp_path):
     assert b["index"] == look["index_bytes"] <= _bytes(out / "faiss")  # norms only: no copy of the rows
     assert b["peak"] >= b["capture"] + b["store"]  # the captured float16 rows beside their int4 copy
     assert b["peak"] >= b["capture"] + b["rotated"] > b["capture"]  # ... and beside their rotated float16 copy
+
+
+def test_plan_of_a_budget_bound_build_counts_its_full_space_fit(gpt2_dir, text_jsonl, tmp_path):
+    """Rows of 1/64 of the gradient: the build also fits full-space EK-FAC for the exact re-rank (its files,
+    and its correction pass over --rerank-correction examples, in the plan)."""
+    r = CliRunner()
+    opts = [*OPTS, "--budget", "1/64", "--rerank-correction", "16"]
+    res = r.invoke(main, ["plan", str(gpt2_dir), str(text_jsonl), "--json", *opts])
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.output.strip().splitlines()[-1])
+    assert "full-space fit" in plan["seconds"] and plan["seconds"]["full-space fit"] > 0
+    out = tmp_path / "idx"
+    built = r.invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--quiet", *opts])
+    assert built.exit_code == 0, built.output
+    assert read_manifest(out)["full_space"]["ekfac"]["fit"]["correction_examples"] == 16
+    b = plan["bytes"]
+    fits = _bytes(out / "precond") + (out / "basis.h5").stat().st_size
+    assert 0.8 * fits <= b["precond"] + b["basis"] <= 1.2 * fits, (b, fits)

@@ -139,6 +139,11 @@ def _default(name: str):
               help="With more examples than this, the default build (EK-FAC, --transcode ekfac) fits EK-FAC on a "
                    "seeded sample of this many (--fisher-seed) and codes every row in its whitened eigenbasis in the "
                    "capture pass: no raw store, no transcode. 0: fit on every example.")
+@click.option("--rerank-correction", default=_default("rerank_correction"), show_default=True,
+              type=click.IntRange(min=0),
+              help="Where the rows are a budget-bound projection, the full-space EK-FAC fit for the exact re-rank "
+                   "takes its eigenvalue correction from a seeded sample of this many examples (a model pass over "
+                   "them; the factors come from the capture pass). 0: every example.")
 @damping_option("Relative damping of the self-influence written with --precondition (and of --whiten).")
 @click.option("--collect-covariance", is_flag=True, default=_default("collect_covariance"),
               help="Sum the projected K-FAC factors per shard in the capture pass without fitting them "
@@ -227,7 +232,7 @@ class Settings:
 OPTION_FIELDS = ("layers", "max_length", "batch_size", "route", "shard_size", "collect_covariance", "full_factors",
                  "precondition", "damping", "storage", "budget", "allocation", "basis", "basis_damping",
                  "basis_examples", "basis_seed", "fisher", "fisher_seed", "optimizer_state", "adam_mode", "transcode",
-                 "fit_sample")
+                 "fit_sample", "rerank_correction")
 """The ``build`` options that are :class:`~gradindex.spec.build.BuildOptions` fields of the same name (the
 projection field is ``--projection``, ``--projection-kind`` and ``--seed``; tests/test_library_defaults.py
 keeps this the whole list)."""

@@ -29,15 +29,20 @@ from gradindex.methods import FITTED_METHODS
 @click.option("--space", default="stored", show_default=True, type=click.Choice(["stored", "full"]),
               help="stored: curvature of the index's rows; full: unprojected factors (+ EK-FAC correction) "
                    "from two model passes, for --rerank-full.")
+@click.option("--correction-examples", default=0, show_default=True, type=click.IntRange(min=0),
+              help="With --space full --method ekfac: the eigenvalue correction from a seeded sample (--seed) of "
+                   "this many of the fit examples (a model pass over them); 0: all of them.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
-def precondition(index_dir, method, damping, fit_data, fit_examples, fisher, seed, device, precision, space, quiet):
+def precondition(index_dir, method, damping, fit_data, fit_examples, fisher, seed, device, precision, space,
+                 correction_examples, quiet):
     """Fit K-FAC or EK-FAC on INDEX_DIR and write its self-influence (stored space)."""
     from gradindex.precondition import FitConfig, available_methods, fit_preconditioner
     from gradindex.precondition.fullspace import full_space_methods
 
     cfg = FitConfig(method=method, damping=damping, fit_data=fit_data, fit_examples=fit_examples, seed=seed,
-                    fisher=fisher, device=device, precision=precision, space=space)
+                    fisher=fisher, device=device, precision=precision, space=space,
+                    correction_examples=correction_examples)
     entries = fit_preconditioner(index_dir, cfg, progress=not quiet)
     e = entries[method]
     if space == "full":

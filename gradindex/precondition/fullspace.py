@@ -8,7 +8,8 @@ Per hooked layer, with ``a_t`` ``[N_i(+1)]`` and ``g_t`` ``[N_o]`` the per-token
    float64: ``A = Q_A Λ_A Q_Aᵀ``, ``S = Q_S Λ_S Q_Sᵀ``;
 2. correction pass (EK-FAC): ``Λ*_ij = mean_n (Q_Sᵀ G_n Q_A)²_ij`` with
    ``Q_Sᵀ G_n Q_A = Σ_t (Q_Sᵀ g_t)(Q_Aᵀ a_t)ᵀ``: the factorized "projection" by the eigenbases, done
-   per token in the model pass in float32, squared per example and summed in float64.
+   per token in the model pass in float32, squared per example and summed in float64; the mean over
+   the fit examples, or over a seeded sample of ``correction_examples`` of them (:func:`correction_rows`).
 
 Cost per example and layer: ``T (N_i² + N_o²) / 2`` for the factor pass's products and
 ``T (N_i² + N_o²) + T N_i N_o`` for the correction's, against ``N_o N_i (N_o + N_i)`` per example for
@@ -319,8 +320,10 @@ class _Pass:
     """The model passes of one full-space fit (factor sums, then EK-FAC's correction), checkpointed in ``state``."""
 
     def __init__(self, model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: list[str], bs: int,
-                 state: _State, progress: bool, heads: HeadGrads | None = None):
+                 state: _State, progress: bool, heads: HeadGrads | None = None,
+                 corrected: np.ndarray | None = None):
         self.model, self.pad_id, self.data, self.rows, self.layers, self.bs = model, pad_id, data, rows, layers, bs
+        self.corrected = rows if corrected is None else corrected  # (the correction pass's rows)
         self.state, self.progress = state, progress
         self.heads = heads if heads is not None else HeadGrads()
         self.device = next(model.parameters()).device
@@ -335,15 +338,17 @@ class _Pass:
             state.done, state.tokens = done, base + tokens
             state.maybe_save(done == n_rows, fs.arrays)
 
+        replay = method == "ekfac" and len(self.corrected) == n_rows  # (a sample's batches are not the same)
         _model_pass(self.model, self.pad_id, self.data, self.rows, self.layers, fs, state.done, self.bs,
-                    "full-space factors", self.progress, ckpt, self.heads, record=method == "ekfac")
+                    "full-space factors", self.progress, ckpt, self.heads if replay else None, record=replay)
         state.arrays = fs.arrays(symmetric=True)
         state.stage, state.done = ("correction" if method == "ekfac" else "done"), 0
         state.maybe_save(force=True)
 
     def correction(self, factors: dict[str, LayerFactors]) -> dict[str, LayerFactors]:
         """EK-FAC: each layer's eigenvalues corrected in the K-FAC eigenbasis (resumed from the checkpoint)."""
-        state, n_rows = self.state, len(self.rows)
+        state, rows = self.state, self.corrected
+        n_rows = len(rows)
         cs = _CorrectionSums({n: (f.Q_S, f.Q_A) for n, f in factors.items()}, self.device)
         cs.load(state.arrays)
         if state.stage == "correction":
@@ -353,7 +358,7 @@ class _Pass:
                 state.done = done
                 state.maybe_save(done == n_rows, lambda: {**keep, **cs.arrays()})
 
-            _model_pass(self.model, self.pad_id, self.data, self.rows, self.layers, cs, state.done, self.bs,
+            _model_pass(self.model, self.pad_id, self.data, rows, self.layers, cs, state.done, self.bs,
                         "eigenvalue correction", self.progress, ckpt, self.heads)
         sums = cs.arrays()
         return {n: LayerFactors(**{**asdict(f), "Lambda": sums[f"C/{n}"] / n_rows}) for n, f in factors.items()}
@@ -376,6 +381,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
     if model is None or tokenizer is None:
         model, tokenizer = load_build_model(manifest, cfg.device)
     data, rows, source, fp, state = _start(index_dir, manifest, cfg, tokenizer, data, checkpoint_seconds)
+    corrected = correction_rows(rows, cfg)
     bs = int(manifest.get("config", {}).get("batch_size", 8))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     was = {n: p.requires_grad for n, p in model.named_parameters()}
@@ -389,7 +395,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         clock[:] = now
 
     try:
-        passes = _Pass(model, pad_id, data, rows, layers, bs, state, progress, heads)
+        passes = _Pass(model, pad_id, data, rows, layers, bs, state, progress, heads, corrected)
         if state.stage == "factors":
             passes.factors(shapes, cfg.method)
             lap("factor_pass")
@@ -409,7 +415,16 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
            "phase_seconds": phases}  # [wall, process CPU] of each phase run now
     if cfg.fit_examples:
         fit["sample_seed"] = cfg.seed
+    if cfg.method == "ekfac" and len(corrected) < len(rows):
+        fit["correction_examples"], fit["correction_seed"] = int(len(corrected)), cfg.seed
     return _record(index_dir, cfg, manifest, layers, written, fit, state, t0)
+
+
+def correction_rows(rows: np.ndarray, cfg) -> np.ndarray:
+    """The fit rows EK-FAC's correction pass takes: a seeded sample of ``cfg.correction_examples`` of ``rows``
+    (``cfg.seed``), or all of them (0, or not fewer than ``rows``)."""
+    k = int(getattr(cfg, "correction_examples", 0) or 0)
+    return rows[sample_rows(len(rows), k, cfg.seed)] if 0 < k < len(rows) else rows
 
 
 def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None, checkpoint_seconds: float,
@@ -421,8 +436,9 @@ def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None, ch
     data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
     bs = int(manifest.get("config", {}).get("batch_size", 8))
     fp = data_fingerprint(data)
-    key = digest_bytes([json.dumps([manifest["build"]["model_fingerprint"], fp, layers, rows.tolist(), bs,
-                                    cfg.method]).encode()])
+    corrected = correction_rows(rows, cfg)
+    key = digest_bytes([json.dumps([manifest["build"]["model_fingerprint"], fp, layers, rows.tolist(), bs, cfg.method]
+                                   + ([corrected.tolist()] if len(corrected) < len(rows) else [])).encode()])
     (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
     state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
     if state.load():

@@ -74,11 +74,23 @@ class BuildOptions:
     that whitened eigenbasis in its one capture pass: no raw store, no transcode (docs/math.md, "Fit on a
     sample"). 0: fit on every example (the capture, then the fit and the transcode over all rows).
     Builds of at most this many examples, other options and torchrun fit on every example."""
+    rerank_correction: int = 128
+    """The full-space EK-FAC fit a budget-bound build makes for the default query's exact re-rank: its
+    factors from every fit example (summed in the capture pass), its correction ``Λ*`` from a seeded sample
+    of this many of them (``fisher_seed``), a model pass over the sample; 0 = all of them (a model pass over
+    every fit example: about 1.4 capture floors on the peers workload). 128 of 1,024 examples kept top-10
+    0.97-0.98 and Spearman 0.998 of the exact full-space scores (benchmarks/correction_sample.py)."""
     transcode: str = "auto"
     """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
     eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
     store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw.
     ``auto``: ``ekfac`` after an EK-FAC fit of raw rows, else ``none``."""
+
+
+RERANK_FIT_EXAMPLES = 2048
+"""The full-space fit a budget-bound build makes for the default query's exact re-rank takes every
+example up to this many, else a seeded sample of this many: its factors summed in the capture pass, its
+EK-FAC correction from ``rerank_correction`` of them (a model pass over those)."""
 
 
 def default(name: str):
