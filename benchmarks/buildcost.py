@@ -126,15 +126,29 @@ def _parts(d: Path) -> dict[str, int]:
     return out
 
 
+def _rss() -> int:
+    """This process's resident bytes now (Linux ``VmRSS``; 0 elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class DiskPeak:
     """The most bytes under a directory while the block runs, summed every 0.1 s by a thread; with
-    ``stages``, also the most per stage and what the directory held (per entry) at the overall peak."""
+    ``stages``, also the most per stage and what the directory held (per entry) at the overall peak, and
+    the process's most resident bytes per stage (sampled alike: a peak shorter than 0.1 s may be missed)."""
 
     def __init__(self, d: Path, stages: Stages | None = None):
         import threading
 
         self.d, self.peak, self._stop, self.stages = d, 0, threading.Event(), stages
         self.by_stage: dict[str, int] = {}
+        self.rss_by_stage: dict[str, int] = {}
         self.at_peak: dict[str, int] = {}
         self.peak_stage = ""
         self._thread = threading.Thread(target=self._poll, daemon=True)
@@ -144,6 +158,7 @@ class DiskPeak:
         parts = _parts(self.d)
         total = sum(parts.values())
         self.by_stage[stage] = max(self.by_stage.get(stage, 0), total)
+        self.rss_by_stage[stage] = max(self.rss_by_stage.get(stage, 0), _rss())
         if total > self.peak:
             self.peak, self.at_peak, self.peak_stage = total, parts, stage
 
@@ -214,10 +229,12 @@ def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, r
             out["disk_at_peak"] = disk.at_peak
             out["peak_disk_by_stage_over_store"] = {k: round(v / out["store_bytes"], 3)
                                                     for k, v in disk.by_stage.items()}
+            out["peak_rss_mb_by_stage"] = {k: round(v / 2 ** 20, 1) for k, v in disk.rss_by_stage.items()}
             full = json.loads((Path(d) / "idx" / "manifest.json").read_text()).get("full_space", {})
             if full:
                 fit = next(iter(full.values()))["fit"]
                 out["full_fit"] = {"examples": fit["examples"], "source": fit.get("source"),
+                                   "correction_examples": fit.get("correction_examples", fit["examples"]),
                                    "phase_seconds": fit.get("phase_seconds")}
         out["stages"] = {k: round(v, 2) for k, v in stages.seconds.items()}
         out["stages_cpu"] = {k: round(v, 2) for k, v in stages.cpu.items()}
