@@ -41,18 +41,19 @@ def _rel(a, b) -> float:
 def _same_curvature(a, b) -> None:
     """The same factors (``Q diag(λ) Qᵀ``, sign-free) and eigenvalues within float tolerance."""
     for m in ("kfac", "ekfac"):
+        pa, pb = fs.load_full_preconditioner(a, m).curvature, fs.load_full_preconditioner(b, m).curvature
         with h5py.File(fs.full_path(a, m), "r") as fa, h5py.File(fs.full_path(b, m), "r") as fb:
-            assert sorted(fa["layers"]) == sorted(fb["layers"])
+            assert sorted(fa["layers"]) == sorted(fb["layers"]) == sorted(pa)
             for n in fa["layers"]:
                 x, y = fa["layers"][n], fb["layers"][n]
                 for key in ("lambda_A", "lambda_S"):  # the same sums up to float32 summation order
                     assert _rel(x[key][:], y[key][:]) < 1e-5, (m, n, key)
-                for q, lam in (("Q_A", "lambda_A"), ("Q_S", "lambda_S")):
-                    fx = x[q][:] @ np.diag(x[lam][:]) @ x[q][:].T
-                    fy = y[q][:] @ np.diag(y[lam][:]) @ y[q][:].T
+                for q, lam in (("Q_A", "lambda_A"), ("Q_S", "lambda_S")):  # (K-FAC's bases: EK-FAC's file)
+                    fx = pa[n][q] @ np.diag(x[lam][:]) @ pa[n][q].T
+                    fy = pb[n][q] @ np.diag(y[lam][:]) @ pb[n][q].T
                     assert _rel(fx, fy) < 1e-5, (m, n, q)
                 # eigenvalues in the (sign-free) eigenbasis: the same multiset
-                assert _rel(np.sort(x["Lambda"][:].ravel()), np.sort(y["Lambda"][:].ravel())) < 1e-4, (m, n)
+                assert _rel(np.sort(pa[n]["Lambda"].ravel()), np.sort(pb[n]["Lambda"].ravel())) < 1e-4, (m, n)
 
 
 @pytest.fixture(scope="module")

@@ -322,6 +322,23 @@ def test_correction_from_a_sample_equals_dense_float64_over_it(case, tmp_path):
         assert _rel(every.curvature[n]["Lambda"], lam) > 1e-2, n  # (the sample's mean is not all 40's)
 
 
+def test_kfac_file_keeps_its_eigenvalues_and_shares_the_ekfac_bases(case, tmp_path):
+    """An EK-FAC fit's K-FAC file holds ``λ_S``, ``λ_A`` only; its bases are read from the EK-FAC file, and a
+    missing EK-FAC file is a clear error naming the refit."""
+    import h5py
+
+    src, ref = case
+    with h5py.File(fs.full_path(src, "kfac"), "r") as f:
+        assert f.attrs[fs.BASES] == "ekfac-full.h5"
+        assert all(set(f["layers"][n]) == {"lambda_A", "lambda_S"} for n in ref.layers)
+    assert fs.full_path(src, "kfac").stat().st_size < fs.full_path(src, "ekfac").stat().st_size / 4
+    d = tmp_path / "idx"
+    shutil.copytree(src, d)
+    fs.full_path(d, "ekfac").unlink()
+    with pytest.raises(FileNotFoundError, match="--method ekfac --space full"):
+        load_full_preconditioner(d, "kfac")
+
+
 def test_correction_examples_are_refused_outside_full_space():
     with pytest.raises(ValueError, match="--space full"):
         FitConfig(method="ekfac", correction_examples=8)

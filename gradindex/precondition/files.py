@@ -81,10 +81,11 @@ def write_precond(
     fit: dict,
     keys: tuple[str, ...] = ("A", "S", "lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda"),
     dtype: type = np.float64,
+    attrs: dict | None = None,
 ) -> None:
     """Write one method's file atomically. ``self_influence`` ``[N, L]`` per layer (full-space fits: none);
     ``keys``: the :class:`LayerFactors` arrays written per layer (full-space fits: all but ``A`` and ``S``),
-    as ``dtype`` (full-space fits: float32, what their queries compute in)."""
+    as ``dtype`` (full-space fits: float32, what their queries compute in); ``attrs``: more file attributes."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with h5py.File(tmp, "w") as f:
@@ -94,6 +95,8 @@ def write_precond(
         f.attrs["damping"] = float(damping)
         f.attrs["fit"] = json.dumps(fit, sort_keys=True)
         f.attrs["layer_names"] = json.dumps(layer_names)
+        for k, v in (attrs or {}).items():
+            f.attrs[k] = v
         for k, v in fingerprints(manifest).items():
             f.attrs[f"fp_{k}"] = v
         if factors is not None:

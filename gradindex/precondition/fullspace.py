@@ -65,6 +65,7 @@ from gradindex.precondition.files import (
     LayerFactors,
     check_fingerprints,
     precond_path,
+    read_attrs,
     read_layers,
     write_precond,
 )
@@ -82,6 +83,12 @@ at ``[N_o, N_i(+1)]`` they would add about 40% to the files, which a query never
 re-rank computes in float32 (:func:`~gradindex.query.full.full_gradient_scores`), so its scores are the same
 as from float64 files; a float64 reference reads them rounded (relative 6e-8)."""
 STATE = "full-space.state.npz"
+KFAC_KEYS = ("lambda_A", "lambda_S")
+BASES = "bases"
+"""File attribute of a full-space K-FAC file written beside EK-FAC's: the name of that file (same folder),
+which holds the eigenbases both share; the K-FAC file keeps only ``λ_A``, ``λ_S`` (``Λ = λ_S λ_Aᵀ``).
+The bases are the largest part (``N_o² + N_i²`` numbers per layer: 9 GB per file at the Qwen2.5-0.5B
+shape), so this halves the full-space files."""
 
 
 def full_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
@@ -483,7 +490,10 @@ def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fi
             t0: float) -> dict:
     """Write each fitted method's file and its ``full_space`` manifest entry; drop the checkpoint."""
     for m, fac in written.items():
-        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit, FULL_KEYS, np.float32)
+        shared = m == "kfac" and "ekfac" in written  # (the same eigenbases: kept once, in the EK-FAC file)
+        write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit,
+                      KFAC_KEYS if shared else FULL_KEYS, np.float32,
+                      {BASES: full_path(index_dir, "ekfac").name} if shared else None)
     seconds = time.perf_counter() - t0
     manifest = read_manifest(index_dir)
     entries = manifest.setdefault("full_space", {})
@@ -508,6 +518,21 @@ def full_space_methods(index_dir: str | os.PathLike) -> list[str]:
     return out
 
 
+def _read_curvature(path: Path, manifest: dict) -> dict[str, dict[str, np.ndarray]]:
+    """layer → ``Q_S``, ``Q_A``, ``Lambda`` of a full-space file; a K-FAC file that shares EK-FAC's bases
+    (attribute :data:`BASES`) reads them there and computes ``Λ = λ_S λ_Aᵀ``."""
+    bases = read_attrs(path).get(BASES)
+    if not bases:
+        return read_layers(path)
+    source = path.with_name(str(bases))
+    if not source.exists():
+        raise FileNotFoundError(f"{str(path)!r} takes its eigenbases from {str(source)!r}, which is missing; refit "
+                                f"with `gradindex precondition {path.parent.parent} --method ekfac --space full`")
+    check_fingerprints(source, manifest, "ekfac")
+    own, shared = read_layers(path, KFAC_KEYS), read_layers(source, ("Q_S", "Q_A"))
+    return {n: {**shared[n], "Lambda": kfac_eigenvalues(v["lambda_S"], v["lambda_A"])} for n, v in own.items()}
+
+
 def load_full_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditioner:
     """The full-space preconditioner of ``method`` over ``[N_o, N_i(+1)]`` rows.
 
@@ -528,7 +553,7 @@ def load_full_preconditioner(index_dir: str | os.PathLike, method: str) -> Preco
                 f"index {str(Path(index_dir))!r} has no full-space {base} curvature; add it with "
                 f"`gradindex precondition {index_dir} --method {base} --space full`")
     check_fingerprints(path, manifest, base)
-    curv = read_layers(path)
+    curv = _read_curvature(path, manifest)
     if set(curv) != set(shapes):
         raise ValueError(f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it "
                          f"with `gradindex precondition {index_dir} --method {base} --space full`")
