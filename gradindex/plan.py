@@ -233,10 +233,10 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
                      index_bytes, ram, rotated, shards, lookup, sample_examples=sample,
                      approximate=cfg.basis not in ("raw", "kfac"))
     plan.full_fit, plan.correction = rerank_fit_sizes(cfg, examples, plan.budget_bound and not plan.approximate)
-    if plan.full_fit:  # per layer and method, float32 Q_S, Q_A, their eigenvalues and Λ (precondition.fullspace)
-        per = sum(4 * (lp.n_out ** 2 + (lp.n_in + 1) ** 2 + (lp.n_out + 1) * (lp.n_in + 2) - 1)  # (a bias column)
-                  for lp in layers)
-        plan.precond_bytes += per * (1 + (cfg.precondition == "ekfac"))
+    if plan.full_fit:  # per layer, float32 Q_S, Q_A, their eigenvalues and Λ; beside EK-FAC, K-FAC's eigenvalues
+        plan.precond_bytes += sum(4 * (lp.n_out ** 2 + (lp.n_in + 1) ** 2 + (lp.n_out + 1) * (lp.n_in + 2) - 1
+                                       + (lp.n_out + lp.n_in + 1) * (cfg.precondition == "ekfac"))  # (a bias column)
+                                  for lp in layers)
     return plan
 
 
