@@ -241,6 +241,7 @@ def test_row_reader_reads_any_rows_like_h5py(indexed):
             np.testing.assert_array_equal(got[n], expect[n])
         with pytest.raises(IndexError, match=r"\[0, 40\)"):
             r.read(np.array([40]))
+        assert all(v.shape == (0, s.dims[n]) for n, v in r.read(np.array([], np.int64)).items())
 
 
 def test_ivf_pq_training_prints_no_faiss_warnings(store_dir, tmp_path, capfd):

@@ -80,7 +80,7 @@ class RowReader:
         self.layers = list(layers or store.layers)
         self._tables: list[dict[str, _Plain]] | None = []
         self._maps: list[np.ndarray] = []
-        self._scales: list[dict[str, np.ndarray]] = []
+        scales: list[dict[str, np.ndarray]] = []
         storage = store.storage
         try:
             for path in store.paths:
@@ -90,14 +90,15 @@ class RowReader:
                         if not all(_plain(g[n], storage) for n in self.layers):
                             raise ValueError("not plain")
                         self._tables.append({n: _Plain(g[n]) for n in self.layers})
-                        self._scales.append({n: f["scales"][n][:] for n in self.layers}
-                                            if has_scale(storage) else {})
+                        scales.append({n: f["scales"][n][:] for n in self.layers} if has_scale(storage) else {})
                 except (OSError, RuntimeError) as e:  # h5py cannot read its own structure: a damaged file
                     raise store.damaged_error(path, e) from None
                 if not PREAD:  # (the rows' fallback reader)
                     self._maps.append(np.memmap(path, dtype=np.uint8, mode="r"))
         except ValueError:
-            self._tables, self._maps, self._scales = None, [], []
+            self._tables, self._maps, scales = None, [], []
+        self._scales: dict[str, np.ndarray] = {  # layer → every row's scale, by store position
+            n: np.concatenate([sc[n] for sc in scales]) for n in self.layers} if scales and scales[0] else {}
 
     @property
     def direct(self) -> bool:
@@ -105,64 +106,76 @@ class RowReader:
         return self._tables is not None
 
     def read(self, ids: np.ndarray, layers: Sequence[str] | None = None) -> dict[str, np.ndarray]:
-        """``{layer: [len(ids), D] float32}`` for store rows ``ids`` (any order, repeats allowed)."""
+        """``{layer: [len(ids), D] float32}`` for store rows ``ids`` (any order, repeats allowed).
+
+        Vectorized over the shards the rows fall in (a re-rank's 1,000 rows of a 10^6-row store touch ~240):
+        per layer one offset computation, one hash check and one decode for all rows; one ``preadv`` a row."""
         layers = list(layers or self.layers)
         ids = self.store.positions(np.asarray(ids, dtype=np.int64))
-        if self._tables is None or not set(layers) <= set(self.layers):
+        if self._tables is None or not set(layers) <= set(self.layers) or not len(ids):
             return self.store.read_rows(ids, layers)
-        out = {n: np.empty((len(ids), self.store.dims[n]), dtype=np.float32) for n in layers}
         starts = np.asarray(self.store.first_ids, dtype=np.int64)
         shard = np.searchsorted(starts, ids, side="right") - 1
+        order = np.lexsort((ids, shard))  # by shard, then row: reads in file order
+        shard, local = shard[order], ids[order] - starts[shard[order]]
+        touched, first = np.unique(shard, return_index=True)
+        bounds = list(zip(touched.tolist(), first.tolist(), [*first[1:].tolist(), len(shard)], strict=True))
+        expected = self.store.expected_hashes(bounds, local)  # [n, L] and which rows have them, or None
         dt = code_dtype(self.store.storage)
-        plan = []  # per shard: its rows, and per layer their byte offsets in file order
-        for k in np.unique(shard):
-            sel = np.nonzero(shard == k)[0]
-            local = ids[sel] - starts[k]
-            per_layer = []
-            for n in layers:
-                off = self._tables[k][n].byte_offsets(local)
-                order = np.argsort(off, kind="stable")
-                per_layer.append((n, off[order], order))
-            plan.append((int(k), sel, local, per_layer))
+        out = {}
         fds: dict[int, int] = {}
         try:
             if PREAD:
-                fds = {k: os.open(self.store.paths[k], os.O_RDONLY) for k, *_ in plan}
-                if len(ids) >= PREFETCH_ROWS:
-                    self._prefetch(fds, plan)
-            for k, sel, local, per_layer in plan:
-                for n, off, order in per_layer:
-                    width = self._tables[k][n].width
-                    rows = self._pread(k, fds[k], off, width, dt) if PREAD else _gather(self._maps[k], off, width, dt)
-                    scales = self._scales[k][n][local[order]] if self._scales[k] else None
-                    self.store.verify_rows(k, n, local[order], rows, scales)
-                    out[n][sel[order]] = decode(rows, scales, self.store.storage, self.store.dims[n])
+                fds = {k: os.open(self.store.paths[k], os.O_RDONLY) for k, _, _ in bounds}
+            offsets = {n: self._offsets(n, bounds, local) for n in layers}
+            if PREAD and len(ids) >= PREFETCH_ROWS:
+                self._prefetch(fds, bounds, offsets)
+            for n in layers:
+                width = self._tables[bounds[0][0]][n].width
+                rows = np.empty((len(ids), width), dt)
+                for k, a, b in bounds:
+                    if PREAD:
+                        self._pread(k, fds[k], offsets[n][a:b], rows[a:b])
+                    else:
+                        rows[a:b] = _gather(self._maps[k], offsets[n][a:b], width, dt)
+                scales = self._scales[n][ids[order]] if n in self._scales else None
+                if expected is not None:
+                    self.store.verify_gathered(bounds, local, n, rows, scales, expected)
+                x = decode(rows, scales, self.store.storage, self.store.dims[n])
+                out[n] = np.empty_like(x)
+                out[n][order] = x
         finally:
             for fd in fds.values():
                 os.close(fd)
         return out
 
-    def _pread(self, k: int, fd: int, off: np.ndarray, width: int, dtype: np.dtype) -> np.ndarray:
-        """``[len(off), width]`` rows of ``dtype`` at byte offsets ``off`` of shard ``k`` (open as ``fd``), one
-        ``preadv`` a row."""
-        nbytes = width * dtype.itemsize
-        buf = np.empty((len(off), nbytes), np.uint8)
-        for i, o in enumerate(off.tolist()):
-            if os.preadv(fd, [memoryview(buf[i])], o) != nbytes:
-                raise self.store.damaged_error(self.store.paths[k], OSError("short read"))
-        return buf.view(dtype)
+    def _offsets(self, n: str, bounds: list[tuple[int, int, int]], local: np.ndarray) -> np.ndarray:
+        """Byte offsets in their files of layer ``n``'s rows ``local`` (grouped by shard as ``bounds`` says)."""
+        off = np.empty(len(local), np.int64)
+        for k, a, b in bounds:
+            off[a:b] = self._tables[k][n].byte_offsets(local[a:b])
+        return off
 
-    def _prefetch(self, fds: dict[int, int], plan: list) -> None:
+    def _pread(self, k: int, fd: int, off: np.ndarray, into: np.ndarray) -> None:
+        """Rows at byte offsets ``off`` of shard ``k`` (open as ``fd``) into ``into`` ``[len(off), width]``, one
+        ``preadv`` a row."""
+        nbytes = into.shape[1] * into.itemsize
+        for i, o in enumerate(off.tolist()):
+            if os.preadv(fd, [memoryview(into[i]).cast("B")], o) != nbytes:
+                raise self.store.damaged_error(self.store.paths[k], OSError("short read"))
+
+    def _prefetch(self, fds: dict[int, int], bounds: list[tuple[int, int, int]], offsets: dict[str, np.ndarray]
+                  ) -> None:
         """Ask the kernel to read every wanted row now (``POSIX_FADV_WILLNEED``), so that the reads of rows
         outside the page cache overlap instead of waiting one by one (a re-rank of 1,000 rows of 8 layers from
         a cold 12.7 GB store: 8,000 random reads)."""
         if not hasattr(os, "posix_fadvise"):
             return
         try:
-            for k, _, _, per_layer in plan:
-                for n, off, _ in per_layer:
+            for n, off in offsets.items():
+                for k, a, b in bounds:
                     tab = self._tables[k][n]
-                    for o in off.tolist():
+                    for o in off[a:b].tolist():
                         os.posix_fadvise(fds[k], o, tab.width * tab.itemsize, os.POSIX_FADV_WILLNEED)
         except OSError:  # (advice only)
             pass
@@ -180,7 +193,7 @@ class RowReader:
         storage, dt = self.store.storage, code_dtype(self.store.storage)
         for k, first in enumerate(self.store.first_ids):
             tab, size = self._tables[k][layer], self.store.sizes[k]
-            scales = self._scales[k].get(layer)
+            scales = self._scales[layer][first:first + size] if layer in self._scales else None
             row_bytes = tab.width * tab.itemsize
             per = max(tab.rows_per_chunk, (max_bytes // max(1, row_bytes)) // tab.rows_per_chunk * tab.rows_per_chunk)
             buf = np.empty(min(size, per) * row_bytes, np.uint8)

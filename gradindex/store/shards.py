@@ -353,6 +353,30 @@ class Store:
             what = f"rows {bad[:5].tolist()} of layer {name!r} differ from the hashes recorded when they were written"
             raise damage_error(d, [Damage(f"{STORE_DIR}/{self.paths[k].name}", what, _repair(d))])
 
+    def expected_hashes(self, bounds: list[tuple[int, int, int]], local: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The recorded hashes ``[n, L]`` of rows ``local`` grouped by shard (``bounds``: ``(shard, start,
+        stop)`` into ``local``) and a mask of the rows that have them; None where none has (old shards)."""
+        out, have = np.zeros((len(local), len(self.layers)), np.uint64), np.zeros(len(local), bool)
+        for k, a, b in bounds:
+            hashes = self._row_hashes(k)
+            if hashes is not None:
+                out[a:b], have[a:b] = hashes[local[a:b]], True
+        return (out, have) if have.any() else None
+
+    def verify_gathered(self, bounds: list[tuple[int, int, int]], local: np.ndarray, name: str, codes: np.ndarray,
+                        scales: np.ndarray | None, expected: tuple[np.ndarray, np.ndarray]) -> None:
+        """:meth:`verify_rows` for rows of many shards at once (:meth:`expected_hashes`' grouping and hashes)."""
+        hashes, have = expected
+        bad = (row_hashes(codes, scales, local) != hashes[:, self.layers.index(name)]) & have
+        if bad.any():
+            i = int(np.argmax(bad))
+            k, a, b = next((k, a, b) for k, a, b in bounds if a <= i < b)
+            d = self.dir.parent
+            rows = local[a:b][bad[a:b]][:5].tolist()
+            what = f"rows {rows} of layer {name!r} differ from the hashes recorded when they were written"
+            raise damage_error(d, [Damage(f"{STORE_DIR}/{self.paths[k].name}", what, _repair(d))])
+
     def iter_blocks(
         self, layers: Sequence[str] | None = None, block: int = 4096, start: int = 0, stop: int | None = None
     ) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
