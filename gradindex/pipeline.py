@@ -27,7 +27,7 @@ from gradindex.plan import BuildPlan, plan_build
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
-from gradindex.precondition.fullspace import HeadGrads, budget_bound, keep_build_sums
+from gradindex.precondition.fullspace import HeadGrads, budget_bound, budget_sized, keep_build_sums
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.precondition.sampled import EigenCoder, fit_on_sample, sampled_reason
 from gradindex.spec.build import RERANK_FIT_EXAMPLES
@@ -154,7 +154,8 @@ def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None
     or where the shards' copies of the sums would take too much disk (:data:`FACTOR_SUMS_NOTE`)."""
     if plan.approximate:
         return None
-    full = _rerank_fit(cfg, n, asked if asked is not None else plan.budget_bound, bool(cfg.optimizer_state))
+    bound = budget_sized(cfg.budget) and plan.budget_bound
+    full = _rerank_fit(cfg, n, asked if asked is not None else bound, bool(cfg.optimizer_state))
     if full is None:
         return None
     rows = sample_rows(n, full.fit_examples, full.seed)

@@ -96,8 +96,9 @@ class BuildPlan:
 
     @property
     def budget_bound(self) -> bool:
-        """Whether the rows hold fewer numbers than the whole gradients of their layers (where a build sized
-        by its byte budget fits full-space curvature for the exact re-rank)."""
+        """Whether the rows hold fewer numbers than the whole gradients of their layers (where a build whose
+        budget sizes them, :func:`~gradindex.precondition.fullspace.budget_sized`, fits full-space curvature
+        for the exact re-rank)."""
         return sum(lp.numbers for lp in self.layers) < sum(lp.n_out * lp.n_in for lp in self.layers)
 
     @property
