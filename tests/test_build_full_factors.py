@@ -85,14 +85,9 @@ def test_default_build_corrects_on_a_sample(tmp_path, gpt2_dir, text_jsonl, sepa
     """``--rerank-correction 16`` (the default 128 of a larger set): the factors from all 40 examples of the
     capture pass, ``Λ*`` from a model pass over a seeded sample of 16 only, as the fit's own passes give it;
     the capture keeps no head gradients (the sample's batches are not the capture's)."""
-    calls = []
-    real = fs.batch_gradients
+    from test_fullspace import count_head_use
 
-    def counting(*args, **kw):
-        calls.append((kw.get("keep_head_grad", False), kw.get("head_grad") is not None))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(fs, "batch_gradients", counting)
+    calls = count_head_use(monkeypatch)
     d = _build(tmp_path / "idx", gpt2_dir, text_jsonl, rerank_correction=16)
     m = read_manifest(d)
     fit = m["full_space"]["ekfac"]["fit"]

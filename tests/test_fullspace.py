@@ -279,8 +279,8 @@ def test_gram_by_upper_blocks_equals_the_full_product(block):
     np.testing.assert_array_equal(got, got.T)
 
 
-def test_correction_pass_replays_the_head_gradients_of_the_factor_pass(tmp_path, gpt2_dir, text_jsonl, monkeypatch):
-    d = _index(tmp_path / "idx", gpt2_dir, text_jsonl)
+def count_head_use(monkeypatch) -> list[tuple[bool, bool]]:
+    """Per model-pass batch of the full-space fit, from now on: (keeps its head gradient, replays one)."""
     calls = []
     real = fs.batch_gradients
 
@@ -289,6 +289,12 @@ def test_correction_pass_replays_the_head_gradients_of_the_factor_pass(tmp_path,
         return real(*args, **kw)
 
     monkeypatch.setattr(fs, "batch_gradients", counting)
+    return calls
+
+
+def test_correction_pass_replays_the_head_gradients_of_the_factor_pass(tmp_path, gpt2_dir, text_jsonl, monkeypatch):
+    d = _index(tmp_path / "idx", gpt2_dir, text_jsonl)
+    calls = count_head_use(monkeypatch)
     fit_preconditioner(d, FitConfig(method="ekfac", space="full"))
     half = len(calls) // 2
     assert calls == [(True, False)] * half + [(False, True)] * half and half == 5  # 40 examples, batches of 8
