@@ -129,6 +129,7 @@ def build(n: int, work: Path, steps: int, index_type: str = "auto") -> dict:
     import gradindex.pipeline as pipeline
 
     log(f"N={n}: building {out}")
+    rss_before = _vm("VmRSS")  # (the model, the windows and their token ids: the harness's own)
     t = time.perf_counter()
     try:
         with DiskPeak(out, stages) as disk:
@@ -142,6 +143,8 @@ def build(n: int, work: Path, steps: int, index_type: str = "auto") -> dict:
                              "stages_cpu": {k: round(v, 2) for k, v in stages.cpu.items()},
                              "peak_disk_bytes": disk.peak, "peak_disk_stage": disk.peak_stage,
                              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                             "rss_before_build_mb": round(rss_before / 2 ** 20, 1),
+                             "peak_rss_mb_by_stage": {k: round(v / 2 ** 20, 1) for k, v in disk.rss_by_stage.items()},
                              "load_end": round(os.getloadavg()[0], 2)})
     done.update(complete=True, examples=n, store_bytes=_bytes(out / "store"), index_dir_bytes=_bytes(out))
     stamp.write_text(json.dumps(done, indent=1))
