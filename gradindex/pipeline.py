@@ -23,14 +23,13 @@ from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices, resolve_factory
 from gradindex.lock import index_lock
 from gradindex.manifest import manifest_path, read_manifest
-from gradindex.plan import BuildPlan, plan_build
+from gradindex.plan import BuildPlan, plan_build, rerank_fit_sizes
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
 from gradindex.precondition.fullspace import HeadGrads, budget_bound, budget_sized, keep_build_sums
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.precondition.sampled import EigenCoder, fit_on_sample, sampled_reason
-from gradindex.spec.build import RERANK_FIT_EXAMPLES
 from gradindex.store.builder import (
     BuildConfig,
     BuildResult,
@@ -42,7 +41,6 @@ from gradindex.store.builder import (
 
 __all__ = ["BuildConfig", "BuildResult", "IndexConfig", "build_index"]
 log = logging.getLogger("gradindex")
-
 
 
 def build_index(
@@ -133,19 +131,19 @@ def _sampled(model, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, mod
 def rerank_fit_config(cfg: BuildConfig, manifest: dict, n: int, asked: bool | None = None) -> FitConfig | None:
     """The full-space fit a build makes for the exact re-rank, or ``None``: ``asked`` (``None``: where
     the rows are a budget-bound projection, :func:`~gradindex.precondition.fullspace.budget_bound`)
-    and ``cfg.precondition`` is kfac/ekfac, on every example up to :data:`RERANK_FIT_EXAMPLES`."""
+    and ``cfg.precondition`` is kfac/ekfac, on every example up to
+    :data:`~gradindex.spec.build.RERANK_FIT_EXAMPLES` (:func:`~gradindex.plan.rerank_fit_sizes`)."""
     return _rerank_fit(cfg, n, asked if asked is not None else budget_bound(manifest),
                        bool(manifest["build"].get("optimizer")))
 
 
 def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitConfig | None:
-    if cfg.precondition not in ("kfac", "ekfac") or optimizer or not wanted:
+    examples, correction = rerank_fit_sizes(cfg, n, wanted, optimizer)
+    if not examples:
         return None
-    examples = min(n, RERANK_FIT_EXAMPLES)
-    correction = cfg.rerank_correction if cfg.precondition == "ekfac" and cfg.rerank_correction < examples else 0
     return FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed,
-                     space="full", fit_examples=0 if n <= RERANK_FIT_EXAMPLES else RERANK_FIT_EXAMPLES,
-                     correction_examples=correction)
+                     space="full", fit_examples=0 if examples == n else examples,
+                     correction_examples=0 if correction == examples else correction)
 
 
 def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None) -> np.ndarray | None:

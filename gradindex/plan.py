@@ -233,7 +233,8 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     plan = BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
                      index_bytes, ram, rotated, shards, lookup, sample_examples=sample,
                      approximate=cfg.basis not in ("raw", "kfac"))
-    plan.full_fit, plan.correction = rerank_fit_sizes(cfg, examples, plan.budget_bound and not plan.approximate)
+    wanted = budget_sized(cfg.budget) and plan.budget_bound and not plan.approximate
+    plan.full_fit, plan.correction = rerank_fit_sizes(cfg, examples, wanted, bool(cfg.optimizer_state))
     if plan.full_fit:  # per layer, float32 Q_S, Q_A, their eigenvalues and Λ; beside EK-FAC, K-FAC's eigenvalues
         plan.precond_bytes += sum(4 * (lp.n_out ** 2 + (lp.n_in + 1) ** 2 + (lp.n_out + 1) * (lp.n_in + 2) - 1
                                        + (lp.n_out + lp.n_in + 1) * (cfg.precondition == "ekfac"))  # (a bias column)
@@ -241,10 +242,11 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     return plan
 
 
-def rerank_fit_sizes(cfg: BuildConfig, examples: int, bound: bool) -> tuple[int, int]:
+def rerank_fit_sizes(cfg: BuildConfig, examples: int, wanted: bool, optimizer: bool) -> tuple[int, int]:
     """``(fit examples, correction examples)`` of the full-space fit a build of ``examples`` makes for the exact
-    re-rank (``bound``: the rows are a budget-bound projection), ``(0, 0)`` where it makes none."""
-    if not (bound and budget_sized(cfg.budget)) or cfg.precondition not in ("kfac", "ekfac") or cfg.optimizer_state:
+    re-rank: where ``wanted`` (the rows are a budget-bound projection, or asked) and ``cfg.precondition`` is
+    kfac/ekfac on plain gradients (not ``optimizer``-scaled ones); ``(0, 0)`` where it makes none."""
+    if not wanted or cfg.precondition not in ("kfac", "ekfac") or optimizer:
         return 0, 0
     fit = min(examples, RERANK_FIT_EXAMPLES)
     correction = min(fit, cfg.rerank_correction or fit) if cfg.precondition == "ekfac" else 0

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-import gradindex.pipeline as pipeline
+import gradindex.plan as plan
 from gradindex.capture import ProjectionSpec
 from gradindex.data import load_records, tokenize_records
 from gradindex.manifest import build_command, read_manifest
@@ -104,7 +104,7 @@ def test_default_build_corrects_on_a_sample(tmp_path, gpt2_dir, text_jsonl, sepa
 
 
 def test_sampled_fit_set_sums_only_its_examples(tmp_path, gpt2_dir, text_jsonl, monkeypatch):
-    monkeypatch.setattr(pipeline, "RERANK_FIT_EXAMPLES", 24)  # 40 examples: a seeded sample of 24
+    monkeypatch.setattr(plan, "RERANK_FIT_EXAMPLES", 24)  # 40 examples: a seeded sample of 24
     d = _build(tmp_path / "idx", gpt2_dir, text_jsonl)
     fit = read_manifest(d)["full_space"]["ekfac"]["fit"]
     assert fit["source"] == "build pass + model pass" and fit["examples"] == 24
