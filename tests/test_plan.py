@@ -62,6 +62,8 @@ def test_plan_of_a_budget_bound_build_counts_its_full_space_fit(gpt2_dir, text_j
     built = r.invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--quiet", *opts])
     assert built.exit_code == 0, built.output
     assert read_manifest(out)["full_space"]["ekfac"]["fit"]["correction_examples"] == 16
+    shown = r.invoke(main, ["info", str(out)])
+    assert "full space ekfac: factors over 40 examples, its correction over 16" in shown.output, shown.output
     b = plan["bytes"]
     fits = _bytes(out / "precond") + (out / "basis.h5").stat().st_size
     assert 0.8 * fits <= b["precond"] + b["basis"] <= 1.2 * fits, (b, fits)

@@ -75,6 +75,11 @@ def summary(index_dir: str) -> dict:
         "methods": methods_of(m, d, selfnorm=True),
         "index": None if meta is None else {"status": meta.get("status"), "space": meta.get("space"),
                                             "types": sorted({e["factory"] for e in meta["layers"].values()})},
+        "full_space": {k: {"examples": e.get("fit", {}).get("examples"),
+                           "correction_examples": e.get("fit", {}).get("correction_examples",
+                                                                       e.get("fit", {}).get("examples"))
+                           if k == "ekfac" else None, "file": e.get("file")}
+                       for k, e in m.get("full_space", {}).items()},
         "bytes": {"store": _size(paths.store), "precond": _size(paths.precond), "faiss": _size(paths.faiss)},
     }
 
@@ -110,6 +115,9 @@ def info(index_dir, as_json):
         shape = f"[{v['shape'][0]}x{v['shape'][1]}]"
         click.echo(f"  {n}  {v['module']} {v['in_out'][0]}->{v['in_out'][1]}  {shape}  {idx}")
     click.echo(f"methods    {', '.join(s['methods'])}")
+    for k, f in s["full_space"].items():  # (the exact re-rank's curvature: docs/query.md, "Two stages")
+        corr = f", its correction over {f['correction_examples']}" if k == "ekfac" else ""
+        click.echo(f"full space {k}: factors over {f['examples']} examples{corr} ({f['file']}; the exact re-rank's)")
     ix = s["index"]
     if s["transcode_unfinished"]:
         click.echo(f"indices    none: the build stopped during its transcode; finish it with "
