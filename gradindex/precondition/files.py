@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,13 +71,22 @@ class LayerFactors:
     examples: int
 
 
+@dataclass
+class SelfInfluenceBlocks:
+    """``[N, L]`` self-influence handed to :func:`write_precond` as blocks of rows (``blocks()`` yields
+    ``(first_row, [n, L])``), not as one array: a sampled build's N rows per method, one shard at a time."""
+
+    shape: tuple[int, int]
+    blocks: Callable[[], Iterator[tuple[int, np.ndarray]]]
+
+
 def write_precond(
     path: Path,
     method: str,
     manifest: dict,
     layer_names: list[str],
     factors: dict[str, LayerFactors] | None,
-    self_influence: np.ndarray | None,
+    self_influence: np.ndarray | SelfInfluenceBlocks | None,
     damping: float,
     fit: dict,
     keys: tuple[str, ...] = ("A", "S", "lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda"),
@@ -109,7 +119,14 @@ def write_precond(
                 grp.attrs["tokens"] = int(lf.tokens)
                 grp.attrs["examples"] = int(lf.examples)
                 grp.attrs["rows"], grp.attrs["cols"] = lf.Lambda.shape
-        if self_influence is not None:
+        if isinstance(self_influence, SelfInfluenceBlocks):  # written a block at a time: memory flat in N
+            layers_ds = f.create_dataset("self_influence_layers", self_influence.shape, np.float64)
+            total_ds = f.create_dataset("self_influence", self_influence.shape[:1], np.float64)
+            for s, block in self_influence.blocks():
+                block = np.asarray(block, dtype=np.float64)
+                layers_ds[s:s + len(block)] = block
+                total_ds[s:s + len(block)] = block.sum(axis=1)
+        elif self_influence is not None:
             f["self_influence_layers"] = np.asarray(self_influence, dtype=np.float64)
             f["self_influence"] = np.asarray(self_influence, dtype=np.float64).sum(axis=1)
     record(path.parent.parent, [tmp], [f"{PRECOND_DIR}/{path.name}"])

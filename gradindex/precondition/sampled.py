@@ -40,7 +40,13 @@ from gradindex.manifest import IndexMismatchError
 from gradindex.precondition.apply import absolute_damping, damped
 from gradindex.precondition.compact import eigen_basis, eigen_manifest
 from gradindex.precondition.factors import data_fingerprint, sample_rows
-from gradindex.precondition.files import LayerFactors, precond_path, read_factors, write_precond
+from gradindex.precondition.files import (
+    LayerFactors,
+    SelfInfluenceBlocks,
+    precond_path,
+    read_factors,
+    write_precond,
+)
 from gradindex.precondition.fit import FitConfig, StoreFit, register_fits, store_fit
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.spec import layout
@@ -196,14 +202,18 @@ class EigenCoder:
         """Write the K-FAC and EK-FAC fit files with every example's self-influence; register them."""
         f = self.fitted
         layers = list(layer_shapes(manifest))
-        si = np.zeros((2, self.examples, len(layers)))
-        for k, start in enumerate(range(0, self.examples, shard_size)):
+        starts = range(0, self.examples, shard_size)
+        for k in range(len(starts)):
             if not self._file(k).exists():
                 raise FileNotFoundError(f"{str(self._file(k))!r} (the self-influence of a coded shard) is missing; "
                                         "rebuild the index with --overwrite")
-            si[:, start:start + shard_size] = np.load(self._file(k))
+
+        def method(i: int) -> SelfInfluenceBlocks:  # (0: K-FAC's, 1: EK-FAC's; one shard's rows at a time)
+            return SelfInfluenceBlocks((self.examples, len(layers)),
+                                       lambda: ((s, np.load(self._file(k))[i]) for k, s in enumerate(starts)))
+
         fcfg = FitConfig(method="ekfac", damping=self.damping, seed=self.sample["seed"])
-        written = {"kfac": (f.kfac, si[0]), "ekfac": (f.ekfac, si[1])}
+        written = {"kfac": (f.kfac, method(0)), "ekfac": (f.ekfac, method(1))}
         for m, (fac, s) in written.items():
             write_precond(precond_path(self.out, m), m, manifest, layers, fac, s, self.damping, f.fit)
         register_fits(self.out, fcfg, manifest, True, StoreFit(written, f.fit, layers), f.seconds)
