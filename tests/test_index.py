@@ -268,3 +268,21 @@ def test_index_type_that_cannot_train_is_refused_before_capturing(gpt2_dir, text
     assert r.exit_code != 0 and r.exception is not None and isinstance(r.exception, SystemExit), r.output
     assert "IVF4096,Flat has 4096 lists, more than the 40 examples" in r.output  # the CLI's check, before loading
     assert "Traceback" not in r.output and not (out / "store").exists()
+
+
+def test_store_keeps_at_most_open_shards_files_open(indexed, monkeypatch):
+    """Each open HDF5 file holds ~0.8 MB of caches: a store keeps only the most recently used shards open
+    (least recently used closed first), and reads the same rows."""
+    import gradindex.store.shards as shards
+
+    with Store(indexed) as s:
+        want = s.read_rows(np.arange(40))
+    monkeypatch.setattr(shards, "OPEN_SHARDS", 2)
+    with Store(indexed) as s:
+        assert len(s.paths) == 3
+        for ids in (np.arange(40), np.array([39, 0, 17, 38, 1])):
+            got = s.read_rows(ids)
+            assert all(np.array_equal(got[n], want[n][ids]) for n in s.layers)
+            assert len(s._files) <= 2
+        blocks = {n: np.concatenate([b[n] for _, b in s.iter_blocks([n], block=7)]) for n in s.layers}
+        assert all(np.array_equal(blocks[n], want[n]) for n in s.layers) and len(s._files) <= 2

@@ -25,6 +25,7 @@ the partial file's metadata, that one shard, which is then recomputed).
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -52,6 +53,8 @@ from gradindex.spec.layout import shard_name
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
 STORE_DIR = layout.STORE_DIR
+OPEN_SHARDS = 16
+"""Shard files a :class:`Store` keeps open (least recently used closed first); reads go shard by shard."""
 SCALARS = {"loss": np.float32, "num_tokens": np.int32, "finite": np.bool_}
 
 
@@ -257,7 +260,7 @@ class Store:
                 raise self.damaged_error(p, e) from None
         self.n = int(sum(self.sizes))
         self._starts = np.cumsum([0] + self.sizes)
-        self._files: dict[int, h5py.File] = {}
+        self._files: OrderedDict[int, h5py.File] = OrderedDict()
         self._hashes: dict[int, np.ndarray | None] = {}
 
     def _check_sizes(self) -> None:
@@ -286,12 +289,19 @@ class Store:
         return self.n
 
     def _file(self, k: int) -> h5py.File:
-        if k not in self._files:
-            try:
-                self._files[k] = h5py.File(self.paths[k], "r")
-            except (OSError, RuntimeError) as e:
-                raise self.damaged_error(self.paths[k], e) from None
-        return self._files[k]
+        """Shard ``k`` open for reading; the :data:`OPEN_SHARDS` most recently used stay open (each open HDF5
+        file holds ~0.8 MB of caches: all 245 shards of 10^6 rows held 187 MB)."""
+        if k in self._files:
+            self._files.move_to_end(k)
+            return self._files[k]
+        try:
+            f = h5py.File(self.paths[k], "r")
+        except (OSError, RuntimeError) as e:
+            raise self.damaged_error(self.paths[k], e) from None
+        self._files[k] = f
+        while len(self._files) > OPEN_SHARDS:
+            self._files.popitem(last=False)[1].close()
+        return f
 
     def close(self) -> None:
         for f in self._files.values():
