@@ -202,7 +202,7 @@ def move_aside(index_dir: str | os.PathLike, names: Iterable[str]) -> list[Path]
 ROW_HASHES = ".rowhash.npy"
 """Sidecar of ``store/shard-NNNNN.h5``: ``store/shard-NNNNN.rowhash.npy``, uint64 ``[n, L]``, one hash per
 row and layer (``L``: the shard's layers in the file's order), written when the shard is committed and
-itself recorded in ``checksums.json``. Readers check every row they decode against it (:func:`check_rows`),
+itself recorded in ``checksums.json``. Readers check every row they decode against it (:func:`row_hashes`),
 so a flipped byte in a row's codes or scale is refused the moment a query reads that row, at the cost of
 one multiply-add per 8 bytes read; ``gradindex verify`` still hashes every byte of every file."""
 _MIX_SCALE, _MIX_ROW = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F
@@ -243,10 +243,3 @@ def row_hashes(codes: np.ndarray, scales: np.ndarray | None, rows: np.ndarray) -
             h += np.asarray(scales, "<f4").view("<u4").astype(np.uint64) * np.uint64(_MIX_SCALE)
         h += (np.asarray(rows, np.uint64) + np.uint64(1)) * np.uint64(_MIX_ROW)
     return h
-
-
-def check_rows(expected: np.ndarray, codes: np.ndarray, scales: np.ndarray | None, rows: np.ndarray) -> np.ndarray:
-    """Rows (of ``rows``) whose codes and scale no longer hash to ``expected`` ``[n]``."""
-    import numpy as np
-
-    return np.asarray(rows)[row_hashes(codes, scales, rows) != expected]

@@ -430,7 +430,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
 def correction_rows(rows: np.ndarray, cfg) -> np.ndarray:
     """The fit rows EK-FAC's correction pass takes: a seeded sample of ``cfg.correction_examples`` of ``rows``
     (``cfg.seed``), or all of them (0, or not fewer than ``rows``)."""
-    k = int(getattr(cfg, "correction_examples", 0) or 0)
+    k = cfg.correction_examples
     return rows[sample_rows(len(rows), k, cfg.seed)] if 0 < k < len(rows) else rows
 
 

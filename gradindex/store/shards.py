@@ -38,7 +38,6 @@ from gradindex.checksum import (
     Damage,
     DamagedIndexError,
     check_files,
-    check_rows,
     damage_error,
     read_checksums,
     record,
@@ -353,15 +352,11 @@ class Store:
     def verify_rows(self, k: int, name: str, sel, codes: np.ndarray, scales: np.ndarray | None) -> None:
         """Refuse rows ``sel`` (a slice or row numbers) of shard ``k`` whose codes or scale, as read, differ
         from the hashes recorded when the shard was written (:data:`gradindex.checksum.ROW_HASHES`)."""
-        hashes = self._row_hashes(k)
-        if hashes is None:
-            return
         rows = np.arange(sel.start or 0, sel.stop) if isinstance(sel, slice) else np.asarray(sel)
-        bad = check_rows(hashes[rows, self.layers.index(name)], codes, scales, rows)
-        if len(bad):
-            d = self.dir.parent
-            what = f"rows {bad[:5].tolist()} of layer {name!r} differ from the hashes recorded when they were written"
-            raise damage_error(d, [Damage(f"{STORE_DIR}/{self.paths[k].name}", what, _repair(d))])
+        bounds = [(k, 0, len(rows))]
+        expected = self.expected_hashes(bounds, rows)
+        if expected is not None:
+            self.verify_gathered(bounds, rows, name, codes, scales, expected)
 
     def expected_hashes(self, bounds: list[tuple[int, int, int]], local: np.ndarray
                         ) -> tuple[np.ndarray, np.ndarray] | None:
