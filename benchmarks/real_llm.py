@@ -1,0 +1,295 @@
+"""What each stage buys on a real pretrained LLM: SmolLM2-135M-Instruct LoRA-fine-tuned on a chat set.
+
+The subject is :mod:`benchmarks.smollm2` (the registry's GGUF, Q4_1-rounded weights de-quantized to
+float32; a chat set over Python's docstrings with planted facts and distractors; a PEFT LoRA fine-tune).
+Measured, each step cached in the work folder so a killed run resumes:
+
+* the default build of the fine-tune through the full (merged) model and through the adapter
+  (``--adapter``): wall time and peak RSS of the CLI;
+* scores ``[Q, N]`` of every query against every training conversation: the first stage (``ekfac``,
+  ``ekfac-selfnorm``), exhaustive full-space EK-FAC (the exact stage over all N) at several dampings,
+  BM25 and Rep-Sim;
+* the halves LDS: LoRA retrainings on random halves, two at a time (``--subsets``, ``--seeds``; the
+  second seed of the same subsets gives the noise ceiling), Spearman per query of a half's summed
+  scores against its retrained loss;
+* planted facts: the rank of the best-ranked source conversation of each paraphrased fact query.
+
+    python -m benchmarks.real_llm --n 160 --subsets 24 --seeds 2   # -> benchmarks/results/real-llm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import evaluate, noise_ceiling, spearman_rows
+from benchmarks.smollm2 import finetune, retrain
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "real-llm.json"
+DAMPINGS = (1e-3, 1e-2, 1e-1, 1.0)
+
+
+def _cli(args: list[str], log: Path) -> dict:
+    """Run ``gradindex ARGS`` under ``/usr/bin/time -v``: wall seconds and peak RSS."""
+    cmd = [sys.executable, "-m", "gradindex", *args]
+    timed = ["/usr/bin/time", "-v", *cmd] if Path("/usr/bin/time").exists() else cmd
+    t0 = time.perf_counter()
+    r = subprocess.run(timed, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    wall = time.perf_counter() - t0
+    log.write_text(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"gradindex {' '.join(args)} failed ({r.returncode}); see {log}")
+    rss = [ln for ln in r.stderr.splitlines() if "Maximum resident set size" in ln]
+    return {"wall_s": round(wall, 1), "peak_rss_gb": round(int(rss[0].split()[-1]) / 1e6, 2) if rss else None}
+
+
+def build_indices(ft: dict, work: Path) -> dict:
+    """The default build through the merged model and through the adapter (cached)."""
+    out = {}
+    for name, args in (("full", [ft["merged"], ft["data"]]),
+                       ("adapter", [ft["base"], ft["data"], "--adapter", ft["adapter"]])):
+        idx = work / f"idx-{name}"
+        stamp = work / f"build-{name}.json"
+        if not stamp.exists():
+            cost = _cli(["build", *args, "--out", str(idx), "--max-length", "192", "--quiet", "--overwrite"],
+                        work / f"build-{name}.log")
+            stamp.write_text(json.dumps(cost))
+        out[name] = {"dir": str(idx), **json.loads(stamp.read_text())}
+    return out
+
+
+def load_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+
+
+def first_stage(idx: str, queries: list[dict], methods=("ekfac", "ekfac-selfnorm")) -> dict[str, np.ndarray]:
+    from gradindex.query import QueryEngine
+
+    with QueryEngine(idx) as engine:
+        return {m: engine.scores(queries, method=m) for m in methods}
+
+
+def exhaustive_full(idx: str, ft: dict, queries: list[dict], work: Path, chunk: int = 6) -> dict[str, np.ndarray]:
+    """Exhaustive full-space EK-FAC ``[Q, N]`` at every damping of :data:`DAMPINGS`, plain and self-normalized.
+
+    One pass over the training set per chunk of queries: each example's per-token factors are rotated
+    into the eigenbasis once (``R = Q_Sᵀ G Q_A``) and dotted with every query's rotated gradient under
+    every damping's ``1/(Λ + δ)``, so the dampings cost one pass, not one each."""
+    from gradindex.data import load_records, tokenize_records
+    from gradindex.model import load_causal_lm, resolve_pad_id
+    from gradindex.precondition.fullspace import load_full_preconditioner
+    from gradindex.query.full import full_query_gradient
+
+    if not (Path(idx) / "ekfac-full.h5").exists():
+        _cli(["precondition", idx, "--method", "ekfac", "--space", "full"], work / "precondition-full.log")
+    pre = load_full_preconditioner(idx, "ekfac")
+    model, tok = load_causal_lm(ft["merged"])
+    pad = resolve_pad_id(model, tok)
+    train = tokenize_records(load_records(ft["data"]), tok, 192)
+    qs = tokenize_records(__import__("datasets").Dataset.from_list(queries), tok, 192)
+    layers = list(pre.layers)
+    eig = {n: pre._tensors(n, torch.device("cpu"), torch.float32) for n in layers}
+    w = {n: torch.stack([1.0 / (eig[n][2] + pre.delta(n, d)) for d in DAMPINGS]) for n in layers}  # [D, N_o, N_i]
+    Q, N, D = len(queries), len(train), len(DAMPINGS)
+    dots, sq = np.zeros((Q, N, D)), np.zeros((N, D))
+    for c0 in range(0, Q, chunk):
+        rq = {}
+        for j in range(c0, min(Q, c0 + chunk)):
+            G = full_query_gradient(model, layers, (qs.input_ids[j], qs.labels[j]), pad)
+            for n in layers:
+                Q_S, Q_A, _ = eig[n]
+                rq.setdefault(n, []).append(Q_S.T @ G[n] @ Q_A)
+        rq = {n: torch.stack(v) for n, v in rq.items()}  # [q, N_o, N_i]
+        _train_pass(model, layers, train, pad, eig, w, rq, dots[c0:c0 + chunk], sq if c0 == 0 else None)
+    out = {}
+    for i, d in enumerate(DAMPINGS):
+        s = dots[:, :, i]
+        out[f"full ekfac d={d:g}"] = s
+        out[f"full ekfac-selfnorm d={d:g}"] = s / np.sqrt(np.maximum(sq[:, i], 1e-300))[None]
+    return out
+
+
+def _train_pass(model, layers, train, pad, eig, w, rq, dots, sq, batch: int = 4) -> None:
+    from gradindex.capture.batch import batch_gradients
+    from gradindex.capture.tokens import TokenCapture
+
+    cur: dict[str, torch.Tensor] = {}
+
+    def visit(name, a, g):
+        Q_S, Q_A, _ = eig[name]
+        R = torch.bmm((g.float() @ Q_S).transpose(1, 2), a.float() @ Q_A)  # [B, N_o, N_i]
+        d = torch.einsum("qoi,doi,boi->qbd", rq[name], w[name], R)
+        cur["dot"] = cur["dot"] + d if "dot" in cur else d
+        if sq is not None:
+            s = torch.einsum("doi,boi->bd", w[name], R.square())
+            cur["sq"] = cur["sq"] + s if "sq" in cur else s
+
+    with TokenCapture(model, layers, visit) as cap:
+        for s in range(0, len(train), batch):
+            cur.clear()
+            batch_gradients(model, cap, list(train.input_ids[s:s + batch]), list(train.labels[s:s + batch]), pad)
+            e = s + cur["dot"].shape[1]
+            dots[:, s:e] = cur["dot"].double().numpy()
+            if sq is not None:
+                sq[s:e] = cur["sq"].double().numpy()
+
+
+def baselines(ft: dict, queries: list[dict]) -> dict[str, np.ndarray]:
+    import datasets
+
+    from benchmarks.baselines import bm25_scores, repsim_scores
+    from gradindex.data import load_records, tokenize_records
+    from gradindex.model import load_causal_lm
+
+    model, tok = load_causal_lm(ft["merged"])
+    train = tokenize_records(load_records(ft["data"]), tok, 192)
+    qs = tokenize_records(datasets.Dataset.from_list(queries), tok, 192)
+    t_ids, q_ids = [list(x) for x in train.input_ids], [list(x) for x in qs.input_ids]
+    with torch.no_grad():
+        return {"bm25": bm25_scores(t_ids, q_ids, [list(x) for x in qs.labels]),
+                "rep-sim": repsim_scores(model, t_ids, q_ids)}
+
+
+def halves(n: int, m: int, seed: int = 1234) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    masks = np.zeros((m, n), dtype=bool)
+    for i in range(m):
+        masks[i, rng.choice(n, n // 2, replace=False)] = True
+    return masks
+
+
+def retrainings(ft: dict, masks: np.ndarray, seeds: int, work: Path, workers: int = 2) -> np.ndarray:
+    """``[M, R, Q]`` query losses of LoRA retrainings on each subset and seed, two processes at a time."""
+    jobs = [(i, r) for r in range(seeds) for i in range(len(masks))]
+    ft_file = work / "finetune.json"
+    np.save(work / "masks.npy", masks)
+
+    def one(job):
+        i, r = job
+        out = work / "retrain" / f"s{i:03d}-r{r}.json"
+        if not out.exists():
+            subprocess.run([sys.executable, "-m", "benchmarks.real_llm", "--retrain-one", str(ft_file), str(i),
+                            str(r)], check=True, capture_output=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+        return np.array(json.loads(out.read_text())["losses"])
+
+    with ThreadPoolExecutor(workers) as ex:
+        flat = list(ex.map(one, jobs))
+    Q = len(flat[0])
+    return np.stack(flat).reshape(seeds, len(masks), Q).transpose(1, 0, 2)
+
+
+def fact_ranks(score: np.ndarray, facts: list[dict]) -> list[int]:
+    """Per fact query, the rank (1 = first) of its best-ranked source conversation."""
+    out = []
+    for j, f in enumerate(facts):
+        order = np.argsort(-score[j], kind="stable")
+        out.append(int(min(np.flatnonzero(np.isin(order, f["rows"]))) + 1))
+    return out
+
+
+def summarize(scores: dict[str, np.ndarray], ft: dict, masks: np.ndarray, losses: np.ndarray | None) -> dict:
+    F = ft["fact_queries"]
+    table = {}
+    for name, s in scores.items():
+        ranks = fact_ranks(s[:F], ft["facts"])
+        row = {"fact_recall@1": float(np.mean(np.array(ranks) == 1)), "fact_mrr": float(np.mean(1 / np.array(ranks))),
+               "fact_ranks": ranks}
+        if losses is not None:
+            ev = evaluate(s, masks, losses)
+            per_q = ev["per_query"]
+            row |= {"lds": float(per_q.mean()), "lds_facts": float(per_q[:F].mean()),
+                    "lds_docs": float(per_q[F:].mean()), "lds_per_seed": ev["per_seed"],
+                    "lds_per_query": [round(float(x), 4) for x in per_q]}
+        table[name] = row
+    ref = scores.get("full ekfac d=0.001")
+    if ref is not None:
+        for name, s in scores.items():
+            table[name]["spearman_vs_full_ekfac"] = float(spearman_rows(s, ref).mean())
+    return table
+
+
+def _work(n: int) -> tuple[dict, Path]:
+    ft = finetune(n)
+    work = Path(ft["data"]).parent
+    (work / "finetune.json").write_text(json.dumps(ft))
+    return ft, work
+
+
+def score_all(ft: dict, work: Path, full: bool) -> tuple[dict, dict]:
+    """Builds and every method's ``[Q, N]`` scores (cached in ``scores.npz``)."""
+    queries = load_jsonl(ft["queries"])
+    builds = build_indices(ft, work)
+    cached = work / "scores.npz"
+    scores = dict(np.load(cached)) if cached.exists() else {}
+    if not any(k.startswith("first stage") for k in scores):
+        for name, b in builds.items():
+            scores |= {f"first stage {m} ({name})": s for m, s in first_stage(b["dir"], queries).items()}
+        scores |= baselines(ft, queries)
+        np.savez(cached, **scores)
+    if full and not any(k.startswith("full ") for k in scores):
+        t0 = time.perf_counter()
+        scores |= exhaustive_full(builds["full"]["dir"], ft, queries, work)
+        (work / "exhaustive.json").write_text(json.dumps({"seconds": round(time.perf_counter() - t0, 1)}))
+        np.savez(cached, **scores)
+    if (work / "exhaustive.json").exists():
+        builds["exhaustive_full"] = json.loads((work / "exhaustive.json").read_text())
+    return builds, scores
+
+
+def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, seeds: int) -> dict:
+    masks = halves(ft["n"], subsets)
+    losses = retrainings(ft, masks, seeds, work)
+    result = {"model": "SmolLM2-135M-Instruct (registry GGUF, Q4_1-rounded weights de-quantized to float32)",
+              "finetune": {k: ft[k] for k in ("n", "seed", "recipe", "train_seconds", "learned", "fact_queries",
+                                               "doc_queries")},
+              "builds": builds, "subsets": subsets, "seeds": seeds,
+              "noise_ceiling": noise_ceiling(losses), "methods": summarize(scores, ft, masks, losses),
+              "machine": f"{os.cpu_count()} cores, CPU"}
+    RESULTS.write_text(json.dumps(result, indent=1))
+    for name, row in result["methods"].items():
+        print(f"{name:34s} LDS {row['lds']:.3f} (facts {row['lds_facts']:.3f}, docs {row['lds_docs']:.3f})  "
+              f"facts@1 {row['fact_recall@1']:.2f}  MRR {row['fact_mrr']:.2f}")
+    print("noise ceiling", result["noise_ceiling"])
+    return result
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("step", choices=["retrain", "score", "report", "all"], nargs="?", default="all",
+                   help="retrain: the LoRA retrainings only; score: builds and scores; report: both, then the JSON")
+    p.add_argument("--n", type=int, default=160)
+    p.add_argument("--subsets", type=int, default=24)
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2, help="retrainings at once")
+    p.add_argument("--skip-full", action="store_true", help="no exhaustive full-space EK-FAC")
+    p.add_argument("--retrain-one", nargs=3, metavar=("FT", "SUBSET", "SEED"), help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.retrain_one:
+        ft_file, i, r = a.retrain_one
+        ft = json.loads(Path(ft_file).read_text())
+        work = Path(ft_file).parent
+        torch.set_num_threads(1)
+        retrain(ft, np.load(work / "masks.npy")[int(i)], 1000 + int(r), work / "retrain" / f"s{int(i):03d}-r{r}.json")
+        return
+    ft, work = _work(a.n)
+    if a.step == "retrain":
+        retrainings(ft, halves(a.n, a.subsets), a.seeds, work, a.workers)
+        return
+    builds, scores = score_all(ft, work, not a.skip_full)
+    if a.step in ("report", "all"):
+        report(ft, work, builds, scores, a.subsets, a.seeds)
+
+
+if __name__ == "__main__":
+    main()
