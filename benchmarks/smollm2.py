@@ -227,8 +227,8 @@ def write_jsonl(records: list[dict], path: Path) -> Path:
 class Recipe:
     rank: int = 8
     alpha: int = 16
-    lr: float = 1e-3
-    epochs: int = 2
+    lr: float = 2e-3
+    epochs: int = 3
     batch_size: int = 8
     max_length: int = 192
     targets: tuple[str, ...] = LORA_TARGETS
