@@ -1,7 +1,9 @@
 """The GPU check behind ``benchmarks/gpu_check.sh`` (run that; ``--dry-run`` runs this on the CPU, tiny).
 
-On a Qwen2.5-0.5B-shaped model built from a config (Qwen2Config: hidden 896, intermediate 4864, 24
-layers, 14/2 heads, vocab 4096; random weights), on CUDA:
+On two shapes built from configs (random weights), on CUDA: Qwen2.5-0.5B (Qwen2Config: hidden 896,
+intermediate 4864, 24 layers, 14/2 heads, vocab 4096) and SmolLM2-135M (LlamaConfig: hidden 576,
+intermediate 1536, 30 layers, 9/3 heads, its vocabulary of 49,152, tied embeddings; the registry's
+real weights, 98 MB, cannot travel to the device, whose copy of the tree is limited to 64 MiB):
 
 1. rows: per-example projected gradients (``--projection 32``, no preconditioner, float32 rows) of
    the first examples built on CUDA in float32 and in bfloat16 against the same rows built on the CPU
@@ -28,23 +30,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-FULL = dict(hidden=896, intermediate=4864, layers=24, heads=14, kv=2, vocab=4096, examples=64, length=256,
-            check=4, queries=8, batch=8)
-DRY = dict(hidden=32, intermediate=64, layers=2, heads=4, kv=2, vocab=256, examples=10, length=24,
+FULL = dict(arch="qwen2", hidden=896, intermediate=4864, layers=24, heads=14, kv=2, vocab=4096, examples=64,
+            length=256, check=4, queries=8, batch=8)
+SMOLLM2 = dict(FULL, arch="llama", hidden=576, intermediate=1536, layers=30, heads=9, kv=3, vocab=49152)
+DRY = dict(arch="qwen2", hidden=32, intermediate=64, layers=2, heads=4, kv=2, vocab=256, examples=10, length=24,
            check=2, queries=2, batch=4)
+DRY_LLAMA = dict(DRY, arch="llama", heads=2, kv=1)
 
 
 def make_model(s: dict, where: Path) -> Path:
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from fixtures.tiny import train_tokenizer
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
-                      max_position_embeddings=max(512, s["length"]), tie_word_embeddings=True)
-    model = Qwen2ForCausalLM(cfg)
+    config, cls = (Qwen2Config, Qwen2ForCausalLM) if s["arch"] == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+    cfg = config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+                 num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
+                 max_position_embeddings=max(512, s["length"]), tie_word_embeddings=True)
+    model = cls(cfg)
     tok: PreTrainedTokenizerFast = train_tokenizer(["a b c d e f g"], vocab_size=64)  # ids come pre-tokenized
     model.save_pretrained(where)
     tok.save_pretrained(where)
@@ -156,6 +161,24 @@ def throughput(model_dir: Path, s: dict, device: str, seqs) -> dict:
     return out
 
 
+def run_shape(s: dict, device: str) -> dict:
+    """Rows against the CPU, the default builds and capture throughput of one model shape."""
+    res = {}
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(d)
+        model_dir = make_model(s, work / "model")
+        seqs = write_data(s, work / "data.jsonl")
+        for step, fn in (("rows", lambda: rows_check(model_dir, work / "data.jsonl", s, work, device)),
+                         ("default_build", lambda: default_builds(model_dir, work / "data.jsonl", s, work, device,
+                                                                  seqs)),
+                         ("throughput", lambda: throughput(model_dir, s, device, seqs))):
+            t0 = time.perf_counter()
+            res[step] = fn()
+            print(f"gpu_check: {s['arch']} {step} ({time.perf_counter() - t0:.1f} s): {json.dumps(res[step])}",
+                  flush=True)
+    return res
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="GPU check (benchmarks/gpu_check.sh)")
     p.add_argument("--dry-run", action="store_true", help="A tiny config on the CPU: checks the script runs.")
@@ -169,17 +192,9 @@ def main(argv=None) -> None:
 
     res = {"dry_run": args.dry_run, "shape": s, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "torch": torch.__version__, "faiss_gpus": faiss.get_num_gpus() if hasattr(faiss, "get_num_gpus") else 0}
-    with tempfile.TemporaryDirectory() as d:
-        work = Path(d)
-        model_dir = make_model(s, work / "model")
-        seqs = write_data(s, work / "data.jsonl")
-        for step, fn in (("rows", lambda: rows_check(model_dir, work / "data.jsonl", s, work, device)),
-                         ("default_build", lambda: default_builds(model_dir, work / "data.jsonl", s, work, device,
-                                                                  seqs)),
-                         ("throughput", lambda: throughput(model_dir, s, device, seqs))):
-            t0 = time.perf_counter()
-            res[step] = fn()
-            print(f"gpu_check: {step} ({time.perf_counter() - t0:.1f} s): {json.dumps(res[step])}", flush=True)
+    res |= run_shape(s, device)
+    res["smollm2_shape"] = {"shape": DRY_LLAMA if args.dry_run else SMOLLM2} | run_shape(
+        DRY_LLAMA if args.dry_run else SMOLLM2, device)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     print(f"gpu_check: wrote {args.out}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check (at most ~8 min on one H200; no test needs a GPU): CUDA capture and the default build of a
-# Qwen2.5-0.5B-shaped model in float32 and bfloat16 against CPU rows, FAISS GPU search latency, capture
+# GPU check (at most ~8 min on one H100/H200; no test needs a GPU): CUDA capture and the default build of
+# SmolLM2-135M- and Qwen2.5-0.5B-shaped models in float32 and bfloat16 against CPU rows, FAISS GPU search latency, capture
 # throughput and peak memory against a bare forward+backward. Writes benchmarks/results/gpu.json.
 #
 #   bash benchmarks/gpu_check.sh              # on a machine with a CUDA GPU (scripts/setup.sh installs faiss-gpu)

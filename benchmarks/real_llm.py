@@ -9,12 +9,13 @@ Measured, each step cached in the work folder so a killed run resumes:
 * scores ``[Q, N]`` of every query against every training conversation: the first stage (``ekfac``,
   ``ekfac-selfnorm``), exhaustive full-space EK-FAC (the exact stage over all N) at several dampings,
   BM25 and Rep-Sim;
-* the halves LDS: LoRA retrainings on random halves, two at a time (``--subsets``, ``--seeds``; the
-  second seed of the same subsets gives the noise ceiling), Spearman per query of a half's summed
+* the halves LDS: LoRA retrainings on random halves, two at a time (``--subsets``; a second seed of
+  the first ``--noise-subsets`` gives the noise ceiling), Spearman per query of a half's summed
   scores against its retrained loss;
 * planted facts: the rank of the best-ranked source conversation of each paraphrased fact query.
 
-    python -m benchmarks.real_llm --n 160 --subsets 24 --seeds 2   # -> benchmarks/results/real-llm.json
+    python -m benchmarks.real_llm retrain --n 160 --subsets 24 --noise-subsets 8   # the retrainings, 2 at a time
+    python -m benchmarks.real_llm report --n 160 --subsets 24 --noise-subsets 8    # -> benchmarks/results/real-llm.json
 """
 
 from __future__ import annotations
@@ -168,9 +169,10 @@ def halves(n: int, m: int, seed: int = 1234) -> np.ndarray:
     return masks
 
 
-def retrainings(ft: dict, masks: np.ndarray, seeds: int, work: Path, workers: int = 2) -> np.ndarray:
-    """``[M, R, Q]`` query losses of LoRA retrainings on each subset and seed, two processes at a time."""
-    jobs = [(i, r) for r in range(seeds) for i in range(len(masks))]
+def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    """``([M, 1, Q], [K, 2, Q])``: query losses of a LoRA retraining on each subset (seed 0), and of the
+    first ``noise`` subsets under two seeds (the noise ceiling), ``workers`` processes at a time."""
+    jobs = [(i, 0) for i in range(len(masks))] + [(i, 1) for i in range(noise)]
     ft_file = work / "finetune.json"
     np.save(work / "masks.npy", masks)
 
@@ -185,8 +187,9 @@ def retrainings(ft: dict, masks: np.ndarray, seeds: int, work: Path, workers: in
 
     with ThreadPoolExecutor(workers) as ex:
         flat = list(ex.map(one, jobs))
-    Q = len(flat[0])
-    return np.stack(flat).reshape(seeds, len(masks), Q).transpose(1, 0, 2)
+    first = np.stack(flat[:len(masks)])[:, None]
+    second = np.stack(flat[len(masks):]) if noise else np.zeros((0,) + first.shape[2:])
+    return first, np.stack([first[:noise, 0], second], axis=1)
 
 
 def fact_ranks(score: np.ndarray, facts: list[dict]) -> list[int]:
@@ -247,14 +250,14 @@ def score_all(ft: dict, work: Path, full: bool) -> tuple[dict, dict]:
     return builds, scores
 
 
-def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, seeds: int) -> dict:
+def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise: int) -> dict:
     masks = halves(ft["n"], subsets)
-    losses = retrainings(ft, masks, seeds, work)
+    losses, pairs = retrainings(ft, masks, noise, work)
     result = {"model": "SmolLM2-135M-Instruct (registry GGUF, Q4_1-rounded weights de-quantized to float32)",
               "finetune": {k: ft[k] for k in ("n", "seed", "recipe", "train_seconds", "learned", "fact_queries",
                                                "doc_queries")},
-              "builds": builds, "subsets": subsets, "seeds": seeds,
-              "noise_ceiling": noise_ceiling(losses), "methods": summarize(scores, ft, masks, losses),
+              "builds": builds, "subsets": subsets, "noise_subsets": noise,
+              "noise_ceiling": noise_ceiling(pairs) if noise else None, "methods": summarize(scores, ft, masks, losses),
               "machine": f"{os.cpu_count()} cores, CPU"}
     RESULTS.write_text(json.dumps(result, indent=1))
     for name, row in result["methods"].items():
@@ -270,7 +273,7 @@ def main(argv=None) -> None:
                    help="retrain: the LoRA retrainings only; score: builds and scores; report: both, then the JSON")
     p.add_argument("--n", type=int, default=160)
     p.add_argument("--subsets", type=int, default=24)
-    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--noise-subsets", type=int, default=8, help="subsets retrained with a second seed")
     p.add_argument("--workers", type=int, default=2, help="retrainings at once")
     p.add_argument("--skip-full", action="store_true", help="no exhaustive full-space EK-FAC")
     p.add_argument("--retrain-one", nargs=3, metavar=("FT", "SUBSET", "SEED"), help=argparse.SUPPRESS)
@@ -284,11 +287,11 @@ def main(argv=None) -> None:
         return
     ft, work = _work(a.n)
     if a.step == "retrain":
-        retrainings(ft, halves(a.n, a.subsets), a.seeds, work, a.workers)
+        retrainings(ft, halves(a.n, a.subsets), a.noise_subsets, work, a.workers)
         return
     builds, scores = score_all(ft, work, not a.skip_full)
     if a.step in ("report", "all"):
-        report(ft, work, builds, scores, a.subsets, a.seeds)
+        report(ft, work, builds, scores, a.subsets, a.noise_subsets)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path):
     for dtype in ("float32", "bfloat16"):
         assert res["default_build"][dtype]["examples_per_second"] > 0
         assert res["throughput"][dtype]["capture_tokens_per_second"] > 0
+        assert res["smollm2_shape"]["default_build"][dtype]["examples_per_second"] > 0  # the Llama shape too
     import shutil
 
     if shutil.which("nvidia-smi") is None:  # without a GPU the real run refuses at once, naming --dry-run
