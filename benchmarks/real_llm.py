@@ -172,23 +172,31 @@ def halves(n: int, m: int, seed: int = 1234) -> np.ndarray:
 def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """``([M, 1, Q], [K, 2, Q])``: query losses of a LoRA retraining on each subset (seed 0), and of the
     first ``noise`` subsets under two seeds (the noise ceiling), ``workers`` processes at a time."""
-    jobs = [(i, 0) for i in range(len(masks))] + [(i, 1) for i in range(noise)]
+    jobs = [(i, 0) for i in range(noise)] + [(i, 1) for i in range(noise)] + [(i, 0) for i in range(noise, len(masks))]
     ft_file = work / "finetune.json"
     np.save(work / "masks.npy", masks)
 
     def one(job):
         i, r = job
         out = work / "retrain" / f"s{i:03d}-r{r}.json"
+        lock = out.with_suffix(".pid")
+        while not out.exists() and lock.exists() and Path(f"/proc/{lock.read_text().strip()}").exists():
+            time.sleep(10)  # another runner is training it
         if not out.exists():
-            subprocess.run([sys.executable, "-m", "benchmarks.real_llm", "--retrain-one", str(ft_file), str(i),
-                            str(r)], check=True, capture_output=True,
-                           env={**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+            out.parent.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.real_llm", "--retrain-one", str(ft_file),
+                                     str(i), str(r)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})
+            lock.write_text(str(proc.pid))
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(f"retraining {i} seed {r} failed: {err.decode()[-2000:]}")
         return np.array(json.loads(out.read_text())["losses"])
 
     with ThreadPoolExecutor(workers) as ex:
-        flat = list(ex.map(one, jobs))
-    first = np.stack(flat[:len(masks)])[:, None]
-    second = np.stack(flat[len(masks):]) if noise else np.zeros((0,) + first.shape[2:])
+        ordered = dict(zip(jobs, ex.map(one, jobs), strict=True))
+    first = np.stack([ordered[(i, 0)] for i in range(len(masks))])[:, None]
+    second = np.stack([ordered[(i, 1)] for i in range(noise)]) if noise else np.zeros((0,) + first.shape[2:])
     return first, np.stack([first[:noise, 0], second], axis=1)
 
 
