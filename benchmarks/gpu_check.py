@@ -45,12 +45,12 @@ def make_model(s: dict, where: Path) -> Path:
     from fixtures.tiny import train_tokenizer
 
     torch.manual_seed(0)
+    tok: PreTrainedTokenizerFast = train_tokenizer(["a b c d e f g"], vocab_size=64)  # ids come pre-tokenized
     config, cls = (Qwen2Config, Qwen2ForCausalLM) if s["arch"] == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-    cfg = config(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+    cfg = config(vocab_size=max(s["vocab"], len(tok)), hidden_size=s["hidden"], intermediate_size=s["intermediate"],
                  num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv"],
                  max_position_embeddings=max(512, s["length"]), tie_word_embeddings=True)
     model = cls(cfg)
-    tok: PreTrainedTokenizerFast = train_tokenizer(["a b c d e f g"], vocab_size=64)  # ids come pre-tokenized
     model.save_pretrained(where)
     tok.save_pretrained(where)
     return where

@@ -230,6 +230,63 @@ def summarize(scores: dict[str, np.ndarray], ft: dict, masks: np.ndarray, losses
     return table
 
 
+def _peak_disk(path: Path, stop, out: list) -> None:
+    """Poll ``du`` of ``path`` every 2 s until ``stop`` is set; the largest size seen goes to ``out``."""
+    while not stop.wait(2.0):
+        r = subprocess.run(["du", "-sb", str(path)], capture_output=True, text=True)
+        if r.returncode == 0 and r.stdout:
+            out.append(int(r.stdout.split()[0]))
+
+
+def cost(ft: dict, work: Path, queries: int = 10, threads: int = 2) -> dict:
+    """The default build of the fine-tune through the full model, against what ``gradindex plan`` said
+    before it (wall, peak RSS, peak and final disk), then the default query: p50/p95 over ``queries``
+    one-query calls of one engine after a warm-up, on ``threads`` threads, and its peak RSS."""
+    import threading
+
+    idx = work / "idx-default"
+    args = [ft["merged"], ft["data"], "--max-length", "192"]
+    r = subprocess.run([sys.executable, "-m", "gradindex", "plan", *args, "--json", "--out", str(idx)],
+                       capture_output=True, text=True, check=True)
+    plan = json.loads(r.stdout.strip().splitlines()[-1])
+    stop, seen = threading.Event(), []
+    poll = threading.Thread(target=_peak_disk, args=(idx, stop, seen))
+    poll.start()
+    try:
+        built = _cli(["build", *args, "--out", str(idx), "--quiet", "--overwrite"], work / "build-default.log")
+    finally:
+        stop.set()
+        poll.join()
+    final = int(subprocess.run(["du", "-sb", str(idx)], capture_output=True, text=True).stdout.split()[0])
+    q = subprocess.run([sys.executable, "-m", "benchmarks.real_llm", "--latency", str(idx), ft["queries"],
+                        str(queries)], capture_output=True, text=True, check=True,
+                       env={**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"})
+    return {"plan": {"ram_gb": round(plan["ram_bytes"] / 1e9, 2), "seconds": plan["seconds"],
+                     "peak_disk_mb": round(plan["bytes"]["peak"] / 1e6, 1),
+                     "final_disk_mb": round(plan["bytes"]["final"] / 1e6, 1)},
+            "build": {**built, "peak_disk_mb": round(max(seen, default=final) / 1e6, 1),
+                      "final_disk_mb": round(final / 1e6, 1)},
+            "query": {**json.loads(q.stdout.strip().splitlines()[-1]), "threads": threads, "queries": queries}}
+
+
+def latency(idx: str, queries_file: str, n: int) -> dict:
+    """p50/p95 of ``n`` one-query calls of one engine after a warm-up query, and the process's peak RSS."""
+    import resource
+
+    from gradindex.query import QueryEngine
+
+    qs = load_jsonl(queries_file)
+    lat = []
+    with QueryEngine(idx) as engine:
+        engine.query(qs[0], k=10)
+        for q in (qs * 3)[1:n + 1]:
+            t = time.perf_counter()
+            r = engine.query(q, k=10)
+            lat.append(time.perf_counter() - t)
+    return {"p50_s": round(float(np.median(lat)), 3), "p95_s": round(float(np.percentile(lat, 95)), 3),
+            "stage": r.stage, "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+
+
 def _work(n: int) -> tuple[dict, Path]:
     ft = finetune(n)
     work = Path(ft["data"]).parent
@@ -258,6 +315,17 @@ def score_all(ft: dict, work: Path, full: bool) -> tuple[dict, dict]:
     return builds, scores
 
 
+def markdown(result: dict) -> str:
+    """The methods table of a result, as docs/real-llm.md shows it."""
+    rows = ["| method | halves LDS (all) | facts | held-out docs | fact source @1 | fact MRR | Spearman vs full |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in result["methods"].items():
+        sp = r.get("spearman_vs_full_ekfac")
+        rows.append(f"| {name} | {r['lds']:.3f} | {r['lds_facts']:.3f} | {r['lds_docs']:.3f} | "
+                    f"{r['fact_recall@1']:.2f} | {r['fact_mrr']:.2f} | {'' if sp is None else f'{sp:.2f}'} |")
+    return "\n".join(rows)
+
+
 def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise: int) -> dict:
     masks = halves(ft["n"], subsets)
     losses, pairs = retrainings(ft, masks, noise, work)
@@ -265,27 +333,32 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
               "finetune": {k: ft[k] for k in ("n", "seed", "recipe", "train_seconds", "learned", "fact_queries",
                                                "doc_queries")},
               "builds": builds, "subsets": subsets, "noise_subsets": noise,
+              "cost": json.loads((work / "cost.json").read_text()) if (work / "cost.json").exists() else None,
               "noise_ceiling": noise_ceiling(pairs) if noise else None, "methods": summarize(scores, ft, masks, losses),
               "machine": f"{os.cpu_count()} cores, CPU"}
     RESULTS.write_text(json.dumps(result, indent=1))
-    for name, row in result["methods"].items():
-        print(f"{name:34s} LDS {row['lds']:.3f} (facts {row['lds_facts']:.3f}, docs {row['lds_docs']:.3f})  "
-              f"facts@1 {row['fact_recall@1']:.2f}  MRR {row['fact_mrr']:.2f}")
+    print(markdown(result))
     print("noise ceiling", result["noise_ceiling"])
     return result
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("step", choices=["retrain", "score", "report", "all"], nargs="?", default="all",
-                   help="retrain: the LoRA retrainings only; score: builds and scores; report: both, then the JSON")
+    p.add_argument("step", choices=["retrain", "score", "cost", "report", "all"], nargs="?", default="all",
+                   help="retrain: the LoRA retrainings only; score: builds and scores; cost: the default build "
+                        "against its plan and the default query's latency; report: the JSON")
     p.add_argument("--n", type=int, default=160)
     p.add_argument("--subsets", type=int, default=24)
     p.add_argument("--noise-subsets", type=int, default=8, help="subsets retrained with a second seed")
     p.add_argument("--workers", type=int, default=2, help="retrainings at once")
     p.add_argument("--skip-full", action="store_true", help="no exhaustive full-space EK-FAC")
     p.add_argument("--retrain-one", nargs=3, metavar=("FT", "SUBSET", "SEED"), help=argparse.SUPPRESS)
+    p.add_argument("--latency", nargs=3, metavar=("IDX", "QUERIES", "N"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.latency:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+        print(json.dumps(latency(a.latency[0], a.latency[1], int(a.latency[2]))))
+        return
     if a.retrain_one:
         ft_file, i, r = a.retrain_one
         ft = json.loads(Path(ft_file).read_text())
@@ -296,6 +369,10 @@ def main(argv=None) -> None:
     ft, work = _work(a.n)
     if a.step == "retrain":
         retrainings(ft, halves(a.n, a.subsets), a.noise_subsets, work, a.workers)
+        return
+    if a.step == "cost":
+        (work / "cost.json").write_text(json.dumps(cost(ft, work), indent=1))
+        print((work / "cost.json").read_text())
         return
     builds, scores = score_all(ft, work, not a.skip_full)
     if a.step in ("report", "all"):

@@ -600,7 +600,7 @@ def run_shape(shape: Shape, work: Path, log=print, eigen: bool = True, schemes: 
         eigen_scores = library_rows_scores(model, setup, eig_idx, queries, ecfg)
         log(f"  eigen build {res['eigen_build_seconds']} s: {row_bytes(eig_man)} B", flush=True)
     t0 = time.perf_counter()
-    if "ekfac" in man.get("full_space", {}):  # the default build fits it where it projects (its re-rank's)
+    if "ekfac" in man.get("full_space", {}):  # (a --rerank-fit build fits it; the default build no longer does)
         res["full_fit_seconds"] = round(man["full_space"]["ekfac"]["seconds"], 1)
         res["full_fit_in_build"] = True
     else:

@@ -58,7 +58,7 @@ PROTOCOL = ("every model retrained from the full model's initialization with its
             "and batch order over the kept examples (the full set's shuffled order, left-out rows skipped), on random "
             "halves; LDS per held-out query: Spearman over subsets between the summed scores of the kept examples and "
             "minus the retrained query loss; mean over queries, se = standard error over queries")
-TWO_STAGE = ("the default query (rerank_full auto: the first stage's top C = 100 re-ranked by the engine's exact "
+TWO_STAGE = ("the two-stage query (rerank_full=100: the first stage's top C = 100 re-ranked by the engine's exact "
              "full-space EK-FAC scores) gives those C candidates their exact scores; the other N - C examples keep "
              "their first-stage score times one per-query factor, the least-squares fit of the exact scores on the "
              "first-stage scores over the C candidates. 'head only': the other N - C scored 0. "
@@ -151,20 +151,21 @@ def graddot_scores(model, layers: list[str], queries: Tokenized, train: Tokenize
 
 
 def engine_two_stage(model, tok, idx: Path, queries: Tokenized, first: np.ndarray, log=print) -> dict:
-    """The default query (``rerank_full=None``) through :class:`QueryEngine`, ``k = C`` so that every
+    """The two-stage query (``rerank_full=EXACT_STAGE_C``) through :class:`QueryEngine`, ``k = C`` so that every
     re-ranked candidate's exact score comes back: ``{"C", "ids" [Q, C], "exact" [Q, C], "seconds" [Q]}``;
     also checks that the candidates are the first stage's top C."""
     from gradindex.index import IndexConfig, build_indices
     from gradindex.query import QueryEngine
+    from gradindex.query.full import EXACT_STAGE_C
 
     build_indices(idx, IndexConfig(), progress=False)
     ids, exact, secs = [], [], []
     with QueryEngine(idx, model=model, tokenizer=tok) as e:
-        C = e.rerank_plan("ekfac", None)[0]
+        C = EXACT_STAGE_C
         for j in range(len(queries)):
             rec = {"input_ids": queries.input_ids[j], "labels": queries.labels[j]}
             t0 = time.perf_counter()
-            r = e.query(rec, k=C, method="ekfac", damping=W.DAMPING, texts=False)
+            r = e.query(rec, k=C, method="ekfac", damping=W.DAMPING, texts=False, rerank_full=C)
             secs.append(time.perf_counter() - t0)
             ids.append([h.id for h in r.hits])
             exact.append([h.full_score for h in r.hits])
@@ -245,7 +246,7 @@ def scores_all(work: Path, log=print) -> tuple[dict, dict, dict]:
         z = dict(np.load(cache))
         eng = {k[7:]: z.pop(k) for k in list(z) if k.startswith("engine_")}
         return z, eng, json.loads(info_path.read_text())
-    bcfg = W.default_config(8)
+    bcfg = replace(W.default_config(8), rerank_fit=True)  # (the exact stage's full-space fit, in the build)
     build_s, man = W.timed_build(model, tok, train, idx, bcfg, data_id)
     layers = list(man["build"]["layers"])
     info = {"default_build_seconds": build_s, "bytes_per_example": W.row_bytes(man),

@@ -45,6 +45,60 @@ def adapter_base(path: str | os.PathLike) -> str:
     return str(base)
 
 
+def check_adapter_base(adapter_dir: str | os.PathLike, base: str | os.PathLike) -> None:
+    """Refuse ``base`` for an adapter whose config names another local model (``base_model_name_or_path``).
+
+    An adapter of the right shapes loads onto any base of the same architecture, and its gradients would
+    be those of a model it was never trained with. Where the named base is a folder or file on this machine
+    and not ``base`` itself, the two are compared: another config, or weight files of the same names and
+    sizes with other contents (:func:`gradindex.checksum.sample_digest`), is refused. A base named by a hub
+    id, or not on this machine, or saved in another file layout, cannot be compared (PEFT still refuses
+    shapes that do not fit).
+    """
+    try:
+        named = Path(adapter_base(adapter_dir))
+    except ValueError:
+        return  # no base named: nothing to compare (a malformed config is reported where it is loaded)
+    given = Path(base)
+    if not named.exists() or not given.exists() or named.resolve() == given.resolve():
+        return
+    why = _differs(named, given)
+    if why:
+        raise ValueError(
+            f"the adapter in {str(adapter_dir)!r} does not fit this base model: it was trained on the model in "
+            f"{str(named)!r} (base_model_name_or_path in its {ADAPTER_CONFIG}), and {str(given)!r} is another "
+            f"model ({why}), so its gradients would be those of a model the adapter was never trained with; pass "
+            f"the base model it was trained from ({str(named)!r}), or the adapter trained on this one")
+
+
+_CONFIG_NOISE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures")
+
+
+def _differs(a: Path, b: Path) -> str:
+    """How the models in ``a`` and ``b`` (folders, or files) differ; '' when they look the same or cannot
+    be compared."""
+    from gradindex.checksum import sample_digest
+
+    if a.is_file() and b.is_file():
+        return "" if sample_digest(a) == sample_digest(b) else "its weights file differs"
+    if not (a.is_dir() and b.is_dir()):
+        return ""
+    try:
+        ca, cb = ({k: v for k, v in json.loads((p / "config.json").read_text()).items() if k not in _CONFIG_NOISE}
+                  for p in (a, b))
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if ca != cb:
+        keys = sorted(k for k in set(ca) | set(cb) if ca.get(k) != cb.get(k))
+        return f"its config.json differs in {', '.join(keys[:4])}{', ...' if len(keys) > 4 else ''}"
+    files = [sorted((f.name, f.stat().st_size) for f in p.iterdir() if f.suffix in (".safetensors", ".bin"))
+             for p in (a, b)]
+    if not files[0] or files[0] != files[1]:
+        return ""  # another file layout (sharding, format): not comparable file by file
+    changed = [n for n, _ in files[0] if sample_digest(a / n) != sample_digest(b / n)]
+    return f"its weights differ ({', '.join(changed[:2])})" if changed else ""
+
+
 def unwrap_peft(model: nn.Module) -> nn.Module:
     """The model inside a ``PeftModel`` (LoRA layers injected in place), or ``model`` itself."""
     if any(c.__name__ == "PeftModel" for c in type(model).__mro__):

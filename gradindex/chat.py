@@ -25,9 +25,11 @@ IGNORE = -100
 MESSAGES = "messages"
 ROLES = ("system", "user", "assistant", "tool")
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
-NO_TEMPLATE = ("the tokenizer has no chat template, so 'messages' records cannot be tokenized; pass one with "
-               "--chat-template FILE (a Jinja chat template, e.g. the training model's tokenizer_config.json "
-               "'chat_template'), or set tokenizer.chat_template")
+NO_TEMPLATE = ("the tokenizer has no chat template, so 'messages' records cannot be tokenized; a build takes one "
+               "with --chat-template FILE (a Jinja chat template, e.g. the training model's tokenizer_config.json "
+               "'chat_template') and keeps it for the index's queries; a query on an index built without one takes "
+               "the model's own (give the model folder a chat_template.jinja or tokenizer_config.json "
+               "'chat_template'), or ask it as --prompt/--completion instead; in Python, set tokenizer.chat_template")
 
 
 def set_chat_template(tokenizer, template: str | os.PathLike | None) -> None:
@@ -69,6 +71,9 @@ def check_messages(messages, row: int) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ValueError(f"row {row}: turn {j} of 'messages' is not a {{\"role\": ..., \"content\": ...}} "
                              "object with a string role (fix or drop that row)")
+        if m.get("content") is None and not m.get("tool_calls"):
+            raise ValueError(f"row {row}: turn {j} ({m['role']}) of 'messages' has no 'content'; every turn needs its "
+                             "text as a string 'content' (\"\" for an empty one) (fix or drop that row)")
         if m.get("content") is not None and not isinstance(m["content"], str):
             raise ValueError(f"row {row}: turn {j} ({m['role']}) has a {type(m['content']).__name__} content, "
                              "not a string (fix or drop that row)")

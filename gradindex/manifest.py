@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from gradindex.errors import IndexMismatchError  # noqa: F401  (re-exported)
 from gradindex.methods import LEGACY_DAMPING
 from gradindex.spec.build import default
 from gradindex.spec.layout import MANIFEST
@@ -30,6 +31,7 @@ IDENTITY_KEYS = {
     "dtype": "model dtype",
     "adapter_fingerprint": "adapter (--adapter)",
     "model_fingerprint": "model",
+    "tokenizer": "tokenizer",
     "storage": "storage",
     "max_length": "max length",
     "data_fingerprint": "data set",
@@ -42,10 +44,6 @@ IDENTITY_KEYS = {
     "optimizer": "optimizer preconditioning (--optimizer-state)",
     "transcode": "row transcode (--transcode, with its --storage and --damping)",
 }
-
-
-class IndexMismatchError(ValueError):
-    """An index directory was built with something other than what is being used now."""
 
 
 def manifest_path(index_dir: str | os.PathLike) -> Path:
@@ -192,7 +190,11 @@ def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDE
     for key, words in keys.items():
         if key == "model_fingerprint" and (dtype_differs or adapter_differs):
             continue
-        if key in stored and key in given and stored[key] != given[key]:
+        if key == "tokenizer" and key in stored and key in given:  # (its parts, named)
+            from gradindex.fingerprint import tokenizer_differences
+
+            diffs += [f"tokenizer differs: {d}" for d in tokenizer_differences(stored[key] or {}, given[key] or {})]
+        elif key in stored and key in given and stored[key] != given[key]:
             diffs.append(f"{words} differs (index: {_short(stored[key])}, now: {_short(given[key])})")
             if key == "data_fingerprint" and any(d.startswith("max length differs") for d in diffs):
                 diffs[-1] += " (at least in part because the max length differs: tokens are cut there)"
@@ -243,7 +245,8 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
         args += ["--damping", str(c.get("damping", LEGACY_DAMPING))]
         if c.get("fisher", "empirical") != "empirical":
             args += ["--fisher", c["fisher"], "--fisher-seed", str(c.get("fisher_seed", 0))]
-    args += [f"--{flag.replace('_', '-')}" for flag in ("collect_covariance", "full_factors") if c.get(flag)]
+    args += [f"--{flag.replace('_', '-')}" for flag in ("collect_covariance", "full_factors", "rerank_fit")
+             if c.get(flag)]
     sample = (m.get("transcode") or {}).get("fit_sample")  # (rows coded after a fit on a sample)
     every = int(m.get("counts", {}).get("examples", 0)) > c.get("fit_sample", 0)  # else: fitted on every example
     fit_sample = sample["size"] if sample else 0 if every else c.get("fit_sample", 0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import re
 from pathlib import Path
@@ -107,35 +109,86 @@ def resolve_pad_id(model=None, tokenizer=None, pad_id: int | None = None) -> int
 
 
 def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device: str = "auto",
-                   adapter: str | os.PathLike | None = None, chat_template: str | None = None):
-    """``(model, tokenizer)`` from a local directory, model in eval mode on ``device``.
+                   adapter: str | os.PathLike | None = None, chat_template: str | None = None,
+                   index_tokenizer: dict | None = None):
+    """``(model, tokenizer)`` from a local directory or a ``.gguf`` file, model in eval mode on ``device``.
 
     ``adapter``: a PEFT adapter folder to load onto the model (:mod:`gradindex.adapter`); a
     ``model_dir`` that is itself an adapter folder loads the base its config names, then the
     adapter. ``chat_template``: template text or file given to the tokenizer (:mod:`gradindex.chat`).
+    A GGUF file (:func:`load_gguf`) is de-quantized to ``dtype``; its tokenizer comes from the file.
+    ``index_tokenizer``: the tokenizer fingerprint an index recorded (:func:`index_model_options`); a
+    tokenizer that differs from it is refused (:func:`gradindex.fingerprint.check_tokenizer`).
     """
-    from gradindex.adapter import adapter_base, attach_adapter, is_adapter_dir
+    from gradindex.adapter import adapter_base, attach_adapter, check_adapter_base, is_adapter_dir
 
     dev = resolve_device(device)
     if is_adapter_dir(model_dir) and not (Path(model_dir) / "config.json").exists():
         adapter, model_dir = adapter or model_dir, adapter_base(model_dir)
+    elif adapter is not None:
+        check_adapter_base(adapter, model_dir)
     model, tok_dir = _load_base(Path(model_dir), dtype)
     if adapter is not None:
         model = attach_adapter(model, adapter)
         if (Path(adapter) / "tokenizer_config.json").is_file():
             tok_dir = Path(adapter)  # a Trainer saves the tokenizer it trained with beside the adapter
     model.to(dev).eval()
-    return model, load_tokenizer(tok_dir, chat_template)
+    tokenizer = load_tokenizer(tok_dir, chat_template)
+    check_tokenizer_fits(model, tokenizer, tok_dir)
+    if index_tokenizer:
+        from gradindex.fingerprint import check_tokenizer
+
+        check_tokenizer(index_tokenizer, tokenizer, f"the tokenizer of {str(tok_dir)!r}")
+    return model, tokenizer
+
+
+def check_tokenizer_fits(model, tokenizer, where: str | os.PathLike = "") -> None:
+    """Refuse a tokenizer with more tokens than the model's input embedding has rows: its ids past the
+    embedding would index out of it (an ``IndexError`` in the capture), so it is not this model's."""
+    rows = vocab_size(model)
+    try:
+        size = len(tokenizer) if tokenizer is not None else 0
+    except TypeError:  # a stand-in without a vocabulary (pre-tokenized data)
+        return
+    if rows is not None and size > rows:
+        of = f" in {str(where)!r}" if str(where) else ""
+        raise ValueError(
+            f"the tokenizer{of} has {size:,} tokens but the model's input embedding has {rows:,} rows: token ids "
+            f"{rows:,} and above would index past it, so this is another model's tokenizer; put the model's own "
+            "tokenizer beside its weights (tokenizer.save_pretrained(MODEL_DIR))")
 
 
 def index_model_options(manifest: dict) -> dict:
-    """``load_causal_lm`` keywords that reopen an index's model as it was built: its adapter and chat template."""
-    return {"adapter": manifest.get("adapter_id") or None, "chat_template": manifest.get("chat_template") or None}
+    """``load_causal_lm`` keywords that reopen an index's model as it was built: its adapter and chat template,
+    and the tokenizer fingerprint it recorded (none before tokenizers were fingerprinted: not checked)."""
+    return {"adapter": manifest.get("adapter_id") or None, "chat_template": manifest.get("chat_template") or None,
+            "index_tokenizer": manifest.get("build", {}).get("tokenizer") or None}
 
 
 def _load_base(p: Path, dtype: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers import AutoModelForCausalLM
+
+    if is_gguf(p):
+        return load_gguf(p, dtype), p
+    config = causal_config(p)
+    refuse_weightless(p)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True,
+                                                           trust_remote_code=False, output_loading_info=True)
+    except Exception as e:  # noqa: BLE001 - safetensors, torch and transformers raise many types
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(
+            f"could not load the weights in {str(p)!r} ({type(e).__name__}: {first}); the weights file is "
+            "missing, truncated or corrupt: save the model there again (model.save_pretrained)"
+        ) from None
+    check_loaded(p, config, info)
+    return model, p
+
+
+def causal_config(p: Path):
+    """The transformers config of the decoder-only causal LM in ``p`` (refused by name: no config.json,
+    an index folder, code shipped in the folder, an encoder-decoder or a model that is not a causal LM)."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -152,6 +205,14 @@ def _load_base(p: Path, dtype: str):
         raise FileNotFoundError(f"{str(p)!r} has no config.json; pass a local transformers model directory{hint}")
     refuse_custom_code(p)
     config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=False)
+    check_causal(p, config)
+    return config
+
+
+def check_causal(p: Path, config) -> None:
+    """Refuse a config of an encoder-decoder or of a model that is not a causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(
             f"{str(p)!r} holds an encoder-decoder {config.model_type!r} model ({_saved_as(config)}); gradindex "
@@ -163,17 +224,46 @@ def _load_base(p: Path, dtype: str):
             f"{str(p)!r} holds a {config.model_type!r} model, which is not a causal LM; gradindex "
             "build needs a model that AutoModelForCausalLM loads (e.g. GPT-2, Llama)"
         )
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True,
-                                                           trust_remote_code=False, output_loading_info=True)
-    except Exception as e:  # noqa: BLE001 - safetensors, torch and transformers raise many types
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+
+
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth",
+                "*.h5", "*.msgpack", "*.gguf")
+"""Files that may hold a model's weights (transformers' ``model.safetensors``, ``pytorch_model.bin``, their
+sharded forms and index, and other formats): a folder with none of them is config-only."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def is_weightless(model_dir: str | os.PathLike) -> bool:
+    """Whether ``model_dir`` holds a ``config.json`` and no weights file (:data:`WEIGHT_FILES`): a config-only
+    folder, which ``gradindex plan`` sizes a build from (:func:`load_meta_model`) and nothing else loads."""
+    p = Path(model_dir)
+    return (p / "config.json").is_file() and not any(next(p.glob(g), None) for g in WEIGHT_FILES)
+
+
+def refuse_weightless(model_dir: str | os.PathLike) -> None:
+    """Refuse a config-only folder (:func:`is_weightless`) where the model's weights are needed, naming
+    ``gradindex plan`` as what takes one."""
+    if is_weightless(model_dir):
         raise ValueError(
-            f"could not load the weights in {str(p)!r} ({type(e).__name__}: {first}); the weights file is "
-            "missing, truncated or corrupt: save the model there again (model.save_pretrained)"
-        ) from None
-    check_loaded(p, config, info)
-    return model, p
+            f"{str(model_dir)!r} holds a config.json but no weights (no model.safetensors, pytorch_model.bin or "
+            "their shards): this command needs the weights; `gradindex plan MODEL_DIR DATA` takes a weightless "
+            "folder and estimates the build from the config alone"
+        )
+
+
+def load_meta_model(model_dir: str | os.PathLike, dtype: str = "float32"):
+    """``(model, tokenizer or None)`` of a config-only folder: the causal LM built from its ``config.json``
+    on the meta device (shapes and dtypes, no storage: a 70B model in well under a second and a few MB),
+    in eval mode, and the folder's tokenizer when it has tokenizer files (:data:`TOKENIZER_FILES`)."""
+    from transformers import AutoModelForCausalLM
+
+    p = Path(model_dir)
+    config = causal_config(p)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype), trust_remote_code=False)
+    model.eval()
+    has_tokenizer = any((p / f).is_file() for f in TOKENIZER_FILES)
+    return model, load_tokenizer(p) if has_tokenizer else None
 
 
 def refuse_custom_code(path: Path) -> None:
@@ -238,14 +328,180 @@ def check_loaded(path: Path, config, info: dict) -> None:
 
 
 def load_tokenizer(model_dir: str | os.PathLike, chat_template: str | os.PathLike | None = None):
-    """The tokenizer of a local model directory, with a pad token (eos or unk when it has none), and
-    ``chat_template`` (text or file) as its chat template when given."""
+    """The tokenizer of a local model directory or GGUF file (with the chat template the file holds), with a
+    pad token (eos or unk when it has none), and ``chat_template`` (text or file) as its chat template when given."""
     from transformers import AutoTokenizer
 
     from gradindex.chat import set_chat_template
 
-    tokenizer = AutoTokenizer.from_pretrained(Path(model_dir), local_files_only=True, trust_remote_code=False)
+    p = Path(model_dir)
+    if is_gguf(p):
+        tokenizer = from_gguf(AutoTokenizer, p)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
     set_chat_template(tokenizer, chat_template)
     return tokenizer
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names a GGUF file (``*.gguf``): a model gradindex de-quantizes (:func:`load_gguf`)."""
+    return str(path).lower().endswith(".gguf")
+
+
+def is_model_path(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a model that :func:`load_causal_lm` opens: a folder with a ``config.json`` or an
+    adapter config, or a GGUF file."""
+    from gradindex.adapter import is_adapter_dir
+
+    p = Path(path)
+    return (p / "config.json").is_file() or is_adapter_dir(p) or (is_gguf(p) and p.is_file())
+
+
+def model_file(model) -> dict | None:
+    """The file a model was loaded from when it is a single file (a GGUF: path, bytes, BLAKE2b, architecture),
+    which the index records as its model; ``None`` for a model folder."""
+    from gradindex.adapter import unwrap_peft
+
+    return getattr(unwrap_peft(model), "gradindex_file", None)
+
+
+def load_gguf(p: Path, dtype: str = "float32"):
+    """The causal LM in the GGUF file ``p``, de-quantized by transformers into a plain ``dtype`` model (every
+    weight an ordinary tensor, so the capture hooks see ``nn.Linear`` layers), with ``gradindex_file`` set
+    (:func:`model_file`). Refused in one line: no file, no ``gguf`` package, an unreadable file, an architecture
+    transformers cannot read from GGUF, a model that is not a causal LM."""
+    from transformers import AutoModelForCausalLM
+
+    from gradindex.checksum import file_digest
+
+    arch = gguf_architecture(p)
+    config = _gguf_config(p, arch)
+    try:
+        with _quiet_gguf_bar():
+            model, info = from_gguf(AutoModelForCausalLM, p, dtype=resolve_dtype(dtype), output_loading_info=True,
+                                    **_dequantized())
+    except Exception as e:  # noqa: BLE001 - gguf, torch and transformers raise many types
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"could not load the {arch!r} weights in {str(p)!r} ({type(e).__name__}: {first}); "
+                         f"{_gguf_fix(arch)}") from None
+    check_loaded(p, config, info)
+    model.gradindex_file = {"path": str(p.resolve()), "format": "gguf", "architecture": arch,
+                            "bytes": p.stat().st_size, "blake2b": file_digest(p)}
+    return model
+
+
+def from_gguf(auto, p: Path, **kw):
+    """``auto.from_pretrained`` (a transformers ``Auto*`` class) of the GGUF file ``p`` alone: pointed at an empty
+    folder, so that files lying beside ``p`` (another model's config or tokenizer files) are not read with it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="gradindex-gguf-") as empty:
+        return auto.from_pretrained(empty, gguf_file=str(p.resolve()), local_files_only=True, trust_remote_code=False,
+                                    **kw)
+
+
+NEEDS_GGUF = ("reading a .gguf model needs the gguf and accelerate packages (transformers de-quantizes the file "
+              "with gguf and loads it through accelerate): pip install 'gradindex[gguf]'")
+
+
+def gguf_architecture(p: Path) -> str:
+    """``general.architecture`` of the GGUF file ``p`` (its header alone is read)."""
+    if not p.is_file():
+        raise FileNotFoundError(f"{str(p)!r} is not a file; pass a GGUF model file or a model folder")
+    import importlib.util
+
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ValueError(NEEDS_GGUF) from None
+    if importlib.util.find_spec("accelerate") is None:
+        raise ValueError(NEEDS_GGUF)
+    try:
+        field = GGUFReader(str(p)).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except Exception as e:  # noqa: BLE001 - numpy, struct and the reader raise many types for a bad file
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"{str(p)!r} is not a readable GGUF file ({type(e).__name__}: {first}); it is truncated "
+                         "or corrupt: download or convert it again") from None
+
+
+def _gguf_config(p: Path, arch: str):
+    """The transformers config transformers reads from the GGUF ``p`` (refused as :func:`causal_config` does)."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    supported = _gguf_architectures()
+    if supported is not None and not _gguf_readable(arch, supported):
+        raise ValueError(f"{str(p)!r} holds a {arch!r} model, an architecture transformers cannot de-quantize from "
+                         f"GGUF; {_gguf_fix(arch)}")
+    try:
+        config = from_gguf(AutoConfig, p)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a GGUF it cannot read
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"transformers cannot read the {arch!r} model in {str(p)!r} from GGUF ({type(e).__name__}: "
+                         f"{first}); {_gguf_fix(arch)}") from None
+    check_causal(p, config)
+    return config
+
+
+def _gguf_fix(arch: str) -> str:
+    import transformers
+
+    return (f"transformers {transformers.__version__} reads GGUF architectures {', '.join(_gguf_architectures() or [])}"
+            f"; convert the {arch!r} model to a model folder (config.json, model.safetensors and its tokenizer "
+            "files, e.g. the original checkpoint saved with save_pretrained) and pass that folder")
+
+
+def _gguf_architectures() -> list[str] | None:
+    """The GGUF architectures this transformers de-quantizes (``None``: it does not say)."""
+    names: set[str] = set()
+    try:
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    except ImportError:
+        return None
+    names.update(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer"))
+    try:  # transformers >= 5.2x: architectures its newer GGUF loader reads
+        from transformers.integrations.gguf.utils import GGUF_ARCHS
+    except ImportError:
+        GGUF_ARCHS = {}
+    return sorted(names | set(GGUF_ARCHS))
+
+
+def _gguf_readable(arch: str, supported: list[str]) -> bool:
+    """Whether ``arch`` is among ``supported``, spelled either way (GGUF's ``qwen2moe`` is ``qwen2_moe``)."""
+    def norm(a: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", a.lower())
+
+    return norm(arch) in {norm(a) for a in supported}
+
+
+@contextlib.contextmanager
+def _quiet_gguf_bar():
+    """transformers' GGUF de-quantization draws a tqdm bar of its own, whatever its progress-bar setting (which
+    gradindex turns off): the bar is turned off with the others while the file loads."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as utils
+    except ImportError:
+        yield
+        return
+    bar = getattr(utils, "tqdm", None)
+    if bar is not None:
+        utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            utils.tqdm = bar
+
+
+def _dequantized() -> dict:
+    """``from_pretrained`` keywords that de-quantize every GGUF weight: transformers >= 5 otherwise keeps quantized
+    blocks behind matmul kernels where it has them, layers the capture cannot hook."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}

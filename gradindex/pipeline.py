@@ -23,11 +23,11 @@ from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices, resolve_factory
 from gradindex.lock import index_lock
 from gradindex.manifest import manifest_path, read_manifest
-from gradindex.plan import BuildPlan, plan_build, rerank_fit_sizes
+from gradindex.plan import BuildPlan, longest_example, plan_build, rerank_fit_sizes
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
-from gradindex.precondition.fullspace import HeadGrads, budget_bound, budget_sized, keep_build_sums
+from gradindex.precondition.fullspace import HeadGrads, keep_build_sums, stored_share
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.precondition.sampled import EigenCoder, fit_on_sample, sampled_reason
 from gradindex.store.builder import (
@@ -64,8 +64,8 @@ def build_index(
     whitened eigenbasis as ``cfg.storage`` codes (the CLI's default; see docs/math.md).
     ``repair``: check every committed shard's whole-file hash and recompute the damaged ones
     (a plain re-run does the cheap sampled check only). Holds the directory's lock throughout.
-    ``rerank_fit``: also fit ``cfg.precondition`` in full space (:func:`rerank_fit_config`), what the
-    default query's exact re-rank needs; ``None``: where the rows are a budget-bound projection.
+    ``rerank_fit``: also fit ``cfg.precondition`` in full space (:func:`rerank_fit_config`) for a query's exact
+    stage (``rerank_full=C``); ``None``: ``cfg.rerank_fit`` (off by default; or ``precondition --space full``).
     An ``index.factory`` that cannot be trained on ``len(data)`` examples is refused before
     capturing. The manifest is passed from stage to stage, never re-read.
     """
@@ -80,8 +80,8 @@ def build_index(
         if not overwrite and distributed.rank() == 0:
             finish_transcode(out_dir)  # a swap that a kill interrupted
         distributed.barrier()
-        plan = plan_build(model, cfg, len(data), index is not None,
-                          *((index.factory, index.sketch_bytes) if index is not None else ()))
+        plan = plan_build(model, cfg, len(data), index is not None, *((index.factory, index.sketch_bytes)
+                          if index is not None else ("auto", 0)), longest=longest_example(data))
         _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
         rows = _full_fit_rows(cfg, plan, len(data), rerank_fit)
         if cfg.full_factors and rows is not None and len(rows) < len(data):
@@ -129,12 +129,13 @@ def _sampled(model, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, mod
 
 
 def rerank_fit_config(cfg: BuildConfig, manifest: dict, n: int, asked: bool | None = None) -> FitConfig | None:
-    """The full-space fit a build makes for the exact re-rank, or ``None``: ``asked`` (``None``: where
-    the rows are a budget-bound projection, :func:`~gradindex.precondition.fullspace.budget_bound`)
-    and ``cfg.precondition`` is kfac/ekfac, on every example up to
-    :data:`~gradindex.spec.build.RERANK_FIT_EXAMPLES` (:func:`~gradindex.plan.rerank_fit_sizes`)."""
-    return _rerank_fit(cfg, n, asked if asked is not None else budget_bound(manifest),
-                       bool(manifest["build"].get("optimizer")))
+    """The full-space fit a build makes for the exact stage, or ``None``: where ``asked`` (``None``:
+    ``cfg.rerank_fit``, off by default), the rows hold less than the whole gradient
+    (:func:`~gradindex.precondition.fullspace.stored_share` below 1) and ``cfg.precondition`` is kfac/ekfac,
+    on every example up to :data:`~gradindex.spec.build.RERANK_FIT_EXAMPLES`
+    (:func:`~gradindex.plan.rerank_fit_sizes`)."""
+    wanted = (cfg.rerank_fit if asked is None else asked) and stored_share(manifest) < 1
+    return _rerank_fit(cfg, n, wanted, bool(manifest["build"].get("optimizer")))
 
 
 def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitConfig | None:
@@ -147,13 +148,14 @@ def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitC
 
 
 def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None) -> np.ndarray | None:
-    """The examples of the full-space fit the build will make (:func:`rerank_fit_config`, budget-bound
-    judged from the plan's row sizes), whose ``A`` and ``S`` its capture pass sums; None where it makes none,
-    or where the shards' copies of the sums would take too much disk (:data:`FACTOR_SUMS_NOTE`)."""
+    """The examples of the full-space fit the build will make (:func:`rerank_fit_config`, whether the rows
+    are a projection judged from the plan's row sizes), whose ``A`` and ``S`` its capture pass sums; None
+    where it makes none (the default), or where the shards' copies of the sums would take too much disk
+    (:data:`FACTOR_SUMS_NOTE`)."""
     if plan.approximate:
         return None
-    bound = budget_sized(cfg.budget) and plan.budget_bound
-    full = _rerank_fit(cfg, n, asked if asked is not None else bound, bool(cfg.optimizer_state))
+    wanted = (cfg.rerank_fit if asked is None else asked) and plan.budget_bound
+    full = _rerank_fit(cfg, n, wanted, bool(cfg.optimizer_state))
     if full is None:
         return None
     rows = sample_rows(n, full.fit_examples, full.seed)

@@ -26,7 +26,6 @@ from gradindex.diskspace import human
 from gradindex.index.cost import TIERS, LookupCost, choose_kind, lookup_cost
 from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import BLOCK_BYTES
-from gradindex.precondition.fullspace import budget_sized
 from gradindex.precondition.sampled import sampled_reason
 from gradindex.spec.build import RERANK_FIT_EXAMPLES
 from gradindex.store.basis import RowBasis
@@ -81,7 +80,10 @@ class BuildPlan:
     """One query's estimated cost on the index kind the FAISS stage builds (``store`` or ``sketch``;
     :func:`gradindex.index.cost.lookup_cost`), None for a FAISS type or no FAISS stage."""
     seconds: dict[str, float] = field(default_factory=dict)
-    """Estimated seconds per stage, when measured (:func:`measure_seconds`)."""
+    """Estimated seconds per stage, when measured (:func:`measure_seconds`) or counted (``from_flops``)."""
+    from_flops: bool = False
+    """``seconds`` are a FLOP count at an assumed throughput (:mod:`gradindex.estimate`: a config-only plan,
+    no weights loaded), not extrapolated from measured batches."""
     sample_examples: int = 0
     """A sampled build's fit sample (:mod:`gradindex.precondition.sampled`; 0: the fit takes every example):
     ``capture_bytes`` are then the sample's float16 rows, deleted before the main pass writes the coded rows."""
@@ -89,16 +91,16 @@ class BuildPlan:
     """The rows' sizes are only settled by the build's own factor pass (``--projection-basis eigen``):
     the bytes are those of the budget's raw-basis rows, and the build checks no disk space against them."""
     full_fit: int = 0
-    """Examples of the full-space fit for the default query's exact re-rank (:func:`rerank_fit_sizes`; 0:
-    none); its files are in ``precond_bytes``."""
+    """Examples of the full-space fit for the exact stage, made only with ``rerank_fit``
+    (:func:`rerank_fit_sizes`; 0: none, the default); its files are in ``precond_bytes``, its sums in
+    ``ram_bytes``."""
     correction: int = 0
     """Examples of that fit's EK-FAC correction pass (a model pass over them; 0: a K-FAC fit)."""
 
     @property
     def budget_bound(self) -> bool:
-        """Whether the rows hold fewer numbers than the whole gradients of their layers (where a build whose
-        budget sizes them, :func:`~gradindex.precondition.fullspace.budget_sized`, fits full-space curvature
-        for the exact re-rank)."""
+        """Whether the rows hold fewer numbers than the whole gradients of their layers (where a build with
+        ``rerank_fit`` fits full-space curvature for the exact stage)."""
         return sum(lp.numbers for lp in self.layers) < sum(lp.n_out * lp.n_in for lp in self.layers)
 
     @property
@@ -145,7 +147,8 @@ class BuildPlan:
         t = ""
         if self.seconds:
             stages = ", ".join(f"{k} {_duration(v)}" for k, v in self.seconds.items())
-            t = f", about {_duration(sum(self.seconds.values()))} ({stages})"
+            how = " as a FLOP estimate" if self.from_flops else ""
+            t = f", about {_duration(sum(self.seconds.values()))}{how} ({stages})"
         if self.lookup is None:
             look = f"an exhaustive lookup scans {human(self.store_bytes)} of rows"
         else:
@@ -201,9 +204,12 @@ def plan_lookup(examples: int, layers: list[LayerPlan], storage: str, factory: s
 
 
 def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = True, factory: str = "auto",
-               sketch_bytes: int = 0) -> BuildPlan:
+               sketch_bytes: int = 0, longest: int | None = None) -> BuildPlan:
     """Sizes of a build of ``examples`` examples under ``cfg`` (``index``: with its FAISS stage, of
-    ``factory`` and ``sketch_bytes`` as in :class:`gradindex.index.IndexConfig`)."""
+    ``factory`` and ``sketch_bytes`` as in :class:`gradindex.index.IndexConfig`; ``longest``: the longest
+    example's tokens, :func:`longest_example`, else ``cfg.max_length``)."""
+    from gradindex.estimate import activation_bytes
+
     layers = hooked_layers(model, cfg)
     shards = max(1, -(-examples // cfg.shard_size))
     factors = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2) for lp in layers)  # one layer's A and S, float64
@@ -225,7 +231,9 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
         row_bytes(cfg.storage, lp.numbers) - 4 * has_scale(cfg.storage) for lp in layers) if index else 0
     width = sum(lp.numbers for lp in layers)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    capture_ram = 2 * 4 * cfg.batch_size * width + 2 * params  # float32 batch rows on the device and their host copy
+    tokens = cfg.batch_size * min(cfg.max_length, longest or cfg.max_length)
+    # float32 batch rows on the device and their host copy, and the forward + backward's activations and logits
+    capture_ram = 2 * 4 * cfg.batch_size * width + 2 * params + activation_bytes(model, cfg, layers, tokens)
     block = 3 * min(BLOCK_BYTES, 4 * width * max(1, examples))  # a block of rows, rotated, coded
     ram = BASE_RAM + params + max(capture_ram, block)
     rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" \
@@ -233,18 +241,28 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     plan = BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
                      index_bytes, ram, rotated, shards, lookup, sample_examples=sample,
                      approximate=cfg.basis not in ("raw", "kfac"))
-    wanted = budget_sized(cfg.budget) and plan.budget_bound and not plan.approximate
+    wanted = cfg.rerank_fit and plan.budget_bound and not plan.approximate  # (the full-space fit: asked only)
     plan.full_fit, plan.correction = rerank_fit_sizes(cfg, examples, wanted, bool(cfg.optimizer_state))
     if plan.full_fit:  # per layer, float32 Q_S, Q_A, their eigenvalues and Λ; beside EK-FAC, K-FAC's eigenvalues
         plan.precond_bytes += sum(4 * (lp.n_out ** 2 + (lp.n_in + 1) ** 2 + (lp.n_out + 1) * (lp.n_in + 2) - 1
                                        + (lp.n_out + lp.n_in + 1) * (cfg.precondition == "ekfac"))  # (a bias column)
                                   for lp in layers)
+        # float64 A, S summed in the capture, their eigenbases, Λ*'s sums (all layers at once)
+        plan.ram_bytes += sum(8 * (2 * (lp.n_in ** 2 + lp.n_out ** 2) + lp.n_out * lp.n_in) for lp in layers)
     return plan
+
+
+def longest_example(data: Tokenized) -> int:
+    """Tokens of the longest example of ``data`` (the batch a capture's memory is sized for)."""
+    offsets = getattr(data.input_ids, "offsets", None)
+    if offsets is not None:
+        return int(np.diff(offsets).max(initial=1))
+    return max((len(x) for x in data.input_ids), default=1)
 
 
 def rerank_fit_sizes(cfg: BuildConfig, examples: int, wanted: bool, optimizer: bool) -> tuple[int, int]:
     """``(fit examples, correction examples)`` of the full-space fit a build of ``examples`` makes for the exact
-    re-rank: where ``wanted`` (the rows are a budget-bound projection, or asked) and ``cfg.precondition`` is
+    stage: where ``wanted`` (asked with ``rerank_fit``, the rows a projection) and ``cfg.precondition`` is
     kfac/ekfac on plain gradients (not ``optimizer``-scaled ones); ``(0, 0)`` where it makes none."""
     if not wanted or cfg.precondition not in ("kfac", "ekfac") or optimizer:
         return 0, 0

@@ -1,7 +1,8 @@
-"""The default budget-bound build sums the full-space ``A`` and ``S`` in its capture pass (issue 17): its
-full-space fit skips the factor pass and replays the capture's head gradients, and writes the same
-curvature as the separate passes (``gradindex precondition --space full`` on a build without the sums),
-also for a sampled fit set (more examples than ``RERANK_FIT_EXAMPLES``)."""
+"""A budget-bound build asked for the exact stage's fit (``BuildConfig(rerank_fit=True)``, ``gradindex build
+--rerank-fit``; the default build before issue 30) sums the full-space ``A`` and ``S`` in its capture pass
+(issue 17): its full-space fit skips the factor pass and replays the capture's head gradients, and writes
+the same curvature as the separate passes (``gradindex precondition --space full`` on a default build, which
+sums nothing), also for a sampled fit set (more examples than ``RERANK_FIT_EXAMPLES``)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,14 @@ from gradindex.precondition import fullspace as fs
 DAMPING = 0.1
 
 
-def _build(out, gpt2_dir, text_jsonl, rerank_fit=None, shard_size=64, rerank_correction=0):
+def _build(out, gpt2_dir, text_jsonl, rerank_fit=True, shard_size=64, rerank_correction=0):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     data = tokenize_records(load_records(text_jsonl), tok, 64)
     cfg = BuildConfig(projection=ProjectionSpec(), budget="1/64", precondition="ekfac", transcode="ekfac",
                       storage="int4", damping=DAMPING, shard_size=shard_size, max_length=64,
-                      rerank_correction=rerank_correction)
-    build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False,
-                rerank_fit=rerank_fit)
+                      rerank_correction=rerank_correction,
+                      **({} if rerank_fit is None else {"rerank_fit": rerank_fit}))  # (None: the default)
+    build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
     return out
 
 
@@ -58,14 +59,41 @@ def _same_curvature(a, b) -> None:
 
 @pytest.fixture(scope="module")
 def separate(tmp_path_factory, gpt2_dir, text_jsonl):
-    """The same build with no full-space fit, then the fit's own two passes."""
+    """The same build with no full-space fit (the default), then the fit's own two passes."""
     d = _build(tmp_path_factory.mktemp("sep") / "idx", gpt2_dir, text_jsonl, rerank_fit=False)
     assert "full_space" not in read_manifest(d)
     fit_preconditioner(d, FitConfig(method="ekfac", damping=DAMPING, space="full"))
     return d
 
 
-def test_default_build_sums_the_factors_in_the_capture(tmp_path, gpt2_dir, text_jsonl, separate, monkeypatch):
+def test_default_build_sums_no_full_space_factors_and_keeps_no_head_gradients(tmp_path, gpt2_dir, text_jsonl,
+                                                                              monkeypatch):
+    """Issue 30: the default build (budget-bound here) makes no full-space fit, so its capture sums no
+    full-space ``A``/``S`` and keeps no head gradients (what raised the build's peak RSS); asked, it does."""
+    from gradindex.capture.hooks import GradientCapture
+
+    calls = {"sums": 0, "heads": 0}
+    real_sums, real_put = GradientCapture._add_full_covariance, fs.HeadGrads.put
+
+    def sums(self, *a, **k):
+        calls["sums"] += 1
+        return real_sums(self, *a, **k)
+
+    def put(self, *a, **k):
+        calls["heads"] += 1
+        return real_put(self, *a, **k)
+
+    monkeypatch.setattr(GradientCapture, "_add_full_covariance", sums)
+    monkeypatch.setattr(fs.HeadGrads, "put", put)
+    d = _build(tmp_path / "idx", gpt2_dir, text_jsonl, rerank_fit=None)
+    m = read_manifest(d)
+    assert not m["config"]["rerank_fit"] and "full_space" not in m and not list((d / "precond").glob("*-full*"))
+    assert calls == {"sums": 0, "heads": 0} and "--rerank-fit" not in build_command(d, m)
+    _build(tmp_path / "asked", gpt2_dir, text_jsonl)
+    assert calls["sums"] > 0 and calls["heads"] == 5  # (40 examples, batches of 8)
+
+
+def test_rerank_fit_build_sums_the_factors_in_the_capture(tmp_path, gpt2_dir, text_jsonl, separate, monkeypatch):
     calls = []
     real = fs.batch_gradients
 
@@ -81,7 +109,7 @@ def test_default_build_sums_the_factors_in_the_capture(tmp_path, gpt2_dir, text_
     _same_curvature(d, separate)
 
 
-def test_default_build_corrects_on_a_sample(tmp_path, gpt2_dir, text_jsonl, separate, monkeypatch):
+def test_rerank_fit_build_corrects_on_a_sample(tmp_path, gpt2_dir, text_jsonl, separate, monkeypatch):
     """``--rerank-correction 16`` (the default 128 of a larger set): the factors from all 40 examples of the
     capture pass, ``Λ*`` from a model pass over a seeded sample of 16 only, as the fit's own passes give it;
     the capture keeps no head gradients (the sample's batches are not the capture's)."""
@@ -93,7 +121,7 @@ def test_default_build_corrects_on_a_sample(tmp_path, gpt2_dir, text_jsonl, sepa
     fit = m["full_space"]["ekfac"]["fit"]
     assert fit["source"] == "build pass + model pass" and fit["examples"] == 40 and fit["correction_examples"] == 16
     assert calls == [(False, False)] * 2  # one correction pass over 16 examples, batches of 8, heads computed
-    assert "--rerank-correction 16" in build_command(d, m)
+    assert "--rerank-correction 16" in build_command(d, m) and "--rerank-fit" in build_command(d, m)
     every = fs.read_layers(fs.full_path(separate, "ekfac"), ("Lambda",))
     ref = tmp_path / "ref"
     shutil.copytree(separate, ref)

@@ -50,14 +50,21 @@ def test_plan_sizes_what_the_build_then_stores(gpt2_dir, text_jsonl, tmp_path):
 
 
 def test_plan_of_a_budget_bound_build_counts_its_full_space_fit(gpt2_dir, text_jsonl, tmp_path):
-    """Rows of 1/64 of the gradient: the build also fits full-space EK-FAC for the exact re-rank (its files,
-    and its correction pass over --rerank-correction examples, in the plan)."""
+    """Rows of 1/64 of the gradient with --rerank-fit: the build also fits full-space EK-FAC for the exact stage
+    (its files, sums and correction pass over --rerank-correction examples, in the plan); by default it does not
+    (issue 30: the default query is the first stage)."""
     r = CliRunner()
     opts = [*OPTS, "--budget", "1/64", "--rerank-correction", "16"]
     res = r.invoke(main, ["plan", str(gpt2_dir), str(text_jsonl), "--json", *opts])
     assert res.exit_code == 0, res.output
+    default = json.loads(res.output.strip().splitlines()[-1])
+    assert "full-space fit" not in default["seconds"]
+    opts.append("--rerank-fit")
+    res = r.invoke(main, ["plan", str(gpt2_dir), str(text_jsonl), "--json", *opts])
+    assert res.exit_code == 0, res.output
     plan = json.loads(res.output.strip().splitlines()[-1])
     assert "full-space fit" in plan["seconds"] and plan["seconds"]["full-space fit"] > 0
+    assert plan["bytes"]["precond"] > default["bytes"]["precond"] and plan["ram_bytes"] > default["ram_bytes"]
     out = tmp_path / "idx"
     built = r.invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--quiet", *opts])
     assert built.exit_code == 0, built.output

@@ -9,14 +9,15 @@ PKG = Path(__file__).resolve().parents[1] / "gradindex"
 
 # Stage of every top-level module or package of gradindex; a module may import its own stage or earlier ones.
 STAGES = {
-    "__init__": 0, "data": 0, "model": 0, "fingerprint": 0, "manifest": 0, "methods": 0, "checksum": 0, "lock": 0,
-    "distributed": 0, "progress": 0, "chat": 0, "adapter": 0, "deps": 0, "spec": 0, "heap": 0, "diskspace": 0,
+    "__init__": 0, "errors": 0, "data": 0, "model": 0, "fingerprint": 0, "manifest": 0, "methods": 0, "checksum": 0,
+    "lock": 0, "distributed": 0, "progress": 0, "chat": 0, "adapter": 0, "deps": 0, "spec": 0, "heap": 0,
+    "diskspace": 0,
     "capture": 1,
     "store": 2,
     "precondition": 3,
     "index": 4,
     "query": 5,
-    "pipeline": 6, "plan": 6, "apps": 6,
+    "pipeline": 6, "plan": 6, "estimate": 6, "apps": 6,
     "integrations": 7, "cli": 7, "__main__": 7,
 }
 

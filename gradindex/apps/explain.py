@@ -84,8 +84,8 @@ class Explanation:
     residual_cause: str = ""
     """Why ``score`` and the training tokens' sum differ (:attr:`residual`)."""
     full_score: float | None = None
-    """On a budget-bound index (docs/query.md, "Two stages"): the example's exact full-space score, which
-    the default query ranks by; ``score`` and the token terms are the first stage's (the stored rows')."""
+    """With ``full_space``: the example's exact full-space score, what the exact stage (``--rerank-full C``)
+    ranks by (docs/query.md, "Two stages"); ``score`` and the token terms are the stored rows'."""
 
     @property
     def residual(self) -> float:
@@ -172,8 +172,11 @@ class Explainer:
 
     # -- explanations -------------------------------------------------------------------------
     def explain(self, query, ids: Sequence[int] | int, method: str | None = None, damping: float = DEFAULT_DAMPING,
-                layers: Sequence[str] | str | None = None, text_field: str = "text") -> list[Explanation]:
-        """One explanation per training row in ``ids`` for ``query`` (any form ``QueryEngine.query`` takes)."""
+                layers: Sequence[str] | str | None = None, text_field: str = "text",
+                full_space: bool = False) -> list[Explanation]:
+        """One explanation per training row in ``ids`` for ``query`` (any form ``QueryEngine.query`` takes);
+        ``full_space``: also each example's exact full-space score (:attr:`Explanation.full_score`: a forward +
+        backward per example; kfac/ekfac need the full-space fit)."""
         e = self.engine
         e.index.check_current()
         method = e.resolve_method(method)
@@ -214,18 +217,21 @@ class Explainer:
             score = float(sum(float(np.dot(m[n][0], stored[n][j].astype(np.float64))) for n in chosen))
             out.append(Explanation(i, score, base, e.basis.damping_used(base, damping), chosen, train, query_side,
                                    residual_cause(e.manifest)))
-        self._full_scores(out, (q_ids, q_labels), method, damping, chosen)
+        if full_space:
+            self._full_scores(out, (q_ids, q_labels), method, damping, chosen)
         return out
 
     def _full_scores(self, out: list[Explanation], query: tuple[list[int], list[int]], method: str, damping: float,
                      layers: list[str]) -> None:
-        """Fill :attr:`Explanation.full_score` where the default query would re-rank in full space."""
+        """Fill :attr:`Explanation.full_score` (the exact stage's score of each example)."""
         e = self.engine
-        if not out or not e.rerank_plan(method, None)[0]:
+        if not out:
             return
         ids, labels, ok = e.texts.tokens(np.array([x.id for x in out], dtype=np.int64))
         if len(ids) != len(out) or not ok.all():
-            return
+            why = e.texts.problem or "its rows changed since the build"
+            raise ValueError(f"the full-space score re-runs the example, which needs the training data the index "
+                             f"was built from ({why}); pass data= / --data")
         scores = full_gradient_scores(e.model, layers, query, (ids, labels), e.pad_id, method,
                                       int(e.manifest.get("config", {}).get("batch_size", 8)),
                                       e.full_preconditioner(method), damping)
@@ -252,6 +258,6 @@ class Explainer:
 
 def explain(engine: QueryEngine, query, ids: Sequence[int] | int, method: str | None = None,
             damping: float = DEFAULT_DAMPING, layers: Sequence[str] | str | None = None,
-            text_field: str = "text") -> list[Explanation]:
+            text_field: str = "text", full_space: bool = False) -> list[Explanation]:
     """Token-level explanations of training rows ``ids`` for ``query`` (see :class:`Explainer`)."""
-    return Explainer(engine).explain(query, ids, method, damping, layers, text_field)
+    return Explainer(engine).explain(query, ids, method, damping, layers, text_field, full_space)

@@ -65,8 +65,9 @@ class QueryRequest(BaseModel):
     lowest: int = Field(0, ge=0, le=MAX_K)
     explain: int = Field(0, ge=0, le=50, description="Explain the top N results token by token (graddot, kfac, ekfac).")
     rerank_full: int | None = Field(None, ge=0, le=1000,
-                                    description="Candidates re-ranked exactly in full space; default: 100 where the "
-                                                "index stores a budget-bound projection, else none; 0: never.")
+                                    description="The exact stage: candidates re-ranked in full space (a forward + "
+                                                "backward each; kfac/ekfac need the full-space fit); default and 0: "
+                                                "none, the first stage answers.")
 
     @model_validator(mode="after")
     def _one_form(self) -> QueryRequest:

@@ -72,7 +72,7 @@ def _default(name: str):
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("model_dir", type=click.Path())
 @click.argument("data", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Index directory to write.")
 @click.option("--projection", default="auto", show_default=True,
@@ -139,11 +139,16 @@ def _default(name: str):
               help="With more examples than this, the default build (EK-FAC, --transcode ekfac) fits EK-FAC on a "
                    "seeded sample of this many (--fisher-seed) and codes every row in its whitened eigenbasis in the "
                    "capture pass: no raw store, no transcode. 0: fit on every example.")
+@click.option("--rerank-fit", is_flag=True, default=_default("rerank_fit"),
+              help="Also fit --precondition in full (unprojected) space in this build, what the exact stage "
+                   "(`query --rerank-full C`) needs where the rows are a projection: factors summed in the capture "
+                   "pass, then a correction pass. Off by default (the default query is the first stage); "
+                   "`gradindex precondition INDEX --method ekfac --space full` adds it later.")
 @click.option("--rerank-correction", default=_default("rerank_correction"), show_default=True,
               type=click.IntRange(min=0),
-              help="Where the rows are a budget-bound projection, the full-space EK-FAC fit for the exact re-rank "
-                   "takes its eigenvalue correction from a seeded sample of this many examples (a model pass over "
-                   "them; the factors come from the capture pass). 0: every example.")
+              help="With --rerank-fit: the full-space EK-FAC fit takes its eigenvalue correction from a seeded "
+                   "sample of this many examples (a model pass over them; the factors come from the capture "
+                   "pass). 0: every example.")
 @damping_option("Relative damping of the self-influence written with --precondition (and of --whiten).")
 @click.option("--collect-covariance", is_flag=True, default=_default("collect_covariance"),
               help="Sum the projected K-FAC factors per shard in the capture pass without fitting them "
@@ -166,15 +171,20 @@ def _default(name: str):
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def build(**o):
-    """Capture per-example projected gradients of DATA under the model in MODEL_DIR."""
+    """Capture per-example projected gradients of DATA under the model in MODEL_DIR (a folder or a .gguf file).
+
+    A .gguf file is de-quantized to --dtype; its tokenizer and chat template are read from the file."""
     from gradindex import distributed
-    from gradindex.model import resolve_device
+    from gradindex.model import causal_config, is_gguf, refuse_weightless, resolve_device
     from gradindex.pipeline import build_index
-    from gradindex.plan import plan_build
+    from gradindex.plan import longest_example, plan_build
     from gradindex.store.builder import refuse_foreign
 
     opts = settings(o)
     resolve_device(o["device"])
+    if not is_gguf(o["model_dir"]) and Path(o["model_dir"], "config.json").is_file():
+        causal_config(Path(o["model_dir"]))  # a model that is no causal LM is named as such first
+    refuse_weightless(o["model_dir"])  # a config-only folder: only `gradindex plan` takes one (nothing written)
     if distributed.init_from_env(o["device"]):  # under torchrun: each rank captures its share of the shards
         o["device"] = distributed.local_device(o["device"])
         o["quiet"] = o["quiet"] or distributed.rank() > 0
@@ -184,7 +194,7 @@ def build(**o):
         model, tok, data_tok, cfg = load_inputs(o, opts)
         if distributed.rank() == 0:
             click.echo(plan_build(model, cfg, len(data_tok), not o["no_index"], opts.icfg.factory,
-                                  opts.icfg.sketch_bytes).summary(), err=True)
+                                  opts.icfg.sketch_bytes, longest_example(data_tok)).summary(), err=True)
         try:
             res, idx = build_index(model, tok, data_tok, out, cfg, index=None if o["no_index"] else opts.icfg,
                                    model_id=str(Path(o["model_dir"]).resolve()), data_id=str(Path(o["data"]).resolve()),
@@ -232,7 +242,7 @@ class Settings:
 OPTION_FIELDS = ("layers", "max_length", "batch_size", "route", "shard_size", "collect_covariance", "full_factors",
                  "precondition", "damping", "storage", "budget", "allocation", "basis", "basis_damping",
                  "basis_examples", "basis_seed", "fisher", "fisher_seed", "optimizer_state", "adam_mode", "transcode",
-                 "fit_sample", "rerank_correction")
+                 "fit_sample", "rerank_fit", "rerank_correction")
 """The ``build`` options that are :class:`~gradindex.spec.build.BuildOptions` fields of the same name (the
 projection field is ``--projection``, ``--projection-kind`` and ``--seed``; tests/test_library_defaults.py
 keeps this the whole list)."""

@@ -151,8 +151,8 @@ def engine_options(cpu_index: bool = True):
         fn = click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N] (the model).")(fn)
         fn = click.option("--data", default=None, type=click.Path(),
                           help="Training data file, if it moved since the build.")(fn)
-        return click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-                            help="Model directory (default: the one the index was built with).")(fn)
+        return click.option("--model", "model_dir", default=None, type=click.Path(),
+                            help="Model directory or .gguf file (default: the one the index was built with).")(fn)
 
     return deco
 

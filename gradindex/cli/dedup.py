@@ -27,8 +27,8 @@ from gradindex.cli.common import MethodChoice, damping_option, user_errors
 @click.option("--sketch", default=256, show_default=True, type=int,
               help="Numbers per example in the candidate search (0: full vectors).")
 @click.option("--data", default=None, type=click.Path(), help="Training data file, if it moved since the build.")
-@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-              help="Model directory, for the texts (default: the one the index was built with).")
+@click.option("--model", "model_dir", default=None, type=click.Path(),
+              help="Model directory or .gguf file, for the texts (default: the one the index was built with).")
 @click.option("--no-text", is_flag=True, help="Do not write the texts.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors

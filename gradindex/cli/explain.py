@@ -44,10 +44,13 @@ def _show(title: str, ts, top: int) -> None:
               help="Tokens shown per side (text output).")
 @engine_options(cpu_index=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per example (a line each), every token.")
+@click.option("--full-space", is_flag=True,
+              help="Also each example's exact full-space score, what `query --rerank-full C` ranks by (a forward + "
+                   "backward per example; kfac/ekfac need `gradindex precondition INDEX --space full`).")
 @refine_options
 @user_errors
 def explain(index_dir, text, prompt, completion, messages, ids, method, damping, layers, top, model_dir, data, device,
-            as_json, refine):
+            as_json, full_space, refine):
     """Split the score of training example(s) --id for a query into one term per token, both sides."""
     from gradindex.apps.explain import Explainer
     from gradindex.query import QueryEngine
@@ -58,7 +61,8 @@ def explain(index_dir, text, prompt, completion, messages, ids, method, damping,
         raise ValueError("give one query: --query TEXT, --prompt P --completion C, or --messages JSON")
     query = text if text is not None else (prompt, completion) if prompt is not None else parse_messages(messages)[0]
     with QueryEngine(index_dir, model_dir, device=device, data=data, refine=refine_config(refine)) as engine:
-        out = Explainer(engine).explain(query, list(ids), method, damping, list(layers) or None)
+        out = Explainer(engine).explain(query, list(ids), method, damping, list(layers) or None,
+                                        full_space=full_space)
         shown = dict(zip(ids, engine.texts.texts(list(ids)), strict=True))
     for e in out:
         if as_json:
@@ -68,8 +72,8 @@ def explain(index_dir, text, prompt, completion, messages, ids, method, damping,
         click.echo(f"training example {e.id}: score {e.score:.6g} ({e.method}"
                    f"{f', damping {e.damping}' if e.damping is not None else ''}; {where})")
         if e.full_score is not None:
-            click.echo(f"  full-space score {e.full_score:.6g} (exact, what the default query ranks by; the score and "
-                       "token terms below are the first stage's, from the index's budget-bound rows)")
+            click.echo(f"  full-space score {e.full_score:.6g} (exact, what --rerank-full ranks by; the score and "
+                       "token terms below are the stored rows')")
         text = shown.get(e.id) or "".join(e.train.tokens)
         if "\n[" in text:  # a conversation: one turn a line, with its role
             click.echo("  turns:\n" + "\n".join(f"    {t[:200]}" for t in text.splitlines()))

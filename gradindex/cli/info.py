@@ -65,7 +65,7 @@ def summary(index_dir: str) -> dict:
         "dir": str(d), "status": m.get("status"), "library_version": m.get("library_version"),
         "transcode_unfinished": transcode_unfinished(m),
         "model": {"id": m.get("model_id"), "fingerprint": b.get("model_fingerprint"),
-                  "dtype": m.get("dtype")},
+                  "dtype": m.get("dtype"), "file": m.get("model_file")},
         "data": {"id": m.get("data_id"), "examples": counts.get("examples"),
                  "truncated": counts.get("truncated"), "field": counts.get("text_field"),
                  "nonfinite": len(m.get("nonfinite_ids", []))},
@@ -103,6 +103,10 @@ def info(index_dir, as_json):
     click.echo(f"index      {s['dir']} ({state}, gradindex {s['library_version']})")
     mo = s["model"]
     click.echo(f"model      {mo['id']} ({mo['dtype']}, fingerprint {str(mo['fingerprint'])[:12]})")
+    if mo.get("file"):  # a GGUF file: de-quantized to the dtype above
+        f = mo["file"]
+        click.echo(f"           {f['format']} file, {f.get('architecture', '?')}, {human_bytes(f['bytes'])}, "
+                   f"blake2b {f['blake2b'][:12]}")
     d = s["data"]
     click.echo(f"data       {d['id']}: {d['examples']} examples (field {d['field']!r}, "
                f"{d['truncated']} truncated, {d['nonfinite']} non-finite)")

@@ -1,4 +1,4 @@
-"""``gradindex layers MODEL_DIR``: list hookable layers and the default selection."""
+"""``gradindex layers MODEL_DIR``: list hookable layers and the default selection (a folder or a .gguf file)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from gradindex.cli.common import user_errors
 
 
 @main.command()
-@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("model_dir", type=click.Path())
 @click.option("--layers", multiple=True, help="Glob patterns to test.")
 @user_errors
 def layers(model_dir, layers):

@@ -21,8 +21,8 @@ from gradindex.cli.common import MethodChoice, damping_option, index_method, num
 @click.option("--top", default=20, show_default=True, type=int, help="How many to show.")
 @click.option("--layers", multiple=True, help="Glob of layers (repeatable). Default: all.")
 @click.option("--data", default=None, type=click.Path(), help="Training data file, if it moved since the build.")
-@click.option("--model", "model_dir", default=None, type=click.Path(file_okay=False),
-              help="Model directory, for the texts (default: the one the index was built with).")
+@click.option("--model", "model_dir", default=None, type=click.Path(),
+              help="Model directory or .gguf file, for the texts (default: the one the index was built with).")
 @click.option("--no-text", is_flag=True, help="Do not load the texts.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @user_errors

@@ -112,9 +112,10 @@ def _json(r) -> list[dict]:
 @click.option("--lowest", default=0, show_default=True, type=click.IntRange(min=0),
               help="Also the N most negative examples.")
 @click.option("--rerank-full", default="auto", show_default=True, type=RerankChoice(),
-              help="Re-rank the index's top N candidates exactly, in full (unprojected) space, any method "
-                   "(kfac/ekfac need the full-space fit, which the default build makes where it projects). "
-                   "auto: the top 100 where the index stores a budget-bound projection, else none; 0: never.")
+              help="The exact stage: re-rank the index's top N candidates in full (unprojected) space, any method "
+                   "(kfac/ekfac need the full-space fit: `gradindex precondition INDEX --method ekfac --space full` "
+                   "or build --rerank-fit; and the training data), a forward + backward per candidate, the union "
+                   "of the queries' candidates once. auto (= 0): the first stage answers.")
 @click.option("--candidates", default=None, type=click.IntRange(min=1),
               help="Sketch index: examples its first tier hands to the exact re-rank (default: 500, or N/1000 "
                    "above 500,000 examples); "
@@ -163,6 +164,7 @@ def _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, cand
                      optimizer_state=optimizer_state) as engine:
         status(f"searching {engine.n:,} examples for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} "
                f"(loaded in {time.perf_counter() - t0:.1f} s) ...")
+        engine.announce = lambda msg: click.echo(f"note: {msg}", err=True)  # (the exact stage's time estimate)
         return engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
                                   lowest=lowest, rerank_full=rerank_full, candidates=candidates,
                                   shortlist=shortlist, nprobe=nprobe, text_field=text_field,

@@ -142,13 +142,10 @@ def data_fingerprint(data: Tokenized) -> str:
 
 def load_build_model(manifest: dict, device: str = "auto"):
     """The model and tokenizer that built the index (``manifest['model_id']``), fingerprint-checked."""
-    from pathlib import Path
-
-    from gradindex.adapter import is_adapter_dir
-    from gradindex.model import index_model_options, load_causal_lm
+    from gradindex.model import index_model_options, is_model_path, load_causal_lm
 
     model_id = manifest.get("model_id", "")
-    if not model_id or not ((Path(model_id) / "config.json").exists() or is_adapter_dir(model_id)):
+    if not model_id or not is_model_path(model_id):
         raise FileNotFoundError(
             f"fitting factors needs a pass over the model, but the model that built this index "
             f"({model_id!r}) is not found; pass the model to the fit, or rebuild with "

@@ -18,10 +18,12 @@ rotating dense gradients. The factor pass keeps each batch's gradient w.r.t. the
 (a third of a weight-free model pass at a vocabulary of 8192) and gets the same ``g_t`` bit for bit.
 
 A build with ``BuildConfig(full_factors=True)`` (``gradindex build --full-factors``) sums ``A`` and
-``S`` in its capture pass (store group ``covariance_full``); the fit then skips its factor pass. The
-default budget-bound build does the same over exactly its full-space fit set (the group's attribute
-``rows`` names it) and keeps the capture's head gradients for the correction pass (:class:`HeadGrads`);
-it saves the sums as the fit's checkpoint before the transcode rewrites the shards (:func:`keep_build_sums`).
+``S`` in its capture pass (store group ``covariance_full``); the fit then skips its factor pass. A
+budget-bound build asked for the exact stage's fit (``BuildConfig(rerank_fit=True)``, ``gradindex build
+--rerank-fit``; the default build makes none) does the same over exactly its full-space fit set (the
+group's attribute ``rows`` names it) and keeps the capture's head gradients for the correction pass
+(:class:`HeadGrads`); it saves the sums as the fit's checkpoint before the transcode rewrites the shards
+(:func:`keep_build_sums`).
 
 Output, beside the stored-space files: ``precond/kfac-full.h5`` and (EK-FAC) ``precond/ekfac-full.h5``,
 the same layout as ``precond/<method>.h5`` with ``[N_o, N_i(+1)]`` matrices (float32, no ``A``, ``S``:
@@ -98,8 +100,8 @@ def full_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
 
 def stored_share(manifest: dict) -> float:
     """Numbers a row stores over the numbers of the whole (unprojected) gradient of its layers;
-    below 1 the rows are a budget-bound projection: the default build fits full-space curvature and
-    the default query re-ranks its first stage in full space (docs/query.md, "Two stages")."""
+    below 1 the rows are a projection: their scores are a first stage, which the exact stage
+    (``rerank_full=C``) re-ranks in full space on request (docs/query.md, "Two stages")."""
     layers = manifest["build"]["layers"]
     stored = sum(int(v["rows"]) * int(v["cols"]) for v in layers.values())
     full = sum(int(v["n_out"]) * (int(v["n_in"]) + int(bool(v["bias"]))) for v in layers.values())
@@ -108,8 +110,9 @@ def stored_share(manifest: dict) -> float:
 
 def budget_bound(manifest: dict) -> bool:
     """Whether the rows are a projection sized by the byte budget (``--projection auto``, the default)
-    that holds less than the whole gradient: where the default build fits full-space curvature and the
-    default query re-ranks exactly. A projection the user chose (``--projection 16``) is taken as asked."""
+    that holds less than the whole gradient: where the default query's first-stage result carries a note
+    on the exact stage (``--rerank-full C``). A projection the user chose (``--projection 16``) is taken as
+    asked."""
     return budget_sized(manifest.get("config", {}).get("budget")) and stored_share(manifest) < 1
 
 
@@ -198,7 +201,7 @@ class HeadGrads:
 
 def build_pass_factors(index_dir: str | os.PathLike, layers: list[str], rows: str = "") -> tuple[dict, int] | None:
     """``({"A/<layer>": Σ a aᵀ, "S/<layer>": Σ g gᵀ}, tokens)`` summed over the shards' ``covariance_full``
-    groups (a build with ``full_factors``, or the default build's sums over its re-rank fit set), or
+    groups (a build with ``full_factors``, or a ``rerank_fit`` build's sums over its fit set), or
     ``None`` unless every shard has finite ones over the examples of digest ``rows`` (empty: all)."""
     with Store(index_dir) as store:
         paths = list(store.paths)

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from gradindex.capture import GradientCapture
 from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
 from gradindex.chat import set_chat_template, template_of
-from gradindex.fingerprint import model_fingerprint
+from gradindex.fingerprint import check_index_tokenizer, model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
 from gradindex.index.cost import sketch_candidates
 from gradindex.manifest import IndexMismatchError, identity_differences
@@ -29,10 +29,11 @@ from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.query import search as S
 from gradindex.query.full import (
     DEFAULT_RERANK,
+    EXACT_STAGE_C,
     FULL_SPACE_METHODS,
     budget_bound,
-    full_gradient_scores,
     full_query_gradient,
+    full_scores_batch,
     stored_share,
 )
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
@@ -95,6 +96,11 @@ class QueryResult:
                 "notes": self.notes, "seconds": self.seconds, "stage": self.stage, "reranked": self.reranked}
 
 
+def _secs(x: float) -> str:
+    """Seconds for a message: ``0.25 s``, ``3.1 s``, ``120 s``."""
+    return f"{x:.0f} s" if x >= 10 else f"{x:.2g} s"
+
+
 def check_damping(damping: float) -> None:
     """Refuse a damping that is not a finite number > 0 (``inf`` would answer all-zero scores)."""
     if not (isinstance(damping, int | float) and math.isfinite(damping) and damping > 0):
@@ -127,6 +133,10 @@ class QueryEngine:
         self.refine = refine
         """The default query refinement (None: plain EK-FAC queries)."""
         self._refiner: Refiner | None = None
+        self.announce: Callable[[str], None] = log.info
+        """Where the exact stage says, before it starts, how long it will take (the CLI prints it)."""
+        self._hinted = False  # (the first stage's note on the exact stage: logged once per engine)
+        self._mean_tokens: float | None = None
         try:
             self.dir, self.manifest, self.store = self.index.dir, self.index.manifest, self.index.store
             self.n = self.index.n
@@ -162,6 +172,7 @@ class QueryEngine:
                                                         **index_model_options(self.manifest))
         if self.manifest.get("chat_template") and self.tokenizer is not None and template_of(self.tokenizer) is None:
             set_chat_template(self.tokenizer, self.manifest["chat_template"])  # the template the build used
+        check_index_tokenizer(self.manifest, self.tokenizer, self.dir)
         build = self.manifest["build"]
         try:
             spec = self.index.projection
@@ -270,27 +281,28 @@ class QueryEngine:
                     candidates: int | None = None, shortlist: int | None = None, nprobe: int | None = None,
                     texts: bool = True, text_field: str = "text",
                     refine: RefineConfig | bool | None = None) -> list[QueryResult]:
-        """Answer a batch of queries: capture, precondition, (refine), search, exact re-rank, texts.
+        """Answer a batch of queries: capture, precondition, (refine), search and exact re-rank of the stored
+        rows (the first stage), texts; the exact (full-space) stage only on request.
 
         ``k`` results per query (best first), ``lowest`` most negative ones on request,
-        ``rerank_full=C``: the top ``C`` candidates of the index re-scored in full (unprojected)
-        space under ``method`` (:mod:`gradindex.query.full`; ``kfac``/``ekfac`` need the full-space
-        fit, ``gradindex precondition --space full``), the best ``k`` of them returned; ``None``
-        (default): :data:`~gradindex.query.full.DEFAULT_RERANK` where the index's rows are a
-        budget-bound projection and the re-rank can run, else none, with a note saying why
-        (:meth:`rerank_plan`); ``0``: never;
+        ``rerank_full=C``: the exact stage, the top ``C`` candidates of the index re-scored in full
+        (unprojected) space under ``method`` (:mod:`gradindex.query.full`; ``kfac``/``ekfac`` need the
+        full-space fit, ``gradindex precondition --space full``), the best ``k`` of them returned; the
+        union of the batch's candidates is recomputed once (:func:`~gradindex.query.full.full_scores_batch`).
+        ``None`` (default) or ``0``: the first stage answers (:data:`~gradindex.query.full.DEFAULT_RERANK`);
+        on a budget-bound index a note says how to ask for the exact stage and what it costs (:meth:`rerank_plan`);
         ``candidates`` (ANN results per layer), ``shortlist`` (kept per layer after exact
         per-layer scoring) and the index's ``nprobe`` tune the ANN search (docs/query.md);
         ``refine``: a :class:`~gradindex.query.refine.RefineConfig` (``None``: the engine's default,
         ``False``: none) refines kfac/ekfac query vectors against the model's Gauss-Newton matrix
-        (docs/query.md, "Refined queries"), in the re-rank's full space too.
+        (docs/query.md, "Refined queries"), in the exact stage's full space too.
         """
         t0 = time.perf_counter()
         check_damping(damping)
         self.index.check_current()  # before the gradient pass: refused at once when a build replaced the index
         method = self.resolve_method(method)
         refine = self.refine_config(refine, method)
-        rerank_full, fallback = self.rerank_plan(method, rerank_full)
+        rerank_full, hint = self.rerank_plan(method, rerank_full)
         full_pre = self.full_preconditioner(method) if rerank_full else None
         rerank_full = min(rerank_full, self.n)
         tokens = self.tokenize(as_records(queries, text_field), text_field)
@@ -313,51 +325,68 @@ class QueryEngine:
                 r.notes.append(f"query {j} was longer than the index's max length "
                                f"({self.manifest['build']['max_length']} tokens) and was truncated")
                 log.info(r.notes[-1])
-            if rerank_full:
-                t1 = time.perf_counter()
-                self._rerank_full(r, (tokens.input_ids[j], tokens.labels[j]), rerank_full, full_pre, damping, refine)
-                r.seconds["rerank_full"] = time.perf_counter() - t1
-                r.reranked = min(rerank_full, len(r.hits))
-                r.stage = f"full-space re-rank of the top {r.reranked}"
-                if len(r.hits) > rerank_full:
-                    r.notes.append(f"results below rank {rerank_full} carry first-stage scores (raise --rerank-full)")
-            else:
-                r.stage = "first stage" if stored_share(self.manifest) < 1 else "index rows"
-                if fallback:
-                    r.notes.append(fallback)
+        per_token = t_grad / max(1, sum(map(len, tokens.input_ids)))  # (this batch's gradient pass, a token)
+        if rerank_full:
+            self._exact_stage(results, tokens, rerank_full, full_pre, damping, refine, per_token)
+        else:
+            q_mean = sum(map(len, tokens.input_ids)) / max(1, len(tokens))
+            self._first_stage(results, hint, per_token * (self._example_tokens() or q_mean) if hint else 0.0)
+        for r in results:
             r.hits = r.hits[:k]
-        if fallback:
-            log.info(fallback)
         return results
 
-    def rerank_plan(self, method: str, rerank_full: int | None) -> tuple[int, str | None]:
-        """``(C, note)``: the candidates to re-rank in full space, and, when the default (``None``)
-        re-ranks none on a budget-bound index, the note saying why and how to get it.
+    def _first_stage(self, results: list[QueryResult], hint: str | None, per_candidate: float) -> None:
+        """Label the results as the first stage's; on a budget-bound index, the note on the exact stage (with
+        its cost here: a forward + backward per candidate, ``per_candidate`` seconds: this batch's own gradient
+        seconds per token times a training example's tokens), logged once."""
+        stage = "first stage" if stored_share(self.manifest) < 1 else "index rows"
+        if hint:
+            cost = EXACT_STAGE_C * per_candidate
+            hint += (f"; it costs a forward + backward per candidate, about {_secs(cost)} a query here for "
+                     f"C = {EXACT_STAGE_C} (docs/query.md, \"Two stages\")")
+            if not self._hinted:
+                self._hinted = True
+                log.info(hint)
+        for r in results:
+            r.stage = stage
+            if hint:
+                r.notes.append(hint)
 
-        An explicit ``C`` is taken as asked (what it needs missing is an error at the re-rank); the
-        default re-ranks :data:`DEFAULT_RERANK` where the rows are a budget-bound projection
-        (:func:`~gradindex.query.full.budget_bound`) and the method, its full-space fit and the
-        training data are all there."""
+    def _example_tokens(self) -> float:
+        """Mean tokens of a training example (the first shard's, read once; 0 where unknown)."""
+        if self._mean_tokens is None:
+            try:
+                got = self.store.shard_columns(0, ["num_tokens"], 0, self.store.sizes[0])["num_tokens"]
+            except (AttributeError, IndexError, KeyError):  # (a store without the column)
+                got = np.zeros(0)
+            self._mean_tokens = float(np.mean(got)) + 1 if len(got) else 0.0
+        return self._mean_tokens
+
+    def rerank_plan(self, method: str, rerank_full: int | None) -> tuple[int, str | None]:
+        """``(C, note)``: the candidates to re-rank in full space (the exact stage), and, when the default
+        (``None``: :data:`DEFAULT_RERANK`, none) leaves a budget-bound index's first stage to answer, the note
+        saying how to ask for the exact stage and what it needs.
+
+        An explicit ``C`` is taken as asked (what it needs missing is an error at the re-rank). The
+        note goes with an index whose rows are a budget-bound projection
+        (:func:`~gradindex.query.full.budget_bound`) and a method with a full-space form."""
         if rerank_full is not None:
             if rerank_full < 0:
                 raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
             return rerank_full, None
-        if not budget_bound(self.manifest):
-            return 0, None
-        share = stored_share(self.manifest)
         base, _ = parse_method(method)
-        why = (f"first-stage scores: this index stores {share:.2%} of each example's gradient (a budget-bound "
-               "projection), and ")
-        if base not in FULL_SPACE_METHODS:
-            return 0, why + f"--method {base} has no full-space re-rank"
+        if not budget_bound(self.manifest) or base not in FULL_SPACE_METHODS:
+            return DEFAULT_RERANK, None
+        needs = "the training data"
         if method_spec(base).fitted is not None and base not in self.manifest.get("full_space", {}):
-            return 0, why + (f"the exact re-rank needs the full-space {base} fit: run `gradindex precondition "
-                             f"{self.dir} --method {base} --space full` (or query with --rerank-full 0 to "
-                             "silence this)")
+            needs = (f"the full-space {base} fit (`gradindex precondition {self.dir} --method {base} --space full`) "
+                     f"and {needs}")
         if self.texts.unavailable():
-            return 0, why + f"the exact re-rank recomputes the candidates' gradients from the training data: " \
-                            f"{self.texts.problem}"
-        return DEFAULT_RERANK, None
+            needs += f" (not found: {self.texts.problem}; pass --data)"
+        return DEFAULT_RERANK, (
+            f"first-stage scores: this index stores {stored_share(self.manifest):.2%} of each example's gradient "
+            f"(a budget-bound projection). The exact stage re-scores the top C in full space on request, "
+            f"--rerank-full {EXACT_STAGE_C} (rerank_full={EXACT_STAGE_C}); it needs {needs}")
 
     def resolve_method(self, method: str | None = None) -> str:
         """``method``, or when None the index's default (``ekfac`` where it answers it, else ``graddot``)."""
@@ -566,24 +595,59 @@ class QueryEngine:
             self._scales[key] = np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)
         return self._scales[key]
 
-    def _rerank_full(self, res: QueryResult, query: tuple[list[int], list[int]], top: int,
-                     pre: Preconditioner, damping: float, refine: RefineConfig | None = None) -> None:
-        hits = res.hits[:top]
-        ids, labels, ok = self.texts.tokens(np.array([h.id for h in hits], dtype=np.int64))
-        if len(ids) != len(hits) or not ok.all():
+    def _exact_stage(self, results: list[QueryResult], tokens: QueryTokens, top: int, pre: Preconditioner,
+                     damping: float, refine: RefineConfig | None, per_token: float) -> None:
+        """Re-score each result's top ``top`` in full space, the union of the batch's candidates recomputed
+        once; announce its estimated time first (:attr:`announce`), record the seconds it took."""
+        t0 = time.perf_counter()
+        heads = [r.hits[:top] for r in results]
+        union = np.unique(np.concatenate([[h.id for h in hs] for hs in heads]).astype(np.int64))
+        ids, labels, ok = self.texts.tokens(union)
+        if len(ids) != len(union) or not ok.all():
             why = self.texts.problem or "its rows changed since the build"
-            raise ValueError("full-gradient re-ranking needs the training data the index was built from "
-                             f"({why}); pass data= / --data")
+            raise ValueError("the exact stage (full-space re-rank) needs the training data the index was built "
+                             f"from ({why}); pass data= / --data")
+        queries = [(tokens.input_ids[j], tokens.labels[j]) for j in range(len(results))]
+        layers = results[0].layers
         refined = None
         if refine is not None and refine.steps:
-            Gq = full_query_gradient(self.model, res.layers, query, self.pad_id)
-            refined = self.refiner.full_space(Gq, pre, damping, res.layers, refine)
-        scores = full_gradient_scores(self.model, res.layers, query, (ids, labels), self.pad_id, res.method,
-                                      int(self.manifest.get("config", {}).get("batch_size", 8)), pre, damping,
-                                      query_matrices=refined)
-        for h, s in zip(hits, scores, strict=True):
-            h.full_score = float(s)
-        res.hits = sorted(hits, key=lambda h: (-h.full_score, h.id)) + res.hits[top:]
+            refined = [self.refiner.full_space(full_query_gradient(self.model, layers, q, self.pad_id), pre,
+                                               damping, layers, refine) for q in queries]
+        many = f" (the union of {sum(map(len, heads))} for {len(queries)} queries)" if len(queries) > 1 else ""
+        work = sum(map(len, ids)) + sum(map(len, tokens.input_ids))
+        self.announce(f"exact stage: {len(union)} candidates{many} re-scored in full space, about "
+                      f"{_secs(work * per_token)} ({len(union) + len(queries)} forward + backward passes, {work:,} "
+                      "tokens at this batch's own gradient seconds per token)")
+        scores = full_scores_batch(self.model, layers, queries, (ids, labels),
+                                   [np.searchsorted(union, [h.id for h in hs]) for hs in heads], self.pad_id,
+                                   results[0].method, int(self.manifest.get("config", {}).get("batch_size", 8)),
+                                   pre, damping, query_matrices=refined, on_batch=self._first_batch_rate())
+        secs = time.perf_counter() - t0
+        for r, hs, sc in zip(results, heads, scores, strict=True):
+            for h, s in zip(hs, sc, strict=True):
+                h.full_score = float(s)
+            r.hits = sorted(hs, key=lambda h: (-h.full_score, h.id)) + r.hits[top:]
+            r.seconds["rerank_full"] = secs
+            r.reranked = len(hs)
+            r.stage = f"full-space re-rank of the top {r.reranked}"
+            r.notes.append(f"exact stage: {len(union)} candidates re-scored in full space in {secs:.1f} s"
+                           + (f" (for {len(queries)} queries, their candidates' union)" if len(queries) > 1 else ""))
+            if len(r.hits) > top:
+                r.notes.append(f"results below rank {top} carry first-stage scores (raise --rerank-full)")
+
+    def _first_batch_rate(self):
+        """``on_batch`` of the exact stage: after its first batch, announce the measured time left (if over 5 s)."""
+        said = [False]
+
+        def on_batch(done: int, total: int, seconds: float) -> None:
+            if not said[0] and done < total:
+                said[0] = True
+                left = seconds / done * (total - done)
+                if left > 5:
+                    self.announce(f"exact stage: {_secs(seconds / done)} a candidate on the first batch, about "
+                                  f"{_secs(left)} to go ({total - done} candidates)")
+
+        return on_batch
 
     def _need_model(self) -> None:
         if self.capture is None:

@@ -5,16 +5,25 @@ the query's full per-layer gradient ``G_q = Σ_t g_t a_tᵀ`` is rebuilt (one ex
 ``[N_o, N_i(+1)]`` matrix per layer), preconditioned once, ``M = (H + δI)⁻¹ G_q`` with the
 full-space curvature (:func:`gradindex.precondition.load_full_preconditioner`), and each candidate is
 scored from its per-token factors (:class:`~gradindex.capture.tokens.TokenCapture`, one forward +
-backward per batch of candidates) as ``⟨M, G_t⟩ = Σ_t g_tᵀ M a_t``, never forming ``G_t``:
+backward per batch of candidates) as ``⟨M, G_t⟩ = Σ_t g_tᵀ M a_t``, never storing ``G_t`` (a batch's
+dense ``G_t = Σ_t g_t a_tᵀ`` is formed a few examples at a time, dotted with every query's ``M`` at once,
+then dropped):
 
 * ``graddot``: ``M = G_q``; ``cosine``: divided by ``‖G_q‖ ‖G_t‖``, with
   ``‖G_t‖² = Σ_{t,s} (g_t·g_s)(a_t·a_s)`` from the factors;
 * ``kfac`` / ``ekfac``: ``M = (H + δI)⁻¹ G_q``, ``δ = damping × mean(Λ)`` per layer;
 * ``<method>-selfnorm``: divided by ``sqrt`` of the candidate's full-space self-influence
   (``‖G_t‖²`` for GradDot; ``Σ_ij R_ij² / (Λ_ij + δ)`` with ``R = Σ_t (Q_Sᵀ g_t)(Q_Aᵀ a_t)ᵀ`` otherwise).
+
+A batch of queries (:func:`full_scores_batch`) recomputes the union of their candidates once: one
+forward + backward per batch of that union, each candidate scored against every query's ``M`` (queries
+in chunks of :data:`QUERY_CHUNK_BYTES` of ``M``).
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -27,15 +36,24 @@ from gradindex.precondition.apply import damped
 from gradindex.precondition.fullspace import budget_bound, stored_share
 from gradindex.precondition.preconditioner import Preconditioner
 
-DEFAULT_RERANK = 100
-"""Candidates the default query re-ranks in full space where the index's rows are a budget-bound
-projection (``QueryEngine.query_batch(rerank_full=None)``): ``benchmarks/results/width.json``, the
-first stage's recall of exhaustive full-space EK-FAC's top 10 against C (docs/query.md, "Two stages")."""
+DEFAULT_RERANK = 0
+"""Candidates the default query re-ranks in full space (``QueryEngine.query_batch(rerank_full=None)``): none,
+the default query is the first stage. On a LoRA-fine-tuned SmolLM2-135M-Instruct (160 chat records, 24
+LoRA retrainings) the first stage scored halves LDS 0.596, exhaustive full-space EK-FAC 0.520 (the first
+stage higher on 17 of 20 queries), and the exact stage of the top 100 took 120-263 s a query on 2 CPU cores
+against ~1.5 s (docs/query.md, "Two stages"). ``rerank_full=C`` asks for it."""
+EXACT_STAGE_C = 100
+"""The ``C`` the first stage's note suggests for ``--rerank-full C`` (``benchmarks/results/width.json``: the
+first stage's recall of exhaustive full-space EK-FAC's top 10 against C)."""
+QUERY_CHUNK_BYTES = 2 << 30
+"""At most this many bytes of the queries' full-space matrices ``M`` (``Σ N_o N_i(+1)`` numbers a query) are
+held at once: a batch of queries is scored in chunks, one pass over each chunk's union of candidates."""
+DENSE_BYTES = 256 << 20
+"""At most this many bytes of a candidate batch's dense per-layer gradients are formed at once."""
 FULL_SPACE_METHODS = ("graddot", "cosine", "kfac", "ekfac")
 """Methods :func:`full_gradient_scores` answers (each also ``-selfnorm``)."""
-__all__ = ["DEFAULT_RERANK", "FULL_SPACE_METHODS", "budget_bound", "full_gradient_scores", "full_query_gradient",
-           "stored_share"]
-
+__all__ = ["DEFAULT_RERANK", "EXACT_STAGE_C", "FULL_SPACE_METHODS", "budget_bound", "full_gradient_scores",
+           "full_query_gradient", "full_scores_batch", "stored_share"]
 
 
 def full_query_gradient(model: nn.Module, layers: list[str], query: tuple[list[int], list[int]], pad_id: int,
@@ -44,7 +62,8 @@ def full_query_gradient(model: nn.Module, layers: list[str], query: tuple[list[i
     out: dict[str, torch.Tensor] = {}
 
     def visit(name: str, a: torch.Tensor, g: torch.Tensor) -> None:
-        out[name] = g[0].to(dtype).T @ a[0].to(dtype)
+        G = g[0].to(dtype).T @ a[0].to(dtype)
+        out[name] = out[name] + G if name in out else G
 
     with TokenCapture(model, layers, visit) as cap:
         batch_gradients(model, cap, [query[0]], [query[1]], pad_id)
@@ -71,53 +90,163 @@ def full_gradient_scores(
     ``query_matrices``: layer → ``M`` to score with instead of ``(H + δI)⁻¹ G_q`` (a refined query,
     :meth:`gradindex.query.refine.Refiner.full_space`).
     """
+    every = np.arange(len(train[0]))
+    return full_scores_batch(model, layers, [query], train, [every], pad_id, method, batch_size, pre, damping,
+                             dtype, None if query_matrices is None else [query_matrices])[0]
+
+
+def full_scores_batch(
+    model: nn.Module,
+    layers: list[str],
+    queries: Sequence[tuple[list[int], list[int]]],
+    train: tuple[list[list[int]], list[list[int]]],
+    wanted: Sequence[np.ndarray],
+    pad_id: int,
+    method: str = "graddot",
+    batch_size: int = 8,
+    pre: Preconditioner | None = None,
+    damping: float = DEFAULT_DAMPING,
+    dtype: torch.dtype = torch.float32,
+    query_matrices: Sequence[dict[str, torch.Tensor] | None] | None = None,
+    on_batch: Callable[[int, int, float], None] | None = None,
+) -> list[np.ndarray]:
+    """Per query ``q``, float64 full-space scores of the training examples ``wanted[q]`` (positions in ``train``,
+    the union of every query's candidates), in that order.
+
+    One forward + backward per batch of the union (per chunk of queries, :data:`QUERY_CHUNK_BYTES`), each
+    candidate scored against every query's ``M``; the per-candidate norms of ``cosine`` / ``-selfnorm`` once
+    per candidate. ``query_matrices[q]``: layer → ``M`` instead of ``(H + δI)⁻¹ G_q``. ``on_batch(done,
+    total, seconds)`` after each candidate batch (``done`` of ``total`` candidate passes, their seconds so far).
+    """
     base, selfnorm = parse_method(method)
     fitted = method_spec(base).fitted is not None
     if fitted and (pre is None or pre.is_identity or pre.method != base):
         raise ValueError(f"full-space {base} scores need the full-space {base} preconditioner "
                          "(gradindex.precondition.load_full_preconditioner)")
+    if not queries:
+        return []
+    wanted = [np.asarray(w, dtype=np.int64) for w in wanted]
+    given = list(query_matrices) if query_matrices is not None else [None] * len(queries)
+    out: list[np.ndarray] = [np.zeros(0)] * len(queries)
+    chunks = _chunks(list(range(len(queries))), _chunk_size(model, layers, dtype))
+    passes = _Passes(on_batch, sum(len(np.unique(np.concatenate([wanted[q] for q in c]))) for c in chunks))
+    for chunk in chunks:
+        mats = [_query_matrix(model, layers, queries[q], pad_id, base, pre, damping, dtype, given[q]) for q in chunk]
+        union = np.unique(np.concatenate([wanted[q] for q in chunk]))
+        M = {n: torch.stack([m.pop(n) for m, _ in mats]) for n in layers}  # [Qc, N_o, N_i(+1)], a layer at a time
+        dots, sq = _candidate_pass(model, layers, train, union, pad_id, batch_size, M,
+                                   _norm_kind(base, selfnorm, fitted), pre, damping, dtype, passes)
+        for j, q in enumerate(chunk):
+            at = np.searchsorted(union, wanted[q])
+            out[q] = _finish(dots[at, j], sq[at], base, selfnorm, mats[j][1])
+        del M, mats
+    return out
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[s:s + size] for s in range(0, len(items), size)]
+
+
+def _chunk_size(model: nn.Module, layers: list[str], dtype: torch.dtype) -> int:
+    """Queries whose full-space ``M`` fit in :data:`QUERY_CHUNK_BYTES` together (at least one)."""
+    cap = TokenCapture(model, layers, lambda *_: None)  # (hooks nothing outside ``with``)
+    numbers = sum(int(np.prod(cap.full_shape(n))) for n in cap.infos)
+    per_query = max(1, numbers * torch.finfo(dtype).bits // 8)
+    return max(1, QUERY_CHUNK_BYTES // per_query)
+
+
+def _query_matrix(model, layers, query, pad_id, base: str, pre, damping: float, dtype: torch.dtype,
+                  given: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], float]:
+    """``(layer → M, ‖G_q‖)`` of one query: ``given``, else ``(H + δI)⁻¹ G_q`` (``G_q`` for graddot/cosine)."""
     Gq = full_query_gradient(model, layers, query, pad_id, dtype)
+    fitted = method_spec(base).fitted is not None
     M = {}
     for n in layers:
         G = Gq[n]
-        if query_matrices is not None:
-            M[n] = query_matrices[n].to(G.device, dtype)
+        if given is not None:
+            M[n] = given[n].to(G.device, dtype)
         else:
             M[n] = pre.apply(n, G.reshape(1, -1), -1.0, damping).reshape(G.shape) if fitted else G
-    need_gram = base == "cosine" or (selfnorm and not fitted)
+    q_norm = float(torch.sqrt(sum(G.double().square().sum() for G in Gq.values()))) if base == "cosine" else 0.0
+    return M, q_norm
+
+
+def _norm_kind(base: str, selfnorm: bool, fitted: bool) -> str:
+    """What a candidate's norm is: ``gram`` (``‖G_t‖²``), ``eig`` (full-space self-influence) or ``none``."""
+    if base == "cosine" or (selfnorm and not fitted):
+        return "gram"
+    return "eig" if selfnorm and fitted else "none"
+
+
+class _Passes:
+    """Counts candidate passes across chunks and their seconds (the queries' own passes not counted), and
+    reports each batch (``on_batch``)."""
+
+    def __init__(self, on_batch, total: int):
+        self.on_batch, self.total, self.done, self.seconds = on_batch, total, 0, 0.0
+
+    def add(self, n: int, seconds: float) -> None:
+        self.done += n
+        self.seconds += seconds
+        if self.on_batch is not None:
+            self.on_batch(self.done, self.total, self.seconds)
+
+
+def _dense_dots(a: torch.Tensor, g: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """``[B, Q]``: ``⟨M_q, G_b⟩`` with ``G_b = g[b]ᵀ a[b]``, formed a few examples at a time (:data:`DENSE_BYTES`)."""
+    Mf = M.reshape(M.shape[0], -1)
+    step = max(1, DENSE_BYTES // max(1, Mf.shape[1] * a.element_size()))
+    parts = []
+    for s in range(0, a.shape[0], step):
+        G = torch.bmm(g[s:s + step].transpose(1, 2), a[s:s + step])  # [b, N_o, N_i(+1)]
+        parts.append(G.reshape(G.shape[0], -1) @ Mf.T)
+    return torch.cat(parts)
+
+
+def _candidate_pass(model, layers: list[str], train, rows: np.ndarray, pad_id: int, batch_size: int,
+                    M: dict[str, torch.Tensor], norm: str, pre, damping: float, dtype: torch.dtype,
+                    passes: _Passes) -> tuple[np.ndarray, np.ndarray]:
+    """``([n, Q] dots, [n] squared norms)`` of training examples ``rows`` against the stacked ``M``."""
     eig = {}
-    if selfnorm and fitted:
+    if norm == "eig":
         for n in layers:
             Q_S, Q_A, Lam = pre._tensors(n, M[n].device, dtype)
             eig[n] = (Q_S, Q_A, damped(Lam, pre.delta(n, damping), -1.0))
     t_ids, t_labels = train
-    dots = np.zeros(len(t_ids))
-    norms = np.zeros(len(t_ids))
+    dots = np.zeros((len(rows), len(next(iter(M.values())))))
+    norms = np.zeros(len(rows))
     cur: dict[str, torch.Tensor] = {}
 
     def visit(name: str, a: torch.Tensor, g: torch.Tensor) -> None:
         a, g = a.to(dtype), g.to(dtype)
-        d = ((a @ M[name].T) * g).sum(dim=(1, 2))  # [B]: Σ_t g_tᵀ M a_t
-        if need_gram:
+        d = _dense_dots(a, g, M[name])  # [B, Q]: Σ_t g_tᵀ M_q a_t
+        if norm == "gram":
             sq = ((g @ g.transpose(1, 2)) * (a @ a.transpose(1, 2))).sum(dim=(1, 2))  # ‖G_t‖²
-        elif eig:
+        elif norm == "eig":
             Q_S, Q_A, w = eig[name]
             R = torch.bmm((g @ Q_S).transpose(1, 2), a @ Q_A)  # [B, N_o, N_i(+1)]
             sq = (R.square() * w).sum(dim=(1, 2))
         else:
-            sq = torch.zeros_like(d)
+            sq = torch.zeros(d.shape[0], dtype=d.dtype, device=d.device)
         cur["dot"] = cur["dot"] + d if "dot" in cur else d
         cur["sq"] = cur["sq"] + sq if "sq" in cur else sq
 
     with TokenCapture(model, layers, visit) as cap:
-        for s in range(0, len(t_ids), batch_size):
+        for s in range(0, len(rows), batch_size):
+            t0 = time.perf_counter()
             cur.clear()
-            batch_gradients(model, cap, t_ids[s:s + batch_size], t_labels[s:s + batch_size], pad_id)
+            idx = rows[s:s + batch_size]
+            batch_gradients(model, cap, [t_ids[i] for i in idx], [t_labels[i] for i in idx], pad_id)
             e = s + len(cur["dot"])
             dots[s:e] = cur["dot"].double().cpu().numpy()
             norms[s:e] = cur["sq"].double().cpu().numpy()
+            passes.add(len(idx), time.perf_counter() - t0)
+    return dots, norms
+
+
+def _finish(dots: np.ndarray, norms: np.ndarray, base: str, selfnorm: bool, q_norm: float) -> np.ndarray:
+    """The method's scores from the dots and the candidates' squared norms."""
     if base == "cosine":
-        q_norm = float(torch.sqrt(sum(G.double().square().sum() for G in Gq.values())))
         denom = q_norm * np.sqrt(np.maximum(norms, 0.0))
         return np.where(denom > 0, dots / np.where(denom > 0, denom, 1.0), 0.0)
     if selfnorm:

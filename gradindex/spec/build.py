@@ -74,12 +74,19 @@ class BuildOptions:
     that whitened eigenbasis in its one capture pass: no raw store, no transcode (docs/math.md, "Fit on a
     sample"). 0: fit on every example (the capture, then the fit and the transcode over all rows).
     Builds of at most this many examples, other options and torchrun fit on every example."""
+    rerank_fit: bool = False
+    """Also fit ``precondition`` (kfac/ekfac) in full (unprojected) space in this build, what the exact stage
+    of a query (``--rerank-full C``) needs, where the rows hold less than the whole gradient: its factors
+    summed in the capture pass over every example up to :data:`RERANK_FIT_EXAMPLES` (else a seeded sample of
+    that many), its EK-FAC correction from ``rerank_correction`` of them. Off by default: the default query is
+    the first stage, and the fit is what raised a budget-bound build's peak RSS and time (docs/query.md, "Two
+    stages"); ``gradindex precondition INDEX --method ekfac --space full`` adds it to a built index."""
     rerank_correction: int = 128
-    """The full-space EK-FAC fit a budget-bound build makes for the default query's exact re-rank: its
-    factors from every fit example (summed in the capture pass), its correction ``Λ*`` from a seeded sample
-    of this many of them (``fisher_seed``), a model pass over the sample; 0 = all of them (a model pass over
-    every fit example: about 1.4 capture floors on the peers workload). 128 of 1,024 examples kept top-10
-    0.97-0.98 and Spearman 0.998 of the exact full-space scores (benchmarks/correction_sample.py)."""
+    """With ``rerank_fit``: the full-space EK-FAC fit's factors from every fit example (summed in the capture
+    pass), its correction ``Λ*`` from a seeded sample of this many of them (``fisher_seed``), a model pass over
+    the sample; 0 = all of them (a model pass over every fit example: about 1.4 capture floors on the peers
+    workload). 128 of 1,024 examples kept top-10 0.97-0.98 and Spearman 0.998 of the exact full-space scores
+    (benchmarks/correction_sample.py)."""
     transcode: str = "auto"
     """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
     eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
@@ -88,9 +95,9 @@ class BuildOptions:
 
 
 RERANK_FIT_EXAMPLES = 2048
-"""The full-space fit a budget-bound build makes for the default query's exact re-rank takes every
-example up to this many, else a seeded sample of this many: its factors summed in the capture pass, its
-EK-FAC correction from ``rerank_correction`` of them (a model pass over those)."""
+"""The full-space fit a build with ``rerank_fit`` makes for the exact stage takes every example up to this
+many, else a seeded sample of this many: its factors summed in the capture pass, its EK-FAC correction from
+``rerank_correction`` of them (a model pass over those)."""
 
 
 def default(name: str):

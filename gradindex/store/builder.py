@@ -28,7 +28,7 @@ from gradindex.capture.sampling import FISHERS
 from gradindex.chat import MESSAGES, template_of
 from gradindex.checksum import check_files, move_aside, recorded, shard_of
 from gradindex.data import Tokenized, token_hash
-from gradindex.fingerprint import digest_bytes, model_fingerprint
+from gradindex.fingerprint import digest_bytes, model_fingerprint, tokenizer_fingerprint
 from gradindex.lock import LOCK, index_lock
 from gradindex.manifest import (
     FORMAT_VERSION,
@@ -40,7 +40,7 @@ from gradindex.manifest import (
     write_manifest,
 )
 from gradindex.methods import DEFAULT_DAMPING
-from gradindex.model import resolve_pad_id
+from gradindex.model import check_tokenizer_fits, model_file, resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
@@ -161,10 +161,11 @@ def model_dtype(model: nn.Module) -> str:
 
 
 def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: BuildConfig, data_fp: str,
-              basis: dict, optimizer: dict | None) -> dict:
+              basis: dict, optimizer: dict | None, tokenizer_fp: dict | None = None) -> dict:
     adapter = adapter_fingerprint(model)
     return {
         "model_fingerprint": model_fp,
+        **({"tokenizer": tokenizer_fp} if tokenizer_fp else {}),
         **({"adapter_fingerprint": adapter} if adapter else {}),
         "dtype": model_dtype(model),
         "storage": cfg.capture_storage,
@@ -292,9 +293,12 @@ class _Setup:
 def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, progress: bool,
            full_sums: bool = False, coder=None) -> _Setup:
     """Fingerprints, the whitened basis (its factor pass, if any), the projection sizes and the capture."""
+    check_tokenizer_fits(model, tokenizer)  # (ids past the embedding: an IndexError in the capture)
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
     model_fp = model_fingerprint(model)
+    tokenizer_fp = tokenizer_fingerprint(tokenizer, chat=data.field == MESSAGES) \
+        if hasattr(tokenizer, "get_vocab") else None  # (none, or a stand-in for pre-tokenized data: nothing to record)
     pad_id = resolve_pad_id(model, tokenizer)
     infos = {n: layer_info(m) for n, m in select_layers(model, cfg.layers).items()}
     basis, write = RowBasis(), None
@@ -309,7 +313,7 @@ def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildCo
                               or (cfg.precondition != "none" and cfg.fisher == "empirical" and coder is None),
                               collect_full_covariance=cfg.full_factors or full_sums, transforms=transforms)
     identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
-                         optimizer)
+                         optimizer, tokenizer_fp)
     if coder is not None:
         identity = coder.identity(identity)
     return _Setup(hashes, data_fp, pad_id, spec, capture, identity, write)
@@ -323,6 +327,7 @@ def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConf
         "library_version": gradindex.__version__,
         "status": "building",
         "model_id": model_id,
+        **({"model_file": model_file(model)} if model_file(model) else {}),  # (a GGUF: its path and hash)
         **({"adapter_id": adapter_path(model)} if adapter_path(model) else {}),
         "data_id": data_id,
         **({"chat_template": template_of(tokenizer)} if data.field == MESSAGES else {}),

@@ -1,0 +1,7 @@
+"""The library's own error types (no heavy imports: the CLI's error handling loads this at start)."""
+
+from __future__ import annotations
+
+
+class IndexMismatchError(ValueError):
+    """An index directory was built with something other than what is being used now."""
