@@ -166,7 +166,11 @@ def test_full_queue_is_503_a_late_request_504_and_the_server_answers_after(engin
     body = {"text": "the cat sat", "k": 2}
     with ThreadPoolExecutor(3) as pool:
         with batcher.turn:  # the engine is busy: the worker holds one request, two wait in the queue
-            waiting = [pool.submit(c.post, "/query", json=body) for _ in range(3)]
+            # the first request is taken by the worker before the other two queue (else, on a loaded machine,
+            # all three could arrive first and the third find the queue of 2 full)
+            waiting = [pool.submit(c.post, "/query", json=body)]
+            _wait(lambda: batcher.answering == 1)
+            waiting += [pool.submit(c.post, "/query", json=body) for _ in range(2)]
             _wait(lambda: batcher.answering == 1 and batcher.depth() == 2)
             r = c.post("/query", json=body)
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
