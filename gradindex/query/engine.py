@@ -160,7 +160,8 @@ class QueryEngine:
 
     # -- opening ------------------------------------------------------------------------------
     def _open_model(self, model_dir, device: str, dtype: str | None, optimizer_state=None) -> None:
-        if self.model is None:
+        given = self.model is not None
+        if not given:  # (load_causal_lm checks the tokenizer it loads against the index's fingerprint)
             from gradindex.model import index_model_options, load_causal_lm
 
             path = Path(model_dir or self.manifest.get("model_id") or "")
@@ -172,7 +173,8 @@ class QueryEngine:
                                                         **index_model_options(self.manifest))
         if self.manifest.get("chat_template") and self.tokenizer is not None and template_of(self.tokenizer) is None:
             set_chat_template(self.tokenizer, self.manifest["chat_template"])  # the template the build used
-        check_index_tokenizer(self.manifest, self.tokenizer, self.dir)
+        if given:
+            check_index_tokenizer(self.manifest, self.tokenizer, self.dir)
         build = self.manifest["build"]
         try:
             spec = self.index.projection
