@@ -87,6 +87,15 @@ def init_from_env(device: str = "cpu") -> bool:
     return True
 
 
+def shutdown(wait: bool = True) -> None:
+    """Leave the process group, once every rank is done if ``wait`` (a gloo group left to the interpreter's exit
+    can abort a rank with ``terminate called without an active exception``)."""
+    if dist.is_available() and dist.is_initialized():
+        if wait and dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
 def local_device(device: str) -> str:
     """``cuda`` → this rank's ``cuda:LOCAL_RANK`` under ``torchrun``; anything else as given."""
     if active() and device in ("cuda", "auto") and torch.cuda.is_available():

@@ -176,18 +176,32 @@ def build(**o):
     A .gguf file is de-quantized to --dtype; its tokenizer and chat template are read from the file."""
     from gradindex import distributed
     from gradindex.model import causal_config, is_gguf, refuse_weightless, resolve_device
-    from gradindex.pipeline import build_index
-    from gradindex.plan import longest_example, plan_build
-    from gradindex.store.builder import refuse_foreign
 
     opts = settings(o)
     resolve_device(o["device"])
     if not is_gguf(o["model_dir"]) and Path(o["model_dir"], "config.json").is_file():
         causal_config(Path(o["model_dir"]))  # a model that is no causal LM is named as such first
     refuse_weightless(o["model_dir"])  # a config-only folder: only `gradindex plan` takes one (nothing written)
-    if distributed.init_from_env(o["device"]):  # under torchrun: each rank captures its share of the shards
-        o["device"] = distributed.local_device(o["device"])
-        o["quiet"] = o["quiet"] or distributed.rank() > 0
+    if not distributed.init_from_env(o["device"]):
+        return _build(o, opts)
+    # under torchrun: each rank captures its share of the shards
+    o["device"] = distributed.local_device(o["device"])
+    o["quiet"] = o["quiet"] or distributed.rank() > 0
+    try:
+        _build(o, opts)
+    except BaseException:
+        distributed.shutdown(wait=False)  # (the other ranks may never reach a barrier)
+        raise
+    distributed.shutdown()
+
+
+def _build(o: dict, opts) -> None:
+    """The build itself, once the options are checked (and the process group, under ``torchrun``, started)."""
+    from gradindex import distributed
+    from gradindex.pipeline import build_index
+    from gradindex.plan import longest_example, plan_build
+    from gradindex.store.builder import refuse_foreign
+
     out = o["out"]
     refuse_foreign(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
