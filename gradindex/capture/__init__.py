@@ -1,5 +1,6 @@
 """Capture: hooks on linear layers, seeded factored projection, routing between computations."""
 
+from gradindex.capture import rules  # noqa: F401 - registers the built-in layer rules (the registry is layers.py)
 from gradindex.capture.hooks import GradientCapture, select_layers, unhooked_weights
 from gradindex.capture.layers import LayerInfo, layer_info, register_layer
 from gradindex.capture.projection import ProjectionSpec, projection_matrix

@@ -10,7 +10,10 @@ A rule says, for one module type, how the per-example weight gradient ``G = Σ_t
   parameter (a mixture-of-experts' fused experts): it names one virtual layer per matrix and maps
   the module's ``(inputs, grad_output)`` to each virtual layer's factors.
 
-Adding a layer type is one new file in ``rules/`` (a registered function) and its test.
+Adding a layer type is one new file in ``rules/`` (a registered function), its import in
+``rules/__init__.py`` and its test. This module is the registry only and imports no rule: the rules
+package registers the built-in ones and ``gradindex.capture`` imports it, so they are registered
+before anything in ``gradindex.capture`` is used.
 """
 
 from __future__ import annotations
@@ -120,5 +123,3 @@ def stack(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """A weight gradient and its bias gradient as one ``[N_o, N_i (+1)]`` matrix."""
     return w if b is None else torch.cat([w, b.unsqueeze(-1)], dim=-1)
 
-
-from gradindex.capture import rules  # noqa: E402,F401 - registers the built-in rules
