@@ -159,8 +159,9 @@ REBUILD_RAW = {"kfac": "--projection-basis raw", "ekfac": "--transcode none"}
 """Per row basis: the ``gradindex build`` option that stores raw rows instead."""
 
 
-def row_method(method: str, basis: str = "raw") -> str:
-    """The operation on stored rows that answers ``method`` on an index whose rows are in ``basis``.
+def row_base(base: str, basis: str = "raw", method: str | None = None) -> str:
+    """The operation on stored rows that answers the base method ``base`` on an index whose rows are in
+    ``basis`` (``method``: the name asked for, for the error).
 
     Raw rows (plain or Adam-preconditioned gradients): every method is itself. K-FAC-whitened rows
     (``--projection-basis kfac``): their plain inner product is K-FAC influence, so ``kfac`` is a
@@ -168,12 +169,6 @@ def row_method(method: str, basis: str = "raw") -> str:
     (the rows are not raw gradients). Rows in the EK-FAC whitened eigenbasis (``gradindex compact
     --basis ekfac``): ``ekfac`` is their dot product.
     """
-    base, selfnorm = parse_method(method)
-    return row_base(base, basis, method) + (SELFNORM if selfnorm else "")
-
-
-def row_base(base: str, basis: str = "raw", method: str | None = None) -> str:
-    """:func:`row_method` of a parsed base method (``method``: the name asked for, for the error)."""
     return _row_base(base, basis, method, None)
 
 

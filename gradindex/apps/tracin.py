@@ -42,10 +42,6 @@ class Checkpoint:
     step: int | None = None
 
 
-def is_trajectory(index_dir: str | os.PathLike) -> bool:
-    return (Path(index_dir) / TRAJECTORY).is_file()
-
-
 def checkpoint_step(model_dir: str | os.PathLike) -> int | None:
     """The training step of a checkpoint: ``trainer_state.json``'s ``global_step``, else ``checkpoint-N``."""
     d = Path(model_dir)

@@ -112,10 +112,3 @@ class LayerTransform:
         return LayerTransform(*(None if x is None else x.to(device)
                                 for x in (self.g, self.a, self.elementwise, self.map_g, self.map_a, self.keep,
                                           self.post)))
-
-    def matrix(self, n_out: int, n_in_total: int) -> torch.Tensor:
-        """The entrywise part and the scales as one ``[N_o, N_i(+1)]`` weight (for tests; no dense maps)."""
-        if self.map_a is not None or self.map_g is not None:
-            raise ValueError("a transform with a dense side map is not an entrywise weight")
-        W = torch.ones(n_out, n_in_total, dtype=torch.float64)
-        return self.dense(W[None], sides=True)[0]

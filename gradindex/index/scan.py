@@ -18,8 +18,6 @@ nothing is held beyond a block; the scores equal ``decode(codes, scales) @ u`` t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import faiss
 import numpy as np
 
@@ -85,15 +83,6 @@ class CodeScanner:
         if scales is not None:
             out *= scales[None, :]
         return out
-
-
-def scan_blocks(blocks: Iterator[tuple[int, np.ndarray, np.ndarray | None]], scanner: CodeScanner,
-                u: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Add each block's scores into ``out`` ``[Q, N]``: ``blocks`` yields ``(first_row, codes, scales)``."""
-    uq, f = scanner.prepare(u)
-    for s, codes, scales in blocks:
-        out[:, s:s + len(codes)] += scanner.scores(codes, scales, uq, f)
-    return out
 
 
 class StoreScan:

@@ -21,6 +21,7 @@ import torch
 
 from gradindex.precondition.apply import damped, rotate
 from gradindex.precondition.rotated import RotatedRows
+from gradindex.store.basis import rotate_rows
 from gradindex.progress import progress_bar
 from gradindex.store import Store
 
@@ -121,12 +122,14 @@ def store_pass(
                     continue
                 Q_S, Q_A, weight = mats[n]
                 R = rotate(x.view(-1, k_g, k_a), Q_S, Q_A)  # [n, k_g, k_a]
-                if spill is not None:
-                    spill.put(pos, n, R)
+                if spill is not None:  # (the stored rows' own float32 CPU rotation: :func:`stored_rows`)
+                    same = R.dtype == torch.float32 and R.device.type == "cpu"
+                    spill.put(pos, n, R.reshape(len(pos), -1).numpy() if same else
+                              rotate_rows(grads[n], bases[n].Q_S, bases[n].Q_A, shapes[n]))
                 R2 = R.square_() if correct or weight is not None else None  # (R is not needed after this)
                 if correct:
                     sums[n] += (R2 if keep is None else R2[keep]).sum(0).double()
-                if weight is not None:  # eigen_quadratic(R, Λ, δ), its weights (Λ + δ)⁻¹ formed once
+                if weight is not None:  # ⟨(H + δI)⁻¹x, x⟩ = Σ R² (Λ + δ)⁻¹, the weights formed once
                     si[pos, j] = (R2 * weight).sum(dim=(1, 2)).double().cpu().numpy()
             bar.update(len(ids))
     n_finite = int(finite.sum())

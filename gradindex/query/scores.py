@@ -11,7 +11,7 @@ measurements). For query rows ``q_l`` and stored rows ``t_l`` of the selected la
   An example with zero self-influence (an all-zero row) scores 0.
 
 On an index whose rows are in a whitened basis the method names the influence asked for, and
-:func:`gradindex.methods.row_method` says which of these operations answers it.
+:func:`gradindex.methods.row_base` says which of these operations answers it.
 """
 
 from __future__ import annotations

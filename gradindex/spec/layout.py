@@ -96,9 +96,6 @@ class IndexLayout:
     def faiss(self) -> Path:
         return self.root / FAISS_DIR
 
-    def faiss_file(self, layer: str) -> Path:
-        return self.faiss / faiss_name(layer)
-
     @property
     def faiss_meta(self) -> Path:
         return self.faiss / FAISS_META

@@ -24,8 +24,6 @@ from typing import Any, Protocol
 from gradindex.manifest import (
     IDENTITY_KEYS,
     build_command,
-    identity_differences,
-    read_manifest,
     shape_problem,
     write_manifest,
 )
@@ -91,11 +89,6 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self._data)
 
-    @classmethod
-    def read(cls, index_dir: str | os.PathLike) -> Manifest:
-        """The manifest of ``index_dir`` (read once per process; :func:`gradindex.manifest.read_manifest`)."""
-        return cls(read_manifest(index_dir))
-
     def write(self, index_dir: str | os.PathLike) -> None:
         write_manifest(index_dir, self._data)
 
@@ -144,10 +137,6 @@ class Manifest:
     def identity(self) -> dict[str, Any]:
         """The ``build`` keys that must match for a resume or a query (:data:`IDENTITY_KEYS`)."""
         return {k: self.build[k] for k in IDENTITY_KEYS if k in self.build}
-
-    def differences(self, other: Mapping[str, Any]) -> list[str]:
-        """What differs between this index's identity and ``other`` (words for an error)."""
-        return identity_differences(self.build, dict(other))
 
     def build_command(self, index_dir: str | os.PathLike, extra: str = "--repair") -> str:
         """The ``gradindex build`` command line that made this index, plus ``extra``."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from fractions import Fraction
 
 from gradindex.methods import DEFAULT_DAMPING
@@ -241,11 +241,6 @@ class RowSpec:
         """Codes of the captured rows: ``storage``, or float16 when they are transcoded afterwards."""
         return "fp16" if self.transcode else self.storage
 
-    @property
-    def answers_ekfac_as_stored(self) -> bool:
-        """Whether plain inner products of the rows are EK-FAC scores (transcoded or eigen-coordinates)."""
-        return self.transcode or self.basis == "eigen"
-
     def describe(self) -> str:
         """One line in words: what a stored row holds."""
         what = {"none": "the exact gradient",
@@ -283,8 +278,6 @@ class RowSpec:
         scale = 4 if self.storage in SCALED else 0
         return sum(math.ceil(per_layer(s) * bits / 8) + scale for s in shapes.values())
 
-    def with_storage(self, storage: str) -> RowSpec:
-        return replace(self, storage=storage)
 
 
 DEFAULT_SPEC = "auto,EKFAC@0.001,int4"
