@@ -40,7 +40,7 @@ from gradindex.precondition.rotated import RotatedRows
 from gradindex.progress import progress_bar
 from gradindex.spec.manifest import rows_of
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
-from gradindex.store.basis import index_basis, to_rows, write_basis
+from gradindex.store.basis import index_basis, stored_rows, write_basis
 from gradindex.store.codes import check_storage
 from gradindex.store.swap import JOURNAL, STAGING, finish_transcode, swap_in  # noqa: F401 (re-exported)
 
@@ -171,10 +171,11 @@ def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage
 
 def _blocks(store: Store, k: int, rows: int, start: int, basis, shapes: dict, rotated: RotatedRows | None):
     """``(ids, {layer: whitened rows})`` of shard ``k`` from id ``start``, ``rows`` at a time: the store's
-    rows rotated and scaled (:func:`to_rows`), or ``rotated``'s rows only scaled."""
+    rows rotated, rounded and scaled (:func:`stored_rows`), or ``rotated``'s rows (rotated and rounded the
+    same way) only scaled: the same numbers either way."""
     if rotated is None:
         for ids, grads in store.iter_blocks(None, rows, start, store.first_ids[k] + store.sizes[k]):
-            yield ids, {n: to_rows(basis, n, grads[n], shapes[n]) for n in shapes}
+            yield ids, {n: stored_rows(basis, n, grads[n], shapes[n]) for n in shapes}
         return
     first, size = store.first_ids[k], store.sizes[k]
     scale = {n: np.asarray(basis.scale[n], np.float32).reshape(-1) for n in shapes}  # [k_g·k_a]

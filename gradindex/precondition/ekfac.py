@@ -21,9 +21,9 @@ import torch
 
 from gradindex.precondition.apply import damped, rotate
 from gradindex.precondition.rotated import RotatedRows
-from gradindex.store.basis import rotate_rows
 from gradindex.progress import progress_bar
 from gradindex.store import Store
+from gradindex.store.basis import rotate_rows
 
 BLOCK_BYTES = 1 << 26
 """Rows per block are capped so one block of all layers stays under this many bytes (float32)."""

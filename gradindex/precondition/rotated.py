@@ -5,9 +5,11 @@ Kronecker eigenbasis, ``R = Q_Sᵀ Ĝ Q_A``, for ``Λ*``; the transcode codes th
 ``(Λ* + δ)^{-1/2}``, which only the finished pass knows. So the pass writes ``R`` here,
 ``INDEX_DIR/rotated.partial/shard-NNNNN.<j>.f16`` (shard ``k``, ``j``-th layer: ``[n, D_j]`` float16,
 row-major, no header), each row divided by its largest magnitude ``m`` (float32 ``[N, L]``, kept in
-memory). The rounding, at most ``2⁻¹² m``, is ~500x finer than the int4 step (``m/7`` of the whitened
-row) that codes it. The transcode reads each shard's rows back (no rotation, no decode of the store)
-and deletes them once that shard is coded. Plain file reads and writes, not memory maps, so the
+memory; :func:`~gradindex.store.basis.to_half`). Every other writer of such rows rounds them the same
+way (:func:`~gradindex.store.basis.stored_rows`), so the index is the same with or without this copy.
+The rounding, at most ``2⁻¹² m``, is ~500x finer than the int4 step (``m/7`` of the whitened row) that
+codes it. The transcode reads each shard's rows back (no rotation, no decode of the store) and deletes
+them once that shard is coded. Plain file reads and writes, not memory maps, so the
 pages are not counted in the process's resident memory.
 
 The files live only while one run of the fused stage runs: a killed run's are discarded and the
@@ -21,9 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from gradindex.spec import layout
+from gradindex.store.basis import from_half, to_half
 
 ROTATED_DIR = layout.TRANSCODE_ROTATED
 
@@ -51,15 +53,13 @@ class RotatedRows:
     def _path(self, k: int, j: int) -> Path:
         return self.root / f"{layout.shard_name(k).removesuffix('.h5')}.{j}.f16"
 
-    def put(self, pos: np.ndarray, layer: str, R: torch.Tensor) -> None:
-        """Rotated rows ``R`` ``[n, k_g, k_a]`` of ``layer`` at store positions ``pos`` (consecutive, one shard)."""
+    def put(self, pos: np.ndarray, layer: str, R: np.ndarray) -> None:
+        """Rotated rows ``R`` ``[n, k_g·k_a]`` float32 (:func:`~gradindex.store.basis.rotate_rows`) of ``layer``
+        at store positions ``pos`` (consecutive, one shard)."""
         j = self.layers.index(layer)
         k = int(np.searchsorted(self.starts, pos[0], side="right") - 1)
-        x = R.reshape(len(pos), -1).float()  # [n, D_j]
-        m = x.abs().amax(1)
-        m = torch.where(m > 0, m, torch.ones_like(m))
-        self.scale[pos, j] = m.cpu().numpy()
-        h = (x / m[:, None]).half().cpu().numpy()
+        h, m = to_half(R)
+        self.scale[pos, j] = m
         mode = "r+b" if (k, j) in self._written else "wb"
         self._written.add((k, j))
         with open(self._path(k, j), mode) as f:
@@ -76,7 +76,7 @@ class RotatedRows:
             f.seek(s * d * 2)
             h = np.fromfile(f, np.float16, (e - s) * d).reshape(e - s, d)
         first = int(self.starts[k])
-        return h.astype(np.float32) * self.scale[first + s:first + e, j, None]
+        return from_half(h, self.scale[first + s:first + e, j])
 
     def drop(self, k: int) -> None:
         """Shard ``k`` is coded: delete its rows."""

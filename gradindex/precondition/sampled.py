@@ -11,7 +11,7 @@ raw store and its rotated copy sit on disk together (8x the final int4 store). H
    ``fit.json`` are the checkpoint a killed build resumes from; the sample's rows are deleted then.
 2. The main capture pass writes every shard already coded (:class:`EigenCoder`, through the store's own
    writer): each captured row is rounded as the float16 capture would store it, rotated and scaled by
-   :func:`~gradindex.store.basis.to_rows` (the compact's coding of a block) and coded as ``storage``; the
+   :func:`~gradindex.store.basis.stored_rows` (the compact's coding of a block) and coded as ``storage``; the
    K-FAC and EK-FAC self-influence of each row come from the row it codes, ``‖W‖²`` and ``Σ W² (Λ*+δ)/(λ_S λ_A+δ')``,
    kept per shard (before the shard is sealed) until :meth:`EigenCoder.finish` writes the fit files.
 
@@ -50,7 +50,7 @@ from gradindex.precondition.files import (
 from gradindex.precondition.fit import FitConfig, StoreFit, register_fits, store_fit
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.spec import layout
-from gradindex.store.basis import RowBasis, to_rows, write_basis
+from gradindex.store.basis import RowBasis, stored_rows, write_basis
 from gradindex.store.repair import as_captured
 
 log = logging.getLogger("gradindex")
@@ -180,7 +180,7 @@ class EigenCoder:
             self.si, self.si_start = np.zeros((2, self.shard_size, len(self.shapes))), start
         out = {}
         for j, n in enumerate(self.shapes):
-            W = to_rows(self.basis, n, as_captured(grads[n], self.captured), self.shapes[n])
+            W = stored_rows(self.basis, n, as_captured(grads[n], self.captured), self.shapes[n])
             W2 = np.square(W, dtype=np.float64)
             self.si[1, s - start:s - start + len(W), j] = W2.sum(1)
             self.si[0, s - start:s - start + len(W), j] = W2 @ self.weights[n]

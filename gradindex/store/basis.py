@@ -205,6 +205,52 @@ def to_rows(basis: RowBasis | None, layer: str, x: np.ndarray, shape: tuple[int,
     return R.reshape(len(X), -1).numpy()
 
 
+def rotate(X: torch.Tensor, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:
+    """``Q_Sᵀ X Q_A`` for a batch ``X`` ``[n, k_g, k_a]`` (into the eigenbasis).
+
+    The left product is one matrix product over the whole batch (``[k_g, k_g] @ [k_g, n·k_a]``) rather
+    than ``n`` small ones: 1.2-2.5x faster on one thread at the default rows' shapes."""
+    n, k_g, k_a = X.shape
+    Z = (Q_S.T @ X.transpose(0, 1).reshape(k_g, n * k_a)).reshape(k_g, n, k_a).transpose(0, 1)  # [n, k_g, k_a]
+    return Z @ Q_A
+
+
+def rotate_rows(x: np.ndarray, Q_S: np.ndarray, Q_A: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Captured rows ``x`` ``[n, k_g·k_a]`` rotated into the eigenbasis, ``[n, k_g·k_a]`` float32 on the CPU:
+    the rotation every writer of ``ekfac`` rows uses (:func:`stored_rows`), whatever device fitted them."""
+    k_g, k_a = shape
+    X = torch.from_numpy(np.ascontiguousarray(x, np.float32)).view(-1, k_g, k_a)
+    f32 = {"dtype": torch.float32}
+    return rotate(X, torch.as_tensor(Q_S, **f32), torch.as_tensor(Q_A, **f32)).reshape(len(X), -1).numpy()
+
+
+def to_half(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows ``x`` ``[n, D]`` → ``(x / m`` as float16, row maxima ``m`` float32): the fused transcode's copy
+    of rotated rows (:mod:`gradindex.precondition.rotated`); :func:`from_half` reads it back."""
+    x = np.asarray(x, np.float32)
+    m = np.abs(x).max(1) if x.shape[1] else np.ones(len(x), np.float32)
+    m = np.where(m > 0, m, np.float32(1)).astype(np.float32)
+    return (x / m[:, None]).astype(np.float16), m
+
+
+def from_half(h: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """:func:`to_half`'s rows back as float32."""
+    return h.astype(np.float32) * m[:, None]
+
+
+def stored_rows(basis: RowBasis | None, layer: str, x: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Captured rows ``[n, k_g·k_a]`` → the ``ekfac`` rows a build stores, before coding (else as is).
+
+    One computation for every writer (the fused transcode with or without its rotated copy, ``compact``,
+    a sampled build's capture pass, ``--repair``), so a row's numbers depend on neither the free disk nor
+    the batch that wrote it: float32 :func:`rotate_rows`, rounded as the copy rounds (:func:`to_half`,
+    at most 2⁻¹² of the row's largest number), times ``(Λ* + δ)^{-1/2}`` in float32."""
+    if basis is None or layer not in basis.Q_S:
+        return x
+    R = from_half(*to_half(rotate_rows(x, basis.Q_S[layer], basis.Q_A[layer], shape)))
+    return R * np.asarray(basis.scale[layer], np.float32).reshape(-1)
+
+
 def rows_dual(basis: RowBasis | None, layer: str, v: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
     """A vector ``v`` dotted with stored rows → the vector giving the same number on captured rows:
     ``⟨v, to_rows(x)⟩ = ⟨rows_dual(v), x⟩`` (``Q_S (V ⊙ scale) Q_Aᵀ``; as is outside the ``ekfac`` rotation)."""

@@ -37,12 +37,13 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
 
     A transcoded build keeps no raw rows to rebuild from, so each such shard is captured again
     (``capture``: the build's projection and pre-projection maps, without covariance), rotated and
-    scaled by the index's ``basis.h5`` (:func:`~gradindex.store.basis.to_rows`, as the transcode
-    did) and coded as the index's storage. Damaged files are moved to ``damaged/`` first.
+    scaled by the index's ``basis.h5`` (:func:`~gradindex.store.basis.stored_rows`, as the
+    transcode did: the same bytes) and coded as the index's storage. Damaged files are moved to
+    ``damaged/`` first.
     """
     from gradindex.checksum import move_aside
     from gradindex.store.append import append_batch
-    from gradindex.store.basis import index_basis, to_rows
+    from gradindex.store.basis import index_basis, stored_rows
     from gradindex.store.shards import ShardWriter
 
     d = Path(index_dir)
@@ -69,7 +70,7 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
             for s in range(start + done, end, B):
                 e = min(s + B, end)
                 append_batch(w, model, capture, data, s, e, pad_id, hashes, rows=lambda grads: {
-                    n: to_rows(basis, n, as_captured(g, captured), shapes[n]) for n, g in grads.items()})
+                    n: stored_rows(basis, n, as_captured(g, captured), shapes[n]) for n, g in grads.items()})
                 computed += e - s
             w.finish()
             log.warning("recomputed %s in the index's ekfac eigenbasis", path.name)
