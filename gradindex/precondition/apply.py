@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gradindex.methods import DEFAULT_DAMPING
+from gradindex.store.basis import rotate  # noqa: F401 (re-exported: the one rotation of stored rows)
 
 
 def eigendecompose(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,16 +41,6 @@ def absolute_damping(Lam: np.ndarray | torch.Tensor, damping: float) -> float:
                          f"got {damping}")
     mean = float(Lam.mean())
     return damping * mean if mean > 0 else float(damping)
-
-
-def rotate(X: torch.Tensor, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:
-    """``Q_Sᵀ X Q_A`` for a batch ``X`` ``[n, k_g, k_a]`` (into the eigenbasis).
-
-    The left product is one matrix product over the whole batch (``[k_g, k_g] @ [k_g, n·k_a]``) rather
-    than ``n`` small ones: 1.2-2.5x faster on one thread at the default rows' shapes."""
-    n, k_g, k_a = X.shape
-    Z = (Q_S.T @ X.transpose(0, 1).reshape(k_g, n * k_a)).reshape(k_g, n, k_a).transpose(0, 1)  # [n, k_g, k_a]
-    return Z @ Q_A
 
 
 def unrotate(R: torch.Tensor, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:
