@@ -49,3 +49,20 @@ def test_the_cli_storage_names_are_the_store_codes():
     from gradindex.store.codes import STORAGES as CODES
 
     assert tuple(STORAGES) == tuple(CODES)
+
+
+def _wait_policy(env: dict, code: str = "import gradindex") -> str:
+    import os
+
+    full = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | env
+    probe = f"{code}\nimport os, sys\nprint(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True, env=full)
+    return out.stdout.split()
+
+
+def test_the_library_sets_a_passive_omp_wait_policy_before_torch_unless_the_user_set_one():
+    """Issue 33 item 10: spinning OpenMP threads made the CLI and the README's Python block 2.5-5x slower on a
+    shared machine; the package sets PASSIVE when it is imported (torch not yet loaded); a user's value wins."""
+    assert _wait_policy({}) == ["PASSIVE", "False"]
+    assert _wait_policy({}, "import gradindex.cli") == ["PASSIVE", "False"]
+    assert _wait_policy({"OMP_WAIT_POLICY": "ACTIVE"}) == ["ACTIVE", "False"]
