@@ -177,7 +177,7 @@ class DiskPeak:
 
 
 def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path,
-          allocation: str = "") -> dict:
+          allocation: str = "", fit_sample: int | None = None) -> dict:
     """One cell in this process: ``floor`` or ``default``; seconds (per stage) and peak RSS."""
     if root != ROOT:
         sys.path.insert(0, str(root))
@@ -213,8 +213,10 @@ def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, r
         data = Tokenized(seqs, [list(s) for s in seqs], 0, "input_ids")
         cfg = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
                           transcode="ekfac", max_length=tokens, batch_size=8,
-                          **({"allocation": allocation} if allocation else {}))
+                          **({"allocation": allocation} if allocation else {}),
+                          **({"fit_sample": fit_sample} if fit_sample is not None else {}))
         out["allocation"] = allocation or "default"
+        out["fit_sample"] = cfg.fit_sample
         with tempfile.TemporaryDirectory(prefix="gradindex-buildcost-", dir=os.environ.get("BUILDCOST_TMP")) as d:
             import gradindex.pipeline as pipeline
 
@@ -245,12 +247,13 @@ def child(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, r
 
 
 def run(cell: str, n: int, tokens: int, width: int, blocks: int, vocab: int, root: Path,
-        allocation: str = "") -> dict:
+        allocation: str = "", fit_sample: int | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     args = [sys.executable, "-m", "benchmarks.buildcost", "--child", cell, "--n", str(n), "--tokens", str(tokens),
             "--width", str(width), "--blocks", str(blocks), "--vocab", str(vocab), "--root", str(root),
-            *(["--allocation", allocation] if allocation else [])]
+            *(["--allocation", allocation] if allocation else []),
+            *(["--fit-sample", str(fit_sample)] if fit_sample is not None else [])]
     r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=3600)
     if r.returncode:
         raise RuntimeError(f"{cell} ({root}) failed:\n{r.stderr[-3000:]}")
@@ -294,18 +297,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--root", type=Path, default=ROOT)
     ap.add_argument("--allocation", default="")
     ap.add_argument("--keep-as", default="", help="keep the --out file's earlier content under this key")
+    ap.add_argument("--fit-sample", type=int, help="the builds' fit_sample (default: the library's)")
+    ap.add_argument("--also-fused", action="store_true",
+                    help="another build cell with fit_sample 0 (the fused fit over every example)")
     ap.add_argument("--also-ratio", action="store_true",
                     help="a third build cell: this checkout with --allocation ratio (the split before 'cost')")
     a = ap.parse_args(argv)
     if a.child:
-        print(json.dumps(child(a.child, a.n, a.tokens, a.width, a.blocks, a.vocab, a.root, a.allocation)))
+        print(json.dumps(child(a.child, a.n, a.tokens, a.width, a.blocks, a.vocab, a.root, a.allocation,
+                               a.fit_sample)))
         return {}
     n = 32 if a.quick else a.n
     roots = {"after": ROOT, **({"before": a.before} if a.before else {})}
     load = os.getloadavg()[0]
     peers = {"floor": run("floor", n, a.tokens, a.width, a.blocks, a.vocab, ROOT)}
     for name, root in roots.items():
-        peers[name] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, root)
+        peers[name] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, root, fit_sample=a.fit_sample)
+    if a.also_fused:
+        peers["after_fused"] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, ROOT, fit_sample=0)
     if a.also_ratio:
         peers["after_ratio"] = run("default", n, a.tokens, a.width, a.blocks, a.vocab, ROOT, "ratio")
     peers["floor_again"] = run("floor", n, a.tokens, a.width, a.blocks, a.vocab, ROOT)
@@ -323,7 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": round(load, 2),
                     "load_after": round(os.getloadavg()[0], 2)},
         "peers": peers, "floor": floor,
-        "ratios": {name: ratios(floor, peers[name]) for name in [*roots, *(["after_ratio"] if a.also_ratio else [])]},
+        "ratios": {name: ratios(floor, peers[name]) for name in [*roots, *(["after_ratio"] if a.also_ratio else []),
+                                                                   *(["after_fused"] if a.also_fused else [])]},
         "tiny": tiny,
         "tiny_after_capture_over_capture": {
             name: round(sum(v for k, v in t["stages"].items() if k != "capture") / t["stages"]["capture"], 3)

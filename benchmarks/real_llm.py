@@ -40,18 +40,22 @@ RESULTS = ROOT / "benchmarks" / "results" / "real-llm.json"
 DAMPINGS = (1e-3, 1e-2, 1e-1, 1.0)
 
 
-def _cli(args: list[str], log: Path) -> dict:
-    """Run ``gradindex ARGS`` under ``/usr/bin/time -v``: wall seconds and peak RSS."""
-    cmd = [sys.executable, "-m", "gradindex", *args]
+def _timed(cmd: list[str], log: Path, what: str) -> dict:
+    """Run ``cmd`` under ``/usr/bin/time -v``: wall seconds and peak RSS (its output in ``log``)."""
     timed = ["/usr/bin/time", "-v", *cmd] if Path("/usr/bin/time").exists() else cmd
     t0 = time.perf_counter()
     r = subprocess.run(timed, capture_output=True, text=True, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
     wall = time.perf_counter() - t0
     log.write_text(r.stdout + r.stderr)
     if r.returncode != 0:
-        raise RuntimeError(f"gradindex {' '.join(args)} failed ({r.returncode}); see {log}")
+        raise RuntimeError(f"{what} failed ({r.returncode}); see {log}")
     rss = [ln for ln in r.stderr.splitlines() if "Maximum resident set size" in ln]
     return {"wall_s": round(wall, 1), "peak_rss_gb": round(int(rss[0].split()[-1]) / 1e6, 2) if rss else None}
+
+
+def _cli(args: list[str], log: Path) -> dict:
+    """Run ``gradindex ARGS`` under ``/usr/bin/time -v``: wall seconds and peak RSS."""
+    return _timed([sys.executable, "-m", "gradindex", *args], log, f"gradindex {' '.join(args)}")
 
 
 def build_indices(ft: dict, work: Path) -> dict:
@@ -238,14 +242,16 @@ def _peak_disk(path: Path, stop, out: list) -> None:
             out.append(int(r.stdout.split()[0]))
 
 
-def cost(ft: dict, work: Path, queries: int = 10, threads: int = 2) -> dict:
-    """The default build of the fine-tune through the full model, against what ``gradindex plan`` said
-    before it (wall, peak RSS, peak and final disk), then the default query: p50/p95 over ``queries``
-    one-query calls of one engine after a warm-up, on ``threads`` threads, and its peak RSS."""
+def cost(ft: dict, work: Path, data: str | None = None, name: str = "idx-default", queries: int = 10,
+         threads: int = 2, floor: bool = False) -> dict:
+    """The default build of ``data`` (the fine-tune's training set) through the full model, against what
+    ``gradindex plan`` said before it (wall, peak RSS, peak and final disk); with ``floor``, a bare forward +
+    backward of the same records beside it; then the default query: p50/p95 over ``queries`` one-query calls
+    of one engine after a warm-up, on ``threads`` threads, its peak RSS, and each fact query's source rank."""
     import threading
 
-    idx = work / "idx-default"
-    args = [ft["merged"], ft["data"], "--max-length", "192"]
+    idx, data = work / name, data or ft["data"]
+    args = [ft["merged"], data, "--max-length", "192"]
     r = subprocess.run([sys.executable, "-m", "gradindex", "plan", *args, "--json", "--out", str(idx)],
                        capture_output=True, text=True, check=True)
     plan = json.loads(r.stdout.strip().splitlines()[-1])
@@ -253,24 +259,69 @@ def cost(ft: dict, work: Path, queries: int = 10, threads: int = 2) -> dict:
     poll = threading.Thread(target=_peak_disk, args=(idx, stop, seen))
     poll.start()
     try:
-        built = _cli(["build", *args, "--out", str(idx), "--quiet", "--overwrite"], work / "build-default.log")
+        built = _cli(["build", *args, "--out", str(idx), "--quiet", "--overwrite"], work / f"build-{name}.log")
     finally:
         stop.set()
         poll.join()
     final = int(subprocess.run(["du", "-sb", str(idx)], capture_output=True, text=True).stdout.split()[0])
+    out = {"examples": len(load_jsonl(data)),
+           "plan": {"ram_gb": round(plan["ram_bytes"] / 1e9, 2), "seconds": plan["seconds"],
+                    "peak_disk_mb": round(plan["bytes"]["peak"] / 1e6, 1),
+                    "final_disk_mb": round(plan["bytes"]["final"] / 1e6, 1)},
+           "build": {**built, "peak_disk_mb": round(max(seen, default=final) / 1e6, 1),
+                     "final_disk_mb": round(final / 1e6, 1)}}
+    if floor:
+        out["floor"] = _timed([sys.executable, "-m", "benchmarks.real_llm", "--floor", ft["merged"], data],
+                              work / f"floor-{name}.log", "the bare forward + backward")
+        out["build_over_floor"] = round(built["wall_s"] / out["floor"]["wall_s"], 3)
     q = subprocess.run([sys.executable, "-m", "benchmarks.real_llm", "--latency", str(idx), ft["queries"],
-                        str(queries)], capture_output=True, text=True, check=True,
+                        str(queries), str(work / "finetune.json")], capture_output=True, text=True, check=True,
                        env={**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"})
-    return {"plan": {"ram_gb": round(plan["ram_bytes"] / 1e9, 2), "seconds": plan["seconds"],
-                     "peak_disk_mb": round(plan["bytes"]["peak"] / 1e6, 1),
-                     "final_disk_mb": round(plan["bytes"]["final"] / 1e6, 1)},
-            "build": {**built, "peak_disk_mb": round(max(seen, default=final) / 1e6, 1),
-                      "final_disk_mb": round(final / 1e6, 1)},
-            "query": {**json.loads(q.stdout.strip().splitlines()[-1]), "threads": threads, "queries": queries}}
+    out["query"] = {**json.loads(q.stdout.strip().splitlines()[-1]), "threads": threads, "queries": queries}
+    return out
 
 
-def latency(idx: str, queries_file: str, n: int) -> dict:
-    """p50/p95 of ``n`` one-query calls of one engine after a warm-up query, and the process's peak RSS."""
+def scale(ft: dict, work: Path, n: int) -> dict:
+    """:func:`cost` over the fine-tune's training records followed by documentation chats it was not trained
+    on, ``n`` in all, with the bare forward + backward beside the build; kept in ``results/real-llm.json``."""
+    from benchmarks.smollm2 import more_docs, write_jsonl
+
+    train, held = load_jsonl(ft["data"]), load_jsonl(ft["queries"])
+    data = write_jsonl(train + more_docs(train, held, n - len(train)), work / f"index-{n}.jsonl")
+    load = os.getloadavg()[0]
+    res = {**cost(ft, work, str(data), f"idx-{n}", floor=True),
+           "data": f"the {len(train)} fine-tuning records then {n - len(train)} documentation chats not trained on",
+           "machine": f"{os.cpu_count()} cores, load {load:.1f} before, {os.getloadavg()[0]:.1f} after"}
+    (work / f"scale-{n}.json").write_text(json.dumps(res, indent=1))
+    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    result.setdefault("scale", {})[str(n)] = res
+    RESULTS.write_text(json.dumps(result, indent=1))
+    return res
+
+
+def bare_pass(model_dir: str, data: str, max_length: int = 192, batch: int = 8) -> float:
+    """Seconds of a bare forward + backward over ``data``'s records as the build batches them (in order,
+    ``batch`` at a time, the same tokens and assistant-only labels): mean loss, every weight's gradient."""
+    from gradindex.data import collate, load_records, tokenize_records
+    from gradindex.model import load_causal_lm, resolve_pad_id
+
+    model, tok = load_causal_lm(model_dir)
+    pad = resolve_pad_id(model, tok)
+    d = tokenize_records(load_records(data), tok, max_length)
+    model.requires_grad_(True)
+    t0 = time.perf_counter()
+    for s in range(0, len(d), batch):
+        rows = range(s, min(s + batch, len(d)))
+        b = collate([d.input_ids[i] for i in rows], [d.labels[i] for i in rows], pad)
+        model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"],
+              use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def latency(idx: str, queries_file: str, n: int, ft_file: str | None = None) -> dict:
+    """p50/p95 of ``n`` one-query calls of one engine after a warm-up query, the process's peak RSS, and (with
+    the fine-tune's record ``ft_file``) the rank of each fact query's best source under the default query."""
     import resource
 
     from gradindex.query import QueryEngine
@@ -283,8 +334,13 @@ def latency(idx: str, queries_file: str, n: int) -> dict:
             t = time.perf_counter()
             r = engine.query(q, k=10)
             lat.append(time.perf_counter() - t)
-    return {"p50_s": round(float(np.median(lat)), 3), "p95_s": round(float(np.percentile(lat, 95)), 3),
-            "stage": r.stage, "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+        out = {"p50_s": round(float(np.median(lat)), 3), "p95_s": round(float(np.percentile(lat, 95)), 3),
+               "stage": r.stage, "method": engine.resolve_method(None),
+               "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+        if ft_file:
+            ft = json.loads(Path(ft_file).read_text())
+            out["fact_ranks"] = fact_ranks(engine.scores(qs[:ft["fact_queries"]]), ft["facts"])
+    return out
 
 
 def _work(n: int) -> tuple[dict, Path]:
@@ -336,6 +392,8 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
               "cost": json.loads((work / "cost.json").read_text()) if (work / "cost.json").exists() else None,
               "noise_ceiling": noise_ceiling(pairs) if noise else None, "methods": summarize(scores, ft, masks, losses),
               "machine": f"{os.cpu_count()} cores, CPU"}
+    if RESULTS.exists() and "scale" in (old := json.loads(RESULTS.read_text())):
+        result["scale"] = old["scale"]  # (written by the scale step)
     RESULTS.write_text(json.dumps(result, indent=1))
     print(markdown(result))
     print("noise ceiling", result["noise_ceiling"])
@@ -344,20 +402,27 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("step", choices=["retrain", "score", "cost", "report", "all"], nargs="?", default="all",
+    p.add_argument("step", choices=["retrain", "score", "cost", "scale", "report", "all"], nargs="?", default="all",
                    help="retrain: the LoRA retrainings only; score: builds and scores; cost: the default build "
-                        "against its plan and the default query's latency; report: the JSON")
+                        "against its plan and the default query's latency; scale: the same over --index-n "
+                        "records beside a bare forward + backward of them; report: the JSON")
     p.add_argument("--n", type=int, default=160)
     p.add_argument("--subsets", type=int, default=24)
     p.add_argument("--noise-subsets", type=int, default=8, help="subsets retrained with a second seed")
     p.add_argument("--workers", type=int, default=2, help="retrainings at once")
     p.add_argument("--skip-full", action="store_true", help="no exhaustive full-space EK-FAC")
     p.add_argument("--retrain-one", nargs=3, metavar=("FT", "SUBSET", "SEED"), help=argparse.SUPPRESS)
-    p.add_argument("--latency", nargs=3, metavar=("IDX", "QUERIES", "N"), help=argparse.SUPPRESS)
+    p.add_argument("--index-n", type=int, default=1000,
+                   help="scale: the training set followed by documentation chats not trained on, to this many")
+    p.add_argument("--latency", nargs="+", metavar="IDX QUERIES N [FT]", help=argparse.SUPPRESS)
+    p.add_argument("--floor", nargs=2, metavar=("MODEL", "DATA"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.latency:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-        print(json.dumps(latency(a.latency[0], a.latency[1], int(a.latency[2]))))
+        print(json.dumps(latency(a.latency[0], a.latency[1], int(a.latency[2]), *a.latency[3:])))
+        return
+    if a.floor:
+        print(json.dumps({"seconds": round(bare_pass(*a.floor), 1)}))
         return
     if a.retrain_one:
         ft_file, i, r = a.retrain_one
@@ -373,6 +438,9 @@ def main(argv=None) -> None:
     if a.step == "cost":
         (work / "cost.json").write_text(json.dumps(cost(ft, work), indent=1))
         print((work / "cost.json").read_text())
+        return
+    if a.step == "scale":
+        print(json.dumps(scale(ft, work, a.index_n), indent=1))
         return
     builds, scores = score_all(ft, work, not a.skip_full)
     if a.step in ("report", "all"):

@@ -216,6 +216,20 @@ def chat_set(n: int = 160, facts: int = 12, held_out: int = 9, seed: int = 0) ->
     return ChatSet([r for r, _ in recs], fs, held, seed)
 
 
+def more_docs(records: list[dict], held_out: list[dict], count: int, seed: int = 1) -> list[dict]:
+    """``count`` documentation chats whose paragraphs are in neither ``records`` nor ``held_out`` (to grow an
+    index past the fine-tune's training set: conversations the fine-tuned model was not trained on)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fixtures.corpus import stdlib_paragraphs
+
+    seen = " ".join(m["content"] for r in records + held_out for m in r["messages"])
+    paras = [p for p in stdlib_paragraphs(min_chars=120, max_chars=420) if p not in seen]
+    random.Random(seed).shuffle(paras)
+    if len(paras) < count:
+        raise ValueError(f"only {len(paras)} unused paragraphs for {count} more documentation chats")
+    return [_doc_chat(p, i) for i, p in enumerate(paras[:count])]
+
+
 def write_jsonl(records: list[dict], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
