@@ -10,7 +10,14 @@ import click
 from click.core import ParameterSource
 
 from gradindex.cli import main
-from gradindex.cli.common import Interrupted, damping_option, data_options, human_bytes, user_errors
+from gradindex.cli.common import (
+    Interrupted,
+    damping_option,
+    data_options,
+    human_bytes,
+    positive_damping,
+    user_errors,
+)
 from gradindex.cli.index import check_index_type, index_config, index_options, report
 from gradindex.lock import index_lock
 
@@ -95,7 +102,7 @@ def _default(name: str):
                    "influence, benchmarks/width.py). kfac: whiten each side by its damped full-space K-FAC factor "
                    "before projecting; rows then answer kfac/ekfac, not graddot.")
 @click.option("--basis-damping", default=_default("basis_damping"), show_default=True, type=float,
-              help="Relative damping of the kfac whitening.")
+              callback=positive_damping, help="Relative damping of the kfac whitening.")
 @click.option("--fit-examples", "basis_examples", default=_default("basis_examples"), show_default=True, type=int,
               help="Examples sampled for the kfac basis's factor pass (0 = all).")
 @click.option("--fit-seed", "basis_seed", default=_default("basis_seed"), show_default=True, type=int,

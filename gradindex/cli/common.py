@@ -88,10 +88,17 @@ def parse_messages(values) -> list[dict]:
     return out
 
 
-def _positive_damping(ctx, param, value: float) -> float:
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise click.BadParameter(f"{value:g} is not a finite number > 0; the damping is a fraction of each layer's "
-                                 f"mean eigenvalue, e.g. {DEFAULT_DAMPING:g}")
+FLOAT32_TINY, FLOAT32_MAX = 1.1754944e-38, 3.4028235e38
+"""The positive normal float32 numbers: a damping outside them overflows (or vanishes in) the float32
+rotations (issue 33 item 8: ``--damping 1e300`` ended in a ``RuntimeError ... overflow`` traceback)."""
+
+
+def positive_damping(ctx, param, value: float) -> float:
+    """A damping option's callback: a finite number in float32's positive normal range, else refused."""
+    if value is not None and not (math.isfinite(value) and FLOAT32_TINY <= value <= FLOAT32_MAX):
+        raise click.BadParameter(f"{value:g} is outside the valid range {FLOAT32_TINY:.2g} to {FLOAT32_MAX:.2g} "
+                                 f"(a positive float32); the damping is a fraction of each layer's mean eigenvalue, "
+                                 f"e.g. {DEFAULT_DAMPING:g}")
     return value
 
 
@@ -99,7 +106,7 @@ def damping_option(help: str = "Relative damping (kfac, ekfac)."):
     """``--damping``, a fraction of each layer's mean eigenvalue (default :data:`gradindex.methods.DEFAULT_DAMPING`);
     a non-finite or non-positive value is refused before any work."""
     return click.option("--damping", default=DEFAULT_DAMPING, show_default=True, type=float, help=help,
-                        callback=_positive_damping)
+                        callback=positive_damping)
 
 
 def refine_options(fn):
@@ -114,7 +121,7 @@ def refine_options(fn):
                                                              refine_damping), **kwargs)
 
     wrapper = click.option("--refine-damping", default=10.0, show_default=True, type=float,
-                           callback=_positive_damping,
+                           callback=positive_damping,
                            help="Relative damping of the refined system (the query's --damping to refine at it). "
                                 "Refinement wants a larger one than plain EK-FAC (docs/math.md).")(wrapper)
 
