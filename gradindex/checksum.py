@@ -42,6 +42,9 @@ _EDGE, _BLOCK, _BLOCKS = 1 << 16, 1 << 12, 16
 class DamagedIndexError(OSError):
     """A data file of an index does not match the hash recorded when it was written."""
 
+    damage: tuple[Damage, ...] = ()
+    """The damaged files, when known (:func:`damage_error`)."""
+
 
 @dataclass(frozen=True)
 class Damage:
@@ -58,9 +61,11 @@ def damage_error(index_dir: str | os.PathLike, damage: list[Damage], then: str =
     files = "; ".join(f"{x.file} ({x.problem})" for x in damage)
     repairs = list(dict.fromkeys(x.repair for x in damage if x.repair))
     how = " and ".join(f"`{r}`" for r in repairs) or "rebuild the index"
-    return DamagedIndexError(f"damaged files in {str(index_dir)!r}: {files}. Repair with {how}"
-                             + (f", then {then}" if then else "")
-                             + f" (`gradindex verify {index_dir}` checks every file of the index)")
+    err = DamagedIndexError(f"damaged files in {str(index_dir)!r}: {files}. Repair with {how}"
+                            + (f", then {then}" if then else "")
+                            + f" (`gradindex verify {index_dir}` checks every file of the index)")
+    err.damage = tuple(damage)
+    return err
 
 
 _seen: dict[tuple[int, int, int, int], str] = {}

@@ -457,3 +457,209 @@ def test_health_reports_each_stages_seconds(engine):
         assert st[stage]["count"] == 3 and st[stage]["max_s"] == pytest.approx(max(seen))
         assert st[stage]["p50_s"] == pytest.approx(float(np.median(seen)))
     assert st["explain"]["count"] == 1 and st["explain"]["max_s"] == pytest.approx(got[1]["seconds"]["explain"])
+
+
+# -- hardening (issue 33: 6, 12, 13) ----------------------------------------------------------------
+_ABS = __import__("re").compile(r"(?<![\w.~/-])/(?:[^\s'\"`/:,;()\[\]]+/)+[^\s'\"`/:,;()\[\]]+")
+
+
+def _no_server_path(r, *dirs) -> None:
+    """No absolute path in a response body (the index directory least of all)."""
+    assert not any(str(d) in r.text for d in dirs), r.text
+    assert not _ABS.search(r.text), r.text
+
+
+def test_rerank_full_without_its_fit_is_a_400_naming_the_fix_without_server_paths(engine, client, audit_index):
+    r = client.post("/query", json={"text": "the cat sat on a mat", "k": 2, "method": "ekfac", "rerank_full": 4})
+    assert r.status_code == 400, r.text
+    assert "no full-space ekfac curvature" in r.json()["detail"] and "--space full" in r.json()["detail"]
+    _no_server_path(r, audit_index, Path(audit_index).resolve())
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.post("/query", json={"text": "the cat sat", "k": 2}).status_code == 200
+
+
+@pytest.fixture
+def copied(default_index, tmp_path):
+    import shutil
+
+    d = tmp_path / "index"
+    shutil.copytree(default_index, d)
+    with QueryEngine(d, device="cpu") as e:
+        yield d, e
+
+
+def test_a_damaged_shard_is_503_and_health_says_damaged_with_the_repair(copied):
+    import h5py
+
+    d, eng = copied
+    c = TestClient(create_app(eng))
+    body = {"text": "the cat sat on a mat", "k": 3}
+    assert c.post("/query", json=body).status_code == 200
+    shard = d / "store" / "shard-00001.h5"
+    with h5py.File(shard, "r") as f:  # the rows' bytes flipped, the file's size kept (the cheap check passes)
+        chunks = []
+        f.visititems(lambda _, o: chunks.extend(
+            (c.byte_offset, c.size) for c in map(o.id.get_chunk_info, range(o.id.get_num_chunks())))
+            if isinstance(o, h5py.Dataset) and o.chunks and o.name.startswith("/grads") else None)
+    raw = bytearray(shard.read_bytes())
+    for off, size in chunks:
+        raw[off:off + size] = bytes(b ^ 0x5A for b in raw[off:off + size])
+    shard.write_bytes(bytes(raw))
+    r = c.post("/query", json=body)
+    assert r.status_code == 503, r.text
+    assert "damaged: shard 1" in r.json()["detail"] and "gradindex build ... --repair" in r.json()["detail"]
+    _no_server_path(r, d)
+    h = c.get("/health")
+    assert h.status_code == 503 and h.json()["status"].startswith("damaged: shard 1 ("), h.text
+    assert "--repair" in h.json()["status"] and "restart the server" in h.json()["status"]
+    _no_server_path(h, d)
+    again = c.get("/example/1")  # refused at once from then on
+    assert again.status_code == 503 and "damaged: shard 1" in again.json()["detail"]
+
+
+def test_an_overwritten_index_is_refused_at_once_never_500(copied, monkeypatch):
+    from gradindex.store.builder import clear_out_dir
+
+    d, eng = copied
+    c = TestClient(create_app(eng))
+    body = {"text": "the cat sat on a mat", "k": 3}
+    assert c.post("/query", json=body).status_code == 200
+    real = eng.query_batch
+
+    def overwritten_under_it(*a, **kw):  # `build --overwrite` clears the directory while a query is answered
+        clear_out_dir(d)
+        raise FileNotFoundError(2, "No such file or directory", str(d / "store" / "shard-00000.h5"))
+
+    monkeypatch.setattr(eng, "query_batch", overwritten_under_it)
+    r = c.post("/query", json=body)
+    assert r.status_code == 503 and "rebuilt" in r.json()["detail"] and "restart the server" in r.json()["detail"]
+    _no_server_path(r, d)
+    monkeypatch.setattr(eng, "query_batch", real)
+    for got in (c.post("/query", json=body), c.get("/example/2")):  # refused before it is queued
+        assert got.status_code == 503 and "rebuilt" in got.json()["detail"], got.text
+        _no_server_path(got, d)
+    h = c.get("/health")
+    assert h.status_code == 503 and h.json()["status"].startswith("stale: ") and str(d) not in h.text
+
+
+def test_results_cap_long_texts_and_example_gives_the_whole(engine, client, monkeypatch):
+    from gradindex.apps.texts import RESULT_TEXT_CHARS
+
+    long = "word " * 5000  # 25,000 characters
+    real = engine.texts.texts
+    monkeypatch.setattr(engine.texts, "texts", lambda ids: [long if i % 2 else t for i, t in zip(ids, real(ids))])
+    got = client.post("/query", json={"text": "the cat sat on a mat", "k": 6, "lowest": 2}).json()
+    for h in got["hits"] + got["lowest"]:
+        if h["id"] % 2:
+            assert h["text"] == long[:RESULT_TEXT_CHARS] and h["text_chars"] == len(long) and h["truncated"]
+        else:
+            assert len(h["text"]) == h["text_chars"] < RESULT_TEXT_CHARS and h["truncated"] is False
+    odd = next(h["id"] for h in got["hits"] if h["id"] % 2)
+    ex = client.get(f"/example/{odd}").json()
+    assert ex["text"] == long and ex["text_chars"] == len(long)
+
+
+def test_cli_query_json_caps_long_texts(engine, audit_index, monkeypatch):
+    from click.testing import CliRunner
+
+    from gradindex.apps.texts import RESULT_TEXT_CHARS
+    from gradindex.cli import main
+    from gradindex.query.texts import TrainingTexts
+
+    long = "x" * (RESULT_TEXT_CHARS + 500)
+    monkeypatch.setattr(TrainingTexts, "texts", lambda self, ids: [long] * len(ids))
+    r = CliRunner().invoke(main, ["query", str(audit_index), "--text", "the cat sat", "-k", "2", "--lowest", "1",
+                                  "--json", "--device", "cpu", "--cpu-index"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(rows) == 3 and all(g["text"] == long[:RESULT_TEXT_CHARS] and g["text_chars"] == len(long)
+                                  and g["truncated"] for g in rows)
+
+
+def test_page_k_field_and_server_share_one_limit(client):
+    import re
+
+    from gradindex.apps.serve import MAX_EXPLAIN
+
+    page = client.get("/").text
+    limit = int(re.search(r'id="k" type="number" value="5" min="1" max="(\d+)"', page).group(1))
+    le = next(m.le for m in QueryRequest.model_fields["explain"].metadata if hasattr(m, "le"))
+    assert limit == le == MAX_EXPLAIN
+    # what the page posts at its largest k on an explaining method is answered
+    r = client.post("/query", json={"text": "the cat sat", "k": limit, "method": "kfac", "explain": limit})
+    assert r.status_code == 200, r.text
+
+
+def test_scores_have_one_format_in_tables_and_pages():
+    import shutil
+
+    from gradindex.apps.html import NUMBER_JS, number, table
+
+    xs = [37880.2, 2084.3, 0.5, -0.00123, 1.5e-5, 3.2e9, -7.7e-12, 12345678.9, 0.0]
+    assert [number(x) for x in xs[:2]] == ["37880", "2084"]
+    html = table(["score"], [[x] for x in xs[:2]])
+    assert ">37880<" in html and ">2084<" in html and "e+04" not in html
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("no node to run the page's formatter")
+    js = NUMBER_JS + f"console.log(JSON.stringify({json.dumps(xs)}.map(gxNum)))"
+    out = subprocess.run([node, "-e", js], capture_output=True, text=True, timeout=60)
+    assert json.loads(out.stdout) == [number(x) for x in xs], out.stderr
+
+
+def test_page_hides_the_legend_without_heatmaps_and_explains_at_most_its_limit(default_engine, tmp_path):
+    import re
+
+    from gradindex.apps.html import number
+
+    chromium, why = find_chromium()
+    if chromium is None:
+        pytest.skip(f"no headless Chromium for the page: {why}")
+    q = quote("the cat sat on a mat")
+    with _Served(default_engine) as s:
+        plain = load(chromium, f"http://127.0.0.1:{s.port}/?text={q}&k=3&method=ekfac-selfnorm", tmp_path,
+                     "selfnorm-page", size="1200,1000", budget_ms=30000)
+        heat = load(chromium, f"http://127.0.0.1:{s.port}/?text={q}&k=60&method=ekfac", tmp_path,
+                    "k60-page", size="1200,1000", budget_ms=60000)
+    legend = re.compile(r'<div id="legend" style="([^"]*)"')
+    text = visible_text(plain.dom)
+    assert "3 results, method ekfac-selfnorm" in text and plain.dom.count('class="heat"') == 3, text[:1500]
+    assert "display:none" in legend.search(plain.dom).group(1).replace(" ", "")
+    ref = default_engine.query("the cat sat on a mat", k=3, method="ekfac-selfnorm")
+    assert all(f"score {number(h.score)}" in text for h in ref.hits), text[:1500]
+    text = visible_text(heat.dom)
+    assert "error" not in text and f"{default_engine.n} results" in text, text[:1500]
+    assert "display:none" not in legend.search(heat.dom).group(1).replace(" ", "")
+
+
+def test_cli_serve_token_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    from gradindex.cli.serve import TOKEN_ENV, bearer_token
+
+    f = tmp_path / "token"
+    f.write_text("s3cret\n")
+    monkeypatch.setenv(TOKEN_ENV, "from-env")
+    assert bearer_token(None, str(f)) == "s3cret"
+    assert bearer_token(None, None) == "from-env"
+    monkeypatch.delenv(TOKEN_ENV)
+    assert bearer_token(None, None) is None
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="is empty; write the token on its first line"):
+        bearer_token(None, str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="not both"):
+        bearer_token("a", str(f))
+
+
+def test_cli_serve_reads_token_file(audit_index, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import gradindex.apps.serve as served
+    from gradindex.cli import main
+
+    seen = {}
+    monkeypatch.setattr(served, "serve", lambda engine, host, port, token, *a: seen.setdefault("token", token))
+    f = tmp_path / "token"
+    f.write_text("s3cret\n")
+    r = CliRunner().invoke(main, ["serve", str(audit_index), "--token-file", str(f), "--device", "cpu",
+                                  "--cpu-index"])
+    assert r.exit_code == 0, r.output
+    assert seen == {"token": "s3cret"} and "(bearer token required)" in r.output

@@ -6,6 +6,7 @@ Everything is inline (no CDN, no network): a page made from these opens from a f
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 
 CSS = """
@@ -44,6 +45,25 @@ s.style.background=scores[i]>=0?'rgba(0,160,60,'+(0.85*a).toFixed(3)+')':'rgba(2
 s.title=scores[i].toExponential(3);s.textContent=t;d.appendChild(s);});return d;}
 """
 
+# the same format as :func:`number`, for pages that render the scores they fetch
+NUMBER_JS = """
+function gxNum(x){var a=Math.abs(x);if(!isFinite(x)||a===0){return String(x);}
+if(a>=1e-3&&a<1e7){return x.toFixed(Math.max(0,3-Math.floor(Math.log10(a))));}
+return x.toExponential(3).replace(/e([+-])(\\d)$/,'e$10$2');}
+"""
+
+
+def number(x: float) -> str:
+    """A score for a table or a page: 4 significant digits, without an exponent from 0.001 to 10 million
+    (``:.4g`` wrote 37880 as ``3.788e+04`` beside ``2084``), else as ``1.234e+08``; :data:`NUMBER_JS` alike."""
+    a = abs(x)
+    if not math.isfinite(x) or a == 0:
+        return f"{x:g}"
+    if 1e-3 <= a < 1e7:
+        return f"{x:.{max(0, 3 - math.floor(math.log10(a)))}f}"
+    return f"{x:.3e}"
+
+
 LEGEND = ('<p class="legend">Token heatmaps: <span style="background:rgba(0,160,60,.6)">raises the score</span> '
           '<span style="background:rgba(220,40,40,.6)">lowers it</span>; shade ∝ |term| / largest |term| of the '
           'sequence; hover a token for its term.</p>')
@@ -74,7 +94,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence], sortable: bool = Tru
             elif isinstance(c, int):
                 cells.append(f'<td class="num" data-v="{c}">{c}</td>')
             elif isinstance(c, float):
-                cells.append(f'<td class="num" data-v="{c!r}">{c:.4g}</td>')
+                cells.append(f'<td class="num" data-v="{c!r}">{number(c)}</td>')
             else:
                 cells.append(f"<td>{html.escape(str(c))}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
@@ -86,4 +106,4 @@ def page(title: str, body: str, script: str = "") -> str:
     """A complete page: inline styles and scripts only."""
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f'<meta name="viewport" content="width=device-width,initial-scale=1"><style>{CSS}</style></head>'
-            f"<body>{body}<script>{SORT_JS}{HEAT_JS}{script}</script></body></html>")
+            f"<body>{body}<script>{SORT_JS}{HEAT_JS}{NUMBER_JS}{script}</script></body></html>")

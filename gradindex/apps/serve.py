@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from gradindex.apps.batching import Batcher, Expired, Job, QueryJob, Stopped
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, page
+from gradindex.apps.state import IndexState
+from gradindex.apps.texts import capped_result
 from gradindex.apps.timings import StageTimes
-from gradindex.index import IndexReplacedError
 from gradindex.methods import DEFAULT_DAMPING, all_methods, default_method, methods_of
 from gradindex.query import QueryEngine, QueryResult
 
@@ -40,6 +41,9 @@ log = logging.getLogger("gradindex")
 MAX_TEXT = 20_000
 """Characters of a query text (or prompt + completion); longer is refused (the index truncates tokens)."""
 MAX_K = 1000
+MAX_EXPLAIN = 50
+"""Results explained token by token in one request; also the most results the page asks for (it explains
+all it shows)."""
 MAX_BODY = 1 << 20
 """Bytes of a request body: room for the longest valid query (``MAX_TEXT`` characters of prompt and of
 completion as ``\\uXXXX`` escapes, or ``MAX_TEXT`` token ids and labels), not for a flood."""
@@ -63,7 +67,8 @@ class QueryRequest(BaseModel):
     damping: float = Field(DEFAULT_DAMPING, gt=0, le=1e6)
     layers: list[str] | None = Field(None, max_length=1000)
     lowest: int = Field(0, ge=0, le=MAX_K)
-    explain: int = Field(0, ge=0, le=50, description="Explain the top N results token by token (graddot, kfac, ekfac).")
+    explain: int = Field(0, ge=0, le=MAX_EXPLAIN,
+                         description="Explain the top N results token by token (graddot, kfac, ekfac).")
     rerank_full: int | None = Field(None, ge=0, le=1000,
                                     description="The exact stage: candidates re-ranked in full space (a forward + "
                                                 "backward each; kfac/ekfac need the full-space fit); default and 0: "
@@ -108,11 +113,14 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def _answerer(batcher: Batcher, request_timeout: float):
-    """The coroutine that queues a job on ``batcher`` and waits for its answer, errors as HTTP statuses."""
+def _answerer(batcher: Batcher, request_timeout: float, state: IndexState):
+    """The coroutine that queues a job on ``batcher`` and waits for its answer, errors as HTTP statuses
+    (:meth:`IndexState.http_error`)."""
 
     async def answer(job: Job):
-        """Queue ``job`` and wait for the worker's answer, within the request's time limit."""
+        """Queue ``job`` and wait for the worker's answer, within the request's time limit; a damaged index, or
+        one a build replaced, is refused (503) before it is queued."""
+        state.refuse()
         if not batcher.submit(job):
             raise HTTPException(503, f"busy: {batcher.queue_size} requests are already waiting (the queue is "
                                      "full); retry in a second", headers={"Retry-After": "1"})
@@ -125,21 +133,16 @@ def _answerer(batcher: Batcher, request_timeout: float):
                                      "server is busy or the query is slow; retry later") from None
         except Stopped as e:
             raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
-        except IndexReplacedError as e:  # a build replaced the index: no answer from the deleted one
-            raise HTTPException(503, str(e)) from None
-        except (ValueError, TypeError) as e:
-            raise HTTPException(400, str(e)) from e
         except Exception as e:  # the worker goes on; this request failed inside the engine
-            log.error("request failed: %s: %s", type(e).__name__, e)
-            raise HTTPException(500, f"internal error: {type(e).__name__}: {e}") from e
-
+            raise state.http_error(e) from e
 
     return answer
 
 
 def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], default: str,
                request_timeout: float) -> None:
-    """``POST /query``: check the request, queue it, add the explanations asked for and the stage timings."""
+    """``POST /query``: check the request, queue it, add the explanations asked for and the stage timings; texts
+    capped (:func:`~gradindex.apps.texts.capped`), notes without server paths."""
     explainer = Explainer(engine)
     vocab = engine.model.get_input_embeddings().num_embeddings
     stages = app.state.stages
@@ -175,7 +178,8 @@ def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], de
         settings = {"method": method, "damping": req.damping, "layers": req.layers, "lowest": req.lowest,
                     "rerank_full": req.rerank_full}
         job = Job(QueryJob(rec, req.k, settings, explained if req.explain else None), deadline=t0 + request_timeout)
-        out = await answer(job)
+        out = capped_result(await answer(job))
+        out["notes"] = [app.state.index.public(n) for n in out.get("notes", [])]
         out["batch"] = job.batch
         out["seconds"]["queue"] = job.started - job.queued
         out["seconds"]["total"] = time.monotonic() - t0
@@ -199,21 +203,22 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
     answers = [default] + [m for m in answers if m != default]
     stages = StageTimes()
     app.state.stages = stages
+    state = IndexState(engine.dir, engine.index.check_current)
+    app.state.index = state
     app.add_middleware(Guard, token=token, max_body=MAX_BODY)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return JSONResponse({"detail": _validation_message(exc)}, status_code=422)
 
-    answer = _answerer(batcher, request_timeout)
+    answer = _answerer(batcher, request_timeout, state)
 
     @app.get("/health")
-    async def health() -> dict:
-        try:
-            engine.index.check_current()
-            status = "ok"
-        except IndexReplacedError as e:
-            status = f"stale: {e}"
+    async def health() -> JSONResponse:
+        status = state.status()  # 503 unless "ok": a monitor sees a damaged or replaced index by the code alone
+        return JSONResponse(_health(status), status_code=200 if status == "ok" else 503)
+
+    def _health(status: str) -> dict:
         return {"status": status, "examples": engine.n, "layers": len(engine.select_layers(None)),
                 "methods": answers, "default_method": default,
                 "queue": {"depth": batcher.depth(), "answering": batcher.answering, "size": batcher.queue_size,
@@ -225,24 +230,32 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
 
     @app.get("/example/{example_id}")
     async def example(example_id: int) -> dict:
+        """The whole text of one training example (results carry at most ``RESULT_TEXT_CHARS`` of it)."""
         if not 0 <= example_id < engine.n:
             raise HTTPException(404, f"no training example {example_id}: ids are 0..{engine.n - 1}")
 
         def read() -> dict:
             text = engine.texts.texts(np.array([example_id], dtype=np.int64))[0]
-            return {"id": example_id, "text": text, "num_tokens": int(num_tokens[example_id]),
-                    "loss": float(losses[example_id]), "note": engine.texts.problem}
+            note = engine.texts.problem
+            return {"id": example_id, "text": text, "text_chars": None if text is None else len(text),
+                    "num_tokens": int(num_tokens[example_id]), "loss": float(losses[example_id]),
+                    "note": note and state.public(note)}
 
         return await answer(Job(read, deadline=time.monotonic() + request_timeout))
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> str:
-        options = "".join(f"<option{' selected' if m == default else ''}>{m}</option>" for m in answers)
-        explainable = json.dumps([m for m in answers if m in all_methods("explain", selfnorm=False)])
-        return _PAGE.replace("__METHODS__", options).replace("__EXPLAIN__", explainable).replace(
-            "__N__", str(engine.n)).replace("__AUTH__", "block" if token else "none")
+        return _page(answers, default, token is not None, engine.n)
 
     return app
+
+
+def _page(answers: list[str], default: str, auth: bool, n: int) -> str:
+    """The page: the methods offered (the default selected), which of them draw heatmaps, the k field's limit."""
+    options = "".join(f"<option{' selected' if m == default else ''}>{m}</option>" for m in answers)
+    explainable = json.dumps([m for m in answers if m in all_methods("explain", selfnorm=False)])
+    return (_PAGE.replace("__METHODS__", options).replace("__EXPLAIN__", explainable).replace("__N__", str(n))
+            .replace("__AUTH__", "block" if auth else "none").replace("__MAXK__", str(MAX_EXPLAIN)))
 
 
 class Guard:
@@ -302,12 +315,12 @@ _BODY = """
 <h1>gradindex</h1><p class="muted">Which of the __N__ training examples made the model say this?</p>
 <form id="f"><p><label>Query text<br><textarea id="text" rows="3" style="width:100%"></textarea></label></p>
 <p><label>or prompt <input id="prompt" size="40"></label> <label>completion <input id="completion" size="40">
-</label></p><p><label>k <input id="k" type="number" value="5" min="1" max="100" style="width:4em"></label>
+</label></p><p><label>k <input id="k" type="number" value="5" min="1" max="__MAXK__" style="width:4em"></label>
 <label>method <select id="method">__METHODS__</select></label>
 <span style="display:__AUTH__"><label>token
 <input id="token" type="text" autocomplete="off" spellcheck="false" size="16"></label></span>
 <button type="submit">Find</button></p></form>
-""" + LEGEND + """<div id="status" class="muted"></div><div id="out"></div>
+<div id="legend" style="display:none">""" + LEGEND + """</div><div id="status" class="muted"></div><div id="out"></div>
 """
 
 _SCRIPT = """
@@ -315,20 +328,23 @@ function gxRun(){var st=document.getElementById('status'),out=document.getElemen
 var body={k:parseInt(document.getElementById('k').value||'5'),method:document.getElementById('method').value};
 var t=document.getElementById('text').value,p=document.getElementById('prompt').value,
 c=document.getElementById('completion').value;if(t){body.text=t;}else{body.prompt=p;body.completion=c;}
-if(__EXPLAIN__.indexOf(body.method)>=0){body.explain=body.k;}
+if(__EXPLAIN__.indexOf(body.method)>=0){body.explain=Math.min(body.k,__MAXK__);}
 var h={'Content-Type':'application/json'},tok=document.getElementById('token').value;
 if(tok){h.Authorization='Bearer '+tok;}st.textContent='searching...';out.innerHTML='';
+var lg=document.getElementById('legend');lg.style.display='none';
 fetch('/query',{method:'POST',headers:h,body:JSON.stringify(body)}).then(function(r){
 return r.json().then(function(j){return [r.status,j];});}).then(function(a){var j=a[1];
 if(a[0]!==200){st.textContent='error '+a[0]+': '+j.detail;return;}
 st.textContent=j.hits.length+' results, method '+j.method+', '+j.num_tokens+' target tokens, '
 +(j.seconds.total*1000).toFixed(0)+' ms';
 j.hits.forEach(function(hit,i){var d=document.createElement('div'),hd=document.createElement('h3');
-hd.textContent='#'+(i+1)+'  id '+hit.id+'  score '+hit.score.toPrecision(4);d.appendChild(hd);
-if(hit.explanation){d.appendChild(gxHeat(hit.explanation.tokens,hit.explanation.scores));
+hd.textContent='#'+(i+1)+'  id '+hit.id+'  score '+gxNum(hit.score);d.appendChild(hd);
+if(hit.explanation){lg.style.display='';d.appendChild(gxHeat(hit.explanation.tokens,hit.explanation.scores));
 var q=document.createElement('details'),s=document.createElement('summary');s.textContent='query tokens';
 q.appendChild(s);q.appendChild(gxHeat(hit.explanation.query_tokens,hit.explanation.query_scores));d.appendChild(q);}
 else{var pre=document.createElement('div');pre.className='heat';pre.textContent=hit.text||'(text unavailable)';
+if(hit.truncated){pre.textContent+=' … (the first '+hit.text.length+' of '+hit.text_chars+' characters; '
++'the whole text: GET /example/'+hit.id+')';}
 d.appendChild(pre);}out.appendChild(d);});}).catch(function(e){st.textContent='request failed: '+e;});}
 document.getElementById('f').addEventListener('submit',function(ev){ev.preventDefault();gxRun();});
 (function(){var u=new URLSearchParams(window.location.search);['text','prompt','completion','k','method']

@@ -1,4 +1,5 @@
-"""Texts of training rows for reports: the build's tokenizer and data file, checked row by row."""
+"""Texts of training rows for reports: the build's tokenizer and data file, checked row by row; results' texts
+capped alike in ``gradindex query --json`` and the server (:func:`capped`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,24 @@ import numpy as np
 from gradindex.manifest import read_manifest
 from gradindex.query.texts import TrainingTexts
 from gradindex.store import Store
+
+RESULT_TEXT_CHARS = 2000
+"""Characters of a training text in a result (``query --json``, the server's ``/query``); the whole text is at
+the server's ``GET /example/ID``. A result says ``text_chars`` (the whole length) and ``truncated``."""
+
+
+def capped(hit: dict, limit: int = RESULT_TEXT_CHARS) -> dict:
+    """A result's dict with its ``text`` cut to ``limit`` characters, ``text_chars`` (the whole text's length,
+    ``None`` without a text) and ``truncated``."""
+    text = hit.get("text")
+    n = None if text is None else len(text)
+    cut = n is not None and n > limit
+    return {**hit, "text": text[:limit] if cut else text, "text_chars": n, "truncated": cut}
+
+
+def capped_result(result: dict) -> dict:
+    """A query's answer (``QueryResult.to_dict()``) with every hit's text :func:`capped`."""
+    return {**result, **{key: [capped(h) for h in result[key]] for key in ("hits", "lowest") if key in result}}
 
 
 def row_texts(index_dir: str | os.PathLike, ids, data: str | os.PathLike | None = None,

@@ -14,6 +14,7 @@ import sys
 
 import click
 
+from gradindex.apps.html import number  # noqa: F401  (scores in tables: one format with the pages')
 from gradindex.manifest import IndexMismatchError
 from gradindex.methods import DEFAULT_DAMPING
 
@@ -194,12 +195,3 @@ class MethodChoice(click.Choice):
         return all_methods(self.app, self.selfnorm)
 
 
-def number(x: float) -> str:
-    """A score for a table: 4 significant digits, without an exponent from 0.001 to 10 million
-    (``:.4g`` wrote 10000.1 as ``1e+04``, beside ``6937``)."""
-    a = abs(x)
-    if not math.isfinite(x) or a == 0:
-        return f"{x:g}"
-    if 1e-3 <= a < 1e7:
-        return f"{x:.{max(0, 3 - math.floor(math.log10(a)))}f}"
-    return f"{x:.3e}"

@@ -86,11 +86,14 @@ def _print_result(i: int, q: str, r) -> None:
 
 
 def _json(r) -> list[dict]:
-    """The query's results, each row also saying what produced it: method, damping, the query's seconds."""
+    """The query's results, each row also saying what produced it: method, damping, the query's seconds; texts
+    capped at :data:`~gradindex.apps.texts.RESULT_TEXT_CHARS` characters (``text_chars``: the whole length)."""
+    from gradindex.apps.texts import capped
+
     made = {"method": r.method, "damping": getattr(r, "damping", None), "stage": getattr(r, "stage", ""),
             "seconds": {n: round(float(v), 6) for n, v in getattr(r, "seconds", {}).items()}}
-    out = [{"rank": j + 1, "kind": "top", **h.to_dict(), **made} for j, h in enumerate(r.hits)]
-    out += [{"rank": j + 1, "kind": "lowest", **h.to_dict(), **made} for j, h in enumerate(r.lowest)]
+    out = [{"rank": j + 1, "kind": "top", **capped(h.to_dict()), **made} for j, h in enumerate(r.hits)]
+    out += [{"rank": j + 1, "kind": "lowest", **capped(h.to_dict()), **made} for j, h in enumerate(r.lowest)]
     return out
 
 

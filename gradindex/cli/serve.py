@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import click
 
@@ -16,7 +17,9 @@ from gradindex.cli.common import engine_options, refine_config, refine_options, 
               help="Address to bind (loopback by default; 0.0.0.0 exposes it to the network).")
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--token", default=None, help="Require 'Authorization: Bearer TOKEN' on /query and /example "
-              "(default: $GRADINDEX_TOKEN if set).")
+              "(visible to other users in `ps`: prefer --token-file or $GRADINDEX_TOKEN).")
+@click.option("--token-file", default=None, type=click.Path(dir_okay=False),
+              help="Read the bearer token from this file (its first line); default: $GRADINDEX_TOKEN if set.")
 @click.option("--request-timeout", default=30.0, show_default=True, type=float,
               help="Seconds a request may take, waiting included, before it is answered 504.")
 @click.option("--queue-size", default=64, show_default=True, type=int,
@@ -29,13 +32,13 @@ from gradindex.cli.common import engine_options, refine_config, refine_options, 
 @engine_options()
 @refine_options
 @user_errors
-def serve(index_dir, host, port, token, request_timeout, queue_size, max_batch, batch_window, layers, model_dir, data,
-          device, cpu_index, refine):
+def serve(index_dir, host, port, token, token_file, request_timeout, queue_size, max_batch, batch_window, layers,
+          model_dir, data, device, cpu_index, refine):
     """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /."""
     from gradindex.apps.serve import serve as run
     from gradindex.query import QueryEngine
 
-    token = token or os.environ.get("GRADINDEX_TOKEN") or None
+    token = bearer_token(token, token_file)
     if not 0 < port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {port}")
     if not (request_timeout > 0 and queue_size >= 1 and max_batch >= 1 and batch_window >= 0):
@@ -46,3 +49,27 @@ def serve(index_dir, host, port, token, request_timeout, queue_size, max_batch, 
         click.echo(f"serving {index_dir} ({engine.n} examples) on http://{host}:{port}/"
                    f"{' (bearer token required)' if token else ''}; Ctrl-C stops", err=True)
         run(engine, host, port, token, request_timeout, queue_size, max_batch, batch_window)
+
+
+TOKEN_ENV = "GRADINDEX_TOKEN"
+
+
+def bearer_token(token: str | None, token_file: str | None) -> str | None:
+    """The token from ``--token``, else ``--token-file`` (its first line), else ``$GRADINDEX_TOKEN``; ``None``:
+    no token. A token on the command line is visible in ``ps``: a note says so."""
+    if token and token_file:
+        raise ValueError("give --token or --token-file, not both (--token-file keeps the token out of `ps`)")
+    if token:
+        click.echo(f"note: --token is visible to other users in `ps`; --token-file PATH or ${TOKEN_ENV} keep it "
+                   "private", err=True)
+        return token
+    if token_file:
+        try:
+            lines = Path(token_file).read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"--token-file {token_file!r} cannot be read ({e.strerror}); give a readable file "
+                             "holding the token on its first line") from None
+        if not lines or not lines[0].strip():
+            raise ValueError(f"--token-file {token_file!r} is empty; write the token on its first line")
+        return lines[0].strip()
+    return os.environ.get(TOKEN_ENV) or None
