@@ -13,15 +13,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from gradindex.errors import DiskFullError
+
 NO_SPACE = "No space left on device"
-
-
-class DiskFullError(OSError):
-    """The disk filled (or would fill) during a stage; the message says what is kept and how to resume."""
+PARTIAL_WRITE = re.compile(r"\d+ requested and \d+ written")
+"""NumPy's ``tofile``/``np.save`` on a full disk: an ``OSError`` without an errno (``2774016 requested and
+524288 written``)."""
 
 
 def free_bytes(path: str | os.PathLike) -> int:
@@ -46,7 +48,7 @@ def is_disk_full(e: BaseException | None) -> bool:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or NO_SPACE in str(e) \
-                or "errno = 28" in str(e):
+                or "errno = 28" in str(e) or isinstance(e, OSError) and PARTIAL_WRITE.search(str(e)):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -73,9 +75,11 @@ def check_space(where: str | os.PathLike, need: int, stage: str, detail: str = "
 
 
 @contextlib.contextmanager
-def disk_full_as_error(where: str | os.PathLike, stage: str, kept: str) -> Iterator[None]:
+def disk_full_as_error(where: str | os.PathLike, stage: str, kept: str,
+                       need: Callable[[], int] | None = None) -> Iterator[None]:
     """Inside: a full disk, whatever raised it, becomes one :class:`DiskFullError` naming ``stage``, what is
-    ``kept`` and the resume (a re-run of the same command)."""
+    ``kept``, the free space ``need()`` says the rest of the work takes (bytes) and the resume (a re-run of
+    the same command)."""
     try:
         yield
     except DiskFullError:
@@ -83,7 +87,17 @@ def disk_full_as_error(where: str | os.PathLike, stage: str, kept: str) -> Itera
     except BaseException as e:
         if not is_disk_full(e):
             raise
-        raise DiskFullError(
-            f"the disk holding {str(where)!r} is full ({human(free_bytes(where))} free) during the {stage}: "
-            f"{kept}; free some space and re-run the same command to resume (the index will be the same)"
-        ) from None
+        raise DiskFullError(full_message(where, stage, kept, need)) from None
+
+
+def full_message(where: str | os.PathLike, stage: str, kept: str, need: Callable[[], int] | None = None) -> str:
+    """The one line of a disk that filled during ``stage`` (see :func:`disk_full_as_error`)."""
+    free = free_bytes(where)
+    try:
+        n = int(need()) if need is not None else 0
+    except Exception:  # noqa: BLE001 - the estimate is advice; the error is the full disk
+        n = 0
+    space = f"about {human(n)} free for the rest ({human(free)} free now)" if n else f"more than the {human(free)} free"
+    fix = f"free {human(n - free)} or more" if n > free else "free some space"
+    return (f"the disk holding {str(where)!r} is full during the {stage}, which needs {space}: {kept}; {fix} "
+            "(or use another --out) and re-run the same command to resume (the index will be the same)")

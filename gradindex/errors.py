@@ -5,3 +5,7 @@ from __future__ import annotations
 
 class IndexMismatchError(ValueError):
     """An index directory was built with something other than what is being used now."""
+
+
+class DiskFullError(OSError):
+    """The disk filled (or would fill) during a stage; the message says what is kept and how to resume."""

@@ -91,7 +91,8 @@ def build_index(
         why = sampled_reason(cfg, len(data))
         if why and cfg.transcode == "ekfac" and cfg.fit_sample > 0:
             log.info("EK-FAC fitted on every example: %s", why)
-        with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept"):
+        with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept",
+                                lambda: plan.remaining(out_dir)):
             if not why:  # fit on a sample, rows coded in the capture pass
                 res = _sampled(model, tokenizer, data, Path(out_dir), cfg, model_id, data_id, overwrite, progress,
                                repair, rows, heads)
@@ -176,21 +177,26 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     pass kept as its checkpoint first: the transcoded shards do not hold them), FAISS indices (one
     process), each checked for disk space."""
     full = rerank_fit_config(cfg, res.manifest, len(data), rerank_fit)
+
+    def need() -> int:  # (what the plan says the build still adds: named in a full disk's error)
+        return plan.remaining(out_dir)
+
     if full is not None and cfg.transcode == "ekfac" and full.method not in res.manifest.get("full_space", {}) \
             and not res.manifest.get("transcode"):  # the fit's checkpoint: the transcode drops the shards' sums
-        with disk_full_as_error(out_dir, "full-space fit", "the store is complete and kept"):
+        with disk_full_as_error(out_dir, "full-space fit", "the store is complete and kept", need):
             keep_build_sums(out_dir, full, tokenizer, data)
     fit = None if cfg.precondition == "none" else \
         FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
     kept = "the captured rows are kept (and the transcode's finished shards)"
-    with disk_full_as_error(out_dir, "fit and transcode", kept):
+    with disk_full_as_error(out_dir, "fit and transcode", kept, need):
         if cfg.transcode == "ekfac" and not res.manifest.get("transcode"):  # the default: fit and transcode fused
             res.manifest = fit_and_transcode(out_dir, fit, cfg.storage, model, tokenizer, data, progress,
                                              res.manifest)
         elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
             fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
     if full is not None and full.method not in read_manifest(out_dir).get("full_space", {}):
-        with disk_full_as_error(out_dir, "full-space fit", "the store and its stored-space fit are complete and kept"):
+        with disk_full_as_error(out_dir, "full-space fit", "the store and its stored-space fit are complete and kept",
+                                need):
             fit_preconditioner(out_dir, full, model, tokenizer, data, progress=progress, heads=heads)
         res.manifest = read_manifest(out_dir)
     res.seconds = time.perf_counter() - t0
@@ -198,7 +204,8 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
         return res, None
     if not (Path(out_dir) / "faiss").exists() and not plan.approximate:
         check_space(out_dir, plan.index_bytes, "FAISS stage", "its indices")
-    with disk_full_as_error(out_dir, "FAISS stage", "the store and its fits are complete and kept"), \
+    with disk_full_as_error(out_dir, "FAISS stage", "the store and its fits are complete and kept",
+                            lambda: plan.index_bytes), \
             OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
         return res, build_indices(ix, index, progress=progress)
 

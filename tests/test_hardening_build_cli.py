@@ -3,6 +3,8 @@ numbers before; each is now one ``Error:`` line naming the problem and the fix, 
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 from click.testing import CliRunner
 
@@ -40,4 +42,93 @@ def test_a_damping_outside_float32s_positive_range_is_refused_by_query(tmp_path,
 def test_the_float32_range_is_accepted(gpt2_dir, text_jsonl, tmp_path):
     code, out = _run("build", gpt2_dir, text_jsonl, "--out", tmp_path / "idx", "--damping", "1e30", "--storage", "fp32",
                      "--transcode", "none", "--device", "cpu", "--quiet", "--max-length", "16", "--no-index")
+    assert code == 0, out
+
+
+BUILD = ["--max-length", "32", "--shard-size", "16", "--device", "cpu", "--quiet"]
+
+
+def _no_space(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _full_disk_line(code: int, output: str, stage: str) -> str:
+    line = _error_line(code, output)
+    assert "is full" in line and f"during the {stage}" in line and "re-run the same command" in line, line
+    return line
+
+
+def test_a_full_disk_during_the_capture_names_the_stage_and_the_space_needed_and_resumes(gpt2_dir, text_jsonl,
+                                                                                         tmp_path, monkeypatch):
+    """Item 7: the capture's line named no space needed."""
+    from gradindex.store import shards
+
+    real, calls = shards.ShardWriter.append, []
+
+    def second_fails(self, *a, **k):
+        calls.append(1)
+        return _no_space() if len(calls) == 2 else real(self, *a, **k)
+
+    monkeypatch.setattr(shards.ShardWriter, "append", second_fails)
+    args = ["build", gpt2_dir, text_jsonl, "--out", tmp_path / "idx", *BUILD]
+    line = _full_disk_line(*_run(*args), "capture")
+    assert "which needs about" in line and "MiB free for the rest" in line and "kept" in line, line
+    monkeypatch.undo()
+    assert _run(*args)[0] == 0
+
+
+def test_the_covariance_sums_check_the_disk_before_hdf5_writes_them(tmp_path, monkeypatch):
+    """Item 7: HDF5 hitting a full disk inside the sums' write left the shard unclosable: a segfault (rc 139)
+    after the message. Now ENOSPC is raised before HDF5 writes anything, and the file closes cleanly."""
+    import types
+
+    import h5py
+    import torch
+
+    from gradindex import diskspace
+    from gradindex.store.covariance import write_covariance
+
+    cap = types.SimpleNamespace(cov_a={"l": torch.ones(64, 64)}, cov_g={"l": torch.ones(64, 64)}, cov_tokens={"l": 3},
+                                full_a={}, full_g={}, full_tokens={}, infos={"l": None})
+    monkeypatch.setattr(diskspace, "free_bytes", lambda p: 1000)
+    with h5py.File(tmp_path / "shard.h5", "w") as f:
+        with pytest.raises(OSError) as e:
+            write_covariance(f, cap)
+        assert e.value.errno == errno.ENOSPC and "covariance" not in f
+
+
+def test_a_full_disk_during_the_fit_says_disk_full_not_numpys_partial_write(gpt2_dir, text_jsonl, tmp_path,
+                                                                            monkeypatch):
+    """Item 7: ``Error: 2774016 requested and 524288 written`` (NumPy's tofile on a full disk) never said the
+    disk was full."""
+    from gradindex.precondition import rotated
+
+    def partial(*a, **k):
+        raise OSError("2774016 requested and 524288 written")
+
+    monkeypatch.setattr(rotated.RotatedRows, "put", partial)
+    args = ["build", gpt2_dir, text_jsonl, "--out", tmp_path / "idx", *BUILD]
+    line = _full_disk_line(*_run(*args), "fit and transcode")
+    assert "requested and" not in line and "captured rows are kept" in line, line
+    monkeypatch.undo()
+    assert _run(*args)[0] == 0
+
+
+def test_a_full_disk_during_gradindex_index_is_one_line_not_a_faiss_traceback(gpt2_dir, text_jsonl, tmp_path,
+                                                                              monkeypatch):
+    """Item 7: ``gradindex index --index-type Flat`` on a full disk ended in FAISS's RuntimeError traceback."""
+    import faiss
+
+    d = tmp_path / "idx"
+    assert _run("build", gpt2_dir, text_jsonl, "--out", d, *BUILD, "--no-index")[0] == 0
+
+    def faiss_full(*a, **k):
+        raise RuntimeError("Error in faiss::FileIOWriter::operator()(...) at faiss/impl/io.cpp:98: Error: "
+                           "'ret == (n)' failed: write error in /x: 0 != 1 (No space left on device)")
+
+    monkeypatch.setattr(faiss, "write_index", faiss_full)
+    line = _full_disk_line(*_run("index", d, "--index-type", "Flat", "--quiet"), "FAISS stage")
+    assert "which needs about" in line and "kept" in line, line
+    monkeypatch.undo()
+    code, out = _run("index", d, "--index-type", "Flat", "--quiet")
     assert code == 0, out

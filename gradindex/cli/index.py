@@ -87,10 +87,22 @@ def report(res) -> str:
 def index(index_dir, index_type, sketch_bytes, whiten, normalize, train_size, cpu_index, damping, seed, force,
           quiet):
     """(Re)build one FAISS index per layer of INDEX_DIR's store (resumes an interrupted build)."""
+    from gradindex.diskspace import disk_full_as_error
     from gradindex.index import build_indices
     from gradindex.manifest import read_manifest
 
-    check_index_type(index_type, int(read_manifest(index_dir).get("counts", {}).get("examples", 0)))
+    manifest = read_manifest(index_dir)
+    check_index_type(index_type, int(manifest.get("counts", {}).get("examples", 0)))
     cfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index, sketch_bytes)
     cfg = dataclasses.replace(cfg, seed=seed)
-    click.echo(report(build_indices(index_dir, cfg, progress=not quiet, force=force)))
+    with disk_full_as_error(index_dir, "FAISS stage", "the store and its fits are kept",
+                            lambda: faiss_bytes(manifest)):
+        click.echo(report(build_indices(index_dir, cfg, progress=not quiet, force=force)))
+
+
+def faiss_bytes(manifest: dict) -> int:
+    """At most what a FAISS type writes for the index of ``manifest``: every row as float32 (``Flat``), and the
+    norms (compressed types write less)."""
+    n = int(manifest.get("counts", {}).get("examples", 0))
+    layers = manifest.get("build", {}).get("layers", {})
+    return n * sum(4 * int(v["rows"]) * int(v["cols"]) + 4 for v in layers.values())

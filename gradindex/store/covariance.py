@@ -14,13 +14,19 @@ import h5py
 import numpy as np
 
 from gradindex.capture.gram import upper_to_symmetric
+from gradindex.diskspace import reserve
 
 GROUPS = ("covariance", "covariance_full")
 
 
 def write_covariance(file: h5py.File, capture, full_rows: str = "") -> None:
     """Store a shard's sums from ``capture``'s accumulators (both groups, where collected), then reset them;
-    ``full_rows``: the digest of the examples the full sums take (empty: all), an attribute of their group."""
+    ``full_rows``: the digest of the examples the full sums take (empty: all), an attribute of their group.
+    The disk's room for them is checked first (:func:`~gradindex.diskspace.reserve`): HDF5 failing on a
+    full disk inside a write left the file unclosable (the process crashed, rc 139, issue 33 item 7)."""
+    need = sum(8 * x.numel() for d in (capture.cov_a, capture.cov_g) for x in d.values())  # (float64)
+    need += sum(16 * x.numel() for d in (capture.full_a, capture.full_g) for x in d.values())  # (triangles: whole)
+    reserve(file.filename, (1 << 16) + need)
     for group, (A, S, T) in (("covariance", (capture.cov_a, capture.cov_g, capture.cov_tokens)),
                              ("covariance_full", (capture.full_a, capture.full_g, capture.full_tokens))):
         if not A:
