@@ -132,3 +132,33 @@ def test_a_full_disk_during_gradindex_index_is_one_line_not_a_faiss_traceback(gp
     monkeypatch.undo()
     code, out = _run("index", d, "--index-type", "Flat", "--quiet")
     assert code == 0, out
+
+
+@pytest.mark.parametrize("bug", [TypeError("unsupported operand"), OSError(errno.EIO, "I/O error"), MemoryError()])
+def test_a_bug_keeps_its_traceback_instead_of_reading_as_bad_input(tmp_path, monkeypatch, bug):
+    """Issue 32 item 6: ``USER_ERRORS`` turned any ``TypeError``/``OSError``/``MemoryError`` into ``Error: ...``,
+    exit 2, so a bug read as bad input."""
+    from gradindex import manifest
+
+    def broken(*a, **k):
+        raise bug
+
+    monkeypatch.setattr(manifest, "read_manifest", broken)
+    r = CliRunner().invoke(main, ["index", str(tmp_path)])
+    assert r.exit_code == 1 and isinstance(r.exception, type(bug)), r.output
+    assert "Error:" not in r.output
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   FileNotFoundError("no file 'x'"), ValueError("bad value")])
+def test_the_library_s_own_errors_and_expected_os_conditions_stay_one_line(tmp_path, monkeypatch, error):
+    from gradindex import manifest
+    from gradindex.errors import CorruptFileError
+
+    def refused(*a, **k):
+        raise error
+
+    monkeypatch.setattr(manifest, "read_manifest", refused)
+    line = _error_line(*_run("index", tmp_path))
+    assert ("disk is full" in line) == (getattr(error, "errno", None) == errno.ENOSPC), line
+    assert issubclass(CorruptFileError, OSError)

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gradindex.errors import UnsupportedLayerError
+
 Factors = Callable[[nn.Module, tuple, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -112,7 +114,7 @@ def group_rule_for(module: nn.Module) -> GroupRule | None:
 def layer_info(module: nn.Module) -> LayerInfo:
     rule = rule_for(module)
     if rule is None:
-        raise TypeError(
+        raise UnsupportedLayerError(
             f"no capture rule for {type(module).__name__}; supported: "
             f"{sorted(c.__name__ for c in _RULES)} (add one with gradindex.capture.register_layer)"
         )

@@ -15,10 +15,17 @@ import sys
 import click
 
 from gradindex.apps.html import number  # noqa: F401  (scores in tables: one format with the pages')
-from gradindex.manifest import IndexMismatchError
+from gradindex.checksum import DamagedIndexError
+from gradindex.errors import CorruptFileError, DiskFullError, IndexMismatchError, UnsupportedLayerError
+from gradindex.lock import IndexBusyError
 from gradindex.methods import DEFAULT_DAMPING
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, IndexMismatchError, TypeError, OSError, MemoryError)
+USER_ERRORS = (ValueError, IndexMismatchError, DiskFullError, CorruptFileError, UnsupportedLayerError,
+               DamagedIndexError, IndexBusyError, FileNotFoundError, FileExistsError, PermissionError)
+"""What a command reports as one ``Error:`` line: the library's own error types (``ValueError`` is its type for a
+bad value), and the OS conditions bad input causes (a named file missing, an output that exists, no
+permission); a full disk is one too (:func:`user_errors`). Anything else (``TypeError``, another ``OSError``,
+``MemoryError``...) is a bug and keeps its traceback (issue 32 item 6)."""
 
 
 class UserError(click.ClickException):
@@ -47,6 +54,12 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except USER_ERRORS as e:
             raise UserError(one_line(e)) from e
+        except OSError as e:
+            from gradindex.diskspace import is_disk_full
+
+            if not is_disk_full(e):
+                raise
+            raise UserError(f"the disk is full ({one_line(e)}); free some space and re-run the same command") from e
 
     return wrapper
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from gradindex.checksum import damage_error
+from gradindex.errors import CorruptFileError
 from gradindex.index import gpu
 from gradindex.index.cost import TIERS
 from gradindex.index.factory import apply_search_params, is_coded_exhaustive, is_exhaustive
@@ -112,13 +113,13 @@ def read_layer(index_dir: str | os.PathLike, folder: Path, layer: str, entry: di
         raise FileNotFoundError(f"FAISS index file {str(p)!r} is missing; {rebuild_hint(index_dir)}")
     size = p.stat().st_size
     if entry.get("bytes") and size != entry["bytes"]:
-        raise OSError(f"FAISS index file {str(p)!r} has {size} bytes, {entry['bytes']} were written "
+        raise CorruptFileError(f"FAISS index file {str(p)!r} has {size} bytes, {entry['bytes']} were written "
                       f"(truncated or replaced); {rebuild_hint(index_dir)}")
     try:
         index = faiss.read_index(str(p))
     except RuntimeError as e:
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
-        raise OSError(f"FAISS index file {str(p)!r} is corrupt ({msg}); {rebuild_hint(index_dir)}") from None
+        raise CorruptFileError(f"FAISS index file {str(p)!r} is corrupt ({msg}); {rebuild_hint(index_dir)}") from None
     if index.ntotal != n or index.d != entry["dim"]:
         raise IndexMismatchError(
             f"FAISS index file {str(p)!r} holds {index.ntotal} vectors of dimension {index.d}, "
@@ -175,7 +176,7 @@ class IndexSet:
             try:
                 self.sketch = load_sketch(self.folder, self.meta, n)
             except (OSError, ValueError) as e:
-                raise OSError(f"the sketch tier in {str(self.folder)!r} is unreadable ({e}); "
+                raise CorruptFileError(f"the sketch tier in {str(self.folder)!r} is unreadable ({e}); "
                               + rebuild_hint(index_dir)) from None
         self._rows = rows
         self._scan: StoreScan | None = None
@@ -193,9 +194,9 @@ class IndexSet:
         try:
             arr = np.load(p, mmap_mode="r")
         except (OSError, ValueError) as e:
-            raise OSError(f"{str(p)!r} is missing or corrupt ({e}); {rebuild_hint(index_dir)}") from None
+            raise CorruptFileError(f"{str(p)!r} is missing or corrupt ({e}); {rebuild_hint(index_dir)}") from None
         if arr.shape != (self.n, len(self.all_layers)):
-            raise OSError(f"{str(p)!r} has shape {arr.shape}, expected {(self.n, len(self.all_layers))}; "
+            raise CorruptFileError(f"{str(p)!r} has shape {arr.shape}, expected {(self.n, len(self.all_layers))}; "
                           + rebuild_hint(index_dir))
         return np.asarray(arr)
 

@@ -37,6 +37,7 @@ import faiss
 import numpy as np
 import torch
 
+from gradindex.errors import CorruptFileError
 from gradindex.index.scan import level_factor
 from gradindex.store.codes import encode
 
@@ -216,7 +217,7 @@ def read_into(path: Path, offset: int, dest: np.ndarray, block_bytes: int = 64 <
             view = memoryview(flat[s:s + block_bytes])
             got = f.readinto(view)
             if got != len(view):
-                raise OSError(f"{str(path)!r} ended {len(view) - (got or 0)} bytes early (a torn sketch file)")
+                raise CorruptFileError(f"{str(path)!r} ended {len(view) - (got or 0)} bytes early (a torn sketch file)")
 
 
 def _faiss_layout(codes: torch.Tensor) -> np.ndarray:

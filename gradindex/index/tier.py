@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from gradindex.checksum import record
+from gradindex.errors import CorruptFileError
 from gradindex.index.files import META, write_json
 from gradindex.index.sketch import Sketch, SketchIndex, allocate, encode_sketch
 from gradindex.index.space import index_vectors
@@ -127,5 +128,5 @@ def load_sketch(folder: Path, meta: dict, n: int) -> SketchIndex:
     codes = np.load(Path(folder) / sk["codes"], mmap_mode="r")
     scales = np.load(Path(folder) / sk["scales"])
     if codes.shape != (n, sketch.m) or scales.shape != (n,):
-        raise OSError(f"the sketch in {str(folder)!r} holds {codes.shape} codes, expected ({n}, {sketch.m})")
+        raise CorruptFileError(f"the sketch in {str(folder)!r} holds {codes.shape} codes, expected ({n}, {sketch.m})")
     return SketchIndex(sketch, codes, scales)
