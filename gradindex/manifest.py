@@ -20,7 +20,7 @@ from typing import Any
 
 from gradindex.errors import IndexMismatchError  # noqa: F401  (re-exported)
 from gradindex.methods import LEGACY_DAMPING
-from gradindex.spec.build import default
+from gradindex.spec.build import DEFAULT_BATCH_SIZE, default
 from gradindex.spec.layout import MANIFEST
 
 FORMAT_VERSION = 1
@@ -236,7 +236,8 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     text_field = m.get("counts", {}).get("text_field")
     if text_field and text_field not in ("text", "input_ids", "prompt+completion", "messages"):
         args += ["--text-field", text_field]
-    args += ["--max-length", str(c.get("max_length", 512)), "--batch-size", str(c.get("batch_size", 8)),
+    batch = c.get("batch_size", DEFAULT_BATCH_SIZE)
+    args += ["--max-length", str(c.get("max_length", 512)), "--batch-size", str(batch),
              "--dtype", m.get("dtype", "float32"), "--route", c.get("route", "auto"),
              "--storage", c.get("storage", "fp32"), "--shard-size", str(c.get("shard_size", 4096))]
     precondition, transcode = c.get("precondition", "none"), c.get("transcode", "none")  # (the CLI's are auto)

@@ -14,6 +14,7 @@ by ``sqrt`` of the training example's self-influence. Parse a name once with
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -116,6 +117,17 @@ default int4 codes keep 98-101% of it at every damping, and 0.001 holds 81-88% o
 LEGACY_DAMPING = 0.1
 """The default before 0.2 (Kronfluence's ``0.1 × mean eigenvalue`` heuristic): what a record that names no
 damping was written with."""
+
+
+def absolute_damping(relative: float, eigenvalues) -> float:
+    """``δ = relative × mean(Λ)``: the absolute damping a relative one stands for, over a layer's eigenvalues
+    ``Λ`` (any array with ``.mean()``); ``relative`` itself when ``Λ`` is all zero. The one place this rule
+    lives (build, basis, allocation, sizing and query all call it)."""
+    if not (relative > 0 and math.isfinite(relative)):
+        raise ValueError(f"damping must be finite and > 0 (a fraction of the mean eigenvalue, e.g. {DEFAULT_DAMPING}), "
+                         f"got {relative}")
+    mean = float(eigenvalues.mean())
+    return relative * mean if mean > 0 else float(relative)
 
 
 def parse_method(method: str) -> tuple[str, bool]:

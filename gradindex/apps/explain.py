@@ -34,6 +34,7 @@ from gradindex.methods import DEFAULT_DAMPING, all_methods, index_row_base, pars
 from gradindex.query import QueryEngine
 from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import as_records
+from gradindex.spec.build import batch_size_of
 from gradindex.store.basis import rows_dual, to_rows
 
 METHODS = all_methods("explain", selfnorm=False)
@@ -132,7 +133,7 @@ class Explainer:
         """Per-layer projected gradients ``{layer: [B, D]}`` and each example's per-token factors."""
         e = self.engine
         cap = e.capture
-        B = int(e.manifest.get("config", {}).get("batch_size", 8))
+        B = batch_size_of(e.manifest)
         grads: list[dict[str, torch.Tensor]] = []
         out: list[Factors] = []
         keep = cap.keep_tokens
@@ -233,7 +234,7 @@ class Explainer:
             raise ValueError(f"the full-space score re-runs the example, which needs the training data the index "
                              f"was built from ({why}); pass data= / --data")
         scores = full_gradient_scores(e.model, layers, query, (ids, labels), e.pad_id, method,
-                                      int(e.manifest.get("config", {}).get("batch_size", 8)),
+                                      batch_size_of(e.manifest),
                                       e.full_preconditioner(method), damping)
         for x, s in zip(out, scores, strict=True):
             x.full_score = float(s)

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from gradindex.methods import absolute_damping
+
 ALLOCATIONS = ("ratio", "equal", "spectrum", "cost")
 DEFAULT_ALLOCATION = "cost"
 """The build's default (``BuildConfig.allocation``): as faithful as ``ratio`` at the same bytes, and the
@@ -123,8 +125,7 @@ def influence_share(lam: np.ndarray, damping: float) -> np.ndarray:
     """``Λ / (Λ + δ)`` with ``δ = damping × mean(Λ)``: each whitened coordinate's expected share of an
     influence score (about 1 far above the damping, about 0 far below it)."""
     lam = np.clip(np.asarray(lam, np.float64), 0.0, None)
-    delta = damping * float(lam.mean()) if lam.mean() > 0 else damping
-    return lam / (lam + delta)
+    return lam / (lam + absolute_damping(damping, lam))
 
 
 def influence_counts(spectra: Mapping[str, tuple[np.ndarray, np.ndarray]], cap_numbers: int) -> dict[str, np.ndarray]:

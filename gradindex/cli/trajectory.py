@@ -8,6 +8,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import data_options, user_errors
+from gradindex.spec.build import DEFAULT_BATCH_SIZE
 
 
 @main.command()
@@ -23,7 +24,7 @@ from gradindex.cli.common import data_options, user_errors
 @click.option("--layers", multiple=True, help="Glob of layer names to hook (repeatable). Default: all block linears.")
 @data_options
 @click.option("--storage", default="int8", show_default=True, type=click.Choice(["fp32", "fp16", "int8", "int4"]))
-@click.option("--batch-size", default=8, show_default=True, type=int)
+@click.option("--batch-size", default=DEFAULT_BATCH_SIZE, show_default=True, type=int)
 @click.option("--shard-size", default=4096, show_default=True, type=int)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--quiet", is_flag=True, help="No progress bar.")

@@ -9,12 +9,10 @@ that basis, with eigenvalues ``Λ`` ``[k_g, k_a]``: ``λ_S λ_Aᵀ`` (K-FAC) or 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
-from gradindex.methods import DEFAULT_DAMPING
+from gradindex.methods import absolute_damping  # noqa: F401 (re-exported)
 from gradindex.store.basis import rotate  # noqa: F401 (re-exported: the one rotation of stored rows)
 
 
@@ -32,15 +30,6 @@ def eigendecompose(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def kfac_eigenvalues(lam_S: np.ndarray, lam_A: np.ndarray) -> np.ndarray:
     """``[k_g, k_a]`` K-FAC eigenvalues ``λ_S λ_Aᵀ``, as computed (round-off negatives kept)."""
     return np.outer(lam_S, lam_A)
-
-
-def absolute_damping(Lam: np.ndarray | torch.Tensor, damping: float) -> float:
-    """``δ = damping × mean(Λ)`` (relative damping); ``damping`` itself when ``Λ`` is all zero."""
-    if not (damping > 0 and math.isfinite(damping)):
-        raise ValueError(f"damping must be finite and > 0 (a fraction of the mean eigenvalue, e.g. {DEFAULT_DAMPING}), "
-                         f"got {damping}")
-    mean = float(Lam.mean())
-    return damping * mean if mean > 0 else float(damping)
 
 
 def unrotate(R: torch.Tensor, Q_S: torch.Tensor, Q_A: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def eigen_basis(basis, curvature: dict, damping: float):
     for n, (Q_S, Q_A, Lam) in curvature.items():
         lam = np.clip(np.asarray(Lam, np.float64), 0.0, None)
         basis.Q_S[n], basis.Q_A[n] = np.asarray(Q_S, np.float64), np.asarray(Q_A, np.float64)
-        basis.scale[n] = 1.0 / np.sqrt(lam + absolute_damping(Lam, damping))
+        basis.scale[n] = 1.0 / np.sqrt(lam + absolute_damping(damping, Lam))
     return basis
 
 

@@ -25,6 +25,7 @@ from gradindex.fingerprint import digest_bytes, model_fingerprint
 from gradindex.manifest import IndexMismatchError
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
+from gradindex.spec.build import DEFAULT_BATCH_SIZE
 from gradindex.store import Store
 from gradindex.store.covariance import read_covariance
 
@@ -88,7 +89,7 @@ def model_covariance(
     rows: Sequence[int],
     layers: Sequence[str],
     projection: ProjectionSpec,
-    batch_size: int = 8,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     route: str = "auto",
     progress: bool = False,
     transforms: dict | None = None,

@@ -22,6 +22,7 @@ from gradindex.data import Tokenized
 from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import Basis
 from gradindex.progress import progress_bar
+from gradindex.spec.build import DEFAULT_BATCH_SIZE
 
 
 def model_correction(
@@ -33,7 +34,7 @@ def model_correction(
     projection: ProjectionSpec,
     bases: dict[str, Basis],
     seed: int = 0,
-    batch_size: int = 8,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     route: str = "auto",
     dtype: torch.dtype | dict[str, torch.dtype] = torch.float64,
     progress: bool = False,

@@ -45,6 +45,7 @@ from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path
 from gradindex.precondition.fisher import model_correction
 from gradindex.precondition.fullspace import fit_full_space
 from gradindex.precondition.preconditioner import layer_shapes
+from gradindex.spec.build import batch_size_of
 from gradindex.store import Store
 from gradindex.store.basis import capture_transforms, index_basis
 from gradindex.store.repair import check_store
@@ -206,7 +207,7 @@ def store_fit(index_dir, cfg: FitConfig, manifest: dict, model, tokenizer, data,
         sums, fit, mp = _factor_sums(manifest, store, layers, cfg, model, tokenizer, data, device, progress)
         factors = _eigen_factors(sums, layers, shapes)
         bases = {
-            n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
+            n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(cfg.damping, f.Lambda))
             for n, f in factors.items()
         }
         dtypes = layer_dtypes(cfg.precision, shapes)
@@ -224,7 +225,7 @@ def store_fit(index_dir, cfg: FitConfig, manifest: dict, model, tokenizer, data,
             si = None
             if ekfac_self_influence:
                 ek_bases = {
-                    n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(f.Lambda, cfg.damping))
+                    n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(cfg.damping, f.Lambda))
                     for n, f in ek.items()
                 }
                 si = store_pass(store, layers, shapes, ek_bases, desc="store pass (ekfac)", **kw).self_influence
@@ -316,7 +317,7 @@ def _factor_sums(
     proj: ProjectionSpec = projection_from_manifest(manifest)
     transforms = capture_transforms(index_basis(store.dir.parent, manifest))
     conf = manifest.get("config", {})
-    bs, route = int(conf.get("batch_size", 8)), conf.get("route", "auto")
+    bs, route = batch_size_of(manifest), conf.get("route", "auto")
     skip = set(manifest.get("nonfinite_ids", []))
     mp = None
 

@@ -73,6 +73,7 @@ from gradindex.precondition.files import (
 )
 from gradindex.precondition.preconditioner import Preconditioner
 from gradindex.progress import progress_bar
+from gradindex.spec.build import batch_size_of
 from gradindex.store import Store
 from gradindex.store.covariance import covariance_rows, read_covariance, rows_digest
 from gradindex.store.repair import check_store
@@ -392,7 +393,7 @@ def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None
         model, tokenizer = load_build_model(manifest, cfg.device)
     data, rows, source, fp, state = _start(index_dir, manifest, cfg, tokenizer, data, checkpoint_seconds)
     corrected = correction_rows(rows, cfg)
-    bs = int(manifest.get("config", {}).get("batch_size", 8))
+    bs = batch_size_of(manifest)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
@@ -444,7 +445,7 @@ def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None, ch
     first, ``full_check``: whole-file hashes, else the sampled check), else from scratch."""
     layers = list(full_shapes(manifest))
     data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
-    bs = int(manifest.get("config", {}).get("batch_size", 8))
+    bs = batch_size_of(manifest)
     fp = data_fingerprint(data)
     corrected = correction_rows(rows, cfg)
     key = digest_bytes([json.dumps([manifest["build"]["model_fingerprint"], fp, layers, rows.tolist(), bs, cfg.method]

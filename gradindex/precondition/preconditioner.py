@@ -70,7 +70,7 @@ class Preconditioner:
         """Absolute damping ``δ = damping × mean(Λ)`` of a layer."""
         if self.curvature is None:
             return 0.0
-        return absolute_damping(self.curvature[self._check(layer)]["Lambda"], damping)
+        return absolute_damping(damping, self.curvature[self._check(layer)]["Lambda"])
 
     def _check(self, layer: str) -> str:
         if layer not in self.shapes:

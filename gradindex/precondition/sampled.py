@@ -165,7 +165,7 @@ class EigenCoder:
         self.weights = {}  # K-FAC's (λ_S λ_A + δ')⁻¹ over EK-FAC's scale², per number of a coded row
         for n in self.shapes:
             kf = f.kfac[n].Lambda
-            w = damped(torch.as_tensor(kf), absolute_damping(kf, self.damping), -1.0).numpy()
+            w = damped(torch.as_tensor(kf), absolute_damping(self.damping, kf), -1.0).numpy()
             self.weights[n] = (w / np.square(self.basis.scale[n])).reshape(-1)
         (self.sub / SELF_INFLUENCE).mkdir(parents=True, exist_ok=True)
         new = eigen_manifest(manifest, self.storage, self.damping, f.fit)

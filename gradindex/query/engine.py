@@ -40,6 +40,7 @@ from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_
 from gradindex.query.refine import RefineConfig, Refiner, eigenbasis_curvature, preconditioner_curvature
 from gradindex.query.scores import score_matrix
 from gradindex.query.texts import TrainingTexts
+from gradindex.spec.build import batch_size_of
 from gradindex.spec.manifest import layer_identity
 from gradindex.store.basis import capture_transforms, to_rows
 
@@ -258,7 +259,7 @@ class QueryEngine:
     def gradients(self, tokens: QueryTokens) -> tuple[dict[str, torch.Tensor], np.ndarray, np.ndarray]:
         """Per-layer projected query gradients ``{layer: [Q, D]}`` (CPU float32), losses, token counts."""
         self._need_model()
-        B = int(self.manifest.get("config", {}).get("batch_size", 8))
+        B = batch_size_of(self.manifest)
         parts, loss, ntok = [], [], []
         with self.capture:
             for s in range(0, len(tokens), B):
@@ -622,7 +623,7 @@ class QueryEngine:
                       "tokens at this batch's own gradient seconds per token)")
         scores = full_scores_batch(self.model, layers, queries, (ids, labels),
                                    [np.searchsorted(union, [h.id for h in hs]) for hs in heads], self.pad_id,
-                                   results[0].method, int(self.manifest.get("config", {}).get("batch_size", 8)),
+                                   results[0].method, batch_size_of(self.manifest),
                                    pre, damping, query_matrices=refined, on_batch=self._first_batch_rate())
         secs = time.perf_counter() - t0
         for r, hs, sc in zip(results, heads, scores, strict=True):

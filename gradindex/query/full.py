@@ -35,6 +35,7 @@ from gradindex.methods import DEFAULT_DAMPING, method_spec, parse_method
 from gradindex.precondition.apply import damped
 from gradindex.precondition.fullspace import budget_bound, stored_share
 from gradindex.precondition.preconditioner import Preconditioner
+from gradindex.spec.build import DEFAULT_BATCH_SIZE
 
 DEFAULT_RERANK = 0
 """Candidates the default query re-ranks in full space (``QueryEngine.query_batch(rerank_full=None)``): none,
@@ -77,7 +78,7 @@ def full_gradient_scores(
     train: tuple[list[list[int]], list[list[int]]],
     pad_id: int,
     method: str = "graddot",
-    batch_size: int = 8,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     pre: Preconditioner | None = None,
     damping: float = DEFAULT_DAMPING,
     dtype: torch.dtype = torch.float32,
@@ -103,7 +104,7 @@ def full_scores_batch(
     wanted: Sequence[np.ndarray],
     pad_id: int,
     method: str = "graddot",
-    batch_size: int = 8,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     pre: Preconditioner | None = None,
     damping: float = DEFAULT_DAMPING,
     dtype: torch.dtype = torch.float32,

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from gradindex.data import IGNORE, collate
-from gradindex.methods import parse_method
+from gradindex.methods import absolute_damping, parse_method
 
 REFINE_METHODS = ("neumann", "cg")
 REFINE_CURVATURES = ("ggn", "fisher", "sampled")
@@ -115,7 +115,7 @@ class RowCurvature:
         """The same rows solved at relative damping ``damping``: ``P' = P + (δ' − δ)I``, ``δ' = damping · mean Λ``."""
         lam0 = self._row_lam
         base = lam0 - self.delta
-        delta = damping * float(base.mean())
+        delta = absolute_damping(damping, base)
         return RowCurvature(self.Q_S, self.Q_A, (base + delta).clamp_min(0.5 * delta), delta, self.eigen_rows, lam0)
 
     @property
@@ -150,7 +150,7 @@ def eigenbasis_curvature(Q_S: np.ndarray, Q_A: np.ndarray, scale: np.ndarray, da
     """From an EK-FAC eigenbasis ``basis.h5`` layer: ``Λ + δ = s⁻²``, ``δ = d/(1+d) · mean(s⁻²)``
     (``δ = d · mean(Λ)`` and ``mean(Λ + δ) = mean(Λ) + δ``)."""
     lam = 1.0 / np.square(np.asarray(scale, np.float64))
-    delta = damping / (1.0 + damping) * float(lam.mean())
+    delta = absolute_damping(damping / (1.0 + damping), lam)
     return RowCurvature(torch.as_tensor(np.asarray(Q_S, np.float64)), torch.as_tensor(np.asarray(Q_A, np.float64)),
                         torch.as_tensor(lam), delta, True)
 

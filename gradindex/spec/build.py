@@ -6,9 +6,18 @@ Stage 0: no stage is imported; the checks of a combination live in ``BuildConfig
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from gradindex.methods import DEFAULT_DAMPING
+
+DEFAULT_BATCH_SIZE = 8
+"""Examples per forward/backward unless one is given; also the batch of an index whose record names none."""
+
+
+def batch_size_of(manifest: Mapping) -> int:
+    """The batch size an index was built with (``config.batch_size``), else :data:`DEFAULT_BATCH_SIZE`."""
+    return int(manifest.get("config", {}).get("batch_size", DEFAULT_BATCH_SIZE))
 
 
 @dataclass(frozen=True)
@@ -20,7 +29,7 @@ class BuildOptions:
     """Glob patterns of layers to hook; empty = every linear layer in the transformer blocks."""
     max_length: int = 512
     """Examples longer than this many tokens are truncated (and counted in the manifest)."""
-    batch_size: int = 8
+    batch_size: int = DEFAULT_BATCH_SIZE
     """Examples per forward/backward."""
     route: str = "auto"
     """``auto`` (cost model), ``factorized`` or ``materialized``."""

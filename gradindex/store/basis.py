@@ -31,7 +31,7 @@ import torch
 
 from gradindex.capture.transform import LayerTransform
 from gradindex.checksum import Damage, check_files, damage_error, record
-from gradindex.methods import FITTED_METHODS, LEGACY_DAMPING, row_base
+from gradindex.methods import FITTED_METHODS, LEGACY_DAMPING, absolute_damping, row_base
 from gradindex.spec import layout
 
 BASIS_FILE = layout.BASIS_FILE
@@ -85,8 +85,7 @@ def inverse_sqrt(M: np.ndarray, damping: float) -> tuple[np.ndarray, np.ndarray]
     """``((M + δI)^{-1/2}, eigenvalues of M)`` with ``δ = damping × mean eigenvalue``, float64."""
     lam, Q = np.linalg.eigh(0.5 * (M + M.T))
     lam = np.clip(lam, 0.0, None)
-    delta = damping * float(lam.mean()) if lam.mean() > 0 else damping
-    return (Q / np.sqrt(lam + delta)) @ Q.T, lam
+    return (Q / np.sqrt(lam + absolute_damping(damping, lam))) @ Q.T, lam
 
 
 def kfac_basis(factors: dict[str, tuple[np.ndarray, np.ndarray]], damping: float) -> RowBasis:

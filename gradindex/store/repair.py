@@ -10,6 +10,7 @@ import numpy as np
 
 from gradindex.checksum import Damage, check_files, recorded, shard_of
 from gradindex.manifest import build_command, read_manifest
+from gradindex.spec.build import batch_size_of
 from gradindex.store.shards import STORE_DIR, shard_name
 
 log = logging.getLogger("gradindex")
@@ -55,7 +56,7 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
     shapes = {n: (int(v["rows"]), int(v["cols"])) for n, v in manifest["build"]["layers"].items()}
     dims = {n: capture.dim(n) for n in capture.infos}
     N, S = int(manifest["counts"]["examples"]), int(manifest["config"]["shard_size"])
-    B = int(manifest["config"].get("batch_size", 8))
+    B = batch_size_of(manifest)
     fp, storage = manifest["build"]["data_fingerprint"], manifest["build"]["storage"]
     captured = (manifest.get("transcode") or {}).get("source_build", {}).get("storage", "fp32")
     computed = 0

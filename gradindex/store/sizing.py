@@ -19,6 +19,7 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.capture.fullcov import FullCovariance
 from gradindex.capture.layers import LayerInfo
 from gradindex.data import Tokenized
+from gradindex.methods import absolute_damping
 from gradindex.progress import progress_bar
 from gradindex.spec.rows import FLOAT32_BYTES, parse_budget
 from gradindex.store.basis import RowBasis, capture_transforms, kfac_basis, read_basis, write_basis
@@ -183,6 +184,6 @@ def correction_pass(model: nn.Module, data: Tokenized, rows, basis: RowBasis, pa
         i, j = np.divmod(basis.keep[n], k_a)
         kron = lam_s[i] * lam_a[j]
         share = float(kron.mean() / (lam_s.mean() * lam_a.mean())) if kron.mean() > 0 else 1.0
-        delta = damping * float(lam.mean()) / share if lam.mean() > 0 else damping
+        delta = absolute_damping(damping, lam) / (share if lam.mean() > 0 else 1.0)
         out[n] = (1.0 / np.sqrt(np.maximum(lam + delta, delta / 2)))[None, :]
     return out
