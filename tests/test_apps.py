@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -89,6 +90,18 @@ def test_dedup_groups_equal_brute_force_components(dup_index, method, sketch, ex
     keep = res.keep_mask()
     assert keep[3] and not keep[30] and not keep[31] and keep.sum() == len(texts) - sum(
         len(g.ids) - 1 for g in res.groups)
+
+
+@pytest.mark.parametrize("method,sketch", [("graddot", 64), ("ekfac", 0)])
+def test_dedup_in_blocks_of_a_few_rows_equals_dedup_in_one_block(dup_index, method, sketch):
+    """Rows read in blocks of bytes (issue 33 item 11: an audit's RSS grew with every example): one row, one pair
+    at a time gives the same groups, cosines and checked pairs as a block of every row."""
+    out, _ = dup_index
+    cfg = DedupConfig(threshold=0.97, method=method, sketch=sketch, neighbors=8)
+    whole, small = find_duplicates(out, cfg), find_duplicates(out, replace(cfg, block_bytes=1))
+    assert [g.to_dict() for g in small.groups] == [g.to_dict() for g in whole.groups] and whole.groups
+    assert (small.pairs_proposed, small.pairs_checked, small.pairs_confirmed) == (
+        whole.pairs_proposed, whole.pairs_checked, whole.pairs_confirmed)
 
 
 def _clustered(n=3000, d=32, centers=150, noise=0.15, seed=0):

@@ -70,6 +70,10 @@ class DedupConfig:
     so 0.05 loses almost no pair above the threshold."""
     seed: int = 0
     block: int = 8192
+    """Rows (and proposed pairs) per step, at most."""
+    block_bytes: int = 64 << 20
+    """Bytes of float32 rows read at once, at most: wide rows make smaller blocks (else a block was the whole
+    store below ``block`` rows, the audit's RSS growing with every example)."""
     exact_max: int = 50_000
     """Up to this many rows the candidates are each row's exact nearest neighbours (FAISS flat search);
     beyond, an IVF self-join proposes them (:func:`ivf_neighbors`)."""
@@ -88,8 +92,8 @@ class DedupConfig:
     def __post_init__(self) -> None:
         if not -1.0 <= self.cut <= 1.0:
             raise ValueError(f"--threshold is a cosine in [-1, 1], got {self.threshold}")
-        if self.neighbors < 1 or self.sketch < 0 or self.nprobe < 1:
-            raise ValueError("--neighbors and nprobe must be >= 1 and --sketch >= 0")
+        if self.neighbors < 1 or self.sketch < 0 or self.nprobe < 1 or self.block < 1 or self.block_bytes < 1:
+            raise ValueError("--neighbors, nprobe, block and block_bytes must be >= 1 and --sketch >= 0")
         base, selfnorm = parse_method(self.method or "graddot")
         if selfnorm or base == "cosine":
             raise ValueError(f"dedup compares normalised gradients; --method is graddot, kfac or ekfac, "
@@ -154,6 +158,11 @@ def _union(parent: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
             return
         a, b, ra, rb = a[m], b[m], ra[m], rb[m]
         np.minimum.at(parent, np.maximum(ra, rb), np.minimum(ra, rb))  # hook roots; clashes retry
+
+
+def rows_per_block(cfg: DedupConfig, width: int) -> int:
+    """Rows per read: at most ``cfg.block`` rows and ``cfg.block_bytes`` of float32 rows ``width`` numbers wide."""
+    return max(1, min(cfg.block, cfg.block_bytes // (4 * max(1, width))))
 
 
 def _unit_rows(rows: dict[str, np.ndarray], layers: Sequence[str], pre: Space, method: str,
@@ -288,7 +297,7 @@ def _vectors(store: Store, layers: Sequence[str], pre: Space, method: str, cfg: 
     vecs = np.empty((N, d), dtype=np.float32)
     nonzero = np.zeros(N, dtype=bool)
     with progress_bar(total=N, unit="ex", desc="dedup: vectors", disable=not progress) as bar:
-        for ids, blk in store.iter_blocks(layers, cfg.block):
+        for ids, blk in store.iter_blocks(layers, rows_per_block(cfg, total)):
             if R is None:
                 u = _unit_rows(blk, layers, pre, method, cfg.damping)
                 vecs[ids], nonzero[ids] = u, np.abs(u).sum(1) > 0
@@ -414,22 +423,28 @@ def _confirm(store: Store, layers, pre, method, cfg: DedupConfig, pairs: np.ndar
         if not len(p):
             continue
         checked += len(p)
-        ids, inv = np.unique(p.ravel(), return_inverse=True)
-        rows = reader.read(ids)
-        inv = inv.reshape(-1, 2)
-        dot, sq = np.zeros(len(p)), np.zeros(len(ids))
-        for n in layers:
-            x = _whiten(rows, n, pre, method, cfg.damping).astype(np.float64)
-            sq += np.einsum("ij,ij->i", x, x)
-            dot += np.einsum("ij,ij->i", x[inv[:, 0]], x[inv[:, 1]])
-        nrm = np.sqrt(sq)
-        den = nrm[inv[:, 0]] * nrm[inv[:, 1]]
-        c = np.where(den > 0, dot / np.where(den > 0, den, 1.0), 0.0)
+        sub = max(1, rows_per_block(cfg, sum(store.dims[n] for n in layers)) // 2)  # (two rows a pair)
+        c = np.concatenate([_cosines(reader, layers, pre, method, cfg, p[a:a + sub]) for a in range(0, len(p), sub)])
         ok = c >= cfg.cut
         keep.append(p[ok])
         cos.append(c[ok])
         _union(parent, p[ok, 0], p[ok, 1])
     return np.concatenate(keep), np.concatenate(cos), checked
+
+
+def _cosines(reader: RowReader, layers, pre, method: str, cfg: DedupConfig, p: np.ndarray) -> np.ndarray:
+    """``[P]`` exact cosines of the pairs ``p`` from their stored rows (whitened as the method asks)."""
+    ids, inv = np.unique(p.ravel(), return_inverse=True)
+    rows = reader.read(ids)
+    inv = inv.reshape(-1, 2)
+    dot, sq = np.zeros(len(p)), np.zeros(len(ids))
+    for n in layers:
+        x = _whiten(rows, n, pre, method, cfg.damping).astype(np.float64)
+        sq += np.einsum("ij,ij->i", x, x)
+        dot += np.einsum("ij,ij->i", x[inv[:, 0]], x[inv[:, 1]])
+    nrm = np.sqrt(sq)
+    den = nrm[inv[:, 0]] * nrm[inv[:, 1]]
+    return np.where(den > 0, dot / np.where(den > 0, den, 1.0), 0.0)
 
 
 def _groups(parent: np.ndarray, pairs: np.ndarray, cosines: np.ndarray, hashes: np.ndarray) -> list[Group]:

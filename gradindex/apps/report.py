@@ -67,6 +67,10 @@ class ReportConfig:
                              f"outliers={self.outliers}, sample={self.sample})")
 
 
+SAMPLE_BLOCK_BYTES = 64 << 20
+"""Bytes of float32 rows the score sample reads at once (each layer's also as float64, one at a time)."""
+
+
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -120,10 +124,12 @@ def _score_sample(engine: QueryEngine, grads: dict[str, torch.Tensor], cfg: Repo
     base = row_base(parse_method(cfg.method)[0], row_basis(engine.manifest), cfg.method)
     m, _, _ = query_vectors(engine.indices.space, engine.pre, base, cfg.damping, {n: grads[n] for n in layers})
     out = np.zeros((len(next(iter(m.values()))), len(ids)))
-    for s in range(0, len(ids), 4096):
-        rows = engine.store.read_rows(ids[s:s + 4096], layers)
+    width = sum(engine.store.dims[n] for n in layers)
+    step = max(1, min(4096, SAMPLE_BLOCK_BYTES // (4 * width)))  # (4096 rows of 400 KB were 1.6 GB a block)
+    for s in range(0, len(ids), step):
+        rows = engine.store.read_rows(ids[s:s + step], layers)
         for n in layers:
-            out[:, s:s + 4096] += m[n] @ rows[n].astype(np.float64).T
+            out[:, s:s + step] += m[n] @ rows[n].astype(np.float64).T
     return ids, out
 
 
