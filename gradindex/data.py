@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
-def load_records(path: str | os.PathLike) -> datasets.Dataset:
-    """Load a jsonl/json/csv/parquet file or a ``save_to_disk`` folder as a Dataset."""
+def load_records(path: str | os.PathLike, what: str = "data file",
+                 empty: str = "nothing to index") -> datasets.Dataset:
+    """Load a jsonl/json/csv/parquet file or a ``save_to_disk`` folder as a Dataset; ``what`` names the file in
+    errors and ``empty`` says what to do with one without rows (a query file's is not "nothing to index")."""
     import datasets
 
     p = Path(path)
@@ -56,7 +58,7 @@ def load_records(path: str | os.PathLike) -> datasets.Dataset:
             f"cannot read {p.name!r}: use one of {sorted(_FORMATS)} or a `datasets` folder"
         )
     if p.stat().st_size == 0:
-        raise ValueError(f"data file {str(p)!r} is empty; nothing to index")
+        raise ValueError(f"{what} {str(p)!r} is empty; {empty}")
     if fmt in ("json", "csv"):
         check_utf8(p, header=p.suffix.lower() == ".csv")
     quiet = datasets.logging.get_logger("datasets")  # it would log the error we raise, twice
@@ -66,7 +68,7 @@ def load_records(path: str | os.PathLike) -> datasets.Dataset:
         return datasets.load_dataset(fmt, data_files=str(p), split="train")
     except Exception as e:  # noqa: BLE001 - datasets raises many types for unreadable files
         if "corresponds to no data" in str(e):  # only blank lines, or a CSV header without rows
-            raise ValueError(f"data file {str(p)!r} has no rows; nothing to index") from None
+            raise ValueError(f"{what} {str(p)!r} has no rows; {empty}") from None
         if p.suffix.lower() == ".jsonl":
             check_jsonl(p)  # names the line
         cause = e.__cause__ or e.__context__

@@ -195,10 +195,26 @@ def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDE
 
             diffs += [f"tokenizer differs: {d}" for d in tokenizer_differences(stored[key] or {}, given[key] or {})]
         elif key in stored and key in given and stored[key] != given[key]:
-            diffs.append(f"{words} differs (index: {_short(stored[key])}, now: {_short(given[key])})")
+            diffs.append(_difference(words, stored[key], given[key]))
             if key == "data_fingerprint" and any(d.startswith("max length differs") for d in diffs):
                 diffs[-1] += " (at least in part because the max length differs: tokens are cut there)"
     return diffs
+
+
+OPTIONS = {"storage": "--storage", "damping": "--damping", "basis": "--transcode"}
+"""Parts of an identity section a build option sets: a difference there names the option first."""
+
+
+def _difference(words: str, stored: Any, given: Any) -> str:
+    """``words differs (index: ..., now: ...)``; in a section (a dict), the parts that differ, each named (a
+    resume with another ``--storage`` named only the transcode section, never "storage"); the sections of
+    :data:`OPTIONS` only (the layer set and the projection follow from them)."""
+    if not (isinstance(stored, dict) and isinstance(given, dict) and set(stored) & set(OPTIONS)):
+        return f"{words} differs (index: {_short(stored)}, now: {_short(given)})"
+    parts = [k for k in sorted(set(stored) | set(given)) if stored.get(k) != given.get(k)]
+    named = ", ".join(f"{OPTIONS.get(k, k)} (index: {_short(stored.get(k))}, now: {_short(given.get(k))})"
+                      for k in parts[:3])
+    return f"{words} differs in {named}{' ...' if len(parts) > 3 else ''}"
 
 
 def _short(v: Any) -> str:

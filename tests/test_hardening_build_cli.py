@@ -162,3 +162,66 @@ def test_the_library_s_own_errors_and_expected_os_conditions_stay_one_line(tmp_p
     line = _error_line(*_run("index", tmp_path))
     assert ("disk is full" in line) == (getattr(error, "errno", None) == errno.ENOSPC), line
     assert issubclass(CorruptFileError, OSError)
+
+
+LEAK = """
+import sys, warnings
+import transformers
+from gradindex import model
+from gradindex.cli import main
+real = model.load_causal_lm
+def leaky(*a, **k):
+    transformers.utils.logging.get_logger("transformers.modeling_utils").warning("LEAK-LOG")
+    exec("import warnings; warnings.warn('LEAK-WARN', FutureWarning)", {"__name__": "transformers.fake"})
+    return real(*a, **k)
+model.load_causal_lm = leaky
+sys.argv[0] = "gradindex"
+main()
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_transformers_warnings_stay_out_of_the_cli_output_unless_verbose(gpt2_dir, verbose):
+    """Item 13: transformers' log warnings and deprecation warnings leaked into the commands' output."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRANSFORMERS_")}
+    args = [sys.executable, "-c", LEAK, *(["-v"] if verbose else []), "layers", str(gpt2_dir)]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert ("LEAK-LOG" in r.stderr) == verbose and ("LEAK-WARN" in r.stderr) == verbose, r.stderr
+    assert "layers selected" in r.stdout
+
+
+def test_a_resume_with_another_storage_names_the_storage_option(gpt2_dir, text_jsonl, tmp_path):
+    """Item 13: a default (transcoded) index resumed with ``--storage int8`` named only "row transcode"."""
+    d = tmp_path / "idx"
+    assert _run("build", gpt2_dir, text_jsonl, "--out", d, *BUILD, "--no-index")[0] == 0
+    line = _error_line(*_run("build", gpt2_dir, text_jsonl, "--out", d, *BUILD, "--no-index", "--storage", "int8"))
+    first = line.split("cannot be resumed: ")[1].split(";")[0]
+    assert '--storage (index: "int4", now: "int8")' in first and "--overwrite" in line, line
+
+
+def test_a_resume_on_other_data_names_the_first_differing_row(gpt2_dir, text_jsonl, tmp_path):
+    """Item 13: "data set differs" named no row."""
+    import json
+
+    d = tmp_path / "idx"
+    assert _run("build", gpt2_dir, text_jsonl, "--out", d, *BUILD, "--no-index")[0] == 0
+    rows = text_jsonl.read_text().splitlines()
+    rows[7] = json.dumps({"text": "a changed row"})
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(rows) + "\n")
+    line = _error_line(*_run("build", gpt2_dir, other, "--out", d, *BUILD, "--no-index"))
+    assert "data set differs" in line and "first at row 7" in line, line
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_an_empty_queries_file_says_so_not_nothing_to_index(default_index, tmp_path, content):
+    """Item 13: ``query --queries empty.jsonl`` said "nothing to index"."""
+    q = tmp_path / "empty.jsonl"
+    q.write_text(content)
+    line = _error_line(*_run("query", default_index, "--queries", q, "--device", "cpu"))
+    assert "query file" in line and "nothing to index" not in line and "one query a line" in line, line

@@ -33,6 +33,22 @@ class _Commands(click.Group):
 def main(verbose: bool) -> None:
     """Training-data attribution as vector search over compressed per-example gradients."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    if not verbose:
+        quiet_transformers()
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' log warnings and Python warnings (deprecations, config notes) out of a command's
+    output (issue 33 item 13); ``-v`` shows them. Before transformers loads: its environment variables."""
+    import os
+    import sys
+    import warnings
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    warnings.filterwarnings("ignore", module=r"transformers(\.|$)")
+    if "transformers" in sys.modules:  # (already loaded: by a caller of main, or a test)
+        sys.modules["transformers"].utils.logging.set_verbosity_error()
 
 
 def _register() -> None:

@@ -75,9 +75,10 @@ def read_queries(path: str | os.PathLike) -> list[dict]:
     record every column, ``None`` where the record has none, so those are dropped here and each record
     keeps only its own fields (:func:`tokenize_queries` tokenizes records of one form together).
     """
-    ds = load_records(path)
+    fix = 'give it one query a line, e.g. {"prompt": "...", "completion": "..."}'
+    ds = load_records(path, "query file", fix)
     if len(ds) == 0:
-        raise ValueError(f"query file {str(path)!r} holds no records")
+        raise ValueError(f"query file {str(path)!r} holds no records; {fix}")
     return [{f: v for f, v in r.items() if v is not None} for r in ds.to_list()]
 
 

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
+import h5py
 import numpy as np
 import torch
 from torch import nn
@@ -198,11 +199,12 @@ def refuse_foreign(out: Path) -> None:
         )
 
 
-def prepare_out_dir(out: Path, identity: dict, overwrite: bool) -> dict | None:
+def prepare_out_dir(out: Path, identity: dict, overwrite: bool, hashes: list[bytes] | None = None) -> dict | None:
     """Check an output directory (under its lock); return its manifest when the build resumes it.
 
     ``overwrite`` replaces whatever index is there (even one with a corrupt manifest), whatever
-    its settings; without it, a build resumes only an index of the same identity.
+    its settings; without it, a build resumes only an index of the same identity. ``hashes``: the data's
+    per-example token hashes, to name the first row that differs when the data set does.
     """
     refuse_foreign(out)
     if not _contents(out):
@@ -214,6 +216,8 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool) -> dict | None:
     transcoded = old.get("transcode")  # rows rewritten in place after the build: compare the build that made them
     built = transcoded["source_build"] if transcoded else old.get("build", {})
     diffs = identity_differences(built, identity)
+    if hashes is not None and built.get("data_fingerprint") not in (None, identity.get("data_fingerprint")):
+        diffs = [d + first_differing_row(out, hashes) if d.startswith("data set differs") else d for d in diffs]
     if built.get("fit_sample") != identity.get("fit_sample"):
         said = {k: f"a fit on a sample of {v['size']} (--fit-sample {v['size']})" if v else
                 "a fit on every example (--fit-sample 0, or not more examples than --fit-sample)"
@@ -222,12 +226,33 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool) -> dict | None:
     if transcoded and "transcode" not in identity:
         diffs.append(f"its rows were transcoded into the {old['build'].get('basis', {}).get('kind')} eigenbasis "
                      "after the build (the default) and this build asks for raw rows (--transcode none)")
-    if diffs:
+    if diffs:  # (what the options set first: the layer set and the projection follow from them)
+        diffs.sort(key=lambda d: not d.startswith(("storage", "data set", "row transcode", "max length", "model")))
         raise IndexMismatchError(
             f"{str(out)!r} holds another index, so it cannot be resumed: " + "; ".join(diffs)
             + ". Use another --out, or --overwrite to replace it."
         )
     return old
+
+
+def first_differing_row(out: Path, hashes: list[bytes]) -> str:
+    """``" (first at row R ...)"``: the first example whose tokens differ from those ``out``'s shards recorded
+    (0-based, the data file's record order), or where the counts differ; empty when no shard tells."""
+    paths = sorted((out / STORE_DIR).glob("shard-*.h5*"))
+    stored = 0
+    for p in paths:
+        try:
+            with h5py.File(p, "r") as f:
+                first, rows = int(f.attrs.get("first_id", 0)), f["token_hash"][:]
+        except (OSError, KeyError):
+            continue
+        stored = max(stored, first + len(rows))
+        for i, h in enumerate(rows):
+            if first + i >= len(hashes) or bytes(h) != hashes[first + i]:
+                return f" (first at row {first + i}, 0-based, of the data: its tokens differ from the index's)"
+    if stored and stored != len(hashes):
+        return f" (the index's rows so far end at row {stored} and the data has {len(hashes)} examples)"
+    return ""
 
 
 def clear_out_dir(out: Path) -> None:
@@ -241,7 +266,8 @@ def check_resumable(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg
     """Refuse (writing nothing) an output directory holding another index than the one ``cfg`` and ``coder``
     build, before a sampled build's sample pass (the main pass checks again)."""
     if manifest_path(out).exists():
-        prepare_out_dir(out, _setup(model, tokenizer, data, out, cfg, False, coder=coder).identity, False)
+        st = _setup(model, tokenizer, data, out, cfg, False, coder=coder)
+        prepare_out_dir(out, st.identity, False, st.hashes)
 
 
 def build_store(
@@ -352,7 +378,7 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
                  heads=None, coder=None) -> BuildResult:
     t0 = time.perf_counter()
     st = _setup(model, tokenizer, data, out, cfg, progress, full_fit_rows is not None, coder)
-    old = distributed.on_rank0(lambda: prepare_out_dir(out, st.identity, overwrite))  # (it may delete: one rank)
+    old = distributed.on_rank0(lambda: prepare_out_dir(out, st.identity, overwrite, st.hashes))  # (one rank: deletes)
     if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
         computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
             model, GradientCapture(model, cfg.layers, st.spec, cfg.route, weight_free=True,
