@@ -121,3 +121,33 @@ def test_refined_queries_batch_as_one_at_a_time(built):
     for a, b in zip(batch, one, strict=True):
         assert [h.id for h in a.hits] == [h.id for h in b.hits]
         assert np.allclose([h.full_score for h in a.hits], [h.full_score for h in b.hits], rtol=1e-4)
+
+
+def test_exact_steps_after_the_first_stage_equal_the_exact_query_and_free_the_model_between_steps(built):
+    """``exact_steps`` (what ``serve`` runs between requests) on first-stage results gives the hits and scores of
+    ``query_batch(rerank_full=C)``; between its steps the model carries no hooks, so a first-stage query run in
+    between answers as it does alone."""
+    idx = built[0]
+    with QueryEngine(idx, device="cpu") as e:
+        want = e.query_batch(QUERIES[:2], k=5, method="ekfac-selfnorm", rerank_full=C)
+        alone = e.query(QUERIES[2], k=5, method="ekfac-selfnorm")
+        first = e.query_batch(QUERIES[:2], k=C, method="ekfac-selfnorm", rerank_full=0)
+        steps = e.exact_steps(first, QUERIES[:2], C)
+        progress, between = [], None
+        while True:
+            try:
+                progress.append(next(steps))
+            except StopIteration as done:
+                got = done.value
+                break
+            if between is None:
+                assert all(not m._forward_hooks and not m._backward_hooks for m in e.model.modules())
+                between = e.query(QUERIES[2], k=5, method="ekfac-selfnorm")
+    assert len(progress) > 2 and progress[-1][0] == progress[-1][1]
+    assert [h.id for h in between.hits] == [h.id for h in alone.hits]
+    for w, g in zip(want, got, strict=True):
+        assert [h.id for h in g.hits[:5]] == [h.id for h in w.hits]
+        np.testing.assert_allclose([h.full_score for h in g.hits[:5]], [h.full_score for h in w.hits], rtol=1e-5)
+        assert g.stage == w.stage == f"full-space re-rank of the top {C}"
+    with QueryEngine(idx, device="cpu") as e, pytest.raises(ValueError, match="k >= 30"):
+        next(e.exact_steps(e.query_batch(QUERIES[:1], k=5, rerank_full=0), QUERIES[:1], 30))

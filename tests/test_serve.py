@@ -183,8 +183,8 @@ def test_full_queue_is_503_a_late_request_504_and_the_server_answers_after(engin
     assert r.status_code == 200
     _same_answer(r.json(), engine.query("the cat sat", k=2, method="ekfac").to_dict())
     h = c.get("/health").json()
-    assert h["queue"] == {"depth": 0, "answering": 0, "size": 2, "max_batch": 1, "window_s": 0,
-                          "request_timeout_s": 4.0}
+    assert h["queue"] == {"depth": 0, "answering": 0, "size": 2, "exact_waiting": 0, "max_batch": 1,
+                          "window_s": 0, "request_timeout_s": 4.0}
     assert {k: h["served"][k] for k in ("rejected", "timed_out", "skipped", "queries", "batches")} == {
         "rejected": 1, "timed_out": 3, "skipped": 3, "queries": 1, "batches": 1}
     assert c.get("/example/2").status_code == 200

@@ -10,6 +10,9 @@ most the index's size; otherwise it is part of the group's key. Other jobs (plai
 alone, in turn. A job whose client gave up (its future cancelled) or whose deadline passed before
 its turn is skipped. No exception stops the worker: a failed group is retried one query at a time
 so that one bad query fails alone.
+
+Long work (a query's exact stage) runs as :class:`Background` steps: one step (a forward + backward) at a
+time, and only while no request waits, so a request waits at most one step for it.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +66,27 @@ class Job:
 
 
 @dataclass
+class Background:
+    """Work done a step at a time between requests: ``steps`` yields its progress ``(done, total)`` and returns
+    its outcome, which ``finish`` turns into the ``answer``; ``status`` queued → running → done or failed."""
+
+    steps: Generator[tuple[int, int], None, Any]
+    finish: Callable[[Any], Any]
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    status: str = "queued"
+    done: int = 0
+    total: int = 0
+    answer: Any = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+    """Seconds of the worker's time spent on its steps."""
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "status": self.status, "done": self.done, "total": self.total,
+                "seconds": round(self.seconds, 3)}
+
+
+@dataclass
 class Stats:
     batches: int = 0
     queries: int = 0
@@ -81,6 +106,9 @@ class Stats:
 class Batcher:
     """The engine's only user: a bounded queue and the worker thread that empties it."""
 
+    KEPT = 256
+    """Background work kept for its client to read (the oldest finished ones are dropped first)."""
+
     def __init__(self, engine: QueryEngine, max_batch: int = 16, queue_size: int = 64, window: float = 0.002):
         if max_batch < 1 or queue_size < 1 or window < 0:
             raise ValueError(f"max_batch and queue_size must be >= 1 and window >= 0, got {max_batch}, "
@@ -94,6 +122,8 @@ class Batcher:
         self.answering = 0
         """Jobs in the batch being answered (0: the worker is idle)."""
         self._queue: deque[Job] = deque()
+        self._background: deque[Background] = deque()
+        self._kept: OrderedDict[str, Background] = OrderedDict()
         self._cv = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="gradindex-engine", daemon=True)
@@ -109,6 +139,31 @@ class Batcher:
             self._queue.append(job)
             self._cv.notify()
             return True
+
+    def start_background(self, work: Background) -> bool:
+        """Queue background ``work`` (stepped while no request waits); False when ``queue_size`` already wait."""
+        with self._cv:
+            if self._stopped or len(self._background) >= self.queue_size:
+                self.stats.rejected += 1
+                return False
+            self._background.append(work)
+            self._kept[work.id] = work
+            while len(self._kept) > self.KEPT:
+                old = next((k for k, w in self._kept.items() if w.status in ("done", "failed")), None)
+                if old is None:
+                    break
+                del self._kept[old]
+            self._cv.notify()
+            return True
+
+    def background(self, work_id: str) -> Background | None:
+        """The background work ``work_id`` (queued, running or finished and still kept), else None."""
+        with self._cv:
+            return self._kept.get(work_id)
+
+    def background_depth(self) -> int:
+        with self._cv:
+            return len(self._background)
 
     def note_timeout(self) -> None:
         """Count a request its handler answered 504."""
@@ -126,6 +181,9 @@ class Batcher:
             self._stopped = True
             left = list(self._queue)
             self._queue.clear()
+            for work in self._background:
+                work.status, work.error = "failed", Stopped("the server is stopping")
+            self._background.clear()
             self._cv.notify_all()
         for job in left:
             if job.future.set_running_or_notify_cancel():
@@ -134,11 +192,14 @@ class Batcher:
 
     # -- the worker ------------------------------------------------------------------------------
     def _take(self) -> list[Job] | None:
+        """The next batch of requests; ``[]`` when none waits but background work does (one step of it next)."""
         with self._cv:
-            while not self._queue and not self._stopped:
+            while not self._queue and not self._background and not self._stopped:
                 self._cv.wait()
             if self._stopped:
                 return None
+            if not self._queue:
+                return []
             end = time.monotonic() + self.window
             while len(self._queue) < self.max_batch and not self._stopped and (left := end - time.monotonic()) > 0:
                 self._cv.wait(left)
@@ -148,6 +209,10 @@ class Batcher:
 
     def _run(self) -> None:
         while (jobs := self._take()) is not None:
+            if not jobs:
+                with self.turn:
+                    self._step()
+                continue
             with self.turn:
                 try:
                     self._answer(jobs)
@@ -157,6 +222,28 @@ class Batcher:
                         _fail(job, e)
                 finally:
                     self.answering = 0
+
+    def _step(self) -> None:
+        """One step of the oldest background work; its answer or error kept when it ends."""
+        work = self._background[0]
+        work.status = "running"
+        t0 = time.perf_counter()
+        end = True
+        try:
+            try:
+                work.done, work.total = next(work.steps)
+                end = False
+            except StopIteration as stop:
+                work.answer = work.finish(stop.value)
+                work.status = "done"
+        except Exception as e:  # noqa: BLE001 -- kept for its client; the worker goes on
+            work.error, work.status = e, "failed"
+            self.stats.failed += 1
+        finally:
+            work.seconds += time.perf_counter() - t0
+        if end:
+            with self._cv:
+                self._background.popleft()
 
     def _answer(self, jobs: list[Job]) -> None:
         now = time.monotonic()

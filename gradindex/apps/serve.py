@@ -1,8 +1,11 @@
 """An HTTP JSON API over one resident :class:`QueryEngine` (model, indices and preconditioners loaded
 once), with a small web page to type a query and see the top training examples as token heatmaps.
 
-Endpoints: ``POST /query``, ``GET /example/{id}``, ``GET /health``, ``GET /`` (the page). With a
-token, ``/query`` and ``/example`` need ``Authorization: Bearer <token>`` (401, checked before any
+Endpoints: ``POST /query``, ``GET /exact/{id}``, ``GET /example/{id}``, ``GET /health``, ``GET /`` (the page).
+A query asking for the exact stage (``rerank_full``) is answered by the first stage at once, with the id
+of its exact stage, which the worker runs a forward + backward at a time while no other request waits
+(``GET /exact/{id}``: its progress, then its answer).
+With a token, ``/query``, ``/exact`` and ``/example`` need ``Authorization: Bearer <token>`` (401, checked before any
 of the body is read); the page and ``/health`` hold no data and stay open. A request body over
 :data:`MAX_BODY` bytes is answered 413 without being read further. The engine is not thread-safe:
 one worker thread owns it (:mod:`gradindex.apps.batching`) and answers the queries waiting
@@ -16,6 +19,7 @@ reads or writes a file the client names.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import logging
@@ -27,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from gradindex.apps.batching import Batcher, Expired, Job, QueryJob, Stopped
+from gradindex.apps.batching import Background, Batcher, Expired, Job, QueryJob, Stopped
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, page
 from gradindex.apps.state import IndexState
@@ -47,7 +51,7 @@ all it shows)."""
 MAX_BODY = 1 << 20
 """Bytes of a request body: room for the longest valid query (``MAX_TEXT`` characters of prompt and of
 completion as ``\\uXXXX`` escapes, or ``MAX_TEXT`` token ids and labels), not for a flood."""
-GUARDED = ("/query", "/example/")
+GUARDED = ("/query", "/exact/", "/example/")
 """Paths that hold data: the bearer token (when set) is checked there before the body is read."""
 
 
@@ -71,8 +75,8 @@ class QueryRequest(BaseModel):
                          description="Explain the top N results token by token (graddot, kfac, ekfac).")
     rerank_full: int | None = Field(None, ge=0, le=1000,
                                     description="The exact stage: candidates re-ranked in full space (a forward + "
-                                                "backward each; kfac/ekfac need the full-space fit); default and 0: "
-                                                "none, the first stage answers.")
+                                                "backward each; kfac/ekfac need the full-space fit), answered "
+                                                "later at GET /exact/{id}; default and 0: none.")
 
     @model_validator(mode="after")
     def _one_form(self) -> QueryRequest:
@@ -142,7 +146,9 @@ def _answerer(batcher: Batcher, request_timeout: float, state: IndexState):
 def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], default: str,
                request_timeout: float) -> None:
     """``POST /query``: check the request, queue it, add the explanations asked for and the stage timings; texts
-    capped (:func:`~gradindex.apps.texts.capped`), notes without server paths."""
+    capped (:func:`~gradindex.apps.texts.capped`), notes without server paths. With ``rerank_full`` the first
+    stage answers (with ``k >= rerank_full`` candidates kept for the exact stage) and the exact stage is queued
+    as background work (:func:`_exact_work`)."""
     explainer = Explainer(engine)
     vocab = engine.model.get_input_embeddings().num_embeddings
     stages = app.state.stages
@@ -164,6 +170,18 @@ def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], de
             raise HTTPException(422, f"explain works for {', '.join(all_methods('explain', selfnorm=False))}, "
                                      f"not {method!r}")
 
+        def finish(r: QueryResult) -> dict:
+            """In the worker: the first stage's answer, and the exact stage queued (refused here if impossible)."""
+            exact = None
+            if req.rerank_full:
+                engine.check_exact(method)  # (no full-space fit, no training data: 400 with the reason, now)
+                exact = _exact_work(app, engine, rec, r, req.rerank_full, req.k, req.damping)
+                r.hits = r.hits[:req.k]
+            out = explained(r) if req.explain else r.to_dict()
+            if exact is not None:
+                out["exact"] = exact
+            return out
+
         def explained(r: QueryResult) -> dict:
             out = r.to_dict()
             if r.hits:
@@ -176,14 +194,52 @@ def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], de
             return out
 
         settings = {"method": method, "damping": req.damping, "layers": req.layers, "lowest": req.lowest,
-                    "rerank_full": req.rerank_full}
-        job = Job(QueryJob(rec, req.k, settings, explained if req.explain else None), deadline=t0 + request_timeout)
+                    "rerank_full": 0 if req.rerank_full else None}  # (the exact stage runs later)
+        k = max(req.k, req.rerank_full or 0)
+        job = Job(QueryJob(rec, k, settings, finish if req.explain or req.rerank_full else None),
+                  deadline=t0 + request_timeout)
         out = capped_result(await answer(job))
         out["notes"] = [app.state.index.public(n) for n in out.get("notes", [])]
         out["batch"] = job.batch
         out["seconds"]["queue"] = job.started - job.queued
         out["seconds"]["total"] = time.monotonic() - t0
         stages.add(out["seconds"])
+        return out
+
+
+def _exact_work(app: FastAPI, engine: QueryEngine, rec: dict, first: QueryResult, top: int, k: int,
+                damping: float) -> dict:
+    """Queue the exact stage of ``first`` (its top ``top``) as background work; what ``POST /query`` says of it."""
+    steps = engine.exact_steps([copy.deepcopy(first)], [rec], top, damping)
+
+    def done(results: list[QueryResult]) -> dict:
+        r = results[0]
+        r.hits = r.hits[:k]
+        out = capped_result(r.to_dict())
+        out["notes"] = [app.state.index.public(n) for n in out.get("notes", [])]
+        return out
+
+    work = Background(steps, done)
+    if not app.state.batcher.start_background(work):
+        return {"status": "refused", "detail": f"{app.state.batcher.queue_size} exact stages are already waiting; "
+                                               "retry later"}
+    return {**work.to_dict(), "url": f"/exact/{work.id}"}
+
+
+def _add_exact(app: FastAPI, batcher: Batcher, state: IndexState) -> None:
+    """``GET /exact/{id}``: a query's exact stage, its progress, and its answer once done (as ``POST /query``'s)."""
+
+    @app.get("/exact/{work_id}")
+    async def exact(work_id: str) -> dict:
+        work = batcher.background(work_id)
+        if work is None:
+            raise HTTPException(404, f"no exact stage {work_id!r}: the last {batcher.KEPT} are kept")
+        out = work.to_dict()
+        if work.status == "done":
+            out["result"] = work.answer
+        elif work.status == "failed":
+            err = state.http_error(work.error)  # (the status a request failing so would get, and its reason)
+            out["detail"], out["code"] = err.detail, err.status_code
         return out
 
 
@@ -222,11 +278,14 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
         return {"status": status, "examples": engine.n, "layers": len(engine.select_layers(None)),
                 "methods": answers, "default_method": default,
                 "queue": {"depth": batcher.depth(), "answering": batcher.answering, "size": batcher.queue_size,
+                          "exact_waiting": batcher.background_depth(),
                           "max_batch": batcher.max_batch, "window_s": batcher.window,
                           "request_timeout_s": request_timeout},
                 "served": batcher.stats.to_dict(), "stages": stages.to_dict()}
 
     _add_query(app, engine, answer, answers, default, request_timeout)
+
+    _add_exact(app, batcher, state)
 
     @app.get("/example/{example_id}")
     async def example(example_id: int) -> dict:

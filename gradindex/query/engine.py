@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +33,8 @@ from gradindex.query.full import (
     FULL_SPACE_METHODS,
     budget_bound,
     full_query_gradient,
-    full_scores_batch,
+    full_scores_steps,
+    run_steps,
     stored_share,
 )
 from gradindex.query.inputs import QueryTokens, as_record, as_records, tokenize_queries
@@ -330,7 +331,7 @@ class QueryEngine:
                 log.info(r.notes[-1])
         per_token = t_grad / max(1, sum(map(len, tokens.input_ids)))  # (this batch's gradient pass, a token)
         if rerank_full:
-            self._exact_stage(results, tokens, rerank_full, full_pre, damping, refine, per_token)
+            run_steps(self._exact_stage(results, tokens, rerank_full, full_pre, damping, refine, per_token))
         else:
             q_mean = sum(map(len, tokens.input_ids)) / max(1, len(tokens))
             self._first_stage(results, hint, per_token * (self._example_tokens() or q_mean) if hint else 0.0)
@@ -401,6 +402,14 @@ class QueryEngine:
         if base not in self._full_pre:
             self._full_pre[base] = load_full_preconditioner(self.dir, base)
         return self._full_pre[base]
+
+    def check_exact(self, method: str) -> None:
+        """Refuse at once an exact stage of ``method`` that would fail: no full-space fit, no training data."""
+        self.full_preconditioner(method)
+        if self.texts.unavailable():
+            raise ValueError("the exact stage (full-space re-rank) needs the training data the index was built "
+                             f"from ({self.texts.problem}); pass data= / --data")
+
     def scores(self, queries, method: str | None = None, damping: float = DEFAULT_DAMPING,
                layers: Sequence[str] | str | None = None, text_field: str = "text",
                refine: RefineConfig | bool | None = None) -> np.ndarray:
@@ -598,10 +607,35 @@ class QueryEngine:
             self._scales[key] = np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)
         return self._scales[key]
 
+    def exact_steps(self, results: list[QueryResult], queries, top: int, damping: float = DEFAULT_DAMPING,
+                    refine: RefineConfig | bool | None = None,
+                    text_field: str = "text") -> Generator[tuple[int, int], None, list[QueryResult]]:
+        """The exact stage of first-stage ``results`` (of :meth:`query_batch` with ``rerank_full=0`` and ``k >=
+        top``) for the same ``queries``, one forward + backward a step: a generator that yields ``(candidate
+        passes done, total)`` and returns the results re-ranked as ``query_batch(rerank_full=top)`` would
+        (``gradindex serve`` answers the first stage at once and runs these steps between other requests)."""
+        if not results:
+            return results
+        method = results[0].method
+        refine = self.refine_config(refine, method)
+        top = min(top, self.n)
+        if any(len(r.hits) < min(top, self.n) for r in results):
+            raise ValueError(f"the exact stage of the top {top} needs first-stage results with at least {top} hits "
+                             f"(query with k >= {top})")
+        self.check_exact(method)
+        pre = self.full_preconditioner(method)
+        tokens = self.tokenize(as_records(queries, text_field), text_field)
+        spent = sum(r.seconds.get("gradient", 0.0) for r in results[:1])
+        per_token = spent / max(1, sum(map(len, tokens.input_ids)))
+        yield from self._exact_stage(results, tokens, top, pre, damping, refine, per_token)
+        return results
+
     def _exact_stage(self, results: list[QueryResult], tokens: QueryTokens, top: int, pre: Preconditioner,
-                     damping: float, refine: RefineConfig | None, per_token: float) -> None:
+                     damping: float, refine: RefineConfig | None,
+                     per_token: float) -> Generator[tuple[int, int], None, None]:
         """Re-score each result's top ``top`` in full space, the union of the batch's candidates recomputed
-        once; announce its estimated time first (:attr:`announce`), record the seconds it took."""
+        once, one forward + backward a step; announce its estimated time first (:attr:`announce`), record the
+        seconds it took."""
         t0 = time.perf_counter()
         heads = [r.hits[:top] for r in results]
         union = np.unique(np.concatenate([[h.id for h in hs] for hs in heads]).astype(np.int64))
@@ -621,10 +655,10 @@ class QueryEngine:
         self.announce(f"exact stage: {len(union)} candidates{many} re-scored in full space, about "
                       f"{_secs(work * per_token)} ({len(union) + len(queries)} forward + backward passes, {work:,} "
                       "tokens at this batch's own gradient seconds per token)")
-        scores = full_scores_batch(self.model, layers, queries, (ids, labels),
-                                   [np.searchsorted(union, [h.id for h in hs]) for hs in heads], self.pad_id,
-                                   results[0].method, batch_size_of(self.manifest),
-                                   pre, damping, query_matrices=refined, on_batch=self._first_batch_rate())
+        scores = yield from full_scores_steps(self.model, layers, queries, (ids, labels),
+                                              [np.searchsorted(union, [h.id for h in hs]) for hs in heads],
+                                              self.pad_id, results[0].method, batch_size_of(self.manifest),
+                                              pre, damping, query_matrices=refined, on_batch=self._first_batch_rate())
         secs = time.perf_counter() - t0
         for r, hs, sc in zip(results, heads, scores, strict=True):
             for h, s in zip(hs, sc, strict=True):

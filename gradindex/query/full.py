@@ -23,7 +23,8 @@ in chunks of :data:`QUERY_CHUNK_BYTES` of ``M``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -53,8 +54,9 @@ DENSE_BYTES = 256 << 20
 """At most this many bytes of a candidate batch's dense per-layer gradients are formed at once."""
 FULL_SPACE_METHODS = ("graddot", "cosine", "kfac", "ekfac")
 """Methods :func:`full_gradient_scores` answers (each also ``-selfnorm``)."""
+T = TypeVar("T")
 __all__ = ["DEFAULT_RERANK", "EXACT_STAGE_C", "FULL_SPACE_METHODS", "budget_bound", "full_gradient_scores",
-           "full_query_gradient", "full_scores_batch", "stored_share"]
+           "full_query_gradient", "full_scores_batch", "full_scores_steps", "run_steps", "stored_share"]
 
 
 def full_query_gradient(model: nn.Module, layers: list[str], query: tuple[list[int], list[int]], pad_id: int,
@@ -96,7 +98,22 @@ def full_gradient_scores(
                              dtype, None if query_matrices is None else [query_matrices])[0]
 
 
-def full_scores_batch(
+def full_scores_batch(*args, **kwargs) -> list[np.ndarray]:
+    """Per query ``q``, float64 full-space scores of the training examples ``wanted[q]``: :func:`full_scores_steps`
+    (the same arguments) run to the end."""
+    return run_steps(full_scores_steps(*args, **kwargs))
+
+
+def run_steps(steps: Generator[Any, None, T]) -> T:
+    """Run a generator of steps to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def full_scores_steps(
     model: nn.Module,
     layers: list[str],
     queries: Sequence[tuple[list[int], list[int]]],
@@ -110,9 +127,11 @@ def full_scores_batch(
     dtype: torch.dtype = torch.float32,
     query_matrices: Sequence[dict[str, torch.Tensor] | None] | None = None,
     on_batch: Callable[[int, int, float], None] | None = None,
-) -> list[np.ndarray]:
+) -> Generator[tuple[int, int], None, list[np.ndarray]]:
     """Per query ``q``, float64 full-space scores of the training examples ``wanted[q]`` (positions in ``train``,
-    the union of every query's candidates), in that order.
+    the union of every query's candidates), in that order, returned by a generator that does one forward +
+    backward per step and yields ``(candidate passes done, total)`` after each (the model's hooks are off
+    between steps: other work may use the model, as ``gradindex serve`` does between an exact stage's steps).
 
     One forward + backward per batch of the union (per chunk of queries, :data:`QUERY_CHUNK_BYTES`), each
     candidate scored against every query's ``M``; the per-candidate norms of ``cosine`` / ``-selfnorm`` once
@@ -132,11 +151,14 @@ def full_scores_batch(
     chunks = _chunks(list(range(len(queries))), _chunk_size(model, layers, dtype))
     passes = _Passes(on_batch, sum(len(np.unique(np.concatenate([wanted[q] for q in c]))) for c in chunks))
     for chunk in chunks:
-        mats = [_query_matrix(model, layers, queries[q], pad_id, base, pre, damping, dtype, given[q]) for q in chunk]
+        mats = []
+        for q in chunk:
+            mats.append(_query_matrix(model, layers, queries[q], pad_id, base, pre, damping, dtype, given[q]))
+            yield passes.done, passes.total
         union = np.unique(np.concatenate([wanted[q] for q in chunk]))
         M = {n: torch.stack([m.pop(n) for m, _ in mats]) for n in layers}  # [Qc, N_o, N_i(+1)], a layer at a time
-        dots, sq = _candidate_pass(model, layers, train, union, pad_id, batch_size, M,
-                                   _norm_kind(base, selfnorm, fitted), pre, damping, dtype, passes)
+        dots, sq = yield from _candidate_pass(model, layers, train, union, pad_id, batch_size, M,
+                                              _norm_kind(base, selfnorm, fitted), pre, damping, dtype, passes)
         for j, q in enumerate(chunk):
             at = np.searchsorted(union, wanted[q])
             out[q] = _finish(dots[at, j], sq[at], base, selfnorm, mats[j][1])
@@ -206,8 +228,9 @@ def _dense_dots(a: torch.Tensor, g: torch.Tensor, M: torch.Tensor) -> torch.Tens
 
 def _candidate_pass(model, layers: list[str], train, rows: np.ndarray, pad_id: int, batch_size: int,
                     M: dict[str, torch.Tensor], norm: str, pre, damping: float, dtype: torch.dtype,
-                    passes: _Passes) -> tuple[np.ndarray, np.ndarray]:
-    """``([n, Q] dots, [n] squared norms)`` of training examples ``rows`` against the stacked ``M``."""
+                    passes: _Passes) -> Generator[tuple[int, int], None, tuple[np.ndarray, np.ndarray]]:
+    """``([n, Q] dots, [n] squared norms)`` of training examples ``rows`` against the stacked ``M``, one batch a
+    step (hooked for that batch only)."""
     eig = {}
     if norm == "eig":
         for n in layers:
@@ -232,16 +255,17 @@ def _candidate_pass(model, layers: list[str], train, rows: np.ndarray, pad_id: i
         cur["dot"] = cur["dot"] + d if "dot" in cur else d
         cur["sq"] = cur["sq"] + sq if "sq" in cur else sq
 
-    with TokenCapture(model, layers, visit) as cap:
-        for s in range(0, len(rows), batch_size):
-            t0 = time.perf_counter()
-            cur.clear()
-            idx = rows[s:s + batch_size]
+    for s in range(0, len(rows), batch_size):
+        t0 = time.perf_counter()
+        cur.clear()
+        idx = rows[s:s + batch_size]
+        with TokenCapture(model, layers, visit) as cap:
             batch_gradients(model, cap, [t_ids[i] for i in idx], [t_labels[i] for i in idx], pad_id)
-            e = s + len(cur["dot"])
-            dots[s:e] = cur["dot"].double().cpu().numpy()
-            norms[s:e] = cur["sq"].double().cpu().numpy()
-            passes.add(len(idx), time.perf_counter() - t0)
+        e = s + len(cur["dot"])
+        dots[s:e] = cur["dot"].double().cpu().numpy()
+        norms[s:e] = cur["sq"].double().cpu().numpy()
+        passes.add(len(idx), time.perf_counter() - t0)
+        yield passes.done, passes.total
     return dots, norms
 
 
