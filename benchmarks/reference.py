@@ -7,7 +7,7 @@ must never import gradindex: it is a second implementation on purpose, not a cop
 It also simulates stores the library does not write (whitened-eigenbasis codes, MSE clipping).
 
 One layer's per-example gradients are ``G`` ``[n, N_o, N_i]`` (``N_i`` counts the bias column), its
-token-mean factors ``A`` ``[N_i, N_i]`` and ``S`` ``[N_o, N_o]`` (DESIGN.md, "The math"). Every
+token-mean factors ``A`` ``[N_i, N_i]`` and ``S`` ``[N_o, N_o]`` (docs/design.md, "The math in brief"). Every
 compression is an *asymmetric* pair: training rows are encoded and stored, the query stays in
 float64, and a score is an inner product between a query-side vector and a decoded stored row.
 

@@ -94,6 +94,18 @@ def test_info_summarizes_the_index(built):
     assert len(json.loads(res.stdout)) == 2  # every method info lists, query accepts
 
 
+def test_info_names_whitened_rows_and_the_basis_file(default_index):
+    """Issue 33 item 14: on the default index (rows in the EK-FAC eigenbasis, indices built without
+    whitening) ``info`` said the index space was "raw", and its "on disk" line left out ``basis.h5``."""
+    out = run("info", str(default_index)).stdout
+    line = next(x for x in out.splitlines() if x.startswith("indices "))
+    assert "the rows as stored (ekfac-whitened)" in line and "raw" not in line, line
+    s = json.loads(run("info", str(default_index), "--json").stdout)
+    assert s["bytes"]["basis"] == (default_index / "basis.h5").stat().st_size > 0
+    disk = next(x for x in out.splitlines() if x.startswith("on disk "))
+    assert ", basis " in disk, disk
+
+
 def test_index_command_rebuilds_and_queries_still_agree(built, tmp_path):
     import shutil
 

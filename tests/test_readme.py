@@ -66,6 +66,15 @@ def test_the_marker_finds_the_commands():
     assert readme_commands(f"x\n{MARK}\n```bash\n# c\na b\n\nc d\n```\n") == ["a b", "c d"]
 
 
+def test_readme_stays_a_newcomers_page():
+    """Issue 32 item 6: at most 100 lines (the quality tables live in docs/quality.md, the options in
+    docs/building.md), and it says why its lookups use ``ekfac-selfnorm``."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 100
+    assert "(docs/quality.md)" in readme and "(docs/building.md)" in readme
+    assert "The examples use **`ekfac-selfnorm`** for lookups" in readme
+
+
 def _demo_out(tmp_path, tokenizer):
     """``tmp_path/demo_out`` as the demo leaves it, with a small model (and the real ``scripts/``)."""
     from fixtures.tiny import save_model_dir, tiny_gpt2
@@ -92,6 +101,23 @@ def test_readme_python_runs_as_written(tmp_path, tokenizer, monkeypatch):
     from gradindex.manifest import read_manifest
 
     assert read_manifest(tmp_path / "my-store")["status"] == "complete"
+
+
+def test_readme_python_runs_from_a_folder_beside_the_clone(tmp_path, tokenizer, monkeypatch):
+    """Issue 33 item 13: the block saved as a script and run from outside the clone (where scripts/demo.sh
+    left ``demo_out/``) found no ``demo_out/model``; it now falls back to the clone gradindex runs from."""
+    import gradindex
+
+    clone, beside = tmp_path / "clone", tmp_path / "beside"
+    clone.mkdir(), beside.mkdir()
+    _demo_out(clone, tokenizer)
+    monkeypatch.setattr(gradindex, "__file__", str(clone / "gradindex" / "__init__.py"))  # an editable install's
+    monkeypatch.chdir(beside)
+    for code in python_blocks((ROOT / "README.md").read_text()):
+        exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
+    from gradindex.manifest import read_manifest
+
+    assert read_manifest(beside / "my-store")["status"] == "complete"
 
 
 @pytest.mark.slow

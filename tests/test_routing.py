@@ -1,4 +1,4 @@
-"""The routing cost model picks the route DESIGN.md's multiply-add counts favour, within its memory rule."""
+"""The routing cost model picks the route docs/design.md's multiply-add counts favour, within its memory rule."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from gradindex.capture.routing import choose_route, factorized_cost, materialize
 
 
 def design_costs(B, T, n_in, n_out, k_a, k_g) -> tuple[int, int]:
-    """DESIGN.md, "Two routes compute Ĝ", written out again independently of the module."""
+    """docs/design.md, "The math in brief" (the two routes), written out again independently of the module."""
     factorized = B * T * (n_in * k_a + n_out * k_g + k_a * k_g)
     materialized = B * T * n_in * n_out + B * (n_out * n_in * k_a + k_g * n_out * k_a)
     return factorized, materialized

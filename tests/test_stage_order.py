@@ -1,4 +1,4 @@
-"""Imports only go forward along the data flow (DESIGN.md, "Layout"); this fails on any that goes back."""
+"""Imports only go forward along the data flow (docs/design.md, "Modules by stage"); this fails on any going back."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ def input_and_grad(module: nn.Module, inputs: tuple, grad_output: torch.Tensor) 
 
 @dataclass(frozen=True)
 class LayerInfo:
-    """Shapes of one hooked layer, as the math of DESIGN.md names them."""
+    """Shapes of one hooked layer, as the math of docs/design.md names them."""
 
     n_in: int
     """``N_i``: input width, without the bias column."""

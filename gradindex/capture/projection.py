@@ -21,7 +21,7 @@ STREAM_VERSION = 1  # bump (and keep the old path) if the stream below ever has 
 
 @dataclass(frozen=True)
 class ProjectionSpec:
-    """How per-example gradients are compressed (DESIGN.md, "Factored projection")."""
+    """How per-example gradients are compressed (docs/math.md, "Factored projection")."""
 
     kind: str = "gaussian"
     """``gaussian`` or ``rademacher`` entries with variance 1/k, or ``none`` for exact gradients."""

@@ -1,8 +1,8 @@
 """Cost model that routes each layer and batch to the factorized or materialized computation.
 
-Counts are multiply-adds from DESIGN.md ("Two routes"). A route is only chosen if its peak
-extra memory fits ``memory_budget`` elements, so routing never uses more memory than the
-fixed factorized route would when the materialized one does not fit.
+Counts are multiply-adds from docs/design.md ("The math in brief"; docs/math.md, "Routing"). A route
+is only chosen if its peak extra memory fits ``memory_budget`` elements, so routing never uses more
+memory than the fixed factorized route would when the materialized one does not fit.
 
 ``k_a``/``k_g`` are the stored sizes of each side. A side with no map (no projection and no
 transform: its stored size is its width) costs nothing to map; ``map_a``/``map_g`` say whether

@@ -1,6 +1,6 @@
 """Per-token factors of the hooked layers, handed to a visitor instead of summed into gradients.
 
-A layer's per-example weight gradient is ``G = Σ_t g_t a_tᵀ`` (DESIGN.md, "The math"). Full-space
+A layer's per-example weight gradient is ``G = Σ_t g_t a_tᵀ`` (docs/design.md, "The math in brief"). Full-space
 curvature and full-space scores never need ``G`` itself, only sums over tokens of products of
 ``a_t`` and ``g_t`` with fixed matrices (``Σ a aᵀ``, ``Q_Sᵀ G Q_A = Σ (Q_Sᵀ g)(Q_Aᵀ a)ᵀ``,
 ``Σ_t g_tᵀ M a_t``). :class:`TokenCapture` runs the same hooks and weight-free backward as

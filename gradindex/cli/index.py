@@ -62,8 +62,17 @@ def index_config(index_type: str, whiten: str, damping: float, normalize: bool, 
                        sketch_bytes=sketch_bytes)
 
 
+def space_words(space: dict, basis: str = "raw", damping: bool = False) -> str:
+    """What an index's vectors are, in words: whitened when it was built (``damping``: name the damping), else
+    the stored rows as they are, which are themselves whitened when ``basis`` (the rows' basis) is not raw."""
+    if space.get("whiten", "none") != "none":
+        return f"whitened {space['whiten']}" + (f" (damping {space.get('damping')})" if damping else "")
+    return "raw rows" if basis == "raw" else f"the rows as stored ({basis}-whitened)"
+
+
 def report(res) -> str:
     m = res.meta
+    basis = ((m.get("key") or {}).get("identity") or {}).get("basis") or {}
     kinds = sorted({e["factory"] for e in m["layers"].values()})
     size = sum(e["bytes"] for e in m["layers"].values()) + (m.get("sketch") or {}).get("bytes", 0)
     if m.get("sketch"):
@@ -72,7 +81,7 @@ def report(res) -> str:
         kinds = ["store (exhaustive scan of the store's codes)"]
     state = "up to date" if res.up_to_date else f"built in {res.seconds:.1f} s"
     return (f"indices {state}: {len(m['layers'])} layers x {m['examples']} examples, {', '.join(kinds)}, "
-            f"{'whitened ' + m['space']['whiten'] if m['space']['whiten'] != 'none' else 'raw'}"
+            f"{space_words(m['space'], basis.get('kind', 'raw'))}"
             f"{', normalized' if m['space']['normalize'] else ''}, {human_bytes(size)}")
 
 

@@ -9,6 +9,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli.common import human_bytes, user_errors
+from gradindex.cli.index import space_words
 from gradindex.manifest import build_command, read_manifest, transcode_unfinished
 from gradindex.methods import methods_of
 from gradindex.spec import layout
@@ -80,7 +81,8 @@ def summary(index_dir: str) -> dict:
                                                                        e.get("fit", {}).get("examples"))
                            if k == "ekfac" else None, "file": e.get("file")}
                        for k, e in m.get("full_space", {}).items()},
-        "bytes": {"store": _size(paths.store), "precond": _size(paths.precond), "faiss": _size(paths.faiss)},
+        "bytes": {"store": _size(paths.store), "basis": _size(paths.basis), "precond": _size(paths.precond),
+                  "faiss": _size(paths.faiss)},
     }
 
 
@@ -130,9 +132,10 @@ def info(index_dir, as_json):
         click.echo(f"indices    none (build them with `gradindex index {index_dir}`)")
     else:
         sp = ix["space"]
-        space = "raw" if sp["whiten"] == "none" else f"whitened {sp['whiten']} (damping {sp['damping']})"
+        space = space_words(sp, s["basis"].get("kind", "raw"), damping=True)
         norm = ", normalized" if sp["normalize"] else ""
         click.echo(f"indices    {', '.join(ix['types'])}; {space}{norm}; {ix['status']}")
     b = s["bytes"]
-    click.echo(f"on disk    store {human_bytes(b['store'])}, precond {human_bytes(b['precond'])}, "
+    basis = f", basis {human_bytes(b['basis'])}" if b["basis"] else ""
+    click.echo(f"on disk    store {human_bytes(b['store'])}{basis}, precond {human_bytes(b['precond'])}, "
                f"faiss {human_bytes(b['faiss'])}")

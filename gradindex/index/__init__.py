@@ -1,4 +1,4 @@
-"""Index: one FAISS inner-product index per layer, built from the store (DESIGN.md, "On disk");
+"""Index: the store scan, the sketch tier or per-layer FAISS indices, built from the store (docs/design.md, "On disk");
 :class:`OpenIndex`, an index directory opened once (manifest, store, preconditioners, indices)."""
 
 try:

@@ -1,4 +1,4 @@
-"""Every path inside an index directory, named once (DESIGN.md, "On disk: an index directory").
+"""Every path inside an index directory, named once (docs/design.md, "On disk: an index directory").
 
 ::
 
