@@ -223,9 +223,10 @@ def _short(v: Any) -> str:
 
 
 def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, extra: str = "--repair",
-                  index: bool = False) -> str:
-    """The ``gradindex build`` command line that made this index (from its manifest), plus ``extra``;
-    ``--no-index`` unless ``index`` (then the build ends with its FAISS stage, default index type)."""
+                  index: bool = True) -> str:
+    """The ``gradindex build`` command line that made this index (from its manifest), plus ``extra``. With
+    ``index`` (the default) it ends with the index stage the index recorded (:func:`index_args`), so the
+    index it leaves answers queries (with ``--no-index`` it did not: issue 33 item 9); else ``--no-index``."""
     m = manifest if manifest is not None else read_manifest(index_dir)
     c, proj = m.get("config", {}), m.get("build", {}).get("projection", {})
     kind = proj.get("kind", "gaussian")
@@ -276,4 +277,21 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
         args += ["--rerank-correction", str(correction)]
     if c.get("optimizer_state"):
         args += ["--optimizer-state", c["optimizer_state"], "--adam-mode", str(c.get("adam_mode", "exact"))]
-    return shlex.join(args + ([] if index else ["--no-index"])) + (f" {extra}" if extra else "")
+    return shlex.join(args + (index_args(m) if index else ["--no-index"])) + (f" {extra}" if extra else "")
+
+
+def index_args(manifest: dict) -> list[str]:
+    """The build options that make the index stage ``manifest`` recorded (none: the default one)."""
+    ix = manifest.get("index") or {}
+    kind, factories = ix.get("kind", "faiss"), ix.get("factories") or []
+    args = []
+    if kind in ("store", "sketch"):
+        args += ["--index-type", kind]
+    elif len(factories) == 1:
+        args += ["--index-type", factories[0]]
+    space = ix.get("space") or {}
+    if space.get("whiten", "none") != "none":
+        args += ["--whiten", space["whiten"]]
+    if space.get("normalize"):
+        args += ["--normalize"]
+    return args

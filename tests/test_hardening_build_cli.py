@@ -225,3 +225,25 @@ def test_an_empty_queries_file_says_so_not_nothing_to_index(default_index, tmp_p
     q.write_text(content)
     line = _error_line(*_run("query", default_index, "--queries", q, "--device", "cpu"))
     assert "query file" in line and "nothing to index" not in line and "one query a line" in line, line
+
+
+@pytest.mark.parametrize("index_type", ["auto", "Flat"])
+def test_the_advised_repair_command_leaves_an_index_that_answers_queries(gpt2_dir, text_jsonl, tmp_path, index_type):
+    """Item 9: the repair command printed in errors added ``--no-index``, so the query that followed failed
+    with ``no FAISS indices ... (index.json is missing)``."""
+    import json
+    import shlex
+
+    d = tmp_path / "idx"
+    assert _run("build", gpt2_dir, text_jsonl, "--out", d, *BUILD, "--index-type", index_type)[0] == 0
+    shard = d / "store" / "shard-00001.h5"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    report = json.loads(CliRunner().invoke(main, ["verify", str(d), "--json"]).output)
+    command = shlex.split(report["damaged"][0]["repair"])
+    assert command[:2] == ["gradindex", "build"] and "--no-index" not in command, command
+    if index_type != "auto":
+        assert command[command.index("--index-type") + 1] == index_type
+    code, out = _run(*command[1:], "--quiet")
+    assert code == 0, out
+    code, out = _run("query", d, "--text", "the cat sat", "-k", "2", "--device", "cpu")
+    assert code == 0, out
