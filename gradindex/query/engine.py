@@ -164,6 +164,7 @@ class QueryEngine:
     def _open_model(self, model_dir, device: str, dtype: str | None, optimizer_state=None) -> None:
         given = self.model is not None
         if not given:  # (load_causal_lm checks the tokenizer it loads against the index's fingerprint)
+            from gradindex.adapter import is_adapter_dir
             from gradindex.model import index_model_options, load_causal_lm
 
             path = Path(model_dir or self.manifest.get("model_id") or "")
@@ -171,8 +172,10 @@ class QueryEngine:
                 raise FileNotFoundError(f"the model that built this index, {str(path)!r}, is not there; "
                                         "pass its directory (model_dir= / --model)")
             dtype = dtype or self.manifest.get("dtype", "float32")
-            self.model, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device,
-                                                        **index_model_options(self.manifest))
+            options = index_model_options(self.manifest)
+            if model_dir is not None and is_adapter_dir(path):  # the adapter given, not the index's: its
+                options["adapter"] = None  # fingerprint is checked below (it was ignored: issue 33 item 2)
+            self.model, self.tokenizer = load_causal_lm(path, dtype=dtype, device=device, **options)
         if self.manifest.get("chat_template") and self.tokenizer is not None and template_of(self.tokenizer) is None:
             set_chat_template(self.tokenizer, self.manifest["chat_template"])  # the template the build used
         if given:
