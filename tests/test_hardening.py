@@ -144,7 +144,7 @@ def test_an_open_engine_and_server_refuse_an_index_that_build_overwrite_replaced
         with pytest.raises(IndexReplacedError):
             e.scores(["the cat sat on a mat"])
         got = client.post("/query", json={"text": "the cat sat", "k": 2})
-        assert got.status_code == 503 and "restart it" in got.json()["detail"], got.text
+        assert got.status_code == 503 and "restart the server" in got.json()["detail"], got.text
         assert client.get("/health").json()["status"].startswith("stale: ")
     with QueryEngine(out, device="cpu") as e:  # reopened: the new index answers
         assert len(e.query("the cat sat on a mat", k=3).hits) == 3

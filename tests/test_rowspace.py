@@ -257,7 +257,8 @@ def test_compact_into_ekfac_eigenbasis_keeps_ekfac_scores(gpt2_dir, text_jsonl, 
         qb, _, _ = b.gradients(b.tokenize(queries))
         ref = score_matrix(src, qa, "ekfac", damping=DEFAULT_DAMPING, device="cpu")
         got = score_matrix(out, qb, "ekfac", device="cpu")
-        assert np.allclose(got, ref, rtol=1e-4, atol=1e-6 * np.abs(ref).max())
+        # (the rotated rows round through float16 as every ekfac transcode's do, store.basis.stored_rows: ~2e-4)
+        assert np.allclose(got, ref, rtol=1e-3, atol=1e-5 * np.abs(ref).max())
         hits = b.search(qb, k=5, method="ekfac", texts=False)
         assert [h.id for h in hits[0].hits] == list(np.argsort(-ref[0], kind="stable")[:5])
         for bad in ("graddot", "kfac"):
