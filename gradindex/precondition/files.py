@@ -186,6 +186,18 @@ def read_layers(
         return {n: {k: f["layers"][n][k][:] for k in keys} for n in names}
 
 
+def read_layer(path: Path, layer: str, keys: tuple[str, ...] = ("Q_S", "Q_A", "Lambda")) -> dict[str, np.ndarray]:
+    """{key: array} of one layer (the file opened for it alone: a streamed full-space fit reads a layer at a time)."""
+    with h5py.File(path, "r") as f:
+        return {k: f["layers"][layer][k][:] for k in keys}
+
+
+def layer_names(path: Path) -> list[str]:
+    """The layers a fit's file covers, in its order."""
+    with h5py.File(path, "r") as f:
+        return json.loads(f.attrs["layer_names"])
+
+
 def read_factors(path: Path) -> dict[str, LayerFactors]:
     """layer → the :class:`LayerFactors` of a stored-space fit's file (what :func:`write_precond` wrote)."""
     with h5py.File(path, "r") as f:

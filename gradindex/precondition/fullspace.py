@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -66,12 +67,14 @@ from gradindex.precondition.files import (
     PRECOND_DIR,
     LayerFactors,
     check_fingerprints,
+    layer_names,
     precond_path,
     read_attrs,
-    read_layers,
+    read_layer,
+    read_layers,  # noqa: F401 (re-exported: tests and benchmarks read full-space files through this module)
     write_precond,
 )
-from gradindex.precondition.preconditioner import Preconditioner
+from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES, Preconditioner
 from gradindex.progress import progress_bar
 from gradindex.spec.build import batch_size_of
 from gradindex.store import Store
@@ -522,26 +525,58 @@ def full_space_methods(index_dir: str | os.PathLike) -> list[str]:
     return out
 
 
-def _read_curvature(path: Path, manifest: dict) -> dict[str, dict[str, np.ndarray]]:
-    """layer → ``Q_S``, ``Q_A``, ``Lambda`` of a full-space file; a K-FAC file that shares EK-FAC's bases
+class CurvatureFile(Mapping):
+    """layer → ``{"Q_S", "Q_A", "Lambda"}`` of a full-space file, read from it a layer at a time on each access:
+    nothing is kept but each layer's mean eigenvalue (the damping's scale). A K-FAC file that shares EK-FAC's bases
     (attribute :data:`BASES`) reads them there and computes ``Λ = λ_S λ_Aᵀ``."""
-    bases = read_attrs(path).get(BASES)
-    if not bases:
-        return read_layers(path)
-    source = path.with_name(str(bases))
-    if not source.exists():
-        raise FileNotFoundError(f"{str(path)!r} takes its eigenbases from {str(source)!r}, which is missing; refit "
-                                f"with `gradindex precondition {path.parent.parent} --method ekfac --space full`")
-    check_fingerprints(source, manifest, "ekfac")
-    own, shared = read_layers(path, KFAC_KEYS), read_layers(source, ("Q_S", "Q_A"))
-    return {n: {**shared[n], "Lambda": kfac_eigenvalues(v["lambda_S"], v["lambda_A"])} for n, v in own.items()}
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path, self.bases = path, None
+        shared = read_attrs(path).get(BASES)
+        if shared:
+            self.bases = path.with_name(str(shared))
+            if not self.bases.exists():
+                raise FileNotFoundError(
+                    f"{str(path)!r} takes its eigenbases from {str(self.bases)!r}, which is missing; refit with "
+                    f"`gradindex precondition {path.parent.parent} --method ekfac --space full`")
+            check_fingerprints(self.bases, manifest, "ekfac")
+        self.names = layer_names(path)
+        self._means: dict[str, float] = {}
+
+    def __getitem__(self, layer: str) -> dict[str, np.ndarray]:
+        if layer not in self.names:
+            raise KeyError(layer)
+        if self.bases is None:
+            return read_layer(self.path, layer)
+        return {**read_layer(self.bases, layer, ("Q_S", "Q_A")), "Lambda": self._eigenvalues(layer)}
+
+    def _eigenvalues(self, layer: str) -> np.ndarray:
+        if self.bases is None:
+            return read_layer(self.path, layer, ("Lambda",))["Lambda"]
+        own = read_layer(self.path, layer, KFAC_KEYS)
+        return kfac_eigenvalues(own["lambda_S"], own["lambda_A"])
+
+    def eigen_mean(self, layer: str) -> float:
+        """``mean(Λ)`` of ``layer`` (read once)."""
+        if layer not in self._means:
+            self._means[layer] = float(self._eigenvalues(layer).mean())
+        return self._means[layer]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
-def load_full_preconditioner(index_dir: str | os.PathLike, method: str) -> Preconditioner:
+def load_full_preconditioner(index_dir: str | os.PathLike, method: str,
+                             cache_bytes: int | None = CURVATURE_CACHE_BYTES) -> Preconditioner:
     """The full-space preconditioner of ``method`` over ``[N_o, N_i(+1)]`` rows.
 
     From ``precond/<method>-full.h5``, or, for an unprojected index, its stored-space fit (the same
-    space). ``graddot``/``cosine`` (and their ``-selfnorm``) give the identity.
+    space), streamed: each layer read from the file when used, at most ``cache_bytes`` of the layers' device
+    copies kept at once (:class:`~gradindex.precondition.preconditioner.LayerCache`; None: every layer kept
+    once used). ``graddot``/``cosine`` (and their ``-selfnorm``) give the identity.
     """
     base, _ = parse_method(method)
     manifest = read_manifest(index_dir)
@@ -557,8 +592,8 @@ def load_full_preconditioner(index_dir: str | os.PathLike, method: str) -> Preco
                 f"index {str(Path(index_dir))!r} has no full-space {base} curvature; add it with "
                 f"`gradindex precondition {index_dir} --method {base} --space full`")
     check_fingerprints(path, manifest, base)
-    curv = _read_curvature(path, manifest)
+    curv = CurvatureFile(path, manifest)
     if set(curv) != set(shapes):
         raise ValueError(f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it "
                          f"with `gradindex precondition {index_dir} --method {base} --space full`")
-    return Preconditioner(base, shapes, curv)
+    return Preconditioner(base, shapes, curv, cache_bytes)

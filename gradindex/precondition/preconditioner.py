@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +13,47 @@ from gradindex.manifest import read_manifest
 from gradindex.methods import ADAM, DEFAULT_DAMPING, IDENTITY_METHODS, adam_rows, methods_of, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power
 from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
+
+CURVATURE_CACHE_BYTES = 1 << 30
+"""Default budget of a streamed (full-space) preconditioner's cached curvature: at most this many bytes of the
+layers' ``Q_S``, ``Q_A``, ``Λ`` (in the compute dtype, on the compute device) are held at once, the layer in
+use included (:class:`LayerCache`); ``QueryEngine.curvature_cache_bytes`` sets it per engine."""
+
+
+class LayerCache:
+    """Per-layer tensors (a layer's curvature on one device and dtype) made on first use and kept while they fit.
+
+    ``budget`` None keeps every one. Otherwise a layer is kept only while the kept bytes plus it leave room for
+    ``reserve`` (the largest layer) under ``budget``; a layer that does not fit is made for each use and dropped,
+    so the bytes held at once, the layer in use included, stay within ``max(budget, largest layer)``. The layers
+    kept are the first ones used, not the last: a pass over the layers in model order (every forward +
+    backward) re-makes the same ones and finds the rest kept, where a least-recently-used cache would keep
+    none. ``peak``: the most bytes held at once, counting the layer last made as held until the next is made.
+    """
+
+    def __init__(self, budget: int | None = None):
+        self.budget = budget
+        self.items: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self.held = self.peak = self.made = 0
+
+    def get(self, key: tuple, make: Callable[[], tuple[torch.Tensor, ...]],
+            reserve: int = 0) -> tuple[torch.Tensor, ...]:
+        """The tensors of ``key``: kept ones, else ``make()`` (kept when they fit)."""
+        got = self.items.get(key)
+        if got is not None:
+            return got
+        got = make()
+        self.made += 1
+        size = sum(t.numel() * t.element_size() for t in got)
+        self.peak = max(self.peak, self.held + size)
+        if self.budget is None or self.held + size + reserve <= self.budget:
+            self.items[key] = got
+            self.held += size
+        return got
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.held = 0
 
 
 def layer_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
@@ -47,20 +88,25 @@ class Preconditioner:
     """A method's curvature for every hooked layer; :meth:`apply` computes ``(H + δI)^power x``.
 
     For ``graddot`` and ``cosine`` it is the identity (``apply`` returns ``x`` itself).
-    Device copies of the eigenbases are made on first use per device and dtype, and kept.
+    Device copies of the eigenbases are made on first use per layer, device and dtype and kept in a
+    :class:`LayerCache` of ``cache_bytes`` (None: every one kept). ``curvature`` is a dict in memory, or a
+    mapping that reads a layer from its file on each access (a full-space fit,
+    :class:`~gradindex.precondition.fullspace.CurvatureFile`): then only the cache holds curvature.
     """
 
     def __init__(
         self,
         method: str,
         shapes: dict[str, tuple[int, int]],
-        curvature: dict[str, dict[str, np.ndarray]] | None = None,
+        curvature: Mapping[str, dict[str, np.ndarray]] | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
         self.method = method
         self.shapes = dict(shapes)
         self.layers = list(shapes)
         self.curvature = curvature
-        self._dev: dict[tuple[str, str, torch.dtype], tuple[torch.Tensor, ...]] = {}
+        self.cache = LayerCache(cache_bytes)
+        self._largest = max((r * r + c * c + r * c for r, c in self.shapes.values()), default=0)
 
     @property
     def is_identity(self) -> bool:
@@ -70,6 +116,9 @@ class Preconditioner:
         """Absolute damping ``δ = damping × mean(Λ)`` of a layer."""
         if self.curvature is None:
             return 0.0
+        mean = getattr(self.curvature, "eigen_mean", None)  # (a streamed file: Λ's mean without its layer)
+        if mean is not None:
+            return absolute_damping(damping, np.float64(mean(self._check(layer))))
         return absolute_damping(damping, self.curvature[self._check(layer)]["Lambda"])
 
     def _check(self, layer: str) -> str:
@@ -78,13 +127,14 @@ class Preconditioner:
         return layer
 
     def _tensors(self, layer: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        key = (layer, str(device), dtype)
-        if key not in self._dev:
+        """``(Q_S, Q_A, Λ)`` of ``layer`` on ``device`` in ``dtype``, from the cache or made now."""
+
+        def make() -> tuple[torch.Tensor, ...]:
             c = self.curvature[layer]
-            self._dev[key] = tuple(
-                torch.as_tensor(c[k], device=device).to(dtype) for k in ("Q_S", "Q_A", "Lambda")
-            )
-        return self._dev[key]
+            return tuple(torch.as_tensor(c[k], device=device).to(dtype) for k in ("Q_S", "Q_A", "Lambda"))
+
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return self.cache.get((layer, str(device), dtype), make, self._largest * itemsize)
 
     def apply(self, layer: str, x: torch.Tensor, power: float = -1.0, damping: float = DEFAULT_DAMPING) -> torch.Tensor:
         """``(H + δI)^power x`` for rows ``x`` ``[n, D]`` of one layer → ``[n, D]``.

@@ -26,6 +26,7 @@ from gradindex.manifest import IndexMismatchError, identity_differences
 from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, method_spec, parse_method
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
+from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES
 from gradindex.query import search as S
 from gradindex.query.full import (
     DEFAULT_RERANK,
@@ -151,6 +152,9 @@ class QueryEngine:
             self.basis = self.index.basis
             self._scales: dict[tuple, np.ndarray] = {}
             self._full_pre: dict[str, Preconditioner] = {}
+            self.curvature_cache_bytes: int | None = CURVATURE_CACHE_BYTES
+            """Bytes of full-space curvature the exact stage keeps at once (its layers are read from the full-space
+            file when used, :func:`~gradindex.precondition.load_full_preconditioner`); None: every layer."""
             self.model, self.tokenizer, self.capture = model, tokenizer, None
             self.pad_id = pad_id
             if load_model:
@@ -403,8 +407,12 @@ class QueryEngine:
         """The full-space preconditioner of ``method`` (identity for graddot/cosine), loaded once."""
         base, _ = parse_method(method)
         if base not in self._full_pre:
-            self._full_pre[base] = load_full_preconditioner(self.dir, base)
-        return self._full_pre[base]
+            self._full_pre[base] = load_full_preconditioner(self.dir, base, self.curvature_cache_bytes)
+        pre = self._full_pre[base]
+        if pre.cache.budget != self.curvature_cache_bytes:  # (the budget changed since it was loaded)
+            pre.cache.budget = self.curvature_cache_bytes
+            pre.cache.clear()
+        return pre
 
     def check_exact(self, method: str) -> None:
         """Refuse at once an exact stage of ``method`` that would fail: no full-space fit, no training data."""

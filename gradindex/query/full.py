@@ -18,6 +18,12 @@ then dropped):
 A batch of queries (:func:`full_scores_batch`) recomputes the union of their candidates once: one
 forward + backward per batch of that union, each candidate scored against every query's ``M`` (queries
 in chunks of :data:`QUERY_CHUNK_BYTES` of ``M``).
+
+Memory: the full-space curvature is streamed (:func:`~gradindex.precondition.load_full_preconditioner`), a
+layer read when its hook runs, at most the preconditioner's cache budget held at once; a query's ``M`` is formed
+a layer at a time in its backward hook (``G_q`` is never held whole) into one ``[Q, N_o, N_i(+1)]`` tensor per
+layer (no stacked copy). What stays is the model, the chunk's ``M`` (float32, the hooked parameters' size per
+query) and one forward + backward's activations.
 """
 
 from __future__ import annotations
@@ -151,18 +157,19 @@ def full_scores_steps(
     chunks = _chunks(list(range(len(queries))), _chunk_size(model, layers, dtype))
     passes = _Passes(on_batch, sum(len(np.unique(np.concatenate([wanted[q] for q in c]))) for c in chunks))
     for chunk in chunks:
-        mats = []
-        for q in chunk:
-            mats.append(_query_matrix(model, layers, queries[q], pad_id, base, pre, damping, dtype, given[q]))
+        M: dict[str, torch.Tensor] = {}  # layer → [Qc, N_o, N_i(+1)], each query's filled in place
+        q_norms = []
+        for j, q in enumerate(chunk):
+            q_norms.append(_query_matrix(model, layers, queries[q], pad_id, base, pre, damping, dtype, given[q],
+                                         M, j, len(chunk)))
             yield passes.done, passes.total
         union = np.unique(np.concatenate([wanted[q] for q in chunk]))
-        M = {n: torch.stack([m.pop(n) for m, _ in mats]) for n in layers}  # [Qc, N_o, N_i(+1)], a layer at a time
-        dots, sq = yield from _candidate_pass(model, layers, train, union, pad_id, batch_size, M,
+        dots, sq = yield from _candidate_pass(model, layers, train, union, pad_id, batch_size, M, len(chunk),
                                               _norm_kind(base, selfnorm, fitted), pre, damping, dtype, passes)
         for j, q in enumerate(chunk):
             at = np.searchsorted(union, wanted[q])
-            out[q] = _finish(dots[at, j], sq[at], base, selfnorm, mats[j][1])
-        del M, mats
+            out[q] = _finish(dots[at, j], sq[at], base, selfnorm, q_norms[j])
+        del M
     return out
 
 
@@ -179,19 +186,43 @@ def _chunk_size(model: nn.Module, layers: list[str], dtype: torch.dtype) -> int:
 
 
 def _query_matrix(model, layers, query, pad_id, base: str, pre, damping: float, dtype: torch.dtype,
-                  given: dict[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], float]:
-    """``(layer → M, ‖G_q‖)`` of one query: ``given``, else ``(H + δI)⁻¹ G_q`` (``G_q`` for graddot/cosine)."""
-    Gq = full_query_gradient(model, layers, query, pad_id, dtype)
+                  given: dict[str, torch.Tensor] | None, M: dict[str, torch.Tensor], j: int, count: int) -> float:
+    """Query ``j``'s ``M`` (``given``, else ``(H + δI)⁻¹ G_q``; ``G_q`` for graddot/cosine) into ``M[layer][j]``
+    (``[count, N_o, N_i(+1)]``, allocated on first use); its ``‖G_q‖`` (cosine, else 0).
+
+    ``(H + δI)⁻¹ G_q`` is formed a layer at a time in the backward hook (linear: a layer visited twice adds
+    two terms), each layer's curvature read only then (a streamed preconditioner), so neither the whole
+    ``G_q`` nor every layer's curvature is held beside ``M``."""
     fitted = method_spec(base).fitted is not None
-    M = {}
-    for n in layers:
-        G = Gq[n]
-        if given is not None:
-            M[n] = given[n].to(G.device, dtype)
-        else:
-            M[n] = pre.apply(n, G.reshape(1, -1), -1.0, damping).reshape(G.shape) if fitted else G
-    q_norm = float(torch.sqrt(sum(G.double().square().sum() for G in Gq.values()))) if base == "cosine" else 0.0
-    return M, q_norm
+    if given is not None:
+        q_norm = 0.0
+        if base == "cosine":
+            Gq = full_query_gradient(model, layers, query, pad_id, dtype)
+            q_norm = float(torch.sqrt(sum(G.double().square().sum() for G in Gq.values())))
+            del Gq
+        device = next(model.parameters()).device
+        for n in layers:
+            X = given[n].to(device, dtype)
+            _slot(M, n, count, X)[j] = X
+        return q_norm
+
+    def visit(name: str, a: torch.Tensor, g: torch.Tensor) -> None:
+        G = g[0].to(dtype).T @ a[0].to(dtype)
+        X = pre.apply(name, G.reshape(1, -1), -1.0, damping).reshape(G.shape) if fitted else G
+        _slot(M, name, count, X)[j] += X
+
+    with TokenCapture(model, layers, visit) as cap:
+        batch_gradients(model, cap, [query[0]], [query[1]], pad_id)
+    if base != "cosine":
+        return 0.0
+    return float(torch.sqrt(sum(M[n][j].double().square().sum() for n in layers)))
+
+
+def _slot(M: dict[str, torch.Tensor], layer: str, count: int, like: torch.Tensor) -> torch.Tensor:
+    """``M[layer]``, allocated (zeros ``[count, *like.shape]``, ``like``'s device and dtype) on first use."""
+    if layer not in M:
+        M[layer] = torch.zeros((count, *like.shape), dtype=like.dtype, device=like.device)
+    return M[layer]
 
 
 def _norm_kind(base: str, selfnorm: bool, fitted: bool) -> str:
@@ -227,17 +258,12 @@ def _dense_dots(a: torch.Tensor, g: torch.Tensor, M: torch.Tensor) -> torch.Tens
 
 
 def _candidate_pass(model, layers: list[str], train, rows: np.ndarray, pad_id: int, batch_size: int,
-                    M: dict[str, torch.Tensor], norm: str, pre, damping: float, dtype: torch.dtype,
+                    M: dict[str, torch.Tensor], count: int, norm: str, pre, damping: float, dtype: torch.dtype,
                     passes: _Passes) -> Generator[tuple[int, int], None, tuple[np.ndarray, np.ndarray]]:
-    """``([n, Q] dots, [n] squared norms)`` of training examples ``rows`` against the stacked ``M``, one batch a
-    step (hooked for that batch only)."""
-    eig = {}
-    if norm == "eig":
-        for n in layers:
-            Q_S, Q_A, Lam = pre._tensors(n, M[n].device, dtype)
-            eig[n] = (Q_S, Q_A, damped(Lam, pre.delta(n, damping), -1.0))
+    """``([n, count] dots, [n] squared norms)`` of training examples ``rows`` against the ``count`` queries' ``M``,
+    one batch a step (hooked for that batch only); a layer's curvature (``eig`` norms) is read in its hook."""
     t_ids, t_labels = train
-    dots = np.zeros((len(rows), len(next(iter(M.values())))))
+    dots = np.zeros((len(rows), count))
     norms = np.zeros(len(rows))
     cur: dict[str, torch.Tensor] = {}
 
@@ -247,9 +273,9 @@ def _candidate_pass(model, layers: list[str], train, rows: np.ndarray, pad_id: i
         if norm == "gram":
             sq = ((g @ g.transpose(1, 2)) * (a @ a.transpose(1, 2))).sum(dim=(1, 2))  # ‖G_t‖²
         elif norm == "eig":
-            Q_S, Q_A, w = eig[name]
+            Q_S, Q_A, Lam = pre._tensors(name, a.device, dtype)
             R = torch.bmm((g @ Q_S).transpose(1, 2), a @ Q_A)  # [B, N_o, N_i(+1)]
-            sq = (R.square() * w).sum(dim=(1, 2))
+            sq = (R.square() * damped(Lam, pre.delta(name, damping), -1.0)).sum(dim=(1, 2))
         else:
             sq = torch.zeros(d.shape[0], dtype=d.dtype, device=d.device)
         cur["dot"] = cur["dot"] + d if "dot" in cur else d
