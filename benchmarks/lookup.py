@@ -45,12 +45,11 @@ from fixtures.tiny import stdlib_corpus, trained_gpt2_dir  # noqa: E402
 from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.data import records_from_texts, tokenize_records  # noqa: E402
 from gradindex.index import IndexConfig, OpenIndex, build_indices  # noqa: E402
-from gradindex.index.cost import lookup_cost  # noqa: E402
+from gradindex.index.tiers import CandidateRequest, lookup_cost  # noqa: E402
 from gradindex.model import load_causal_lm  # noqa: E402
 from gradindex.precondition import FitConfig, fit_preconditioner  # noqa: E402
 from gradindex.precondition.compact import transcode_in_place  # noqa: E402
 from gradindex.query import QueryEngine  # noqa: E402
-from gradindex.query import search as S  # noqa: E402
 from gradindex.query.scores import score_matrix  # noqa: E402
 from gradindex.store.builder import BuildConfig, build_store  # noqa: E402
 
@@ -144,7 +143,7 @@ def first_stage(engine: QueryEngine, q: dict, truth: np.ndarray) -> dict[str, fl
                             {n: torch.from_numpy(v) for n, v in q.items()})
     out = {}
     for c in CS:
-        cands = S.sketch_candidates(engine.indices, engine.layers, u, False, c, 0)
+        cands = engine.indices.tier.first_stage(CandidateRequest(list(engine.layers), u, {}, c), c)
         out[str(c)] = float(np.mean([len(set(cands[j].tolist()) & set(truth[j].tolist())) / 10
                                      for j in range(len(truth))]))
     return out

@@ -211,7 +211,7 @@ def measure(n: int, work: Path, n_queries: int, out: Path, cache: str = "warm", 
     import torch
 
     from benchmarks.lookup import first_stage, lookups
-    from gradindex.index.cost import lookup_cost
+    from gradindex.index.tiers import lookup_cost
     from gradindex.query import QueryEngine
 
     f = work / f"truth-{n}.npz"

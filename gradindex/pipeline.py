@@ -20,7 +20,8 @@ from gradindex.capture import GradientCapture
 from gradindex.data import Tokenized
 from gradindex.diskspace import check_space, disk_full_as_error, human
 from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
-from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices, resolve_factory
+from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices
+from gradindex.index.tiers import RowShape, make_tier
 from gradindex.lock import index_lock
 from gradindex.manifest import manifest_path, read_manifest
 from gradindex.plan import BuildPlan, longest_example, plan_build, rerank_fit_sizes
@@ -66,15 +67,16 @@ def build_index(
     (a plain re-run does the cheap sampled check only). Holds the directory's lock throughout.
     ``rerank_fit``: also fit ``cfg.precondition`` in full space (:func:`rerank_fit_config`) for a query's exact
     stage (``rerank_full=C``); ``None``: ``cfg.rerank_fit`` (off by default; or ``precondition --space full``).
-    An ``index.factory`` that cannot be trained on ``len(data)`` examples is refused before
-    capturing. The manifest is passed from stage to stage, never re-read.
+    An ``index.factory`` that cannot be trained on ``len(data)`` examples (or a tier that cannot hold
+    ``index.space``) is refused before capturing. The manifest is passed from stage to stage, never re-read.
     """
     refuse_foreign(Path(out_dir))
     bound_heap(CAPTURE_THRESHOLD)  # (gradindex.heap: peak RSS -7% on the peers workload, same time)
-    if index is not None:  # a factory that cannot work for this data is refused before the capture pass
+    if index is not None:  # an index type that cannot work for this data is refused before the capture pass
         capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route)
-        for name in capture.infos:
-            resolve_factory(index.factory, len(data), capture.dim(name), cfg.storage)
+        dims = {name: capture.dim(name) for name in capture.infos}
+        tier = make_tier(index, RowShape.of(len(data), list(dims.values()), cfg.storage))
+        tier.layer_factories(len(data), dims, cfg.storage)
     with index_lock(out_dir, "gradindex build"):
         t0 = time.perf_counter()
         if not overwrite and distributed.rank() == 0:

@@ -23,7 +23,10 @@ from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.data import Tokenized
 from gradindex.diskspace import human
-from gradindex.index.cost import TIERS, LookupCost, choose_kind, lookup_cost
+from gradindex.index.config import IndexConfig
+from gradindex.index.cost import LookupCost
+from gradindex.index.sketch import SKETCH_BYTES
+from gradindex.index.tiers import RowShape, Tier, make_tier
 from gradindex.precondition.apply import rotate
 from gradindex.precondition.ekfac import BLOCK_BYTES
 from gradindex.precondition.sampled import sampled_reason
@@ -77,8 +80,8 @@ class BuildPlan:
     beside the captured rows until each shard is coded."""
     shards: int = 1
     lookup: LookupCost | None = None
-    """One query's estimated cost on the index kind the FAISS stage builds (``store`` or ``sketch``;
-    :func:`gradindex.index.cost.lookup_cost`), None for a FAISS type or no FAISS stage."""
+    """One query's estimated cost on the index tier the index stage builds (:meth:`gradindex.index.tiers.Tier.cost`),
+    None for a tier with no estimate (FAISS) or no index stage."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Estimated seconds per stage, when measured (:func:`measure_seconds`) or counted (``from_flops``)."""
     from_flops: bool = False
@@ -191,16 +194,12 @@ def rows_bytes(examples: int, shard_size: int, layers: list[LayerPlan], storage:
     return total
 
 
-def plan_lookup(examples: int, layers: list[LayerPlan], storage: str, factory: str = "auto",
-                sketch_bytes: int = 0) -> LookupCost | None:
-    """The lookup cost of the index kind ``factory`` builds on these rows (``auto``: the kind it chooses,
-    :func:`gradindex.index.cost.choose_kind`); None for a FAISS type (no estimate)."""
-    numbers = sum(lp.numbers for lp in layers)
-    f = (factory or "auto").strip().lower()
-    kind = choose_kind(examples, numbers, storage) if f == "auto" else f
-    if kind not in TIERS:
-        return None
-    return lookup_cost(examples, numbers, storage, kind, len(layers), sketch_bytes)
+def plan_tier(examples: int, layers: list[LayerPlan], storage: str, factory: str = "auto",
+              sketch_bytes: int = 0) -> tuple[Tier, RowShape]:
+    """The index tier ``factory`` picks over these rows, and the rows as it sees them."""
+    rows = RowShape.of(examples, [lp.numbers for lp in layers], storage)
+    cfg = IndexConfig(factory=factory or "auto", sketch_bytes=sketch_bytes or SKETCH_BYTES)
+    return make_tier(cfg, rows), rows
 
 
 def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = True, factory: str = "auto",
@@ -226,9 +225,10 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     fits = {"none": 0, "kfac": 1, "ekfac": 2}[cfg.precondition]
     precond = fits * per_fit + (8 * examples * (L + 1) if fits and not transcode else 0)  # (+ graddot's norms)
     basis = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2 + lp.numbers) for lp in layers) if transcode else 0
-    lookup = plan_lookup(examples, layers, cfg.storage, factory, sketch_bytes) if index else None
-    index_bytes = lookup.index_bytes if lookup is not None else examples * sum(  # (a FAISS type: codes of every row)
-        row_bytes(cfg.storage, lp.numbers) - 4 * has_scale(cfg.storage) for lp in layers) if index else 0
+    lookup, index_bytes = None, 0
+    if index:  # the index stage's tier: its lookup estimate, and what it writes
+        tier, rows = plan_tier(examples, layers, cfg.storage, factory, sketch_bytes)
+        lookup, index_bytes = tier.cost(rows), tier.disk_bytes(rows)
     width = sum(lp.numbers for lp in layers)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     tokens = cfg.batch_size * min(cfg.max_length, longest or cfg.max_length)

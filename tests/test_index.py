@@ -21,7 +21,7 @@ from gradindex.index import (
     default_factory,
     layer_file,
 )
-from gradindex.index import builder as index_build
+from gradindex.index.tiers import faiss_layers as index_build
 from gradindex.manifest import IndexMismatchError, read_manifest, write_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index

@@ -318,7 +318,7 @@ def test_failed_forced_rebuild_leaves_the_working_index(store_dir, tmp_path, eng
     import os
 
     from gradindex.cli.verify import verify_index
-    from gradindex.index import builder as index_build
+    from gradindex.index.tiers import faiss_layers as index_build
 
     d = _indexed(store_dir, tmp_path, IndexConfig(factory="Flat"))
     q, _, _ = engine.gradients(engine.tokenize(QUERIES))

@@ -14,10 +14,10 @@ from gradindex.capture import ProjectionSpec
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, OpenIndex, build_indices
-from gradindex.index import tier as tier_mod
-from gradindex.index.cost import choose_kind, lookup_cost
 from gradindex.index.scan import CodeScanner, StoreScan
 from gradindex.index.sketch import Sketch, SketchIndex, allocate, encode_sketch, split_levels
+from gradindex.index.tiers import choose_kind, lookup_cost
+from gradindex.index.tiers import sketch_files as tier_mod
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import click
 
@@ -36,18 +35,12 @@ def index_options(fn):
 
 
 def check_index_type(factory: str, n: int) -> None:
-    """Refuse, before any work, a FAISS type that needs more training rows than the ``n`` examples."""
-    need = []
-    m = re.search(r"IVF(\d+)", factory)
-    if m:
-        need.append((int(m.group(1)), f"{m.group(1)} lists"))
-    m = re.search(r"PQ\d+(?:x(\d+))?", factory)
-    if m:
-        need.append((1 << int(m.group(1) or 8), f"{1 << int(m.group(1) or 8)} PQ centroids"))
-    for rows, what in need:
-        if rows > n:
-            raise ValueError(f"--index-type {factory} has {what}, more than the {n} examples to train it on; "
-                             "use --index-type Flat (exact) or fewer lists")
+    """Refuse, before any work, an index type that cannot be built over ``n`` examples (a FAISS type needing more
+    training rows: :meth:`gradindex.index.tiers.Tier.check_examples`)."""
+    from gradindex.index.tiers import tier_class
+
+    if (factory or "auto").strip().lower() != "auto":
+        tier_class(factory)(factory).check_examples(n)
 
 
 def index_config(index_type: str, whiten: str, damping: float, normalize: bool, train_size: int,
@@ -71,16 +64,14 @@ def space_words(space: dict, basis: str = "raw", damping: bool = False) -> str:
 
 
 def report(res) -> str:
+    from gradindex.index.tiers import kind_of, tier_named
+
     m = res.meta
     basis = ((m.get("key") or {}).get("identity") or {}).get("basis") or {}
-    kinds = sorted({e["factory"] for e in m["layers"].values()})
-    size = sum(e["bytes"] for e in m["layers"].values()) + (m.get("sketch") or {}).get("bytes", 0)
-    if m.get("sketch"):
-        kinds = [f"sketch of {m['sketch']['spec']['m']} int8 numbers per example"]
-    elif kinds == ["store"]:
-        kinds = ["store (exhaustive scan of the store's codes)"]
+    tier = tier_named(kind_of(m))
+    size = tier.written_bytes(m)
     state = "up to date" if res.up_to_date else f"built in {res.seconds:.1f} s"
-    return (f"indices {state}: {len(m['layers'])} layers x {m['examples']} examples, {', '.join(kinds)}, "
+    return (f"indices {state}: {len(m['layers'])} layers x {m['examples']} examples, {tier.describe(m)}, "
             f"{space_words(m['space'], basis.get('kind', 'raw'))}"
             f"{', normalized' if m['space']['normalize'] else ''}, {human_bytes(size)}")
 

@@ -1,13 +1,5 @@
-"""What a lookup costs, and which index kind ``auto`` builds: pure functions of ``N`` and the row size.
-
-Two index kinds serve the default rows (docs/query.md):
-
-* ``store``: exhaustive. Every query scans the store's own codes (:mod:`gradindex.index.scan`);
-  nothing but ``norms.npy`` is written, the scores are exact, the cost grows as ``N × numbers``;
-* ``sketch``: two tiers. An in-RAM int8 sketch of each example's whole-model row
-  (:mod:`gradindex.index.sketch`, :data:`~gradindex.index.sketch.SKETCH_BYTES` a row) ranks every
-  example, then the top ``C`` are re-ranked exactly from the store: ``N × m`` numbers scanned
-  plus ``C`` rows read.
+"""What a lookup costs: the measured per-number costs the tiers' estimates are made of (:meth:`Tier.cost
+<gradindex.index.tiers.Tier.cost>`; the ``store`` and ``sketch`` tiers, docs/query.md), and :class:`LookupCost`.
 
 The per-number costs are the scan kernels timed on one core of this project's 2-core machine
 (AVX-512); ``benchmarks/lookup.py`` records each estimate beside the measured latency
@@ -20,8 +12,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
-
-from gradindex.store.codes import has_scale, row_bytes
 
 SCAN_NS = {"int4": 0.55, "int8": 0.15, "fp16": 0.5, "fp32": 0.35}
 """Seconds × 1e9 per stored number per query of a store scan (FAISS kernels; fp32: BLAS)."""
@@ -37,7 +27,6 @@ STORE_SCAN_SECONDS = 0.5
 """``auto`` scans the store while one query's scan is estimated at most this long ..."""
 STORE_SCAN_RAM_SHARE = 0.25
 """... and the store fits in this share of the machine's memory (the page cache keeps it)."""
-TIERS = ("store", "sketch")
 DEFAULT_CANDIDATES = 500
 """The fewest examples the sketch tier hands to the exact re-rank (``C``; :func:`sketch_candidates`)."""
 CANDIDATE_SHARE = 1e-3
@@ -70,35 +59,9 @@ class LookupCost:
         return asdict(self)
 
 
-def lookup_cost(n: int, numbers: int, storage: str, kind: str, layers: int = 1,
-                sketch_bytes: int = 0, candidates: int | None = None) -> LookupCost:
-    """The cost of one lookup over ``n`` examples of ``numbers`` stored numbers each (``storage`` codes)."""
-    from gradindex.index.sketch import SKETCH_BYTES
-
-    per_row = row_bytes(storage, numbers) + (4 * (layers - 1) if has_scale(storage) else 0)
-    norms = 4 * n * layers
-    if kind == "store":
-        secs = n * numbers * SCAN_NS.get(storage, SCAN_NS["fp32"]) * 1e-9
-        return LookupCost("store", secs, norms, norms, n * per_row)
-    if kind != "sketch":
-        raise ValueError(f"lookup cost is known for the kinds {TIERS}, not {kind!r}")
-    m = max(1, (sketch_bytes or SKETCH_BYTES) - 4)
-    c = min(n, candidates or sketch_candidates(n))
-    secs = n * m * SKETCH_NS * 1e-9 + c * (ROW_READ_S + per_row / READ_BYTES_S)
-    return LookupCost("sketch", secs, n * (m + 4) + norms, n * (m + 4) + norms, n * (m + 4) + c * per_row)
-
-
 def memory_bytes() -> int:
     """Physical memory of this machine (0 when unknown)."""
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 0
-
-
-def choose_kind(n: int, numbers: int, storage: str, ram_bytes: int | None = None) -> str:
-    """``auto``'s kind: ``store`` while a scan is quick and the store fits the page cache, else ``sketch``."""
-    ram = memory_bytes() if ram_bytes is None else ram_bytes
-    scan = lookup_cost(n, numbers, storage, "store")
-    fits = ram <= 0 or scan.scanned_bytes <= STORE_SCAN_RAM_SHARE * ram
-    return "store" if scan.seconds <= STORE_SCAN_SECONDS and fits else "sketch"

@@ -28,8 +28,6 @@ import math
 
 import faiss
 
-from gradindex.index.cost import TIERS
-
 FLAT_MAX_FLOATS = 1 << 24
 """Flat whenever a layer holds at most this many numbers (64 MB of float32)."""
 FLAT_MAX_ROWS = 50_000
@@ -62,8 +60,6 @@ def resolve_factory(factory: str, n: int, dim: int, storage: str = "fp32") -> st
     against the dimension and against ``n`` (an IVF needs a point per list to train on)."""
     if not factory or factory.lower() == "auto":
         return default_factory(n, dim, storage)
-    if factory.lower() in TIERS:  # index kinds over the store's own codes (gradindex.index.cost)
-        return factory.lower()
     need = min_train_points(make_index(factory, dim))
     if n < need:
         raise ValueError(

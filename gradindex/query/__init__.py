@@ -3,17 +3,15 @@
 from gradindex.query.engine import Hit, QueryEngine, QueryResult
 from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import as_record, as_records, read_queries, tokenize_queries
-from gradindex.query.search import Ranked, ann_candidates, exhaustive_candidates, rerank
+from gradindex.query.search import Ranked, rerank
 
 __all__ = [
     "Hit",
     "QueryEngine",
     "QueryResult",
     "Ranked",
-    "ann_candidates",
     "as_record",
     "as_records",
-    "exhaustive_candidates",
     "full_gradient_scores",
     "read_queries",
     "rerank",

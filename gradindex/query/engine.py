@@ -21,7 +21,7 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.chat import set_chat_template, template_of
 from gradindex.fingerprint import check_index_tokenizer, model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
-from gradindex.index.cost import sketch_candidates
+from gradindex.index.tiers import CandidateRequest
 from gradindex.manifest import IndexMismatchError, identity_differences
 from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, method_spec, parse_method
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
@@ -536,33 +536,14 @@ class QueryEngine:
         t1 = time.perf_counter()
         cosine = base == "cosine"
         want = max(k, lowest)
-        short = [False] * len(next(iter(m.values())))
-        if self.indices.sketch is not None:  # two tiers: the sketch's top C, re-ranked exactly below
-            c = max(candidates or sketch_candidates(self.n), k, lowest)
-            cands = S.sketch_candidates(self.indices, chosen, u, cosine, c, c if lowest else 0, scale)
-        elif all(self.indices.layers[n].exhaustive for n in chosen):
-            # scores from scalar codes are approximate: a shortlist of them goes to the exact re-rank
-            coded = any(self.indices.layers[n].coded for n in chosen)
-            wide = (shortlist or S.coded_shortlist(max(k, lowest))) if coded else 0
-            cands = S.exhaustive_candidates(self.indices, chosen, u, cosine, max(k, wide),
-                                            max(lowest, wide if lowest else 0), scale)
-        elif want >= S.EXACT_SHARE * self.n:
-            cands = self._exact_candidates(q, method, damping, chosen, k, lowest)
-            notes.append(f"k={want} is {want / self.n:.0%} of the index's {self.n} examples: every example "
-                         "was scored exactly instead of searching the approximate indices")
-        else:
-            kc = max(candidates or S.DEFAULT_CANDIDATES, k, lowest)
-            keep = max(shortlist or S.DEFAULT_SHORTLIST, k, lowest)
-            params = {"nprobe": nprobe} if nprobe else None
-            sel = self._selection_scale(base, chosen, scale)
-            cands = S.ann_candidates(self.indices, self.rows, chosen, u, m, kc, kc if lowest else 0, keep,
-                                     params, sel)
-            if any(len(c) < want for c in cands):
-                short_q = [j for j, c in enumerate(cands) if len(c) < want]
-                exact = self._exact_candidates({n: v[short_q] for n, v in q.items()}, method, damping, chosen,
-                                               k, lowest)
-                for j, c in zip(short_q, exact, strict=True):
-                    cands[j], short[j] = c, True
+
+        def exact(pos: list[int]) -> list[np.ndarray]:  # an approximate tier's fallback: every example scored
+            return self._exact_candidates({n: v[pos] for n, v in q.items()}, method, damping, chosen, k, lowest)
+
+        found = self.indices.candidates(CandidateRequest(chosen, u, m, k, lowest, cosine, scale, candidates,
+                                                         shortlist, nprobe, exact))
+        cands, short = found.ids, found.widened
+        notes += found.notes
         t2 = time.perf_counter()
         ranked = S.rerank(self.rows, chosen, m, cosine, cands, k, lowest, scale)
         t3 = time.perf_counter()
@@ -601,14 +582,6 @@ class QueryEngine:
                           k: int, lowest: int) -> list[np.ndarray]:
         """Candidates from exact scores of every example, streamed from the store (memory: a block)."""
         return S.top_and_bottom(score_matrix(self.index, q, method, damping, layers), k, lowest)
-
-    def _selection_scale(self, base: str, layers: list[str], scale: np.ndarray | None) -> np.ndarray | None:
-        """Per-example factor of a layer's contribution: ``1/‖t‖`` for cosine, times ``scale``."""
-        if base != "cosine":
-            return scale
-        t = self.indices.norms(layers)
-        inv = np.where(t > 0, 1.0 / np.where(t > 0, t, 1.0), 0.0)
-        return inv if scale is None else inv * scale
 
     def _selfnorm_scale(self, base: str, damping: float, layers: list[str]) -> np.ndarray:
         """``[N]`` ``1/sqrt(self-influence)`` (0 for a zero row), computed once per setting."""

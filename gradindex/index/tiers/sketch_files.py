@@ -18,10 +18,12 @@ import numpy as np
 
 from gradindex.checksum import record
 from gradindex.errors import CorruptFileError
+from gradindex.index.config import IndexConfig
 from gradindex.index.files import META, write_json
 from gradindex.index.sketch import Sketch, SketchIndex, allocate, encode_sketch
-from gradindex.index.space import index_vectors
+from gradindex.index.space import Preconditioners, index_vectors
 from gradindex.progress import progress_bar
+from gradindex.store import Store
 from gradindex.store.rows import RowReader
 
 CODES = "sketch.codes.npy"
@@ -36,22 +38,23 @@ def sketch_files(meta: dict | None) -> list[str]:
     return [sk["codes"], sk["scales"]] if sk else []
 
 
-def _spec(ix, cfg, inv: np.ndarray | None) -> Sketch:
+def _spec(store: Store, pre: Preconditioners, cfg: IndexConfig, inv: np.ndarray | None) -> Sketch:
     """The sketch: layer parts in proportion to the layers' mean squared index-space norms."""
-    store, N = ix.store, ix.n
+    N = len(store)
     rows = np.sort(np.random.default_rng(cfg.seed).choice(N, size=min(N, ENERGY_ROWS), replace=False))
     x = RowReader(store, store.layers).read(rows)
     energy = {}
     for n in store.layers:
-        v = index_vectors(cfg.space, ix.pre, n, x[n], None if inv is None else inv[rows])
+        v = index_vectors(cfg.space, pre, n, x[n], None if inv is None else inv[rows])
         energy[n] = float(np.einsum("ij,ij->", v, v, dtype=np.float64) / len(rows))
     m = max(1, cfg.sketch_bytes - 4)
     return Sketch(cfg.seed, dict(store.dims), allocate(dict(store.dims), energy, m))
 
 
-def build_sketch(ix, cfg, out: Path, meta: dict, inv: np.ndarray | None, progress: bool) -> None:
+def build_sketch(store: Store, pre: Preconditioners, cfg: IndexConfig, out: Path, meta: dict,
+                 inv: np.ndarray | None, progress: bool) -> None:
     """Write (or finish) ``out/sketch.*`` for every stored row; ``meta['sketch']`` records it."""
-    store, N = ix.store, ix.n
+    N = len(store)
     sk = meta.get("sketch")
     codes_p, scales_p = out / CODES, out / SCALES
     if sk and codes_p.exists() and scales_p.exists():
@@ -61,7 +64,7 @@ def build_sketch(ix, cfg, out: Path, meta: dict, inv: np.ndarray | None, progres
         if codes.shape != (N, sketch.m) or scales.shape != (N,):
             sk = None
     if not sk or not (codes_p.exists() and scales_p.exists()):
-        sketch, done = _spec(ix, cfg, inv), 0
+        sketch, done = _spec(store, pre, cfg, inv), 0
         codes = np.lib.format.open_memmap(codes_p, mode="w+", dtype=np.uint8, shape=(N, sketch.m))
         scales = np.lib.format.open_memmap(scales_p, mode="w+", dtype=np.float32, shape=(N,))
     meta["sketch"] = {"spec": sketch.to_dict(), "rows": done, "codes": CODES, "scales": SCALES, "bytes": 0}
@@ -74,7 +77,7 @@ def build_sketch(ix, cfg, out: Path, meta: dict, inv: np.ndarray | None, progres
     try:
         for ids, x in store.iter_blocks(store.layers, block, done):
             s = int(ids[0])
-            v = {n: index_vectors(cfg.space, ix.pre, n, x[n], None if inv is None else inv[s:s + len(ids)])
+            v = {n: index_vectors(cfg.space, pre, n, x[n], None if inv is None else inv[s:s + len(ids)])
                  for n in store.layers}
             codes[s], scales[s:s + len(ids)] = encode_sketch(sketch.apply(v))
             bar.update(len(ids))
