@@ -21,12 +21,19 @@ batch's rows) and, with the full-space fit, its float64 factor sums. The full-sp
 (``gradindex precondition --space full``) are ``Q_S [N_o, N_o]``, ``Q_A [N_i, N_i]`` and ``Λ [N_o, N_i]``
 per layer in float32. GPUs assumed: one, unless the capture's memory or the full-space files exceed
 :data:`GPU_BYTES`; then the smallest count over which they fit, split evenly.
+
+GPU memory of the exact stage (``--rerank-full C``, :func:`exact_stage_memory`), its curvature streamed a layer
+at a time: the weights, one query's full-space ``M`` (float32, one number per hooked parameter), the curvature
+it keeps (the cache budget, at least the largest layer's ``Q_S``, ``Q_A``, ``Λ``, at most every layer's), a
+candidate batch's activations (as the capture's) and its hooks' working set (the largest layer's dense
+gradients of a batch, at most :data:`~gradindex.query.full.DENSE_BYTES`, and ``-selfnorm``'s rotated ``R`` with
+its square); and how many queries' ``M`` fit on one GPU beside the rest.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from torch import nn
@@ -35,6 +42,7 @@ from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import GroupMember
 from gradindex.capture.routing import choose_route, factorized_cost, materialized_cost, materialized_memory
 from gradindex.diskspace import human
+from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES
 
 GPU_BYTES = 80 * 10**9
 """One GPU's memory (an 80 GB H100 or A100)."""
@@ -69,16 +77,44 @@ class Estimate:
     tokens: int
     """Tokens of the batch the activations are sized for (``--batch-size`` x the longest example)."""
     dtype: str
+    exact: dict[str, int] = field(default_factory=dict)
+    """Bytes of the exact stage's GPU memory (:func:`exact_stage_memory`)."""
 
     @property
     def gpu_bytes(self) -> int:
         return sum(self.gpu.values())
 
+    @property
+    def exact_queries(self) -> int:
+        """Queries whose ``M`` fit on one GPU beside the rest of the exact stage (0: it does not fit one)."""
+        rest = sum(v for k, v in self.exact.items() if k not in ("m", "largest_layer"))
+        return max(0, (GPU_BYTES - rest) // self.exact["m"]) if self.exact.get("m") else 0
+
     def to_dict(self) -> dict:
+        exact = {**self.exact, "total": self.exact_total, "queries_per_gpu": self.exact_queries,
+                 "fits_one_gpu": self.exact_queries > 0}
         return {"weights_loaded": False, "tflops_per_gpu": self.tflops, "host_flops": HOST_FLOPS,
                 "flops": self.flops, "gpus": self.gpus, "full_space_gpus": self.full_space_gpus,
                 "gpu_bytes_each": GPU_BYTES, "batch_tokens": self.tokens,
-                "gpu": {**self.gpu, "total": self.gpu_bytes}, "full_space_bytes": self.full_space_bytes}
+                "gpu": {**self.gpu, "total": self.gpu_bytes}, "full_space_bytes": self.full_space_bytes,
+                "exact_stage": exact}
+
+    @property
+    def exact_total(self) -> int:
+        """The exact stage's bytes for one query."""
+        return sum(v for k, v in self.exact.items() if k != "largest_layer")
+
+    def exact_line(self) -> str:
+        """The plan's line on the exact stage's GPU memory."""
+        e, one = self.exact, f"one {GPU_BYTES / 1e9:.0f} GB GPU"
+        n = self.exact_queries
+        fit = f"fits {one}, room for {n} {'query' if n == 1 else 'queries'}' M at once" if n else \
+            f"does NOT fit {one}"
+        return (f"exact stage (`--rerank-full C`, full-space curvature read a layer at a time): weights "
+                f"{human(e['weights'])} + one query's full-space M {human(e['m'])} (float32) + curvature kept "
+                f"{human(e['curvature'])} (cache budget {human(CURVATURE_CACHE_BYTES)}, largest layer "
+                f"{human(e['largest_layer'])}) + activations {human(e['activations'])} + hooks {human(e['hooks'])} "
+                f"= {human(self.exact_total)}: {fit}")
 
     def lines(self) -> list[str]:
         """What the plan prints after its disk line: how the time was estimated, GPU memory, full-space files."""
@@ -97,7 +133,7 @@ class Estimate:
                 f"full-space files (`gradindex precondition --space full`: Q_S, Q_A and Λ per layer, float32): "
                 f"{human(self.full_space_bytes)}, {self.full_space_gpus} GPU(s) of {one} to hold them",
                 f"GPUs assumed: {self.gpus} of {one} (the capture's {human(self.gpu_bytes)} {why}); "
-                f"the time is for {self.gpus}"]
+                f"the time is for {self.gpus}"] + ([self.exact_line()] if self.exact else [])
 
 
 def matmul_params(model: nn.Module) -> float:
@@ -221,6 +257,22 @@ def full_space_bytes(layers) -> int:
     return sum(4 * (lp.n_out ** 2 + lp.n_in ** 2 + lp.n_out * lp.n_in) for lp in layers)
 
 
+def exact_stage_memory(weights: int, activations: int, layers, batch_size: int,
+                       cache_bytes: int | None = CURVATURE_CACHE_BYTES) -> dict[str, int]:
+    """Bytes of the exact stage on its device (module docstring): ``weights``, ``m`` (one query's float32 ``M``),
+    ``curvature`` (kept: ``min(every layer's, max(cache_bytes, the largest layer's))``), ``largest_layer`` (shown,
+    not added: within ``curvature``), a candidate batch's ``activations`` and ``hooks``."""
+    from gradindex.query.full import DENSE_BYTES
+
+    sizes = [4 * (lp.n_out ** 2 + lp.n_in ** 2 + lp.n_out * lp.n_in) for lp in layers]
+    largest = max(sizes, default=0)
+    curvature = sum(sizes) if cache_bytes is None else min(sum(sizes), max(cache_bytes, largest))
+    widest = 4 * batch_size * max((lp.n_out * lp.n_in for lp in layers), default=0)  # a batch's [B, N_o, N_i]
+    return {"weights": int(weights), "m": 4 * sum(lp.n_out * lp.n_in for lp in layers), "curvature": int(curvature),
+            "largest_layer": int(largest), "activations": int(activations),
+            "hooks": int(min(DENSE_BYTES, widest) + 2 * widest)}
+
+
 def estimate_build(model: nn.Module, cfg, plan, lengths, dtype: str, tflops: float | None = None) -> Estimate:
     """The time and GPU memory of the build ``plan`` (:func:`gradindex.plan.plan_build`) of ``model`` (weights
     or none: shapes only) under ``cfg`` over examples of ``lengths`` tokens, in ``dtype`` at ``tflops`` per GPU
@@ -237,4 +289,5 @@ def estimate_build(model: nn.Module, cfg, plan, lengths, dtype: str, tflops: flo
     seconds = {k: on_gpu.get(k, 0) / (gpus * tflops * 1e12) + on_host.get(k, 0) / HOST_FLOPS
                for k in [*on_gpu, *(k for k in on_host if k not in on_gpu)]}
     flops = {k: on_gpu.get(k, 0) + on_host.get(k, 0) for k in seconds}
-    return Estimate(tflops, flops, seconds, gpu, full, gpus, full_gpus, cfg.batch_size * longest, dtype)
+    exact = exact_stage_memory(gpu["weights"], gpu["activations"], plan.layers, cfg.batch_size)
+    return Estimate(tflops, flops, seconds, gpu, full, gpus, full_gpus, cfg.batch_size * longest, dtype, exact)

@@ -89,6 +89,8 @@ def test_config_only_plan_says_how_it_estimated(llama_dir, text_jsonl, tmp_path)
     assert "no weights were loaded" in out and "FLOP estimate" in out and "400 TFLOP/s per GPU (bfloat16)" in out
     assert "GPU memory of the capture (bfloat16" in out and "weights " in out and "activations " in out
     assert "full-space files (`gradindex precondition --space full`" in out and "GPUs assumed: 1 of 80 GB" in out
+    assert "exact stage (`--rerank-full C`, full-space curvature read a layer at a time): weights " in out
+    assert "fits one 80 GB GPU, room for " in out
     summary = out.strip().splitlines()[-1]
     assert summary.startswith("plan: 40 examples x 14 layers") and "as a FLOP estimate" in summary
     counted = _plan(bare, text_jsonl, "--tokens-per-example", "10", "--tflops", "1")
@@ -124,6 +126,31 @@ def test_build_refuses_a_weightless_folder(llama_dir, text_jsonl, tmp_path):
     assert not out.exists()  # nothing written
 
 
+def check_exact_stage(c: dict, est: dict, name: str) -> None:
+    """The exact stage's GPU memory against the config's shapes: one query's float32 ``M`` (a number per hooked
+    weight, the q/k/v biases of Qwen2 included), the largest layer's ``Q_S``, ``Q_A``, ``Λ`` (kept at least, the
+    1 GiB cache budget otherwise), the weights and activations of the capture; fits one 80 GB GPU at 8B, not
+    at 70B (the bfloat16 weights alone are 141 GB)."""
+    from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES
+
+    h, inter, L = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hd = h // c["num_attention_heads"]
+    bias = int(c["model_type"] == "qwen2")
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    shapes = [(q, h + bias), (kv, h + bias), (kv, h + bias), (h, q), (inter, h), (inter, h), (h, inter)]
+    largest = max(4 * (o * o + i * i + o * i) for o, i in shapes)
+    x = est["exact_stage"]
+    assert x["m"] == 4 * L * sum(o * i for o, i in shapes)
+    assert x["largest_layer"] == largest and x["curvature"] == max(largest, CURVATURE_CACHE_BYTES)
+    assert x["weights"] == est["gpu"]["weights"] and x["activations"] == est["gpu"]["activations"]
+    total = x["weights"] + x["m"] + x["curvature"] + x["activations"] + x["hooks"]
+    assert x["total"] == total and x["queries_per_gpu"] == max(0, (80 * 10**9 - total + x["m"]) // x["m"])
+    if name == "llama-3-8b":
+        assert x["fits_one_gpu"] and x["queries_per_gpu"] == 1 and total < 80 * 10**9 < est["full_space_bytes"]
+    if name == "llama-3-70b":
+        assert not x["fits_one_gpu"]
+
+
 @pytest.fixture(scope="module")
 def many_examples(tmp_path_factory) -> Path:
     """100,000 examples (only their count matters with --tokens-per-example)."""
@@ -154,6 +181,8 @@ def test_plan_of_a_big_config_answers_in_seconds_and_little_memory(name, many_ex
     assert est["gpu"]["weights"] == 2 * PARAMETERS[name]  # bfloat16
     assert plan["examples"] == 100_000 and plan["bytes"]["final"] > 0 and est["full_space_bytes"] > 0
     assert est["gpus"] == -(-est["gpu"]["total"] // est["gpu_bytes_each"])
+    if not experts:
+        check_exact_stage(c, est, name)
     print(f"{name}: {wall:.1f} s, {rss} MB RSS; {json.dumps({k: plan['bytes'][k] for k in ('peak', 'final')})}, "
           f"RAM {plan['ram_bytes']}, GPU {est['gpu']}, GPUs {est['gpus']}, full space {est['full_space_bytes']} "
           f"({est['full_space_gpus']} GPUs), seconds {plan['seconds']}")
