@@ -283,12 +283,8 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
 def index_args(manifest: dict) -> list[str]:
     """The build options that make the index stage ``manifest`` recorded (none: the default one)."""
     ix = manifest.get("index") or {}
-    kind, factories = ix.get("kind", "faiss"), ix.get("factories") or []
-    args = []
-    if kind in ("store", "sketch"):
-        args += ["--index-type", kind]
-    elif len(factories) == 1:
-        args += ["--index-type", factories[0]]
+    factories = ix.get("factories") or []  # (one string: the tier's, as `store`, `sketch`, or a FAISS type's)
+    args = ["--index-type", factories[0]] if len(factories) == 1 else []
     space = ix.get("space") or {}
     if space.get("whiten", "none") != "none":
         args += ["--whiten", space["whiten"]]

@@ -31,6 +31,7 @@ from gradindex.index.tiers import (
     unregister_tier,
 )
 from gradindex.index.tiers.base import top_and_bottom, with_factors
+from gradindex.manifest import index_args, read_manifest
 from gradindex.query import QueryEngine
 
 ROWS = "brute.rows.npy"
@@ -148,6 +149,7 @@ def test_the_cli_builds_and_queries_it_and_the_plan_costs_it(brute, default_inde
     res = r.invoke(main, ["index", str(d), "--index-type", "brute16", "--quiet"])
     assert res.exit_code == 0, res.output
     assert "brute force over every decoded row" in res.output
+    assert index_args(read_manifest(d))[:2] == ["--index-type", "brute16"]  # the build command a repair prints
     res = r.invoke(main, ["query", str(d), "--text", QUERIES[0], "-k", "3", "--json", "--device", "cpu"])
     assert res.exit_code == 0, res.output
     assert len(json.loads(res.output.splitlines()[0])) == 3
