@@ -129,7 +129,7 @@ def test_build_refuses_a_weightless_folder(llama_dir, text_jsonl, tmp_path):
 def check_exact_stage(c: dict, est: dict, name: str) -> None:
     """The exact stage's GPU memory against the config's shapes: one query's float32 ``M`` (a number per hooked
     weight, the q/k/v biases of Qwen2 included), the largest layer's ``Q_S``, ``Q_A``, ``Λ`` (kept at least, the
-    1 GiB cache budget otherwise), the weights and activations of the capture; fits one 80 GB GPU at 8B, not
+    cache budget otherwise), the weights and activations of the capture; fits one 80 GB GPU at 8B, not
     at 70B (the bfloat16 weights alone are 141 GB)."""
     from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES
 
