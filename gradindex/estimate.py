@@ -108,7 +108,8 @@ class Estimate:
         """The plan's line on the exact stage's GPU memory."""
         e, one = self.exact, f"one {GPU_BYTES / 1e9:.0f} GB GPU"
         n = self.exact_queries
-        fit = f"fits {one}, room for {n} {'query' if n == 1 else 'queries'}' M at once" if n else \
+        whose = "query's" if n == 1 else "queries'"
+        fit = f"fits {one}, room for {n} {whose} M at once" if n else \
             f"does NOT fit {one}"
         return (f"exact stage (`--rerank-full C`, full-space curvature read a layer at a time): weights "
                 f"{human(e['weights'])} + one query's full-space M {human(e['m'])} (float32) + curvature kept "
