@@ -30,6 +30,7 @@ from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
 from gradindex.precondition.fullspace import HeadGrads, keep_build_sums, stored_share
 from gradindex.precondition.fused import fit_and_transcode
+from gradindex.precondition.restore import restore_basis
 from gradindex.precondition.sampled import EigenCoder, fit_on_sample, sampled_reason
 from gradindex.store.builder import (
     BuildConfig,
@@ -81,6 +82,7 @@ def build_index(
         t0 = time.perf_counter()
         if not overwrite and distributed.rank() == 0:
             finish_transcode(out_dir)  # a swap that a kill interrupted
+            restore_basis(out_dir)  # a missing or damaged basis.h5 its EK-FAC fit holds: no rebuild
         distributed.barrier()
         plan = plan_build(model, cfg, len(data), index is not None, *((index.factory, index.sketch_bytes)
                           if index is not None else ("auto", 0)), longest=longest_example(data))

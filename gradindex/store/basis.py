@@ -138,15 +138,31 @@ def read_basis(index_dir: str | os.PathLike, identity: dict | None = None) -> Ro
     return b
 
 
+def unrestorable(manifest: dict) -> str:
+    """Why ``basis.h5`` cannot be rewritten from the index's own EK-FAC fit file (``precond/ekfac.h5``); ``""``
+    where it can: rows transcoded from raw rows (no pre-projection maps: a projection is regenerated from its
+    seed), the fit kept. :func:`gradindex.precondition.restore.restore_basis` rewrites it."""
+    b = manifest.get("build", {}).get("basis") or {}
+    if b.get("kind", "raw") != "ekfac" or b.get("space") == "full-eigen":
+        return "its maps come from a model pass before the capture, which no file of the index keeps"
+    source = (b.get("from") or {}).get("kind", "raw")
+    if source != "raw":
+        return f"it holds the {source} pre-projection maps of a model pass before the capture, which no file keeps"
+    if "ekfac" not in manifest.get("preconditioners", {}):
+        return "the index keeps no EK-FAC fit (precond/ekfac.h5) to rewrite it from"
+    return ""
+
+
 def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
-    """The command that rewrites a damaged ``basis.h5``: the compact that made it, or the build."""
+    """The command that rewrites a damaged ``basis.h5``: the compact that made it; the build with ``--repair``
+    where the index's EK-FAC fit holds it (:func:`unrestorable`); else the build with ``--overwrite``."""
     from gradindex.manifest import build_command
 
     source = (manifest.get("compact") or {}).get("source")
     if source:
         damping = (manifest.get("build", {}).get("basis") or {}).get("damping", LEGACY_DAMPING)
         return f"gradindex compact {source} --out {index_dir} --damping {damping} --overwrite"
-    return build_command(index_dir, manifest, extra="--overwrite")
+    return build_command(index_dir, manifest, extra="--overwrite" if unrestorable(manifest) else "--repair")
 
 
 def check_basis(index_dir: str | os.PathLike, manifest: dict, full: bool = True) -> list[Damage]:

@@ -1,0 +1,78 @@
+"""A transcoded index's deleted or damaged ``basis.h5`` is rewritten from its EK-FAC fit (issue 33 item 9)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+
+from click.testing import CliRunner
+
+from gradindex.cli import main
+from gradindex.store.basis import unrestorable
+
+QUERY = ["--text", "the cat sat on a mat", "-k", "5", "--json", "--device", "cpu"]
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def _advised(index) -> str:
+    """The repair command ``gradindex verify`` prints for ``basis.h5``."""
+    res = _run("verify", str(index))
+    assert res.exit_code == 1, res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("DAMAGED basis.h5"))
+    return line.split("; repair: ", 1)[1]
+
+
+def _hits(output: str) -> list[tuple[int, float]]:
+    return [(h["id"], h["score"]) for h in json.loads(output.splitlines()[0])]
+
+
+def test_a_deleted_basis_is_rewritten_bitwise_by_the_advised_command(default_index, tmp_path):
+    idx = tmp_path / "idx"
+    shutil.copytree(default_index, idx)
+    before, answer = (idx / "basis.h5").read_bytes(), _run("query", str(idx), *QUERY)
+    assert answer.exit_code == 0, answer.output
+    shards = {p.name: p.stat().st_mtime_ns for p in (idx / "store").glob("shard-*.h5")}
+    (idx / "basis.h5").unlink()
+    refused = _run("query", str(idx), *QUERY)
+    assert refused.exit_code == 2 and "--repair" in refused.output and "--overwrite" not in refused.output
+    cmd = _advised(idx)
+    assert cmd.endswith(" --repair") and "--overwrite" not in cmd, cmd
+    res = _run(*shlex.split(cmd)[1:], "--quiet", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert "(0 computed now)" in res.output  # no example captured again
+    assert (idx / "basis.h5").read_bytes() == before
+    assert {p.name: p.stat().st_mtime_ns for p in (idx / "store").glob("shard-*.h5")} == shards
+    assert _run("verify", str(idx)).exit_code == 0
+    again = _run("query", str(idx), *QUERY)
+    assert again.exit_code == 0 and _hits(again.output) == _hits(answer.output)
+
+
+def test_a_basis_its_fit_cannot_give_back_names_the_rebuild(default_index, tmp_path):
+    """Both the basis and the fit it is made from damaged: one line naming both and the ``--overwrite`` rebuild."""
+    idx = tmp_path / "idx"
+    shutil.copytree(default_index, idx)
+    (idx / "basis.h5").unlink()
+    with open(idx / "precond" / "ekfac.h5", "r+b") as f:
+        f.seek(4000)
+        b = f.read(1)
+        f.seek(4000)
+        f.write(bytes([b[0] ^ 0xFF]))
+    cmd = _advised(idx)
+    res = _run(*shlex.split(cmd)[1:], "--quiet", "--device", "cpu")
+    err = [x for x in res.output.splitlines() if x.startswith("Error")]
+    assert res.exit_code == 2 and len(err) == 1, res.output
+    assert "basis.h5" in err[0] and "precond/ekfac.h5" in err[0] and "--overwrite" in err[0], err[0]
+    assert "Traceback" not in res.output and not (idx / "basis.h5").exists()
+
+
+def test_which_bases_the_fit_files_hold():
+    fit = {"preconditioners": {"ekfac": {}}}
+    assert unrestorable({**fit, "build": {"basis": {"kind": "ekfac", "from": {"kind": "raw"}}}}) == ""
+    assert "kfac pre-projection maps" in unrestorable({**fit, "build": {"basis": {"kind": "ekfac",
+                                                                                   "from": {"kind": "kfac"}}}})
+    assert "model pass" in unrestorable({**fit, "build": {"basis": {"kind": "ekfac", "space": "full-eigen"}}})
+    assert "no EK-FAC fit" in unrestorable({"build": {"basis": {"kind": "ekfac", "from": {"kind": "raw"}}}})
