@@ -139,6 +139,20 @@ def row_basis(manifest: dict[str, Any]) -> str:
     return str(manifest.get("build", {}).get("basis", {}).get("kind", "raw"))
 
 
+def baked_damping(manifest: dict[str, Any]) -> float | None:
+    """The relative damping the stored rows are whitened at, fixed when they were written (``build.basis.damping``:
+    ``(Λ* + δ)^{-1/2}`` of an ``ekfac`` basis, each side's ``(F + δ)^{-1/2}`` of a ``kfac`` one); ``None`` for raw rows.
+
+    Not a query's ``damping``: that one applies a fitted curvature to the rows and cannot change these numbers, so
+    on such rows it only matters to the methods fitted on them (``ekfac`` on ``kfac`` rows). Every reader of the
+    field reads it here."""
+    basis = manifest.get("build", {}).get("basis") or {}
+    kind = basis.get("kind", "raw")
+    if kind == "raw":
+        return None
+    return float(basis.get("damping", 1.0 if kind == "kfac" else LEGACY_DAMPING))
+
+
 def new_generation() -> str:
     """A fresh ``manifest["generation"]``: written when a build starts a new index (a resume keeps it, a
     transcode changes it), so that an open engine sees that ``build --overwrite`` replaced its index."""
@@ -238,7 +252,7 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
         args += ["--budget", str(c.get("budget", "1/8")), "--allocation", str(c.get("allocation", "ratio"))]
     basis = m.get("build", {}).get("basis") or {}
     if basis.get("kind", "raw") == "kfac":
-        args += ["--projection-basis", "kfac", "--basis-damping", str(basis.get("damping", 1.0)),
+        args += ["--projection-basis", "kfac", "--basis-damping", str(baked_damping(m)),
                  "--fit-examples", str(basis.get("examples", 0)), "--fit-seed", str(c.get("basis_seed", 0))]
     if c.get("basis") == "eigen":
         args[args.index("--projection") + 1] = "auto"

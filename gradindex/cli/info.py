@@ -10,7 +10,7 @@ import click
 from gradindex.cli import main
 from gradindex.cli.common import human_bytes, user_errors
 from gradindex.cli.index import space_words
-from gradindex.manifest import build_command, read_manifest, transcode_unfinished
+from gradindex.manifest import baked_damping, build_command, read_manifest, transcode_unfinished
 from gradindex.methods import methods_of
 from gradindex.spec import layout
 
@@ -70,7 +70,7 @@ def summary(index_dir: str) -> dict:
         "data": {"id": m.get("data_id"), "examples": counts.get("examples"),
                  "truncated": counts.get("truncated"), "field": counts.get("text_field"),
                  "nonfinite": len(m.get("nonfinite_ids", []))},
-        "projection": b.get("projection"), "basis": b.get("basis", {"kind": "raw"}),
+        "projection": b.get("projection"), "basis": b.get("basis", {"kind": "raw"}), "baked_damping": baked_damping(m),
         "max_length": b.get("max_length"), "storage": b.get("storage", "fp32"), "rows": _rows(m),
         "layers": layers, "dims_total": sum(v["dim"] for v in layers.values()),
         "methods": methods_of(m, d, selfnorm=True),
@@ -115,6 +115,9 @@ def info(index_dir, as_json):
     click.echo(f"projection {proj}, seed {p.get('seed')}; max length {s['max_length']}; rows stored as {s['storage']}")
     if s["rows"]:
         click.echo(f"rows       {s['rows']['spec']}: {s['rows']['describe']}")
+    if s["baked_damping"] is not None:  # (not the query's: issue 31 item 2)
+        click.echo(f"damping    rows whitened at damping {s['baked_damping']:g} (fixed at build; query --damping "
+                   "does not change them)")
     click.echo(f"layers     {len(s['layers'])}, {s['dims_total']} numbers per example")
     for n, v in s["layers"].items():
         idx = f"{v['index']} {human_bytes(v['index_bytes'])}" if v["index"] else "no index"

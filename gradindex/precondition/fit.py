@@ -26,8 +26,15 @@ from gradindex.capture.sampling import FISHERS
 from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.lock import index_lock
-from gradindex.manifest import build_command, read_complete_manifest, read_manifest, row_basis, write_manifest
-from gradindex.methods import DEFAULT_DAMPING, FITTED_METHODS, LEGACY_DAMPING, adam_rows
+from gradindex.manifest import (
+    baked_damping,
+    build_command,
+    read_complete_manifest,
+    read_manifest,
+    row_basis,
+    write_manifest,
+)
+from gradindex.methods import DEFAULT_DAMPING, FITTED_METHODS, adam_rows
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
 from gradindex.precondition.ekfac import Basis, store_pass
@@ -160,7 +167,7 @@ def fit_manifest(index_dir, manifest: dict | None) -> tuple[bool, dict]:
     if not held:
         manifest = read_complete_manifest(index_dir, "fit")
     if row_basis(manifest) == "ekfac":  # a refit would not change the rows (whitened by the fit they came from)
-        at = (manifest["build"].get("basis") or {}).get("damping", LEGACY_DAMPING)
+        at = baked_damping(manifest)
         raise ValueError(f"the rows of {str(index_dir)!r} are already in the EK-FAC whitened eigenbasis (damping "
                          f"{at}) and answer --method ekfac "
                          "as they are; to fit again (other data, --fisher true, damping), build the index with "

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from gradindex.checksum import Damage, DamagedIndexError, move_aside
-from gradindex.manifest import build_command, manifest_path, read_manifest
+from gradindex.manifest import baked_damping, build_command, manifest_path, read_manifest
 from gradindex.precondition.compact import eigen_basis
 from gradindex.precondition.files import check_precond, precond_path, read_attrs, read_factors
 from gradindex.store.basis import BASIS_FILE, RowBasis, check_basis, unrestorable, write_basis
@@ -40,11 +40,11 @@ def restore_basis(index_dir: str | os.PathLike, manifest: dict | None = None) ->
     why = unrestorable(manifest) or _fit_problem(d, manifest)
     if why:
         raise _cannot(d, manifest, damage[0], why)
-    b = manifest["build"]["basis"]
+    damping = baked_damping(manifest)
     fit = read_factors(precond_path(d, "ekfac"))
-    basis = eigen_basis(RowBasis(), {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in fit.items()}, b["damping"])
+    basis = eigen_basis(RowBasis(), {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in fit.items()}, damping)
     move_aside(d, [BASIS_FILE])
-    write_basis(d, basis, {"source": manifest["build"]["data_fingerprint"], "damping": b["damping"]})
+    write_basis(d, basis, {"source": manifest["build"]["data_fingerprint"], "damping": damping})
     log.warning("rewrote %s (%s) from precond/ekfac.h5, the EK-FAC fit the rows were transcoded with",
                 BASIS_FILE, damage[0].problem)
     return True

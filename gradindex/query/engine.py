@@ -23,7 +23,14 @@ from gradindex.fingerprint import check_index_tokenizer, model_fingerprint
 from gradindex.index import IndexSet, OpenIndex, RowReader, open_index, query_vectors
 from gradindex.index.tiers import CandidateRequest
 from gradindex.manifest import IndexMismatchError, identity_differences
-from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, method_spec, parse_method
+from gradindex.methods import (
+    DEFAULT_DAMPING,
+    REBUILD_RAW,
+    default_method,
+    index_row_base,
+    method_spec,
+    parse_method,
+)
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES
@@ -443,7 +450,23 @@ class QueryEngine:
             refine = self.refine_config(refine, method)
             if refine is not None:
                 grads = self.refined_rows(tokens, grads, method, damping, chosen, refine)
-        return score_matrix(self.index, grads, method, damping, chosen)
+        out = score_matrix(self.index, grads, method, damping, chosen)
+        note = self.baked_note(parse_method(method)[0], damping)
+        if note:  # (an array has no notes: the log says it, once a call)
+            log.warning(note)
+        return out
+
+    def baked_note(self, base: str, damping: float) -> str | None:
+        """What a call is told when its ``damping`` is not the one behind ``base``'s scores here: rows whitened
+        at build (:func:`gradindex.manifest.baked_damping`) answer with the damping they bake in, whatever the
+        query's (:meth:`RowBasis.damping_used`); ``None`` where the query's damping is the one used."""
+        used = self.basis.damping_used(base, damping)
+        if used is None or used == damping:
+            return None
+        raw = REBUILD_RAW.get(self.basis.kind, "--transcode none")
+        return (f"the rows of this index bake in damping {used:g} (whitened at build; a query's damping does not "
+                f"change them): damping {damping:g} has no effect on --method {base} here (build with {raw} to "
+                "choose the damping per query)")
 
     # -- refinement ---------------------------------------------------------------------------
     def refine_config(self, refine: RefineConfig | bool | None, method: str) -> RefineConfig | None:
@@ -518,10 +541,8 @@ class QueryEngine:
         missing = [n for n in chosen if n not in grads]
         if missing:
             raise ValueError(f"query gradients lack layers {missing[:3]}; pass rows for every chosen layer")
-        notes = []
-        if used is not None and used != damping:
-            notes.append(f"the rows of this index bake in damping {used:g}; damping {damping:g} has no effect on "
-                         f"--method {asked} here (build with --transcode none to choose the damping per query)")
+        notes = [note for note in [self.baked_note(asked, damping)] if note]
+        if notes:
             log.info(notes[-1])
         if k < 1 or lowest < 0:
             raise ValueError(f"k must be >= 1 and lowest >= 0, got k={k}, lowest={lowest}")

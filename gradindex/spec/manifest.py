@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from gradindex.manifest import (
     IDENTITY_KEYS,
+    baked_damping,
     build_command,
     shape_problem,
     write_manifest,
@@ -124,6 +125,11 @@ class Manifest:
         return str((self.build.get("basis") or {}).get("kind", "raw"))
 
     @property
+    def baked_damping(self) -> float | None:
+        """The damping the rows are whitened at, fixed at build (:func:`gradindex.manifest.baked_damping`)."""
+        return baked_damping(self._data)
+
+    @property
     def adam_rows(self) -> bool:
         """Whether the rows are Adam-preconditioned (built with ``--optimizer-state``)."""
         return bool(self.build.get("optimizer"))
@@ -160,6 +166,6 @@ def rows_of(m: Mapping[str, Any]) -> RowSpec:
     transcoded = bool(done) or str(c.get("transcode", "none")) == "ekfac"
     storage = (b.get("transcode") or {}).get("storage") or c.get("storage") or b.get("storage", "fp32")
     return RowSpec(**kw, basis="eigen" if eigen else "kfac" if basis.get("kind") == "kfac" else "raw",
-                   basis_damping=float(c.get("basis_damping", basis.get("damping", 1.0) if not eigen else 1.0)),
+                   basis_damping=float(c.get("basis_damping", (baked_damping(m) or 1.0) if not eigen else 1.0)),
                    adam=str(c.get("adam_mode", "exact")) if b.get("optimizer") else "", transcode=transcoded,
                    damping=float(done.get("damping") or c.get("damping", DEFAULT_DAMPING)), storage=storage)

@@ -31,7 +31,7 @@ import torch
 
 from gradindex.capture.transform import LayerTransform
 from gradindex.checksum import Damage, check_files, damage_error, record
-from gradindex.methods import FITTED_METHODS, LEGACY_DAMPING, absolute_damping, row_base
+from gradindex.methods import FITTED_METHODS, absolute_damping, row_base
 from gradindex.spec import layout
 
 BASIS_FILE = layout.BASIS_FILE
@@ -156,12 +156,11 @@ def unrestorable(manifest: dict) -> str:
 def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
     """The command that rewrites a damaged ``basis.h5``: the compact that made it; the build with ``--repair``
     where the index's EK-FAC fit holds it (:func:`unrestorable`); else the build with ``--overwrite``."""
-    from gradindex.manifest import build_command
+    from gradindex.manifest import baked_damping, build_command
 
     source = (manifest.get("compact") or {}).get("source")
     if source:
-        damping = (manifest.get("build", {}).get("basis") or {}).get("damping", LEGACY_DAMPING)
-        return f"gradindex compact {source} --out {index_dir} --damping {damping} --overwrite"
+        return f"gradindex compact {source} --out {index_dir} --damping {baked_damping(manifest)} --overwrite"
     return build_command(index_dir, manifest, extra="--overwrite" if unrestorable(manifest) else "--repair")
 
 
