@@ -299,6 +299,8 @@ def index_args(manifest: dict) -> list[str]:
     ix = manifest.get("index") or {}
     factories = ix.get("factories") or []  # (one string: the tier's, as `store`, `sketch`, or a FAISS type's)
     args = ["--index-type", factories[0]] if len(factories) == 1 else []
+    if ix.get("sketch_bytes"):  # (recorded by a sketch tier's build)
+        args += ["--sketch-bytes", str(ix["sketch_bytes"])]
     space = ix.get("space") or {}
     if space.get("whiten", "none") != "none":
         args += ["--whiten", space["whiten"]]

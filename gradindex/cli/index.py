@@ -10,15 +10,24 @@ from gradindex.cli import main
 from gradindex.cli.common import damping_option, human_bytes, user_errors
 
 
+class IndexTypeOption(click.Option):
+    """``--index-type``: its help lists the registered index tiers (:func:`gradindex.cli.tiers.index_type_help`),
+    read when the help is shown, so a tier registered after import is listed too."""
+
+    @property
+    def help(self) -> str:
+        from gradindex.cli.tiers import index_type_help
+
+        return index_type_help()
+
+    @help.setter
+    def help(self, value: str | None) -> None:  # (click sets it in __init__; the registry's words win)
+        pass
+
+
 def index_options(fn):
     """Options shared by ``gradindex index`` and the index stage of ``gradindex build``."""
-    fn = click.option("--index-type", default="auto", show_default=True,
-                      help="store: queries scan the store's own codes (exhaustive, exact, no copy); "
-                           "sketch: two tiers, an in-RAM sketch of each example's whole-model row ranks "
-                           "everything, its top --candidates are re-ranked exactly; auto: store while one "
-                           "scan is estimated under 0.5 s and the store fits a quarter of RAM, else sketch "
-                           "(raw rows; with --whiten/--normalize the per-layer FAISS default); or a FAISS "
-                           "factory string for every layer (Flat, IVF1024,PQ64, SQ4, HNSW32, ...).")(fn)
+    fn = click.option("--index-type", cls=IndexTypeOption, default="auto", show_default=True)(fn)
     fn = click.option("--sketch-bytes", default=2048, show_default=True, type=click.IntRange(min=8),
                       help="Bytes per example of the sketch tier (int8 numbers plus a 4-byte scale).")(fn)
     fn = click.option("--whiten", default="none", show_default=True,

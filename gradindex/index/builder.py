@@ -178,4 +178,6 @@ def _register(index_dir: Path, manifest: dict, meta: dict, tier: type[Tier]) -> 
     manifest["index"] = {"space": meta["space"], "status": meta["status"],
                          "factories": sorted({e["factory"] for e in meta["layers"].values()}),
                          "kind": meta.get("kind", "faiss"), "bytes": tier.written_bytes(meta)}
+    if meta["key"].get("sketch_bytes"):  # (a sketch tier's --sketch-bytes: manifest.index_args prints it)
+        manifest["index"]["sketch_bytes"] = int(meta["key"]["sketch_bytes"])
     write_manifest(index_dir, manifest)

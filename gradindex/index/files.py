@@ -169,6 +169,8 @@ def index_command(index_dir: str | os.PathLike, meta: dict | None = None) -> str
         args += ["--whiten", space["whiten"], "--damping", str(space.get("damping"))]
     if space.get("normalize"):
         args.append("--normalize")
+    if key.get("sketch_bytes"):
+        args += ["--sketch-bytes", str(key["sketch_bytes"])]
     if key.get("train_size"):
         args += ["--train-size", str(key["train_size"])]
     if key.get("seed"):
