@@ -1,7 +1,8 @@
 """Index tiers behind one interface (:class:`Tier`), in one registry, chosen by one factory string.
 
 The built-in tiers register here, in the order ``auto`` tries them: ``store`` (a scan of the stored codes),
-``sketch`` (an in-RAM first stage, then an exact re-rank) and FAISS (per-layer indices, every other factory string).
+``ivf-sketch`` (the sketch's codes in inverted lists, a few searched: for millions of examples), ``sketch`` (an
+in-RAM first stage, then an exact re-rank) and FAISS (per-layer indices, every other factory string).
 A new tier is one module: a :class:`Tier` subclass passed to :func:`register_tier` (docs/extending.md).
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from gradindex.index.config import IndexConfig
 from gradindex.index.cost import LookupCost
 from gradindex.index.sketch import SKETCH_BYTES
-from gradindex.index.tiers import faiss, sketch, store  # noqa: F401  (each registers its tier)
+from gradindex.index.tiers import faiss, ivf_sketch, sketch, store  # noqa: F401  (each registers its tier)
 from gradindex.index.tiers.base import (
     TIERS,
     BuildJob,

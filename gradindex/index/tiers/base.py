@@ -296,16 +296,19 @@ def make_tier(cfg: IndexConfig, rows: RowShape, ram_bytes: int | None = None) ->
 
 
 def with_factors(source: TierSource, s: np.ndarray, layers: Sequence[str], cosine: bool,
-                 scale: np.ndarray | None) -> np.ndarray:
+                 scale: np.ndarray | None, ids: np.ndarray | None = None) -> np.ndarray:
     """Index-space scores ``s`` ``[Q, N]`` times the per-example factors of the method: the norms a normalized
-    index divided by, ``1/‖t‖`` for cosine, ``scale``."""
+    index divided by, ``1/‖t‖`` for cosine, ``scale``. ``ids``: the examples of ``s``'s columns (default all)."""
+    def at(v: np.ndarray) -> np.ndarray:
+        return (v if ids is None else v[ids])[None, :]
+
     if source.space.normalize:
-        s *= source.norms()[None, :]
+        s *= at(source.norms())
     if cosine:
-        t = source.norms(layers)
+        t = at(source.norms(layers))
         s = np.where(t > 0, s / np.where(t > 0, t, 1.0), 0.0)
     if scale is not None:
-        s *= scale[None, :]
+        s *= at(scale)
     return s
 
 

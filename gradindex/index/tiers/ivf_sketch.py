@@ -1,0 +1,380 @@
+"""The ``ivf-sketch`` tier: the sketch tier's codes (:mod:`gradindex.index.tiers.sketch`) grouped into inverted
+lists, so that a query scores the lists nearest it instead of every example.
+
+Build: the sketch files as the sketch tier writes them (resumable), then a FAISS IVF level over them: k-means
+(FAISS's IVF training, on the GPUs when FAISS sees any: :func:`gradindex.index.gpu.train`) of a seeded sample of
+the decoded sketches into ``nlist`` lists (``IVF{nlist},sketch``; ``ivf-sketch``: :func:`default_nlist`,
+``4·√N``), every example in the list of its nearest centroid (``ivf.lists.npy``), the centroids, each its list's
+mean sketch, in ``ivf.centroids.npy``. A query ranks the lists by its inner product with their means (the mean of
+its scores over each list): on 3,000 tiny-GPT-2 rows the lists that held 0.97 of the sketch's top 10 were 8% of
+the rows, against 38% with spherical k-means (directions only: a row's norm weighs in its inner products).
+
+``nprobe`` is chosen in the same pass: :data:`PROBE_QUERIES` sample rows held out of the training sample are
+searched exhaustively over every sketch (their top 10, themselves excluded), and ``nprobe`` is the fewest lists,
+nearest first, that hold :data:`RECALL_TARGET` of those top 10s; ``index.json``'s ``ivf`` entry records it, the
+recall measured and the recall at each power of two.
+
+Search: the query's sketch (the chosen layers' parts, as the sketch tier's) picks its ``nprobe`` nearest lists by
+inner product with the centroids, and more until they hold the ``C`` candidates (:func:`sketch_candidates`); the
+rows of those lists are scored by the sketch tier's int8 product (held in list order, so a list is one slice),
+times the method's per-example factors, and the top ``C`` (bottom ``C``: lists nearest ``-y``) go to the exact
+re-rank. With every list probed, the candidates are the exhaustive sketch's. FAISS's own IVF search is not used
+for the scan: a sketch row's score has a per-row scale and the method's factors after the product, so FAISS's
+top-k by code inner product is not the ranking wanted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import faiss
+import numpy as np
+import torch
+
+from gradindex.checksum import record
+from gradindex.errors import CorruptFileError
+from gradindex.index import gpu
+from gradindex.index.cost import READ_BYTES_S, ROW_READ_S, SKETCH_NS, LookupCost, sketch_candidates
+from gradindex.index.files import index_command
+from gradindex.index.sketch import SKETCH_BYTES, Sketch, SketchIndex, _int_mm_works, read_into, split_levels
+from gradindex.index.space import IndexSpace
+from gradindex.index.tiers.base import (
+    BuildJob,
+    CandidateRequest,
+    RowShape,
+    TierSource,
+    register_tier,
+    top_and_bottom,
+    with_factors,
+)
+from gradindex.index.tiers.sketch import SketchTier
+from gradindex.index.tiers.sketch_files import sketch_files
+
+LISTS_PER_ROOT = 4
+"""``nlist = 4·√N`` by default: a query's centroid scan (``nlist`` rows) and its lists' rows (``nprobe·N/nlist``)
+both grow as ``√N`` at a fixed ``nprobe``."""
+RECALL_TARGET = 0.97
+"""Share of the exhaustive sketch's top 10 (held-out sample rows as queries) the chosen ``nprobe`` lists hold."""
+PROBE_QUERIES = 64
+"""Sample rows, held out of the k-means sample, that measure the recall at build."""
+TRUTH_K = 10
+TRAIN_PER_LIST = 32
+"""k-means sample: this many rows a list ..."""
+TRAIN_BYTES = 1 << 30
+"""... in at most this many bytes of float32 sketches (and at least ``nlist`` rows)."""
+KMEANS_ITER = 10
+SCAN_SECONDS = 0.5
+"""``auto`` builds this tier in place of the exhaustive sketch where that one's scan is estimated at least this long
+(~1.6·10^6 examples at the default 2 KiB sketch; :data:`~gradindex.index.cost.SKETCH_NS`)."""
+RAM_SHARE = 0.5
+"""... and the tier's RAM (the sketch codes, their list order, the centroids) fits this share of the machine's."""
+CENTROID_NS = 0.05
+"""Seconds × 1e9 per centroid number per query (one float32 BLAS product)."""
+EXPECTED_NPROBE = 64
+"""The ``nprobe`` the plan's estimate assumes (the build measures its own)."""
+CENTROIDS, LISTS = "ivf.centroids.npy", "ivf.lists.npy"
+_PATTERN = re.compile(r"ivf-sketch|ivf(\d+),sketch")
+
+
+def default_nlist(n: int) -> int:
+    """``round(4·√n)``, at most ``n / 8`` (at least 1)."""
+    return int(max(1, min(round(LISTS_PER_ROOT * math.sqrt(n)), n // 8)))
+
+
+@register_tier
+class IvfSketchTier(SketchTier):
+    """The sketch's codes in inverted lists, ``nprobe`` of them searched (module doc); ``auto``'s choice in the raw
+    space where the exhaustive sketch scan is slow (:data:`SCAN_SECONDS`) and the sketch fits RAM."""
+
+    name = "ivf-sketch"
+    auto_order = 0.5
+
+    @classmethod
+    def matches(cls, factory: str) -> bool:
+        return _PATTERN.fullmatch(factory.strip().lower()) is not None
+
+    def asked_lists(self) -> int | None:
+        """The ``nlist`` of an ``IVF{nlist},sketch`` string (None: :func:`default_nlist`)."""
+        m = _PATTERN.fullmatch(self.factory.strip().lower())
+        return int(m.group(1)) if m and m.group(1) else None
+
+    def nlist(self, n: int) -> int:
+        return min(n, self.asked_lists() or default_nlist(n))
+
+    def _m(self) -> int:
+        return max(1, (self.cfg.sketch_bytes or SKETCH_BYTES) - 4)
+
+    def suits(self, rows: RowShape, space: IndexSpace, ram_bytes: int) -> bool:
+        slow = rows.n * self._m() * SKETCH_NS * 1e-9 >= SCAN_SECONDS
+        fits = ram_bytes <= 0 or self.cost(rows).ram_bytes <= RAM_SHARE * ram_bytes
+        return super().suits(rows, space, ram_bytes) and slow and fits
+
+    def check_examples(self, n: int) -> None:
+        asked = self.asked_lists()
+        if asked is not None and asked > n:
+            raise ValueError(f"--index-type {self.factory} has {asked} lists, more than the {n} examples to train "
+                             "it on; use fewer lists, ivf-sketch (4·√N lists) or sketch (exhaustive)")
+
+    def cost(self, rows: RowShape, candidates: int | None = None) -> LookupCost:
+        n, m = rows.n, self._m()
+        nlist = self.nlist(n)
+        c = min(n, candidates or sketch_candidates(n))
+        scanned = min(n, max(c, math.ceil(n * min(nlist, EXPECTED_NPROBE) / nlist)))
+        secs = (nlist * m * CENTROID_NS + scanned * m * SKETCH_NS) * 1e-9 + \
+            c * (ROW_READ_S + rows.row_bytes / READ_BYTES_S)
+        files = n * (m + 4) + 4 * n + 4 * nlist * m
+        held = n * (m + 4) + 8 * n + 4 * nlist * m + 4 * n * rows.layers
+        return LookupCost(self.name, secs, held, files + 4 * n * rows.layers, scanned * (m + 4) + c * rows.row_bytes)
+
+    def key(self) -> dict:
+        return {**super().key(), "ivf": {"recall": RECALL_TARGET, "queries": PROBE_QUERIES}}
+
+    def build(self, job: BuildJob) -> int:
+        super().build(job)  # each layer's entry and the sketch files (resumable)
+        build_ivf(job, self.nlist(job.n))
+        return 0
+
+    @classmethod
+    def files(cls, meta: dict, layers: Sequence[str] | None = None) -> list[str]:
+        ivf = meta.get("ivf")
+        return sketch_files(meta) + ([ivf["centroids"], ivf["lists"]] if ivf else [])
+
+    @classmethod
+    def written_bytes(cls, meta: dict) -> int:
+        return super().written_bytes(meta) + int((meta.get("ivf") or {}).get("bytes", 0))
+
+    @classmethod
+    def describe(cls, meta: dict) -> str:
+        ivf = meta["ivf"]
+        return (f"{super().describe(meta)} in {ivf['nlist']} inverted lists, {ivf['nprobe']} searched (they held "
+                f"{ivf['recall']:.3f} of the exhaustive sketch's top {TRUTH_K} on {ivf['queries']} sample rows)")
+
+    def open(self, source: TierSource) -> None:
+        try:
+            self.sketch: ListSketchIndex = load_lists(source.folder, source.meta, source.n)
+        except (OSError, ValueError, KeyError) as e:
+            raise CorruptFileError(f"the ivf-sketch tier in {str(source.folder)!r} is unreadable ({e}); rebuild "
+                                   f"the indices with `{index_command(source.index_dir)}`") from None
+        self.nprobe = int(source.meta["ivf"]["nprobe"])
+
+    def first_stage(self, req: CandidateRequest, c: int) -> list[np.ndarray]:
+        """Per query, the top ``c`` (and bottom ``c`` when ``req.lowest``) sketch estimates among the rows of its
+        probed lists (``req.nprobe``, else the build's), with the exact score's per-example factors."""
+        sk = self.sketch
+        yq = sk.sketch.apply(req.u, list(req.layers))  # [Q, m]
+        nprobe = req.nprobe or self.nprobe
+        out = []
+        for y in yq:
+            parts = []
+            for sign, want in ((1.0, c), (-1.0, c if req.lowest else 0)):
+                if not want:
+                    continue
+                pos = sk.probe(sign * y, nprobe, want)
+                s = sk.scores_at(y[None], pos).astype(np.float64)  # [1, len(pos)]
+                ids = sk.order[pos]
+                s = with_factors(self.source, s, req.layers, req.cosine, req.scale, ids)
+                parts.append(ids[top_and_bottom(s, want if sign > 0 else 0, want if sign < 0 else 0, margin=0)[0]])
+            out.append(np.unique(np.concatenate(parts)))
+        return out
+
+
+class ListSketchIndex(SketchIndex):
+    """A :class:`SketchIndex` whose rows are held in list order (``order``: the example at each position; list
+    ``l`` is positions ``offsets[l]:offsets[l + 1]``), with the centroids that pick the lists."""
+
+    def __init__(self, sketch: Sketch, codes_path: Path, offset: int, scales: np.ndarray, lists: np.ndarray,
+                 centroids: np.ndarray, block: int = 1 << 16):
+        self.sketch, self.n = sketch, len(lists)
+        self.order = np.argsort(lists, kind="stable")
+        self.offsets = np.searchsorted(lists[self.order], np.arange(len(centroids) + 1))
+        self.centroids = np.ascontiguousarray(centroids, np.float32)
+        self.scales = np.asarray(scales, np.float32)[self.order]
+        self.index = None
+        self.codes = torch.empty((self.n, sketch.m), dtype=torch.int8)
+        dest = self.codes.numpy().view(np.uint8)
+        at = np.empty(self.n, np.int64)
+        at[self.order] = np.arange(self.n)
+        buf = np.empty((min(block, self.n), sketch.m), np.uint8)
+        for s in range(0, self.n, block):  # plain reads in example order, each row put at its list position
+            part = buf[:min(block, self.n - s)]
+            read_into(codes_path, offset + s * sketch.m, part)
+            dest[at[s:s + len(part)]] = part ^ np.uint8(0x80)
+        if not _int_mm_works(sketch.m):
+            self._to_faiss(self.codes, block)
+
+    def nbytes(self) -> int:
+        return int(super().nbytes() + self.order.nbytes + self.centroids.nbytes)
+
+    def scores(self, yq: np.ndarray, batch: int = 8) -> np.ndarray:
+        """``[Q, N]`` sketch scores of every example, in example order (as :class:`SketchIndex`'s)."""
+        s = super().scores(yq, batch)
+        out = np.empty_like(s)
+        out[:, self.order] = s
+        return out
+
+    def probe(self, y: np.ndarray, nprobe: int, rows: int) -> np.ndarray:
+        """The positions (ascending) of the ``nprobe`` lists whose centroids have the largest inner product with
+        ``y`` ``[m]``, and of the next nearest until they hold at least ``rows`` rows."""
+        rank = np.argsort(-(self.centroids @ y), kind="stable")
+        held = np.cumsum(np.diff(self.offsets)[rank])
+        take = max(min(nprobe, len(rank)), min(len(rank), int(np.searchsorted(held, rows)) + 1))
+        lists = np.sort(rank[:take])
+        return np.concatenate([np.arange(self.offsets[x], self.offsets[x + 1]) for x in lists])
+
+    def scores_at(self, yq: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """``[Q, len(pos)]`` float32 sketch scores of the rows at positions ``pos`` (ascending; the same numbers as
+        :meth:`scores`), a contiguous run of positions at a time."""
+        q = np.asarray(yq, np.float32)
+        out = np.empty((len(q), len(pos)), np.float32)
+        if self.codes is not None:
+            try:
+                self._runs_int8(q, pos, out)
+                out *= self.scales[pos][None, :]
+                return out
+            except RuntimeError:  # a shape this build of torch refuses: FAISS from now on
+                self._to_faiss(self.codes, 1 << 16)
+        out[:] = self._faiss(q)[:, pos]
+        out *= self.scales[pos][None, :]
+        return out
+
+    def _runs_int8(self, q: np.ndarray, pos: np.ndarray, out: np.ndarray) -> None:
+        """Unscaled scores into ``out`` by the int8 product of :meth:`SketchIndex._int8`, per run of ``pos``."""
+        levels, f = split_levels(q)
+        lv, Q = torch.from_numpy(levels), len(q)
+        cut = np.flatnonzero(np.diff(pos) != 1) + 1
+        for a, b in zip(np.r_[0, cut], np.r_[cut, len(pos)], strict=True):
+            lo = int(pos[a])
+            d = torch._int_mm(lv, self.codes[lo:lo + (b - a)].t()).numpy()  # [2Q, run] int32
+            o = d[:Q].astype(np.float32) * f[:Q, None]
+            o += d[Q:].astype(np.float32) * f[Q:, None]
+            out[:, a:b] = o
+
+
+def load_lists(folder: Path, meta: dict, n: int) -> ListSketchIndex:
+    """The tier of a complete ``index.json``: its codes read into RAM in list order."""
+    sk, ivf = meta["sketch"], meta["ivf"]
+    sketch = Sketch.from_dict(sk["spec"])
+    codes = np.load(Path(folder) / sk["codes"], mmap_mode="r")
+    scales = np.load(Path(folder) / sk["scales"])
+    lists = np.load(Path(folder) / ivf["lists"])
+    centroids = np.load(Path(folder) / ivf["centroids"])
+    if codes.shape != (n, sketch.m) or scales.shape != (n,) or lists.shape != (n,) \
+            or centroids.shape != (ivf["nlist"], sketch.m) or (n and not 0 <= lists.min() <= lists.max() < len(
+                centroids)):
+        raise CorruptFileError(f"the ivf-sketch files in {str(folder)!r} hold {codes.shape} codes, {lists.shape} "
+                               f"list ids and {centroids.shape} centroids, expected ({n}, {sketch.m}) codes and "
+                               f"({ivf['nlist']}, {sketch.m}) centroids")
+    return ListSketchIndex(sketch, Path(codes.filename), int(codes.offset), scales, lists, centroids)
+
+
+# -- the build ---------------------------------------------------------------------------------------------------
+def build_ivf(job: BuildJob, nlist: int) -> None:
+    """Train the lists, assign every example and choose ``nprobe`` (module doc); ``job.meta['ivf']`` records
+    them. Skipped when a resumed build's staging folder has them for this ``nlist``."""
+    out, meta = job.out, job.meta
+    done = meta.get("ivf")
+    if done and done.get("nlist") == nlist and all((out / f).exists() for f in (CENTROIDS, LISTS)):
+        return
+    codes = _Codes(out, meta)
+    probe, train = _samples(codes.n, nlist, job.cfg.seed, job.cfg.train_size, codes.m)
+    centroids = _train(codes.read(train), nlist, job.cfg.seed, job.cfg.gpu)
+    lists, truth = _assign(codes, centroids, probe, job.cfg.block_bytes, job.cfg.gpu)
+    nprobe, recall, curve = choose_nprobe(codes.read(probe) @ centroids.T, lists, truth, RECALL_TARGET)
+    np.save(out / CENTROIDS, centroids)
+    np.save(out / LISTS, lists)
+    record(out.parent, [out / CENTROIDS, out / LISTS], [f"{out.name}/{CENTROIDS}", f"{out.name}/{LISTS}"])
+    meta["ivf"] = {"nlist": int(nlist), "nprobe": int(nprobe), "recall": recall, "target": RECALL_TARGET,
+                   "recall_by_nprobe": curve, "queries": len(probe), "train_rows": len(train),
+                   "centroids": CENTROIDS, "lists": LISTS,
+                   "bytes": int((out / CENTROIDS).stat().st_size + (out / LISTS).stat().st_size)}
+    job.save()
+
+
+class _Codes:
+    """The staged sketch codes, read (plain reads) and decoded to float32 sketches."""
+
+    def __init__(self, out: Path, meta: dict):
+        mm = np.load(out / meta["sketch"]["codes"], mmap_mode="r")
+        self.path, self.offset, (self.n, self.m) = Path(mm.filename), int(mm.offset), mm.shape
+        del mm
+        self.scales = np.load(out / meta["sketch"]["scales"])
+
+    def block(self, s: int, e: int) -> np.ndarray:
+        buf = np.empty((e - s, self.m), np.uint8)
+        read_into(self.path, self.offset + s * self.m, buf)
+        return self.decode(buf, self.scales[s:e])
+
+    def read(self, rows: np.ndarray) -> np.ndarray:
+        """The sketches of ``rows`` (ascending)."""
+        return self.decode(np.asarray(np.load(self.path, mmap_mode="r")[rows]), self.scales[rows])
+
+    @staticmethod
+    def decode(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+        return (codes.view(np.int8) ^ np.int8(-128)).astype(np.float32) * scales[:, None]
+
+
+def _samples(n: int, nlist: int, seed: int, train_size: int, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """(probe rows, k-means rows): a seeded permutation's first :data:`PROBE_QUERIES` (at most a quarter of ``n``)
+    and the next rows after them (all rows when fewer than ``nlist`` are left)."""
+    perm = np.random.default_rng(seed).permutation(n)
+    p = min(PROBE_QUERIES, max(1, n // 4))
+    rest = perm[p:] if n - p >= nlist else perm
+    size = train_size or max(nlist, min(TRAIN_PER_LIST * nlist, TRAIN_BYTES // (4 * m)))
+    return np.sort(perm[:p]), np.sort(rest[:min(len(rest), size)])
+
+
+def _train(x: np.ndarray, nlist: int, seed: int, use_gpu: bool) -> np.ndarray:
+    """``[nlist, m]`` centroids: FAISS's IVF (L2 k-means) trained on ``x``."""
+    ivf = faiss.IndexIVFFlat(faiss.IndexFlatL2(x.shape[1]), x.shape[1], nlist, faiss.METRIC_L2)
+    ivf.cp.niter, ivf.cp.seed = KMEANS_ITER, seed
+    ivf.cp.min_points_per_centroid, ivf.cp.max_points_per_centroid = 1, max(1, -(-len(x) // nlist))
+    gpu.train(ivf, np.ascontiguousarray(x), use_gpu)
+    return np.ascontiguousarray(ivf.quantizer.reconstruct_n(0, nlist), np.float32)
+
+
+def _assign(codes: _Codes, centroids: np.ndarray, probe: np.ndarray, block_bytes: int,
+            use_gpu: bool) -> tuple[np.ndarray, np.ndarray]:
+    """One pass over every sketch: ``[N]`` int32 the list of each (its nearest centroid) and
+    ``[P, TRUTH_K]`` the exhaustive top of each probe row's sketch scores over the others (-1: none)."""
+    quant = faiss.IndexFlatL2(codes.m)
+    quant.add(centroids)
+    quant = gpu.for_search(quant, use_gpu)
+    yq = codes.read(probe)
+    lists = np.empty(codes.n, np.int32)
+    best_s = np.full((len(probe), TRUTH_K), -np.inf, np.float32)
+    best_i = np.full((len(probe), TRUTH_K), -1, np.int64)
+    step = max(1, block_bytes // (4 * codes.m))
+    for s in range(0, codes.n, step):
+        e = min(codes.n, s + step)
+        y = codes.block(s, e)
+        lists[s:e] = quant.search(y, 1)[1][:, 0]
+        sc = yq @ y.T  # [P, B]
+        mine = (probe >= s) & (probe < e)
+        sc[np.flatnonzero(mine), probe[mine] - s] = -np.inf  # not itself
+        cs, ci = np.concatenate([best_s, sc], 1), np.concatenate([best_i, np.broadcast_to(np.arange(s, e), sc.shape)],
+                                                                 1)
+        top = np.argsort(-cs, axis=1, kind="stable")[:, :TRUTH_K]
+        best_s, best_i = np.take_along_axis(cs, top, 1), np.take_along_axis(ci, top, 1)
+    best_i[~np.isfinite(best_s)] = -1
+    return lists, best_i
+
+
+def choose_nprobe(probe_scores: np.ndarray, lists: np.ndarray, truth: np.ndarray,
+                  target: float) -> tuple[int, float, dict[str, float]]:
+    """``(nprobe, its recall, recall at each power of two)``: the fewest lists, nearest first by
+    ``probe_scores`` ``[P, nlist]`` (a query's inner product with each centroid), that hold ``target`` of the
+    ``truth`` ``[P, K]`` rows (``-1``: none); a truth row is found by ``nprobe`` when its list's rank is below it."""
+    P, nlist = probe_scores.shape
+    order = np.argsort(-probe_scores, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.broadcast_to(np.arange(nlist), order.shape), 1)
+    valid = truth >= 0
+    r = np.sort(rank[np.nonzero(valid)[0], lists[truth[valid]]])
+    if not len(r):
+        return nlist, 1.0, {}
+    nprobe = int(r[min(len(r), math.ceil(target * len(r))) - 1]) + 1
+    curve = {str(p): float(np.mean(r < p)) for p in (2 ** i for i in range(nlist.bit_length())) if p < nlist}
+    return nprobe, float(np.mean(r < nprobe)), curve
