@@ -18,6 +18,14 @@ index), in its own process (``--build N``), timed per stage with ``benchmarks.bu
 times 40 queries one at a time (search alone, and end to end with the query's gradient), their
 recall@10 against the exhaustive scores, the sketch's first-stage recall, and the process's memory
 (``benchmarks/results/lookup-scale.json``).
+
+``--measure N --tier T`` first rebuilds the index stage alone as tier ``T`` (``sketch``, ``ivf-sketch``...; the
+store is kept; seconds recorded), then measures it as above; a run is kept per (N, page cache, threads, tier).
+An IVF tier's run adds its lists, the ``nprobe`` and recall its build chose, lookups at other ``nprobe``, and
+the share of the exhaustive sketch tier's top 10 (its run over the same N, in the same file) it returns:
+
+    python -m benchmarks.lookup_scale --measure 100000 --tier sketch --out benchmarks/results/lookup-ivf.json
+    python -m benchmarks.lookup_scale --measure 100000 --tier ivf-sketch --out benchmarks/results/lookup-ivf.json
 """
 
 from __future__ import annotations
@@ -201,9 +209,36 @@ def page_cache(d: Path, state: str) -> None:
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
 
 
-def measure(n: int, work: Path, n_queries: int, out: Path, cache: str = "warm", threads: int = 1) -> dict:
+def rebuild_tier(d: Path, tier: str) -> dict:
+    """Rebuild ``d``'s index stage as ``tier`` (nothing when it is that already); its seconds."""
+    from gradindex.index import IndexConfig, build_indices
+
+    t = time.perf_counter()
+    res = build_indices(d, IndexConfig(factory=tier), progress=False)
+    log(f"{d.name}: index stage {tier}: {time.perf_counter() - t:.0f} s (up to date: {res.up_to_date})")
+    return {"seconds": round(time.perf_counter() - t, 2), "up_to_date": res.up_to_date}
+
+
+def ivf_entry(e, q: dict, ids, report: dict, n: int, top10: list) -> dict:
+    """An IVF tier's lists and build-time choice, lookups at other nprobe, and the share of the sketch tier's top
+    10 (its run in ``report``) that it returns."""
+    from benchmarks.lookup import lookups
+
+    ivf = {k: v for k, v in e.indices.meta["ivf"].items() if k not in ("centroids", "lists")}
+    ivf["search_by_nprobe"] = {str(p): lookups(e, q, ids, nprobe=p) for p in
+                               sorted({max(1, ivf["nprobe"] // 4), max(1, ivf["nprobe"] // 2), 2 * ivf["nprobe"]})}
+    sk = [r for r in report.get("runs", []) if r["examples"] == n and r.get("index_kind") == "sketch"]
+    if sk and sk[0].get("top10"):
+        ivf["recall@10_of_the_sketch_tier"] = float(sum(len(set(a) & set(b)) for a, b in zip(
+            top10, sk[0]["top10"], strict=True)) / (10 * len(top10)))
+    return ivf
+
+
+def measure(n: int, work: Path, n_queries: int, out: Path, cache: str = "warm", threads: int = 1,
+            tier: str | None = None) -> dict:
     """Recall@10 against :func:`truth`, latency one query at a time and this process's memory, on the
-    index as the build left it (``auto``: the sketch tier at 10^6), the store's page cache in state ``cache``."""
+    index as the build left it (``auto``: the sketch tier at 10^6) or rebuilt as ``tier``, the store's page cache in
+    state ``cache``."""
     import subprocess
     import sys
 
@@ -224,9 +259,14 @@ def measure(n: int, work: Path, n_queries: int, out: Path, cache: str = "warm", 
     q = {k[2:]: z[k] for k in z.files if k.startswith("q:")}
     _, _, queries = windows(1, n_queries)
     d = work / f"idx-{n}"
+    rebuilt = rebuild_tier(d, tier) if tier else None
+    report = json.loads(out.read_text()) if out.exists() else {
+        "workload": __doc__.split("\n\n")[1], "machine": {"cpus": os.cpu_count()}, "runs": []}
     rss0 = _vm("VmRSS")
     entry: dict = {"examples": n, "queries": len(queries), "exact_seconds_batched": float(z["seconds"]),
                    "page_cache": cache, "threads": threads}
+    if rebuilt:
+        entry["index_stage"] = rebuilt
     with QueryEngine(d, work / "model", device="cpu") as e:
         e.indices  # noqa: B018 - load them
         page_cache(d, cache)
@@ -240,6 +280,9 @@ def measure(n: int, work: Path, n_queries: int, out: Path, cache: str = "warm", 
         entry["search"] = lookups(e, q, ids)
         if sk is not None:
             entry["search_by_C"] = {str(c): lookups(e, q, ids, candidates=c) for c in (100, 500, 1000)}
+        entry["top10"] = [[h.id for h in r.hits] for r in e.search(q, k=10, texts=False)]
+        if "ivf" in e.indices.meta:
+            entry["ivf"] = ivf_entry(e, q, ids, report, n, entry["top10"])
         ts = []
         for text in queries:  # end to end: tokenize, forward/backward, search, texts
             t = time.perf_counter()
@@ -250,7 +293,7 @@ def measure(n: int, work: Path, n_queries: int, out: Path, cache: str = "warm", 
         if sk is not None:
             entry["first_stage_recall"] = first_stage(e, q, ids)
     entry["peak_rss_bytes"] = _vm("VmHWM")
-    if entry["index_kind"] in ("store", "sketch"):
+    if entry["index_kind"] in ("store", "sketch", "ivf-sketch"):
         entry["estimate"] = lookup_cost(n, numbers, "int4", entry["index_kind"], layers=len(q)).to_dict()
     stamp = work / f"idx-{n}.build.json"
     if stamp.exists():
@@ -259,11 +302,10 @@ def measure(n: int, work: Path, n_queries: int, out: Path, cache: str = "warm", 
         entry["build"]["attempts"] = b["attempts"]
         entry["index_dir_over_rows"] = b["index_dir_bytes"] / b["store_bytes"]
     entry["load_average"] = os.getloadavg()
-    report = json.loads(out.read_text()) if out.exists() else {
-        "workload": __doc__.split("\n\n")[1], "machine": {"cpus": os.cpu_count()}, "runs": []}
-    key = (n, cache, threads)
+    report = json.loads(out.read_text()) if out.exists() else report  # (as it is now)
+    key = (n, cache, threads, entry["index_kind"])
     def key_of(r):
-        return r["examples"], r.get("page_cache", ""), r.get("threads", 1)
+        return r["examples"], r.get("page_cache", ""), r.get("threads", 1), r.get("index_kind", "")
 
     report["runs"] = sorted([r for r in report["runs"] if key_of(r) != key] + [entry], key=key_of)
     out.write_text(json.dumps(report, indent=1))
@@ -285,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", type=Path, default=Path("/work/tmp/lookup"))
     ap.add_argument("--train-steps", type=int, default=300)
     ap.add_argument("--index-type", default="auto", help="the build's --index-type (auto: store or sketch by N)")
+    ap.add_argument("--tier", default=None, help="--measure: rebuild the index stage as this tier first")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/lookup-scale.json")
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
@@ -297,12 +340,12 @@ def main(argv: list[str] | None = None) -> None:
         import sys
 
         rest = ["--work", str(a.work), "--queries", str(a.queries), "--out", str(a.out), "--page-cache", a.page_cache,
-                "--threads", str(a.threads)]
+                "--threads", str(a.threads)] + (["--tier", a.tier] if a.tier else [])
         for n in a.measure:
             subprocess.run([sys.executable, "-m", "benchmarks.lookup_scale", "--measure", str(n), *rest], check=True)
         return
     for n in a.measure:
-        measure(n, a.work, a.queries, a.out, a.page_cache, a.threads)
+        measure(n, a.work, a.queries, a.out, a.page_cache, a.threads, a.tier)
 
 
 if __name__ == "__main__":
