@@ -96,6 +96,21 @@ def shutdown(wait: bool = True) -> None:
         dist.destroy_process_group()
 
 
+def exit_rank(code: int = 0) -> None:
+    """End a ``torchrun`` rank whose work is done and synchronized: flush its output, then leave without the
+    interpreter's teardown. Gloo's C++ threads can still hold work objects then; their destructors during
+    finalization aborted a rank now and then (SIGABRT, ``terminate called without an active exception``)
+    even after :func:`shutdown`, failing a build that had finished (seen in CI once in a few runs)."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def local_device(device: str) -> str:
     """``cuda`` → this rank's ``cuda:LOCAL_RANK`` under ``torchrun``; anything else as given."""
     if active() and device in ("cuda", "auto") and torch.cuda.is_available():

@@ -201,6 +201,7 @@ def build(**o):
         distributed.shutdown(wait=False)  # (the other ranks may never reach a barrier)
         raise
     distributed.shutdown()
+    distributed.exit_rank(0)  # (every rank done and synchronized: no teardown left to abort it)
 
 
 def _build(o: dict, opts) -> None:
