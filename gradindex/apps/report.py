@@ -26,6 +26,7 @@ from gradindex.apps.dedup import DedupConfig, find_duplicates
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, heatmap, page, table
 from gradindex.apps.outliers import rank_outliers
+from gradindex.heap import bound_heap
 from gradindex.index.space import query_vectors
 from gradindex.manifest import row_basis
 from gradindex.methods import DEFAULT_DAMPING, all_methods, parse_method, row_base
@@ -144,6 +145,7 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
 
     Returns the summary (also written to ``summary.json``).
     """
+    bound_heap()  # freed blocks go back to the OS: the phases' peaks do not stack up (gradindex.heap)
     t0 = time.perf_counter()
     if cfg.method is None:
         cfg = replace(cfg, method=engine.resolve_method())
