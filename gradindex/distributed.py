@@ -11,6 +11,7 @@ describes in the environment (``gradindex build`` does so when it runs under ``t
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -101,8 +102,6 @@ def exit_rank(code: int = 0) -> None:
     interpreter's teardown. Gloo's C++ threads can still hold work objects then; their destructors during
     finalization aborted a rank now and then (SIGABRT, ``terminate called without an active exception``)
     even after :func:`shutdown`, failing a build that had finished (seen in CI once in a few runs)."""
-    import sys
-
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -173,8 +173,7 @@ def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], de
         def finish(r: QueryResult) -> dict:
             """In the worker: the first stage's answer, and the exact stage queued (refused here if impossible)."""
             exact = None
-            if req.rerank_full:
-                engine.check_exact(method)  # (no full-space fit, no training data: 400 with the reason, now)
+            if req.rerank_full:  # (no full-space fit, no training data: refused here, 400 with the reason)
                 exact = _exact_work(app, engine, rec, r, req.rerank_full, req.k, req.damping)
                 r.hits = r.hits[:req.k]
             out = explained(r) if req.explain else r.to_dict()

@@ -618,22 +618,26 @@ class QueryEngine:
         """The exact stage of first-stage ``results`` (of :meth:`query_batch` with ``rerank_full=0`` and ``k >=
         top``) for the same ``queries``, one forward + backward a step: a generator that yields ``(candidate
         passes done, total)`` and returns the results re-ranked as ``query_batch(rerank_full=top)`` would
-        (``gradindex serve`` answers the first stage at once and runs these steps between other requests)."""
-        if not results:
+        (``gradindex serve`` answers the first stage at once and runs these steps between other requests).
+        What the stage needs is checked here, at the call, not at the first step."""
+        def steps(work):
+            yield from work
             return results
+
+        if not results:
+            return steps(())
         method = results[0].method
         refine = self.refine_config(refine, method)
         top = min(top, self.n)
-        if any(len(r.hits) < min(top, self.n) for r in results):
+        if any(len(r.hits) < top for r in results):
             raise ValueError(f"the exact stage of the top {top} needs first-stage results with at least {top} hits "
                              f"(query with k >= {top})")
         self.check_exact(method)
         pre = self.full_preconditioner(method)
         tokens = self.tokenize(as_records(queries, text_field), text_field)
-        spent = sum(r.seconds.get("gradient", 0.0) for r in results[:1])
-        per_token = spent / max(1, sum(map(len, tokens.input_ids)))
-        yield from self._exact_stage(results, tokens, top, pre, damping, refine, per_token)
-        return results
+        # (the batch's gradient seconds, which every result of one query_batch carries, per query token)
+        per_token = results[0].seconds.get("gradient", 0.0) / max(1, sum(map(len, tokens.input_ids)))
+        return steps(self._exact_stage(results, tokens, top, pre, damping, refine, per_token))
 
     def _exact_stage(self, results: list[QueryResult], tokens: QueryTokens, top: int, pre: Preconditioner,
                      damping: float, refine: RefineConfig | None,
