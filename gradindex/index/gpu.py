@@ -43,7 +43,7 @@ def train(index: faiss.Index, x: np.ndarray, use_gpu: bool) -> None:
 
 def for_adding(index: faiss.Index, use_gpu: bool) -> faiss.Index:
     """The index to add to: a copy on GPU 0 when possible, else ``index`` itself."""
-    if not use_gpu or num_gpus() == 0 or not _is_ivf(index):  # a flat add is a copy: stay put
+    if not use_gpu or num_gpus() == 0 or not is_ivf(index):  # a flat add is a copy: stay put
         return index
     try:
         co = faiss.GpuClonerOptions()
@@ -68,7 +68,8 @@ def for_search(index: faiss.Index, use_gpu: bool) -> faiss.Index:
         return index
 
 
-def _is_ivf(index: faiss.Index) -> bool:
+def is_ivf(index: faiss.Index) -> bool:
+    """Whether ``index`` has an inverted-file level (FAISS IVF)."""
     try:
         faiss.extract_index_ivf(index)
         return True

@@ -110,14 +110,6 @@ def block_rows(cfg: IndexConfig, dim: int) -> int:
     return max(1, min(cfg.block, cfg.block_bytes // (4 * max(1, dim))))
 
 
-def _ivf_free(index: faiss.Index) -> bool:
-    try:
-        faiss.extract_index_ivf(index)
-        return False
-    except RuntimeError:
-        return True
-
-
 def _resumed(partial: Path, side: Path, key: dict, layer: str, n: int) -> faiss.Index | None:
     """The checkpoint of an interrupted build of the same ``key`` (None: none, or a torn one)."""
     if not (partial.exists() and side.exists()):
@@ -138,7 +130,7 @@ def _trained(store: Store, layer: str, factory: str, cfg: IndexConfig, pre: Prec
     N, D = len(store), store.dims[layer]
     index = make_index(factory, D)
     n_train = train_size(index, N, cfg.train_size)
-    if n_train and cfg.train_size <= 0 and _ivf_free(index):  # a scalar quantizer learns ranges only
+    if n_train and cfg.train_size <= 0 and not gpu.is_ivf(index):  # a scalar quantizer learns ranges only
         n_train = min(n_train, SQ_TRAIN_ROWS, block_rows(cfg, D) * 4)
     if n_train:
         rng = np.random.default_rng(cfg.seed)
