@@ -55,6 +55,11 @@ STORE_DIR = layout.STORE_DIR
 OPEN_SHARDS = 16
 """Shard files a :class:`Store` keeps open (least recently used closed first); reads go shard by shard."""
 SCALARS = {"loss": np.float32, "num_tokens": np.int32, "finite": np.bool_}
+NO_CHUNK_CACHE = {"rdcc_nbytes": 0}
+"""h5py options of a file whose rows are written (or read) once, in order: no chunk cache. HDF5's default
+(1 MiB per dataset, per open file) kept the rows written so far in memory: 1.1 GB of anonymous RSS after
+1,000 SmolLM2 rows of 210 layers in float16 (the build's RSS grew with N); without it the same writes
+hold 49 MB and take half the time (the rows go straight to the file: uncompressed chunks)."""
 
 
 def write_row_hashes(shard: Path, block_bytes: int = 1 << 26) -> Path:
@@ -100,7 +105,7 @@ class ShardWriter:
         """Open (creating or resuming) and return the number of rows already committed."""
         if self.partial.exists():
             try:
-                f = h5py.File(self.partial, "r+")
+                f = h5py.File(self.partial, "r+", **NO_CHUNK_CACHE)
                 ok = (f.attrs.get("fingerprint") == self.fingerprint
                       and f.attrs.get("storage", "fp32") == self.storage)
                 committed = int(f.attrs.get("committed", 0))
@@ -114,7 +119,7 @@ class ShardWriter:
             if f is not None:
                 f.close()
             self.partial.unlink()
-        f = h5py.File(self.partial, "w")
+        f = h5py.File(self.partial, "w", **NO_CHUNK_CACHE)
         f.attrs["fingerprint"] = self.fingerprint
         f.attrs["first_id"] = self.first_id
         f.attrs["committed"] = 0
