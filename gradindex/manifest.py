@@ -284,6 +284,8 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     fit_sample = sample["size"] if sample else 0 if every else c.get("fit_sample", 0)
     if fit_sample != default("fit_sample"):
         args += ["--fit-sample", str(fit_sample)]
+    if sample and c.get("sample_above"):  # (a sample chosen below the auto threshold: the disk's, or asked)
+        args += ["--sample-above", str(c["sample_above"])]
     if sample and sample.get("seed") and c.get("fisher", "empirical") == "empirical":  # (the sample's seed)
         args += ["--fisher-seed", str(sample["seed"])]
     correction = int(c.get("rerank_correction", 0))  # (builds before it corrected on every example)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from torch import nn
 from gradindex import distributed
 from gradindex.capture import GradientCapture
 from gradindex.data import Tokenized
-from gradindex.diskspace import check_space, disk_full_as_error, human
+from gradindex.diskspace import check_space, disk_full_as_error, free_bytes, human
 from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices
 from gradindex.index.tiers import RowShape, make_tier
@@ -31,7 +32,7 @@ from gradindex.precondition.factors import sample_rows
 from gradindex.precondition.fullspace import HeadGrads, keep_build_sums, stored_share
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.precondition.restore import restore_basis
-from gradindex.precondition.sampled import EigenCoder, fit_on_sample, sampled_reason
+from gradindex.precondition.sampled import SAMPLE_DIR, EigenCoder, fit_on_sample, sampled_reason
 from gradindex.store.builder import (
     BuildConfig,
     BuildResult,
@@ -84,8 +85,9 @@ def build_index(
             finish_transcode(out_dir)  # a swap that a kill interrupted
             restore_basis(out_dir)  # a missing or damaged basis.h5 its EK-FAC fit holds: no rebuild
         distributed.barrier()
-        plan = plan_build(model, cfg, len(data), index is not None, *((index.factory, index.sketch_bytes)
-                          if index is not None else ("auto", 0)), longest=longest_example(data))
+        plan_args = (index is not None, *((index.factory, index.sketch_bytes) if index is not None else ("auto", 0)))
+        cfg = fit_route(model, cfg, len(data), Path(out_dir), overwrite, plan_args, longest_example(data))
+        plan = plan_build(model, cfg, len(data), *plan_args, longest=longest_example(data))
         _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
         rows = _full_fit_rows(cfg, plan, len(data), rerank_fit)
         if cfg.full_factors and rows is not None and len(rows) < len(data):
@@ -212,6 +214,25 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
                             lambda: plan.index_bytes), \
             OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
         return res, build_indices(ix, index, progress=progress)
+
+
+def fit_route(model, cfg: BuildConfig, n: int, out: Path, overwrite: bool, plan_args: tuple = (),
+              longest: int | None = None) -> BuildConfig:
+    """``cfg`` with ``sample_above`` set to ``fit_sample`` where its auto would fit on every example but ``out``'s
+    free disk cannot hold that build's peak (a fresh build: a resumed one keeps the route it started on)."""
+    sampled = replace(cfg, sample_above=cfg.fit_sample)
+    if cfg.sample_above or not sampled_reason(cfg, n) or sampled_reason(sampled, n):
+        return cfg  # (asked for, or the route does not depend on the auto threshold)
+    if not overwrite and (out / SAMPLE_DIR).exists():
+        return sampled
+    if not overwrite and manifest_path(out).exists():
+        return cfg
+    need, free = plan_build(model, cfg, n, *plan_args, longest=longest).peak_disk, free_bytes(out)
+    if need <= free:
+        return cfg
+    log.info("EK-FAC fitted on a sample of %d: the fit on every example of %d would take %s of disk at its peak, "
+             "%s is free", cfg.fit_sample, n, human(need), human(free))
+    return sampled
 
 
 def _check_disk(out: Path, plan: BuildPlan, overwrite: bool) -> None:

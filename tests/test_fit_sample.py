@@ -25,7 +25,7 @@ from gradindex.store.builder import build_store
 
 S = 16
 SAMPLED = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",
-                      shard_size=16, max_length=48, transcode="ekfac", fit_sample=S)
+                      shard_size=16, max_length=48, transcode="ekfac", fit_sample=S, sample_above=S)
 
 
 @pytest.fixture(scope="module")
@@ -164,13 +164,52 @@ def test_cli_build_with_fit_sample_then_query(gpt2_dir, text_jsonl, tmp_path):
 
     out = tmp_path / "idx"
     res = run("build", gpt2_dir, text_jsonl, "--out", out, "--shard-size", "16", "--max-length", "48",
-              "--fit-sample", S, "--device", "cpu", "--quiet")
+              "--fit-sample", S, "--sample-above", S, "--device", "cpu", "--quiet")
     assert f"fitted on a sample of {S}" in res.output
     m = read_manifest(out)
     assert m["transcode"]["fit_sample"] == {"size": S, "seed": 0} and m["config"]["fit_sample"] == S
-    assert f"--fit-sample {S}" in __import__("gradindex.manifest").manifest.build_command(out, m)
+    assert f"--fit-sample {S} --sample-above {S}" in __import__("gradindex.manifest").manifest.build_command(out, m)
     res = run("query", out, "--text", "the cat sat on a mat", "-k", "3", "--json")
     assert len(json.loads(res.stdout.strip().splitlines()[0])) >= 3
     res = run("build", gpt2_dir, text_jsonl, "--out", out, "--shard-size", "16", "--max-length", "48",
-              "--fit-sample", S, "--device", "cpu", "--quiet")  # a re-run: complete, nothing recomputed
+              "--fit-sample", S, "--sample-above", S, "--device", "cpu", "--quiet")  # a re-run: nothing recomputed
     assert read_manifest(out)["generation"] == m["generation"]
+
+
+def test_auto_fits_on_every_example_up_to_8x_the_sample(inputs, tmp_path):
+    """``sample_above`` auto: N <= 8 x fit_sample fits on every example (the cheaper route there), as
+    ``fit_sample=0`` does; above it, the sample."""
+    model, tok, data = inputs
+    assert S < len(data) <= sampled.FIT_EVERY_UP_TO * S
+    cfg = dataclasses.replace(SAMPLED, sample_above=0)
+    assert "8 x --fit-sample" in sampled.sampled_reason(cfg, len(data))
+    assert sampled.sampled_reason(cfg, sampled.FIT_EVERY_UP_TO * S + 1) == ""
+    build_index(model, tok, data, tmp_path / "a", cfg, progress=False)
+    build_index(model, tok, data, tmp_path / "b", dataclasses.replace(SAMPLED, fit_sample=0), progress=False)
+    _same_index(tmp_path / "a", tmp_path / "b")
+    assert "fit_sample" not in read_manifest(tmp_path / "a")["transcode"]
+
+
+def test_auto_samples_where_the_disk_cannot_hold_the_fit_on_every_example(inputs, tmp_path, monkeypatch):
+    """A fresh build whose fit on every example would not fit the free disk takes the sample (and says so);
+    a resumed build keeps the route it started on, whatever the disk holds now."""
+    from gradindex import pipeline
+    from gradindex.plan import plan_build
+
+    model, tok, data = inputs
+    cfg = dataclasses.replace(SAMPLED, sample_above=0)
+    need = plan_build(model, cfg, len(data), False).peak_disk
+    out = tmp_path / "idx"
+    monkeypatch.setattr(pipeline, "free_bytes", lambda _: need)
+    assert pipeline.fit_route(model, cfg, len(data), out, False) is cfg
+    monkeypatch.setattr(pipeline, "free_bytes", lambda _: need - 1)
+    assert pipeline.fit_route(model, cfg, len(data), out, False).sample_above == S
+    (out / sampled.SAMPLE_DIR).mkdir(parents=True)  # a sampled build under way: resumed as one
+    monkeypatch.setattr(pipeline, "free_bytes", lambda _: 1 << 60)
+    assert pipeline.fit_route(model, cfg, len(data), out, False).sample_above == S
+    assert pipeline.fit_route(model, cfg, len(data), out, True) is cfg  # (--overwrite: a fresh build)
+    (out / sampled.SAMPLE_DIR).rmdir()
+    monkeypatch.setattr(pipeline, "free_bytes", lambda _: need - 1)
+    build_index(model, tok, data, out, cfg, progress=False)
+    m = read_manifest(out)
+    assert m["transcode"]["fit_sample"] == {"size": S, "seed": 0} and m["config"]["sample_above"] == S

@@ -144,9 +144,14 @@ def _default(name: str):
                    "--damping (plain inner products = EK-FAC; what low-bit codes need). auto: ekfac when "
                    "--precondition is ekfac on raw rows. The index then answers --method ekfac.")
 @click.option("--fit-sample", default=_default("fit_sample"), show_default=True, type=click.IntRange(min=0),
-              help="With more examples than this, the default build (EK-FAC, --transcode ekfac) fits EK-FAC on a "
-                   "seeded sample of this many (--fisher-seed) and codes every row in its whitened eigenbasis in the "
+              help="With more examples than --sample-above, the default build (EK-FAC, --transcode ekfac) fits EK-FAC "
+                   "on a seeded sample of this many (--fisher-seed) and codes every row in its whitened eigenbasis in the "
                    "capture pass: no raw store, no transcode. 0: fit on every example.")
+@click.option("--sample-above", default=_default("sample_above"), show_default=True, type=click.IntRange(min=0),
+              help="Fit on the --fit-sample sample only with more examples than this. 0 (auto): 8 x --fit-sample, "
+                   "or --fit-sample where the disk cannot hold the fit on every example at its peak (float16 rows "
+                   "beside their rotated copy, ~8x the final store; `gradindex plan` shows it). Up to there the fit "
+                   "on every example costs less time.")
 @click.option("--rerank-fit", is_flag=True, default=_default("rerank_fit"),
               help="Also fit --precondition in full (unprojected) space in this build, what the exact stage "
                    "(`query --rerank-full C`) needs where the rows are a projection: factors summed in the capture "
@@ -265,7 +270,7 @@ class Settings:
 OPTION_FIELDS = ("layers", "max_length", "batch_size", "route", "shard_size", "collect_covariance", "full_factors",
                  "precondition", "damping", "storage", "budget", "allocation", "basis", "basis_damping",
                  "basis_examples", "basis_seed", "fisher", "fisher_seed", "optimizer_state", "adam_mode", "transcode",
-                 "fit_sample", "rerank_fit", "rerank_correction")
+                 "fit_sample", "sample_above", "rerank_fit", "rerank_correction")
 """The ``build`` options that are :class:`~gradindex.spec.build.BuildOptions` fields of the same name (the
 projection field is ``--projection``, ``--projection-kind`` and ``--seed``; tests/test_library_defaults.py
 keeps this the whole list)."""

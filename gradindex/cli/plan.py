@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -43,21 +44,23 @@ def _plan(model_dir, data, out, batches, as_json, tokens_per_example, tflops, **
     files' size (docs/scaling.md, "Plan from a config alone")."""
     from gradindex.diskspace import free_bytes
     from gradindex.model import is_weightless, resolve_device, resolve_pad_id
+    from gradindex.pipeline import fit_route
     from gradindex.plan import longest_example, measure_seconds, plan_build
 
     o = {**o, "model_dir": model_dir, "data": data}
     opts = settings(o)
     est = None
     if is_weightless(model_dir):
-        plan, est = _config_only(o, opts, tokens_per_example, tflops)
+        plan, est = _config_only(o, opts, tokens_per_example, tflops, out)
     else:
         if tokens_per_example is not None or tflops is not None:
             raise ValueError("--tokens-per-example and --tflops are for a MODEL_DIR without weights (a config-only "
                              f"plan); {model_dir!r} has weights: its plan tokenizes DATA and times real batches")
         o["device"] = str(resolve_device(o["device"]))
         model, tok, data_tok, cfg = load_inputs(o, opts)
-        plan = plan_build(model, cfg, len(data_tok), not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes,
-                          longest_example(data_tok))
+        args = (not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes)
+        cfg = fit_route(model, cfg, len(data_tok), Path(out or "."), True, args, longest_example(data_tok))
+        plan = plan_build(model, cfg, len(data_tok), *args, longest_example(data_tok))
         if batches > 0 and len(data_tok):
             plan.seconds = measure_seconds(model, data_tok, cfg, plan, resolve_pad_id(model, tok), batches)
     free = free_bytes(out or ".")
@@ -101,13 +104,14 @@ def _print_plan(plan, free: int, est) -> None:
     click.echo(plan.summary())
 
 
-def _config_only(o: dict, opts, tokens_per_example: int | None, tflops: float | None):
+def _config_only(o: dict, opts, tokens_per_example: int | None, tflops: float | None, out: str | None = None):
     """``(plan, estimate)`` of a MODEL_DIR without weights: the model on the meta device, DATA's token counts,
     FLOPs at ``tflops`` (:func:`gradindex.estimate.estimate_build`)."""
     from gradindex.cli.build import note_unhooked
     from gradindex.cli.index import check_index_type
     from gradindex.estimate import estimate_build
     from gradindex.model import load_meta_model
+    from gradindex.pipeline import fit_route
     from gradindex.plan import plan_build
     from gradindex.store.builder import BuildConfig
 
@@ -121,8 +125,9 @@ def _config_only(o: dict, opts, tokens_per_example: int | None, tflops: float | 
     cfg = BuildConfig(**{**opts.config, "max_length": max_length})
     if not o["no_index"]:
         check_index_type(o["index_type"], len(lengths))
-    plan = plan_build(model, cfg, len(lengths), not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes,
-                      max(lengths, default=1))
+    args = (not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes)
+    cfg = fit_route(model, cfg, len(lengths), Path(out or "."), True, args, max(lengths, default=1))
+    plan = plan_build(model, cfg, len(lengths), *args, max(lengths, default=1))
     est = estimate_build(model, cfg, plan, lengths, o["dtype"], tflops)
     plan.seconds, plan.from_flops = est.seconds, True
     return plan, est

@@ -50,6 +50,7 @@ from gradindex.precondition.files import (
 from gradindex.precondition.fit import FitConfig, StoreFit, register_fits, store_fit
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.spec import layout
+from gradindex.spec.build import FIT_EVERY_UP_TO
 from gradindex.store.basis import RowBasis, stored_rows, write_basis
 from gradindex.store.repair import as_captured
 
@@ -67,6 +68,10 @@ def sampled_reason(cfg, n: int) -> str:
         return "--fit-sample 0"
     if n <= cfg.fit_sample:
         return f"{n} examples, not more than --fit-sample {cfg.fit_sample}"
+    if n <= sample_threshold(cfg):
+        said = f"--sample-above {cfg.sample_above}" if cfg.sample_above else \
+            f"{FIT_EVERY_UP_TO} x --fit-sample (where the fit on every example costs less time)"
+        return f"{n} examples, not more than {said}"
     if distributed.world_size() > 1:
         return "under torchrun (each rank captures its shards; the fit reads the store)"
     if cfg.transcode != "ekfac" or cfg.precondition != "ekfac" or cfg.basis != "raw":
@@ -74,6 +79,11 @@ def sampled_reason(cfg, n: int) -> str:
     if cfg.fisher != "empirical" or cfg.collect_covariance or cfg.full_factors or cfg.optimizer_state:
         return "--fisher true, --collect-covariance, --full-factors or --optimizer-state"
     return ""
+
+
+def sample_threshold(cfg) -> int:
+    """The most examples a default build fits on every example (``cfg.sample_above``, or its auto)."""
+    return max(cfg.fit_sample, cfg.sample_above or FIT_EVERY_UP_TO * cfg.fit_sample)
 
 
 @dataclass

@@ -78,11 +78,17 @@ class BuildOptions:
     adam_mode: str = "exact"
     """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
     fit_sample: int = 8192
-    """A default build (EK-FAC rows transcoded to int4) of more examples than this fits EK-FAC on a seeded
-    sample of this many (its rows captured first, then discarded) and writes every row already coded in
+    """A default build (EK-FAC rows transcoded to int4) of more examples than ``sample_above`` fits EK-FAC on a
+    seeded sample of this many (its rows captured first, then discarded) and writes every row already coded in
     that whitened eigenbasis in its one capture pass: no raw store, no transcode (docs/math.md, "Fit on a
     sample"). 0: fit on every example (the capture, then the fit and the transcode over all rows).
     Builds of at most this many examples, other options and torchrun fit on every example."""
+    sample_above: int = 0
+    """The default build fits on the ``fit_sample`` sample only with more examples than this. 0 (auto):
+    :data:`FIT_EVERY_UP_TO` x ``fit_sample``, or ``fit_sample`` where the output's disk cannot hold the fit on
+    every example at its peak (its float16 rows beside their rotated copy, ~8x the final int4 store; ``gradindex
+    plan`` shows it). Up to there the fit on every example costs less time: 1.17 bare forward + backward passes
+    at 10^4 examples against 1.90 for the sample (benchmarks/results/buildcost_10k.json)."""
     rerank_fit: bool = False
     """Also fit ``precondition`` (kfac/ekfac) in full (unprojected) space in this build, what the exact stage
     of a query (``--rerank-full C``) needs, where the rows hold less than the whole gradient: its factors
@@ -101,6 +107,13 @@ class BuildOptions:
     eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
     store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw.
     ``auto``: ``ekfac`` after an EK-FAC fit of raw rows, else ``none``."""
+
+
+FIT_EVERY_UP_TO = 8
+"""``sample_above``'s auto: fit on every example up to this many times ``fit_sample`` examples. The sample's own
+capture costs about ``fit_sample`` examples' capture; the fit on every example adds its store pass and transcode,
+about 0.1 of a capture per example on a small model (GPT-2 4x256: crossing near 10x the sample; SmolLM2-135M,
+whose capture costs more per stored number: near 70x), so 8x keeps either route within 1.3 floors."""
 
 
 RERANK_FIT_EXAMPLES = 2048
