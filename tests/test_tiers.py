@@ -72,6 +72,23 @@ def test_store_scan_equals_the_decoded_rows(coded_store, default_index):
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
+def test_store_scan_shares_layers_among_threads(default_index, monkeypatch):
+    """One query, several threads: the layers are shared out (each thread its own scanners), the same scores."""
+    import faiss
+
+    rows = _rows(default_index)
+    u = {n: np.random.default_rng(3).standard_normal((1, x.shape[1])).astype(np.float32) for n, x in rows.items()}
+    want = sum(u[n].astype(np.float64) @ x.T for n, x in rows.items())
+    with Store(default_index) as st:
+        scan = StoreScan(RowReader(st), block_bytes=4096)
+        one = scan.scores(u, list(rows))
+        monkeypatch.setattr(faiss, "omp_get_max_threads", lambda: 3)
+        three = scan.scores(u, list(rows))
+    assert len(scan._scanners) == 3
+    np.testing.assert_allclose(three, one, rtol=1e-12, atol=1e-12 * np.abs(one).max())
+    assert np.abs(three - want).max() <= 1e-5 * np.abs(want).max()
+
+
 def test_int4_scanner_reads_odd_rows():
     x = np.random.default_rng(1).standard_normal((50, 33)).astype(np.float32)
     codes, scales = encode(x, "int4")

@@ -18,6 +18,8 @@ nothing is held beyond a block; the scores equal ``decode(codes, scales) @ u`` t
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import faiss
 import numpy as np
 
@@ -94,15 +96,31 @@ class StoreScan:
 
     def __init__(self, rows, block_bytes: int = 32 << 20):
         self.rows, self.block_bytes = rows, int(block_bytes)
-        self._scanners: dict[tuple[str, int], CodeScanner] = {}
+        self._scanners: list[dict[tuple[str, int], CodeScanner]] = []  # per worker (a scanner is not shareable)
 
-    def _scanner(self, storage: str, width: int) -> CodeScanner:
-        if (storage, width) not in self._scanners:
-            self._scanners[storage, width] = CodeScanner(storage, width)
-        return self._scanners[storage, width]
+    def _scanner(self, storage: str, width: int, worker: int = 0) -> CodeScanner:
+        while len(self._scanners) <= worker:
+            self._scanners.append({})
+        mine = self._scanners[worker]
+        if (storage, width) not in mine:
+            mine[storage, width] = CodeScanner(storage, width)
+        return mine[storage, width]
 
     def scores(self, u: dict[str, np.ndarray], layers: list[str]) -> np.ndarray:
-        """``[Q, N]`` float64 ``Σ_l ⟨u_l, t_l⟩`` over ``layers`` for every stored row ``t``."""
+        """``[Q, N]`` float64 ``Σ_l ⟨u_l, t_l⟩`` over ``layers`` for every stored row ``t``.
+
+        Fewer queries than threads (FAISS's kernels share out queries, not rows): the layers are shared out
+        among threads instead (the kernels release the GIL), each summing its own layers; the SmolLM2 store
+        scan of 1,000 rows, 210 layers: 0.39 s on one thread."""
+        Q = len(next(iter(u.values())))
+        workers = min(faiss.omp_get_max_threads(), len(layers))
+        if Q >= workers or workers < 2:
+            return self._scores(u, layers)
+        with ThreadPoolExecutor(workers) as pool:
+            parts = list(pool.map(lambda i: self._scores(u, layers[i::workers], i), range(workers)))
+        return np.sum(parts, axis=0)
+
+    def _scores(self, u: dict[str, np.ndarray], layers: list[str], worker: int = 0) -> np.ndarray:
         Q = len(next(iter(u.values())))
         out = np.zeros((Q, len(self.rows.store)), np.float64)
         part = np.zeros((Q, len(self.rows.store)), np.float32)
@@ -117,7 +135,7 @@ class StoreScan:
             un = np.asarray(u[n], np.float32)
             if un.shape[1] < width:  # an odd int4 row pads with the zero code
                 un = np.concatenate([un, np.zeros((Q, width - un.shape[1]), np.float32)], axis=1)
-            sc = self._scanner(storage, width)
+            sc = self._scanner(storage, width, worker)
             uq, f = sc.prepare(un)
             part[:, s:s + len(codes)] += sc.scores(codes, scales, uq, f)
             for s, codes, scales, _ in blocks:
