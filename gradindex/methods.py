@@ -14,6 +14,7 @@ by ``sqrt`` of the training example's self-influence. Parse a name once with
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -52,6 +53,12 @@ class Method:
     rank: int = 100
     """Preference when a command is given no method: the lowest rank the index answers wins."""
     summary: str = ""
+    curvature: object = None
+    """With :attr:`fitted`: the :class:`~gradindex.precondition.curvature.Curvature` that fits, applies and stores
+    it (the class, or ``module:Class`` imported when first used: :func:`resolve`)."""
+    engine: object = None
+    """The engine that answers indices of its :attr:`rows` when they are not an ordinary index (the class, or
+    ``module:Class``; its ``opens(index_dir)`` claims a directory); None: :class:`~gradindex.query.QueryEngine`."""
 
     @property
     def selfnorm(self) -> bool:
@@ -89,26 +96,37 @@ register(Method("graddot", row_bases={"raw": "graddot"}, rank=4,
 register(Method("cosine", normalize=True, self_influence="unit", row_bases={"raw": "cosine"},
                 apps=frozenset({"query", "serve"}), summary="cosine of the gradients"))
 register(Method("kfac", fitted="kfac", self_influence="preconditioned", row_bases={"raw": "kfac", "kfac": "graddot"},
-                rank=2, summary="K-FAC influence ⟨(S ⊗ A + δ)⁻¹ g_q, g_t⟩"))
+                rank=2, summary="K-FAC influence ⟨(S ⊗ A + δ)⁻¹ g_q, g_t⟩",
+                curvature="gradindex.precondition.fit:KFAC"))
 register(Method("ekfac", fitted="ekfac", self_influence="preconditioned",
                 row_bases={"raw": "ekfac", "kfac": "ekfac", "ekfac": "graddot"}, rank=1,
-                summary="EK-FAC influence (corrected eigenvalues)"))
+                summary="EK-FAC influence (corrected eigenvalues)", curvature="gradindex.precondition.fit:EKFAC"))
 register(Method("adam", rows="adam", row_bases={"raw": "adam"}, apps=frozenset(APPS) - {"outliers", "dedup", "audit"},
                 rank=3, summary="inner products of rows preconditioned by Adam's 1/(√v + ε)"))
 register(Method("tracin", rows="trajectory", self_influence="unit", apps=frozenset({"query"}),
-                summary="Σ_c η_c ⟨g_q^c, g_t^c⟩ over checkpoints (a `gradindex trajectory` index)"))
-
-# The built-in vocabulary as tuples (a snapshot at import; the functions below read the registry).
-BASE_METHODS = tuple(m.name for m in REGISTRY.values() if m.rows == "raw" and m.fitted is None)
-FITTED_METHODS = tuple(m.name for m in REGISTRY.values() if m.fitted)
+                summary="Σ_c η_c ⟨g_q^c, g_t^c⟩ over checkpoints (a `gradindex trajectory` index)",
+                engine="gradindex.apps.tracin:TracInEngine"))
 ADAM = "adam"
 """Optimizer-aware influence: plain inner products of rows preconditioned by Adam's ``1/(√v + ε)``."""
-IDENTITY_METHODS = tuple(m.name for m in REGISTRY.values() if m.fitted is None and m.rows != "trajectory")
-"""Methods whose preconditioner is the identity (on the rows as stored)."""
-METHODS = tuple(m.name for m in REGISTRY.values() if m.rows != "trajectory")
-ALL_METHODS = tuple(n for n in all_methods() if method_spec(n.removesuffix(SELFNORM)).rows != "trajectory")
-"""Every method name of the index engine: ``<method>-selfnorm`` divides by ``sqrt`` of the training
-example's self-influence."""
+VOCABULARY = {  # which registered methods each list holds (:func:`names`: read now, never a snapshot)
+    "base": lambda m: m.rows == "raw" and m.fitted is None,
+    "fitted": lambda m: bool(m.fitted),
+    "identity": lambda m: m.fitted is None and m.rows != "trajectory",  # (the identity on the rows as stored)
+    "indexed": lambda m: m.rows != "trajectory",  # (answered by an index of stored rows)
+}
+
+
+def names(kind: str) -> tuple[str, ...]:
+    """The registered methods of one :data:`VOCABULARY` list (``base``, ``fitted``, ``identity``, ``indexed``)."""
+    return tuple(m.name for m in REGISTRY.values() if VOCABULARY[kind](m))
+
+
+def resolve(ref):
+    """``ref``, or the object its ``module:Name`` string names (imported now: a later stage's class)."""
+    if not isinstance(ref, str):
+        return ref
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 DEFAULT_DAMPING = 1e-3
 """Relative damping of ``kfac``/``ekfac`` (a fraction of each layer's mean eigenvalue) unless one is given:
 the default of every API and CLI option. Chosen from ``benchmarks/results/damping.json``: full-space
@@ -165,8 +183,6 @@ def row_methods() -> dict[str, dict[str, str]]:
     return out
 
 
-ROW_METHODS = row_methods()
-"""A snapshot of :func:`row_methods` for the built-in methods."""
 REBUILD_RAW = {"kfac": "--projection-basis raw", "ekfac": "--transcode none"}
 """Per row basis: the ``gradindex build`` option that stores raw rows instead."""
 

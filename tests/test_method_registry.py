@@ -68,9 +68,9 @@ def test_unknown_methods_name_the_registered_ones():
 
 
 def test_the_built_in_vocabulary_is_the_registrys():
-    assert M.METHODS == ("graddot", "cosine", "kfac", "ekfac", "adam")
-    assert M.FITTED_METHODS == ("kfac", "ekfac") and M.IDENTITY_METHODS == ("graddot", "cosine", "adam")
+    assert M.names("indexed") == ("graddot", "cosine", "kfac", "ekfac", "adam")
+    assert M.names("fitted") == ("kfac", "ekfac") and M.names("identity") == ("graddot", "cosine", "adam")
     assert M.PREFERRED == ("ekfac", "kfac", "adam", "graddot")
-    assert M.row_methods() == {"raw": {m: m for m in M.METHODS}, "kfac": {"kfac": "graddot", "ekfac": "ekfac"},
+    assert M.row_methods() == {"raw": {m: m for m in M.names("indexed")}, "kfac": {"kfac": "graddot", "ekfac": "ekfac"},
                                "ekfac": {"ekfac": "graddot"}}
-    assert set(M.all_methods("query", selfnorm=False)) == {*M.METHODS, "tracin"}
+    assert set(M.all_methods("query", selfnorm=False)) == {*M.names("indexed"), "tracin"}

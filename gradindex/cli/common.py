@@ -195,16 +195,17 @@ def index_method(index_dir, prefer=None, app: str | None = None) -> str:
 
 
 class MethodChoice(click.Choice):
-    """``--method`` choices of one app (:data:`gradindex.methods.APPS`), read from the method registry
-    when the option is parsed (a method registered after import is a choice too)."""
+    """``--method`` choices of one app (:data:`gradindex.methods.APPS`), or one list of the vocabulary
+    (``which``: e.g. ``fitted``), read from the method registry when the option is parsed (a method
+    registered after import is a choice too)."""
 
-    def __init__(self, app: str, selfnorm: bool = True):
-        self.app, self.selfnorm, self.case_sensitive = app, selfnorm, True
+    def __init__(self, app: str | None, selfnorm: bool = True, which: str = ""):
+        self.app, self.selfnorm, self.which, self.case_sensitive = app, selfnorm, which, True
 
     @property
     def choices(self) -> tuple[str, ...]:
-        from gradindex.methods import all_methods
+        from gradindex.methods import all_methods, names
 
-        return all_methods(self.app, self.selfnorm)
+        return names(self.which) if self.which else all_methods(self.app, self.selfnorm)
 
 

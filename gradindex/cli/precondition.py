@@ -5,13 +5,12 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import damping_option, user_errors
-from gradindex.methods import FITTED_METHODS
+from gradindex.cli.common import MethodChoice, damping_option, user_errors
 
 
 @main.command()
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
-@click.option("--method", required=True, type=click.Choice(list(FITTED_METHODS)),
+@click.option("--method", required=True, type=MethodChoice(None, which="fitted"),
               help="kfac, or ekfac (which writes kfac too).")
 @damping_option("Relative damping of the self-influence written now (queries choose their own).")
 @click.option("--fit-data", default="", type=click.Path(dir_okay=True),

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
-from gradindex.methods import DEFAULT_DAMPING, IDENTITY_METHODS, SELFNORM
+from gradindex.methods import DEFAULT_DAMPING, SELFNORM, names
 from gradindex.precondition import Preconditioner, available_methods, load_preconditioner
 from gradindex.precondition.preconditioner import check_rows_fit_method
 
@@ -100,7 +100,7 @@ class Preconditioners:
 
     def apply(self, method: str, layer: str, x: torch.Tensor, power: float, damping: float) -> torch.Tensor:
         """``H^power x`` for the base method's curvature (identity for graddot/cosine/adam)."""
-        if method in IDENTITY_METHODS or method == "none":
+        if method in names("identity") or method == "none":
             return x
         return self.get(method).apply(layer, x, power=power, damping=damping).to(x.dtype)
 

@@ -6,22 +6,23 @@
 ``⟨(H + δI)⁻¹ Ĝ_n, Ĝ_n⟩`` for every stored example. See docs/preconditioning.md.
 """
 
-from gradindex.methods import ALL_METHODS, DEFAULT_DAMPING, FITTED_METHODS, METHODS, parse_method
+from gradindex.methods import DEFAULT_DAMPING, parse_method
 from gradindex.precondition.apply import absolute_damping, eigen_power, eigendecompose, kfac_eigenvalues
+from gradindex.precondition.curvature import Curvature, FitJob, curvature_of
 from gradindex.precondition.fit import FitConfig, fit_preconditioner
 from gradindex.precondition.fullspace import fit_full_space, full_space_methods, load_full_preconditioner
 from gradindex.precondition.preconditioner import Preconditioner, available_methods, load_preconditioner
 from gradindex.precondition.selfinf import self_influence
 
 __all__ = [
-    "ALL_METHODS",
     "DEFAULT_DAMPING",
-    "FITTED_METHODS",
-    "METHODS",
+    "Curvature",
     "FitConfig",
+    "FitJob",
     "Preconditioner",
     "absolute_damping",
     "available_methods",
+    "curvature_of",
     "eigen_power",
     "eigendecompose",
     "fit_full_space",

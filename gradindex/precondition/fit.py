@@ -34,9 +34,10 @@ from gradindex.manifest import (
     row_basis,
     write_manifest,
 )
-from gradindex.methods import DEFAULT_DAMPING, FITTED_METHODS, adam_rows
+from gradindex.methods import DEFAULT_DAMPING, adam_rows, names
 from gradindex.model import resolve_device
-from gradindex.precondition.apply import absolute_damping, eigendecompose, kfac_eigenvalues
+from gradindex.precondition.apply import absolute_damping, eigen_power, eigendecompose, kfac_eigenvalues
+from gradindex.precondition.curvature import Curvature, FitJob, curvature_of
 from gradindex.precondition.ekfac import Basis, store_pass
 from gradindex.precondition.factors import (
     FactorSums,
@@ -73,7 +74,7 @@ class FitConfig:
     """Settings of a preconditioner fit; stored in the manifest under ``preconditioners``."""
 
     method: str = "kfac"
-    """``kfac`` or ``ekfac`` (an EK-FAC fit writes K-FAC too: both come from one store pass)."""
+    """A fitted method (``kfac``, ``ekfac``: an EK-FAC fit writes K-FAC too, from one store pass)."""
     damping: float = DEFAULT_DAMPING
     """Relative damping of the self-influence written with the fit (queries pick their own)."""
     fit_data: str = ""
@@ -103,8 +104,8 @@ class FitConfig:
     per example; 128 of 1,024 kept top-10 0.97-0.98 of the exact scores (benchmarks/correction_sample.py)."""
 
     def __post_init__(self) -> None:
-        if self.method not in FITTED_METHODS:
-            raise ValueError(f"--method {self.method!r} is not one of {list(FITTED_METHODS)}")
+        if self.method not in names("fitted"):
+            raise ValueError(f"--method {self.method!r} is not one of {list(names('fitted'))}")
         if not self.damping > 0:
             raise ValueError(
                 f"--damping must be > 0 (a fraction of the mean eigenvalue, e.g. {DEFAULT_DAMPING}), got {self.damping}"
@@ -189,61 +190,102 @@ class StoreFit:
 
 
 def store_fit(index_dir, cfg: FitConfig, manifest: dict, model, tokenizer, data, progress: bool,
-              ekfac_self_influence: bool = True, spill=None, full_check: bool = True,
-              sample_correction: bool = False) -> StoreFit:
-    """Factors → eigenbases → one store pass (K-FAC self-influence, ``Λ*``, ``‖Ĝ‖²``); for EK-FAC a
-    second pass for its self-influence unless ``ekfac_self_influence`` is False (the fused transcode
-    computes it from the rows it rotates anyway: :mod:`gradindex.precondition.fused`); ``spill``
-    (a :class:`~gradindex.precondition.rotated.RotatedRows`) keeps the first pass's rotated rows for it.
-    Writes every method's file whose self-influence is known. ``full_check``: the shards' whole-file hashes
-    are checked first (else the sampled check, as a resumed build does: the fused transcode right after
-    the capture that hashed them). ``sample_correction``: ``Λ*`` from the rows of ``cfg.fit_examples``'s sample
-    only, as its factors (what a sampled build fits: :mod:`gradindex.precondition.sampled`)."""
+              full_check: bool = True, **options) -> StoreFit:
+    """Fit ``cfg.method``'s :class:`Curvature` on the store's rows (``options``: to its fit, e.g. :meth:`KFAC.fit`);
+    write every method's file whose self-influence is known. ``full_check``: the shards' whole-file hashes are
+    checked first (else the sampled check, as a resumed build does: the fused transcode after its capture)."""
     damage = check_store(index_dir, full=full_check, manifest=manifest)
     if damage:
         raise damage_error(index_dir, damage, then="fit")
     shapes = layer_shapes(manifest)
-    layers = list(shapes)
-    device = resolve_device(cfg.device)
+    kind = curvature_of(cfg.method)
     with Store(index_dir) as store:
-        if set(store.layers) != set(layers) or len(store) != int(manifest["counts"]["examples"]):
+        if set(store.layers) != set(shapes) or len(store) != int(manifest["counts"]["examples"]):
             raise ValueError(
                 f"the store in {str(index_dir)!r} does not match its manifest; recompute it with "
                 f"`{build_command(index_dir, manifest)}`"
             )
-        sums, fit, mp = _factor_sums(manifest, store, layers, cfg, model, tokenizer, data, device, progress)
-        factors = _eigen_factors(sums, layers, shapes)
-        bases = {
-            n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(cfg.damping, f.Lambda))
-            for n, f in factors.items()
-        }
-        dtypes = layer_dtypes(cfg.precision, shapes)
-        kw = dict(device=device, dtype=dtypes, block=cfg.block, progress=progress)
-        empirical = cfg.fisher == "empirical"
-        fit_rows = store.positions(np.asarray(mp.rows, np.int64)) if sample_correction and mp is not None else None
-        first = store_pass(store, layers, shapes, bases, correct=cfg.method == "ekfac" and empirical,
-                           desc="store pass (kfac)", spill=spill, norms=ekfac_self_influence, fit_rows=fit_rows, **kw)
-        written = {"kfac": (factors, first.self_influence), "graddot": (None, first.sq_norms)}
-        if cfg.method == "ekfac":
-            corrected = first.corrected if empirical else model_correction(
-                mp.model, mp.tokenizer, mp.data, mp.rows, layers, mp.projection, bases, cfg.seed, mp.batch_size,
-                mp.route, dtypes, progress, mp.transforms)
-            ek = {n: LayerFactors(**{**asdict(f), "Lambda": corrected[n]}) for n, f in factors.items()}
-            si = None
-            if ekfac_self_influence:
-                ek_bases = {
-                    n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(cfg.damping, f.Lambda))
-                    for n, f in ek.items()
-                }
-                si = store_pass(store, layers, shapes, ek_bases, desc="store pass (ekfac)", **kw).self_influence
-            written["ekfac"] = (ek, si)
-    fit["finite_examples"] = first.n_finite
-    if not ekfac_self_influence:
-        written.pop("graddot")  # (the fused transcode replaces the raw rows these norms are of)
+        job = FitJob(Path(index_dir), cfg, manifest, store, list(shapes), shapes, resolve_device(cfg.device), model,
+                     tokenizer, data, progress)
+        written, fit = kind.fit(job, **options)
     for m, (fac, si) in written.items():
         if si is not None:
-            write_precond(precond_path(index_dir, m), m, manifest, layers, fac, si, cfg.damping, fit)
-    return StoreFit(written, fit, layers)
+            keys = curvature_of(m).write_keys if fac is not None else ()
+            write_precond(precond_path(index_dir, m), m, manifest, job.layers, fac, si, cfg.damping, fit, keys)
+    return StoreFit(written, fit, job.layers)
+
+
+class KFAC(Curvature):
+    """K-FAC: ``S ⊗ A`` from the token-mean factors, diagonal in ``Q_S ⊗ Q_A`` with ``Λ = λ_S λ_Aᵀ``."""
+
+    keys = ("Q_S", "Q_A", "Lambda")
+    write_keys = ("A", "S", "lambda_A", "Q_A", "lambda_S", "Q_S", "Lambda")
+    corrects = False  # (EK-FAC: the first store pass sums Λ*)
+
+    @classmethod
+    def fit(cls, job: FitJob, ekfac_self_influence: bool = True, spill=None,
+            sample_correction: bool = False) -> tuple[dict, dict]:
+        """Factors → eigenbases → one store pass (K-FAC self-influence, ``Λ*``, ``‖Ĝ‖²``), then :meth:`refit`.
+        ``ekfac_self_influence`` False: neither EK-FAC's second pass nor ``‖Ĝ‖²`` (the fused transcode computes its
+        self-influence from the rows it rotates: :mod:`gradindex.precondition.fused`); ``spill`` (a
+        :class:`~gradindex.precondition.rotated.RotatedRows`) keeps the first pass's rotated rows for it;
+        ``sample_correction``: ``Λ*`` from the rows of ``cfg.fit_examples``'s sample only (a sampled build's fit)."""
+        cfg, store, layers, shapes = job.cfg, job.store, job.layers, job.shapes
+        sums, fit, mp = _factor_sums(job.manifest, store, layers, cfg, job.model, job.tokenizer, job.data,
+                                     job.device, job.progress)
+        factors = _eigen_factors(sums, layers, shapes)
+        kw = dict(device=job.device, dtype=layer_dtypes(cfg.precision, shapes), block=cfg.block,
+                  progress=job.progress)
+        fit_rows = store.positions(np.asarray(mp.rows, np.int64)) if sample_correction and mp is not None else None
+        first = store_pass(store, layers, shapes, _bases(factors, cfg.damping),
+                           correct=cls.corrects and cfg.fisher == "empirical", desc="store pass (kfac)", spill=spill,
+                           norms=ekfac_self_influence, fit_rows=fit_rows, **kw)
+        written = {"kfac": (factors, first.self_influence), "graddot": (None, first.sq_norms)}
+        written.update(cls.refit(job, factors, first, mp, kw if ekfac_self_influence else None))
+        fit["finite_examples"] = first.n_finite
+        if not ekfac_self_influence:
+            written.pop("graddot")  # (the fused transcode replaces the raw rows these norms are of)
+        return written, fit
+
+    @classmethod
+    def refit(cls, job: FitJob, factors: dict, first, mp, kw: dict | None) -> dict:
+        """More methods fitted from the first pass (K-FAC: none)."""
+        return {}
+
+    @staticmethod
+    def power(x, tensors, delta, power):
+        return eigen_power(x, *tensors, delta, power)
+
+    @classmethod
+    def self_influence(cls, P, store, layers, damping, device, block):
+        c = P.curvature
+        bases = {n: Basis(c[n]["Q_S"], c[n]["Q_A"], c[n]["Lambda"], P.delta(n, damping)) for n in layers}
+        return store_pass(store, layers, P.shapes, bases, device=device, dtype=torch.float64,
+                          block=block).self_influence
+
+
+class EKFAC(KFAC):
+    """EK-FAC: K-FAC's eigenbasis with the eigenvalues ``Λ*`` refitted on the rows (its fit writes K-FAC too)."""
+
+    corrects = True
+
+    @classmethod
+    def refit(cls, job: FitJob, factors: dict, first, mp, kw: dict | None) -> dict:
+        """``Λ*`` (the first pass's, or from sampled labels: ``fisher='true'``), and with ``kw`` a second store
+        pass for its self-influence (it needs the finished ``Λ*``)."""
+        cfg = job.cfg
+        corrected = first.corrected if cfg.fisher == "empirical" else model_correction(
+            mp.model, mp.tokenizer, mp.data, mp.rows, job.layers, mp.projection, _bases(factors, cfg.damping),
+            cfg.seed, mp.batch_size, mp.route, layer_dtypes(cfg.precision, job.shapes), job.progress, mp.transforms)
+        ek = {n: LayerFactors(**{**asdict(f), "Lambda": corrected[n]}) for n, f in factors.items()}
+        si = None if kw is None else store_pass(job.store, job.layers, job.shapes, _bases(ek, cfg.damping),
+                                               desc="store pass (ekfac)", **kw).self_influence
+        return {"ekfac": (ek, si)}
+
+
+def _bases(factors: dict[str, LayerFactors], damping: float) -> dict[str, Basis]:
+    """layer → the store pass's :class:`Basis` of fitted factors at relative ``damping``."""
+    return {n: Basis(f.Q_S, f.Q_A, f.Lambda, absolute_damping(damping, f.Lambda)) for n, f in factors.items()}
 
 
 def _eigen_factors(sums: FactorSums, layers: list[str], shapes: dict) -> dict[str, LayerFactors]:

@@ -55,7 +55,7 @@ from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.fingerprint import digest_bytes
 from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
-from gradindex.methods import BASE_METHODS, FITTED_METHODS, parse_method
+from gradindex.methods import names, parse_method
 from gradindex.precondition.apply import eigendecompose, kfac_eigenvalues
 from gradindex.precondition.factors import (
     data_fingerprint,
@@ -516,9 +516,9 @@ def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fi
 def full_space_methods(index_dir: str | os.PathLike) -> list[str]:
     """Methods whose full-space curvature this index has (``graddot``, ``cosine`` always)."""
     manifest = read_manifest(index_dir)
-    out = list(BASE_METHODS)
+    out = list(names("base"))
     unprojected = manifest["build"]["projection"].get("kind") == "none"
-    for m in FITTED_METHODS:
+    for m in names("fitted"):
         if (m in manifest.get("full_space", {}) and full_path(index_dir, m).exists()) or (
                 unprojected and m in manifest.get("preconditioners", {}) and precond_path(index_dir, m).exists()):
             out.append(m)
@@ -581,7 +581,7 @@ def load_full_preconditioner(index_dir: str | os.PathLike, method: str,
     base, _ = parse_method(method)
     manifest = read_manifest(index_dir)
     shapes = full_shapes(manifest)
-    if base in BASE_METHODS:
+    if base in names("base"):
         return Preconditioner(base, shapes)
     path = full_path(index_dir, base)
     if not (base in manifest.get("full_space", {}) and path.exists()):

@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest
-from gradindex.methods import ADAM, DEFAULT_DAMPING, IDENTITY_METHODS, adam_rows, methods_of, parse_method
-from gradindex.precondition.apply import absolute_damping, eigen_power
+from gradindex.methods import ADAM, DEFAULT_DAMPING, adam_rows, method_spec, methods_of, parse_method
+from gradindex.precondition.apply import absolute_damping
+from gradindex.precondition.curvature import Curvature, curvature_of
 from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
 
 CURVATURE_CACHE_BYTES = 256 << 20
@@ -88,7 +89,8 @@ def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False, mani
 
 
 class Preconditioner:
-    """A method's curvature for every hooked layer; :meth:`apply` computes ``(H + δI)^power x``.
+    """A method's curvature for every hooked layer; :meth:`apply` computes ``(H + δI)^power x`` with its
+    :class:`~gradindex.precondition.curvature.Curvature` (``kind``; default: the method's).
 
     For ``graddot`` and ``cosine`` it is the identity (``apply`` returns ``x`` itself).
     Device copies of the eigenbases are made on first use per layer, device and dtype and kept in a
@@ -103,8 +105,10 @@ class Preconditioner:
         shapes: dict[str, tuple[int, int]],
         curvature: Mapping[str, dict[str, np.ndarray]] | None = None,
         cache_bytes: int | None = None,
+        kind: type[Curvature] | None = None,
     ) -> None:
         self.method = method
+        self.kind = kind or (curvature_of(method) if curvature is not None else None)
         self.shapes = dict(shapes)
         self.layers = list(shapes)
         self.curvature = curvature
@@ -130,11 +134,12 @@ class Preconditioner:
         return layer
 
     def _tensors(self, layer: str, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``(Q_S, Q_A, Λ)`` of ``layer`` on ``device`` in ``dtype``, from the cache or made now."""
+        """The curvature's arrays of ``layer`` (:attr:`Curvature.keys`: ``(Q_S, Q_A, Λ)`` for K-FAC/EK-FAC) on
+        ``device`` in ``dtype``, from the cache or made now."""
 
         def make() -> tuple[torch.Tensor, ...]:
             c = self.curvature[layer]
-            return tuple(torch.as_tensor(c[k], device=device).to(dtype) for k in ("Q_S", "Q_A", "Lambda"))
+            return tuple(torch.as_tensor(c[k], device=device).to(dtype) for k in self.kind.keys)
 
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return self.cache.get((layer, str(device), dtype), make, self._largest * itemsize)
@@ -155,9 +160,8 @@ class Preconditioner:
                 f"{tuple(x.shape)}"
             )
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        Q_S, Q_A, Lam = self._tensors(layer, x.device, dtype)
-        delta = self.delta(layer, damping)
-        return eigen_power(x.to(dtype), Q_S, Q_A, Lam, delta, power).to(x.dtype)
+        tensors = self._tensors(layer, x.device, dtype)
+        return self.kind.power(x.to(dtype), tensors, self.delta(layer, damping), power).to(x.dtype)
 
 
 def check_rows_fit_method(index_dir: str | os.PathLike, manifest: dict, base: str) -> None:
@@ -179,7 +183,7 @@ def load_preconditioner(index_dir: str | os.PathLike, method: str, manifest: dic
     manifest = manifest if manifest is not None else read_manifest(index_dir)
     shapes = layer_shapes(manifest)
     check_rows_fit_method(index_dir, manifest, base)
-    if base in IDENTITY_METHODS:
+    if method_spec(base).fitted is None:
         return Preconditioner(base, shapes)
     path = precond_path(index_dir, base)
     if base not in manifest.get("preconditioners", {}) or not path.exists():
@@ -189,7 +193,7 @@ def load_preconditioner(index_dir: str | os.PathLike, method: str, manifest: dic
             f"--method {base}` (or build with `gradindex build ... --precondition {base}`)"
         )
     check_fingerprints(path, manifest, base)
-    curv = read_layers(path)
+    curv = read_layers(path, curvature_of(base).keys)
     if set(curv) != set(shapes):
         raise ValueError(
             f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it with "

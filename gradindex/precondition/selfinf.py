@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from gradindex.manifest import read_manifest, row_basis
-from gradindex.methods import DEFAULT_DAMPING, ROW_METHODS, parse_method
+from gradindex.methods import DEFAULT_DAMPING, parse_method, row_methods
 from gradindex.model import resolve_device
-from gradindex.precondition.ekfac import Basis, store_pass
+from gradindex.precondition.ekfac import store_pass
 from gradindex.precondition.files import check_fingerprints, precond_path, read_self_influence
 from gradindex.precondition.preconditioner import (
     Preconditioner,
@@ -61,7 +61,7 @@ def self_influence(
     """
     base, _ = parse_method(method)
     manifest = manifest if manifest is not None else read_manifest(index_dir)
-    on_rows = ROW_METHODS.get(row_basis(manifest), {}).get(base, base)  # whitened rows: ekfac = their norm
+    on_rows = row_methods().get(row_basis(manifest), {}).get(base, base)  # whitened rows: ekfac = their norm
     if on_rows != base:  # (a name the table lacks is already the operation on the rows, as the engine asks)
         return self_influence(index_dir, on_rows, damping, layers, device, block, manifest=manifest)
     shapes = layer_shapes(manifest)
@@ -81,16 +81,8 @@ def self_influence(
         if (base == "graddot" or np.isclose(d, damping, rtol=1e-12, atol=0.0)) and set(layers) <= set(names):
             return per_layer[:, [names.index(n) for n in layers]].sum(axis=1)
     P = preconditioner if preconditioner is not None else load_preconditioner(index_dir, base, manifest)
-    bases = None
-    if not P.is_identity:
-        bases = {
-            n: Basis(
-                P.curvature[n]["Q_S"], P.curvature[n]["Q_A"], P.curvature[n]["Lambda"], P.delta(n, damping)
-            )
-            for n in layers
-        }
     with Store(index_dir) as store:
-        res = store_pass(
-            store, layers, shapes, bases, device=resolve_device(device), dtype=torch.float64, block=block
-        )
-    return (res.sq_norms if bases is None else res.self_influence).sum(axis=1)
+        if not P.is_identity:  # (the method's curvature: K-FAC/EK-FAC rotate each row once)
+            return P.kind.self_influence(P, store, layers, damping, resolve_device(device), block).sum(axis=1)
+        res = store_pass(store, layers, shapes, None, device=resolve_device(device), dtype=torch.float64, block=block)
+    return res.sq_norms.sum(axis=1)

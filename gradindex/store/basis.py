@@ -31,7 +31,7 @@ import torch
 
 from gradindex.capture.transform import LayerTransform
 from gradindex.checksum import Damage, check_files, damage_error, record
-from gradindex.methods import FITTED_METHODS, absolute_damping, row_base
+from gradindex.methods import absolute_damping, names, row_base
 from gradindex.spec import layout
 
 BASIS_FILE = layout.BASIS_FILE
@@ -72,7 +72,7 @@ class RowBasis:
         ``damping`` plays no part there); ``None`` where no curvature enters (graddot, cosine, adam).
         """
         on_rows = row_base(base, self.kind)
-        if on_rows in FITTED_METHODS:
+        if on_rows in names("fitted"):
             return damping
         return self.damping if on_rows != base else None
 
