@@ -108,9 +108,16 @@ def build_trajectory(ckpts: list[Checkpoint], data: Tokenized, out_dir: str | os
 
 
 class TracInEngine:
-    """Query engines of every checkpoint, answering ``tracin`` by the weighted sum of exact GradDot scores."""
+    """Query engines of every checkpoint, answering ``tracin`` by the weighted sum of exact GradDot scores (the
+    method's :attr:`~gradindex.methods.Method.engine`: ``gradindex query`` opens a directory it :meth:`opens` with
+    it). ``options``: :class:`QueryEngine` options it has no use for (``model_dir``: each checkpoint has its own)."""
 
-    def __init__(self, index_dir: str | os.PathLike, device: str = "auto", data: str | None = None):
+    @staticmethod
+    def opens(index_dir: str | os.PathLike) -> bool:
+        """Whether ``index_dir`` is a trajectory index (``trajectory.json``)."""
+        return (Path(index_dir) / TRAJECTORY).is_file()
+
+    def __init__(self, index_dir: str | os.PathLike, device: str = "auto", data: str | None = None, **options):
         self.dir = Path(index_dir)
         self.meta = json.loads((self.dir / TRAJECTORY).read_text())
         self.lrs = np.array([c["lr"] for c in self.meta["checkpoints"]], np.float64)
@@ -121,15 +128,20 @@ class TracInEngine:
             raise ValueError(f"the checkpoints' indices hold different numbers of examples {sorted(sizes)}")
         self.n = sizes.pop()
 
-    def scores(self, queries: list, layers=None) -> np.ndarray:
+    def scores(self, queries: list, layers=None, text_field: str = "text") -> np.ndarray:
         """``[Q, N]`` TracIn scores of every training example."""
         total = np.zeros((len(queries), self.n))
         for lr, e in zip(self.lrs, self.engines, strict=True):
-            total += lr * e.scores(queries, "graddot", layers=layers)
+            total += lr * e.scores(queries, "graddot", layers=layers, text_field=text_field)
         return total
 
-    def query_batch(self, queries: list, k: int = 10, lowest: int = 0, layers=None) -> list[QueryResult]:
-        s = self.scores(queries, layers)
+    def query_batch(self, queries: list, k: int = 10, lowest: int = 0, layers=None, method: str | None = None,
+                    text_field: str = "text", **options) -> list[QueryResult]:
+        """Each query's top ``k`` (and ``lowest``) by :meth:`scores`; ``options``: settings it has no use for."""
+        if method not in (None, "tracin"):
+            raise ValueError(f"{str(self.dir)!r} is a trajectory index over checkpoints: it answers --method tracin, "
+                             f"not {method}")
+        s = self.scores(queries, layers, text_field)
         last = self.engines[-1]
         chosen = last.select_layers(layers)
         out = []

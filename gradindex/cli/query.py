@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from pathlib import Path
 
 import click
 
@@ -22,8 +21,7 @@ from gradindex.cli.common import (
     status,
     user_errors,
 )
-from gradindex.methods import REGISTRY
-from gradindex.spec.layout import TRAJECTORY
+from gradindex.methods import REGISTRY, resolve
 
 
 class RerankChoice(click.ParamType):
@@ -140,20 +138,8 @@ def query(index_dir, texts, prompt, completion, messages, queries_file, text_fie
           refine):
     """Find the training examples in INDEX_DIR that most influenced each query."""
     qs = _queries(texts, prompt, completion, queries_file, text_field, messages)
-    if (Path(index_dir) / TRAJECTORY).is_file():  # a TracIn index over checkpoints
-        from gradindex.apps.tracin import TracInEngine
-
-        answers = [m.name for m in REGISTRY.values() if m.rows == "trajectory"]
-        if method not in (None, *answers):
-            raise ValueError(f"{index_dir!r} is a trajectory index over checkpoints: it answers --method "
-                             f"{', '.join(answers)}, not {method}")
-        status(f"loading the checkpoints and index {index_dir} ...")
-        with TracInEngine(index_dir, device=device, data=data) as engine:
-            status(f"searching for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} ...")
-            results = engine.query_batch(qs, k=k, lowest=lowest, layers=layers or None)
-    else:
-        results = _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist,
-                          nprobe, model_dir, data, device, cpu_index, optimizer_state, text_field, refine)
+    results = _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist,
+                      nprobe, model_dir, data, device, cpu_index, optimizer_state, text_field, refine)
     _show(qs, results, text_field, as_json)
 
 
@@ -163,8 +149,10 @@ def _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, cand
     status(f"loading model and index {index_dir} ...")  # before the imports: torch, transformers, datasets
     from gradindex.query import QueryEngine
 
-    with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index,
-                     optimizer_state=optimizer_state) as engine:
+    own = (resolve(m.engine) for m in REGISTRY.values() if m.engine)  # (a method's own index kind: TracIn's)
+    engine_class = next((e for e in own if e.opens(index_dir)), QueryEngine)
+    with engine_class(index_dir, model_dir=model_dir, device=device, data=data, use_gpu=not cpu_index,
+                      optimizer_state=optimizer_state) as engine:
         status(f"searching {engine.n:,} examples for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} "
                f"(loaded in {time.perf_counter() - t0:.1f} s) ...")
         engine.announce = lambda msg: click.echo(f"note: {msg}", err=True)  # (the exact stage's time estimate)
