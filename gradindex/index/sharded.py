@@ -1,0 +1,331 @@
+"""A sharded index: parts that are each a complete index over a contiguous range of rows, and one file naming them.
+
+::
+
+    SHARDED/
+      shards.json        the parts and their row ranges, and the whole index's manifest (what a merge writes back)
+      part-00000/        a complete index (manifest, store, basis, fits, tiers) over rows [0, n_0), numbered 0.. in it
+      part-00001/        rows [n_0, n_0 + n_1)
+      ...
+
+A part's store holds the whole index's shard files for its rows as byte copies with their ids shifted to start at 0
+(:mod:`gradindex.store.relabel`); its manifest is the whole one with its own counts, its nonfinite ids and a ``shard``
+entry (``part``, ``parts``, ``first``, ``stop``, ``examples``). The fits are global: ``basis.h5`` and every fit file
+without per-example data are hard links (else copies) of the whole index's; a fit's self-influence columns are cut
+to the part's rows. So every part scores a query exactly as the whole index does, and a part's id ``i`` is the whole
+index's ``first + i``. Each part has its own tier, built as the whole index's was (the same kind and space).
+
+:func:`split_index` and :func:`merge_index` convert between one directory and parts without capturing anything;
+a split then a merge gives back the store byte for byte. :mod:`gradindex.query.sharded` answers queries over the
+parts, in one process or one part (or more) per ``torchrun`` rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gradindex.checksum import check_files, damage_error, read_checksums, write_checksums
+from gradindex.index.builder import build_indices
+from gradindex.index.config import IndexConfig
+from gradindex.index.opened import OpenIndex
+from gradindex.index.space import IndexSpace
+from gradindex.manifest import (
+    IndexMismatchError,
+    read_complete_manifest,
+    refuse_unfinished_transcode,
+    write_manifest,
+)
+from gradindex.precondition.files import (
+    read_attrs,
+    read_factors,
+    read_self_influence,
+    write_precond,
+)
+from gradindex.spec.layout import BASIS_FILE, PRECOND_DIR, IndexLayout
+from gradindex.store.relabel import copy_shard
+
+log = logging.getLogger("gradindex")
+
+SHARDS_FILE = "shards.json"
+"""The file that makes a directory a sharded index."""
+FORMAT = "gradindex sharded index"
+VERSION = 1
+SHARD_KEY = "shard"
+"""A part's manifest entry: ``{"part", "parts", "first", "stop", "examples"}``."""
+_PRECOND_ATTRS = {"method", "format_version", "library_version", "damping", "fit", "layer_names"}
+"""Attributes :func:`~gradindex.precondition.files.write_precond` writes itself (the rest are carried as they were)."""
+
+
+def part_name(j: int) -> str:
+    return f"part-{j:05d}"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part: its directory and the whole index's rows ``[first, stop)`` it holds."""
+
+    dir: Path
+    first: int
+    stop: int
+
+    @property
+    def n(self) -> int:
+        return self.stop - self.first
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A sharded index directory as read from its :data:`SHARDS_FILE` (parts checked present and consistent)."""
+
+    dir: Path
+    parts: list[Part]
+    manifest: dict
+    """The whole index's manifest (counts over every part)."""
+
+    @property
+    def examples(self) -> int:
+        return self.parts[-1].stop
+
+    def owned(self, rank: int, ranks: int) -> list[int]:
+        """The parts rank ``rank`` of ``ranks`` answers for: a contiguous run, as even as the parts allow."""
+        P = len(self.parts)
+        if not 1 <= ranks <= P:
+            raise ValueError(f"{str(self.dir)!r} has {P} parts; run at most {P} ranks (one part or more each), "
+                             f"not {ranks}")
+        return list(range(rank * P // ranks, (rank + 1) * P // ranks))
+
+
+def is_sharded(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a sharded index directory (it holds :data:`SHARDS_FILE`)."""
+    return (Path(path) / SHARDS_FILE).is_file()
+
+
+def read_sharded(path: str | os.PathLike) -> Sharded:
+    """The sharded index in ``path``; its parts' ranges must tile ``[0, N)`` and each part's manifest must be a
+    complete build of the same index (its identity and row range as :data:`SHARDS_FILE` says)."""
+    d = Path(path)
+    try:
+        doc = json.loads((d / SHARDS_FILE).read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{str(d)!r} is not a sharded index (no {SHARDS_FILE}; `gradindex split` makes "
+                                "one)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{str(d / SHARDS_FILE)!r} is corrupt ({e})") from None
+    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise ValueError(f"{str(d / SHARDS_FILE)!r} is not a version-{VERSION} {FORMAT} file")
+    parts = [Part(d / p["dir"], int(p["first"]), int(p["stop"])) for p in doc["parts"]]
+    whole = doc["manifest"]
+    at = 0
+    for j, p in enumerate(parts):
+        if p.first != at or p.stop <= p.first:
+            raise ValueError(f"{str(d / SHARDS_FILE)!r}: part {j} holds rows [{p.first}, {p.stop}), expected them "
+                             f"to start at {at}")
+        at = p.stop
+        _check_part(p, j, len(parts), whole)
+    if at != int(whole["counts"]["examples"]):
+        raise ValueError(f"{str(d / SHARDS_FILE)!r}: its parts hold {at} rows, the index {whole['counts']['examples']}")
+    return Sharded(d, parts, whole)
+
+
+def _check_part(p: Part, j: int, parts: int, whole: dict) -> None:
+    """Refuse a part that is not a complete build of ``whole``'s index over its rows."""
+    m = read_complete_manifest(p.dir, "query it")
+    s = m.get(SHARD_KEY) or {}
+    want = {"part": j, "parts": parts, "first": p.first, "stop": p.stop, "examples": int(whole["counts"]["examples"])}
+    if {k: s.get(k) for k in want} != want:
+        raise IndexMismatchError(f"{str(p.dir)!r} is not part {j} of this sharded index (its manifest says "
+                                 f"{ {k: s.get(k) for k in want} }, {SHARDS_FILE} {want})")
+    if m["build"] != whole["build"] or m.get("generation") != whole.get("generation"):
+        raise IndexMismatchError(f"{str(p.dir)!r} holds another build than the sharded index's other parts (its "
+                                 "manifest's build or generation differs); split the index again")
+
+
+# -- split ---------------------------------------------------------------------------------------------------------
+def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, progress: bool = False) -> Sharded:
+    """Split the complete index ``src`` into ``parts`` parts in the new directory ``out`` (nothing is captured:
+    the store's shard files are copied, whole, into contiguous groups; the fits are linked or cut; each part's
+    tier is built as ``src``'s was). ``shards.json`` is written last: a killed split leaves no sharded index."""
+    src, out = Path(src), Path(out)
+    if is_sharded(src):
+        raise ValueError(f"{str(src)!r} is already a sharded index; merge it first (`gradindex merge`)")
+    _refuse_out(out)
+    with OpenIndex(src, then="split it") as ix:
+        refuse_unfinished_transcode(src, ix.manifest, "split it")
+        K = len(ix.store.paths)
+        if not 1 <= parts <= K:
+            raise ValueError(f"{str(src)!r} has {K} store shard files ({ix.n} examples, "
+                             f"{ix.manifest['config']['shard_size']} a file); it splits into 1 to {K} parts, not "
+                             f"{parts} (a part holds whole files: rebuild with a smaller --shard-size for more)")
+        whole = ix.manifest
+        groups = [list(range(j * K // parts, (j + 1) * K // parts)) for j in range(parts)]
+        fits = _fit_files(src)
+        out.mkdir(parents=True, exist_ok=True)
+        made = []
+        for j, g in enumerate(groups):
+            first = ix.store.first_ids[g[0]]
+            stop = ix.store.first_ids[g[-1]] + ix.store.sizes[g[-1]]
+            part = Part(out / part_name(j), first, stop)
+            _write_part(ix, part, j, parts, g, fits)
+            made.append(part)
+            if progress:
+                log.warning("part %d of %d: rows [%d, %d)", j + 1, parts, first, stop)
+    doc = {"format": FORMAT, "version": VERSION, "examples": int(whole["counts"]["examples"]),
+           "parts": [{"dir": p.dir.name, "first": p.first, "stop": p.stop} for p in made], "manifest": whole}
+    _write_json(out / SHARDS_FILE, doc)
+    return read_sharded(out)
+
+
+def _refuse_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{str(out)!r} exists and is not an empty directory; give a new --out")
+
+
+def _fit_files(src: Path) -> list[tuple[str, bool]]:
+    """``(relative name, has per-example rows)`` of the basis and every fit file of ``src``, each checked against
+    its recorded hash first (a part links them: a damaged one would go unnoticed under the link)."""
+    names = [BASIS_FILE] if (src / BASIS_FILE).exists() else []
+    names += sorted(f"{PRECOND_DIR}/{p.name}" for p in (src / PRECOND_DIR).glob("*.h5"))
+    damage = check_files(src, names, full=True)
+    if damage:
+        raise damage_error(src, damage, then="split it")
+    return [(n, n.startswith(PRECOND_DIR) and _has_rows(src / n)) for n in names]
+
+
+def _has_rows(path: Path) -> bool:
+    try:
+        read_self_influence(path)
+    except KeyError:
+        return False
+    return True
+
+
+def _write_part(ix: OpenIndex, part: Part, j: int, parts: int, group: list[int], fits) -> None:
+    """One part: its store (shard files copied, ids shifted), fits, manifest, then its tier."""
+    recorded = read_checksums(ix.dir)
+    for k_local, k in enumerate(group):
+        copy_shard(ix.store.paths[k], IndexLayout.of(part.dir).shard(k_local), -part.first, recorded)
+    m = copy.deepcopy(ix.manifest)
+    m["counts"] = {**m["counts"], "examples": part.n, "shards": len(group)}
+    m["nonfinite_ids"] = [int(i) - part.first for i in m.get("nonfinite_ids", []) if part.first <= int(i) < part.stop]
+    m[SHARD_KEY] = {"part": j, "parts": parts, "first": part.first, "stop": part.stop, "examples": ix.n}
+    for name, rows in fits:
+        if rows:
+            _cut_fit(ix.dir / name, part.dir / name, m, part.first, part.stop)
+        else:
+            _link(ix.dir, part.dir, name, recorded)
+    write_manifest(part.dir, m)
+    _build_tier(part.dir, ix.manifest)
+
+
+def _link(src: Path, dst: Path, name: str, recorded: dict) -> None:
+    """Hard-link (else copy) ``src/name`` into ``dst`` and carry its recorded hash (fits are replaced, never
+    written in place, so a link is never changed under another index)."""
+    (dst / name).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src / name, dst / name)
+    except OSError:
+        shutil.copy2(src / name, dst / name)
+    if name in recorded:
+        write_checksums(dst, {**read_checksums(dst), name: recorded[name]})
+
+
+def _cut_fit(src: Path, dst: Path, manifest: dict, first: int, stop: int) -> None:
+    """A fit file with the self-influence of rows ``[first, stop)`` only (the factors as they are)."""
+    _write_fit(src, dst, manifest, lambda si: si[first:stop])
+
+
+def _write_fit(src: Path, dst: Path, manifest: dict, rows) -> None:
+    attrs = read_attrs(src)
+    damping, names, si = read_self_influence(src)
+    try:
+        factors = read_factors(src)
+    except KeyError:  # (graddot.h5: self-influence columns only)
+        factors = None
+    extra = {k: v for k, v in attrs.items() if k not in _PRECOND_ATTRS and not k.startswith("fp_")}
+    write_precond(dst, str(attrs["method"]), manifest, names, factors, rows(si), damping, json.loads(attrs["fit"]),
+                  attrs=extra)
+
+
+def _build_tier(d: Path, manifest: dict) -> None:
+    """The tier of the whole index (``manifest['index']``), built over ``d``'s rows; none where it had none."""
+    ix = manifest.get("index") or {}
+    if ix.get("status") != "complete":
+        return
+    kind, factories = ix.get("kind", "faiss"), ix.get("factories") or []
+    factory = kind if kind != "faiss" else (factories[0] if len(factories) == 1 else "auto")
+    cfg = IndexConfig(factory=factory, space=IndexSpace.from_dict(ix.get("space") or {}),
+                      **({"sketch_bytes": int(ix["sketch_bytes"])} if ix.get("sketch_bytes") else {}))
+    build_indices(d, cfg, progress=False)
+
+
+def _write_json(p: Path, obj: dict) -> None:
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
+    os.replace(tmp, p)
+
+
+# -- merge ---------------------------------------------------------------------------------------------------------
+def merge_index(sharded: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Merge the parts of ``sharded`` into one complete index in the new directory ``out``: the store's shard files
+    copied back with their ids shifted to the whole index's (the original bytes, for a split index), the fits
+    with their self-influence rows joined, the whole manifest, and the tier rebuilt as it was."""
+    sh = read_sharded(sharded)
+    out = Path(out)
+    _refuse_out(out)
+    fits = _same_fits(sh)
+    out.mkdir(parents=True, exist_ok=True)
+    k = 0
+    for p in sh.parts:
+        recorded = read_checksums(p.dir)
+        for path in sorted((p.dir / "store").glob("shard-*.h5")):
+            copy_shard(path, IndexLayout.of(out).shard(k), p.first, recorded)
+            k += 1
+    whole = copy.deepcopy(sh.manifest)
+    if k != int(whole["counts"]["shards"]):
+        raise ValueError(f"the parts of {str(sh.dir)!r} hold {k} store shard files, the index "
+                         f"{whole['counts']['shards']}")
+    for name, rows in fits:
+        if rows:
+            cuts = [p.dir / name for p in sh.parts]
+            _write_fit(cuts[0], out / name, whole, functools.partial(_joined, cuts))
+        else:
+            _link(sh.parts[0].dir, out, name, read_checksums(sh.parts[0].dir))
+    write_manifest(out, whole)
+    _build_tier(out, whole)
+    return out
+
+
+def _joined(cuts: list[Path], _) -> np.ndarray:
+    """The parts' self-influence rows, in order (the whole index's)."""
+    return np.concatenate([read_self_influence(c)[2] for c in cuts])
+
+
+def _same_fits(sh: Sharded) -> list[tuple[str, bool]]:
+    """The fit files of the parts (part 0's, checked), refused unless every part holds the same ones (the factors
+    are global: a part refitted on its own rows would score differently)."""
+    first = sh.parts[0].dir
+    fits = _fit_files(first)
+    want = read_checksums(first)
+    for p in sh.parts[1:]:
+        have = read_checksums(p.dir)
+        mine = _fit_files(p.dir)
+        if [n for n, _ in mine] != [n for n, _ in fits]:
+            raise IndexMismatchError(f"{str(p.dir)!r} holds other fit files than {str(first)!r}; split the index "
+                                     "again")
+        for name, rows in fits:
+            if not rows and have.get(name, {}).get("blake2b") != want.get(name, {}).get("blake2b"):
+                raise IndexMismatchError(f"{str(p.dir / name)!r} differs from {str(first / name)!r}: the parts' fits "
+                                         "must be the same (global) fit; split the index again")
+    return fits
+
+
+__all__ = ["Part", "Sharded", "is_sharded", "merge_index", "read_sharded", "split_index"]

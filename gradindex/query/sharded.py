@@ -1,0 +1,245 @@
+"""Queries over a sharded index (:mod:`gradindex.index.sharded`): in one process, or one run of parts per
+``torchrun`` rank.
+
+Rank 0 (or the one process) holds the model: it computes each batch's query rows once, as
+:class:`~gradindex.query.QueryEngine` does, and broadcasts them with the search's settings; every rank maps them
+into its parts' space (the parts share the whole index's fits, so the same vectors), searches each of its parts
+(its tier, then the exact re-rank from its own stored rows), shifts the ids to the whole index's rows and keeps
+its best ``k``; one gather brings every rank's best to rank 0, which keeps the best ``k`` of those (ties by id, as
+one index ranks them) and attaches the texts. The exact (full-space) stage, refinement and texts run on rank 0 as
+for one index, on the merged results. Without ``torchrun`` the one process searches every part in turn.
+
+A rank that fails answers its error to rank 0, which raises it; rank 0 always ends the run with a ``None``
+broadcast, on which the other ranks return (:func:`follow`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import pickle
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from gradindex import distributed
+from gradindex.index import OpenIndex
+from gradindex.index.sharded import Sharded, read_sharded
+from gradindex.methods import DEFAULT_DAMPING
+from gradindex.query.engine import QueryEngine, QueryResult
+from gradindex.query.inputs import as_records
+from gradindex.query.texts import TrainingTexts
+from gradindex.store import Store
+
+__all__ = ["PartSearch", "ShardedQueryEngine", "follow", "serve_parts", "stop_followers"]
+
+
+class PartSearch:
+    """The parts of a sharded index one process answers for, each opened search-only (``opened``: parts already
+    open, by number, shared and not closed here)."""
+
+    def __init__(self, sharded: Sharded, owned: Sequence[int], layers: Sequence[str] | None = None,
+                 use_gpu: bool = True, opened: dict[int, OpenIndex] | None = None):
+        self.parts = [sharded.parts[j] for j in owned]
+        self.engines: list[QueryEngine] = []
+        try:
+            for j in owned:
+                ix = (opened or {}).get(j, sharded.parts[j].dir)
+                self.engines.append(QueryEngine(ix, load_model=False, layers=layers, use_gpu=use_gpu))
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, op: str, kw: dict):
+        return getattr(self, op)(**kw)
+
+    def search(self, grads: Mapping[str, np.ndarray], k: int, lowest: int = 0, **kw) -> list[QueryResult]:
+        """Each query's best ``k`` (and lowest ``lowest``) over these parts, ids in the whole index's rows."""
+        out = None
+        for part, eng in zip(self.parts, self.engines, strict=True):
+            res = eng.search(grads, k=min(k, eng.n), lowest=min(lowest, eng.n), texts=False, **kw)
+            for r in res:
+                for h in r.hits + r.lowest:
+                    h.id += part.first
+            out = res if out is None else merge(out, res, k, lowest)
+        return out
+
+    def scores(self, grads: Mapping[str, np.ndarray], **kw) -> np.ndarray:
+        """``[Q, n]`` exact scores against these parts' rows, in row order."""
+        return np.concatenate([eng.scores(grads, **kw) for eng in self.engines], axis=1)
+
+    def close(self) -> None:
+        for eng in self.engines:
+            eng.close()
+
+
+def merge(a: list[QueryResult], b: list[QueryResult], k: int, lowest: int) -> list[QueryResult]:
+    """Per query, the best ``k`` and lowest ``lowest`` of two answers over disjoint rows (ranked as one index's
+    re-rank ranks them: by score, then by id); notes joined, seconds added."""
+    out = []
+    for x, y in zip(a, b, strict=True):
+        x.hits = sorted(x.hits + y.hits, key=lambda h: (-h.score, h.id))[:k]
+        x.lowest = sorted(x.lowest + y.lowest, key=lambda h: (h.score, h.id))[:lowest]
+        x.notes = list(dict.fromkeys(x.notes + y.notes))
+        x.seconds = {n: x.seconds.get(n, 0.0) + y.seconds.get(n, 0.0) for n in {**x.seconds, **y.seconds}}
+        out.append(x)
+    return out
+
+
+def _answer(local: PartSearch | BaseException, op: str, kw: dict) -> tuple[str, object]:
+    """``("ok", result)`` or ``("error", exception)`` (one that pickles: the type and message at worst)."""
+    try:
+        if isinstance(local, BaseException):
+            raise local
+        return "ok", local.run(op, kw)
+    except Exception as e:  # noqa: BLE001 -- sent to rank 0, which raises it
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        return "error", e
+
+
+def ask(local: PartSearch | BaseException, op: str, kw: dict) -> list:
+    """Rank 0: ``op`` on every rank's parts (its own included), their answers in rank order; the first error raised."""
+    distributed.broadcast((op, kw))
+    replies = distributed.gather(_answer(local, op, kw))
+    for status, value in replies:
+        if status == "error":
+            raise value
+    return [value for _, value in replies]
+
+
+def follow(local: PartSearch | BaseException) -> None:
+    """A rank other than 0: answer rank 0's requests until it broadcasts ``None``."""
+    while (msg := distributed.broadcast(None)) is not None:
+        distributed.gather(_answer(local, *msg))
+
+
+def stop_followers() -> None:
+    """Rank 0: end the other ranks' :func:`follow` (once a run; nothing outside ``torchrun``)."""
+    if distributed.active():
+        distributed.broadcast(None)
+
+
+def serve_parts(index: str | os.PathLike, layers: Sequence[str] | None = None, use_gpu: bool = True) -> None:
+    """A ``torchrun`` rank other than 0: open this rank's parts and answer rank 0 until it is done (an error opening
+    them is the answer to every request)."""
+    local: PartSearch | BaseException
+    try:
+        sh = read_sharded(index)
+        local = PartSearch(sh, sh.owned(distributed.rank(), distributed.world_size()), layers, use_gpu)
+    except Exception as e:  # noqa: BLE001 -- answered to rank 0
+        local = e
+    try:
+        follow(local)
+    finally:
+        if isinstance(local, PartSearch):
+            local.close()
+
+
+class _Hashes:
+    """The token hashes of every part by the whole index's row (what :class:`TrainingTexts` reads of the store),
+    each part's column read when first needed (from its open store, else its directory)."""
+
+    def __init__(self, sharded: Sharded, stores: dict[int, Store]):
+        self.parts, self.stores = sharded.parts, stores
+        self.firsts = [p.first for p in sharded.parts]
+        self._cols: dict[int, np.ndarray] = {}
+
+    def column(self, name: str) -> _Hashes:
+        assert name == "token_hash", name
+        return self
+
+    def __getitem__(self, i) -> np.ndarray:
+        j = bisect.bisect_right(self.firsts, int(i)) - 1
+        if j not in self._cols:
+            if j in self.stores:
+                self._cols[j] = self.stores[j].column("token_hash")
+            else:
+                with Store(self.parts[j].dir) as s:
+                    self._cols[j] = s.column("token_hash")
+        return self._cols[j][int(i) - self.parts[j].first]
+
+
+class ShardedQueryEngine(QueryEngine):
+    """A :class:`~gradindex.query.QueryEngine` over a sharded index directory: the model and part 0 open here, the
+    search over every part (this process's own parts, and under ``torchrun`` every other rank's through
+    :func:`ask`). Ids are the whole index's rows and :attr:`n` its examples; answers equal one index's. On rank 0
+    only (the others run :func:`serve_parts`); :meth:`close` ends their run."""
+
+    def __init__(self, index: str | os.PathLike | Sharded, model_dir: str | os.PathLike | None = None, *,
+                 layers: Sequence[str] | None = None, use_gpu: bool = True,
+                 data: str | os.PathLike | None = None, **kwargs):
+        self._stopped, self.local, self._first = False, None, None
+        try:
+            if distributed.rank() != 0:
+                raise RuntimeError("a sharded index's engine opens on rank 0; other ranks run serve_parts")
+            self.sharded = index if isinstance(index, Sharded) else read_sharded(index)
+            owned = self.sharded.owned(0, distributed.world_size())
+            self._first = OpenIndex(self.sharded.parts[0].dir)
+            super().__init__(self._first, model_dir, layers=layers, use_gpu=use_gpu, data=data, **kwargs)
+            self.local = PartSearch(self.sharded, owned, layers, use_gpu, {0: self._first})
+            self.n = self.sharded.examples
+            stores = {j: e.store for j, e in zip(owned, self.local.engines, strict=True)}
+            self.texts = TrainingTexts(self.sharded.manifest, _Hashes(self.sharded, stores), self.tokenizer, data)
+        except BaseException:
+            self.close()
+            raise
+
+    def _ask(self, op: str, kw: dict) -> list:
+        if not distributed.active():
+            return [self.local.run(op, kw)]
+        return ask(self.local, op, kw)
+
+    def search(self, grads, k: int = 10, method: str | None = None, damping: float = DEFAULT_DAMPING,
+               layers=None, lowest: int = 0, candidates: int | None = None, shortlist: int | None = None,
+               nprobe: int | None = None, texts: bool = True) -> list[QueryResult]:
+        """:meth:`QueryEngine.search <gradindex.query.QueryEngine.search>` over every part, merged."""
+        notes = []
+        if k > self.n or lowest > self.n:
+            notes.append(f"k={max(k, lowest)} is larger than the index ({self.n} examples); returning {self.n}")
+            k, lowest = min(k, self.n), min(lowest, self.n)
+        q = {n: torch.as_tensor(v).float().cpu().numpy() for n, v in grads.items()}
+        kw = {"grads": q, "k": k, "method": method, "damping": damping, "layers": layers, "lowest": lowest,
+              "candidates": candidates, "shortlist": shortlist, "nprobe": nprobe}
+        answers = self._ask("search", kw)
+        out = answers[0]
+        for more in answers[1:]:
+            out = merge(out, more, k, lowest)
+        for r in out:
+            r.notes = list(dict.fromkeys(r.notes + notes))
+        if texts and self.tokenizer is not None:
+            self._attach_texts(out)
+        return out
+
+    def scores(self, queries, method: str | None = None, damping: float = DEFAULT_DAMPING,
+               layers: Sequence[str] | str | None = None, text_field: str = "text", refine=None) -> np.ndarray:
+        """``[Q, N]`` exact scores against every row of every part (:meth:`QueryEngine.scores
+        <gradindex.query.QueryEngine.scores>`)."""
+        method = self.resolve_method(method)
+        chosen = self.select_layers(layers)
+        if isinstance(queries, Mapping):
+            grads = queries
+        else:
+            tokens = self.tokenize(as_records(queries, text_field), text_field)
+            grads, _, _ = self.gradients(tokens)
+            refine = self.refine_config(refine, method)
+            if refine is not None:
+                grads = self.refined_rows(tokens, grads, method, damping, chosen, refine)
+        q = {n: torch.as_tensor(grads[n]).float().cpu().numpy() for n in chosen}
+        kw = {"grads": q, "method": method, "damping": damping, "layers": chosen}
+        return np.concatenate(self._ask("scores", kw), axis=1)
+
+    def close(self) -> None:
+        """Close every part opened here and end the other ranks' run (once)."""
+        if not self._stopped:
+            self._stopped = True
+            stop_followers()
+        if self.local is not None:
+            self.local.close()
+        if getattr(self, "index", None) is not None:
+            super().close()
+        if self._first is not None:
+            self._first.close()

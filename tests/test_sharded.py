@@ -1,0 +1,129 @@
+"""A sharded index (gradindex.index.sharded) answers as the one index it was split from: in one process, and under
+torchrun with one part a rank (gloo, 2 CPU ranks); split then merge gives back the store byte for byte."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gradindex.checksum import read_checksums
+from gradindex.cli import main
+from gradindex.index.sharded import SHARDS_FILE, is_sharded, merge_index, read_sharded, split_index
+from gradindex.manifest import read_manifest, write_manifest
+from gradindex.query import QueryEngine
+from gradindex.query.sharded import ShardedQueryEngine
+from tests.conftest import make_texts
+from tests.test_distributed import torchrun
+
+QUERIES = make_texts(6, seed=11, max_words=12)
+
+
+def _same(a, b, exact: bool = True) -> None:
+    """Two answers to the same queries: ids, texts, and scores (exactly, or to float tolerance)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        for hx, hy in ((x.hits, y.hits), (x.lowest, y.lowest)):
+            assert [h.id for h in hx] == [h.id for h in hy]
+            assert [h.text for h in hx] == [h.text for h in hy]
+            sx, sy = [h.score for h in hx], [h.score for h in hy]
+            if exact:
+                assert sx == sy
+            else:
+                np.testing.assert_allclose(sx, sy, rtol=1e-6, atol=1e-9)
+        assert (x.method, x.damping, x.layers, x.stage) == (y.method, y.damping, y.layers, y.stage)
+
+
+@pytest.fixture(scope="module")
+def sharded(default_index, tmp_path_factory):
+    return split_index(default_index, tmp_path_factory.mktemp("sharded") / "two", 2)
+
+
+def test_split_parts_and_merge_round_trip_bitwise(default_index, sharded, tmp_path):
+    whole = read_manifest(default_index)
+    assert is_sharded(sharded.dir) and not is_sharded(default_index)
+    assert [(p.first, p.stop) for p in sharded.parts] == [(0, 16), (16, 40)]  # 3 store files of 16: 1 + 2
+    part = read_manifest(sharded.parts[1].dir)
+    assert part["build"] == whole["build"] and part["counts"]["examples"] == 24
+    assert part["shard"] == {"part": 1, "parts": 2, "first": 16, "stop": 40, "examples": 40}
+    merged = merge_index(sharded.dir, tmp_path / "merged")
+    assert read_manifest(merged) == whole
+    names = sorted(p.name for p in (default_index / "store").iterdir())
+    assert names and names == sorted(p.name for p in (merged / "store").iterdir())
+    for n in names:
+        assert filecmp.cmp(default_index / "store" / n, merged / "store" / n, shallow=False), n
+    a, b = read_checksums(default_index), read_checksums(merged)
+    assert {n: e for n, e in a.items() if n.startswith("store/")} == {n: e for n, e in b.items()
+                                                                       if n.startswith("store/")}
+
+
+def test_sharded_engine_in_one_process_equals_the_index(gpt2_dir, default_index, sharded):
+    with QueryEngine(default_index, gpt2_dir, device="cpu") as one, \
+            ShardedQueryEngine(sharded.dir, gpt2_dir, device="cpu") as many:
+        assert many.n == one.n == 40
+        for method in (None, "ekfac-selfnorm"):  # (selfnorm: each part's cut of the fit's self-influence)
+            _same(many.query_batch(QUERIES, k=10, lowest=3, method=method),
+                  one.query_batch(QUERIES, k=10, lowest=3, method=method))
+        np.testing.assert_array_equal(many.scores(QUERIES), one.scores(QUERIES))
+
+
+def test_sketch_tier_parts_equal_the_index(gpt2_dir, default_index, tmp_path):
+    from gradindex.index import IndexConfig, build_indices
+
+    sk = tmp_path / "sketch"
+    shutil.copytree(default_index, sk)
+    build_indices(sk, IndexConfig(factory="sketch"), progress=False, force=True)
+    sh = split_index(sk, tmp_path / "sk2", 3)
+    assert read_manifest(sh.parts[2].dir)["index"]["kind"] == "sketch"
+    with QueryEngine(sk, gpt2_dir, device="cpu") as one, ShardedQueryEngine(sh.dir, gpt2_dir, device="cpu") as many:
+        _same(many.query_batch(QUERIES, k=10), one.query_batch(QUERIES, k=10), exact=False)
+
+
+def test_refusals(default_index, sharded, tmp_path):
+    with pytest.raises(ValueError, match="splits into 1 to 3 parts, not 4"):
+        split_index(default_index, tmp_path / "four", 4)
+    with pytest.raises(FileExistsError, match="not an empty directory"):
+        split_index(default_index, sharded.dir, 2)
+    with pytest.raises(ValueError, match="already a sharded index"):
+        split_index(sharded.dir, tmp_path / "again", 2)
+    with pytest.raises(FileNotFoundError, match="not a sharded index"):
+        merge_index(default_index, tmp_path / "m")
+    with pytest.raises(ValueError, match="run at most 2 ranks"):
+        sharded.owned(0, 3)
+    assert (sharded.owned(0, 1), sharded.owned(1, 2)) == ([0, 1], [1])
+    # a part of another build (another generation) is refused, naming it
+    bad = tmp_path / "bad"
+    shutil.copytree(sharded.dir, bad)
+    m = read_manifest(bad / "part-00001")
+    m["generation"] = "another"
+    write_manifest(bad / "part-00001", m)
+    with pytest.raises(Exception, match="part-00001.*another build"):
+        read_sharded(bad)
+    doc = json.loads((bad / SHARDS_FILE).read_text())
+    doc["parts"][1]["first"] = 15
+    (bad / SHARDS_FILE).write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"part 1 holds rows \[15, 40\), expected them to start at 16"):
+        read_sharded(bad)
+
+
+def run(*args) -> str:
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_cli_split_merge_and_torchrun_query_print_as_one_index(gpt2_dir, default_index, tmp_path):
+    out = run("split", default_index, "--shards", "2", "--out", tmp_path / "sh")
+    assert "into 2 parts" in out and "part-00001 rows 16-39" in out, out
+    assert "merged 2 parts" in run("merge", tmp_path / "sh", "--out", tmp_path / "back")
+    q = [a for t in QUERIES[:4] for a in ("--text", t)] + ["-k", "10", "--lowest", "2", "--device", "cpu"]
+    one = run("query", default_index, *q)
+    assert "most negative" in one
+    assert run("query", tmp_path / "back", *q) == one
+    assert run("query", tmp_path / "sh", *q) == one  # one process, every part in turn
+    assert torchrun("-m", "gradindex", "query", str(tmp_path / "sh"), *q) == one  # 2 ranks (gloo), rank 0 prints
