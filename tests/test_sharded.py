@@ -23,6 +23,28 @@ from tests.test_distributed import torchrun
 QUERIES = make_texts(6, seed=11, max_words=12)
 
 
+def run(*args) -> str:
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+def test_exact_stage_over_three_parts_equals_the_index(gpt2_dir, default_index, tmp_path):
+    """The full-space fit is linked into every part; the exact stage reads candidates' tokens from every part."""
+    fx = tmp_path / "fx"
+    shutil.copytree(default_index, fx)
+    run("precondition", fx, "--method", "ekfac", "--space", "full", "--device", "cpu")
+    sh = split_index(fx, tmp_path / "fx3", 3)
+    assert (sh.parts[2].dir / "precond" / "ekfac-full.h5").stat().st_ino == (fx / "precond" / "ekfac-full.h5").stat(
+    ).st_ino
+    with QueryEngine(fx, gpt2_dir, device="cpu") as one, ShardedQueryEngine(sh.dir, gpt2_dir, device="cpu") as many:
+        a = many.query_batch(QUERIES[:3], k=5, method="ekfac", rerank_full=8)
+        b = one.query_batch(QUERIES[:3], k=5, method="ekfac", rerank_full=8)
+    _same(a, b)
+    assert [h.full_score for r in a for h in r.hits] == [h.full_score for r in b for h in r.hits]
+    assert a[0].stage == "full-space re-rank of the top 8"
+
+
 def _same(a, b, exact: bool = True) -> None:
     """Two answers to the same queries: ids, texts, and scores (exactly, or to float tolerance)."""
     assert len(a) == len(b)
@@ -108,12 +130,6 @@ def test_refusals(default_index, sharded, tmp_path):
     (bad / SHARDS_FILE).write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"part 1 holds rows \[15, 40\), expected them to start at 16"):
         read_sharded(bad)
-
-
-def run(*args) -> str:
-    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    return res.stdout
 
 
 @pytest.mark.slow
