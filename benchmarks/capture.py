@@ -36,7 +36,15 @@ import torch
 from torch import nn
 
 from benchmarks.common import Workload, make_model, make_sequences  # noqa: E402
-from gradindex.capture import GradientCapture, ProjectionSpec, choose_route, projection_matrix  # noqa: E402
+from gradindex.capture import (  # noqa: E402
+    GradientCapture,
+    ProjectedRows,
+    ProjectionSpec,
+    RowSpace,
+    Visitor,
+    choose_route,
+    projection_matrix,
+)
 from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.data import Tokenized, collate, per_example_loss  # noqa: E402
 from gradindex.store.builder import BuildConfig, build_store  # noqa: E402
@@ -93,7 +101,7 @@ def run_build(model: nn.Module, seqs: list[list[int]], w: Workload) -> dict:
 def run_capture(model: nn.Module, seqs: list[list[int]], w: Workload, route: str = "auto") -> None:
     """The in-memory capture loop alone (what a build does, minus the store)."""
     model.requires_grad_(False)
-    with GradientCapture(model, projection=ProjectionSpec.parse(w.projection), route=route) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(ProjectionSpec.parse(w.projection)), route)) as cap:
         for b in batches(seqs, w.batch_size):
             batch_gradients(model, cap, b, b, 0)
 
@@ -104,7 +112,7 @@ def run_naive(model: nn.Module, seqs: list[list[int]], w: Workload) -> None:
 
     model.requires_grad_(False)
     spec = ProjectionSpec.parse(w.projection)
-    cap = GradientCapture(model, projection=spec)  # only for layer selection and shapes
+    cap = GradientCapture(model)  # only for layer selection and shapes
     params = {f"{n}.{k}": p.detach() for n, m in cap.modules.items() for k, p in m.named_parameters()}
     proj = {}
     if not spec.is_identity:
@@ -185,28 +193,35 @@ def compare(w: Workload, rounds: int, two_threads: bool) -> dict:
 # -- the routing sweep -------------------------------------------------------------------------
 
 
-class _Recorder(GradientCapture):
-    """Keeps each layer's ``(a, g)`` of the last batch instead of reducing them."""
+class _Recorder(Visitor):
+    """Keeps each layer's call of the last batch instead of reducing it."""
 
-    def _accumulate(self, name: str, a: torch.Tensor, g: torch.Tensor) -> None:
-        self.recorded[name] = (a, g)
+    def __init__(self) -> None:
+        self.recorded = {}
+
+    def visit(self, call) -> None:
+        self.recorded[call.name] = call
+
+
+def _gradient(projected: ProjectedRows, call, route: str) -> torch.Tensor:
+    call.cache.clear()  # (each timed run maps the tokens again)
+    return projected.gradient(call, route)
 
 
 def route_math(model: nn.Module, batch: list[list[int]], spec: ProjectionSpec, reps: int) -> dict:
     """Per layer: CPU seconds of each fixed route's math on one batch, and the cost model's choice."""
-    rec = _Recorder(model, projection=spec)
-    rec.recorded = {}
-    with rec:
-        batch_gradients(model, rec, batch, batch, 0)
+    rec, projected = _Recorder(), ProjectedRows(RowSpace(spec))
+    with GradientCapture(model, None, rec) as cap:
+        batch_gradients(model, cap, batch, batch, 0)
+    projected.bind(cap)
     rows = {}
-    for name, (a, g) in rec.recorded.items():
-        info = rec.infos[name]
-        B, T = a.shape[0], a.shape[1]
+    for name, call in rec.recorded.items():
+        info = call.info
+        B, T = call.a.shape[0], call.a.shape[1]
         secs = {}
         for route in ("factorized", "materialized"):
-            rec.layer_gradient(name, a, g, route)  # warm
-            secs[route] = min(timed(rec.layer_gradient, name, a, g, route, clock=time.process_time)
-                              for _ in range(reps))
+            projected.gradient(call, route)  # warm
+            secs[route] = min(timed(_gradient, projected, call, route, clock=time.process_time) for _ in range(reps))
         pick = choose_route(B, T, info.n_in_total, info.n_out, spec.k_a, spec.k_g)
         rows[name] = {"seconds": secs, "choice": pick, "faster": min(secs, key=secs.get),
                       "shape": [B, T, info.n_in_total, info.n_out]}
@@ -223,7 +238,8 @@ def sweep(w: Workload, lengths: list[int], projections: list[str], tokens: int, 
             seqs = make_sequences(w, n, T)
             for proj in projections:
                 spec = ProjectionSpec.parse(proj)
-                caps = {r: GradientCapture(model, projection=spec, route=r) for r in ROUTES}
+                rows_of = {r: ProjectedRows(RowSpace(spec), r) for r in ROUTES}
+                caps = {r: GradientCapture(model, None, rows_of[r]) for r in ROUTES}
                 warm = [s[:16] for s in seqs[: w.batch_size]]  # projections, kernels
                 secs = dict.fromkeys(ROUTES, 0.0)
                 cpu = dict.fromkeys(ROUTES, 0.0)
@@ -236,8 +252,8 @@ def sweep(w: Workload, lengths: list[int], projections: list[str], tokens: int, 
                             secs[r] += time.perf_counter() - t0
                             cpu[r] += time.process_time() - c0
                     if i == 0:
-                        for c in caps.values():
-                            c.route_counts.clear()
+                        for v in rows_of.values():
+                            v.route_counts.clear()
                 math = route_math(model, seqs[: w.batch_size], spec, reps)
                 fact = sum(v["seconds"]["factorized"] for v in math.values())
                 mat = sum(v["seconds"]["materialized"] for v in math.values())
@@ -248,7 +264,7 @@ def sweep(w: Workload, lengths: list[int], projections: list[str], tokens: int, 
                     "seq_len": T, "projection": proj, "sequences": n,
                     "capture_seq_per_s": {r: n / secs[r] for r in ROUTES},
                     "capture_seq_per_cpu_s": {r: n / cpu[r] for r in ROUTES},
-                    "routes_chosen": dict(caps["auto"].route_counts),
+                    "routes_chosen": dict(rows_of["auto"].route_counts),
                     "math_ms": {"auto": 1e3 * auto, "factorized": 1e3 * fact, "materialized": 1e3 * mat,
                                 "best_per_layer": 1e3 * best},
                     "auto_over_best": auto / best,

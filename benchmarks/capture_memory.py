@@ -74,7 +74,7 @@ def child(args, work: Path, mode: str, dtype: str) -> dict:
                    "--dtype", dtype, "--device", "cpu", "--quiet", "--overwrite", "--batch-size", str(args.batch)],
                   standalone_mode=False)
         return {"seconds": round(time.perf_counter() - t0, 1)}
-    from gradindex.capture import GradientCapture
+    from gradindex.capture import GradientCapture, KfacSums, ProjectedRows, RowSpace
     from gradindex.capture.batch import batch_gradients
     from gradindex.capture.hooks import select_layers
     from gradindex.capture.layers import layer_info
@@ -102,7 +102,8 @@ def child(args, work: Path, mode: str, dtype: str) -> dict:
         cfg = BuildConfig()  # the default build
         infos = {n: layer_info(m) for n, m in select_layers(model).items()}
         spec = sized_projection(cfg, infos, RowBasis())
-        with GradientCapture(model, None, spec, cfg.route, weight_free=True, collect_covariance=True) as cap:
+        space = RowSpace(spec)
+        with GradientCapture(model, None, ProjectedRows(space, cfg.route), KfacSums(space)) as cap:
             for b in batches:
                 batch_gradients(model, cap, b, b, 0)
     return {"loaded_mib": round(loaded, 1), "seconds": round(time.perf_counter() - t0, 1)}

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fixtures.tiny import tiny_gpt2
-from gradindex.capture import GradientCapture
+from gradindex.capture import GradientCapture, ProjectedRows, RowSpace
 from gradindex.capture.batch import batch_gradients
 from gradindex.data import IGNORE, Tokenized, per_example_loss
 from gradindex.pipeline import BuildConfig
@@ -120,7 +120,7 @@ def query_gradients(model: torch.nn.Module, tokenizer, query: Tokenized, bcfg: B
     """layer → ``[Q, D]`` query gradients, captured exactly as the build captured training gradients
     (``transforms``: the build's capture transforms, e.g. Adam's, when it had any)."""
     model.requires_grad_(False)
-    cap = GradientCapture(model, bcfg.layers, bcfg.projection, bcfg.route, weight_free=True, transforms=transforms)
+    cap = GradientCapture(model, bcfg.layers, ProjectedRows(RowSpace(bcfg.projection, transforms), bcfg.route))
     out: dict[str, list[np.ndarray]] = {}
     with cap:
         for s in range(0, len(query), bcfg.batch_size):

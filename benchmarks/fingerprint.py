@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from fixtures.tiny import tiny_gpt2  # noqa: E402
-from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.fingerprint import model_fingerprint  # noqa: E402
 
@@ -45,7 +45,7 @@ def measure(name: str, kw: dict, rounds: int, batch: int = 8, seq_len: int = 128
     fp = fastest(lambda: model_fingerprint(model), rounds)
     seqs = torch.randint(kw["vocab_size"], (batch, seq_len), generator=torch.Generator().manual_seed(0)).tolist()
     model.requires_grad_(False)
-    with GradientCapture(model, projection=ProjectionSpec.parse("16")) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(ProjectionSpec.parse("16")))) as cap:
         cap_s = fastest(lambda: batch_gradients(model, cap, seqs, seqs, 0), rounds)
     per_seq = cap_s / batch
     return {"model": name, "parameters": n_params, "fingerprint_s": round(fp, 4),

@@ -132,7 +132,7 @@ def _timed(fn, device: str, reps: int) -> tuple[float, int]:
 
 
 def throughput(model_dir: Path, s: dict, device: str, seqs) -> dict:
-    from gradindex.capture import GradientCapture, ProjectionSpec
+    from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
     from gradindex.capture.batch import batch_gradients
     from gradindex.data import collate
     from gradindex.model import load_causal_lm
@@ -152,7 +152,7 @@ def throughput(model_dir: Path, s: dict, device: str, seqs) -> dict:
         t_bare, m_bare = _timed(bare, device, 3)
         model.zero_grad(set_to_none=True)
         model.requires_grad_(False)
-        with GradientCapture(model, None, ProjectionSpec(k_a=32, k_g=32)) as cap:
+        with GradientCapture(model, None, ProjectedRows(RowSpace(ProjectionSpec(k_a=32, k_g=32)))) as cap:
             t_cap, m_cap = _timed(lambda cap=cap, model=model: batch_gradients(model, cap, batch, batch, 0), device, 3)
         out[dtype] = {"bare_tokens_per_second": round(tokens / t_bare), "capture_tokens_per_second": round(
             tokens / t_cap), "capture_over_bare_time": round(t_cap / t_bare, 3),

@@ -125,8 +125,8 @@ def exhaustive_full(idx: str, ft: dict, queries: list[dict], work: Path, chunk: 
 
 
 def _train_pass(model, layers, train, pad, eig, w, rq, dots, sq, batch: int = 4) -> None:
+    from gradindex.capture import FullTokens, GradientCapture
     from gradindex.capture.batch import batch_gradients
-    from gradindex.capture.tokens import TokenCapture
 
     cur: dict[str, torch.Tensor] = {}
 
@@ -139,7 +139,7 @@ def _train_pass(model, layers, train, pad, eig, w, rq, dots, sq, batch: int = 4)
             s = torch.einsum("doi,boi->bd", w[name], R.square())
             cur["sq"] = cur["sq"] + s if "sq" in cur else s
 
-    with TokenCapture(model, layers, visit) as cap:
+    with GradientCapture(model, layers, FullTokens(visit)) as cap:
         for s in range(0, len(train), batch):
             cur.clear()
             batch_gradients(model, cap, list(train.input_ids[s:s + batch]), list(train.labels[s:s + batch]), pad)

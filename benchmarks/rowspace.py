@@ -46,7 +46,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from benchmarks.common import spearman_rows, train_model  # noqa: E402
 from benchmarks.fidelity import FidelityConfig, make_setup, new_model  # noqa: E402
-from gradindex.capture import GradientCapture, ProjectionSpec, projection_matrix  # noqa: E402
+from gradindex.capture import (  # noqa: E402
+    GradientCapture,
+    KfacSums,
+    ProjectedRows,
+    ProjectionSpec,
+    RowSpace,
+    projection_matrix,
+)
 from gradindex.capture.allocation import allocate, stored_numbers  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.store.basis import kfac_basis  # noqa: E402
@@ -61,7 +68,9 @@ def capture_full(model, tok, data, batch: int = 16, covariance: bool = False):
     """layer → ``[n, N_o, N_i+1]`` float32 full gradients (and full-space float64 ``(A, S)`` token means)."""
     model.requires_grad_(False)
     spec = ProjectionSpec(kind="none", k_a=0, k_g=0)
-    cap = GradientCapture(model, None, spec, "materialized", weight_free=True, collect_covariance=covariance)
+    space = RowSpace(spec)
+    kfac = KfacSums(space)
+    cap = GradientCapture(model, None, ProjectedRows(space, "materialized"), *([kfac] if covariance else []))
     out: dict[str, list] = {}
     with cap:
         for s in range(0, len(data), batch):
@@ -69,9 +78,8 @@ def capture_full(model, tok, data, batch: int = 16, covariance: bool = False):
                                  tok.pad_token_id)
             for n, v in bg.grads.items():
                 out.setdefault(n, []).append(v.float().numpy())
-    G = {n: np.concatenate(v).reshape(-1, *cap.dims(n)) for n, v in out.items()}
-    factors = {n: ((cap.cov_a[n] / cap.cov_tokens[n]).numpy(), (cap.cov_g[n] / cap.cov_tokens[n]).numpy())
-               for n in cap.cov_a} if covariance else None
+    G = {n: np.concatenate(v).reshape(-1, *space.dims(n)) for n, v in out.items()}
+    factors = {n: (A.numpy(), S.numpy()) for n, (A, S, _) in kfac.means().items()} if covariance else None
     return G, factors
 
 
@@ -271,7 +279,7 @@ def library_check(model, setup, Gt, Gq, factors, budget, log) -> dict:
         spec = ProjectionSpec.from_dict(res.manifest["build"]["projection"])
         basis = read_basis(Path(d) / "idx")
         from gradindex.store.basis import capture_transforms
-        cap = GradientCapture(model, None, spec, transforms=capture_transforms(basis))
+        cap = GradientCapture(model, None, ProjectedRows(RowSpace(spec, capture_transforms(basis))))
         q = {}
         with cap:
             for s in range(0, len(setup.query), 16):

@@ -11,7 +11,7 @@ For models whose hooked gradient is many times the 256 KiB per-example budget, o
 3. fit the library's **full-space** EK-FAC on it (``FitConfig(method="ekfac", space="full")``): the
    reference is exhaustive full-space EK-FAC, ``Σ_l ⟨R_q ⊘ (Λ* + δ), R_t⟩`` with
    ``R = Q_Sᵀ G Q_A`` rotated from each example's per-token factors
-   (:class:`~gradindex.capture.tokens.TokenCapture`) by the library's fitted eigenbases at
+   (:class:`~gradindex.capture.visitors.FullTokens`) by the library's fitted eigenbases at
    ``δ = damping × mean(Λ*)`` per layer;
 4. score the same queries with **alternative stored rows** at the same number of int4 numbers
    per example as the default (one float32 scale per row and layer, as the store codes them;
@@ -63,10 +63,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from benchmarks.common import example_losses, query_gradients, spearman_rows, train_model  # noqa: E402
 from benchmarks.fidelity import FidelityConfig, make_setup  # noqa: E402
 from fixtures.tiny import tiny_gpt2  # noqa: E402
-from gradindex.capture import ProjectionSpec  # noqa: E402
+from gradindex.capture import (  # noqa: E402
+    FullTokens,
+    GradientCapture,
+    ProjectionSpec,  # noqa: E402
+)
 from gradindex.capture.allocation import influence_share  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402
-from gradindex.capture.tokens import TokenCapture  # noqa: E402
 from gradindex.data import Tokenized  # noqa: E402
 from gradindex.manifest import read_manifest  # noqa: E402
 from gradindex.pipeline import BuildConfig, build_index  # noqa: E402
@@ -183,7 +186,7 @@ def token_factors(model, layers: list[str], data: Tokenized, pad: int, batch: in
         out[name].append((a.half(), g.half()))
 
     model.requires_grad_(False)
-    with TokenCapture(model, layers, visit) as cap:
+    with GradientCapture(model, layers, FullTokens(visit)) as cap:
         for s in range(0, len(data), batch):
             batch_gradients(model, cap, data.input_ids[s:s + batch], data.labels[s:s + batch], pad)
     return out

@@ -17,7 +17,7 @@ import numpy as np
 from torch import nn
 
 from gradindex import distributed
-from gradindex.capture import GradientCapture
+from gradindex.capture import RowSpace, layer_info, select_layers
 from gradindex.data import Tokenized
 from gradindex.diskspace import check_space, disk_full_as_error, free_bytes, human
 from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
@@ -75,8 +75,8 @@ def build_index(
     refuse_foreign(Path(out_dir))
     bound_heap(CAPTURE_THRESHOLD)  # (gradindex.heap: peak RSS -7% on the peers workload, same time)
     if index is not None:  # an index type that cannot work for this data is refused before the capture pass
-        capture = GradientCapture(model, cfg.layers, cfg.projection, cfg.route)
-        dims = {name: capture.dim(name) for name in capture.infos}
+        space = RowSpace(cfg.projection).bind({n: layer_info(m) for n, m in select_layers(model, cfg.layers).items()})
+        dims = {name: space.dim(name) for name in space.infos}
         tier = make_tier(index, RowShape.of(len(data), list(dims.values()), cfg.storage))
         tier.layer_factories(len(data), dims, cfg.storage)
     with index_lock(out_dir, "gradindex build"):

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradindex.capture import GradientCapture
+from gradindex.capture import GradientCapture, KfacSums, ProjectedRows, RowSpace
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
@@ -173,8 +173,8 @@ def hooked_layers(model: nn.Module, cfg: BuildConfig) -> list[LayerPlan]:
     infos = {n: layer_info(m) for n, m in select_layers(model, cfg.layers or None).items()}
     if cfg.budget and cfg.allocation == "spectrum":
         cfg = replace(cfg, allocation="ratio", basis="raw")
-    cap = GradientCapture(model, cfg.layers, sized_projection(cfg, infos, RowBasis()))  # (hooks only inside `with`)
-    return [LayerPlan(n, i.n_out, i.n_in_total, *cap.dims(n)) for n, i in cap.infos.items()]
+    space = RowSpace(sized_projection(cfg, infos, RowBasis())).bind(infos)
+    return [LayerPlan(n, i.n_out, i.n_in_total, *space.dims(n)) for n, i in infos.items()]
 
 
 def rows_bytes(examples: int, shard_size: int, layers: list[LayerPlan], storage: str) -> int:
@@ -281,8 +281,9 @@ def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: B
                             RowBasis())
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
-    cap = GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
-                          collect_covariance=cfg.precondition != "none")
+    space = RowSpace(spec)
+    cap = GradientCapture(model, cfg.layers, ProjectedRows(space, cfg.route),
+                          *([KfacSums(space)] if cfg.precondition != "none" else []))
     times = []
     try:
         with cap:

@@ -13,7 +13,7 @@ peft = pytest.importorskip("peft", reason="peft is not installed (pip install 'g
 
 from fixtures.tiny import save_model_dir, tiny_qwen2  # noqa: E402
 from gradindex.adapter import adapter_layers  # noqa: E402
-from gradindex.capture import GradientCapture, ProjectionSpec  # noqa: E402
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.cli import main  # noqa: E402
 from gradindex.data import per_example_loss  # noqa: E402
@@ -49,7 +49,7 @@ def test_per_example_adapter_gradients_equal_torch_func(lora):
     base_dir, adapter_dir = lora
     model, _ = load_causal_lm(base_dir, device="cpu", adapter=adapter_dir)
     seqs = [[5, 9, 12, 40, 7, 3, 22], [8, 1, 30], [14, 2, 2, 9, 60]]
-    with GradientCapture(model, None, ProjectionSpec(kind="none", k_a=0, k_g=0), weight_free=True) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(ProjectionSpec(kind="none", k_a=0, k_g=0)))) as cap:
         assert sorted(cap.modules) == sorted(adapter_layers(dict(model.named_modules())))
         assert len(cap.modules) == 2 * len(TARGETS) * 2  # A and B of every target, 2 blocks
         rows = batch_gradients(model, cap, seqs, seqs, pad_id=0).grads

@@ -15,7 +15,7 @@ import torch
 from click.testing import CliRunner
 from conftest import make_texts
 
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.batch import batch_gradients
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
@@ -50,7 +50,7 @@ def test_store_rows_match_in_memory_capture(gpt2_dir, text_jsonl, tmp_path):
         [f"shard-0000{k}.h5" for k in range(3)] + [f"shard-0000{k}.rowhash.npy" for k in range(3)])  # + row hashes
     arrays = _store_arrays(tmp_path / "idx")
     assert arrays["ids"].tolist() == list(range(40))
-    with GradientCapture(model, projection=cfg.projection) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(cfg.projection))) as cap:
         bg = batch_gradients(model, cap, data.input_ids[10:13], data.labels[10:13], tok.pad_token_id)
     for n, v in bg.grads.items():
         assert arrays[f"grads/{n}"].shape == (40, 32)

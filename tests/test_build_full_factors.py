@@ -70,10 +70,10 @@ def test_default_build_sums_no_full_space_factors_and_keeps_no_head_gradients(tm
                                                                               monkeypatch):
     """Issue 30: the default build (budget-bound here) makes no full-space fit, so its capture sums no
     full-space ``A``/``S`` and keeps no head gradients (what raised the build's peak RSS); asked, it does."""
-    from gradindex.capture.hooks import GradientCapture
+    from gradindex.capture import FullSums
 
     calls = {"sums": 0, "heads": 0}
-    real_sums, real_put = GradientCapture._add_full_covariance, fs.HeadGrads.put
+    real_sums, real_put = FullSums.visit, fs.HeadGrads.put
 
     def sums(self, *a, **k):
         calls["sums"] += 1
@@ -83,7 +83,7 @@ def test_default_build_sums_no_full_space_factors_and_keeps_no_head_gradients(tm
         calls["heads"] += 1
         return real_put(self, *a, **k)
 
-    monkeypatch.setattr(GradientCapture, "_add_full_covariance", sums)
+    monkeypatch.setattr(FullSums, "visit", sums)
     monkeypatch.setattr(fs.HeadGrads, "put", put)
     d = _build(tmp_path / "idx", gpt2_dir, text_jsonl, rerank_fit=None)
     m = read_manifest(d)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.func import functional_call, grad
 
-from gradindex.capture import GradientCapture, ProjectionSpec, projection_matrix, select_layers
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace, projection_matrix, select_layers
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.routing import choose_route
 from gradindex.data import IGNORE, per_example_loss
@@ -54,9 +54,9 @@ def test_stored_rows_equal_torch_func_gradients(request, tokenizer, which, route
     assert len({len(x) for x in ids}) > 1, "the batch must be padded"
     ref = _reference(model, ids, labels)
     model.requires_grad_(False)
-    with GradientCapture(model, projection=spec, route=route) as cap:
+    with GradientCapture(model, None, rows := ProjectedRows(RowSpace(spec), route)) as cap:
         bg = batch_gradients(model, cap, ids, labels, tok.pad_token_id)
-    assert set(cap.route_counts) == {route}, "the route under test was not the one that ran"
+    assert set(rows.route_counts) == {route}, "the route under test was not the one that ran"
     assert set(bg.grads) == set(select_layers(model))
     for name, rows in bg.grads.items():
         expect = []
@@ -82,9 +82,9 @@ def test_routes_agree_and_auto_uses_cost_model(gpt2_dir, tokenizer):
     spec = ProjectionSpec(k_a=32, k_g=32, seed=1)
     out = {}
     for route in ("factorized", "materialized", "auto"):
-        with GradientCapture(model, projection=spec, route=route) as cap:
+        with GradientCapture(model, None, rows := ProjectedRows(RowSpace(spec), route)) as cap:
             out[route] = batch_gradients(model, cap, ids, labels, tok.pad_token_id).grads
-            counts = dict(cap.route_counts)
+            counts = dict(rows.route_counts)
         if route == "auto":
             auto_counts = Counter(counts)
         else:
@@ -95,9 +95,9 @@ def test_routes_agree_and_auto_uses_cost_model(gpt2_dir, tokenizer):
     # auto took, layer by layer, the route the cost model picks for this batch's shape (computed here
     # from the layers' sizes, not read back from the capture); both routes occur, so a constant fails
     B, T = len(ids), max(map(len, ids))
-    with GradientCapture(model, projection=spec) as cap:
-        want = Counter(choose_route(B, T, i.n_in_total, i.n_out, cap.dims(n)[1], cap.dims(n)[0])
-                       for n, i in cap.infos.items())
+    space = RowSpace(spec).bind(GradientCapture(model).infos)
+    want = Counter(choose_route(B, T, i.n_in_total, i.n_out, space.dims(n)[1], space.dims(n)[0])
+                   for n, i in space.infos.items())
     assert auto_counts == want and len(want) == 2, (auto_counts, want)
 
 
@@ -106,13 +106,13 @@ def test_live_capture_in_a_training_loop_matches_weight_free(gpt2_dir, tokenizer
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     ids, labels = _examples(tok)
     spec = ProjectionSpec(k_a=8, k_g=8, seed=0)
-    with GradientCapture(model, projection=spec) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(spec))) as cap:
         offline = batch_gradients(model, cap, ids, labels, tok.pad_token_id).grads
     model.requires_grad_(True)
     from gradindex.data import collate
 
     b = collate(ids, labels, tok.pad_token_id)
-    with GradientCapture(model, projection=spec, weight_free=False) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(spec)), weight_free=False) as cap:
         cap.set_mask(b["attention_mask"])
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
         per_example_loss(logits, b["labels"])[0].sum().backward()
@@ -126,7 +126,7 @@ def test_gradients_do_not_depend_on_batch_composition(gpt2_dir, tokenizer):
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
     ids, labels = _examples(tok)
     spec = ProjectionSpec(k_a=8, k_g=8)
-    with GradientCapture(model, projection=spec) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(spec))) as cap:
         full = batch_gradients(model, cap, ids, labels, tok.pad_token_id).grads
         alone = batch_gradients(model, cap, ids[2:3], labels[2:3], tok.pad_token_id).grads
     for name in full:
@@ -140,7 +140,7 @@ def test_bf16_model_accumulates_in_fp32(gpt2_dir, tokenizer):
     spec = ProjectionSpec(k_a=8, k_g=8)
     res = {}
     for key, m in (("32", model32), ("16", model16)):
-        with GradientCapture(m, projection=spec) as cap:
+        with GradientCapture(m, None, ProjectedRows(RowSpace(spec))) as cap:
             res[key] = batch_gradients(m, cap, ids, labels, tok.pad_token_id).grads
     for name in res["32"]:
         assert res["16"][name].dtype == torch.float32

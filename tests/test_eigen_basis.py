@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from test_fullspace import QUERY, Reference
 
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, KfacSums, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.allocation import influence_counts
 from gradindex.capture.transform import LayerTransform
 from gradindex.cli import main
@@ -145,20 +145,20 @@ def test_kept_coordinates_are_a_gather_of_the_mapped_gradient(gpt2_dir):
     rows = {}
     for kind, t in (("mapped", {"a": M_a, "g": M_g}), ("kept", LayerTransform(map_a=M_a, map_g=M_g, keep=keep,
                                                                              post=post))):
-        cap = GradientCapture(model, [name], ProjectionSpec(kind="none", k_a=0, k_g=0), weight_free=True,
-                              transforms={name: t})
+        space = RowSpace(ProjectionSpec(kind="none", k_a=0, k_g=0), {name: t})
+        cap = GradientCapture(model, [name], ProjectedRows(space))
         from gradindex.capture.batch import batch_gradients
 
         with cap:
             rows[kind] = batch_gradients(model, cap, ids, ids, 0).grads[name]
-        assert cap.dims(name) == ((5, 3) if kind == "mapped" else (1, 6))
+        assert space.dims(name) == ((5, 3) if kind == "mapped" else (1, 6))
     torch.testing.assert_close(rows["kept"], rows["mapped"][:, keep] * post)
     with pytest.raises(ValueError, match="non-empty"):
-        GradientCapture(model, [name], ProjectionSpec(kind="none", k_a=0, k_g=0),
-                        transforms={name: LayerTransform(map_a=M_a, map_g=M_g, keep=torch.tensor([15]))})
+        GradientCapture(model, [name], ProjectedRows(RowSpace(ProjectionSpec(kind="none", k_a=0, k_g=0), {
+            name: LayerTransform(map_a=M_a, map_g=M_g, keep=torch.tensor([15]))})))
     with pytest.raises(ValueError, match="no factored form"):
-        GradientCapture(model, [name], ProjectionSpec(kind="none", k_a=0, k_g=0), collect_covariance=True,
-                        transforms={name: LayerTransform(map_a=M_a, map_g=M_g, keep=keep)})
+        GradientCapture(model, [name], KfacSums(RowSpace(ProjectionSpec(kind="none", k_a=0, k_g=0), {
+            name: LayerTransform(map_a=M_a, map_g=M_g, keep=keep)})))
 
 
 def test_cli_eigen_basis_builds_answers_queries_and_the_default_stays_raw(tmp_path, gpt2_dir, text_jsonl):

@@ -90,7 +90,7 @@ def test_each_token_term_equals_an_independent_computation(engine, gpt2_dir):
     ex = Explainer(engine)
     hit = engine.query(QUERY, k=1, method="ekfac").hits[0]
     e = ex.explain(QUERY, hit.id, method="ekfac")[0]
-    spec = engine.capture.projection
+    spec = engine.space.projection
     # training side: against M q, M q from the engine's own query gradient
     from gradindex.index.space import query_vectors
 

@@ -141,11 +141,11 @@ def test_a_kill_during_the_fused_transcode_resumes_to_the_same_index(inputs, tmp
 
 def read_layer_dims(inputs) -> list[int]:
     """Numbers per row of each hooked layer of the default build (every layer stored whole)."""
-    from gradindex.capture import GradientCapture
+    from gradindex.capture import GradientCapture, RowSpace
 
     model, _, _ = inputs
-    cap = GradientCapture(model, (), ProjectionSpec.parse("none"))
-    return [cap.dim(n) for n in cap.infos]
+    space = RowSpace(ProjectionSpec.parse("none")).bind(GradientCapture(model, ()).infos)
+    return [space.dim(n) for n in space.infos]
 
 
 def _shard_data(d, k: int) -> dict[str, bytes]:

@@ -88,12 +88,12 @@ def test_the_covariance_sums_check_the_disk_before_hdf5_writes_them(tmp_path, mo
     from gradindex import diskspace
     from gradindex.store.covariance import write_covariance
 
-    cap = types.SimpleNamespace(cov_a={"l": torch.ones(64, 64)}, cov_g={"l": torch.ones(64, 64)}, cov_tokens={"l": 3},
-                                full_a={}, full_g={}, full_tokens={}, infos={"l": None})
+    kfac = types.SimpleNamespace(A={"l": torch.ones(64, 64)}, S={"l": torch.ones(64, 64)}, tokens={"l": 3},
+                                 layers=["l"])
     monkeypatch.setattr(diskspace, "free_bytes", lambda p: 1000)
     with h5py.File(tmp_path / "shard.h5", "w") as f:
         with pytest.raises(OSError) as e:
-            write_covariance(f, cap)
+            write_covariance(f, kfac)
         assert e.value.errno == errno.ENOSPC and "covariance" not in f
 
 

@@ -46,8 +46,8 @@ def test_fused_path_applies_only_to_plain_unhooked_heads():
 def test_replayed_head_gradient_gives_the_same_per_token_factors():
     """A second pass given the first pass's gradient w.r.t. the final hidden states skips the head and the loss
     and hands the visitor the same per-token factors, bit for bit (padding and masked prompts included)."""
+    from gradindex.capture import FullTokens, GradientCapture
     from gradindex.capture.batch import batch_gradients
-    from gradindex.capture.tokens import TokenCapture
 
     model = tiny_gpt2(vocab_size=300, n_layer=2, n_embd=32).requires_grad_(False)
     g = torch.Generator().manual_seed(1)
@@ -56,7 +56,8 @@ def test_replayed_head_gradient_gives_the_same_per_token_factors():
     labels[0][:10] = [IGNORE] * 10
     seen: list[dict] = [{}, {}]
     for k in range(2):
-        with TokenCapture(model, None, lambda n, a, gr, k=k: seen[k].__setitem__(n, (a.clone(), gr.clone()))) as cap:
+        visit = FullTokens(lambda n, a, gr, k=k: seen[k].__setitem__(n, (a.clone(), gr.clone())))
+        with GradientCapture(model, None, visit) as cap:
             if k == 0:
                 first = batch_gradients(model, cap, ids, labels, 0, keep_head_grad=True)
                 assert first.head_grad.shape == (3, 40, 32) and first.loss is not None
@@ -68,5 +69,5 @@ def test_replayed_head_gradient_gives_the_same_per_token_factors():
         for x, y in zip(seen[0][n], seen[1][n], strict=True):
             assert torch.equal(x, y), n
     with pytest.raises(ValueError, match="no plain LM head"):
-        with TokenCapture(model.transformer, None, lambda *a: None) as cap:
+        with GradientCapture(model.transformer, None, FullTokens(lambda *a: None)) as cap:
             batch_gradients(model.transformer, cap, ids, labels, 0, keep_head_grad=True)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad
 
-from gradindex.capture import GradientCapture, ProjectionSpec, projection_matrix, select_layers
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace, projection_matrix, select_layers
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.layers import _RULES, LayerInfo, register_layer, stack
 from gradindex.data import per_example_loss
@@ -64,9 +64,9 @@ def test_a_registered_layer_rule_is_captured_like_torch_func(doubled_rule, gpt2_
     ref = [grad(loss_fn)(params, torch.tensor(x), torch.tensor(y)) for x, y in zip(ids, labels, strict=True)]
     spec = ProjectionSpec.parse(proj, seed=2)
     model.requires_grad_(False)
-    with GradientCapture(model, [name], projection=spec, route=route) as cap:
+    with GradientCapture(model, [name], visitor := ProjectedRows(RowSpace(spec), route)) as cap:
         rows = batch_gradients(model, cap, ids, labels, tok.pad_token_id).grads[name]
-    assert cap.infos[name].kind == "doubled" and set(cap.route_counts) == {route}
+    assert cap.infos[name].kind == "doubled" and set(visitor.route_counts) == {route}
     for i, g in enumerate(ref):
         G = torch.cat([g[name + ".weight"], g[name + ".bias"][:, None]], dim=1)  # [N_o, N_i + 1]
         if not spec.is_identity:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from gradindex.capture import GradientCapture, ProjectionSpec, select_layers
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace, select_layers
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.hooks import attributed_share, unhooked_weights
 from gradindex.data import per_example_loss
@@ -53,7 +53,7 @@ def test_per_expert_gradients_equal_torch_func(arch):
     torch.manual_seed(0)
     model = configs()[arch]().eval()
     seqs = [[5, 9, 12, 40, 7, 3, 22, 61], [8, 1, 30], [14, 2, 2, 9, 60, 33]]
-    with GradientCapture(model, None, ProjectionSpec(kind="none", k_a=0, k_g=0)) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(ProjectionSpec(kind="none", k_a=0, k_g=0)))) as cap:
         experts = [n for n in cap.infos if cap.infos[n].kind == "expert"]
         assert len(experts) == 2 * 4 * 2  # two matrices of four experts, two blocks
         rows = batch_gradients(model, cap, seqs, seqs, pad_id=0).grads
@@ -109,7 +109,7 @@ def test_padding_and_batch_composition_do_not_change_expert_rows():
     model = configs()["olmoe"]().eval()
     seqs = [[5, 9, 12, 40, 7, 3], [8, 1, 30]]
     spec = ProjectionSpec(k_a=4, k_g=4, seed=1)
-    with GradientCapture(model, None, spec) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(spec))) as cap:
         both = batch_gradients(model, cap, seqs, seqs, pad_id=0).grads
         alone = batch_gradients(model, cap, seqs[1:], seqs[1:], pad_id=0).grads
     for n in both:
@@ -139,4 +139,4 @@ def test_an_moe_index_end_to_end(tmp_path, tokenizer, text_jsonl):
     assert sum(v["kind"] == "expert" for v in layers.values()) == 16
     with QueryEngine(out, device="cpu") as engine:
         res = engine.query("the cat sat on a mat", k=3)
-        assert res.method == "ekfac" and len(res.hits) == 3
+        assert res.method == "ekfac-selfnorm" and len(res.hits) == 3  # a query's default

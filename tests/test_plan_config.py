@@ -195,7 +195,7 @@ def test_flop_model_counts_what_torch_counts_in_a_capture_batch(arch):
     import numpy as np
     from torch.utils.flop_counter import FlopCounterMode
 
-    from gradindex.capture import GradientCapture
+    from gradindex.capture import GradientCapture, KfacSums, ProjectedRows, RowSpace
     from gradindex.capture.batch import batch_gradients
     from gradindex.capture.hooks import select_layers
     from gradindex.capture.layers import layer_info
@@ -218,7 +218,8 @@ def test_flop_model_counts_what_torch_counts_in_a_capture_batch(arch):
     gpu, _ = stage_flops(model, cfg, plan, np.full(B, T))
     spec = sized_projection(cfg, {n: layer_info(m) for n, m in select_layers(model).items()}, RowBasis())
     ids = torch.randint(0, 1000, (B, T), generator=torch.Generator().manual_seed(1)).tolist()
-    with GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True, collect_covariance=True) as cap:
+    space = RowSpace(spec)
+    with GradientCapture(model, cfg.layers, ProjectedRows(space, cfg.route), KfacSums(space)) as cap:
         batch_gradients(model, cap, ids, ids, 0)  # (the projection maps drawn)
         with FlopCounterMode(display=False) as counter:
             batch_gradients(model, cap, ids, ids, 0)

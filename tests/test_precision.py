@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fixtures.tiny import tiny_qwen2
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.batch import batch_gradients
 from gradindex.data import collate, per_example_loss
 
@@ -17,7 +17,7 @@ EXACT = ProjectionSpec(kind="none", k_a=0, k_g=0)
 
 
 def _rows(model, weight_free: bool) -> dict[str, torch.Tensor]:
-    with GradientCapture(model, None, EXACT, weight_free=weight_free) as cap:
+    with GradientCapture(model, None, ProjectedRows(RowSpace(EXACT)), weight_free=weight_free) as cap:
         if weight_free:
             rows = batch_gradients(model, cap, SEQS, SEQS, pad_id=0).grads
             assert not cap._records  # nothing left over from a recomputed forward

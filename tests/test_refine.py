@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.func import functional_call, grad, jacfwd
 
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, ProjectionSpec, RowSpace
 from gradindex.data import IGNORE, load_records, tokenize_records
 from gradindex.index import build_indices
 from gradindex.model import load_causal_lm
@@ -116,10 +116,11 @@ def eigen_index(model_dir, train_jsonl, tmp_path_factory):
 
 def test_gauss_newton_product_matches_dense_ggn(setup):
     model, tok, data, H = setup
-    cap = GradientCapture(model, list(LAYERS), ProjectionSpec(kind="none"))
+    cap = GradientCapture(model, list(LAYERS))
+    space = RowSpace(ProjectionSpec(kind="none")).bind(cap.infos)
     ggn = GaussNewton(model, cap.modules, cap.infos, tok.pad_token_id, data.input_ids, data.labels, batch=5)
     g = torch.Generator().manual_seed(0)
-    V = {n: torch.randn(cap.dims(n), generator=g, dtype=torch.float64) for n in LAYERS}
+    V = {n: torch.randn(space.dims(n), generator=g, dtype=torch.float64) for n in LAYERS}
     HV = ggn.product(V)
     got = np.concatenate([HV[n].numpy().reshape(-1) for n in LAYERS])
     want = H @ np.concatenate([V[n].numpy().reshape(-1) for n in LAYERS])
@@ -148,17 +149,17 @@ def test_more_steps_lower_the_residual_against_dense_ggn(setup, raw_index, metho
     with QueryEngine(raw_index, device="cpu") as e:
         tokens, grads = _query_grads(e, QUERIES[:1])
         curv = {n: preconditioner_curvature(e.pre.get("ekfac"), n, 1e-3) for n in LAYERS}
-        A = H + np.diag(np.concatenate([np.full(e.capture.dim(n), curv[n].delta) for n in LAYERS]))
+        A = H + np.diag(np.concatenate([np.full(e.space.dim(n), curv[n].delta) for n in LAYERS]))
         g = {n: grads[n][0].double() for n in LAYERS}
         gv = np.concatenate([g[n].numpy() for n in LAYERS])
 
         def hvp(x):  # the dense reference's product, so this checks the solver alone
             y = H @ np.concatenate([x[n].numpy() for n in LAYERS])
-            o = np.cumsum([0] + [e.capture.dim(n) for n in LAYERS])
+            o = np.cumsum([0] + [e.space.dim(n) for n in LAYERS])
             return {n: torch.from_numpy(y[o[i]:o[i + 1]]) for i, n in enumerate(LAYERS)}
 
-        Pinv = np.concatenate([np.concatenate([curv[n].solve(torch.eye(e.capture.dim(n), dtype=torch.float64)).numpy()
-                                               if m == n else np.zeros((e.capture.dim(m), e.capture.dim(n)))
+        Pinv = np.concatenate([np.concatenate([curv[n].solve(torch.eye(e.space.dim(n), dtype=torch.float64)).numpy()
+                                               if m == n else np.zeros((e.space.dim(m), e.space.dim(n)))
                                                for n in LAYERS], 1) for m in LAYERS], 0)
         lam_max = np.linalg.eigvals(Pinv @ A).real.max()
         assert lam_max > 2  # a Neumann step of 1 would diverge: the step must come from the spectrum
@@ -189,7 +190,7 @@ def test_refined_scores_match_the_dense_reference_on_raw_and_eigenbasis_rows(set
     cfg = RefineConfig(method="cg", steps=6, sample=N_TRAIN, batch=6, damping=None)
     with QueryEngine(raw_index, device="cpu") as e:
         tokens, grads = _query_grads(e, QUERIES)
-        dims = {n: e.capture.dim(n) for n in LAYERS}
+        dims = {n: e.space.dim(n) for n in LAYERS}
         curv = {n: preconditioner_curvature(e.pre.get("ekfac"), n, DAMPING) for n in LAYERS}
         A = H + np.diag(np.concatenate([np.full(dims[n], curv[n].delta) for n in LAYERS]))
         T = np.concatenate([e.store.read_rows(np.arange(e.n), list(LAYERS))[n].astype(np.float64) for n in LAYERS], 1)
@@ -219,7 +220,7 @@ def test_refine_damping_solves_at_its_own_damping_on_raw_and_eigenbasis_rows(set
     cfg = RefineConfig(method="cg", steps=3, sample=N_TRAIN, batch=6, damping=None)
     with QueryEngine(raw_index, device="cpu") as e:
         tokens, grads = _query_grads(e, QUERIES)
-        dims = {n: e.capture.dim(n) for n in LAYERS}
+        dims = {n: e.space.dim(n) for n in LAYERS}
         curv = {n: preconditioner_curvature(e.pre.get("ekfac"), n, d2) for n in LAYERS}
         T = np.concatenate([e.store.read_rows(np.arange(e.n), list(LAYERS))[n].astype(np.float64) for n in LAYERS], 1)
         X = [np.concatenate([x[n].numpy() for n in LAYERS]) for x, _ in
@@ -321,7 +322,7 @@ def test_fisher_refinement_matches_the_dense_fisher(setup, raw_index, curvature)
         Gs = dense_gradients(model, ids, labels)
         T = dense_gradients(model, data.input_ids, data.labels)  # the index's rows, independently
         curv = {n: preconditioner_curvature(e.pre.get("ekfac"), n, DAMPING) for n in LAYERS}
-        dims = {n: e.capture.dim(n) for n in LAYERS}
+        dims = {n: e.space.dim(n) for n in LAYERS}
         F = Gs.T @ Gs / len(Gs)
         A = F + np.diag(np.concatenate([np.full(dims[n], curv[n].delta) for n in LAYERS]))
         _, grads = _query_grads(e, QUERIES)

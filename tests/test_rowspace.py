@@ -14,7 +14,7 @@ import torch
 from click.testing import CliRunner
 from test_capture import _G, _examples, _reference
 
-from gradindex.capture import GradientCapture, ProjectionSpec, projection_matrix
+from gradindex.capture import GradientCapture, KfacSums, ProjectedRows, ProjectionSpec, RowSpace, projection_matrix
 from gradindex.capture.allocation import allocate, capture_cost, stored_numbers
 from gradindex.capture.batch import batch_gradients
 from gradindex.cli import main
@@ -121,15 +121,16 @@ def test_mixed_per_layer_sizes_equal_torch_func_gradients(gpt2_dir, tokenizer, r
     ids, labels = _examples(tok)
     ref = _reference(model, ids, labels)
     model.requires_grad_(False)
-    with GradientCapture(model, projection=spec, route=route) as cap:
+    space = RowSpace(spec)
+    with GradientCapture(model, None, ProjectedRows(space, route)) as cap:
         bg = batch_gradients(model, cap, ids, labels, tok.pad_token_id)
     for name, rows in bg.grads.items():
-        assert rows.shape[1] == cap.dim(name)
+        assert rows.shape[1] == space.dim(name)
         for i in range(len(ids)):
             e = _expected(spec, name, _G(cap, name, ref[i])).reshape(-1)
             assert float((rows[i].double() - e).norm()) <= 1e-4 * float(e.norm()) + 1e-9, (name, i)
     first = next(iter(cap.infos))
-    assert cap.dims(first) == (cap.infos[first].n_out, cap.infos[first].n_in_total)
+    assert space.dims(first) == (cap.infos[first].n_out, cap.infos[first].n_in_total)
 
 
 def _data(gpt2_dir, text_jsonl):
@@ -152,7 +153,7 @@ def test_budget_build_fits_indexes_and_queries_with_mixed_shapes(gpt2_dir, text_
     full = 4 * sum(v["n_out"] * (v["n_in"] + v["bias"]) for v in m["build"]["layers"].values())
     assert 4 * sum(r * c for r, c in shapes.values()) <= full * 3 / 8
     ref = _reference(model, data.input_ids[:3], data.labels[:3])
-    with Store(out) as st, GradientCapture(model, projection=spec) as cap:
+    with Store(out) as st, GradientCapture(model) as cap:
         assert st.dims == {n: r * c for n, (r, c) in shapes.items()}
         rows = st.read_rows(np.arange(3))
         for n in shapes:
@@ -213,7 +214,7 @@ def test_kfac_basis_rows_methods_and_queries(gpt2_dir, text_jsonl, tmp_path):
         assert np.allclose(basis.W_a[n], W, rtol=2e-3, atol=2e-3 * np.abs(W).max())
     spec = ProjectionSpec.from_dict(m["build"]["projection"])
     ref = _reference(model, data.input_ids[:2], data.labels[:2])
-    with Store(out) as st, GradientCapture(model, projection=spec) as cap:
+    with Store(out) as st, GradientCapture(model) as cap:
         rows = st.read_rows(np.arange(2))
         for n in names:
             for i in range(2):
@@ -324,11 +325,12 @@ def test_dense_maps_scales_and_entrywise_weights_equal_torch_func_gradients(gpt2
     model.requires_grad_(False)
     with GradientCapture(model) as probe:
         transforms = _mixed_transforms(probe)
-    with GradientCapture(model, projection=spec, route=route, transforms=transforms) as cap:
+    space = RowSpace(spec, transforms)
+    with GradientCapture(model, None, rows_of := ProjectedRows(space, route)) as cap:
         bg = batch_gradients(model, cap, ids, labels, tok.pad_token_id)
     for name, rows in bg.grads.items():
         t = transforms[name]
-        assert rows.shape[1] == cap.dim(name)
+        assert rows.shape[1] == space.dim(name)
         for i in range(len(ids)):
             G = _G(cap, name, ref[i]).double()
             if t.elementwise is not None:
@@ -336,7 +338,7 @@ def test_dense_maps_scales_and_entrywise_weights_equal_torch_func_gradients(gpt2
             e = _expected(spec, name, G, W_a=t.map_a, W_g=torch.diag(t.g.double())).reshape(-1)
             assert float((rows[i].double() - e).norm()) <= 1e-4 * float(e.norm()) + 1e-9, (name, i)
     weighted = [n for n, t in transforms.items() if t.elementwise is not None]
-    assert cap.route_counts["materialized"] >= len(weighted), "entrywise weights need the materialized route"
+    assert rows_of.route_counts["materialized"] >= len(weighted), "entrywise weights need the materialized route"
 
 
 def test_covariance_with_a_transform_is_refused_only_for_entrywise_weights(gpt2_dir, tokenizer):
@@ -347,19 +349,21 @@ def test_covariance_with_a_transform_is_refused_only_for_entrywise_weights(gpt2_
     with GradientCapture(model) as probe:
         transforms = _mixed_transforms(probe)
     with pytest.raises(ValueError, match="entrywise"):
-        GradientCapture(model, projection=spec, collect_covariance=True, transforms=transforms)
+        GradientCapture(model, None, KfacSums(RowSpace(spec, transforms)))
     maps = {n: LayerTransform(g=t.g, map_a=t.map_a) for n, t in transforms.items()}
     ids, labels = _examples(tok)
     model.requires_grad_(False)
-    with GradientCapture(model, projection=spec, collect_covariance=True, transforms=maps) as cap:
+    kfac = KfacSums(RowSpace(spec, maps))
+    with GradientCapture(model, None, kfac) as cap:
         batch_gradients(model, cap, ids, labels, tok.pad_token_id)
     name = next(iter(cap.infos))
     P_a = projection_matrix(spec, name, "a", maps[name].map_a.shape[0]).double()
     M_a = P_a @ maps[name].map_a.double()  # the factor is of mapped rows: M_a Σ ā āᵀ M_aᵀ
-    with GradientCapture(model, projection=ProjectionSpec.parse("none"), collect_covariance=True) as plain:
-        batch_gradients(model, plain, ids, labels, tok.pad_token_id)
-    expect = M_a @ plain.cov_a[name] @ M_a.T
-    assert torch.allclose(cap.cov_a[name], expect, rtol=1e-4, atol=1e-6 * float(expect.abs().max()))
+    plain = KfacSums(RowSpace(ProjectionSpec.parse("none")))
+    with GradientCapture(model, None, plain) as cap:
+        batch_gradients(model, cap, ids, labels, tok.pad_token_id)
+    expect = M_a @ plain.A[name] @ M_a.T
+    assert torch.allclose(kfac.A[name], expect, rtol=1e-4, atol=1e-6 * float(expect.abs().max()))
 
 
 def test_optimizer_state_with_the_kfac_basis_is_refused():

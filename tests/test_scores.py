@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.manifest import read_manifest
@@ -137,7 +137,7 @@ def test_scores_of_real_query_gradients_rank_the_example_itself_first(index, gpt
     from gradindex.capture.batch import batch_gradients
 
     spec = ProjectionSpec(**{k: v for k, v in m["build"]["projection"].items() if k != "stream_version"})
-    with GradientCapture(model, list(m["build"]["layers"]), spec) as cap:
+    with GradientCapture(model, list(m["build"]["layers"]), ProjectedRows(RowSpace(spec))) as cap:
         q = batch_gradients(model, cap, data.input_ids[:4], data.labels[:4], tok.pad_token_id).grads
     s = score_matrix(index, q, "ekfac-selfnorm")
     assert (s.argmax(axis=1) == np.arange(4)).all()

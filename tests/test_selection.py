@@ -135,7 +135,7 @@ def test_adam_preconditioning_waits_for_the_optimizer_state():
         opt.step()
         opt.zero_grad()
     # step 0 had no state (plain target); step 1 refreshed with it; refresh_every=0 then keeps it
-    assert sel.stats["refreshes"] == 2 and sel.refreshed_at == 1 and sel.capture.transforms
+    assert sel.stats["refreshes"] == 2 and sel.refreshed_at == 1 and sel.space.transforms
 
 
 def test_policies_choose_as_specified():

@@ -8,7 +8,7 @@ per training token::
 
 with ``M`` the method's ``H⁻¹`` (identity for graddot and adam), applied to the query as the engine does.
 The factors are rebuilt on demand by re-running the example through the model with the engine's
-own capture (:meth:`gradindex.capture.GradientCapture.token_factors`). The query side is the same
+own capture (:class:`gradindex.capture.TokenFactors`). The query side is the same
 decomposition over the query's tokens against the training example's stored vector ``t``:
 ``Σ_layers ḡ_sᵀ (M t) ā_s`` (``M`` is symmetric, so ``⟨q, M t⟩ = ⟨M q, t⟩``). Both sides sum to
 the example's score (up to the storage code's rounding when the store is not float32).
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gradindex.capture import TokenFactors
 from gradindex.capture.batch import batch_gradients
 from gradindex.data import IGNORE
 from gradindex.index.space import query_vectors
@@ -136,20 +137,15 @@ class Explainer:
         B = batch_size_of(e.manifest)
         grads: list[dict[str, torch.Tensor]] = []
         out: list[Factors] = []
-        keep = cap.keep_tokens
-        cap.keep_tokens = True
-        try:
-            with cap:
-                for s in range(0, len(ids), B):
-                    bg = batch_gradients(e.model, cap, ids[s:s + B], labels[s:s + B], e.pad_id)
-                    parts = cap.pop_tokens()
-                    grads.append({n: v.float().cpu() for n, v in bg.grads.items()})
-                    for j, x in enumerate(ids[s:s + B]):
-                        T = len(x)
-                        out.append({n: [(gb[j, :T].cpu(), ab[j, :T].cpu()) for gb, ab in calls]
-                                    for n, calls in parts.items()})
-        finally:
-            cap.keep_tokens = keep
+        with cap, cap.visiting(TokenFactors(e.space)) as tokens:
+            for s in range(0, len(ids), B):
+                bg = batch_gradients(e.model, cap, ids[s:s + B], labels[s:s + B], e.pad_id)
+                parts = tokens.take()
+                grads.append({n: v.float().cpu() for n, v in bg.grads.items()})
+                for j, x in enumerate(ids[s:s + B]):
+                    T = len(x)
+                    out.append({n: [(gb[j, :T].cpu(), ab[j, :T].cpu()) for gb, ab in calls]
+                                for n, calls in parts.items()})
         return {n: torch.cat([g[n] for g in grads]) for n in grads[0]}, out
 
     def _train_factors(self, ids: list[int]) -> list[tuple[list[int], list[int], Factors]]:
@@ -180,7 +176,7 @@ class Explainer:
         backward per example; kfac/ekfac need the full-space fit)."""
         e = self.engine
         e.index.check_current()
-        method = e.resolve_method(method)
+        method = e.base_method(method)  # (the default: ekfac itself, not the query default ekfac-selfnorm)
         base, selfnorm = parse_method(method)
         usable = all_methods("explain", selfnorm=False)
         if selfnorm or base not in usable:
@@ -198,7 +194,7 @@ class Explainer:
         tokens = e.tokenize(as_records([query], text_field), text_field)
         q_ids, q_labels = tokens.input_ids[0], tokens.labels[0]
         q_grads, (q_fac,) = self.factors([q_ids], [q_labels])
-        shapes = {n: e.capture.dims(n) for n in chosen}
+        shapes = {n: e.space.dims(n) for n in chosen}
         q_rows = {n: torch.from_numpy(to_rows(e.basis, n, q_grads[n].numpy(), shapes[n])) for n in chosen}
         refine = e.refine_config(None, method)  # the engine's refinement (--refine), where the method has one
         if refine is not None:  # the training side splits the refined score; the query side stays EK-FAC's
@@ -245,7 +241,7 @@ class Explainer:
         total = np.zeros(T, dtype=np.float64)
         layer_totals = {}
         for n, v in vec.items():
-            rows, cols = self.engine.capture.dims(n)
+            rows, cols = self.engine.space.dims(n)
             V = torch.from_numpy(np.asarray(v, dtype=np.float64).reshape(rows, cols))
             s = torch.zeros(T, dtype=torch.float64)
             for gb, ab in fac[n]:

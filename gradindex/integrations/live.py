@@ -44,7 +44,7 @@ from torch import nn
 import gradindex
 from gradindex import distributed
 from gradindex.adapter import adapter_fingerprint, unwrap_peft
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.batch import finite_rows
 from gradindex.data import IGNORE, token_hash
 from gradindex.fingerprint import model_fingerprint
@@ -164,8 +164,9 @@ class LiveCapture:
         self.spec = options.spec()
         check_storage(options.storage)
         self._check_out_dir()
-        self.capture = GradientCapture(self.inner, options.layers or None, self.spec, options.route, weight_free=False)
-        self.dims = {n: self.capture.dim(n) for n in self.capture.infos}
+        self.rows = ProjectedRows(RowSpace(self.spec), options.route)
+        self.capture = GradientCapture(self.inner, options.layers or None, self.rows, weight_free=False)
+        self.dims = {n: self.rows.space.dim(n) for n in self.capture.infos}
         self.log = CaptureLog(rank_dir(self.out, distributed.rank()), self.dims, part_rows=options.shard_size)
         self.step = 0
         self.epoch = 0.0
@@ -432,7 +433,7 @@ class LiveCapture:
         return int(max((x.max() for x in ids if x.size), default=-1))
 
     def _manifest(self, res, n: int, fingerprint: str) -> dict:
-        cap, o = self.capture, self.opt
+        o = self.opt
         scales = np.asarray([s for s in self._scales if math.isfinite(s)])
         adapter = adapter_fingerprint(self.inner)
         build = {
@@ -441,7 +442,7 @@ class LiveCapture:
             "dtype": model_dtype(self.model),
             "storage": o.storage,
             "data_fingerprint": res.data_fingerprint,
-            "layers": layer_identity(cap),
+            "layers": layer_identity(self.rows.space),
             "projection": self.spec.to_dict(),
             "max_length": o.max_length,
             "loss": LOSS_CONVENTION,
@@ -464,7 +465,7 @@ class LiveCapture:
             "counts": {"examples": n, "truncated": 0, "text_field": o.text_field,
                        "shards": (n + o.shard_size - 1) // o.shard_size},
             "nonfinite_ids": sorted(set(res.nonfinite) - set(res.unseen)) + res.unseen,
-            "routes": dict(cap.route_counts),
+            "routes": dict(self.rows.route_counts),
             "training": {
                 "source": "in-loop capture (gradindex.integrations)",
                 "loss_scale": {

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from gradindex import distributed
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.batch import batch_gradients, tensor_batch_gradients
 from gradindex.data import IGNORE
 
@@ -246,7 +246,8 @@ class OnlineSelector:
         spec = projection if isinstance(projection, ProjectionSpec) else ProjectionSpec.parse(
             projection, kind=projection_kind, seed=seed)
         self.spec, self.route, self.layer_patterns = spec, route, layers or None
-        self.capture = GradientCapture(self.model, self.layer_patterns, spec, route, weight_free=True)
+        self.space = RowSpace(spec)
+        self.capture = GradientCapture(self.model, self.layer_patterns, ProjectedRows(self.space, route))
         self.layers = list(self.capture.modules)
         self.optimizer = optimizer
         """Whose Adam second moments ``precondition='adam'`` reads (the Trainer's, with :class:`SelectionCallback`)."""
@@ -305,8 +306,8 @@ class OnlineSelector:
         """Recompute :attr:`target` at the current parameters: one scoring pass over the target set."""
         t0 = time.perf_counter()
         if self.precondition == "adam":
-            self.capture = GradientCapture(self.model, self.layer_patterns, self.spec, self.route, weight_free=True,
-                                           transforms=self._adam_transforms())
+            self.space = RowSpace(self.spec, self._adam_transforms())
+            self.capture = GradientCapture(self.model, self.layer_patterns, ProjectedRows(self.space, self.route))
         sums: dict[str, torch.Tensor] = {}
         tokens = 0
         B = self.target_batch_size

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import nn
 
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, KfacSums, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.sampling import FISHERS, label_uniforms
 from gradindex.data import Tokenized, load_records, token_hash, tokenize_records
@@ -108,8 +108,9 @@ def model_covariance(
     pad_id = resolve_pad_id(model, tokenizer)
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
-    cap = GradientCapture(model, list(layers), projection, route, weight_free=True, collect_covariance=True,
-                          transforms=transforms)
+    space = RowSpace(projection, transforms)
+    kfac = KfacSums(space)
+    cap = GradientCapture(model, list(layers), ProjectedRows(space, route), kfac)
     if set(cap.infos) != set(layers):
         raise ValueError(f"the model's layers {sorted(cap.infos)} are not the index's {sorted(layers)}")
     rows = list(rows)
@@ -125,8 +126,8 @@ def model_covariance(
         for n, p in model.named_parameters():
             p.requires_grad_(was[n])
     for n in layers:
-        if n in cap.cov_a:
-            sums.add(n, cap.cov_a[n].cpu().numpy(), cap.cov_g[n].cpu().numpy(), cap.cov_tokens[n])
+        if n in kfac.A:
+            sums.add(n, kfac.A[n].cpu().numpy(), kfac.S[n].cpu().numpy(), kfac.tokens[n])
     sums.examples = len(rows)
     return sums
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.batch import batch_gradients, finite_rows
 from gradindex.capture.sampling import label_uniforms
 from gradindex.data import Tokenized
@@ -49,7 +49,7 @@ def model_correction(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     was = {n: p.requires_grad for n, p in model.named_parameters()}
     model.requires_grad_(False)
-    cap = GradientCapture(model, list(layers), projection, route, weight_free=True, transforms=transforms)
+    cap = GradientCapture(model, list(layers), ProjectedRows(RowSpace(projection, transforms), route))
     dev = next(model.parameters()).device
     mats = {n: (torch.as_tensor(bases[n].Q_S, dtype=dtypes[n], device=dev),
                 torch.as_tensor(bases[n].Q_A, dtype=dtypes[n], device=dev)) for n in layers}

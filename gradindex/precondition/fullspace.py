@@ -47,10 +47,10 @@ import numpy as np
 import torch
 
 import gradindex
+from gradindex.capture import FullTokens, GradientCapture
 from gradindex.capture.batch import batch_gradients
 from gradindex.capture.gram import add_gram, gram_block, upper_to_symmetric
 from gradindex.capture.head import plain_head
-from gradindex.capture.tokens import TokenCapture
 from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.fingerprint import digest_bytes
@@ -240,7 +240,7 @@ def _model_pass(model, pad_id: int, data: Tokenized, rows: np.ndarray, layers: l
     head and the loss (the same per-token factors, bit for bit).
     """
     tokens = 0
-    with TokenCapture(model, layers, visit) as cap, \
+    with GradientCapture(model, layers, FullTokens(visit)) as cap, \
             progress_bar(total=len(rows), initial=start, unit="ex", desc=desc, disable=not progress) as bar:
         if heads is not None and plain_head(model, set(cap.modules.values())) is None:
             heads = None

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gradindex.adapter import adapter_fingerprint
-from gradindex.capture import GradientCapture
+from gradindex.capture import GradientCapture, ProjectedRows, RowSpace
 from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
 from gradindex.chat import set_chat_template, template_of
@@ -162,7 +162,7 @@ class QueryEngine:
             self.curvature_cache_bytes: int | None = CURVATURE_CACHE_BYTES
             """Bytes of full-space curvature the exact stage keeps at once (its layers are read from the full-space
             file when used, :func:`~gradindex.precondition.load_full_preconditioner`); None: every layer."""
-            self.model, self.tokenizer, self.capture = model, tokenizer, None
+            self.model, self.tokenizer, self.capture, self.space = model, tokenizer, None, None
             self.pad_id = pad_id
             if load_model:
                 self._open_model(model_dir, device, dtype, optimizer_state)
@@ -202,8 +202,8 @@ class QueryEngine:
         if transforms is None:  # the row basis's side maps (an Adam index has the raw basis)
             transforms = capture_transforms(self.basis)
         try:
-            self.capture = GradientCapture(self.model, self.layer_names, spec, route, weight_free=True,
-                                           transforms=transforms)
+            self.space = RowSpace(spec, transforms)  # (what the index's rows hold of each layer)
+            self.capture = GradientCapture(self.model, self.layer_names, ProjectedRows(self.space, route))
         except ValueError as e:  # another architecture: the index's layers are not there
             raise IndexMismatchError(
                 f"this model does not fit the index in {str(self.dir)!r}: the index's {e}; query with the model "
@@ -213,7 +213,7 @@ class QueryEngine:
                "adapter_fingerprint": adapter_fingerprint(self.model),
                "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
                "optimizer": optimizer,
-               "layers": layer_identity(self.capture)}
+               "layers": layer_identity(self.space)}
         diffs = identity_differences(build, now)
         if diffs:
             raise IndexMismatchError(
@@ -493,8 +493,8 @@ class QueryEngine:
         """The engine's :class:`~gradindex.query.refine.Refiner` (training sample, curvature, cache), made once."""
         self._need_model()
         if self._refiner is None:
-            self._refiner = Refiner(self.model, self.capture, self.pad_id, self._refine_sample, self._row_curvature,
-                                    gradients=self._sample_gradients)
+            self._refiner = Refiner(self.model, self.capture, self.space, self.pad_id, self._refine_sample,
+                                    self._row_curvature, gradients=self._sample_gradients)
         return self._refiner
 
     def refined_rows(self, tokens: QueryTokens, grads: Mapping[str, torch.Tensor], method: str, damping: float,

@@ -4,7 +4,7 @@ The projection preserves inner products only in expectation; for the candidates 
 the query's full per-layer gradient ``G_q = Σ_t g_t a_tᵀ`` is rebuilt (one example: a dense
 ``[N_o, N_i(+1)]`` matrix per layer), preconditioned once, ``M = (H + δI)⁻¹ G_q`` with the
 full-space curvature (:func:`gradindex.precondition.load_full_preconditioner`), and each candidate is
-scored from its per-token factors (:class:`~gradindex.capture.tokens.TokenCapture`, one forward +
+scored from its per-token factors (:class:`~gradindex.capture.visitors.FullTokens`, one forward +
 backward per batch of candidates) as ``⟨M, G_t⟩ = Σ_t g_tᵀ M a_t``, never storing ``G_t`` (a batch's
 dense ``G_t = Σ_t g_t a_tᵀ`` is formed a few examples at a time, dotted with every query's ``M`` at once,
 then dropped):
@@ -36,8 +36,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradindex.capture import FullTokens, GradientCapture
 from gradindex.capture.batch import batch_gradients
-from gradindex.capture.tokens import TokenCapture
 from gradindex.methods import DEFAULT_DAMPING, method_spec, parse_method
 from gradindex.precondition.apply import damped
 from gradindex.precondition.fullspace import budget_bound, stored_share
@@ -74,7 +74,7 @@ def full_query_gradient(model: nn.Module, layers: list[str], query: tuple[list[i
         G = g[0].to(dtype).T @ a[0].to(dtype)
         out[name] = out[name] + G if name in out else G
 
-    with TokenCapture(model, layers, visit) as cap:
+    with GradientCapture(model, layers, FullTokens(visit)) as cap:
         batch_gradients(model, cap, [query[0]], [query[1]], pad_id)
     return out
 
@@ -179,8 +179,7 @@ def _chunks(items: list, size: int) -> list[list]:
 
 def _chunk_size(model: nn.Module, layers: list[str], dtype: torch.dtype) -> int:
     """Queries whose full-space ``M`` fit in :data:`QUERY_CHUNK_BYTES` together (at least one)."""
-    cap = TokenCapture(model, layers, lambda *_: None)  # (hooks nothing outside ``with``)
-    numbers = sum(int(np.prod(cap.full_shape(n))) for n in cap.infos)
+    numbers = sum(i.n_out * i.n_in_total for i in GradientCapture(model, layers).infos.values())  # (no hooks)
     per_query = max(1, numbers * torch.finfo(dtype).bits // 8)
     return max(1, QUERY_CHUNK_BYTES // per_query)
 
@@ -211,7 +210,7 @@ def _query_matrix(model, layers, query, pad_id, base: str, pre, damping: float, 
         X = pre.apply(name, G.reshape(1, -1), -1.0, damping).reshape(G.shape) if fitted else G
         _slot(M, name, count, X)[j] += X
 
-    with TokenCapture(model, layers, visit) as cap:
+    with GradientCapture(model, layers, FullTokens(visit)) as cap:
         batch_gradients(model, cap, [query[0]], [query[1]], pad_id)
     if base != "cosine":
         return 0.0
@@ -285,7 +284,7 @@ def _candidate_pass(model, layers: list[str], train, rows: np.ndarray, pad_id: i
         t0 = time.perf_counter()
         cur.clear()
         idx = rows[s:s + batch_size]
-        with TokenCapture(model, layers, visit) as cap:
+        with GradientCapture(model, layers, FullTokens(visit)) as cap:
             batch_gradients(model, cap, [t_ids[i] for i in idx], [t_labels[i] for i in idx], pad_id)
         e = s + len(cur["dot"])
         dots[s:e] = cur["dot"].double().cpu().numpy()

@@ -390,17 +390,17 @@ def sampled_labels(model: nn.Module, ids: Sequence[list[int]], labels: Sequence[
 
 # -- the engine's refiner --------------------------------------------------------------------------------------
 class Refiner:
-    """Refined query rows for one engine: its model, capture and preconditioners; results cached.
+    """Refined query rows for one engine: its model, capture, row space and preconditioners; results cached.
 
     ``curvature(base, damping, layer)`` gives a layer's :class:`RowCurvature`; ``sample()`` the training
     sample's ``(ids, labels)``. Refined rows are kept per (query tokens, method, damping, layers, config),
     ``cache`` entries at most.
     """
 
-    def __init__(self, model: nn.Module, capture, pad_id: int, sample: Callable[[RefineConfig], tuple],
+    def __init__(self, model: nn.Module, capture, space, pad_id: int, sample: Callable[[RefineConfig], tuple],
                  curvature: Callable[[str, float, str], RowCurvature], cache: int = 1024,
                  gradients: Callable[[list, list], Mapping[str, torch.Tensor]] | None = None):
-        self.model, self.capture, self.pad_id = model, capture, pad_id
+        self.model, self.capture, self.space, self.pad_id = model, capture, space, pad_id
         self._sample, self._curvature, self._gradients = sample, curvature, gradients
         self._ggn: dict[tuple, GaussNewton] = {}
         self._cache: OrderedDict = OrderedDict()
@@ -424,9 +424,9 @@ class Refiner:
         key = (cfg.sample, cfg.seed, cfg.batch, tuple(layers), full)
         if key not in self._ggn:
             ids, labels = self._sample(cfg)
-            maps = {} if full else {n: (self.capture.side_map(n, "g", "cpu"), self.capture.side_map(n, "a", "cpu"))
+            maps = {} if full else {n: (self.space.side_map(n, "g", "cpu"), self.space.side_map(n, "a", "cpu"))
                                     for n in layers}
-            if not full and any(self.capture.side_scale(n, s) is not None for n in layers for s in "ag"):
+            if not full and any(self.space.side_scale(n, s) is not None for n in layers for s in "ag"):
                 raise ValueError("query refinement needs linear side maps; this index's rows are scaled entrywise "
                                  "(an Adam-preconditioned index): query it without --refine")
             self._ggn[key] = GaussNewton(self.model, {n: self.capture.modules[n] for n in layers},

@@ -19,7 +19,7 @@ from torch import nn
 import gradindex
 from gradindex import distributed
 from gradindex.adapter import adapter_fingerprint, adapter_path
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import FullSums, GradientCapture, KfacSums, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.allocation import ALLOCATIONS
 from gradindex.capture.head import plain_head
@@ -161,7 +161,7 @@ def model_dtype(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
 
 
-def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: BuildConfig, data_fp: str,
+def _identity(model: nn.Module, model_fp: str, space: RowSpace, cfg: BuildConfig, data_fp: str,
               basis: dict, optimizer: dict | None, tokenizer_fp: dict | None = None) -> dict:
     adapter = adapter_fingerprint(model)
     return {
@@ -171,8 +171,8 @@ def _identity(model: nn.Module, model_fp: str, capture: GradientCapture, cfg: Bu
         "dtype": model_dtype(model),
         "storage": cfg.capture_storage,
         "data_fingerprint": data_fp,
-        "layers": layer_identity(capture),
-        "projection": capture.projection.to_dict(),
+        "layers": layer_identity(space),
+        "projection": space.projection.to_dict(),
         "basis": basis,
         "max_length": cfg.max_length,
         "loss": LOSS_CONVENTION,
@@ -305,13 +305,17 @@ def build_store(
 
 @dataclass
 class _Setup:
-    """What a store build settles before it writes: fingerprints, the capture and the identity it records."""
+    """What a store build settles before it writes: fingerprints, the capture (its rows and factor sums, where
+    summed) and the identity it records."""
 
     hashes: list
     data_fp: str
     pad_id: int
     spec: ProjectionSpec
     capture: GradientCapture
+    rows: ProjectedRows
+    kfac: KfacSums | None
+    full: FullSums | None
     identity: dict
     write_basis: object
 
@@ -334,15 +338,17 @@ def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildCo
     transforms, optimizer = capture_transforms(basis), None
     if cfg.optimizer_state:  # (the kfac basis is refused with it: one transform per layer)
         transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.adam_mode, model, cfg.layers)
-    capture = GradientCapture(model, cfg.layers, spec, cfg.route, weight_free=True,
-                              collect_covariance=cfg.collect_covariance  # (a coder's rows are fitted already)
-                              or (cfg.precondition != "none" and cfg.fisher == "empirical" and coder is None),
-                              collect_full_covariance=cfg.full_factors or full_sums, transforms=transforms)
-    identity = _identity(model, model_fp, capture, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
+    space = RowSpace(spec, transforms)
+    rows = ProjectedRows(space, cfg.route)
+    kfac = KfacSums(space) if cfg.collect_covariance or (  # (a coder's rows are fitted already)
+        cfg.precondition != "none" and cfg.fisher == "empirical" and coder is None) else None
+    full = FullSums() if cfg.full_factors or full_sums else None
+    capture = GradientCapture(model, cfg.layers, *[v for v in (rows, kfac, full) if v is not None])
+    identity = _identity(model, model_fp, space, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
                          optimizer, tokenizer_fp)
     if coder is not None:
         identity = coder.identity(identity)
-    return _Setup(hashes, data_fp, pad_id, spec, capture, identity, write)
+    return _Setup(hashes, data_fp, pad_id, spec, capture, rows, kfac, full, identity, write)
 
 
 def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConfig, identity: dict, model_id: str,
@@ -381,8 +387,8 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     old = distributed.on_rank0(lambda: prepare_out_dir(out, st.identity, overwrite, st.hashes))  # (one rank: deletes)
     if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
         computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
-            model, GradientCapture(model, cfg.layers, st.spec, cfg.route, weight_free=True,
-                                   transforms=capture_transforms(index_basis(out, old))),
+            model, GradientCapture(model, cfg.layers, ProjectedRows(RowSpace(st.spec, capture_transforms(
+                index_basis(out, old))), cfg.route)),
             data, out, old, st.pad_id, st.hashes, full=repair, progress=progress))
         return BuildResult(out, old, time.perf_counter() - t0, computed or 0)
     lead = distributed.rank() == 0
@@ -398,9 +404,9 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     if lead:
         write_manifest(out, manifest)
     distributed.barrier()  # the other ranks write their shards once rank 0 has set the directory up
-    nonfinite, computed = write_shards(out, model, st.capture, data, cfg, st.pad_id, st.hashes, st.data_fp,
-                                       set(manifest.get("nonfinite_ids", [])), progress, full_fit_rows, heads, coder)
-    parts = distributed.gather((sorted(nonfinite), dict(st.capture.route_counts), computed))
+    nonfinite, computed = write_shards(out, model, st, data, cfg, set(manifest.get("nonfinite_ids", [])), progress,
+                                       full_fit_rows, heads, coder)
+    parts = distributed.gather((sorted(nonfinite), dict(st.rows.route_counts), computed))
     seconds = time.perf_counter() - t0
     routes: dict[str, int] = {}
     for _, r, _ in parts:
@@ -418,23 +424,23 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
     return BuildResult(out, manifest, seconds, sum(c for _, _, c in parts))
 
 
-def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: Tokenized, cfg: BuildConfig,
-                 pad_id: int, hashes: list, data_fp: str, nonfinite: set[int], progress: bool,
-                 full_rows: np.ndarray | None = None, heads=None, coder=None) -> tuple[set[int], int]:
+def write_shards(out: Path, model: nn.Module, st: _Setup, data: Tokenized, cfg: BuildConfig, nonfinite: set[int],
+                 progress: bool, full_rows: np.ndarray | None = None, heads=None, coder=None) -> tuple[set[int], int]:
     """The store's one shard-writing loop: each shard this rank owns and has not committed is captured,
     sealed and committed (hashed in a thread, overlapping the next capture); returns the examples with
     non-finite gradients and how many examples were computed now. ``full_rows``, ``heads``, ``coder``: as for
     :func:`build_store` (the full sums over ``full_rows`` only, their digest stored with them; the coder's
     per-shard results kept before the shard is sealed, so a shard is redone whole, as with factor sums)."""
     N, S, B = len(data), cfg.shard_size, cfg.batch_size
-    dims = {n: capture.dim(n) for n in capture.infos}
+    capture, pad_id, hashes, full = st.capture, st.pad_id, st.hashes, st.full
+    dims = {n: st.rows.space.dim(n) for n in capture.infos}
     computed = 0
     model.requires_grad_(False)
     shards = [(k, k * S, min((k + 1) * S, N)) for k in range((N + S - 1) // S)]
     bar = progress_bar(total=N, unit="ex", desc="capture", disable=not progress or distributed.rank() > 0)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="gradindex-hash")  # commits overlap the next capture
     commits: list[Future] = []
-    factors = capture.collect_covariance or capture.collect_full_covariance
+    factors = st.kfac is not None or full is not None
     select, digest = _full_selection(full_rows, N)
     if heads is not None and (distributed.world_size() > 1 or plain_head(model, set(capture.modules.values())) is None):
         heads = None
@@ -445,7 +451,7 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
                 if path.exists() or not distributed.owned(k):  # done, or another rank's (round-robin)
                     bar.update(end - start)
                     continue
-                w = ShardWriter(path, start, end - start, dims, data_fp,
+                w = ShardWriter(path, start, end - start, dims, st.data_fp,
                                 cfg.capture_storage if coder is None else coder.storage)
                 done = w.open()
                 if (factors or coder is not None) and done:  # factors need the whole shard: redo it
@@ -457,7 +463,7 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
                     for s in range(start + done, end, B):
                         e = min(s + B, end)
                         if select is not None:
-                            capture.full_select = torch.from_numpy(np.nonzero(select[s:e])[0])
+                            full.select = torch.from_numpy(np.nonzero(select[s:e])[0])
                         ok = append_batch(w, model, capture, data, s, e, pad_id, hashes, heads=heads,
                                           rows=None if coder is None else partial(coder.rows, s))
                         if not ok.all():
@@ -467,9 +473,9 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
                         computed += e - s
                         bar.update(e - s)
                     if factors:
-                        if capture.collect_full_covariance:
-                            capture.ensure_full_sums()
-                        write_covariance(w.file, capture, digest)
+                        if full is not None:
+                            full.ensure()
+                        write_covariance(w.file, st.kfac, full, digest)
                     if coder is not None:
                         coder.shard_done(k, start, end)
                     w.seal()
@@ -483,7 +489,8 @@ def write_shards(out: Path, model: nn.Module, capture: GradientCapture, data: To
         for f in commits:
             f.result()
     finally:
-        capture.full_select = None
+        if full is not None:
+            full.select = None
         hashing.shutdown(wait=True)
         bar.close()
     return nonfinite, computed

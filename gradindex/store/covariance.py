@@ -19,31 +19,28 @@ from gradindex.diskspace import reserve
 GROUPS = ("covariance", "covariance_full")
 
 
-def write_covariance(file: h5py.File, capture, full_rows: str = "") -> None:
-    """Store a shard's sums from ``capture``'s accumulators (both groups, where collected), then reset them;
+def write_covariance(file: h5py.File, kfac=None, full=None, full_rows: str = "") -> None:
+    """Store a shard's sums from a capture's :class:`~gradindex.capture.KfacSums` (``kfac``) and
+    :class:`~gradindex.capture.FullSums` (``full``), where collected, then reset them;
     ``full_rows``: the digest of the examples the full sums take (empty: all), an attribute of their group.
     The disk's room for them is checked first (:func:`~gradindex.diskspace.reserve`): HDF5 failing on a
     full disk inside a write left the file unclosable (the process crashed, rc 139, issue 33 item 7)."""
-    need = sum(8 * x.numel() for d in (capture.cov_a, capture.cov_g) for x in d.values())  # (float64)
-    need += sum(16 * x.numel() for d in (capture.full_a, capture.full_g) for x in d.values())  # (triangles: whole)
+    sums = [(group, s) for group, s in zip(GROUPS, (kfac, full), strict=True) if s is not None and s.A]
+    need = sum((8 if g == "covariance" else 16) * x.numel() for g, s in sums for d in (s.A, s.S)  # (float64;
+               for x in d.values())  # full: triangles, whole)
     reserve(file.filename, (1 << 16) + need)
-    for group, (A, S, T) in (("covariance", (capture.cov_a, capture.cov_g, capture.cov_tokens)),
-                             ("covariance_full", (capture.full_a, capture.full_g, capture.full_tokens))):
-        if not A:
-            continue
+    for group, s in sums:
         g = file.create_group(group)
         if group == "covariance_full" and full_rows:
             g.attrs["rows"] = full_rows
         read = upper_to_symmetric if group == "covariance_full" else np.asarray  # full: upper triangles summed
-        for n in capture.infos:
-            if n in A:
+        for n in s.layers:
+            if n in s.A:
                 grp = g.create_group(n)
-                grp["A"] = read(A[n].cpu().numpy())
-                grp["S"] = read(S[n].cpu().numpy())
-                grp.attrs["tokens"] = T[n]
-        A.clear()
-        S.clear()
-        T.clear()
+                grp["A"] = read(s.A[n].cpu().numpy())
+                grp["S"] = read(s.S[n].cpu().numpy())
+                grp.attrs["tokens"] = s.tokens[n]
+        s.clear()
 
 
 def read_covariance(path: str | Path, group: str, layers: Sequence[str]) -> dict[str, tuple] | None:

@@ -54,7 +54,7 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
     move_aside(d, [x.file for x in damage if x.problem != "missing"])
     basis = index_basis(d, manifest)
     shapes = {n: (int(v["rows"]), int(v["cols"])) for n, v in manifest["build"]["layers"].items()}
-    dims = {n: capture.dim(n) for n in capture.infos}
+    dims = {n: r * c for n, (r, c) in shapes.items()}  # (the captured rows: the build's, checked identical)
     N, S = int(manifest["counts"]["examples"]), int(manifest["config"]["shard_size"])
     B = batch_size_of(manifest)
     fp, storage = manifest["build"]["data_fingerprint"], manifest["build"]["storage"]

@@ -13,10 +13,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradindex.capture import GradientCapture, ProjectionSpec
+from gradindex.capture import GradientCapture, KfacSums, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.allocation import allocate, influence_counts, influence_share
 from gradindex.capture.batch import batch_gradients
-from gradindex.capture.fullcov import FullCovariance
 from gradindex.capture.layers import LayerInfo
 from gradindex.data import Tokenized
 from gradindex.methods import absolute_damping
@@ -73,13 +72,14 @@ def factor_pass(model: nn.Module, data: Tokenized, rows, layers, pad_id: int, ba
     """Full-space ``layer → (A, S)`` (float64 token means) from one forward/backward over ``rows``."""
     model.requires_grad_(False)
     rows = list(rows)
-    with FullCovariance(model, layers) as cap, progress_bar(total=len(rows), unit="ex", desc="basis factors",
-                                                     disable=not progress) as bar:
+    sums = KfacSums(RowSpace(ProjectionSpec(kind="none", k_a=0, k_g=0)))  # full space: A, S of [a, 1] and g
+    with GradientCapture(model, layers, sums) as cap, progress_bar(total=len(rows), unit="ex", desc="basis factors",
+                                                                   disable=not progress) as bar:
         for s in range(0, len(rows), batch_size):
             idx = rows[s:s + batch_size]
             batch_gradients(model, cap, [data.input_ids[i] for i in idx], [data.labels[i] for i in idx], pad_id)
             bar.update(len(idx))
-        return {n: (A.cpu().numpy(), S.cpu().numpy()) for n, (A, S, _) in cap.means().items()}
+        return {n: (A.cpu().numpy(), S.cpu().numpy()) for n, (A, S, _) in sums.means().items()}
 
 
 def full_space_basis(model: nn.Module, data: Tokenized, pad_id: int, out, cfg, model_fp: str, data_fp: str,
@@ -163,8 +163,8 @@ def correction_pass(model: nn.Module, data: Tokenized, rows, basis: RowBasis, pa
     rows = list(rows)
     sums: dict[str, np.ndarray] = {}
     seen = 0
-    with GradientCapture(model, list(basis.keep), ProjectionSpec(kind="none", k_a=0, k_g=0), "factorized",
-                         weight_free=True, transforms=capture_transforms(basis, whiten=False)) as cap, \
+    space = RowSpace(ProjectionSpec(kind="none", k_a=0, k_g=0), capture_transforms(basis, whiten=False))
+    with GradientCapture(model, list(basis.keep), ProjectedRows(space, "factorized")) as cap, \
             progress_bar(total=len(rows), unit="ex", desc="basis correction", disable=not progress) as bar:
         for s in range(0, len(rows), batch_size):
             idx = rows[s:s + batch_size]
