@@ -32,6 +32,10 @@ Usage::
     python -m benchmarks.fidelity               # both corpora + the compression study; writes
                                                 # benchmarks/results/fidelity.json and fidelity-bytes.png
     python -m benchmarks.fidelity --quick       # a smoke run of a few seconds (stdlib, a handful of codecs)
+    # EK-FAC against its self-normalized form, on raw rows and on the default index (issue 31):
+    python -m benchmarks.fidelity --corpora stdlib --methods ekfac,ekfac-selfnorm --projections none,16,default \
+        --damping 0.001 --dampings 0.001 --proj-seeds 1 --no-study --no-baselines \
+        --out benchmarks/results/selfnorm-stdlib.json
 
 Baselines: every table also has BM25 (on the model's tokens), Rep-Sim, TrackStar (``baselines.py``) and
 EK-FAC refined against the model's Gauss-Newton matrix (``gradindex.query.refine``), in the unprojected
@@ -39,7 +43,9 @@ column; Bergson's 1%-drop LDS and QLD are measured by ``refine.py``.
 
 Planted facts: each corpus gets ``n_facts`` unusual sentences (``fixtures.corpus.FACTS``) as training
 examples; each has a query (its prompt, loss on its completion); ``fact_recall`` is the share of
-those queries whose planted example ranks first. ``top{k}_overlap`` and ``lds_share`` compare with
+those queries whose planted example ranks first, ``fact_mrr`` the mean reciprocal rank of that example and
+``fact_ranks`` each one's rank; a ``-selfnorm`` method's ``diff_vs_plain`` is its paired LDS difference to the
+method without it. ``top{k}_overlap`` and ``lds_share`` compare with
 full-space EK-FAC at ``damping``. The compression study (``_study.py``, codecs in
 ``reference.py``) simulates stored codes on full-space gradients (benchmarks/README.md).
 """
@@ -97,6 +103,8 @@ from gradindex.query.scores import score_matrix  # noqa: E402
 
 METHODS = ("graddot", "cosine", "kfac", "ekfac")
 FITTED = ("kfac", "ekfac")
+DEFAULT_INDEX = "default"
+"""The projection column of the library's default index (``default_scorer``), scored through the query engine."""
 
 
 @dataclass(frozen=True)
@@ -315,6 +323,81 @@ def scores(index_dir: Path, qgrads: dict[str, np.ndarray], method: str, damping:
     return np.asarray(s, dtype=np.float64)
 
 
+class _RawScorer:
+    """Scores of a raw-rows index (:func:`build_for`): the queries' and fact queries' projected gradients
+    captured once, scored per method by ``score_matrix``."""
+
+    def __init__(self, model, setup: Setup, idx: Path, bcfg: BuildConfig):
+        self.idx = idx
+        self.q = query_gradients(model, setup.tokenizer, setup.query, bcfg)
+        self.dims = int(sum(v.shape[1] for v in self.q.values()))
+        self.rows = {"query": self.q}
+        if setup.facts:
+            self.rows["facts"] = query_gradients(model, setup.tokenizer, setup.fact_query, bcfg)
+
+    def __call__(self, which: str, method: str, damping: float) -> np.ndarray:
+        return scores(self.idx, self.rows[which], method, damping)
+
+    def close(self) -> None:
+        pass
+
+
+_raw_scorer = _RawScorer
+
+
+class _EngineScorer:
+    """Scores of an index through ``QueryEngine.scores`` (what a user's query computes), queries as token ids."""
+
+    def __init__(self, model, setup: Setup, idx: Path):
+        from gradindex.query import QueryEngine
+
+        self.engine = QueryEngine(idx, model=model, tokenizer=setup.tokenizer, device="cpu")
+        self.records = {"query": _records(setup.query)}
+        if setup.facts:
+            self.records["facts"] = _records(setup.fact_query)
+
+    def __call__(self, which: str, method: str, damping: float) -> np.ndarray:
+        return np.asarray(self.engine.scores(self.records[which], method=method, damping=damping), np.float64)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _records(t: Tokenized) -> list[dict]:
+    return [{"input_ids": x, "labels": y} for x, y in zip(t.input_ids, t.labels, strict=True)]
+
+
+def default_scorer(cfg: FidelityConfig, setup: Setup, model, out: Path) -> tuple[_EngineScorer, list[str], int, float]:
+    """The library's default index (``gradindex build``'s defaults: auto budget, EK-FAC fitted, rows transcoded to
+    its whitened eigenbasis as int4) at damping ``cfg.damping``: ``(scorer, the methods of cfg.methods it answers,
+    stored numbers per example, build seconds)``."""
+    from gradindex.manifest import read_manifest
+    from gradindex.methods import methods_of
+
+    t0 = time.perf_counter()
+    shutil.rmtree(out, ignore_errors=True)
+    bcfg = BuildConfig(projection=ProjectionSpec(), budget="auto", batch_size=16, precondition="ekfac",
+                       transcode="ekfac", storage="int4", max_length=max(cfg.max_tokens, 64), damping=cfg.damping)
+    # (max_length: the fact queries' own, make_setup's; the training rows come tokenized at cfg.max_tokens)
+    build_index(model, setup.tokenizer, setup.train, out, bcfg, model_id="fidelity", progress=False)
+    secs = time.perf_counter() - t0
+    m = read_manifest(out)
+    answers = set(methods_of(m, out, selfnorm=True))
+    dims = int(sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values()))
+    return _EngineScorer(model, setup, out), [x for x in cfg.methods if x in answers], dims, secs
+
+
+def fact_ranks(score: np.ndarray, rows: tuple[int, ...]) -> np.ndarray:
+    """``[F]`` rank of each planted fact's training row for its query (1 = first; ties counted against it)."""
+    own = score[np.arange(len(rows)), list(rows)]
+    return (score >= own[:, None]).sum(axis=1)
+
+
+def fact_mrr(score: np.ndarray, rows: tuple[int, ...]) -> float:
+    """Mean reciprocal rank of the planted rows (:func:`fact_ranks`)."""
+    return float(np.mean(1.0 / fact_ranks(score, rows)))
+
+
 def build_for(model, setup: Setup, spec: ProjectionSpec, out: Path, max_tokens: int = 512) -> tuple[BuildConfig, float]:
     """Store + K-FAC/EK-FAC factors for one projection; returns the config and seconds spent. ``max_tokens``:
     the training texts' truncation (so that the engine re-tokenizes ``setup.train_texts`` to the same rows)."""
@@ -350,7 +433,7 @@ def curvature_diagnostics(index_dir: Path, qgrads: dict[str, np.ndarray]) -> dic
     return out
 
 
-def summarize(runs: list[dict], base: list[dict], kfac: list[dict] | None = None) -> dict:
+def summarize(runs: list[dict], base: list[dict] | None, kfac: list[dict] | None = None) -> dict:
     """Aggregate one method × projection × damping over projection seeds.
 
     ``base``: GradDot's runs at that projection; ``kfac``: K-FAC's at the same damping, for the
@@ -359,13 +442,14 @@ def summarize(runs: list[dict], base: list[dict], kfac: list[dict] | None = None
     lds = np.array([r["per_query"].mean() for r in runs])
     seeds = np.array([v for r in runs for v in r["per_seed"]])
     pq = np.mean([r["per_query"] for r in runs], axis=0)  # [Q]
-    diff = pq - np.mean([b["per_query"] for b in base], axis=0)
     n = len(pq)
     out = {"lds": float(lds.mean()), "seed_spread": float(seeds.std(ddof=1)) if len(seeds) > 1 else 0.0,
            "proj_seed_std": float(lds.std(ddof=1)) if len(lds) > 1 else 0.0,
            "per_proj_seed": lds.round(4).tolist(), "per_retrain_seed_and_proj_seed": seeds.round(4).tolist(),
-           "query_se": float(pq.std(ddof=1) / np.sqrt(n)),
-           "diff_vs_graddot": float(diff.mean()), "diff_se": float(diff.std(ddof=1) / np.sqrt(n))}
+           "query_se": float(pq.std(ddof=1) / np.sqrt(n)), "per_query": pq.round(4).tolist()}
+    if base:  # (the default index answers no graddot: its rows are whitened)
+        diff = pq - np.mean([b["per_query"] for b in base], axis=0)
+        out |= {"diff_vs_graddot": float(diff.mean()), "diff_se": float(diff.std(ddof=1) / np.sqrt(n))}
     if kfac:
         dk = pq - np.mean([k["per_query"] for k in kfac], axis=0)
         out |= {"diff_vs_kfac": float(dk.mean()), "diff_vs_kfac_se": float(dk.std(ddof=1) / np.sqrt(n))}
@@ -423,30 +507,36 @@ def run_corpus(cfg: FidelityConfig, corpus: str, work: Path, workers: int = 1, t
     for proj in projections:
         n_seeds = 1 if proj == "none" else cfg.proj_seeds
         for ps in range(n_seeds):
-            spec = ProjectionSpec.parse(proj, seed=ps)
             idx = work / f"index-{proj}-s{ps}-{cfg.retrain_key(setup.corpus)}"
-            bcfg, secs = build_for(model, setup, spec, idx, cfg.max_tokens)
+            if proj == DEFAULT_INDEX:
+                score, methods, dims[proj], secs = default_scorer(cfg, setup, model, idx)
+            else:
+                bcfg, secs = build_for(model, setup, ProjectionSpec.parse(proj, seed=ps), idx, cfg.max_tokens)
+                score, methods = _raw_scorer(model, setup, idx, bcfg), cfg.methods
+                dims[proj] = score.dims
             build_s[proj] = build_s.get(proj, 0.0) + secs
-            q = query_gradients(model, setup.tokenizer, setup.query, bcfg)
-            dims[proj] = int(sum(v.shape[1] for v in q.values()))
-            fq = query_gradients(model, setup.tokenizer, setup.fact_query, bcfg) if setup.facts else None
             if proj == "none":
-                diagnostics = curvature_diagnostics(idx, q)
+                diagnostics = curvature_diagnostics(idx, score.q)
                 if cfg.baselines:
                     _extra_rows(raw, cfg, setup, model, model_info, idx, work, masks, losses)
-            for method in cfg.methods:
-                for d in (cfg.dampings if method in FITTED else (cfg.damping,)):
-                    s = scores(idx, q, method, d)
+            for method in methods:
+                fitted = method.removesuffix("-selfnorm") in FITTED and proj != DEFAULT_INDEX  # (default: baked)
+                for d in (cfg.dampings if fitted else (cfg.damping,)):
+                    s = score("query", method, d)
                     ev = evaluate(s, masks, losses)
                     ev["top"] = top_indices(s, cfg.top_k)
                     if proj == "none" and method == "ekfac" and d == cfg.damping:
                         ref_top = ev["top"]
-                    if fq is not None and d == cfg.damping:
-                        ev["fact_recall"] = fact_recall(scores(idx, fq, method, d), setup.fact_rows)
-                        if method != "cosine":
-                            ev["fact_recall_selfnorm"] = fact_recall(
-                                scores(idx, fq, method + "-selfnorm", d), setup.fact_rows)
+                    if setup.facts and d == cfg.damping:
+                        f = score("facts", method, d)
+                        ev["fact_recall"] = fact_recall(f, setup.fact_rows)
+                        ev["fact_mrr"] = fact_mrr(f, setup.fact_rows)
+                        ev["fact_ranks"] = fact_ranks(f, setup.fact_rows).tolist()
+                        if method != "cosine" and not method.endswith("-selfnorm"):
+                            ev["fact_recall_selfnorm"] = fact_recall(score("facts", method + "-selfnorm", d),
+                                                                     setup.fact_rows)
                     raw.setdefault((method, proj, d), []).append(ev)
+            score.close()
             shutil.rmtree(idx)  # rebuilt on every run anyway; the full-space ones are large
         log(f"[{corpus}] projection {proj}: indexed and scored ({build_s[proj]:.1f} s)")
 
@@ -456,20 +546,26 @@ def run_corpus(cfg: FidelityConfig, corpus: str, work: Path, workers: int = 1, t
     if ("ekfac", "none", cfg.damping) in raw:
         ref_lds = float(raw[("ekfac", "none", cfg.damping)][0]["per_query"].mean())
     for (method, proj, d), runs in raw.items():
-        summ = summarize(runs, raw[("graddot", proj, cfg.damping)],
+        summ = summarize(runs, raw.get(("graddot", proj, cfg.damping)),
                          raw.get(("kfac", proj, d)) if method == "ekfac" else None)
         summ["bytes_per_example"] = 4 * dims[proj]
         if ref_top is not None:
             summ[f"top{cfg.top_k}_overlap"] = float(np.mean([overlap_at_k(r["top"], ref_top).mean() for r in runs]))
         if ref_lds:
             summ["lds_share"] = summ["lds"] / ref_lds
-        for key in ("fact_recall", "fact_recall_selfnorm"):
+        plain = raw.get((method.removesuffix("-selfnorm"), proj, d)) if method.endswith("-selfnorm") else None
+        if plain:  # the paired difference to the same method without self-normalization, same rows and queries
+            dp = np.mean([r["per_query"] for r in runs], axis=0) - np.mean([r["per_query"] for r in plain], axis=0)
+            summ |= {"diff_vs_plain": float(dp.mean()), "diff_vs_plain_se": float(dp.std(ddof=1) / np.sqrt(len(dp)))}
+        for key in ("fact_recall", "fact_recall_selfnorm", "fact_mrr"):
             if key in runs[0]:
                 summ[key] = float(np.mean([r[key] for r in runs]))
+        if "fact_ranks" in runs[0]:
+            summ["fact_ranks"] = [r["fact_ranks"] for r in runs]  # per projection seed, per fact (1 = first)
         summ["build_and_fit_seconds"] = round(build_s[proj] / len(runs), 2)
         if d == cfg.damping:
             table.setdefault(method, {})[proj] = summ
-        if method in FITTED:
+        if method.removesuffix("-selfnorm") in FITTED and proj != DEFAULT_INDEX:
             sweep.setdefault(method, {}).setdefault(proj, {})[str(d)] = summ["lds"]
     out = {
         "corpus": {"source": CORPORA[corpus][1], "paragraphs_hash": setup.paragraphs_hash,
@@ -565,12 +661,12 @@ def format_table(result: dict) -> str:
         lines += [f"== {corpus}: LDS (damping {cfg['damping']}; mean ± seed spread; noise ceiling "
                   f"{res['noise_ceiling'] and round(res['noise_ceiling'], 3)}) | share of full-space EK-FAC | "
                   f"top-{k} overlap | fact recall@1",
-                  "method       " + "".join(f"{p:>34}" for p in projs)]
+                  "method         " + "".join(f"{p:>34}" for p in projs)]
         for method, row in res["lds"].items():
             cells = "".join(f"{row[p]['lds']:>9.3f}±{row[p]['seed_spread']:.3f} {row[p].get('lds_share', 0):5.2f} "
                             f"{row[p].get(f'top{k}_overlap', 0):5.2f} {row[p].get('fact_recall', 0):5.2f}"
                             if p in row else " " * 34 for p in projs)  # baselines: the unprojected column only
-            lines.append(f"{method:<13}" + cells)
+            lines.append(f"{method:<15}" + cells)
         for method, per in res.get("damping_sweep", {}).items():
             for p, vals in per.items():
                 lines.append(f"sweep {method:<6}{p:>5}: " + ", ".join(f"δ={d}: {v:.3f}" for d, v in vals.items()))
@@ -595,10 +691,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--subsets", type=int, help="M, random 50%% subsets")
     ap.add_argument("--retrain-seeds", type=int, help="R, retrainings per subset")
     ap.add_argument("--steps", type=int, help="training steps")
-    ap.add_argument("--projections", help="comma-separated, e.g. 8,16,none")
+    ap.add_argument("--projections", help=f"comma-separated, e.g. 8,16,none,{DEFAULT_INDEX} ({DEFAULT_INDEX}: the "
+                                          "library's default index, scored through the query engine)")
     ap.add_argument("--proj-seeds", type=int)
     ap.add_argument("--refine-steps", type=int, help="CG steps of the refined EK-FAC row (default 4)")
     ap.add_argument("--dampings", help="comma-separated relative dampings for K-FAC/EK-FAC")
+    ap.add_argument("--damping", type=float, help="the headline damping (fact recall, the default index's build; "
+                                                  f"default {FidelityConfig.damping})")
+    ap.add_argument("--methods", help=f"comma-separated library methods (default {','.join(METHODS)}; "
+                                      "e.g. graddot,ekfac,ekfac-selfnorm); graddot is always scored")
+    ap.add_argument("--no-baselines", action="store_true", help="skip BM25, Rep-Sim, TrackStar and refined EK-FAC")
     ap.add_argument("--workers", type=int, default=1, help="retraining processes")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--corpora", help=f"comma-separated, of {list(CORPORA)}")
@@ -624,7 +726,9 @@ def main(argv: list[str] | None = None) -> int:
             "projections": tuple(a.projections.split(",")) if a.projections else None,
             "dampings": tuple(float(x) for x in a.dampings.split(",")) if a.dampings else None,
             "corpora": tuple(a.corpora.split(",")) if a.corpora else None,
-            "study": False if a.no_study else None, "study_grid": a.study_grid,
+            "study": False if a.no_study else None, "study_grid": a.study_grid, "damping": a.damping,
+            "baselines": False if a.no_baselines else None,
+            "methods": tuple(dict.fromkeys(["graddot"] + a.methods.split(","))) if a.methods else None,
             "study_dampings": tuple(float(x) for x in a.study_dampings.split(",")) if a.study_dampings else None}
     cfg = replace(cfg, **{k: v for k, v in over.items() if v is not None})
     if not a.merge:

@@ -179,7 +179,7 @@ def run_n(args, work: Path, mdir: Path, n: int) -> dict:
     q = query_rows(d, mdir, queries)
     with OpenIndex(d) as ix:
         t = time.perf_counter()
-        exact = score_matrix(ix, {n_: torch.from_numpy(v) for n_, v in q.items()}, "ekfac", 1e-3, ix.layers)
+        exact = score_matrix(ix, {n_: torch.from_numpy(v) for n_, v in q.items()}, None, 1e-3, ix.layers)  # the default
         t_exact = time.perf_counter() - t
         numbers = sum(ix.store.dims.values())
     truth = np.argsort(-exact, axis=1, kind="stable")[:, :10]

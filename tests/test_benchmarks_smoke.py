@@ -118,7 +118,10 @@ def test_lookup_scale_builds_then_measures_against_an_independent_exact_scan(tmp
             base = row_base(parse_method(method)[0], row_basis(e.manifest), method)
             m, _, _ = query_vectors(e.indices.space, e.pre, base, 1e-3, {n: torch.from_numpy(v) for n, v in q.items()})
             hits = [{h.id for h in res.hits} for res in e.search(q, k=10, texts=False)]
+            si = e.index.self_influence(base, 1e-3, ix.layers) if parse_method(method)[1] else None  # (-selfnorm)
     brute = sum(np.asarray(m[n], np.float64) @ np.asarray(rows[n], np.float64).T for n in ix.layers)
+    if si is not None:
+        brute = brute / np.sqrt(si)[None, :]
     top = np.argsort(-brute, axis=1, kind="stable")[:, :10]
     assert (top == z["ids"][:, :10]).mean() == 1.0  # the benchmark's truth is the exhaustive scan's
     recall = np.mean([len(hits[j] & set(top[j].tolist())) / 10 for j in range(4)])

@@ -111,7 +111,7 @@ def test_each_token_term_equals_an_independent_computation(engine, gpt2_dir):
 def test_layer_subset_and_cache(engine):
     ex = Explainer(engine, cache=2)
     layer = engine.layer_names[0]
-    r = engine.query("dog ran far away", k=4, layers=[layer])
+    r = engine.query("dog ran far away", k=4, layers=[layer], method="ekfac")  # (explain's default, not -selfnorm)
     got = ex.explain("dog ran far away", [h.id for h in r.hits], layers=[layer])
     assert len(ex._factors) == 4  # one call keeps what it needs, even past the cache size
     for h, e in zip(r.hits, got, strict=True):

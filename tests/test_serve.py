@@ -51,7 +51,7 @@ def test_answers_equal_the_engines(client, engine, body, query):
     r = client.post("/query", json=body)
     assert r.status_code == 200, r.text
     got = r.json()
-    ref = engine.query(query, k=body["k"], method=body.get("method", "ekfac"),
+    ref = engine.query(query, k=body["k"], method=body.get("method", "ekfac-selfnorm"),
                        damping=body.get("damping", DEFAULT_DAMPING), lowest=body.get("lowest", 0)).to_dict()
     for key in ("hits", "lowest"):
         assert [h["id"] for h in got[key]] == [h["id"] for h in ref[key]]
@@ -147,14 +147,17 @@ def test_concurrent_queries_are_answered_in_one_batch_each_equal_to_one_at_a_tim
         got = list(pool.map(lambda b: c.post("/query", json=b), bodies))
     assert [r.status_code for r in got] == [200] * len(bodies), [r.text for r in got]
     served = c.get("/health").json()["served"]
-    # groups: ekfac (k shared: the index is exhaustive) x5 with the explained one, kfac, ekfac lowest=2
-    assert served["batches"] == 3 and served["queries"] == len(bodies) and served["largest_batch"] == 5
+    # groups: the default ekfac-selfnorm (k shared: the index is exhaustive) x4, the explained one (ekfac), kfac,
+    # the default with lowest=2
+    assert served["batches"] == 4 and served["queries"] == len(bodies) and served["largest_batch"] == 4
     for body, r in zip(bodies, got, strict=True):
         q = QueryRequest(**body)
-        ref = engine.query(q.record(), k=q.k, method=q.method or "ekfac", lowest=q.lowest).to_dict()
+        default = "ekfac" if q.explain else "ekfac-selfnorm"  # (explanations split the base method's score)
+        ref = engine.query(q.record(), k=q.k, method=q.method or default, lowest=q.lowest).to_dict()
         ans = r.json()
         _same_answer(ans, ref)
-        assert ans["batch"] == (5 if q.method is None and q.lowest == 0 else 1)
+        assert ans["method"] == (q.method or default)
+        assert ans["batch"] == (4 if q.method is None and q.lowest == 0 and not q.explain else 1)
         assert ans["seconds"]["queue"] >= 0 and ans["seconds"]["total"] >= ans["seconds"]["queue"]
         assert ("explanation" in ans["hits"][0]) == bool(q.explain)
 
@@ -181,7 +184,7 @@ def test_full_queue_is_503_a_late_request_504_and_the_server_answers_after(engin
     _wait(lambda: batcher.stats.skipped == 3)  # the worker dropped the three unwanted queries unanswered
     r = c.post("/query", json=body)
     assert r.status_code == 200
-    _same_answer(r.json(), engine.query("the cat sat", k=2, method="ekfac").to_dict())
+    _same_answer(r.json(), engine.query("the cat sat", k=2, method="ekfac-selfnorm").to_dict())
     h = c.get("/health").json()
     assert h["queue"] == {"depth": 0, "answering": 0, "size": 2, "exact_waiting": 0, "max_batch": 1,
                           "window_s": 0, "request_timeout_s": 4.0}
@@ -318,7 +321,7 @@ def test_serve_subprocess_end_to_end_and_its_page(audit_index, engine, tmp_path)
                 time.sleep(0.5)
         assert h["examples"] == engine.n
         got = _get(base + "/query", {"text": "the cat sat on a mat", "k": 3})
-        ref = engine.query("the cat sat on a mat", k=3, method="ekfac")  # the server's default on this index
+        ref = engine.query("the cat sat on a mat", k=3, method="ekfac-selfnorm")  # the server's default here
         assert [x["id"] for x in got["hits"]] == [x.id for x in ref.hits]
         chromium, why = find_chromium()
         if chromium is None:
@@ -370,11 +373,11 @@ class _Served:
 
 
 def test_health_and_page_offer_exactly_the_methods_the_default_index_answers(default_engine, default_index):
-    from gradindex.methods import default_method, methods_of
+    from gradindex.methods import methods_of
 
     answers = methods_of(default_engine.manifest, default_index, selfnorm=True)
-    default = default_method(default_engine.manifest, default_index)
-    assert "graddot" not in answers and default == "ekfac"  # the EK-FAC-eigenbasis index of `gradindex build`
+    default = default_engine.resolve_method()
+    assert "graddot" not in answers and default == "ekfac-selfnorm"  # the EK-FAC-eigenbasis index of `gradindex build`
     c = TestClient(create_app(default_engine))
     h = c.get("/health").json()
     assert sorted(h["methods"]) == sorted(answers) and h["methods"][0] == default == h["default_method"]

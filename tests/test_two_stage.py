@@ -92,7 +92,7 @@ def test_default_query_is_the_first_stage_with_a_note_on_the_exact_stage(fitted,
         with QueryEngine(d, device="cpu") as e:
             r = e.query(QUERY, k=10, damping=DAMPING)  # rerank_full=None
             off = e.query(QUERY, k=10, damping=DAMPING, rerank_full=0)
-        assert r.method == "ekfac" and r.stage == "first stage" and r.reranked == 0
+        assert r.method == "ekfac-selfnorm" and r.stage == "first stage" and r.reranked == 0  # (the default)
         assert "rerank_full" not in r.seconds and all(h.full_score is None for h in r.hits)
         assert [(h.id, h.score) for h in r.hits] == [(h.id, h.score) for h in off.hits]
         note = [n for n in r.notes if n.startswith("first-stage scores")]
@@ -105,7 +105,7 @@ def test_exact_stage_after_precondition_space_full_is_brute_force_full_space_ekf
     said = []
     with QueryEngine(fitted, device="cpu") as e:
         e.announce = said.append
-        r = e.query(QUERY, k=10, damping=DAMPING, rerank_full=40)
+        r = e.query(QUERY, k=10, damping=DAMPING, rerank_full=40, method="ekfac")
     assert r.method == "ekfac" and r.stage == "full-space re-rank of the top 40" and r.reranked == 40
     ids = [h.id for h in r.hits]
     assert ids == np.argsort(-want, kind="stable")[:10].tolist()

@@ -148,7 +148,7 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
     bound_heap()  # freed blocks go back to the OS: the phases' peaks do not stack up (gradindex.heap)
     t0 = time.perf_counter()
     if cfg.method is None:
-        cfg = replace(cfg, method=engine.resolve_method())
+        cfg = replace(cfg, method=engine.base_method())  # (self-influence ranks outliers: ekfac itself)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # a query file mixing forms gives every record every field, None where absent

@@ -37,7 +37,7 @@ from gradindex.apps.html import LEGEND, page
 from gradindex.apps.state import IndexState
 from gradindex.apps.texts import capped_result
 from gradindex.apps.timings import StageTimes
-from gradindex.methods import DEFAULT_DAMPING, all_methods, default_method, methods_of
+from gradindex.methods import DEFAULT_DAMPING, all_methods, methods_of
 from gradindex.query import QueryEngine, QueryResult
 
 log = logging.getLogger("gradindex")
@@ -67,7 +67,8 @@ class QueryRequest(BaseModel):
     messages: list[dict[str, str]] | None = Field(None, min_length=1, max_length=1000,
                                                   description="A chat: [{role, content}, ...]; loss on its replies.")
     k: int = Field(10, ge=1, le=MAX_K)
-    method: str | None = Field(None, description="Default: ekfac where the index answers it, else graddot.")
+    method: str | None = Field(None, description="Default: ekfac-selfnorm where the index answers ekfac (ekfac with "
+                                                "explain), else graddot.")
     damping: float = Field(DEFAULT_DAMPING, gt=0, le=1e6)
     layers: list[str] | None = Field(None, max_length=1000)
     lowest: int = Field(0, ge=0, le=MAX_K)
@@ -162,7 +163,9 @@ def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], de
             raise HTTPException(422, f"token ids {bad[:3]} are outside the model's vocabulary (0..{vocab - 1}; "
                                      "labels may also be -100)")
         rec = req.record()
-        method = req.method or default
+        # no method: the query default (the engine's, which answers plain ekfac with a note where the self-influence
+        # cannot be had); with explain, the base method, whose scores explanations split (ekfac, not -selfnorm)
+        method = req.method or (engine.base_method() if req.explain else default)
         if method not in answers:
             raise HTTPException(422, f"method {method!r} is not one this index answers: it answers "
                                      f"{', '.join(answers)} (default {default})")
@@ -192,7 +195,8 @@ def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], de
                 out["seconds"]["explain"] = time.perf_counter() - t1
             return out
 
-        settings = {"method": method, "damping": req.damping, "layers": req.layers, "lowest": req.lowest,
+        settings = {"method": req.method or (method if req.explain else None), "damping": req.damping,
+                    "layers": req.layers, "lowest": req.lowest,
                     "rerank_full": 0 if req.rerank_full else None}  # (the exact stage runs later)
         k = max(req.k, req.rerank_full or 0)
         job = Job(QueryJob(rec, k, settings, finish if req.explain or req.rerank_full else None),
@@ -253,7 +257,7 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
     app.state.batcher = batcher
     num_tokens = engine.store.column("num_tokens")
     losses = engine.store.column("loss")
-    default = default_method(engine.manifest, engine.dir)
+    default = engine.resolve_method()  # the query default: ekfac-selfnorm where the index answers ekfac
     answers = methods_of(engine.manifest, engine.dir, selfnorm=True)
     answers = [default] + [m for m in answers if m != default]
     stages = StageTimes()

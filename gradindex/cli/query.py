@@ -106,8 +106,9 @@ def _json(r) -> list[dict]:
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
 @click.option("-k", "k", default=10, show_default=True, type=click.IntRange(min=1), help="Results per query.")
 @click.option("--method", default=None, type=MethodChoice("query"),
-              help="Scoring method (default: ekfac where the index answers it, else graddot; adam on an "
-                   "index built with --optimizer-state; tracin on a `gradindex trajectory` index).")
+              help="Scoring method (default: ekfac-selfnorm where the index answers ekfac, plain ekfac with a "
+                   "note where it has no self-influence; else graddot; adam on an index built with "
+                   "--optimizer-state; tracin on a `gradindex trajectory` index).")
 @damping_option()
 @click.option("--layers", multiple=True, help="Glob of layers to search (repeatable). Default: all.")
 @click.option("--lowest", default=0, show_default=True, type=click.IntRange(min=0),

@@ -35,6 +35,7 @@ from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.precondition import Preconditioner, load_full_preconditioner
 from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES
 from gradindex.query import search as S
+from gradindex.query.defaults import UNAVAILABLE, default_query_method, fallback_note
 from gradindex.query.full import (
     DEFAULT_RERANK,
     EXACT_STAGE_C,
@@ -318,7 +319,7 @@ class QueryEngine:
         t0 = time.perf_counter()
         check_damping(damping)
         self.index.check_current()  # before the gradient pass: refused at once when a build replaced the index
-        method = self.resolve_method(method)
+        asked, method = method, self.resolve_method(method)
         refine = self.refine_config(refine, method)
         rerank_full, hint = self.rerank_plan(method, rerank_full)
         full_pre = self.full_preconditioner(method) if rerank_full else None
@@ -329,9 +330,9 @@ class QueryEngine:
         if refine is not None:
             grads = self.refined_rows(tokens, grads, method, damping, self.select_layers(layers), refine)
         t_refine = time.perf_counter() - t0 - t_grad
-        results = self.search(grads, k=max(k, rerank_full), method=method, damping=damping, layers=layers,
+        results = self.search(grads, k=max(k, rerank_full), method=asked, damping=damping, layers=layers,
                               lowest=lowest, candidates=candidates, shortlist=shortlist, nprobe=nprobe,
-                              texts=texts)
+                              texts=texts)  # (asked: None lets the search fall back from the default, with a note)
         for j, r in enumerate(results):
             r.num_tokens, r.loss, r.truncated = int(ntok[j]), float(loss[j]), tokens.truncated[j]
             r.seconds["gradient"] = t_grad
@@ -407,7 +408,13 @@ class QueryEngine:
             f"--rerank-full {EXACT_STAGE_C} (rerank_full={EXACT_STAGE_C}); it needs {needs}")
 
     def resolve_method(self, method: str | None = None) -> str:
-        """``method``, or when None the index's default (``ekfac`` where it answers it, else ``graddot``)."""
+        """``method``, or when None the index's default query method (``ekfac-selfnorm`` where it answers
+        ``ekfac``, else its :meth:`base_method`: :func:`~gradindex.query.defaults.default_query_method`)."""
+        return method or default_query_method(self.manifest, self.dir)
+
+    def base_method(self, method: str | None = None) -> str:
+        """``method``, or when None the index's default base method (``ekfac`` where it answers it, else ``kfac``,
+        ``adam``, ``graddot``): what the commands built on the method itself use (explain, the audit report)."""
         return method or default_method(self.manifest, self.dir)
 
     def full_preconditioner(self, method: str) -> Preconditioner:
@@ -440,7 +447,7 @@ class QueryEngine:
         ``refine`` as in :meth:`query_batch` (queries given as gradients are scored as they are).
         """
         self.index.check_current()
-        method = self.resolve_method(method)
+        asked, method = method, self.resolve_method(method)
         chosen = self.select_layers(layers)
         if isinstance(queries, Mapping):
             grads = queries
@@ -450,7 +457,7 @@ class QueryEngine:
             refine = self.refine_config(refine, method)
             if refine is not None:
                 grads = self.refined_rows(tokens, grads, method, damping, chosen, refine)
-        out = score_matrix(self.index, grads, method, damping, chosen)
+        out = score_matrix(self.index, grads, asked, damping, chosen)  # (None: the default, with its fallback)
         note = self.baked_note(parse_method(method)[0], damping)
         if note:  # (an array has no notes: the log says it, once a call)
             log.warning(note)
@@ -532,7 +539,7 @@ class QueryEngine:
         t0 = time.perf_counter()
         check_damping(damping)
         self.index.check_current()
-        method = self.resolve_method(method)
+        defaulted, method = method is None, self.resolve_method(method)
         asked, selfnorm = parse_method(method)
         base = index_row_base(self.manifest, self.dir, asked, method)  # the operation on stored rows
         self.pre.check(base, selfnorm)
@@ -542,6 +549,16 @@ class QueryEngine:
         if missing:
             raise ValueError(f"query gradients lack layers {missing[:3]}; pass rows for every chosen layer")
         notes = [note for note in [self.baked_note(asked, damping)] if note]
+        scale = None
+        if selfnorm:
+            try:
+                scale = self._selfnorm_scale(base, damping, chosen)
+            except UNAVAILABLE as exc:  # the default's self-influence: fall back to the base method, saying so
+                if not defaulted:
+                    raise
+                notes.append(fallback_note(method, asked, exc))
+                log.warning(notes[-1])
+                method, selfnorm = asked, False
         if notes:
             log.info(notes[-1])
         if k < 1 or lowest < 0:
@@ -553,7 +570,6 @@ class QueryEngine:
             k, lowest = min(k, self.n), min(lowest, self.n)
         q = {n: torch.as_tensor(grads[n]).float().cpu() for n in chosen}
         m, u, _ = query_vectors(self.indices.space, self.pre, base, damping, q)
-        scale = self._selfnorm_scale(base, damping, chosen) if selfnorm else None
         t1 = time.perf_counter()
         cosine = base == "cosine"
         want = max(k, lowest)

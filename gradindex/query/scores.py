@@ -16,6 +16,7 @@ On an index whose rows are in a whitened basis the method names the influence as
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -23,9 +24,12 @@ import numpy as np
 import torch
 
 from gradindex.index import OpenIndex, open_index
-from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
+from gradindex.methods import DEFAULT_DAMPING, index_row_base, parse_method
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import block_rows
+from gradindex.query.defaults import UNAVAILABLE, default_query_method, fallback_note
+
+log = logging.getLogger("gradindex")
 
 
 def score_matrix(
@@ -42,22 +46,34 @@ def score_matrix(
 
     ``index``: an index directory, or an :class:`~gradindex.index.OpenIndex` (nothing is re-read).
     ``query_grads``: layer → ``[Q, D]`` projected query gradients (as captured with the index's
-    projection). ``layers``: default all the index's layers. Arithmetic runs on ``device``
+    projection). ``method``: default the index's default query method (``ekfac-selfnorm`` where it answers
+    ``ekfac``: :func:`~gradindex.query.defaults.default_query_method`; where the self-influence cannot be had, plain
+    ``ekfac`` with a warning logged). ``layers``: default all the index's layers. Arithmetic runs on ``device``
     (``auto``: the GPU when present) in ``dtype`` (default float64 on CPU, float32 on GPU).
     """
     ix, opened = open_index(index, then="score it")
     try:
-        method = method or default_method(ix.manifest, ix.dir)
-        base, selfnorm = parse_method(method)
-        base = index_row_base(ix.manifest, ix.dir, base, method)  # the operation on stored rows
-        return _scores(ix, query_grads, base, selfnorm, damping, layers, block, device, dtype)
+        defaulted, method = method is None, method or default_query_method(ix.manifest, ix.dir)
+        name, selfnorm = parse_method(method)
+        base = index_row_base(ix.manifest, ix.dir, name, method)  # the operation on stored rows
+        si = None
+        if selfnorm:
+            try:
+                si = ix.self_influence(base, damping, ix.selected_layers(layers))  # [N]
+            except UNAVAILABLE as exc:  # the default's self-influence: plain scores of the base method, saying so
+                if not defaulted:
+                    raise
+                log.warning(fallback_note(method, name, exc))
+        return _scores(ix, query_grads, base, si, damping, layers, block, device, dtype)
     finally:
         if opened:
             ix.close()
 
 
-def _scores(ix: OpenIndex, query_grads, base: str, selfnorm: bool, damping: float, layers, block: int,
+def _scores(ix: OpenIndex, query_grads, base: str, si: np.ndarray | None, damping: float, layers, block: int,
             device: str, dtype: torch.dtype | None) -> np.ndarray:
+    """Every example's score under the operation ``base`` on the stored rows, divided by ``sqrt(si)`` (the
+    self-influence; an example with none scores 0) where ``si`` is given."""
     layers = ix.selected_layers(layers)
     lacking = [n for n in layers if n not in query_grads]
     if lacking:
@@ -94,7 +110,6 @@ def _scores(ix: OpenIndex, query_grads, base: str, selfnorm: bool, damping: floa
             denom = q_norm[:, None] * t_sq.sqrt()[None, :]
             s = torch.where(denom > 0, s / denom.clamp_min(torch.finfo(dtype).tiny), torch.zeros_like(s))
         out[:, pos] = s.double().cpu().numpy()
-    if selfnorm:
-        si = ix.self_influence(base, damping, layers)  # [N]
+    if si is not None:
         out *= np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)[None, :]
     return out
