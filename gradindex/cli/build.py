@@ -144,9 +144,9 @@ def _default(name: str):
                    "--damping (plain inner products = EK-FAC; what low-bit codes need). auto: ekfac when "
                    "--precondition is ekfac on raw rows. The index then answers --method ekfac.")
 @click.option("--fit-sample", default=_default("fit_sample"), show_default=True, type=click.IntRange(min=0),
-              help="With more examples than --sample-above, the default build (EK-FAC, --transcode ekfac) fits EK-FAC "
-                   "on a seeded sample of this many (--fisher-seed) and codes every row in its whitened eigenbasis in the "
-                   "capture pass: no raw store, no transcode. 0: fit on every example.")
+              help="With more examples than --sample-above, the default build (EK-FAC, --transcode ekfac) fits "
+                   "EK-FAC on a seeded sample of this many (--fisher-seed) and codes every row in its whitened "
+                   "eigenbasis in the capture pass: no raw store, no transcode. 0: fit on every example.")
 @click.option("--sample-above", default=_default("sample_above"), show_default=True, type=click.IntRange(min=0),
               help="Fit on the --fit-sample sample only with more examples than this. 0 (auto): 8 x --fit-sample, "
                    "or --fit-sample where the disk cannot hold the fit on every example at its peak (float16 rows "
