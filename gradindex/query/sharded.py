@@ -139,28 +139,35 @@ def serve_parts(index: str | os.PathLike, layers: Sequence[str] | None = None, u
             local.close()
 
 
-class _Hashes:
-    """The token hashes of every part by the whole index's row (what :class:`TrainingTexts` reads of the store),
-    each part's column read when first needed (from its open store, else its directory)."""
+class _Columns:
+    """What :class:`TrainingTexts` reads of the store (the token hashes), over every part by the whole index's row:
+    ``column(name)[i]``, each part's column read when first needed (from its open store, else its directory)."""
 
     def __init__(self, sharded: Sharded, stores: dict[int, Store]):
         self.parts, self.stores = sharded.parts, stores
         self.firsts = [p.first for p in sharded.parts]
-        self._cols: dict[int, np.ndarray] = {}
+        self._cols: dict[tuple[str, int], np.ndarray] = {}
 
-    def column(self, name: str) -> _Hashes:
-        assert name == "token_hash", name
-        return self
+    def column(self, name: str) -> _Column:
+        return _Column(self, name)
 
-    def __getitem__(self, i) -> np.ndarray:
-        j = bisect.bisect_right(self.firsts, int(i)) - 1
-        if j not in self._cols:
+    def row(self, name: str, i: int) -> np.ndarray:
+        j = bisect.bisect_right(self.firsts, i) - 1
+        if (name, j) not in self._cols:
             if j in self.stores:
-                self._cols[j] = self.stores[j].column("token_hash")
+                self._cols[name, j] = self.stores[j].column(name)
             else:
                 with Store(self.parts[j].dir) as s:
-                    self._cols[j] = s.column("token_hash")
-        return self._cols[j][int(i) - self.parts[j].first]
+                    self._cols[name, j] = s.column(name)
+        return self._cols[name, j][i - self.parts[j].first]
+
+
+class _Column:
+    def __init__(self, columns: _Columns, name: str):
+        self.columns, self.name = columns, name
+
+    def __getitem__(self, i) -> np.ndarray:
+        return self.columns.row(self.name, int(i))
 
 
 class ShardedQueryEngine(QueryEngine):
@@ -183,7 +190,7 @@ class ShardedQueryEngine(QueryEngine):
             self.local = PartSearch(self.sharded, owned, layers, use_gpu, {0: self._first})
             self.n = self.sharded.examples
             stores = {j: e.store for j, e in zip(owned, self.local.engines, strict=True)}
-            self.texts = TrainingTexts(self.sharded.manifest, _Hashes(self.sharded, stores), self.tokenizer, data)
+            self.texts = TrainingTexts(self.sharded.manifest, _Columns(self.sharded, stores), self.tokenizer, data)
         except BaseException:
             self.close()
             raise
