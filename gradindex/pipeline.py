@@ -33,6 +33,7 @@ from gradindex.precondition.fullspace import HeadGrads, keep_build_sums, stored_
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.precondition.restore import restore_basis
 from gradindex.precondition.sampled import SAMPLE_DIR, EigenCoder, fit_on_sample, sampled_reason
+from gradindex.store.append import RowSink
 from gradindex.store.builder import (
     BuildConfig,
     BuildResult,
@@ -105,7 +106,7 @@ def build_index(
             else:
                 res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
                                   overwrite=overwrite, progress=progress, repair=repair, full_fit_rows=rows,
-                                  heads=heads)
+                                  sink=RowSink(heads))
         if distributed.rank() > 0:  # under torchrun: the fit, transcode and indices read the store, on rank 0
             distributed.barrier()
             res.seconds = time.perf_counter() - t0
@@ -120,7 +121,7 @@ def _sampled(model, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, mod
              overwrite: bool, progress: bool, repair: bool, rows: np.ndarray | None, heads) -> BuildResult:
     """A build that fits EK-FAC on ``cfg.fit_sample`` sampled examples first, then writes every row coded
     in its whitened eigenbasis in the capture pass (:mod:`gradindex.precondition.sampled`); resumable."""
-    coder = EigenCoder(cfg, len(data), out)
+    coder = EigenCoder(cfg, len(data), out, heads=heads)
     if overwrite:
         clear_out_dir(out)
     m = read_manifest(out) if manifest_path(out).exists() else {}
@@ -128,7 +129,7 @@ def _sampled(model, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, mod
         check_resumable(model, tokenizer, data, out, cfg, coder)  # another index there: refused before the sample
         coder.fitted = fit_on_sample(model, tokenizer, data, out, cfg, model_id, data_id, progress)
     res = build_store(model, tokenizer, data, out, cfg, model_id=model_id, data_id=data_id, progress=progress,
-                      repair=repair, full_fit_rows=rows, heads=heads, coder=coder)
+                      repair=repair, full_fit_rows=rows, sink=coder)
     if "ekfac" not in res.manifest.get("preconditioners", {}):
         res.manifest = coder.finish(res.manifest, cfg.shard_size)
     coder.discard()

@@ -51,6 +51,7 @@ from gradindex.precondition.fit import FitConfig, StoreFit, register_fits, store
 from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.spec import layout
 from gradindex.spec.build import FIT_EVERY_UP_TO
+from gradindex.store.append import RowSink
 from gradindex.store.basis import RowBasis, stored_rows, write_basis
 from gradindex.store.repair import as_captured
 
@@ -147,10 +148,13 @@ def read_checkpoint(sub: Path) -> SampleFit | None:
                      float(j["seconds"]))
 
 
-class EigenCoder:
-    """The main pass's rows, coded in the sample fit's whitened eigenbasis (``write_shards``'s ``coder``)."""
+class EigenCoder(RowSink):
+    """The main pass's rows, coded in the sample fit's whitened eigenbasis (the store loop's row sink)."""
 
-    def __init__(self, cfg, examples: int, out_dir, fitted: SampleFit | None = None):
+    coded = True
+
+    def __init__(self, cfg, examples: int, out_dir, fitted: SampleFit | None = None, heads=None):
+        super().__init__(heads)
         self.storage, self.captured, self.damping = cfg.storage, cfg.capture_storage, cfg.damping
         self.sample = {"size": int(cfg.fit_sample), "seed": int(cfg.fisher_seed)}
         self.examples = examples

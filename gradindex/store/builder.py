@@ -8,7 +8,6 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 
 import h5py
@@ -22,7 +21,6 @@ from gradindex.adapter import adapter_fingerprint, adapter_path
 from gradindex.capture import FullSums, GradientCapture, KfacSums, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
 from gradindex.capture.allocation import ALLOCATIONS
-from gradindex.capture.head import plain_head
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
@@ -48,7 +46,7 @@ from gradindex.spec.build import BuildOptions
 from gradindex.spec.manifest import layer_identity
 from gradindex.spec.rows import RowSpec
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
-from gradindex.store.append import append_batch
+from gradindex.store.append import RowSink, append_batch
 from gradindex.store.basis import RowBasis, capture_transforms, index_basis
 from gradindex.store.covariance import rows_digest, write_covariance
 from gradindex.store.repair import repair_eigenbasis_store
@@ -262,11 +260,11 @@ def clear_out_dir(out: Path) -> None:
     shutil.rmtree(out / layout.FIT_SAMPLE_DIR, ignore_errors=True)
 
 
-def check_resumable(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, coder) -> None:
-    """Refuse (writing nothing) an output directory holding another index than the one ``cfg`` and ``coder``
+def check_resumable(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, sink: RowSink) -> None:
+    """Refuse (writing nothing) an output directory holding another index than the one ``cfg`` and ``sink``
     build, before a sampled build's sample pass (the main pass checks again)."""
     if manifest_path(out).exists():
-        st = _setup(model, tokenizer, data, out, cfg, False, coder=coder)
+        st = _setup(model, tokenizer, data, out, cfg, False, sink=sink)
         prepare_out_dir(out, st.identity, False, st.hashes)
 
 
@@ -282,8 +280,7 @@ def build_store(
     progress: bool = True,
     repair: bool = False,
     full_fit_rows: np.ndarray | None = None,
-    heads=None,
-    coder=None,
+    sink: RowSink | None = None,
 ) -> BuildResult:
     """Capture every example's projected gradient into ``out_dir/store`` (resuming if present).
 
@@ -291,22 +288,22 @@ def build_store(
     checked against their recorded hashes first (``repair``: whole files, else the cheap sampled
     check); a damaged one is moved to ``out_dir/damaged/`` and recomputed.
     ``full_fit_rows``: also sum the full-space ``A`` and ``S`` over these examples (sorted data indices:
-    the full-space fit's set, which then skips its factor pass); ``heads``: keep each batch's gradient
-    w.r.t. the final hidden states there (:class:`~gradindex.precondition.fullspace.HeadGrads`).
-    ``coder`` (a :class:`~gradindex.precondition.sampled.EigenCoder`): write every row already coded in its
-    whitened eigenbasis (a sampled build's main pass; the manifest is the transcoded one from the start).
+    the full-space fit's set, which then skips its factor pass). ``sink`` (:class:`RowSink`, the default:
+    rows as captured) receives each batch: a :class:`~gradindex.precondition.sampled.EigenCoder` writes every
+    row already coded in its whitened eigenbasis (a sampled build's main pass; the manifest is the transcoded
+    one from the start), and a sink's ``heads`` keep each batch's gradient w.r.t. the final hidden states.
     """
     out = Path(out_dir)
     refuse_foreign(out)
     with index_lock(out, "gradindex build"):
-        return _build_store(model, tokenizer, data, out, cfg, model_id, data_id, overwrite, progress, repair,
-                            full_fit_rows, heads, coder)
+        st = _setup(model, tokenizer, data, out, cfg, progress, full_fit_rows, sink or RowSink())
+        return _build_store(model, tokenizer, data, out, cfg, st, model_id, data_id, overwrite, progress, repair)
 
 
 @dataclass
 class _Setup:
     """What a store build settles before it writes: fingerprints, the capture (its rows and factor sums, where
-    summed) and the identity it records."""
+    summed), the identity it records and where its rows go."""
 
     hashes: list
     data_fp: str
@@ -318,11 +315,17 @@ class _Setup:
     full: FullSums | None
     identity: dict
     write_basis: object
+    sink: RowSink
+    select: np.ndarray | None = None
+    """``[N]`` membership of the examples whose full-space sums are kept, None for all."""
+    digest: str = ""
+    """The digest of those examples, stored with the sums."""
 
 
 def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, progress: bool,
-           full_sums: bool = False, coder=None) -> _Setup:
+           full_rows: np.ndarray | None = None, sink: RowSink | None = None) -> _Setup:
     """Fingerprints, the whitened basis (its factor pass, if any), the projection sizes and the capture."""
+    sink = sink or RowSink()
     check_tokenizer_fits(model, tokenizer)  # (ids past the embedding: an IndexError in the capture)
     hashes = [token_hash(i, lab) for i, lab in zip(data.input_ids, data.labels)]
     data_fp = digest_bytes(hashes)
@@ -340,15 +343,14 @@ def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildCo
         transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.adam_mode, model, cfg.layers)
     space = RowSpace(spec, transforms)
     rows = ProjectedRows(space, cfg.route)
-    kfac = KfacSums(space) if cfg.collect_covariance or (  # (a coder's rows are fitted already)
-        cfg.precondition != "none" and cfg.fisher == "empirical" and coder is None) else None
-    full = FullSums() if cfg.full_factors or full_sums else None
+    kfac = KfacSums(space) if cfg.collect_covariance or (  # (coded rows are fitted already)
+        cfg.precondition != "none" and cfg.fisher == "empirical" and not sink.coded) else None
+    full = FullSums() if cfg.full_factors or full_rows is not None else None
     capture = GradientCapture(model, cfg.layers, *[v for v in (rows, kfac, full) if v is not None])
-    identity = _identity(model, model_fp, space, cfg, data_fp, basis_identity(cfg, basis, model_fp, data_fp),
-                         optimizer, tokenizer_fp)
-    if coder is not None:
-        identity = coder.identity(identity)
-    return _Setup(hashes, data_fp, pad_id, spec, capture, rows, kfac, full, identity, write)
+    identity = sink.identity(_identity(model, model_fp, space, cfg, data_fp,
+                                       basis_identity(cfg, basis, model_fp, data_fp), optimizer, tokenizer_fp))
+    return _Setup(hashes, data_fp, pad_id, spec, capture, rows, kfac, full, identity, write, sink,
+                  *_full_selection(full_rows, len(data)))
 
 
 def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConfig, identity: dict, model_id: str,
@@ -379,11 +381,9 @@ def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConf
     return manifest
 
 
-def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str,
-                 data_id: str, overwrite: bool, progress: bool, repair: bool, full_fit_rows: np.ndarray | None = None,
-                 heads=None, coder=None) -> BuildResult:
+def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, st: _Setup,
+                 model_id: str, data_id: str, overwrite: bool, progress: bool, repair: bool) -> BuildResult:
     t0 = time.perf_counter()
-    st = _setup(model, tokenizer, data, out, cfg, progress, full_fit_rows is not None, coder)
     old = distributed.on_rank0(lambda: prepare_out_dir(out, st.identity, overwrite, st.hashes))  # (one rank: deletes)
     if old is not None and old.get("transcode") and old.get("status") == "complete":  # built and transcoded already:
         computed = distributed.on_rank0(lambda: repair_eigenbasis_store(  # recompute damaged shards (no raw rows)
@@ -399,13 +399,11 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
         if st.write_basis is not None:
             st.write_basis()
     manifest = _start_manifest(model, tokenizer, data, cfg, st.identity, model_id, data_id, old)
-    if coder is not None:  # (the rows' basis file, then the manifest of rows in it)
-        manifest = coder.start(out, manifest)
+    manifest = st.sink.start(out, manifest)  # (a coder: the rows' basis file, then the manifest of rows in it)
     if lead:
         write_manifest(out, manifest)
     distributed.barrier()  # the other ranks write their shards once rank 0 has set the directory up
-    nonfinite, computed = write_shards(out, model, st, data, cfg, set(manifest.get("nonfinite_ids", [])), progress,
-                                       full_fit_rows, heads, coder)
+    nonfinite, computed = write_shards(out, model, st, data, cfg, set(manifest.get("nonfinite_ids", [])), progress)
     parts = distributed.gather((sorted(nonfinite), dict(st.rows.route_counts), computed))
     seconds = time.perf_counter() - t0
     routes: dict[str, int] = {}
@@ -425,63 +423,27 @@ def _build_store(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: B
 
 
 def write_shards(out: Path, model: nn.Module, st: _Setup, data: Tokenized, cfg: BuildConfig, nonfinite: set[int],
-                 progress: bool, full_rows: np.ndarray | None = None, heads=None, coder=None) -> tuple[set[int], int]:
-    """The store's one shard-writing loop: each shard this rank owns and has not committed is captured,
-    sealed and committed (hashed in a thread, overlapping the next capture); returns the examples with
-    non-finite gradients and how many examples were computed now. ``full_rows``, ``heads``, ``coder``: as for
-    :func:`build_store` (the full sums over ``full_rows`` only, their digest stored with them; the coder's
-    per-shard results kept before the shard is sealed, so a shard is redone whole, as with factor sums)."""
-    N, S, B = len(data), cfg.shard_size, cfg.batch_size
-    capture, pad_id, hashes, full = st.capture, st.pad_id, st.hashes, st.full
-    dims = {n: st.rows.space.dim(n) for n in capture.infos}
+                 progress: bool) -> tuple[set[int], int]:
+    """The store's one shard-writing loop: each shard this rank owns and has not committed is captured
+    (:func:`_write_shard`), sealed and committed (hashed in a thread, overlapping the next capture); returns
+    the examples with non-finite gradients and how many examples were computed now."""
+    N, S = len(data), cfg.shard_size
     computed = 0
     model.requires_grad_(False)
-    shards = [(k, k * S, min((k + 1) * S, N)) for k in range((N + S - 1) // S)]
     bar = progress_bar(total=N, unit="ex", desc="capture", disable=not progress or distributed.rank() > 0)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="gradindex-hash")  # commits overlap the next capture
     commits: list[Future] = []
-    factors = st.kfac is not None or full is not None
-    select, digest = _full_selection(full_rows, N)
-    if heads is not None and (distributed.world_size() > 1 or plain_head(model, set(capture.modules.values())) is None):
-        heads = None
+    st.sink.bind(model, st.capture)
     try:
-        with capture:
-            for k, start, end in shards:
+        with st.capture:
+            for k in range((N + S - 1) // S):
+                start, end = k * S, min((k + 1) * S, N)
                 path = out / STORE_DIR / shard_name(k)
                 if path.exists() or not distributed.owned(k):  # done, or another rank's (round-robin)
                     bar.update(end - start)
                     continue
-                w = ShardWriter(path, start, end - start, dims, st.data_fp,
-                                cfg.capture_storage if coder is None else coder.storage)
-                done = w.open()
-                if (factors or coder is not None) and done:  # factors need the whole shard: redo it
-                    w.close()
-                    w.partial.unlink()
-                    done = w.open()
-                bar.update(done)
-                try:
-                    for s in range(start + done, end, B):
-                        e = min(s + B, end)
-                        if select is not None:
-                            full.select = torch.from_numpy(np.nonzero(select[s:e])[0])
-                        ok = append_batch(w, model, capture, data, s, e, pad_id, hashes, heads=heads,
-                                          rows=None if coder is None else partial(coder.rows, s))
-                        if not ok.all():
-                            bad = [int(s + i) for i in np.nonzero(~ok)[0]]
-                            nonfinite.update(bad)
-                            log.warning("examples %s have non-finite gradients; stored as zeros and flagged", bad)
-                        computed += e - s
-                        bar.update(e - s)
-                    if factors:
-                        if full is not None:
-                            full.ensure()
-                        write_covariance(w.file, st.kfac, full, digest)
-                    if coder is not None:
-                        coder.shard_done(k, start, end)
-                    w.seal()
-                except BaseException:
-                    w.abort()  # (a full disk: no HDF5 handle left to fail again, or crash, at exit)
-                    raise
+                w, n = _write_shard(path, k, start, end, model, st, data, cfg, nonfinite, bar)
+                computed += n
                 commits.append(hashing.submit(w.commit))
                 for f in commits:
                     if f.done():
@@ -489,11 +451,47 @@ def write_shards(out: Path, model: nn.Module, st: _Setup, data: Tokenized, cfg: 
         for f in commits:
             f.result()
     finally:
-        if full is not None:
-            full.select = None
+        if st.full is not None:
+            st.full.select = None
         hashing.shutdown(wait=True)
         bar.close()
     return nonfinite, computed
+
+
+def _write_shard(path: Path, k: int, start: int, end: int, model: nn.Module, st: _Setup, data: Tokenized,
+                 cfg: BuildConfig, nonfinite: set[int], bar) -> tuple[ShardWriter, int]:
+    """Capture shard ``k`` (examples ``start:end``, resuming a partial file unless per-shard sums or a coder's
+    results are kept: those need the whole shard) and seal it; the sealed writer, to commit, and the examples
+    computed."""
+    w = ShardWriter(path, start, end - start, {n: st.rows.space.dim(n) for n in st.capture.infos}, st.data_fp,
+                    st.sink.storage or cfg.capture_storage)
+    done = w.open()
+    if (st.kfac is not None or st.full is not None or st.sink.coded) and done:  # redo it whole
+        w.close()
+        w.partial.unlink()
+        done = w.open()
+    bar.update(done)
+    try:
+        for s in range(start + done, end, cfg.batch_size):
+            e = min(s + cfg.batch_size, end)
+            if st.select is not None:
+                st.full.select = torch.from_numpy(np.nonzero(st.select[s:e])[0])
+            ok = append_batch(w, model, st.capture, data, s, e, st.pad_id, st.hashes, st.sink)
+            if not ok.all():
+                bad = [int(s + i) for i in np.nonzero(~ok)[0]]
+                nonfinite.update(bad)
+                log.warning("examples %s have non-finite gradients; stored as zeros and flagged", bad)
+            bar.update(e - s)
+        if st.kfac is not None or st.full is not None:
+            if st.full is not None:
+                st.full.ensure()
+            write_covariance(w.file, st.kfac, st.full, st.digest)
+        st.sink.shard_done(k, start, end)
+        w.seal()
+    except BaseException:
+        w.abort()  # (a full disk: no HDF5 handle left to fail again, or crash, at exit)
+        raise
+    return w, end - start - done
 
 
 def _full_selection(rows: np.ndarray | None, n: int) -> tuple[np.ndarray | None, str]:

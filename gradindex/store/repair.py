@@ -43,7 +43,7 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
     ``damaged/`` first.
     """
     from gradindex.checksum import move_aside
-    from gradindex.store.append import append_batch
+    from gradindex.store.append import RowSink, append_batch
     from gradindex.store.basis import index_basis, stored_rows
     from gradindex.store.shards import ShardWriter
 
@@ -60,6 +60,9 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
     fp, storage = manifest["build"]["data_fingerprint"], manifest["build"]["storage"]
     captured = (manifest.get("transcode") or {}).get("source_build", {}).get("storage", "fp32")
     computed = 0
+    sink = RowSink()
+    sink.rows = lambda s, grads: {n: stored_rows(basis, n, as_captured(g, captured), shapes[n])
+                                  for n, g in grads.items()}
     with capture:
         for k in range((N + S - 1) // S):
             path = d / STORE_DIR / shard_name(k)
@@ -70,8 +73,7 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
             done = w.open()
             for s in range(start + done, end, B):
                 e = min(s + B, end)
-                append_batch(w, model, capture, data, s, e, pad_id, hashes, rows=lambda grads: {
-                    n: stored_rows(basis, n, as_captured(g, captured), shapes[n]) for n, g in grads.items()})
+                append_batch(w, model, capture, data, s, e, pad_id, hashes, sink)
                 computed += e - s
             w.finish()
             log.warning("recomputed %s in the index's ekfac eigenbasis", path.name)
