@@ -151,11 +151,8 @@ class Explainer:
     def _train_factors(self, ids: list[int]) -> list[tuple[list[int], list[int], Factors]]:
         todo = [i for i in dict.fromkeys(ids) if i not in self._factors]
         if todo:
-            tok_ids, labels, ok = self.engine.texts.tokens(np.array(todo, dtype=np.int64))
-            if len(tok_ids) != len(todo) or not ok.all():
-                why = self.engine.texts.problem or "its rows changed since the build"
-                raise ValueError("explaining a training example re-runs it, which needs the training data the "
-                                 f"index was built from ({why}); pass data= / --data")
+            tok_ids, labels = self.engine.texts.require("explaining a training example re-runs it, which needs the "
+                                                        "training data", np.array(todo, dtype=np.int64))
             _, facs = self.factors(tok_ids, labels)
             for i, x, y, f in zip(todo, tok_ids, labels, facs, strict=True):
                 self._factors[i] = (x, y, f)
@@ -224,11 +221,8 @@ class Explainer:
         e = self.engine
         if not out:
             return
-        ids, labels, ok = e.texts.tokens(np.array([x.id for x in out], dtype=np.int64))
-        if len(ids) != len(out) or not ok.all():
-            why = e.texts.problem or "its rows changed since the build"
-            raise ValueError(f"the full-space score re-runs the example, which needs the training data the index "
-                             f"was built from ({why}); pass data= / --data")
+        ids, labels = e.texts.require("the full-space score re-runs the example, which needs the training data",
+                                      np.array([x.id for x in out], dtype=np.int64))
         scores = full_gradient_scores(e.model, layers, query, (ids, labels), e.pad_id, method,
                                       batch_size_of(e.manifest),
                                       e.full_preconditioner(method), damping)

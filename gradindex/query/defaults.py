@@ -18,9 +18,25 @@ Where the self-influence cannot be had, the engine answers with the base method 
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from gradindex.methods import REGISTRY, SELFNORM, default_method
+import numpy as np
+
+from gradindex.methods import (
+    DEFAULT_DAMPING,
+    REBUILD_RAW,
+    REGISTRY,
+    SELFNORM,
+    default_method,
+    index_row_base,
+    parse_method,
+)
+
+log = logging.getLogger("gradindex")
 
 SELFNORM_BY_DEFAULT = frozenset({"ekfac"})
 """Base methods a query given no method answers with in their ``-selfnorm`` form."""
@@ -46,3 +62,73 @@ def fallback_note(method: str, base: str, exc: BaseException) -> str:
     """The note of a query whose default ``method`` fell back to ``base`` because the self-influence failed."""
     return (f"the default method {method} divides by the training examples' self-influence, which this index "
             f"cannot give ({exc}); these are plain {base} scores (ask for --method {base} to skip this note)")
+
+
+def check_damping(damping: float) -> None:
+    """Refuse a damping that is not a finite number > 0 (``inf`` would answer all-zero scores)."""
+    if not (isinstance(damping, int | float) and math.isfinite(damping) and damping > 0):
+        raise ValueError(f"damping must be a finite number > 0 (a fraction of each layer's mean eigenvalue, "
+                         f"e.g. {DEFAULT_DAMPING:g}), got {damping!r}")
+
+
+def baked_note(basis, base: str, damping: float) -> str | None:
+    """The note of a ``damping`` that is not the one behind ``base``'s scores on rows of ``basis`` (rows whitened at
+    build bake theirs in: :meth:`RowBasis.damping_used`); ``None`` where the query's damping is the one used."""
+    used = basis.damping_used(base, damping)
+    if used is None or used == damping:
+        return None
+    raw = REBUILD_RAW.get(basis.kind, "--transcode none")
+    return (f"the rows of this index bake in damping {used:g} (whitened at build; a query's damping does not "
+            f"change them): damping {damping:g} has no effect on --method {base} here (build with {raw} to "
+            "choose the damping per query)")
+
+
+def selfnorm_scale(si: np.ndarray) -> np.ndarray:
+    """The ``-selfnorm`` factor of each example's score: ``1/sqrt(si)``, 0 for none (an all-zero row)."""
+    return np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)
+
+
+def self_influence_or_note(ix, method: str, parsed: tuple[str, bool], defaulted: bool, base: str, damping: float,
+                           layers: Sequence[str]) -> tuple[np.ndarray | None, str | None]:
+    """``(si, None)``: the ``[N]`` self-influence a ``-selfnorm`` ``method`` divides by (``None`` for another);
+    ``(None, note)`` where the ``defaulted`` method cannot have it (:func:`fallback_note`; one asked for raises)."""
+    name, selfnorm = parsed  # (parse_method(method), parsed once a call)
+    if not selfnorm:
+        return None, None
+    try:
+        return ix.self_influence(base, damping, list(layers)), None
+    except UNAVAILABLE as exc:
+        if not defaulted:
+            raise
+        return None, fallback_note(method, name, exc)
+
+
+@dataclass
+class Answer:
+    """How a query is answered: ``method`` (after the default's fallback), the base named (``asked``), the operation
+    on stored rows (``base``), the damping ``used``, the ``-selfnorm`` ``scale`` and every result's ``notes``."""
+
+    method: str
+    asked: str
+    base: str
+    used: float | None
+    scale: np.ndarray | None
+    notes: list[str]
+
+
+def answer_for(ix, method: str | None, damping: float, layers: Sequence[str]) -> Answer:
+    """The :class:`Answer` of ``method`` (``None``: the default query method) on the open index ``ix``."""
+    defaulted, method = method is None, method or default_query_method(ix.manifest, ix.dir)
+    asked, selfnorm = parse_method(method)
+    base = index_row_base(ix.manifest, ix.dir, asked, method)  # the operation on stored rows
+    ix.pre.check(base, selfnorm)
+    notes = [note for note in [baked_note(ix.basis, asked, damping)] if note]
+    si, fell = self_influence_or_note(ix, method, (asked, selfnorm), defaulted, base, damping, layers)
+    if fell:
+        notes.append(fell)
+        log.warning(fell)
+        method = asked
+    if notes:
+        log.info(notes[-1])
+    scale = None if si is None else selfnorm_scale(si)
+    return Answer(method, asked, base, ix.basis.damping_used(asked, damping), scale, notes)

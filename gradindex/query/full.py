@@ -24,12 +24,17 @@ layer read when its hook runs, at most the preconditioner's cache budget held at
 a layer at a time in its backward hook (``G_q`` is never held whole) into one ``[Q, N_o, N_i(+1)]`` tensor per
 layer (no stacked copy). What stays is the model, the chunk's ``M`` (float32, the hooked parameters' size per
 query) and one forward + backward's activations.
+
+The two stages of a batch's results (docs/query.md, "Two stages"): the first stage's label and, on a budget-bound
+index, its note on the exact stage (:func:`rerank_plan`); the exact stage, each result's top ``C`` re-scored
+(:class:`ExactStage`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -39,9 +44,14 @@ from torch import nn
 from gradindex.capture import FullTokens, GradientCapture
 from gradindex.capture.batch import batch_gradients
 from gradindex.methods import DEFAULT_DAMPING, method_spec, parse_method
+from gradindex.precondition import load_full_preconditioner
 from gradindex.precondition.apply import damped
 from gradindex.precondition.fullspace import budget_bound, stored_share
 from gradindex.precondition.preconditioner import Preconditioner
+from gradindex.query.inputs import QueryTokens
+from gradindex.query.refine import RefineConfig, Refiner
+from gradindex.query.search import QueryResult
+from gradindex.query.texts import TrainingTexts
 from gradindex.spec.build import DEFAULT_BATCH_SIZE
 
 DEFAULT_RERANK = 0
@@ -302,3 +312,158 @@ def _finish(dots: np.ndarray, norms: np.ndarray, base: str, selfnorm: bool, q_no
     if selfnorm:
         return np.where(norms > 0, dots / np.sqrt(np.where(norms > 0, norms, 1.0)), 0.0)
     return dots
+
+
+# -- the two stages on a batch's results ---------------------------------------------------------------
+def secs(x: float) -> str:
+    """Seconds for a message: ``0.25 s``, ``3.1 s``, ``120 s``."""
+    return f"{x:.0f} s" if x >= 10 else f"{x:.2g} s"
+
+
+def per_token(results: list[QueryResult], tokens: QueryTokens) -> float:
+    """The batch's gradient seconds (which every result of one query batch carries) per query token."""
+    return results[0].seconds.get("gradient", 0.0) / max(1, sum(map(len, tokens.input_ids)))
+
+
+def rerank_plan(manifest: dict, index_dir, texts: TrainingTexts, method: str,
+                rerank_full: int | None) -> tuple[int, str | None]:
+    """``(C, note)``: the candidates to re-rank in full space (an explicit ``C`` as asked), and where the default
+    (:data:`DEFAULT_RERANK`) leaves a budget-bound index (:func:`budget_bound`) with a full-space method to its first
+    stage, the note saying how to ask for the exact stage and what it needs."""
+    if rerank_full is not None:
+        if rerank_full < 0:
+            raise ValueError(f"rerank_full must be >= 0 (candidates to re-rank in full space), got {rerank_full}")
+        return rerank_full, None
+    base, _ = parse_method(method)
+    if not budget_bound(manifest) or base not in FULL_SPACE_METHODS:
+        return DEFAULT_RERANK, None
+    needs = "the training data"
+    if method_spec(base).fitted is not None and base not in manifest.get("full_space", {}):
+        needs = (f"the full-space {base} fit (`gradindex precondition {index_dir} --method {base} --space full`) "
+                 f"and {needs}")
+    if texts.unavailable():
+        needs += f" (not found: {texts.problem}; pass --data)"
+    return DEFAULT_RERANK, (
+        f"first-stage scores: this index stores {stored_share(manifest):.2%} of each example's gradient "
+        f"(a budget-bound projection). The exact stage re-scores the top C in full space on request, "
+        f"--rerank-full {EXACT_STAGE_C} (rerank_full={EXACT_STAGE_C}); it needs {needs}")
+
+
+def label_first_stage(results: list[QueryResult], tokens: QueryTokens, manifest: dict, hint: str | None,
+                      example_tokens: float | None) -> str | None:
+    """Label the results as the first stage's, with the note on the exact stage (``hint``) and its cost: this batch's
+    gradient seconds per token times ``example_tokens`` (else a query's) a candidate; the note returned."""
+    stage = "first stage" if stored_share(manifest) < 1 else "index rows"
+    if hint:
+        q_mean = sum(map(len, tokens.input_ids)) / max(1, len(tokens))
+        per_candidate = per_token(results, tokens) * (example_tokens or q_mean)
+        hint += (f"; it costs a forward + backward per candidate, about {secs(EXACT_STAGE_C * per_candidate)} a query "
+                 f"here for C = {EXACT_STAGE_C} (docs/query.md, \"Two stages\")")
+    for r in results:
+        r.stage = stage
+        if hint:
+            r.notes.append(hint)
+    return hint
+
+
+def example_tokens(store) -> float:
+    """Mean tokens of a training example (the first shard's; 0 where unknown)."""
+    try:
+        got = store.shard_columns(0, ["num_tokens"], 0, store.sizes[0])["num_tokens"]
+    except (AttributeError, IndexError, KeyError):  # (a store without the column)
+        got = np.zeros(0)
+    return float(np.mean(got)) + 1 if len(got) else 0.0
+
+
+def check_heads(results: list[QueryResult], top: int) -> None:
+    """Refuse first-stage results too short for an exact stage of the top ``top``."""
+    if any(len(r.hits) < top for r in results):
+        raise ValueError(f"the exact stage of the top {top} needs first-stage results with at least {top} hits "
+                         f"(query with k >= {top})")
+
+
+def full_fit(loaded: dict[str, Preconditioner], index_dir, method: str, budget: int | None) -> Preconditioner:
+    """``method``'s full-space preconditioner, loaded once into ``loaded``, ``budget`` bytes of curvature held."""
+    base, _ = parse_method(method)
+    if base not in loaded:
+        loaded[base] = load_full_preconditioner(index_dir, base, budget)
+    pre = loaded[base]
+    if pre.cache.budget != budget:  # (the budget changed since it was loaded)
+        pre.cache.budget = budget
+        pre.cache.clear()
+    return pre
+
+
+def returning(results: list[QueryResult], work=()) -> Generator[tuple[int, int], None, list[QueryResult]]:
+    """``work``'s steps, then ``results``."""
+    yield from work
+    return results
+
+
+@dataclass
+class ExactStage:
+    """The exact stage of one method's first-stage results: full-space ``pre`` at ``damping``, with refinement."""
+
+    model: nn.Module
+    pad_id: int
+    texts: TrainingTexts
+    batch_size: int
+    pre: Preconditioner
+    damping: float
+    announce: Callable[[str], None]
+    refiner: Refiner | None = None
+    refine: RefineConfig | None = None
+
+    def run(self, results: list[QueryResult], tokens: QueryTokens,
+            top: int) -> Generator[tuple[int, int], None, list[QueryResult]]:
+        """Steps re-scoring each result's top ``top`` (yielding ``(passes done, total)``), returning the results."""
+        return returning(results, self._steps(results, tokens, top, per_token(results, tokens)))
+
+    def _steps(self, results: list[QueryResult], tokens: QueryTokens, top: int,
+               per_token: float) -> Generator[tuple[int, int], None, None]:
+        """The union of the results' top ``top`` re-scored once, its time announced first and recorded."""
+        t0 = time.perf_counter()
+        heads = [r.hits[:top] for r in results]
+        union = np.unique(np.concatenate([[h.id for h in hs] for hs in heads]).astype(np.int64))
+        ids, labels = self.texts.require("the exact stage (full-space re-rank) needs the training data", union)
+        queries = [(tokens.input_ids[j], tokens.labels[j]) for j in range(len(results))]
+        layers = results[0].layers
+        refined = None
+        if self.refiner is not None:
+            refined = [self.refiner.full_space(full_query_gradient(self.model, layers, q, self.pad_id), self.pre,
+                                               self.damping, layers, self.refine) for q in queries]
+        many = f" (the union of {sum(map(len, heads))} for {len(queries)} queries)" if len(queries) > 1 else ""
+        work = sum(map(len, ids)) + sum(map(len, tokens.input_ids))
+        self.announce(f"exact stage: {len(union)} candidates{many} re-scored in full space, about "
+                      f"{secs(work * per_token)} ({len(union) + len(queries)} forward + backward passes, {work:,} "
+                      "tokens at this batch's own gradient seconds per token)")
+        scores = yield from full_scores_steps(self.model, layers, queries, (ids, labels),
+                                              [np.searchsorted(union, [h.id for h in hs]) for hs in heads],
+                                              self.pad_id, results[0].method, self.batch_size, self.pre,
+                                              self.damping, query_matrices=refined, on_batch=self._first_batch_rate())
+        secs_taken = time.perf_counter() - t0
+        for r, hs, sc in zip(results, heads, scores, strict=True):
+            for h, s in zip(hs, sc, strict=True):
+                h.full_score = float(s)
+            r.hits = sorted(hs, key=lambda h: (-h.full_score, h.id)) + r.hits[top:]
+            r.seconds["rerank_full"] = secs_taken
+            r.reranked = len(hs)
+            r.stage = f"full-space re-rank of the top {r.reranked}"
+            r.notes.append(f"exact stage: {len(union)} candidates re-scored in full space in {secs_taken:.1f} s"
+                           + (f" (for {len(queries)} queries, their candidates' union)" if len(queries) > 1 else ""))
+            if len(r.hits) > top:
+                r.notes.append(f"results below rank {top} carry first-stage scores (raise --rerank-full)")
+
+    def _first_batch_rate(self):
+        """``on_batch`` of the exact stage: after its first batch, announce the measured time left (if over 5 s)."""
+        said = [False]
+
+        def on_batch(done: int, total: int, seconds: float) -> None:
+            if not said[0] and done < total:
+                said[0] = True
+                left = seconds / done * (total - done)
+                if left > 5:
+                    self.announce(f"exact stage: {secs(seconds / done)} a candidate on the first batch, about "
+                                  f"{secs(left)} to go ({total - done} candidates)")
+
+        return on_batch

@@ -4,19 +4,38 @@ A single query is a text (``str``), a ``(prompt, completion)`` tuple (loss on th
 only), a sequence of token ids (loss on every next token), or a record ``dict`` with the fields
 :func:`gradindex.data.tokenize_records` reads (``text``/``--text-field``, ``prompt`` +
 ``completion``, or ``input_ids`` with optional ``labels``). A batch is a ``list`` of these.
+
+Then their gradients: the model an index was built with, opened and checked against it (:func:`open_model`), and
+the tokens captured as the build captured its rows, the same capture, projection and row basis
+(:func:`query_gradients`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from gradindex.chat import MESSAGES, render_turns
+from gradindex.adapter import adapter_fingerprint
+from gradindex.capture import GradientCapture, ProjectedRows, RowSpace
+from gradindex.capture.adam import adam_capture_transforms
+from gradindex.capture.batch import batch_gradients
+from gradindex.chat import MESSAGES, render_turns, set_chat_template, template_of
 from gradindex.data import IGNORE, Records, load_records, tokenize_records
+from gradindex.fingerprint import check_index_tokenizer, model_fingerprint
+from gradindex.index import OpenIndex
+from gradindex.manifest import IndexMismatchError, identity_differences
+from gradindex.model import max_positions, resolve_pad_id, vocab_size
+from gradindex.spec.build import batch_size_of
+from gradindex.spec.manifest import layer_identity
+from gradindex.store.basis import capture_transforms, to_rows
+
+log = logging.getLogger("gradindex")
 
 
 @dataclass
@@ -129,3 +148,109 @@ def describe(rec: dict, text_field: str = "text", sep: str = "|") -> str:
 def _preview(rec: dict, n: int = 40) -> str:
     s = repr(rec)
     return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def open_model(ix: OpenIndex, layers: list[str], model_dir=None, *, model=None, tokenizer=None, device: str = "auto",
+               dtype: str | None = None, optimizer_state=None, pad_id: int | None = None) -> tuple:
+    """``(model, tokenizer, space, capture, pad_id)`` of ``ix``'s ``layers``: ``model`` (default: ``model_dir``'s, else
+    the index's ``model_id``) refused where it does not fit the index (fingerprint, layers, projection, dtype)."""
+    given = model is not None
+    if not given:  # (load_causal_lm checks the tokenizer it loads against the index's fingerprint)
+        model, tokenizer = _load(ix.manifest, model_dir, device, dtype)
+    if ix.manifest.get("chat_template") and tokenizer is not None and template_of(tokenizer) is None:
+        set_chat_template(tokenizer, ix.manifest["chat_template"])  # the template the build used
+    if given:
+        check_index_tokenizer(ix.manifest, tokenizer, ix.dir)
+    try:
+        spec = ix.projection
+    except ValueError as e:
+        raise IndexMismatchError(str(e)) from None
+    route = ix.manifest.get("config", {}).get("route", "auto")
+    model.requires_grad_(False)
+    transforms, optimizer = _optimizer_transforms(ix.manifest, optimizer_state, model, layers)
+    if transforms is None:  # the row basis's side maps (an Adam index has the raw basis)
+        transforms = capture_transforms(ix.basis)
+    try:
+        space = RowSpace(spec, transforms)  # (what the index's rows hold of each layer)
+        capture = GradientCapture(model, layers, ProjectedRows(space, route))
+    except ValueError as e:  # another architecture: the index's layers are not there
+        raise IndexMismatchError(f"this model does not fit the index in {str(ix.dir)!r}: the index's {e}; query with "
+                                 "the model the index was built from, or rebuild the index") from None
+    now = {"model_fingerprint": model_fingerprint(model), "projection": spec.to_dict(),
+           "adapter_fingerprint": adapter_fingerprint(model),
+           "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "optimizer": optimizer,
+           "layers": layer_identity(space)}
+    diffs = identity_differences(ix.manifest["build"], now)
+    if diffs:
+        raise IndexMismatchError(f"this model does not fit the index in {str(ix.dir)!r}: " + "; ".join(diffs)
+                                 + ". Query with the model the index was built from, or rebuild the index")
+    return model, tokenizer, space, capture, resolve_pad_id(model, tokenizer) if pad_id is None else pad_id
+
+
+def _load(manifest: dict, model_dir, device: str, dtype: str | None) -> tuple:
+    """The model and tokenizer in ``model_dir`` (default: the index's ``model_id``), loaded as the build loaded them."""
+    from gradindex.adapter import is_adapter_dir
+    from gradindex.model import index_model_options, load_causal_lm
+
+    path = Path(model_dir or manifest.get("model_id") or "")
+    if not str(path) or not path.exists():
+        raise FileNotFoundError(f"the model that built this index, {str(path)!r}, is not there; "
+                                "pass its directory (model_dir= / --model)")
+    options = index_model_options(manifest)
+    if model_dir is not None and is_adapter_dir(path):  # the adapter given, not the index's: its
+        options["adapter"] = None  # fingerprint is checked by the identity check (it was ignored: issue 33 item 2)
+    return load_causal_lm(path, dtype=dtype or manifest.get("dtype", "float32"), device=device, **options)
+
+
+def _optimizer_transforms(manifest: dict, path, model, layers: list[str]) -> tuple[dict | None, dict | None]:
+    """The Adam transforms the build applied to every row, so queries get the same (or none)."""
+    rec = manifest["build"].get("optimizer")
+    if not rec:
+        return None, None
+    path = Path(path or manifest.get("config", {}).get("optimizer_state", ""))
+    if not path.is_file():
+        raise FileNotFoundError(f"this index's rows are Adam-preconditioned and queries need the same optimizer "
+                                f"state, but {str(path)!r} is not there; pass it (optimizer_state= / "
+                                "--optimizer-state)")
+    return adam_capture_transforms(path, rec["mode"], model, layers)
+
+
+def tokenize(model, tokenizer, manifest: dict, queries: list, text_field: str = "text") -> QueryTokens:
+    """Records → tokens, truncated to the build's max length and the model's positions (flagged per query)."""
+    recs = [as_record(q, text_field) if not isinstance(q, dict) else q for q in queries]
+    max_length = int(manifest["build"]["max_length"])  # and no longer than the model's positions
+    max_length = min(max_length, max_positions(model) or max_length)
+    return tokenize_queries(recs, tokenizer, max_length, text_field, vocab_size=vocab_size(model))
+
+
+def query_gradients(model, capture: GradientCapture, basis, manifest: dict, tokens: QueryTokens,
+                    pad_id: int) -> tuple[dict[str, torch.Tensor], np.ndarray, np.ndarray]:
+    """Per-layer projected query gradients ``{layer: [Q, D]}`` in the rows' basis (CPU float32), losses, tokens."""
+    B = batch_size_of(manifest)
+    parts, loss, ntok = [], [], []
+    with capture:
+        for s in range(0, len(tokens), B):
+            bg = batch_gradients(model, capture, tokens.input_ids[s:s + B], tokens.labels[s:s + B], pad_id)
+            parts.append({n: v.float().cpu() for n, v in bg.grads.items()})
+            loss.append(bg.loss.float().cpu().numpy())
+            ntok.append(bg.num_tokens.cpu().numpy())
+    shapes = {n: (v["rows"], v["cols"]) for n, v in manifest["build"]["layers"].items()}
+    grads = {n: torch.from_numpy(to_rows(basis, n, torch.cat([p[n] for p in parts]).numpy(), shapes[n]))
+             for n in parts[0]}
+    if not all(torch.isfinite(v).all() for v in grads.values()):
+        raise ValueError("a query's gradient is not finite (overflow in the model); try dtype float32")
+    return grads, np.concatenate(loss), np.concatenate(ntok)
+
+
+def describe_queries(results: list, tokens: QueryTokens, loss: np.ndarray, ntok: np.ndarray, max_length: int,
+                     seconds: dict[str, float], note: str | None = None) -> None:
+    """Each query's tokens, loss, truncation (noted), gradient ``seconds`` and ``note`` on its result."""
+    for j, r in enumerate(results):
+        r.num_tokens, r.loss, r.truncated = int(ntok[j]), float(loss[j]), tokens.truncated[j]
+        r.seconds.update(seconds)
+        if note:
+            r.notes.append(note)
+        if r.truncated:
+            r.notes.append(f"query {j} was longer than the index's max length ({max_length} tokens) and was "
+                           "truncated")
+            log.info(r.notes[-1])

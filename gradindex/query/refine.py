@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from gradindex.data import IGNORE, collate
-from gradindex.methods import absolute_damping, parse_method
+from gradindex.methods import absolute_damping, index_row_base, method_spec, parse_method
 
 REFINE_METHODS = ("neumann", "cg")
 REFINE_CURVATURES = ("ggn", "fisher", "sampled")
@@ -90,6 +90,40 @@ class RefineConfig:
         if self.steps < 0 or self.sample < 1 or self.batch < 1 or not self.alpha >= 0:
             raise ValueError(f"refine needs steps >= 0, sample >= 1, batch >= 1 and alpha >= 0; got "
                              f"steps={self.steps}, sample={self.sample}, batch={self.batch}, alpha={self.alpha}")
+
+    def note(self, n: int) -> str:
+        """A result's note on this refinement on an index of ``n`` examples."""
+        return (f"query refined: {self.method}, {self.steps} steps, Gauss-Newton products over "
+                f"{min(self.sample, n)} training examples")
+
+
+def refine_config(default: RefineConfig | None, refine: RefineConfig | bool | None, method: str, manifest: dict,
+                  index_dir, basis_kind: str) -> RefineConfig | None:
+    """The refinement a call asked for, checked against ``method`` on an index with rows in ``basis_kind``: ``None``
+    takes ``default`` (skipped for methods without an inverse curvature), ``True`` the default settings, ``False``
+    none."""
+    asked = refine is not None
+    cfg = RefineConfig() if refine is True and default is None else (
+        default if refine is None or refine is True else (refine or None))
+    if cfg is None:
+        return None
+    base, _ = parse_method(method)
+    on_rows = index_row_base(manifest, index_dir, base, method)
+    whitened_ekfac = base == "ekfac" and basis_kind == "ekfac"
+    if method_spec(base).fitted is None or (on_rows != base and not whitened_ekfac):
+        if not asked:
+            return None
+        raise ValueError(f"query refinement improves an EK-FAC/K-FAC inverse-curvature product; method "
+                         f"{method!r} on this index's {basis_kind!r} rows has none (use --method ekfac, or "
+                         "drop --refine)")
+    return cfg
+
+
+def training_sample(cfg: RefineConfig, n: int, texts) -> tuple[list[list[int]], list[list[int]]]:
+    """The curvature products' sample: ``cfg.sample`` of ``n`` rows drawn with ``cfg.seed``, tokens from ``texts``."""
+    rng = np.random.default_rng(cfg.seed)
+    ids = np.sort(rng.choice(n, min(cfg.sample, n), replace=False)).astype(np.int64)
+    return texts.require("query refinement takes curvature products on training examples and needs the data", ids)
 
 
 # -- the preconditioner in the captured space --------------------------------------------------------
@@ -162,6 +196,13 @@ def preconditioner_curvature(pre, layer: str, damping: float) -> RowCurvature:
     Q_S, Q_A, Lam = pre._tensors(layer, torch.device("cpu"), torch.float64)
     delta = pre.delta(layer, damping)
     return RowCurvature(Q_S, Q_A, 1.0 / damped(Lam, delta, -1.0), delta, False)
+
+
+def row_curvature(basis, pre, base: str, damping: float, layer: str) -> RowCurvature:
+    """A layer's :class:`RowCurvature`: from the rows' EK-FAC eigenbasis, else ``base``'s preconditioner in ``pre``."""
+    if basis.kind == "ekfac":
+        return eigenbasis_curvature(basis.Q_S[layer], basis.Q_A[layer], basis.scale[layer], basis.damping)
+    return preconditioner_curvature(pre.get(base), layer, damping)
 
 
 # -- the solver -----------------------------------------------------------------------------------------

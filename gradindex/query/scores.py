@@ -27,7 +27,7 @@ from gradindex.index import OpenIndex, open_index
 from gradindex.methods import DEFAULT_DAMPING, index_row_base, parse_method
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import block_rows
-from gradindex.query.defaults import UNAVAILABLE, default_query_method, fallback_note
+from gradindex.query.defaults import default_query_method, self_influence_or_note, selfnorm_scale
 
 log = logging.getLogger("gradindex")
 
@@ -54,16 +54,11 @@ def score_matrix(
     ix, opened = open_index(index, then="score it")
     try:
         defaulted, method = method is None, method or default_query_method(ix.manifest, ix.dir)
-        name, selfnorm = parse_method(method)
-        base = index_row_base(ix.manifest, ix.dir, name, method)  # the operation on stored rows
-        si = None
-        if selfnorm:
-            try:
-                si = ix.self_influence(base, damping, ix.selected_layers(layers))  # [N]
-            except UNAVAILABLE as exc:  # the default's self-influence: plain scores of the base method, saying so
-                if not defaulted:
-                    raise
-                log.warning(fallback_note(method, name, exc))
+        parsed = parse_method(method)
+        base = index_row_base(ix.manifest, ix.dir, parsed[0], method)  # the operation on stored rows
+        si, fell = self_influence_or_note(ix, method, parsed, defaulted, base, damping, ix.selected_layers(layers))
+        if fell:  # the default's self-influence: plain scores of the base method, saying so
+            log.warning(fell)
         return _scores(ix, query_grads, base, si, damping, layers, block, device, dtype)
     finally:
         if opened:
@@ -111,5 +106,5 @@ def _scores(ix: OpenIndex, query_grads, base: str, si: np.ndarray | None, dampin
             s = torch.where(denom > 0, s / denom.clamp_min(torch.finfo(dtype).tiny), torch.zeros_like(s))
         out[:, pos] = s.double().cpu().numpy()
     if si is not None:
-        out *= np.where(si > 0, 1.0 / np.sqrt(np.where(si > 0, si, 1.0)), 0.0)[None, :]
+        out *= selfnorm_scale(si)[None, :]
     return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,19 @@ class TrainingTexts:
     def unavailable(self) -> bool:
         """Whether the training data cannot be read (:attr:`problem` says why), checked once."""
         return self._records() is None
+
+    def require(self, needs: str, ids: np.ndarray | None = None) -> tuple[list[list[int]], list[list[int]]]:
+        """Token ids and labels of rows ``ids``, each as the build made it (``None``: only that the data reads);
+        else a ValueError: ``needs``, the data the index was built from, why not, and how to pass it."""
+        if ids is None:
+            x, y, bad = [], [], self.unavailable()
+        else:
+            x, y, ok = self.tokens(ids)
+            bad = len(x) != len(ids) or not ok.all()
+        if bad:
+            why = self.problem or "its rows changed since the build"
+            raise ValueError(f"{needs} the index was built from ({why}); pass data= / --data")
+        return x, y
 
     def _jsonl(self) -> JsonlRows | None:
         """The file's rows read without ``datasets`` (:mod:`gradindex.query.jsonl`) when it is JSONL of the
@@ -116,3 +130,16 @@ class TrainingTexts:
             else:
                 out.append("" if rec[self.field] is None else str(rec[self.field]))
         return out
+
+
+def attach_texts(results: list, texts: TrainingTexts) -> None:
+    """Each hit's training text (read once per distinct id), its time, and any note on the texts."""
+    t4 = time.perf_counter()
+    ids = np.unique(np.concatenate([[h.id for h in r.hits + r.lowest] for r in results]).astype(np.int64))
+    by_id = dict(zip(ids.tolist(), texts.texts(ids), strict=True))
+    for r in results:
+        for h in r.hits + r.lowest:
+            h.text = by_id.get(h.id)
+        r.seconds["texts"] = time.perf_counter() - t4
+        if texts.problem and texts.problem not in r.notes:
+            r.notes.append(texts.problem)
