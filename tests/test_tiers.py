@@ -162,7 +162,7 @@ def test_store_kind_is_exact_and_writes_no_copy(default_index, tmp_path):
     q, rows = _queries(d, QUERIES), _rows(d)
     truth = sum(q[n] @ rows[n].T for n in rows)
     with QueryEngine(d, device="cpu") as e:
-        res = e.search(q, k=10, texts=False)
+        res = e.search(q, k=10, method="ekfac", texts=False)
     for j, r in enumerate(res):
         assert [h.id for h in r.hits] == np.argsort(-truth[j], kind="stable")[:10].tolist()
         np.testing.assert_allclose([h.score for h in r.hits], truth[j][[h.id for h in r.hits]], rtol=1e-9)
@@ -178,8 +178,8 @@ def test_two_tier_equals_brute_force_when_c_covers_the_truth(default_index, tmp_
         assert sk.sketch.m == 256 and sk.nbytes() == 260 * e.n
         for chosen in (layers, layers[:3]):
             truth = sum(q[n] @ rows[n].T for n in chosen)
-            for c, res in ((e.n, e.search(q, k=10, layers=chosen, candidates=e.n, texts=False)),
-                           (15, e.search(q, k=10, layers=chosen, candidates=15, texts=False))):
+            for c, res in ((e.n, e.search(q, k=10, layers=chosen, candidates=e.n, method="ekfac", texts=False)),
+                           (15, e.search(q, k=10, layers=chosen, candidates=15, method="ekfac", texts=False))):
                 from gradindex.index import query_vectors
 
                 _, u, _ = query_vectors(e.indices.space, e.pre, "graddot", 1e-3,
@@ -231,7 +231,7 @@ def test_old_faiss_indices_still_answer(default_index, tmp_path):
     truth = sum(q[n] @ rows[n].T for n in rows)
     with QueryEngine(d, device="cpu") as e:
         assert e.indices.kind == "faiss" and e.indices.sketch is None
-        for j, r in enumerate(e.search(q, k=5, texts=False)):
+        for j, r in enumerate(e.search(q, k=5, method="ekfac", texts=False)):
             assert [h.id for h in r.hits] == np.argsort(-truth[j], kind="stable")[:5].tolist()
 
 
