@@ -217,15 +217,22 @@ def stage_flops(model: nn.Module, cfg, plan, lengths: np.ndarray) -> tuple[dict[
     return gpu, host
 
 
-def activation_bytes(model: nn.Module, cfg, layers, tokens: int) -> int:
+def activation_bytes(model: nn.Module, cfg, layers, tokens: int, device: str = "cpu") -> int:
     """Bytes a forward + backward of ``tokens`` tokens holds: every hooked layer's input and output per token
-    (in the weights' dtype) and the logits with a float32 copy and its gradient (the vocabulary's share, the
-    largest term of a small model with a large vocabulary)."""
+    (in the weights' dtype) and the logits: where the capture's fused head runs (:mod:`gradindex.capture.head`),
+    one chunk of float32 logits and their log-probabilities on ``device``; else every token's logits with a
+    float32 copy and its gradient (the largest term of a small model with a large vocabulary)."""
+    from gradindex.capture.head import CHUNK_BYTES, MIN_ROWS, plain_head
+
     params = list(model.parameters())
     size = params[0].element_size() if params else 4
     shares = token_shares(model, cfg)
     per_token = sum((lp.n_in + lp.n_out) * shares[lp.name] for lp in layers)
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    hooked = {n for n, _ in model.named_modules()} & {lp.name for lp in layers}
+    if vocab and plain_head(model, {m for n, m in model.named_modules() if n in hooked}) is not None:
+        rows = min(tokens, max(MIN_ROWS, CHUNK_BYTES.get(device, 256 << 20) // (4 * vocab)))
+        return int(tokens * per_token * size + 2 * 4 * rows * vocab)
     return int(tokens * (per_token * size + vocab * (size + 8)))
 
 
@@ -234,7 +241,7 @@ def gpu_memory(model: nn.Module, cfg, plan, longest: int) -> dict[str, int]:
     B = cfg.batch_size
     tokens = B * longest
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    activations = activation_bytes(model, cfg, plan.layers, tokens)
+    activations = activation_bytes(model, cfg, plan.layers, tokens, "cuda")
     largest = max((4 * tokens * (lp.n_in + lp.n_out) + 4 * (materialized_memory(B, lp.n_in, lp.n_out, lp.k_a)
                    if _route(cfg, lp, B, longest)[0] == "materialized" else 0) for lp in plan.layers), default=0)
     maps = sum(4 * (lp.k_a * lp.n_in * (lp.k_a != lp.n_in) + lp.k_g * lp.n_out * (lp.k_g != lp.n_out))
