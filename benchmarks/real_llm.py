@@ -50,7 +50,9 @@ def _timed(cmd: list[str], log: Path, what: str) -> dict:
     if r.returncode != 0:
         raise RuntimeError(f"{what} failed ({r.returncode}); see {log}")
     rss = [ln for ln in r.stderr.splitlines() if "Maximum resident set size" in ln]
-    return {"wall_s": round(wall, 1), "peak_rss_gb": round(int(rss[0].split()[-1]) / 1e6, 2) if rss else None}
+    cpu = [float(ln.split()[-1]) for ln in r.stderr.splitlines() if ln.strip().startswith(("User time", "System time"))]
+    return {"wall_s": round(wall, 1), "peak_rss_gb": round(int(rss[0].split()[-1]) / 1e6, 2) if rss else None,
+            **({"cpu_s": round(sum(cpu), 1)} if len(cpu) == 2 else {})}
 
 
 def _cli(args: list[str], log: Path) -> dict:
@@ -243,7 +245,7 @@ def _peak_disk(path: Path, stop, out: list) -> None:
 
 
 def cost(ft: dict, work: Path, data: str | None = None, name: str = "idx-default", queries: int = 10,
-         threads: int = 2, floor: bool = False) -> dict:
+         threads: int = 2, floor: bool | dict = False) -> dict:
     """The default build of ``data`` (the fine-tune's training set) through the full model, against what
     ``gradindex plan`` said before it (wall, peak RSS, peak and final disk); with ``floor``, a bare forward +
     backward of the same records beside it; then the default query: p50/p95 over ``queries`` one-query calls
@@ -270,10 +272,13 @@ def cost(ft: dict, work: Path, data: str | None = None, name: str = "idx-default
                     "final_disk_mb": round(plan["bytes"]["final"] / 1e6, 1)},
            "build": {**built, "peak_disk_mb": round(max(seen, default=final) / 1e6, 1),
                      "final_disk_mb": round(final / 1e6, 1)}}
-    if floor:
-        out["floor"] = _timed([sys.executable, "-m", "benchmarks.real_llm", "--floor", ft["merged"], data],
-                              work / f"floor-{name}.log", "the bare forward + backward")
+    if floor:  # (a dict: the floor of an earlier run of the same records, kept)
+        out["floor"] = floor if isinstance(floor, dict) else _timed(
+            [sys.executable, "-m", "benchmarks.real_llm", "--floor", ft["merged"], data], work / f"floor-{name}.log",
+            "the bare forward + backward")
         out["build_over_floor"] = round(built["wall_s"] / out["floor"]["wall_s"], 3)
+        if "cpu_s" in built and "cpu_s" in out["floor"]:
+            out["build_over_floor_cpu"] = round(built["cpu_s"] / out["floor"]["cpu_s"], 3)
     q = subprocess.run([sys.executable, "-m", "benchmarks.real_llm", "--latency", str(idx), ft["queries"],
                         str(queries), str(work / "finetune.json")], capture_output=True, text=True, check=True,
                        env={**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"})
@@ -281,15 +286,22 @@ def cost(ft: dict, work: Path, data: str | None = None, name: str = "idx-default
     return out
 
 
-def scale(ft: dict, work: Path, n: int) -> dict:
+def scale(ft: dict, work: Path, n: int, reuse_floor: bool = False) -> dict:
     """:func:`cost` over the fine-tune's training records followed by documentation chats it was not trained
-    on, ``n`` in all, with the bare forward + backward beside the build; kept in ``results/real-llm.json``."""
+    on, ``n`` in all, with the bare forward + backward beside the build (``reuse_floor``: the one an earlier
+    run of the same records measured, kept in the result); kept in ``results/real-llm.json``."""
     from benchmarks.smollm2 import more_docs, write_jsonl
 
     train, held = load_jsonl(ft["data"]), load_jsonl(ft["queries"])
     data = write_jsonl(train + more_docs(train, held, n - len(train)), work / f"index-{n}.jsonl")
     load = os.getloadavg()[0]
-    res = {**cost(ft, work, str(data), f"idx-{n}", floor=True),
+    old = (json.loads(RESULTS.read_text()) if RESULTS.exists() else {}).get("scale", {}).get(str(n), {})
+    floor = True
+    if reuse_floor and "floor" in old:
+        floor = {**old["floor"], "measured": old["floor"].get("measured", "an earlier run (the same records)")}
+        if "cpu_s" not in floor and "floor" in old.get("cpu_seconds", {}):
+            floor["cpu_s"] = old["cpu_seconds"]["floor"]
+    res = {**cost(ft, work, str(data), f"idx-{n}", floor=floor),
            "data": f"the {len(train)} fine-tuning records then {n - len(train)} documentation chats not trained on",
            "machine": f"{os.cpu_count()} cores, load {load:.1f} before, {os.getloadavg()[0]:.1f} after"}
     (work / f"scale-{n}.json").write_text(json.dumps(res, indent=1))
@@ -414,6 +426,8 @@ def main(argv=None) -> None:
     p.add_argument("--retrain-one", nargs=3, metavar=("FT", "SUBSET", "SEED"), help=argparse.SUPPRESS)
     p.add_argument("--index-n", type=int, default=1000,
                    help="scale: the training set followed by documentation chats not trained on, to this many")
+    p.add_argument("--reuse-floor", action="store_true",
+                   help="scale: keep the bare forward + backward an earlier run of the same records measured")
     p.add_argument("--latency", nargs="+", metavar="IDX QUERIES N [FT]", help=argparse.SUPPRESS)
     p.add_argument("--floor", nargs=2, metavar=("MODEL", "DATA"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -440,7 +454,7 @@ def main(argv=None) -> None:
         print((work / "cost.json").read_text())
         return
     if a.step == "scale":
-        print(json.dumps(scale(ft, work, a.index_n), indent=1))
+        print(json.dumps(scale(ft, work, a.index_n, a.reuse_floor), indent=1))
         return
     builds, scores = score_all(ft, work, not a.skip_full)
     if a.step in ("report", "all"):
