@@ -95,9 +95,6 @@ class IvfSketchTier(SketchTier):
 
     name = "ivf-sketch"
     auto_order = 0.5
-    help = ("the sketch's codes in FAISS IVF lists (IVF{nlist},sketch; ivf-sketch: 4 sqrt(N) lists), a query scores "
-            "the nprobe nearest (chosen at build for 0.97 of the exhaustive sketch's top 10), then the exact re-rank; "
-            "auto's choice where the exhaustive sketch scan is estimated over 0.5 s (~1.6 million examples)")
 
     @classmethod
     def matches(cls, factory: str) -> bool:
