@@ -51,7 +51,7 @@ def query_gradients(model, tokenizer, query, bcfg: BuildConfig) -> dict[str, np.
     """layer → ``[Q, D]`` query rows, with the build's Adam transform when it had one."""
     transforms = None
     if bcfg.optimizer_state:
-        transforms, _ = adam_capture_transforms(bcfg.optimizer_state, bcfg.adam_mode, model, bcfg.layers)
+        transforms, _ = adam_capture_transforms(bcfg.optimizer_state, bcfg.rows.adam, model, bcfg.layers)
     return common.query_gradients(model, tokenizer, query, bcfg, transforms)
 
 

@@ -119,7 +119,7 @@ def build(work: Path, mdir: Path, texts: list[str]) -> tuple[Path, dict]:
     fit_preconditioner(out, fit, model, tok, data, progress=False, manifest=res.manifest)
     stages["fit"] = time.perf_counter() - t
     t = time.perf_counter()
-    transcode_in_place(out, cfg.damping, cfg.storage, progress=False)
+    transcode_in_place(out, cfg.damping, cfg.rows.storage, progress=False)
     stages["transcode"] = time.perf_counter() - t
     stamp.write_text(json.dumps(stages))
     return out, stages

@@ -55,7 +55,7 @@ def finish(d: Path, model, tok, data, cfg: BuildConfig, once: bool) -> dict:
     try:
         with index_lock(d, "benchmark"), DiskPeak(d) as disk:
             t = time.perf_counter()
-            fused.fit_and_transcode(d, fit, cfg.storage, model, tok, data, progress=False)
+            fused.fit_and_transcode(d, fit, cfg.rows.storage, model, tok, data, progress=False)
             secs = time.perf_counter() - t
     finally:
         fused.keeps_copy = real

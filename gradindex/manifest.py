@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from gradindex.errors import IndexMismatchError  # noqa: F401  (re-exported)
-from gradindex.methods import LEGACY_DAMPING
+from gradindex.methods import DEFAULT_DAMPING, LEGACY_DAMPING
 from gradindex.spec.build import DEFAULT_BATCH_SIZE, default
 from gradindex.spec.layout import MANIFEST
+from gradindex.spec.rows import RowSpec
 
 FORMAT_VERSION = 1
 
@@ -238,27 +239,19 @@ def _short(v: Any) -> str:
 
 def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, extra: str = "--repair",
                   index: bool = True) -> str:
-    """The ``gradindex build`` command line that made this index (from its manifest), plus ``extra``. With
-    ``index`` (the default) it ends with the index stage the index recorded (:func:`index_args`), so the
-    index it leaves answers queries (with ``--no-index`` it did not: issue 33 item 9); else ``--no-index``."""
+    """The ``gradindex build`` command line that made this index (from its manifest: its rows as one ``--rows``
+    spec, :func:`rows_of`), plus ``extra``. With ``index`` (the default) it ends with the index stage the index
+    recorded (:func:`index_args`), so the index it leaves answers queries (with ``--no-index`` it did not: issue
+    33 item 9); else ``--no-index``."""
     m = manifest if manifest is not None else read_manifest(index_dir)
     c, proj = m.get("config", {}), m.get("build", {}).get("projection", {})
-    kind = proj.get("kind", "gaussian")
     args = ["gradindex", "build", m.get("model_id") or "MODEL_DIR", m.get("data_id") or "DATA",
-            "--out", str(index_dir),
-            "--projection", "none" if kind == "none" else "auto" if proj.get("sizes")
-            else f"{proj.get('k_a')}x{proj.get('k_g')}"]
-    if kind != "none" and proj.get("sizes"):
-        args += ["--budget", str(c.get("budget", "1/8")), "--allocation", str(c.get("allocation", "ratio"))]
+            "--out", str(index_dir), "--rows", str(rows_of(m))]
     basis = m.get("build", {}).get("basis") or {}
     if basis.get("kind", "raw") == "kfac":
-        args += ["--projection-basis", "kfac", "--basis-damping", str(baked_damping(m)),
-                 "--fit-examples", str(basis.get("examples", 0)), "--fit-seed", str(c.get("basis_seed", 0))]
-    if c.get("basis") == "eigen":
-        args[args.index("--projection") + 1] = "auto"
-        args += ["--budget", str(c.get("budget", "auto")), "--projection-basis", "eigen"]
-    if kind != "none":
-        args += ["--projection-kind", kind]
+        args += ["--fit-examples", str(basis.get("examples", 0)), "--fit-seed", str(c.get("basis_seed", 0))]
+    if proj.get("kind", "none") != "none":
+        args += ["--projection-kind", proj["kind"]]
     args += ["--seed", str(proj.get("seed", 0))]
     for pattern in c.get("layers", []):
         args += ["--layers", pattern]
@@ -270,10 +263,10 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     batch = c.get("batch_size", DEFAULT_BATCH_SIZE)
     args += ["--max-length", str(c.get("max_length", 512)), "--batch-size", str(batch),
              "--dtype", m.get("dtype", "float32"), "--route", c.get("route", "auto"),
-             "--storage", c.get("storage", "fp32"), "--shard-size", str(c.get("shard_size", 4096))]
-    precondition, transcode = c.get("precondition", "none"), c.get("transcode", "none")  # (the CLI's are auto)
-    args += ["--precondition", precondition, "--transcode", transcode]
-    if precondition != "none" or transcode != "none":
+             "--shard-size", str(c.get("shard_size", 4096))]
+    precondition = c.get("precondition", "none")  # (the CLI's is auto)
+    args += ["--precondition", precondition]
+    if precondition != "none":
         args += ["--damping", str(c.get("damping", LEGACY_DAMPING))]
         if c.get("fisher", "empirical") != "empirical":
             args += ["--fisher", c["fisher"], "--fisher-seed", str(c.get("fisher_seed", 0))]
@@ -292,8 +285,30 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
     if correction != default("rerank_correction"):
         args += ["--rerank-correction", str(correction)]
     if c.get("optimizer_state"):
-        args += ["--optimizer-state", c["optimizer_state"], "--adam-mode", str(c.get("adam_mode", "exact"))]
+        args += ["--optimizer-state", c["optimizer_state"]]
     return shlex.join(args + (index_args(m) if index else ["--no-index"])) + (f" {extra}" if extra else "")
+
+
+def rows_of(m: dict[str, Any]) -> RowSpec:
+    """The row spec of a manifest dict: its ``rows`` key, or (an index built before it) its build and config."""
+    if m.get("rows"):
+        return RowSpec.parse(m["rows"])
+    c, b = m.get("config", {}), m.get("build", {})
+    proj, basis, done = b.get("projection", {}), b.get("basis") or {}, m.get("transcode") or {}
+    eigen = basis.get("space") == "full-eigen" or c.get("basis") == "eigen"
+    if proj.get("kind") == "none" and not eigen:
+        kw: dict[str, Any] = {"projection": "none"}
+    elif proj.get("sizes") or eigen:
+        kw = {"projection": "auto", "budget": str(c.get("budget") or "auto"),
+              "allocation": c.get("allocation", "ratio")}
+    else:
+        kw = {"projection": "fixed", "k_a": int(proj.get("k_a", 0)), "k_g": int(proj.get("k_g", 0))}
+    transcoded = bool(done) or str(c.get("transcode", "none")) == "ekfac"
+    storage = (b.get("transcode") or {}).get("storage") or c.get("storage") or b.get("storage", "fp32")
+    return RowSpec(**kw, basis="eigen" if eigen else "kfac" if basis.get("kind") == "kfac" else "raw",
+                   basis_damping=float(c.get("basis_damping", (baked_damping(m) or 1.0) if not eigen else 1.0)),
+                   adam=str(c.get("adam_mode", "exact")) if b.get("optimizer") else "", transcode=transcoded,
+                   damping=float(done.get("damping") or c.get("damping", DEFAULT_DAMPING)), storage=storage)
 
 
 def index_args(manifest: dict) -> list[str]:

@@ -64,8 +64,8 @@ def build_index(
     """Store every example's gradient, fit ``cfg.precondition`` (if any), then index (if ``index``).
 
     A killed run re-run with the same arguments resumes: each stage skips what is done.
-    ``cfg.transcode="ekfac"``: after the fit, the rows are rewritten in place in the EK-FAC
-    whitened eigenbasis as ``cfg.storage`` codes (the CLI's default; see docs/math.md).
+    ``cfg.rows.transcode``: after the fit, the rows are rewritten in place in the EK-FAC
+    whitened eigenbasis as ``cfg.rows.storage`` codes (the CLI's default; see docs/math.md).
     ``repair``: check every committed shard's whole-file hash and recompute the damaged ones
     (a plain re-run does the cheap sampled check only). Holds the directory's lock throughout.
     ``rerank_fit``: also fit ``cfg.precondition`` in full space (:func:`rerank_fit_config`) for a query's exact
@@ -78,8 +78,8 @@ def build_index(
     if index is not None:  # an index type that cannot work for this data is refused before the capture pass
         space = RowSpace(cfg.projection).bind({n: layer_info(m) for n, m in select_layers(model, cfg.layers).items()})
         dims = {name: space.dim(name) for name in space.infos}
-        tier = make_tier(index, RowShape.of(len(data), list(dims.values()), cfg.storage))
-        tier.layer_factories(len(data), dims, cfg.storage)
+        tier = make_tier(index, RowShape.of(len(data), list(dims.values()), cfg.rows.storage))
+        tier.layer_factories(len(data), dims, cfg.rows.storage)
     with index_lock(out_dir, "gradindex build"):
         t0 = time.perf_counter()
         if not overwrite and distributed.rank() == 0:
@@ -96,7 +96,7 @@ def build_index(
         every = rows is not None and len(rows) == len(data) and not 0 < cfg.rerank_correction < len(data)
         heads = HeadGrads() if every else None  # (replayed by a correction pass over the capture's own batches)
         why = sampled_reason(cfg, len(data))
-        if why and cfg.transcode == "ekfac" and cfg.fit_sample > 0:
+        if why and cfg.rows.transcode and cfg.fit_sample > 0:
             log.info("EK-FAC fitted on every example: %s", why)
         with disk_full_as_error(out_dir, "capture", "the store shards committed so far are kept",
                                 lambda: plan.remaining(out_dir)):
@@ -188,7 +188,7 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     def need() -> int:  # (what the plan says the build still adds: named in a full disk's error)
         return plan.remaining(out_dir)
 
-    if full is not None and cfg.transcode == "ekfac" and full.method not in res.manifest.get("full_space", {}) \
+    if full is not None and cfg.rows.transcode and full.method not in res.manifest.get("full_space", {}) \
             and not res.manifest.get("transcode"):  # the fit's checkpoint: the transcode drops the shards' sums
         with disk_full_as_error(out_dir, "full-space fit", "the store is complete and kept", need):
             keep_build_sums(out_dir, full, tokenizer, data)
@@ -196,8 +196,8 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
         FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
     kept = "the captured rows are kept (and the transcode's finished shards)"
     with disk_full_as_error(out_dir, "fit and transcode", kept, need):
-        if cfg.transcode == "ekfac" and not res.manifest.get("transcode"):  # the default: fit and transcode fused
-            res.manifest = fit_and_transcode(out_dir, fit, cfg.storage, model, tokenizer, data, progress,
+        if cfg.rows.transcode and not res.manifest.get("transcode"):  # the default: fit and transcode fused
+            res.manifest = fit_and_transcode(out_dir, fit, cfg.rows.storage, model, tokenizer, data, progress,
                                              res.manifest)
         elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
             fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)

@@ -171,7 +171,7 @@ def hooked_layers(model: nn.Module, cfg: BuildConfig) -> list[LayerPlan]:
     """The layers ``cfg`` hooks and their stored ``[k_g, k_a]`` (the budget's sizes for a raw basis; a
     ``spectrum`` allocation, which needs the factor pass, is sized as ``ratio``: the same bytes)."""
     infos = {n: layer_info(m) for n, m in select_layers(model, cfg.layers or None).items()}
-    if cfg.budget and cfg.allocation == "spectrum":
+    if cfg.rows.allocation == "spectrum":
         cfg = replace(cfg, allocation="ratio", basis="raw")
     space = RowSpace(sized_projection(cfg, infos, RowBasis())).bind(infos)
     return [LayerPlan(n, i.n_out, i.n_in_total, *space.dims(n)) for n, i in infos.items()]
@@ -215,10 +215,10 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     collect = cfg.precondition != "none" or cfg.collect_covariance
     sample = 0 if sampled_reason(cfg, examples) else cfg.fit_sample  # (its rows are the captured ones)
     captured = sample or examples
-    capture = rows_bytes(captured, cfg.shard_size, layers, cfg.capture_storage) + \
+    capture = rows_bytes(captured, cfg.shard_size, layers, cfg.rows.capture_storage) + \
         (-(-captured // cfg.shard_size) * factors if collect else 0)
-    store = rows_bytes(examples, cfg.shard_size, layers, cfg.storage)
-    transcode = cfg.transcode == "ekfac"
+    store = rows_bytes(examples, cfg.shard_size, layers, cfg.rows.storage)
+    transcode = cfg.rows.transcode
     L = len(layers)
     per_fit = sum(8 * (2 * (lp.k_a ** 2 + lp.k_g ** 2) + lp.k_a + lp.k_g + lp.numbers) for lp in layers) \
         + 8 * examples * (L + 1)
@@ -227,7 +227,7 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     basis = sum(8 * (lp.k_a ** 2 + lp.k_g ** 2 + lp.numbers) for lp in layers) if transcode else 0
     lookup, index_bytes = None, 0
     if index:  # the index stage's tier: its lookup estimate, and what it writes
-        tier, rows = plan_tier(examples, layers, cfg.storage, factory, sketch_bytes)
+        tier, rows = plan_tier(examples, layers, cfg.rows.storage, factory, sketch_bytes)
         lookup, index_bytes = tier.cost(rows), tier.disk_bytes(rows)
     width = sum(lp.numbers for lp in layers)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -238,9 +238,9 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     ram = BASE_RAM + params + max(capture_ram, block)
     rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" \
         and not sample else 0
-    plan = BuildPlan(examples, layers, cfg.storage, cfg.capture_storage, transcode, capture, store, precond, basis,
-                     index_bytes, ram, rotated, shards, lookup, sample_examples=sample,
-                     approximate=cfg.basis not in ("raw", "kfac"))
+    plan = BuildPlan(examples, layers, cfg.rows.storage, cfg.rows.capture_storage, transcode, capture, store, precond,
+                     basis, index_bytes, ram, rotated, shards, lookup, sample_examples=sample,
+                     approximate=cfg.rows.basis == "eigen")
     wanted = cfg.rerank_fit and plan.budget_bound and not plan.approximate  # (the full-space fit: asked only)
     plan.full_fit, plan.correction = rerank_fit_sizes(cfg, examples, wanted, bool(cfg.optimizer_state))
     if plan.full_fit:  # per layer, float32 Q_S, Q_A, their eigenvalues and Λ; beside EK-FAC, K-FAC's eigenvalues

@@ -85,9 +85,9 @@ def test_plain_build_config_builds_what_gradindex_build_does(tmp_path, gpt2_dir,
             assert a[name] == b[name], name
     m = read_manifest(cli)
     assert m["build"]["basis"]["kind"] == "ekfac" and m["build"]["storage"] == "int4"  # what the defaults are
-    assert BuildConfig().precondition == "ekfac" and BuildConfig().transcode == "ekfac"
+    assert BuildConfig().precondition == "ekfac" and BuildConfig().rows.transcode
     assert BuildConfig(optimizer_state="s.safetensors").precondition == "none"
-    assert BuildConfig(projection=BuildConfig().projection.__class__(k_a=8, k_g=8)).budget == 0  # given: as given
+    assert BuildConfig(projection=BuildConfig().projection.__class__(k_a=8, k_g=8)).rows.projection == "fixed"
 
 
 def test_every_build_option_is_one_config_field_with_the_library_default():
@@ -100,7 +100,8 @@ def test_every_build_option_is_one_config_field_with_the_library_default():
     from gradindex.store.builder import BuildConfig
 
     names = {f.name for f in fields(BuildOptions)}
-    assert set(OPTION_FIELDS) == names and {f.name for f in fields(BuildConfig)} == names | {"projection"}
+    assert set(OPTION_FIELDS) == names
+    assert {f.name for f in fields(BuildConfig)} == names | {"rows", "projection_kind", "seed"}
     params = {p.name: p for p in build.params}
     for f in fields(BuildOptions):
         if f.name not in ("layers", "optimizer_state"):  # (a repeatable option and a path: empty, checked below)
@@ -124,5 +125,5 @@ def test_the_recorded_build_command_rebuilds_the_same_config(default_index):
     args = shlex.split(build_command(default_index, m, extra=""))[2:]
     ctx = build.make_context("build", args)
     cfg = BuildConfig(**settings(ctx.params).config)
-    got = {k: v for k, v in asdict(cfg).items() if k != "projection"}
-    assert got == {**m["config"], "layers": (), "budget": cfg.budget} and str(cfg.budget) == m["config"]["budget"]
+    got = {k: v for k, v in asdict(cfg).items() if k not in ("rows", "projection_kind", "seed")}
+    assert got == {**m["config"], "layers": ()} and str(cfg.rows) == m["rows"]

@@ -388,20 +388,22 @@ def test_verify_names_a_flipped_byte_in_the_row_basis(gpt2_dir, text_jsonl, tmp_
     bad = CliRunner().invoke(main, ["verify", str(out)])
     assert bad.exit_code == 1, bad.output
     assert "DAMAGED basis.h5" in bad.output, bad.output
-    assert "--projection-basis kfac" in bad.output and "--overwrite" in bad.output, "the repair rebuilds the basis"
+    assert ",KFAC@" in bad.output and "--overwrite" in bad.output, "the repair rebuilds the basis"
 
 
 def test_the_resume_command_names_the_budget_basis_and_optimizer_options():
     from gradindex.manifest import build_command
 
-    m = {"model_id": "M", "data_id": "D", "config": {"budget": "1/16", "allocation": "equal",
-                                                     "optimizer_state": "/s/adam.safetensors", "adam_mode": "factored"},
-         "build": {"projection": {"kind": "gaussian", "k_a": 0, "k_g": 0, "seed": 3, "sizes": {"h.0.mlp": [4, 0]}},
-                   "basis": {"kind": "kfac", "damping": 0.3, "examples": 8}}}
+    proj = {"kind": "gaussian", "k_a": 0, "k_g": 0, "seed": 3, "sizes": {"h.0.mlp": [4, 0]}}
+    m = {"model_id": "M", "data_id": "D", "config": {"budget": "1/16", "allocation": "equal"},
+         "build": {"projection": proj, "basis": {"kind": "kfac", "damping": 0.3, "examples": 8}}}
     cmd = build_command("IDX", m)
-    for part in ("--projection auto", "--budget 1/16", "--allocation equal", "--projection-basis kfac",
-                 "--basis-damping 0.3", "--fit-examples 8", "--optimizer-state /s/adam.safetensors",
-                 "--adam-mode factored", "--seed 3"):
+    for part in ("--rows auto:1/16:equal,KFAC@0.3,fp32", "--fit-examples 8", "--seed 3"):
+        assert part in cmd, (part, cmd)
+    m = {"config": {"budget": "1/16", "optimizer_state": "/s/adam.safetensors", "adam_mode": "factored"},
+         "build": {"projection": proj, "optimizer": {"mode": "factored"}}}
+    cmd = build_command("IDX", m)
+    for part in ("--rows auto:1/16:ratio,ADAM:factored,fp32", "--optimizer-state /s/adam.safetensors"):
         assert part in cmd, (part, cmd)
     plain = build_command("IDX", {"build": {"projection": {"kind": "gaussian", "k_a": 8, "k_g": 6, "seed": 0}}})
-    assert "--projection 8x6" in plain and "--budget" not in plain and "basis" not in plain
+    assert "--rows P8x6,fp32" in plain and "basis" not in plain

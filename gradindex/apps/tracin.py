@@ -89,7 +89,7 @@ def build_trajectory(ckpts: list[Checkpoint], data: Tokenized, out_dir: str | os
     """One raw-row index per checkpoint under ``out_dir``; ``load(model_dir) -> (model, tokenizer)``.
 
     TracIn scores are exact sums over the stores, so no FAISS index is built unless ``index`` asks for one."""
-    if cfg.transcode != "none" or cfg.basis != "raw" or cfg.optimizer_state:
+    if cfg.rows.transcode or cfg.rows.basis != "raw" or cfg.optimizer_state:
         raise ValueError("TracIn sums GradDot over checkpoints: build raw rows (--transcode none, "
                          "--projection-basis raw, no --optimizer-state)")
     out = Path(out_dir)

@@ -88,20 +88,20 @@ def _default(name: str):
               help="What a row holds, as one spec: e.g. auto,EKFAC@0.001,int4 (the default), P16x16,fp32, none,int8 "
                    "or auto:1/64,EIGEN@0.001,int4 (docs/formats.md, 'Row specs'); instead of --projection, "
                    "--budget, --allocation, --projection-basis, --basis-damping, --transcode, --storage.")
-@click.option("--budget", default=_default("budget"),
+@click.option("--budget", default=None,
               help="Bytes per example for --projection auto: an integer, or a fraction of the full float32 "
                    "gradient such as 1/8 (default auto: 1/8, at most 256 KiB; the whole gradient where that buys it).")
-@click.option("--allocation", default=_default("allocation"), show_default=True,
+@click.option("--allocation", default="cost", show_default=True,
               type=click.Choice(["ratio", "equal", "spectrum", "cost"]),
               help="How --budget is spread over layers (docs/math.md, 'What a row holds'); cost: ratio's numbers "
                    "per layer, split between its sides for the cheapest capture (a narrow side often kept exact).")
-@click.option("--projection-basis", "basis", default=_default("basis"), show_default=True,
+@click.option("--projection-basis", "basis", default="raw", show_default=True,
               type=click.Choice(["raw", "kfac", "eigen"]),
               help="eigen: store the full-space EK-FAC eigen-coordinates --budget buys, chosen over all layers "
                    "(two model passes first; rows answer ekfac; wins where the budget holds most of the "
                    "influence, benchmarks/width.py). kfac: whiten each side by its damped full-space K-FAC factor "
                    "before projecting; rows then answer kfac/ekfac, not graddot.")
-@click.option("--basis-damping", default=_default("basis_damping"), show_default=True, type=float,
+@click.option("--basis-damping", default=1.0, show_default=True, type=float,
               callback=positive_damping, help="Relative damping of the kfac whitening.")
 @click.option("--fit-examples", "basis_examples", default=_default("basis_examples"), show_default=True, type=int,
               help="Examples sampled for the kfac basis's factor pass (0 = all).")
@@ -122,7 +122,7 @@ def _default(name: str):
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--route", default=_default("route"), show_default=True,
               type=click.Choice(["auto", "factorized", "materialized"]))
-@click.option("--storage", default=_default("storage"), show_default=True, type=click.Choice(["auto", *STORAGES]),
+@click.option("--storage", default="auto", show_default=True, type=click.Choice(["auto", *STORAGES]),
               help="Row codes on disk: float32, float16, or int8/int4 with a per-row scale (2x/4x/8x smaller). "
                    "auto: int4 for rows transcoded into the EK-FAC eigenbasis, else int8.")
 @click.option("--shard-size", default=_default("shard_size"), show_default=True, type=int,
@@ -138,7 +138,7 @@ def _default(name: str):
               type=click.Choice(["auto", "none", "kfac", "ekfac"]),
               help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too). "
                    "auto: ekfac (none with --optimizer-state).")
-@click.option("--transcode", default=_default("transcode"), show_default=True,
+@click.option("--transcode", default="auto", show_default=True,
               type=click.Choice(["auto", "ekfac", "none"]),
               help="ekfac: after the EK-FAC fit, rewrite the rows in place in its whitened eigenbasis at "
                    "--damping (plain inner products = EK-FAC; what low-bit codes need). auto: ekfac when "
@@ -176,7 +176,7 @@ def _default(name: str):
 @click.option("--optimizer-state", default=None, type=click.Path(dir_okay=False, exists=True),
               help="Adam state of the training run (.safetensors of '<param>.exp_avg_sq', or a torch "
                    "optimizer state_dict, read with weights_only=True): store G/(sqrt(v)+eps), method adam.")
-@click.option("--adam-mode", default=_default("adam_mode"), show_default=True,
+@click.option("--adam-mode", default="exact", show_default=True,
               type=click.Choice(["exact", "factored"]),
               help="exact: entrywise (materialized route); factored: rank-1 v per layer (factorized route).")
 @index_options
@@ -268,12 +268,11 @@ class Settings:
 
 
 OPTION_FIELDS = ("layers", "max_length", "batch_size", "route", "shard_size", "collect_covariance", "full_factors",
-                 "precondition", "damping", "storage", "budget", "allocation", "basis", "basis_damping",
-                 "basis_examples", "basis_seed", "fisher", "fisher_seed", "optimizer_state", "adam_mode", "transcode",
+                 "precondition", "damping", "basis_examples", "basis_seed", "fisher", "fisher_seed", "optimizer_state",
                  "fit_sample", "sample_above", "rerank_fit", "rerank_correction")
-"""The ``build`` options that are :class:`~gradindex.spec.build.BuildOptions` fields of the same name (the
-projection field is ``--projection``, ``--projection-kind`` and ``--seed``; tests/test_library_defaults.py
-keeps this the whole list)."""
+"""The ``build`` options that are :class:`~gradindex.spec.build.BuildOptions` fields of the same name (what a
+row holds is ``--rows``, or the row options of :data:`ROW_OPTIONS`; tests/test_library_defaults.py keeps this
+the whole list)."""
 
 
 def settings(o: dict) -> Settings:
@@ -281,26 +280,26 @@ def settings(o: dict) -> Settings:
     from gradindex.capture import ProjectionSpec
     from gradindex.pipeline import BuildConfig
     from gradindex.spec.rows import check_projection_options
-    from gradindex.store.builder import row_fields
 
     projection, budget = o["projection"], o["budget"]
     auto = check_projection_options(projection, budget)
-    spec = ProjectionSpec(kind=o["projection_kind"], seed=o["seed"]) if auto else \
-        ProjectionSpec.parse(projection, kind=o["projection_kind"], seed=o["seed"])
     # one option per field (OPTION_FIELDS); the library resolves each "auto" and refuses bad settings, before any work
     config = {name: o[name] for name in OPTION_FIELDS}
-    config.update(projection=spec, layers=tuple(o["layers"]), optimizer_state=o["optimizer_state"] or "",
-                  budget=(budget or "auto") if auto else 0)
-    if o.get("rows"):  # --rows SPEC: the row options in one string (docs/formats.md, "Row specs")
+    config.update(layers=tuple(o["layers"]), optimizer_state=o["optimizer_state"] or "")
+    if o.get("rows"):  # --rows SPEC: what a row holds in one string (docs/formats.md, "Row specs")
         _refuse_row_options_with_rows(o["rows"])
-        config.update(row_fields(o["rows"], o["projection_kind"], o["seed"], o["damping"], config["optimizer_state"]))
-        spec = config["projection"]
-    cfg = BuildConfig(**config)
+        sugar = {"rows": o["rows"], "projection_kind": o["projection_kind"], "seed": o["seed"]}
+    else:  # the row options: sugar for the spec
+        stream = {"kind": o["projection_kind"], "seed": o["seed"]}
+        sugar = {**{n: o[n] for n in ROW_OPTIONS[2:]}, "budget": (budget or "auto") if auto else 0,
+                 "projection": ProjectionSpec(**stream) if auto else ProjectionSpec.parse(projection, **stream)}
+    cfg = BuildConfig(**config, **sugar)  # (load_inputs builds it again from the spec it resolved to)
+    config.update(rows=cfg.rows, projection_kind=cfg.projection_kind, seed=cfg.seed, damping=cfg.damping)
     icfg = index_config(o["index_type"], o["whiten"], o["damping"], o["normalize"], o["train_size"], o["cpu_index"],
                         o.get("sketch_bytes", 2048))
     if not o["no_index"]:
         cfg.rows.check_whiten(o["whiten"], cfg.precondition)
-    return Settings(spec, config, icfg)
+    return Settings(cfg.projection, config, icfg)
 
 
 ROW_OPTIONS = ("projection", "budget", "allocation", "basis", "basis_damping", "transcode", "storage", "adam_mode")

@@ -77,6 +77,7 @@ from gradindex.precondition.files import (
 from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES, Preconditioner
 from gradindex.progress import progress_bar
 from gradindex.spec.build import batch_size_of
+from gradindex.spec.manifest import rows_of
 from gradindex.store import Store
 from gradindex.store.covariance import covariance_rows, read_covariance, rows_digest
 from gradindex.store.repair import check_store
@@ -117,12 +118,7 @@ def budget_bound(manifest: dict) -> bool:
     that holds less than the whole gradient: where the default query's first-stage result carries a note
     on the exact stage (``--rerank-full C``). A projection the user chose (``--projection 16``) is taken as
     asked."""
-    return budget_sized(manifest.get("config", {}).get("budget")) and stored_share(manifest) < 1
-
-
-def budget_sized(budget) -> bool:
-    """Whether a build's ``budget`` setting sizes its projection (``auto`` or bytes, not empty or 0)."""
-    return str(budget or "").strip() not in ("", "0")
+    return rows_of(manifest).projection == "auto" and stored_share(manifest) < 1
 
 
 def full_path(index_dir: str | os.PathLike, method: str) -> Path:

@@ -75,7 +75,7 @@ def sampled_reason(cfg, n: int) -> str:
         return f"{n} examples, not more than {said}"
     if distributed.world_size() > 1:
         return "under torchrun (each rank captures its shards; the fit reads the store)"
-    if cfg.transcode != "ekfac" or cfg.precondition != "ekfac" or cfg.basis != "raw":
+    if not cfg.rows.transcode or cfg.precondition != "ekfac" or cfg.rows.basis != "raw":
         return "the rows are not transcoded into the EK-FAC eigenbasis"
     if cfg.fisher != "empirical" or cfg.collect_covariance or cfg.full_factors or cfg.optimizer_state:
         return "--fisher true, --collect-covariance, --full-factors or --optimizer-state"
@@ -155,7 +155,7 @@ class EigenCoder(RowSink):
 
     def __init__(self, cfg, examples: int, out_dir, fitted: SampleFit | None = None, heads=None):
         super().__init__(heads)
-        self.storage, self.captured, self.damping = cfg.storage, cfg.capture_storage, cfg.damping
+        self.storage, self.captured, self.damping = cfg.rows.storage, cfg.rows.capture_storage, cfg.damping
         self.sample = {"size": int(cfg.fit_sample), "seed": int(cfg.fisher_seed)}
         self.examples = examples
         self.out = Path(out_dir)

@@ -22,8 +22,8 @@ def batch_size_of(manifest: Mapping) -> int:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Every build setting but the projection (``BuildConfig.projection``); each is one ``gradindex build``
-    option (:data:`gradindex.cli.build.OPTION_FIELDS`)."""
+    """Every build setting but what a row holds (``BuildConfig.rows``, :mod:`gradindex.spec.rows`): how to
+    capture and what to fit; each is one ``gradindex build`` option (:data:`gradindex.cli.build.OPTION_FIELDS`)."""
 
     layers: tuple[str, ...] = ()
     """Glob patterns of layers to hook; empty = every linear layer in the transformer blocks."""
@@ -44,25 +44,8 @@ class BuildOptions:
     """``none``, ``kfac`` or ``ekfac``: fit it after the capture (factors from this same pass); ``auto``:
     ``ekfac``, or ``none`` with ``optimizer_state`` or ``basis="eigen"``."""
     damping: float = DEFAULT_DAMPING
-    """Relative damping of the self-influence written with ``precondition``."""
-    storage: str = "auto"
-    """Row codes on disk: ``fp32``, ``fp16``, ``int8`` or ``int4`` (per-row scale; :mod:`gradindex.store.codes`);
-    ``auto``: ``int4`` for rows transcoded into the EK-FAC eigenbasis, else ``int8``."""
-    budget: int | str | None = None
-    """Bytes per example for per-layer projection sizes (``--projection auto``): an integer, a fraction of
-    the full gradient's float32 bytes such as ``"1/8"``, or ``auto`` (1/8, at most 256 KiB); 0 =
-    ``projection`` as given. Left out: ``auto``, or 0 when a ``projection`` is given."""
-    allocation: str = "cost"
-    """How the budget is spread over layers: ``cost`` (``ratio``'s numbers per layer, split between its
-    sides for the cheapest capture), ``ratio``, ``equal`` or ``spectrum`` (capture.allocation)."""
-    basis: str = "raw"
-    """``raw``; ``kfac``: whiten each side by its damped full-space factor before projection; ``eigen``:
-    store the eigen-coordinates of full-space EK-FAC that ``budget`` buys, chosen over all layers by
-    their K-FAC eigenvalue against the damping and whitened at capture (``precondition`` and
-    ``transcode`` ``none``: the rows already answer ``ekfac``; docs/math.md, "What a row holds")."""
-    basis_damping: float = 1.0
-    """Relative damping of the ``kfac`` whitening (a fraction of each factor's mean eigenvalue); 1.0 kept
-    the most of full-space EK-FAC's top-10 in benchmarks/rowspace.py (0.01, 0.1, 0.3, 3, 10 measured)."""
+    """Relative damping of the fit (its self-influence), and of the rows' ``EKFAC``/``EIGEN`` token when the
+    spec names none (``BuildConfig`` keeps both equal)."""
     basis_examples: int = 0
     """Examples sampled for the factor pass of a ``kfac`` basis (0 = all)."""
     basis_seed: int = 0
@@ -75,8 +58,6 @@ class BuildOptions:
     optimizer_state: str = ""
     """Adam state of the training run (safetensors or torch ``state_dict``): store ``G ⊘ (√v + ε)``,
     the rows of ``--method adam`` (:mod:`gradindex.capture.adam`); empty = plain gradients."""
-    adam_mode: str = "exact"
-    """``exact`` (entrywise, materialized route) or ``factored`` (rank-1 ``v``, per-side scales)."""
     fit_sample: int = 8192
     """A default build (EK-FAC rows transcoded to int4) of more examples than ``sample_above`` fits EK-FAC on a
     seeded sample of this many (its rows captured first, then discarded) and writes every row already coded in
@@ -102,11 +83,6 @@ class BuildOptions:
     the sample; 0 = all of them (a model pass over every fit example: about 1.4 capture floors on the peers
     workload). 128 of 1,024 examples kept top-10 0.97-0.98 and Spearman 0.998 of the exact full-space scores
     (benchmarks/correction_sample.py)."""
-    transcode: str = "auto"
-    """``ekfac``: after the EK-FAC fit (``precondition="ekfac"``), rewrite the rows in its whitened
-    eigenbasis at ``damping``, coded as ``storage`` (captured as ``fp16`` first; the pipeline's last
-    store step, :func:`gradindex.precondition.compact.transcode_in_place`). ``none``: rows stay raw.
-    ``auto``: ``ekfac`` after an EK-FAC fit of raw rows, else ``none``."""
 
 
 FIT_EVERY_UP_TO = 8

@@ -21,14 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gradindex.manifest import (
+from gradindex.manifest import (  # noqa: F401  (rows_of: re-exported)
     IDENTITY_KEYS,
     baked_damping,
     build_command,
+    rows_of,
     shape_problem,
     write_manifest,
 )
-from gradindex.methods import DEFAULT_DAMPING
 from gradindex.spec.rows import RowSpec
 
 
@@ -147,25 +147,3 @@ class Manifest:
     def build_command(self, index_dir: str | os.PathLike, extra: str = "--repair") -> str:
         """The ``gradindex build`` command line that made this index, plus ``extra``."""
         return build_command(index_dir, self._data, extra)
-
-
-def rows_of(m: Mapping[str, Any]) -> RowSpec:
-    """The row spec of a manifest dict: its ``rows`` key, or (an index built before it) its build and config."""
-    if m.get("rows"):
-        return RowSpec.parse(m["rows"])
-    c, b = m.get("config", {}), m.get("build", {})
-    proj, basis, done = b.get("projection", {}), b.get("basis") or {}, m.get("transcode") or {}
-    eigen = basis.get("space") == "full-eigen" or c.get("basis") == "eigen"
-    if proj.get("kind") == "none" and not eigen:
-        kw: dict[str, Any] = {"projection": "none"}
-    elif proj.get("sizes") or eigen:
-        kw = {"projection": "auto", "budget": str(c.get("budget") or "auto"),
-              "allocation": c.get("allocation", "ratio")}
-    else:
-        kw = {"projection": "fixed", "k_a": int(proj.get("k_a", 0)), "k_g": int(proj.get("k_g", 0))}
-    transcoded = bool(done) or str(c.get("transcode", "none")) == "ekfac"
-    storage = (b.get("transcode") or {}).get("storage") or c.get("storage") or b.get("storage", "fp32")
-    return RowSpec(**kw, basis="eigen" if eigen else "kfac" if basis.get("kind") == "kfac" else "raw",
-                   basis_damping=float(c.get("basis_damping", (baked_damping(m) or 1.0) if not eigen else 1.0)),
-                   adam=str(c.get("adam_mode", "exact")) if b.get("optimizer") else "", transcode=transcoded,
-                   damping=float(done.get("damping") or c.get("damping", DEFAULT_DAMPING)), storage=storage)

@@ -10,8 +10,8 @@ A spec is comma-separated tokens in this order (``str(RowSpec)`` writes this can
     CODE        fp32 | fp16 | int8 | int4 (left out: int4 for EK-FAC eigen-coordinates, else int8)
 
 ``<budget>`` is bytes per example (``65536``), a fraction of the full float32 gradient (``1/8``) or
-``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``cost``, ``ratio``, ``equal`` or ``spectrum`` (left out: the
-build's default, ``gradindex.spec.build.BuildOptions.allocation``)
+``auto`` (1/8, at most 256 KiB); ``<allocation>`` is ``cost``, ``ratio``, ``equal`` or ``spectrum`` (left out:
+:data:`DEFAULT_ALLOCATION`)
 (:mod:`gradindex.capture.allocation`, which refuses a name it does not know).
 Examples: ``auto,EKFAC@0.001,int4`` (what ``gradindex build`` stores with no options), ``P16x16,fp32``
 (raw projected float32 rows), ``none,int8`` (exact gradients, int8 codes), ``auto:1/64,EIGEN@0.001,int4``.
@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from gradindex.methods import DEFAULT_DAMPING
-from gradindex.spec.build import default as option_default
 
 CODE_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
 """Bits per stored number of each row code (``gradindex.store.codes`` encodes them; a test keeps both equal)."""
@@ -43,6 +42,9 @@ ADAM_MODES = ("exact", "factored")
 DEFAULT_BUDGET_CAP = 256 << 10
 """``auto`` budget: 1/8 of the full float32 gradient, at most this many bytes per example."""
 FLOAT32_BYTES = 4
+DEFAULT_ALLOCATION = "cost"
+"""How a budget is spread over layers unless the spec says: ``ratio``'s numbers per layer, split between its
+sides for the cheapest capture (:mod:`gradindex.capture.allocation`)."""
 
 _EIGEN_AS_IS = ("--projection-basis eigen stores whitened full-space EK-FAC coordinates, which answer --method "
                 "ekfac as they are: use it with --precondition none --transcode none (and without --full-factors)")
@@ -104,7 +106,7 @@ class RowSpec:
     k_g: int = 0
     budget: str = "auto"
     """Bytes per example of an ``auto`` projection (a ``parse_budget`` form)."""
-    allocation: str = option_default("allocation")
+    allocation: str = DEFAULT_ALLOCATION
     """How the budget is spread (left out of the string when it is the build's default)."""
     basis: str = "raw"
     """``raw``, ``kfac`` (whitened before projecting, at ``basis_damping``) or ``eigen`` (at ``damping``)."""
@@ -140,7 +142,7 @@ class RowSpec:
             fields.update(projection="fixed", k_a=int(m.group(1)), k_g=int(m.group(2) or m.group(1)))
         else:
             fields.update(projection="auto", budget=m.group(3) or "auto",
-                          allocation=m.group(4) or option_default("allocation"))
+                          allocation=m.group(4) or DEFAULT_ALLOCATION)
         for token in tokens[1:]:
             cls._token(token, fields, damping, text)
         return cls(**fields)
@@ -176,7 +178,7 @@ class RowSpec:
         elif self.projection == "fixed":
             parts = [f"P{self.k_a}" if self.k_a == self.k_g else f"P{self.k_a}x{self.k_g}"]
         else:
-            tail = "" if self.allocation == option_default("allocation") else f":{self.allocation}"
+            tail = "" if self.allocation == DEFAULT_ALLOCATION else f":{self.allocation}"
             parts = [f"auto:{self.budget}{tail}" if self.budget != "auto" or tail else "auto"]
         if self.basis == "kfac":
             parts.append(f"KFAC@{self.basis_damping:g}")

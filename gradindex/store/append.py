@@ -8,10 +8,8 @@ from pathlib import Path
 import numpy as np
 from torch import nn
 
-from gradindex import distributed
 from gradindex.capture import GradientCapture
 from gradindex.capture.batch import batch_gradients, finite_rows
-from gradindex.capture.head import plain_head
 from gradindex.data import Tokenized
 from gradindex.store.shards import ShardWriter
 
@@ -22,31 +20,19 @@ class RowSink:
     ``heads`` (a :class:`~gradindex.precondition.fullspace.HeadGrads`): also keep each batch's gradient
     w.r.t. the final hidden states there, for the full-space fit's correction pass."""
 
-    storage = ""
-    """Codes of the rows it writes; empty: the build's capture storage."""
-    coded = False
-    """Rows coded after a fit: no factor sums, and per-shard results kept before a shard is sealed (so a
-    partial shard is redone whole, as with factor sums)."""
+    storage = ""  # codes of the rows it writes; empty: the build's capture storage
+    coded = False  # rows coded after a fit: no factor sums, per-shard results kept (a partial shard is redone)
 
     def __init__(self, heads=None) -> None:
         self.heads = heads
 
-    def bind(self, model: nn.Module, capture: GradientCapture) -> None:
-        """Keep no head gradients where none can be: under torchrun, or without a plain LM head."""
-        if self.heads is not None and (distributed.world_size() > 1
-                                       or plain_head(model, set(capture.modules.values())) is None):
-            self.heads = None
-
-    def identity(self, identity: dict) -> dict:
-        """The identity the build records (a coder adds what its rows depend on)."""
+    def identity(self, identity: dict) -> dict:  # what the build records (a coder adds what its rows depend on)
         return identity
 
-    def start(self, out: Path, manifest: dict) -> dict:
-        """The manifest the build starts with, once ``out`` is set up (a coder writes its basis first)."""
+    def start(self, out: Path, manifest: dict) -> dict:  # the manifest it starts with (a coder writes its basis)
         return manifest
 
-    def rows(self, s: int, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The rows stored for the captured ``grads`` of examples ``s, s+1, ...``."""
+    def rows(self, s: int, grads: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # rows of examples s, s+1, ...
         return grads
 
     def shard_done(self, k: int, start: int, end: int) -> None:

@@ -7,7 +7,7 @@ import os
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import h5py
@@ -19,8 +19,9 @@ import gradindex
 from gradindex import distributed
 from gradindex.adapter import adapter_fingerprint, adapter_path
 from gradindex.capture import FullSums, GradientCapture, KfacSums, ProjectedRows, ProjectionSpec, RowSpace
-from gradindex.capture.adam import ADAM_MODES, adam_capture_transforms
+from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.allocation import ALLOCATIONS
+from gradindex.capture.head import plain_head
 from gradindex.capture.hooks import select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.capture.sampling import FISHERS
@@ -38,13 +39,12 @@ from gradindex.manifest import (
     read_manifest,
     write_manifest,
 )
-from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import check_tokenizer_fits, model_file, resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
 from gradindex.spec.manifest import layer_identity
-from gradindex.spec.rows import RowSpec
+from gradindex.spec.rows import DEFAULT_SPEC, RowSpec
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.append import RowSink, append_batch
 from gradindex.store.basis import RowBasis, capture_transforms, index_basis
@@ -54,97 +54,103 @@ from gradindex.store.sizing import basis_identity, full_space_basis, sized_proje
 
 log = logging.getLogger("gradindex")
 
-AUTO_PROJECTION = ProjectionSpec()
-"""``BuildConfig.projection`` left out (compared by identity): the projection is sized by ``budget``."""
-
 LOSS_CONVENTION = "sum of next-token cross-entropy over each example's target tokens (offline)"
+ROW_KEYWORDS = ("projection", "budget", "allocation", "basis", "basis_damping", "storage", "transcode", "adam_mode")
+"""``BuildConfig``'s sugar for ``rows`` (``gradindex build``'s row options): each keyword sets part of the spec."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class BuildConfig(BuildOptions):
     """Settings of a store build; serialized into the manifest. ``BuildConfig()`` builds what ``gradindex build``
-    builds with no options (the fields and their defaults: :class:`gradindex.spec.build.BuildOptions`)."""
+    builds with no options (capture and fit settings: :class:`gradindex.spec.build.BuildOptions`).
 
-    projection: ProjectionSpec = AUTO_PROJECTION
-    """Factored projection (kind, k_a, k_g, seed). Left out (``gradindex build --projection auto``): per-layer
-    sizes bought by ``budget``; given: these sizes (``budget`` 0), unless a ``budget`` is given too, which
-    then sizes the layers and takes only ``kind`` and ``seed`` from it."""
+    ``rows`` (a :class:`~gradindex.spec.rows.RowSpec` or its string) is the one record of what a stored row
+    holds. The keywords of :data:`ROW_KEYWORDS` are sugar that set part of it, each ``auto`` resolved from the
+    others (:func:`_row_spec`): ``projection`` (a :class:`ProjectionSpec`: its sizes unless a ``budget`` sizes
+    the layers, and its kind and seed), ``budget`` (bytes per example; 0: the projection as given), ``storage``,
+    ``transcode`` (``ekfac``/``none``), ``basis``, ``basis_damping``, ``allocation`` and ``adam_mode``."""
+
+    rows: RowSpec = RowSpec.parse(DEFAULT_SPEC)
+    projection_kind: str = "gaussian"
+    """The projection's random stream (``gaussian`` or ``rademacher``), which a row spec does not name."""
+    seed: int = 0
+
+    def __init__(self, rows: RowSpec | str | None = None, **kw) -> None:
+        sugar = {k: kw.pop(k) for k in ROW_KEYWORDS if k in kw}
+        names = {f.name for f in fields(self)} - {"rows"}
+        if set(kw) - names:
+            raise TypeError(f"BuildConfig got unexpected keyword arguments {sorted(set(kw) - names)}")
+        for f in fields(self):
+            object.__setattr__(self, f.name, kw.get(f.name, f.default))
+        object.__setattr__(self, "rows", _row_spec(self, rows, sugar, "damping" in kw))
+        object.__setattr__(self, "damping", self.rows.damping)
+        if self.batch_size < 1 or self.shard_size < 1 or self.max_length < 2:
+            raise ValueError(f"batch size and shard size must be >= 1 and max length >= 2 (got {self.batch_size}, "
+                             f"{self.shard_size}, {self.max_length}): --batch-size, --shard-size, --max-length")
+        for name, value, allowed in (("precondition", self.precondition, ("none", "kfac", "ekfac")),
+                                     ("allocation", self.rows.allocation, ALLOCATIONS),
+                                     ("fisher", self.fisher, FISHERS),
+                                     ("projection kind", self.projection_kind, ("gaussian", "rademacher"))):
+            if value not in allowed:
+                raise ValueError(f"{name.replace('_', ' ')} {value!r} is not one of {list(allowed)}")
+        self.rows.check_fit(self.precondition, self.collect_covariance, self.full_factors)  # (rows: checked made)
 
     @classmethod
     def raw(cls, **fields) -> BuildConfig:
         """Rows as captured (``fields`` override): a fixed 16x16 projection unless given, float32 codes, no
-        fit and no transcode (``gradindex build --projection 16 --storage fp32 --precondition none``)."""
+        fit and no transcode (``gradindex build --rows P16,fp32 --precondition none``)."""
         return cls(**{"budget": 0, "precondition": "none", "transcode": "none", "storage": "fp32", **fields})
 
-    def _resolve_auto(self) -> None:
-        """Each ``auto`` setting resolved from the others (the one place these defaults live): with no
-        options, per-layer projection sizes for the default byte budget, EK-FAC fitted, rows transcoded
-        into its whitened eigenbasis as int4 (what ``gradindex build`` builds with no options)."""
-        if self.budget is None:
-            object.__setattr__(self, "budget", "auto" if self.projection is AUTO_PROJECTION else 0)
-        if self.basis == "eigen":  # whitened EK-FAC coordinates at capture: nothing to fit or transcode
-            for name in ("precondition", "transcode"):
-                if getattr(self, name) == "auto":
-                    object.__setattr__(self, name, "none")
-        if self.precondition == "auto":
-            object.__setattr__(self, "precondition", "none" if self.optimizer_state else "ekfac")
-        if self.transcode == "auto":
-            object.__setattr__(self, "transcode",
-                               "ekfac" if self.precondition == "ekfac" and self.basis == "raw" else "none")
-        if self.storage == "auto":  # (the rows' rule: int4 for EK-FAC eigen-coordinates, else int8)
-            object.__setattr__(self, "storage", self.rows.storage)
-
     @property
-    def rows(self) -> RowSpec:
-        """What a stored row holds (:mod:`gradindex.spec.rows`; ``str(BuildConfig().rows)`` is its ``DEFAULT_SPEC``)."""
-        p = self.projection
-        if self.budget or self.basis == "eigen":
-            kw = {"projection": "auto", "budget": str(self.budget or "auto"), "allocation": self.allocation}
-        elif p.is_identity:
-            kw = {"projection": "none"}
-        else:
-            if p.sizes:
-                raise ValueError("a projection with per-layer sizes is made by a budget: give BuildConfig a budget "
-                                 "(and the projection's kind and seed) instead of the sizes")
-            kw = {"projection": "fixed", "k_a": p.k_a, "k_g": p.k_g}
-        return RowSpec(**kw, basis=self.basis, basis_damping=self.basis_damping,
-                       adam=self.adam_mode if self.optimizer_state else "", transcode=self.transcode == "ekfac",
-                       damping=self.damping, storage=self.storage)
-
-    @property
-    def capture_storage(self) -> str:
-        """Codes of the captured rows: ``storage``, or float16 when they are transcoded afterwards."""
-        return self.rows.capture_storage
-
-    def __post_init__(self) -> None:
-        self._resolve_auto()
-        if self.batch_size < 1 or self.shard_size < 1 or self.max_length < 2:
-            raise ValueError(f"batch size and shard size must be >= 1 and max length >= 2 (got {self.batch_size}, "
-                             f"{self.shard_size}, {self.max_length}): --batch-size, --shard-size, --max-length")
-        for name, allowed in (("precondition", ("none", "kfac", "ekfac")), ("transcode", ("none", "ekfac")),
-                              ("allocation", ALLOCATIONS), ("fisher", FISHERS), ("adam_mode", ADAM_MODES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name.replace('_', ' ')} {getattr(self, name)!r} is not one of {list(allowed)}")
-        if self.basis == "eigen" and not self.budget:
-            raise ValueError("--projection-basis eigen chooses what to store from --budget: use --projection auto")
-        self.rows.check_fit(self.precondition, self.collect_covariance, self.full_factors)  # (rows: checked made)
+    def projection(self) -> ProjectionSpec:
+        """The projection ``rows`` names, with its random stream (an ``auto`` one's sizes: ``sized_projection``)."""
+        r = self.rows
+        if r.projection == "none":
+            return ProjectionSpec(kind="none", k_a=0, k_g=0, seed=self.seed)
+        sizes = {"k_a": r.k_a, "k_g": r.k_g} if r.projection == "fixed" else {}
+        return ProjectionSpec(kind=self.projection_kind, seed=self.seed, **sizes)
 
 
-def row_fields(spec: RowSpec | str, kind: str = "gaussian", seed: int = 0, damping: float = DEFAULT_DAMPING,
-               optimizer_state: str = "") -> dict:
-    """The :class:`BuildConfig` fields a row spec sets (``gradindex build --rows SPEC``); ``kind`` and ``seed``
-    are the projection's random stream, which a spec does not name; ``ADAM`` rows need ``optimizer_state``."""
-    r = RowSpec.parse(spec, damping) if isinstance(spec, str) else spec
-    if bool(r.adam) != bool(optimizer_state):
-        raise ValueError(f"row spec {str(r)!r}: ADAM rows are made from --optimizer-state, and only ADAM rows are: "
-                         + ("add --optimizer-state" if r.adam else "add ADAM to the spec, or drop --optimizer-state"))
-    projection = ProjectionSpec(kind=kind, seed=seed) if r.projection == "auto" else \
-        ProjectionSpec(kind="none", k_a=0, k_g=0, seed=seed) if r.projection == "none" else \
-        ProjectionSpec(kind=kind, k_a=r.k_a, k_g=r.k_g, seed=seed)
-    return {"projection": projection, "budget": r.budget if r.projection == "auto" else 0, "allocation": r.allocation,
-            "basis": r.basis, "basis_damping": r.basis_damping, "adam_mode": r.adam or "exact",
-            "transcode": "ekfac" if r.transcode else "none", "damping": r.damping, "storage": r.storage,
-            **({"precondition": "ekfac"} if r.transcode else {})}
+def _row_spec(cfg: BuildConfig, rows: RowSpec | str | None, kw: dict, damping_given: bool) -> RowSpec:
+    """``rows`` (``None``: the default's) with the sugar keywords ``kw`` applied, each ``auto`` resolved, and
+    ``cfg.precondition``'s ``auto`` with them (``ekfac``, or ``none`` with ``optimizer_state`` or an ``eigen``
+    basis); keywords left out keep what ``rows`` says (as ``dataclasses.replace`` of a config expects)."""
+    parsed = isinstance(rows, str)
+    if parsed:
+        rows = RowSpec.parse(rows, cfg.damping)
+        if bool(rows.adam) != bool(cfg.optimizer_state):
+            raise ValueError(f"row spec {str(rows)!r}: ADAM rows are made from --optimizer-state, and only ADAM rows "
+                             "are: " + ("add --optimizer-state" if rows.adam else "add ADAM to the spec, or drop "
+                                        "--optimizer-state"))
+    r = {**asdict(rows)} if rows is not None else {"transcode": "auto", "storage": "auto"}
+    p = kw.get("projection")
+    if p is not None:
+        object.__setattr__(cfg, "seed", p.seed)
+        if not p.is_identity:
+            object.__setattr__(cfg, "projection_kind", p.kind)
+    budget = kw.get("budget", "auto" if rows is None and p is None else None)
+    if budget:
+        r.update(projection="auto", budget=str(budget or "auto"))
+    elif budget is not None or (p is not None and r.get("projection") != "auto"):
+        p = p or ProjectionSpec()
+        if p.sizes:
+            raise ValueError("a projection with per-layer sizes is made by a budget: give BuildConfig a budget "
+                             "(and the projection's kind and seed) instead of the sizes")
+        r.update({"projection": "none"} if p.is_identity else {"projection": "fixed", "k_a": p.k_a, "k_g": p.k_g})
+    r.update({k: kw[k] for k in ("allocation", "basis", "basis_damping", "storage") if k in kw})
+    if rows is None or damping_given and not parsed:  # (a spec's own EKFAC@d or EIGEN@d wins)
+        r["damping"] = cfg.damping
+    r["adam"] = (kw.get("adam_mode") or r.get("adam") or "exact") if cfg.optimizer_state else ""
+    eigen = r.get("basis") == "eigen"
+    if cfg.precondition == "auto":
+        object.__setattr__(cfg, "precondition", "none" if cfg.optimizer_state or eigen else "ekfac")
+    transcode = kw.get("transcode", r["transcode"])
+    if transcode not in ("auto", "ekfac", "none", True, False):
+        raise ValueError(f"transcode {transcode!r} is not one of ['none', 'ekfac']")
+    if transcode == "auto":
+        transcode = "ekfac" if cfg.precondition == "ekfac" and r.get("basis", "raw") == "raw" else "none"
+    r["transcode"] = transcode in ("ekfac", True)
+    return RowSpec(**r)
 
 
 @dataclass
@@ -167,7 +173,7 @@ def _identity(model: nn.Module, model_fp: str, space: RowSpace, cfg: BuildConfig
         **({"tokenizer": tokenizer_fp} if tokenizer_fp else {}),
         **({"adapter_fingerprint": adapter} if adapter else {}),
         "dtype": model_dtype(model),
-        "storage": cfg.capture_storage,
+        "storage": cfg.rows.capture_storage,
         "data_fingerprint": data_fp,
         "layers": layer_identity(space),
         "projection": space.projection.to_dict(),
@@ -177,8 +183,8 @@ def _identity(model: nn.Module, model_fp: str, space: RowSpace, cfg: BuildConfig
         "shard_size": cfg.shard_size,
         "batch_size": cfg.batch_size,
         "optimizer": optimizer,
-        **({"transcode": {"basis": cfg.transcode, "storage": cfg.storage, "damping": cfg.damping}}
-           if cfg.transcode != "none" else {}),
+        **({"transcode": {"basis": "ekfac", "storage": cfg.rows.storage, "damping": cfg.damping}}
+           if cfg.rows.transcode else {}),
     }
 
 
@@ -316,10 +322,8 @@ class _Setup:
     identity: dict
     write_basis: object
     sink: RowSink
-    select: np.ndarray | None = None
-    """``[N]`` membership of the examples whose full-space sums are kept, None for all."""
-    digest: str = ""
-    """The digest of those examples, stored with the sums."""
+    select: np.ndarray | None = None  # [N] membership of the examples whose full-space sums are kept; None: all
+    digest: str = ""  # the digest of those examples, stored with the sums
 
 
 def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, progress: bool,
@@ -335,12 +339,12 @@ def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildCo
     pad_id = resolve_pad_id(model, tokenizer)
     infos = {n: layer_info(m) for n, m in select_layers(model, cfg.layers).items()}
     basis, write = RowBasis(), None
-    if cfg.basis in ("kfac", "eigen"):
+    if cfg.rows.basis != "raw":
         basis, write = full_space_basis(model, data, pad_id, out, cfg, model_fp, data_fp, progress)
     spec = sized_projection(cfg, infos, basis)
     transforms, optimizer = capture_transforms(basis), None
     if cfg.optimizer_state:  # (the kfac basis is refused with it: one transform per layer)
-        transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.adam_mode, model, cfg.layers)
+        transforms, optimizer = adam_capture_transforms(cfg.optimizer_state, cfg.rows.adam, model, cfg.layers)
     space = RowSpace(spec, transforms)
     rows = ProjectedRows(space, cfg.route)
     kfac = KfacSums(space) if cfg.collect_covariance or (  # (coded rows are fitted already)
@@ -367,8 +371,8 @@ def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConf
         **({"chat_template": template_of(tokenizer)} if data.field == MESSAGES else {}),
         "build": identity,
         "rows": str(cfg.rows),
-        "config": {**{k: v for k, v in asdict(cfg).items() if k != "projection"},  # it is build.projection
-                   "budget": str(cfg.budget),
+        "config": {**{k: v for k, v in asdict(cfg).items()  # (the rows: "rows"; the stream: build.projection)
+                      if k not in ("rows", "projection_kind", "seed")},
                    "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
         "dtype": identity["dtype"],
         "counts": {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
@@ -433,7 +437,8 @@ def write_shards(out: Path, model: nn.Module, st: _Setup, data: Tokenized, cfg: 
     bar = progress_bar(total=N, unit="ex", desc="capture", disable=not progress or distributed.rank() > 0)
     hashing = ThreadPoolExecutor(1, thread_name_prefix="gradindex-hash")  # commits overlap the next capture
     commits: list[Future] = []
-    st.sink.bind(model, st.capture)
+    if distributed.world_size() > 1 or plain_head(model, set(st.capture.modules.values())) is None:
+        st.sink.heads = None  # (none kept under torchrun, or without a plain LM head)
     try:
         with st.capture:
             for k in range((N + S - 1) // S):
@@ -464,7 +469,7 @@ def _write_shard(path: Path, k: int, start: int, end: int, model: nn.Module, st:
     results are kept: those need the whole shard) and seal it; the sealed writer, to commit, and the examples
     computed."""
     w = ShardWriter(path, start, end - start, {n: st.rows.space.dim(n) for n in st.capture.infos}, st.data_fp,
-                    st.sink.storage or cfg.capture_storage)
+                    st.sink.storage or cfg.rows.capture_storage)
     done = w.open()
     if (st.kfac is not None or st.full is not None or st.sink.coded) and done:  # redo it whole
         w.close()

@@ -20,36 +20,35 @@ from gradindex.capture.layers import LayerInfo
 from gradindex.data import Tokenized
 from gradindex.methods import absolute_damping
 from gradindex.progress import progress_bar
-from gradindex.spec.rows import FLOAT32_BYTES, parse_budget
 from gradindex.store.basis import RowBasis, capture_transforms, kfac_basis, read_basis, write_basis
 from gradindex.store.codes import bytes_per_number, has_scale
 
 
-def full_bytes(infos: dict[str, LayerInfo]) -> int:
-    """Float32 bytes of one example's full (unprojected) gradient over these layers."""
-    return FLOAT32_BYTES * sum(i.n_in_total * i.n_out for i in infos.values())
+def _shapes(infos: dict[str, LayerInfo]) -> dict[str, tuple[int, int]]:
+    return {n: (i.n_in_total, i.n_out) for n, i in infos.items()}
 
 
 def sized_projection(cfg, infos: dict[str, LayerInfo], basis: RowBasis) -> ProjectionSpec:
-    """``cfg.projection``, or per-layer sizes from ``cfg.budget`` under ``cfg.allocation``.
+    """``cfg.projection``, or for an ``auto`` row spec per-layer sizes from its budget under its allocation.
 
-    The budget buys numbers at ``cfg.storage``'s width: int4 rows get 8× the numbers of float32 ones.
+    The budget buys numbers at the spec's storage width: int4 rows get 8× the numbers of float32 ones.
     """
-    if cfg.basis == "eigen":  # the basis's maps and chosen coordinates are the whole reduction
-        return ProjectionSpec(kind="none", k_a=0, k_g=0, seed=cfg.projection.seed)
-    if not cfg.budget:
+    r = cfg.rows
+    if r.basis == "eigen":  # the basis's maps and chosen coordinates are the whole reduction
+        return ProjectionSpec(kind="none", k_a=0, k_g=0, seed=cfg.seed)
+    if r.projection != "auto":
         return cfg.projection
     widths = {n: (i.n_in_total, i.n_out) for n, i in infos.items()}
-    budget = parse_budget(cfg.budget, full_bytes(infos))
-    sizes = allocate(widths, budget, cfg.allocation, bytes_per_number(cfg.storage), basis.spectra)
-    kind = "gaussian" if cfg.projection.is_identity else cfg.projection.kind
-    return ProjectionSpec(kind=kind, k_a=0, k_g=0, seed=cfg.projection.seed,
+    sizes = allocate(widths, r.bytes_per_example(_shapes(infos)), r.allocation, bytes_per_number(r.storage),
+                     basis.spectra)
+    return ProjectionSpec(kind=cfg.projection_kind, k_a=0, k_g=0, seed=cfg.seed,
                           sizes=tuple((n, ka, kg) for n, (ka, kg) in sizes.items()))
 
 
 def basis_identity(cfg, basis: RowBasis, model_fp: str, data_fp: str) -> dict:
     """The manifest's ``build.basis``: kind, and for ``kfac`` the settings and a digest of the maps."""
-    if cfg.basis == "raw":
+    r = cfg.rows
+    if r.basis == "raw":
         return {"kind": "raw"}
     h = hashlib.blake2b(digest_size=16)
     for n in sorted(basis.W_a):
@@ -59,11 +58,11 @@ def basis_identity(cfg, basis: RowBasis, model_fp: str, data_fp: str) -> dict:
         if n in basis.keep:
             h.update(np.ascontiguousarray(basis.keep[n], np.int64).tobytes())
             h.update(np.ascontiguousarray(basis.scale[n], np.float32).tobytes())
-    if cfg.basis == "eigen":  # rows are whitened full-space EK-FAC coordinates: queries answer ekfac on them
-        return {"kind": "ekfac", "space": "full-eigen", "damping": cfg.damping, "budget": str(cfg.budget),
+    if r.basis == "eigen":  # rows are whitened full-space EK-FAC coordinates: queries answer ekfac on them
+        return {"kind": "ekfac", "space": "full-eigen", "damping": r.damping, "budget": r.budget,
                 "examples": cfg.basis_examples, "seed": cfg.basis_seed, "digest": h.hexdigest(),
-                "kept_share": round(kept_share(basis, cfg.damping), 4)}
-    return {"kind": cfg.basis, "damping": cfg.basis_damping, "examples": cfg.basis_examples,
+                "kept_share": round(kept_share(basis, r.damping), 4)}
+    return {"kind": r.basis, "damping": r.basis_damping, "examples": cfg.basis_examples,
             "seed": cfg.basis_seed, "digest": h.hexdigest()}
 
 
@@ -88,10 +87,11 @@ def full_space_basis(model: nn.Module, data: Tokenized, pad_id: int, out, cfg, m
 
     Returns the basis and, when it is new, the call that writes it (once ``out`` is known to be ours).
     """
-    ident = {"model": model_fp, "data": data_fp, "damping": cfg.basis_damping, "examples": cfg.basis_examples,
+    r = cfg.rows
+    ident = {"model": model_fp, "data": data_fp, "damping": r.basis_damping, "examples": cfg.basis_examples,
              "seed": cfg.basis_seed, "layers": ",".join(cfg.layers)}
-    if cfg.basis == "eigen":
-        ident = {**ident, "kind": "eigen", "damping": cfg.damping, "budget": str(cfg.budget), "storage": cfg.storage}
+    if r.basis == "eigen":
+        ident = {**ident, "kind": "eigen", "damping": r.damping, "budget": r.budget, "storage": r.storage}
     old = read_basis(out, ident) if out.exists() else None
     if old is not None:
         return old, None
@@ -99,15 +99,14 @@ def full_space_basis(model: nn.Module, data: Tokenized, pad_id: int, out, cfg, m
     k = cfg.basis_examples
     rows = np.arange(n) if k <= 0 or k >= n else np.sort(np.random.default_rng(cfg.basis_seed).choice(n, k, False))
     factors = factor_pass(model, data, rows, cfg.layers, pad_id, cfg.batch_size, progress)
-    if cfg.basis == "eigen":
-        widths = {nm: A.shape[0] * S.shape[0] for nm, (A, S) in factors.items()}
-        budget = parse_budget(cfg.budget or "auto", FLOAT32_BYTES * sum(widths.values()))
+    if r.basis == "eigen":
+        budget = r.bytes_per_example({nm: (A.shape[0], S.shape[0]) for nm, (A, S) in factors.items()})
         # (each layer's row also holds a float32 scale and, in int4, up to half a byte of padding)
-        cap = int((budget - 5 * len(widths) * has_scale(cfg.storage)) / bytes_per_number(cfg.storage))
-        basis = eigen_basis(factors, cap, cfg.damping)
-        basis.scale = correction_pass(model, data, rows, basis, pad_id, cfg.batch_size, cfg.damping, progress)
+        cap = int((budget - 5 * len(factors) * has_scale(r.storage)) / bytes_per_number(r.storage))
+        basis = eigen_basis(factors, cap, r.damping)
+        basis.scale = correction_pass(model, data, rows, basis, pad_id, cfg.batch_size, r.damping, progress)
     else:
-        basis = kfac_basis(factors, cfg.basis_damping)
+        basis = kfac_basis(factors, r.basis_damping)
     return basis, lambda: write_basis(out, basis, ident)
 
 
