@@ -41,11 +41,13 @@ class RerankChoice(click.ParamType):
         return n
 
 
-def _queries(texts, prompt, completion, queries_file, text_field, messages=()) -> list[dict]:
-    """Every query of the command line as a record dict (texts, the prompt/completion pair, chats, the file's)."""
+def _queries(o: dict) -> list[dict]:
+    """Every query of the command line (the ``query`` options ``o``) as a record dict (texts, the
+    prompt/completion pair, chats, the file's)."""
     from gradindex.query import read_queries
 
-    out: list = list(texts) + parse_messages(messages)
+    prompt, completion, queries_file, text_field = o["prompt"], o["completion"], o["queries_file"], o["text_field"]
+    out: list = list(o["texts"]) + parse_messages(o["messages"])
     if (prompt is None) != (completion is None):
         raise ValueError("--prompt and --completion go together (the loss is taken on the completion)")
     if prompt is not None:
@@ -134,33 +136,30 @@ def _json(r) -> list[dict]:
                    "method, the damping and the query's seconds per stage.")
 @refine_options
 @user_errors
-def query(index_dir, texts, prompt, completion, messages, queries_file, text_field, k, method, damping, layers, lowest,
-          rerank_full, candidates, shortlist, nprobe, model_dir, data, device, cpu_index, optimizer_state, as_json,
-          refine):
+def query(**o):
     """Find the training examples in INDEX_DIR that most influenced each query."""
-    qs = _queries(texts, prompt, completion, queries_file, text_field, messages)
-    results = _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist,
-                      nprobe, model_dir, data, device, cpu_index, optimizer_state, text_field, refine)
-    _show(qs, results, text_field, as_json)
-
-
-def _search(index_dir, qs, k, method, damping, layers, lowest, rerank_full, candidates, shortlist, nprobe,
-            model_dir, data, device, cpu_index, optimizer_state, text_field, refine=None) -> list:
+    qs = _queries(o)
     t0 = time.perf_counter()
-    status(f"loading model and index {index_dir} ...")  # before the imports: torch, transformers, datasets
+    status(f"loading model and index {o['index_dir']} ...")  # before the imports: torch, transformers, datasets
     from gradindex.query import QueryEngine
 
     own = (resolve(m.engine) for m in REGISTRY.values() if m.engine)  # (a method's own index kind: TracIn's)
-    engine_class = next((e for e in own if e.opens(index_dir)), QueryEngine)
-    with engine_class(index_dir, model_dir=model_dir, device=device, data=data, use_gpu=not cpu_index,
-                      optimizer_state=optimizer_state) as engine:
+    engine_class = next((e for e in own if e.opens(o["index_dir"])), QueryEngine)
+    with engine_class(o["index_dir"], model_dir=o["model_dir"], device=o["device"], data=o["data"],
+                      use_gpu=not o["cpu_index"], optimizer_state=o["optimizer_state"]) as engine:
         status(f"searching {engine.n:,} examples for {len(qs)} quer{'y' if len(qs) == 1 else 'ies'} "
                f"(loaded in {time.perf_counter() - t0:.1f} s) ...")
-        engine.announce = lambda msg: click.echo(f"note: {msg}", err=True)  # (the exact stage's time estimate)
-        return engine.query_batch(qs, k=k, method=method, damping=damping, layers=layers or None,
-                                  lowest=lowest, rerank_full=rerank_full, candidates=candidates,
-                                  shortlist=shortlist, nprobe=nprobe, text_field=text_field,
-                                  refine=refine_config(refine) or False)
+        results = answer(engine, qs, o)
+    _show(qs, results, o["text_field"], o["as_json"])
+
+
+def answer(engine, qs: list[dict], o: dict) -> list:
+    """``engine``'s answers to ``qs`` under the ``query`` options ``o`` (one index's engine or a sharded one)."""
+    engine.announce = lambda msg: click.echo(f"note: {msg}", err=True)  # (the exact stage's time estimate)
+    return engine.query_batch(qs, k=o["k"], method=o["method"], damping=o["damping"], layers=o["layers"] or None,
+                              lowest=o["lowest"], rerank_full=o["rerank_full"], candidates=o["candidates"],
+                              shortlist=o["shortlist"], nprobe=o["nprobe"], text_field=o["text_field"],
+                              refine=refine_config(o["refine"]) or False)
 
 
 def _show(qs, results, text_field, as_json) -> None:

@@ -14,7 +14,7 @@ import click
 
 from gradindex.cli import main
 from gradindex.cli import query as query_cli
-from gradindex.cli.common import refine_config, status, user_errors
+from gradindex.cli.common import status, user_errors
 
 
 @main.command()
@@ -69,8 +69,7 @@ def sharded_query(**o) -> None:
             serve_parts(o["index_dir"], use_gpu=not o["cpu_index"])
         else:
             try:
-                qs = query_cli._queries(o["texts"], o["prompt"], o["completion"], o["queries_file"], o["text_field"],
-                                        o["messages"])
+                qs = query_cli._queries(o)
             except BaseException:
                 stop_followers()
                 raise
@@ -80,12 +79,7 @@ def sharded_query(**o) -> None:
                                     use_gpu=not o["cpu_index"], optimizer_state=o["optimizer_state"]) as engine:
                 status(f"searching {engine.n:,} examples in {len(engine.sharded.parts)} parts on "
                        f"{distributed.world_size()} rank(s) (loaded in {time.perf_counter() - t0:.1f} s) ...")
-                engine.announce = lambda msg: click.echo(f"note: {msg}", err=True)
-                results = engine.query_batch(
-                    qs, k=o["k"], method=o["method"], damping=o["damping"], layers=o["layers"] or None,
-                    lowest=o["lowest"], rerank_full=o["rerank_full"], candidates=o["candidates"],
-                    shortlist=o["shortlist"], nprobe=o["nprobe"], text_field=o["text_field"],
-                    refine=refine_config(o["refine"]) or False)
+                results = query_cli.answer(engine, qs, o)
             query_cli._show(qs, results, o["text_field"], o["as_json"])
     finally:
         if ranks:

@@ -18,25 +18,6 @@ from gradindex.index.opened import IndexReplacedError, OpenIndex, open_index
 from gradindex.index.space import IndexSpace, Preconditioners, query_vectors
 from gradindex.store.rows import RowReader, iter_layer
 
-__all__ = [
-    "FAISS_DIR",
-    "IndexBuildResult",
-    "IndexConfig",
-    "IndexSet",
-    "IndexReplacedError",
-    "IndexSpace",
-    "LayerIndex",
-    "OpenIndex",
-    "Preconditioners",
-    "RowReader",
-    "build_indices",
-    "default_factory",
-    "faiss_dir",
-    "iter_layer",
-    "layer_file",
-    "live_dir",
-    "open_index",
-    "query_vectors",
-    "read_meta",
-    "resolve_factory",
-]
+__all__ = ["FAISS_DIR", "IndexBuildResult", "IndexConfig", "IndexSet", "IndexReplacedError", "IndexSpace", "LayerIndex",
+           "OpenIndex", "Preconditioners", "RowReader", "build_indices", "default_factory", "faiss_dir", "iter_layer",
+           "layer_file", "live_dir", "open_index", "query_vectors", "read_meta", "resolve_factory"]

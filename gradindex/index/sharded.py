@@ -65,10 +65,6 @@ _PRECOND_ATTRS = {"method", "format_version", "library_version", "damping", "fit
 """Attributes :func:`~gradindex.precondition.files.write_precond` writes itself (the rest are carried as they were)."""
 
 
-def part_name(j: int) -> str:
-    return f"part-{j:05d}"
-
-
 @dataclass(frozen=True)
 class Part:
     """One part: its directory and the whole index's rows ``[first, stop)`` it holds."""
@@ -173,7 +169,7 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
         for j, g in enumerate(groups):
             first = ix.store.first_ids[g[0]]
             stop = ix.store.first_ids[g[-1]] + ix.store.sizes[g[-1]]
-            part = Part(out / part_name(j), first, stop)
+            part = Part(out / f"part-{j:05d}", first, stop)
             _write_part(ix, part, j, parts, g, fits)
             made.append(part)
             if progress:
@@ -219,7 +215,7 @@ def _write_part(ix: OpenIndex, part: Part, j: int, parts: int, group: list[int],
     m[SHARD_KEY] = {"part": j, "parts": parts, "first": part.first, "stop": part.stop, "examples": ix.n}
     for name, rows in fits:
         if rows:
-            _cut_fit(ix.dir / name, part.dir / name, m, part.first, part.stop)
+            _write_fit(ix.dir / name, part.dir / name, m, lambda si: si[part.first:part.stop])  # (its rows only)
         else:
             _link(ix.dir, part.dir, name, recorded)
     write_manifest(part.dir, m)
@@ -238,12 +234,8 @@ def _link(src: Path, dst: Path, name: str, recorded: dict) -> None:
         write_checksums(dst, {**read_checksums(dst), name: recorded[name]})
 
 
-def _cut_fit(src: Path, dst: Path, manifest: dict, first: int, stop: int) -> None:
-    """A fit file with the self-influence of rows ``[first, stop)`` only (the factors as they are)."""
-    _write_fit(src, dst, manifest, lambda si: si[first:stop])
-
-
 def _write_fit(src: Path, dst: Path, manifest: dict, rows) -> None:
+    """``src``'s fit written to ``dst`` with the self-influence ``rows(self-influence)`` (the factors as they are)."""
     attrs = read_attrs(src)
     damping, names, si = read_self_influence(src)
     try:

@@ -209,27 +209,11 @@ class OnlineSelector:
     :meth:`_adam_transforms`) or ``diagonal`` (:meth:`_update_moment`, with ``beta`` and ``damping``).
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        target,
-        policy,
-        *,
-        target_labels: Sequence[Sequence[int]] | None = None,
-        score: str = "cosine",
-        precondition: str = "none",
-        beta: float = 0.99,
-        damping: float = DIAGONAL_DAMPING,
-        refresh_every: int = 0,
-        projection: str | ProjectionSpec = "16",
-        projection_kind: str = "gaussian",
-        seed: int = 0,
-        layers: Sequence[str] = (),
-        route: str = "auto",
-        target_batch_size: int = 16,
-        optimizer=None,
-        count_steps: bool = True,
-    ) -> None:
+    def __init__(self, model: nn.Module, target, policy, *, target_labels: Sequence[Sequence[int]] | None = None,
+                 score: str = "cosine", precondition: str = "none", beta: float = 0.99,
+                 damping: float = DIAGONAL_DAMPING, refresh_every: int = 0, projection: str | ProjectionSpec = "16",
+                 projection_kind: str = "gaussian", seed: int = 0, layers: Sequence[str] = (), route: str = "auto",
+                 target_batch_size: int = 16, optimizer=None, count_steps: bool = True) -> None:
         if score not in SCORES:
             raise ValueError(f"score {score!r} is not one of {list(SCORES)}")
         if precondition not in PRECONDITIONERS:

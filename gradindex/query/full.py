@@ -89,19 +89,11 @@ def full_query_gradient(model: nn.Module, layers: list[str], query: tuple[list[i
     return out
 
 
-def full_gradient_scores(
-    model: nn.Module,
-    layers: list[str],
-    query: tuple[list[int], list[int]],
-    train: tuple[list[list[int]], list[list[int]]],
-    pad_id: int,
-    method: str = "graddot",
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    pre: Preconditioner | None = None,
-    damping: float = DEFAULT_DAMPING,
-    dtype: torch.dtype = torch.float32,
-    query_matrices: dict[str, torch.Tensor] | None = None,
-) -> np.ndarray:
+def full_gradient_scores(model: nn.Module, layers: list[str], query: tuple[list[int], list[int]],
+                         train: tuple[list[list[int]], list[list[int]]], pad_id: int, method: str = "graddot",
+                         batch_size: int = DEFAULT_BATCH_SIZE, pre: Preconditioner | None = None,
+                         damping: float = DEFAULT_DAMPING, dtype: torch.dtype = torch.float32,
+                         query_matrices: dict[str, torch.Tensor] | None = None) -> np.ndarray:
     """``[n]`` float64 full-space scores of one query against ``n`` training examples (module docstring).
 
     ``pre``: the full-space preconditioner of a ``kfac``/``ekfac`` method (ignored for
@@ -129,21 +121,13 @@ def run_steps(steps: Generator[Any, None, T]) -> T:
             return done.value
 
 
-def full_scores_steps(
-    model: nn.Module,
-    layers: list[str],
-    queries: Sequence[tuple[list[int], list[int]]],
-    train: tuple[list[list[int]], list[list[int]]],
-    wanted: Sequence[np.ndarray],
-    pad_id: int,
-    method: str = "graddot",
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    pre: Preconditioner | None = None,
-    damping: float = DEFAULT_DAMPING,
-    dtype: torch.dtype = torch.float32,
-    query_matrices: Sequence[dict[str, torch.Tensor] | None] | None = None,
-    on_batch: Callable[[int, int, float], None] | None = None,
-) -> Generator[tuple[int, int], None, list[np.ndarray]]:
+def full_scores_steps(model: nn.Module, layers: list[str], queries: Sequence[tuple[list[int], list[int]]],
+                      train: tuple[list[list[int]], list[list[int]]], wanted: Sequence[np.ndarray], pad_id: int,
+                      method: str = "graddot", batch_size: int = DEFAULT_BATCH_SIZE, pre: Preconditioner | None = None,
+                      damping: float = DEFAULT_DAMPING, dtype: torch.dtype = torch.float32,
+                      query_matrices: Sequence[dict[str, torch.Tensor] | None] | None = None,
+                      on_batch: Callable[[int, int, float], None] | None = None
+                      ) -> Generator[tuple[int, int], None, list[np.ndarray]]:
     """Per query ``q``, float64 full-space scores of the training examples ``wanted[q]`` (positions in ``train``,
     the union of every query's candidates), in that order, returned by a generator that does one forward +
     backward per step and yields ``(candidate passes done, total)`` after each (the model's hooks are off

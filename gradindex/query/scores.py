@@ -32,16 +32,9 @@ from gradindex.query.defaults import default_query_method, self_influence_or_not
 log = logging.getLogger("gradindex")
 
 
-def score_matrix(
-    index: str | os.PathLike | OpenIndex,
-    query_grads: Mapping[str, torch.Tensor | np.ndarray],
-    method: str | None = None,
-    damping: float = DEFAULT_DAMPING,
-    layers: Sequence[str] | None = None,
-    block: int = 4096,
-    device: str = "auto",
-    dtype: torch.dtype | None = None,
-) -> np.ndarray:
+def score_matrix(index: str | os.PathLike | OpenIndex, query_grads: Mapping[str, torch.Tensor | np.ndarray],
+                 method: str | None = None, damping: float = DEFAULT_DAMPING, layers: Sequence[str] | None = None,
+                 block: int = 4096, device: str = "auto", dtype: torch.dtype | None = None) -> np.ndarray:
     """``[Q, N]`` float64 scores of ``Q`` queries against every stored example (column = example id).
 
     ``index``: an index directory, or an :class:`~gradindex.index.OpenIndex` (nothing is re-read).
