@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import faiss
@@ -208,7 +209,7 @@ def find_duplicates(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig =
 
     t0 = time.perf_counter()
     ix, opened = open_store(index_dir, "deduplicate")
-    try:
+    with ix if opened else nullcontext():
         cfg = resolved(ix, cfg)
         layers, base, pre = _space(ix, cfg, layers)
         store = ix.store
@@ -221,9 +222,6 @@ def find_duplicates(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig =
         parent = np.arange(N)
         confirmed, cosines, checked = _confirm(store, layers, pre, base, cfg, pairs, parent)
         hashes = store.column("token_hash")
-    finally:
-        if opened:
-            ix.close()
     t3 = time.perf_counter()
     groups = _groups(parent, confirmed, cosines, hashes)
     secs = {"vectors": t1 - t0, "search": t2 - t1, "confirm": t3 - t2, "total": time.perf_counter() - t0}
@@ -243,13 +241,10 @@ def candidate_vectors(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig
     """``([N, d] unit vectors searched for candidates, [N] nonzero, sketched)`` as :func:`find_duplicates`
     makes them (for measurements of the candidate search)."""
     ix, opened = open_store(index_dir, "deduplicate")
-    try:
+    with ix if opened else nullcontext():
         cfg = resolved(ix, cfg)
         layers, base, pre = _space(ix, cfg, layers)
         return _vectors(ix.store, layers, pre, base, cfg, progress)
-    finally:
-        if opened:
-            ix.close()
 
 
 def resolved(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig) -> DedupConfig:

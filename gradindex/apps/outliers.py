@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,13 +57,10 @@ def rank_outliers(index_dir: str | os.PathLike | OpenStore, method: str = "ekfac
         raise ValueError(f"outliers rank by self-influence, which {method!r} does not have (it is 1 "
                          "for every example); use graddot, kfac or ekfac")
     ix, opened = open_store(index_dir, "look for outliers")
-    try:
+    with ix if opened else nullcontext():
         si = self_influence(ix.dir, base, damping, layers, manifest=ix.manifest)
         ntok = ix.store.column("num_tokens").astype(np.int64)
         loss = ix.store.column("loss").astype(np.float64)
-    finally:
-        if opened:
-            ix.close()
     per_tok = np.where(ntok > 0, si / np.maximum(ntok, 1), 0.0)
     return OutlierRanking(base, damping, si, per_tok, ntok, loss)
 

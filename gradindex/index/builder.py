@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from gradindex.index.files import (
     NORMS,
     check_faiss,
     faiss_dir,
+    link_or_copy,
     read_meta_at,
     settle_swap,
     staging_dir,
@@ -68,12 +70,9 @@ def build_indices(index_dir: str | os.PathLike | OpenIndex, cfg: IndexConfig = I
     """
     t0 = time.perf_counter()
     ix, opened = open_index(index_dir, then="build the indices")
-    try:
+    with ix if opened else nullcontext():
         with index_lock(ix.dir, "gradindex index"):
             return _build(ix, cfg, progress, force, t0)
-    finally:
-        if opened:
-            ix.close()
 
 
 def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: float) -> IndexBuildResult:
@@ -147,10 +146,7 @@ def _carry(src: Path, dst: Path, name: str | None) -> bool:
     """Hard-link (else copy) ``src/name`` into ``dst`` and record its hash there; whether there was one."""
     if not name or not (src / name).exists():
         return False
-    try:
-        os.link(src / name, dst / name)
-    except OSError:
-        shutil.copy2(src / name, dst / name)
+    link_or_copy(src / name, dst / name)
     record(dst.parent, [dst / name], [f"{dst.name}/{name}"])
     return True
 

@@ -127,11 +127,19 @@ def _settle_records(index_dir: str | os.PathLike) -> None:
                        drop_prefix=f"{FAISS_DIR}/")
 
 
-def write_json(p: Path, obj: dict) -> None:
+def write_json(p: Path, obj: dict, indent: int = 2) -> None:
     """Write ``obj`` to ``p`` atomically (a killed write leaves the previous file)."""
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    tmp.write_text(json.dumps(obj, indent=indent, sort_keys=True, default=str))
     os.replace(tmp, p)
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` at ``dst``, else (another file system) copy it."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def write_index(index: faiss.Index, p: Path, index_dir: str | os.PathLike | None = None) -> None:

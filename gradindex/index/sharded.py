@@ -27,7 +27,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import numpy as np
 from gradindex.checksum import check_files, damage_error, read_checksums, write_checksums
 from gradindex.index.builder import build_indices
 from gradindex.index.config import IndexConfig
+from gradindex.index.files import link_or_copy, write_json
 from gradindex.index.opened import OpenIndex
 from gradindex.index.space import IndexSpace
 from gradindex.manifest import (
@@ -176,7 +176,7 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
                 log.warning("part %d of %d: rows [%d, %d)", j + 1, parts, first, stop)
     doc = {"format": FORMAT, "version": VERSION, "examples": int(whole["counts"]["examples"]),
            "parts": [{"dir": p.dir.name, "first": p.first, "stop": p.stop} for p in made], "manifest": whole}
-    _write_json(out / SHARDS_FILE, doc)
+    write_json(out / SHARDS_FILE, doc, indent=1)
     return read_sharded(out)
 
 
@@ -226,10 +226,7 @@ def _link(src: Path, dst: Path, name: str, recorded: dict) -> None:
     """Hard-link (else copy) ``src/name`` into ``dst`` and carry its recorded hash (fits are replaced, never
     written in place, so a link is never changed under another index)."""
     (dst / name).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src / name, dst / name)
-    except OSError:
-        shutil.copy2(src / name, dst / name)
+    link_or_copy(src / name, dst / name)
     if name in recorded:
         write_checksums(dst, {**read_checksums(dst), name: recorded[name]})
 
@@ -257,12 +254,6 @@ def _build_tier(d: Path, manifest: dict) -> None:
     cfg = IndexConfig(factory=factory, space=IndexSpace.from_dict(ix.get("space") or {}),
                       **({"sketch_bytes": int(ix["sketch_bytes"])} if ix.get("sketch_bytes") else {}))
     build_indices(d, cfg, progress=False)
-
-
-def _write_json(p: Path, obj: dict) -> None:
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, p)
 
 
 # -- merge ---------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ def score_matrix(index: str | os.PathLike | OpenIndex, query_grads: Mapping[str,
     (``auto``: the GPU when present) in ``dtype`` (default float64 on CPU, float32 on GPU).
     """
     ix, opened = open_index(index, then="score it")
-    try:
+    with ix if opened else nullcontext():
         defaulted, method = method is None, method or default_query_method(ix.manifest, ix.dir)
         parsed = parse_method(method)
         base = index_row_base(ix.manifest, ix.dir, parsed[0], method)  # the operation on stored rows
@@ -53,9 +54,6 @@ def score_matrix(index: str | os.PathLike | OpenIndex, query_grads: Mapping[str,
         if fell:  # the default's self-influence: plain scores of the base method, saying so
             log.warning(fell)
         return _scores(ix, query_grads, base, si, damping, layers, block, device, dtype)
-    finally:
-        if opened:
-            ix.close()
 
 
 def _scores(ix: OpenIndex, query_grads, base: str, si: np.ndarray | None, damping: float, layers, block: int,
