@@ -70,23 +70,28 @@ def text_jsonl(tmp_path_factory):
     return p
 
 
-@pytest.fixture(scope="session")
-def audit_index(tmp_path_factory, gpt2_dir, text_jsonl):
-    """A complete tiny GPT-2 index (float32 store, EK-FAC fitted, flat FAISS) for the apps' tests."""
+def raw_tiny_index(out, gpt2_dir, text_jsonl, seed: int, precondition: str, max_length: int):
+    """A complete tiny GPT-2 index at ``out``: float32 rows projected 8 x 8 (``seed``), ``precondition`` fitted,
+    its default tier built."""
     from gradindex.capture import ProjectionSpec
     from gradindex.data import load_records, tokenize_records
     from gradindex.index import build_indices
     from gradindex.model import load_causal_lm
     from gradindex.pipeline import BuildConfig, build_index
 
-    out = tmp_path_factory.mktemp("audit") / "index"
     model, tok = load_causal_lm(gpt2_dir, device="cpu")
-    data = tokenize_records(load_records(text_jsonl), tok, 64)
-    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8, seed=3), shard_size=16, precondition="ekfac",
-                      max_length=64)
+    data = tokenize_records(load_records(text_jsonl), tok, max_length)
+    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8, seed=seed), shard_size=16,
+                          precondition=precondition, max_length=max_length)
     build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
     build_indices(out, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def audit_index(tmp_path_factory, gpt2_dir, text_jsonl):
+    """A complete tiny GPT-2 index (float32 store, EK-FAC fitted, flat FAISS) for the apps' tests."""
+    return raw_tiny_index(tmp_path_factory.mktemp("audit") / "index", gpt2_dir, text_jsonl, 3, "ekfac", 64)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import raw_tiny_index
 
 from gradindex import methods as M
 from gradindex.cli import main
@@ -73,21 +74,7 @@ def diagfisher():
 @pytest.fixture(scope="module")
 def raw_index(tmp_path_factory, gpt2_dir, text_jsonl):
     """Raw float32 rows of 40 examples (projected 8 x 8), nothing fitted, the store tier built."""
-    from gradindex.capture import ProjectionSpec
-    from gradindex.data import load_records, tokenize_records
-    from gradindex.index import build_indices
-    from gradindex.model import load_causal_lm
-    from gradindex.pipeline import BuildConfig, build_index
-
-    out = tmp_path_factory.mktemp("diag") / "index"
-    model, tok = load_causal_lm(gpt2_dir, device="cpu")
-    data = tokenize_records(load_records(text_jsonl), tok, 48)
-    cfg = BuildConfig.raw(projection=ProjectionSpec(k_a=8, k_g=8, seed=5), shard_size=16, precondition="none",
-                          max_length=48)
-    build_index(model, tok, data, out, cfg, model_id=str(gpt2_dir), data_id=str(text_jsonl), progress=False)
-    build_indices(out, progress=False)
-    return out
-
+    return raw_tiny_index(tmp_path_factory.mktemp("diag") / "index", gpt2_dir, text_jsonl, 5, "none", 48)
 
 def _rows(index) -> dict[str, np.ndarray]:
     with Store(index) as st:
