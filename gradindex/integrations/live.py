@@ -163,7 +163,7 @@ class LiveCapture:
         self.opt = options
         self.spec = options.spec()
         check_storage(options.storage)
-        self._check_out_dir()
+        distributed.on_rank0(self._prepare_out_dir)  # (the other ranks wait)
         self.rows = ProjectedRows(RowSpace(self.spec), options.route)
         self.capture = GradientCapture(self.inner, options.layers or None, self.rows, weight_free=False)
         self.dims = {n: self.rows.space.dim(n) for n in self.capture.infos}
@@ -182,11 +182,8 @@ class LiveCapture:
         self.closed = False
 
     # -- set-up -------------------------------------------------------------------------------
-    def _check_out_dir(self) -> None:
-        """Rank 0 checks (and with ``overwrite`` clears) the directory while the other ranks wait."""
-        distributed.on_rank0(self._prepare_out_dir)
-
     def _prepare_out_dir(self) -> None:
+        """Check the output directory (and with ``overwrite`` clear it): rank 0, while the other ranks wait."""
         if self.out.exists() and any(self.out.iterdir()):
             if not self.opt.overwrite:
                 raise FileExistsError(
