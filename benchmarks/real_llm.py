@@ -151,6 +151,21 @@ def _train_pass(model, layers, train, pad, eig, w, rq, dots, sq, batch: int = 4)
                 sq[s:e] = cur["sq"].double().numpy()
 
 
+def bm25(ft: dict, queries: list[dict]) -> np.ndarray:
+    """``[Q, N]`` BM25 of each query's answer tokens against each training conversation (tokenizer only)."""
+    import datasets
+
+    from benchmarks.baselines import bm25_scores
+    from gradindex.data import load_records, tokenize_records
+    from gradindex.model import load_tokenizer
+
+    tok = load_tokenizer(ft["merged"])
+    train = tokenize_records(load_records(ft["data"]), tok, 192)
+    qs = tokenize_records(datasets.Dataset.from_list(queries), tok, 192)
+    return bm25_scores([list(x) for x in train.input_ids], [list(x) for x in qs.input_ids],
+                       [list(x) for x in qs.labels])
+
+
 def baselines(ft: dict, queries: list[dict]) -> dict[str, np.ndarray]:
     import datasets
 
@@ -355,8 +370,8 @@ def latency(idx: str, queries_file: str, n: int, ft_file: str | None = None) -> 
     return out
 
 
-def _work(n: int) -> tuple[dict, Path]:
-    ft = finetune(n)
+def _work(n: int, facts: int = 12) -> tuple[dict, Path]:
+    ft = finetune(n, facts=facts)
     work = Path(ft["data"]).parent
     (work / "finetune.json").write_text(json.dumps(ft))
     return ft, work
@@ -381,6 +396,114 @@ def score_all(ft: dict, work: Path, full: bool) -> tuple[dict, dict]:
     if (work / "exhaustive.json").exists():
         builds["exhaustive_full"] = json.loads((work / "exhaustive.json").read_text())
     return builds, scores
+
+
+def row_kind(text: str, row: int, fact: dict, facts: list[dict]) -> str:
+    """What a training conversation is to one fact query: its source, a distractor naming the fact's entity,
+    the conversation carrying its value word, another fact's source, a conversation naming another fact's
+    entity or value word (another fact's distractor), or plain documentation."""
+    import re
+
+    def names(f, t):
+        return re.search(rf"\b{f['entity']}\b", t) is not None
+
+    def value(f, t):
+        return re.search(rf"\b{f['value']}\b", t.lower()) is not None
+
+    if row in fact["rows"]:
+        return "source"
+    if names(fact, text):
+        return "names the entity"
+    if value(fact, text):
+        return "value word"
+    if any(row in f["rows"] for f in facts):
+        return "another fact's source"
+    if any(names(f, text) or value(f, text) for f in facts):
+        return "another fact's distractor"
+    return "documentation"
+
+
+def misses(score: np.ndarray, ft: dict, texts: list[str], top: int = 3) -> list[dict]:
+    """Each fact query whose best source is not first: the source's rank and score, and the ``top`` rows
+    above it (row, what it is to the fact, score)."""
+    out = []
+    for j, f in enumerate(ft["facts"]):
+        order = np.argsort(-score[j], kind="stable")
+        rank = int(min(np.flatnonzero(np.isin(order, f["rows"]))))
+        if rank == 0:
+            continue
+        src = int(order[rank])
+        out.append({"fact": j, "entity": f["entity"], "value": f["value"], "source_rank": rank + 1,
+                    "source_row": src, "source_score": float(score[j, src]),
+                    "above": [{"row": int(r), "kind": row_kind(texts[r], int(r), f, ft["facts"]),
+                               "score": float(score[j, r])} for r in order[:min(rank, top)]]})
+    return out
+
+
+def facts_study(ft: dict, work: Path) -> dict:
+    """Planted-fact recall among ``n`` conversations with distractors: the default build through the merged
+    model and through the adapter, the paraphrased fact queries scored by the first stage (the default query,
+    ``ekfac`` and ``ekfac-selfnorm`` by name) and by BM25; recall@1, MRR, ranks, and why each miss missed.
+    Written to ``results/real-llm.json`` under ``facts-N`` (only that key)."""
+    import re
+    from collections import Counter
+
+    from gradindex.query import QueryEngine
+
+    F = ft["fact_queries"]
+    queries = load_jsonl(ft["queries"])[:F]
+    records = load_jsonl(ft["data"])
+    texts = [" ".join(m["content"] for m in r["messages"]) for r in records]
+    load = os.getloadavg()[0]
+    builds = build_indices(ft, work)
+    cached = work / "fact-scores.npz"
+    scores = dict(np.load(cached)) if cached.exists() else {}
+    default = None
+    for path, b in builds.items():
+        with QueryEngine(b["dir"]) as engine:
+            default = engine.resolve_method(None)
+            for name, m in (("default", None), ("ekfac", "ekfac"), ("ekfac-selfnorm", "ekfac-selfnorm")):
+                if f"{name} ({path})" not in scores:
+                    scores[f"{name} ({path})"] = engine.scores(queries, method=m)
+    scores.setdefault("bm25", bm25(ft, queries))
+    np.savez(cached, **scores)
+    methods, why = {}, {}
+    for name, s in scores.items():
+        ranks = np.array(fact_ranks(s, ft["facts"]))
+        methods[name] = {"recall@1": round(float(np.mean(ranks == 1)), 4), "mrr": round(float(np.mean(1 / ranks)), 4),
+                         "first": int(np.sum(ranks == 1)), "ranks": ranks.tolist()}
+        miss = misses(s, ft, texts)
+        why[name] = {"first_row_above": dict(Counter(m["above"][0]["kind"] for m in miss)),
+                     "hubs": [[r, c] for r, c in Counter(m["above"][0]["row"] for m in miss).most_common(5) if c > 1],
+                     "misses": miss}
+    strict = sum(re.search(rf"\b{f['value']}\b", ft["answers"][f["entity"]].lower()) is not None
+                 for f in ft["facts"])
+    res = {"model": "SmolLM2-135M-Instruct (registry GGUF, Q4_1-rounded weights de-quantized to float32)",
+           "finetune": {"n": ft["n"], "facts": len(ft["facts"]), "fact_queries": F,
+                        "source_rows": sum(len(f["rows"]) for f in ft["facts"]), "seed": ft["seed"],
+                        "recipe": ft["recipe"], "train_seconds": ft["train_seconds"],
+                        "learned_greedy": strict, "learned_substring": ft["learned"]},
+           "default_method": default, "max_length": 192, "stage": "first stage",
+           "builds": builds, "methods": methods, "why": why,
+           "machine": f"{os.cpu_count()} cores shared, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+                      f"load {load:.1f} before, {os.getloadavg()[0]:.1f} after"}
+    (work / "facts.json").write_text(json.dumps(res, indent=1))
+    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # re-read: others write other keys
+    result[f"facts-{ft['n']}"] = res
+    RESULTS.write_text(json.dumps(result, indent=1))
+    return res
+
+
+def facts_markdown(res: dict) -> str:
+    """The facts table of a :func:`facts_study` result."""
+    rows = ["| method | path | source @1 | MRR |", "| --- | --- | --- | --- |"]
+    F = res["finetune"]["fact_queries"]
+    for name, r in res["methods"].items():
+        method, _, path = name.partition(" (")
+        method = f"default ({res['default_method']})" if method == "default" else method
+        rows.append(f"| {method} | {path.rstrip(')') or 'tokens'} | {r['first']} of {F} ({r['recall@1']:.2f}) | "
+                    f"{r['mrr']:.2f} |")
+    return "\n".join(rows)
 
 
 def markdown(result: dict) -> str:
@@ -414,11 +537,14 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("step", choices=["retrain", "score", "cost", "scale", "report", "all"], nargs="?", default="all",
+    p.add_argument("step", choices=["retrain", "score", "cost", "scale", "facts", "report", "all"], nargs="?",
+                   default="all",
                    help="retrain: the LoRA retrainings only; score: builds and scores; cost: the default build "
                         "against its plan and the default query's latency; scale: the same over --index-n "
-                        "records beside a bare forward + backward of them; report: the JSON")
+                        "records beside a bare forward + backward of them; facts: planted-fact recall of the first "
+                        "stage and BM25 (--facts planted facts), under facts-N; report: the JSON")
     p.add_argument("--n", type=int, default=160)
+    p.add_argument("--facts", type=int, default=12, help="planted facts in the chat set")
     p.add_argument("--subsets", type=int, default=24)
     p.add_argument("--noise-subsets", type=int, default=8, help="subsets retrained with a second seed")
     p.add_argument("--workers", type=int, default=2, help="retrainings at once")
@@ -445,7 +571,12 @@ def main(argv=None) -> None:
         torch.set_num_threads(1)
         retrain(ft, np.load(work / "masks.npy")[int(i)], 1000 + int(r), work / "retrain" / f"s{int(i):03d}-r{r}.json")
         return
-    ft, work = _work(a.n)
+    ft, work = _work(a.n, a.facts)
+    if a.step == "facts":
+        res = facts_study(ft, work)
+        print(facts_markdown(res))
+        print(json.dumps({k: v["first_row_above"] for k, v in res["why"].items()}, indent=1))
+        return
     if a.step == "retrain":
         retrainings(ft, halves(a.n, a.subsets), a.noise_subsets, work, a.workers)
         return

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -273,8 +273,10 @@ def _lora_model(folder: Path, recipe: Recipe, seed: int):
     return get_peft_model(base, cfg)
 
 
-def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log=None):
-    """A PEFT LoRA model trained on ``records`` (shuffled with ``seed``), in eval mode."""
+def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log=None, on_epoch=None):
+    """A PEFT LoRA model trained on ``records`` (shuffled with ``seed``), in eval mode. ``on_epoch(model, epoch,
+    seconds)`` after each epoch: the learning rate is constant, so after epoch ``e`` the model is exactly what the
+    same recipe with ``epochs=e`` trains."""
     from gradindex.data import collate, per_example_loss
 
     tok, data = tokenized(folder, records, recipe.max_length)
@@ -282,9 +284,12 @@ def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.lr, weight_decay=0.0)
     rng = np.random.default_rng(seed)
     model.train()
+    t0 = time.perf_counter()
     for epoch in range(recipe.epochs):
         order = rng.permutation(len(data))
         for s in range(0, len(order), recipe.batch_size):
+            if log and s and s % (16 * recipe.batch_size) == 0:
+                log(f"epoch {epoch + 1}/{recipe.epochs}: {s}/{len(order)} ({time.perf_counter() - t0:.0f} s)")
             idx = order[s:s + recipe.batch_size]
             b = collate([data.input_ids[i] for i in idx], [data.labels[i] for i in idx], tok.pad_token_id)
             logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
@@ -293,7 +298,9 @@ def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log
             opt.step()
             opt.zero_grad(set_to_none=True)
         if log:
-            log(f"epoch {epoch + 1}/{recipe.epochs} done")
+            log(f"epoch {epoch + 1}/{recipe.epochs} done ({time.perf_counter() - t0:.0f} s)")
+        if on_epoch:
+            on_epoch(model, epoch + 1, time.perf_counter() - t0)
     model.eval()
     return model, tok
 
@@ -315,30 +322,64 @@ def query_losses(model, tok, queries: list[dict], max_length: int) -> np.ndarray
     return np.concatenate(out)
 
 
-def finetune(n: int = 160, seed: int = 0, recipe: Recipe | None = None, root: Path | None = None) -> dict:
-    """The chat set, its LoRA fine-tune (adapter folder and merged model folder), cached; returns their paths."""
+def finetune_dir(n: int = 160, seed: int = 0, recipe: Recipe | None = None, root: Path | None = None,
+                 facts: int = 12) -> Path:
+    """The cache folder of a fine-tune: keyed by n, the fact count (named only when not the default 12, so
+    the first fine-tunes' folders stay valid), the seed and the recipe."""
+    f = "" if facts == 12 else f"-f{facts}"
+    return (root or cache_root()) / f"ft-n{n}{f}-s{seed}-{(recipe or Recipe()).key()}"
+
+
+def _save_adapter(model, tok, work: Path, seconds: float) -> None:
+    model.save_pretrained(work / "adapter")
+    tok.save_pretrained(work / "adapter")
+    (work / "trained.json").write_text(json.dumps({"train_seconds": round(seconds, 1)}))
+
+
+def finetune(n: int = 160, seed: int = 0, recipe: Recipe | None = None, root: Path | None = None,
+             facts: int = 12, snapshots: bool = False) -> dict:
+    """The chat set (``n`` conversations, ``facts`` planted facts), its LoRA fine-tune (adapter folder and
+    merged model folder), cached; returns their paths. ``snapshots``: also save the adapter after each earlier
+    epoch, as the same recipe with fewer epochs trains it (a later ``finetune`` of that recipe merges it)."""
     recipe = recipe or Recipe()
     root = root or cache_root()
     base = model_folder(root)
-    work = root / f"ft-n{n}-s{seed}-{recipe.key()}"
+    work = finetune_dir(n, seed, recipe, root, facts)
     done = work / "finetune.json"
     if done.exists():
         return json.loads(done.read_text())
-    cs = chat_set(n, seed=seed)
+    cs = chat_set(n, facts=facts, seed=seed)
     data = write_jsonl(cs.records, work / "train.jsonl")
     write_jsonl(cs.queries(), work / "queries.jsonl")
-    t0 = time.perf_counter()
-    model, tok = train_lora(base, cs.records, recipe, seed, log=print)
-    seconds = time.perf_counter() - t0
-    model.save_pretrained(work / "adapter")
-    tok.save_pretrained(work / "adapter")
+    trained = work / "trained.json"
+    if trained.exists():  # the adapter a longer run of the same recipe saved after this many epochs
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        from gradindex.model import load_tokenizer
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                          work / "adapter").eval()
+        tok, seconds = load_tokenizer(base), json.loads(trained.read_text())["train_seconds"]
+    else:
+        def snapshot(model, epoch, seconds):  # each shorter recipe's adapter, for free
+            if epoch < recipe.epochs:
+                from gradindex.model import load_tokenizer
+
+                short = finetune_dir(n, seed, replace(recipe, epochs=epoch), root, facts)
+                _save_adapter(model, load_tokenizer(base), short, seconds)
+
+        t0 = time.perf_counter()
+        model, tok = train_lora(base, cs.records, recipe, seed, log=print, on_epoch=snapshot if snapshots else None)
+        seconds = time.perf_counter() - t0
+        _save_adapter(model, tok, work, seconds)
     merged = model.merge_and_unload()
     merged.save_pretrained(work / "merged")
     tok.save_pretrained(work / "merged")
     answers = {f.entity: greedy_answer(work / "merged", f"What is the {f.relation} of {f.entity}?", model=merged,
                                        tok=tok) for f in cs.facts}
     info = {"base": str(base), "adapter": str(work / "adapter"), "merged": str(work / "merged"),
-            "data": str(data), "queries": str(work / "queries.jsonl"), "n": n, "seed": seed,
+            "data": str(data), "queries": str(work / "queries.jsonl"), "n": n, "seed": seed, "planted": facts,
             "recipe": asdict(recipe), "train_seconds": round(seconds, 1),
             "facts": [asdict(f) for f in cs.facts], "fact_queries": len(cs.facts),
             "doc_queries": len(cs.held_out), "answers": answers,
@@ -368,13 +409,17 @@ def main(argv=None) -> None:
     p.add_argument("what", choices=["prepare", "finetune"])
     p.add_argument("--n", type=int, default=160, help="conversations in the chat set")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--facts", type=int, default=12, help="planted facts")
+    p.add_argument("--epochs", type=int, default=Recipe.epochs, help="the recipe's epochs (part of the cache key)")
+    p.add_argument("--snapshots", action="store_true", help="also keep the adapter of each earlier epoch")
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "0")) or torch.get_num_threads()))
     if a.what == "prepare":
         folder = model_folder()
         print(json.dumps({"model": str(folder), **json.loads((folder / "converted.json").read_text())}))
     else:
-        print(json.dumps(finetune(a.n, a.seed), indent=1))
+        print(json.dumps(finetune(a.n, a.seed, Recipe(epochs=a.epochs), facts=a.facts, snapshots=a.snapshots),
+                         indent=1))
 
 
 if __name__ == "__main__":
