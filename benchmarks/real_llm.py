@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import evaluate, noise_ceiling, spearman_rows
-from benchmarks.smollm2 import finetune, retrain
+from benchmarks.smollm2 import Recipe, finetune, retrain
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "real-llm.json"
@@ -60,19 +60,22 @@ def _cli(args: list[str], log: Path) -> dict:
     return _timed([sys.executable, "-m", "gradindex", *args], log, f"gradindex {' '.join(args)}")
 
 
-def build_indices(ft: dict, work: Path) -> dict:
-    """The default build through the merged model and through the adapter (cached)."""
-    out = {}
-    for name, args in (("full", [ft["merged"], ft["data"]]),
-                       ("adapter", [ft["base"], ft["data"], "--adapter", ft["adapter"]])):
+def build_indices(ft: dict, work: Path, workers: int = 1) -> dict:
+    """The default build through the merged model and through the adapter (cached), ``workers`` at once."""
+
+    def one(name_args):
+        name, args = name_args
         idx = work / f"idx-{name}"
         stamp = work / f"build-{name}.json"
         if not stamp.exists():
             cost = _cli(["build", *args, "--out", str(idx), "--max-length", "192", "--quiet", "--overwrite"],
                         work / f"build-{name}.log")
             stamp.write_text(json.dumps(cost))
-        out[name] = {"dir": str(idx), **json.loads(stamp.read_text())}
-    return out
+        return name, {"dir": str(idx), **json.loads(stamp.read_text())}
+
+    paths = (("full", [ft["merged"], ft["data"]]), ("adapter", [ft["base"], ft["data"], "--adapter", ft["adapter"]]))
+    with ThreadPoolExecutor(workers) as ex:
+        return dict(ex.map(one, paths))
 
 
 def load_jsonl(path: str | Path) -> list[dict]:
@@ -370,8 +373,8 @@ def latency(idx: str, queries_file: str, n: int, ft_file: str | None = None) -> 
     return out
 
 
-def _work(n: int, facts: int = 12) -> tuple[dict, Path]:
-    ft = finetune(n, facts=facts)
+def _work(n: int, facts: int = 12, epochs: int | None = None) -> tuple[dict, Path]:
+    ft = finetune(n, facts=facts, recipe=Recipe(epochs=epochs) if epochs else None)
     work = Path(ft["data"]).parent
     (work / "finetune.json").write_text(json.dumps(ft))
     return ft, work
@@ -440,11 +443,12 @@ def misses(score: np.ndarray, ft: dict, texts: list[str], top: int = 3) -> list[
     return out
 
 
-def facts_study(ft: dict, work: Path) -> dict:
+def facts_study(ft: dict, work: Path, workers: int = 1) -> dict:
     """Planted-fact recall among ``n`` conversations with distractors: the default build through the merged
     model and through the adapter, the paraphrased fact queries scored by the first stage (the default query,
     ``ekfac`` and ``ekfac-selfnorm`` by name) and by BM25; recall@1, MRR, ranks, and why each miss missed.
-    Written to ``results/real-llm.json`` under ``facts-N`` (only that key)."""
+    Written to ``results/real-llm.json`` under ``facts-N`` (only that key). ``workers``: builds and scorings
+    at once (each one thread under ``OMP_NUM_THREADS=1``)."""
     import re
     from collections import Counter
 
@@ -455,18 +459,29 @@ def facts_study(ft: dict, work: Path) -> dict:
     records = load_jsonl(ft["data"])
     texts = [" ".join(m["content"] for m in r["messages"]) for r in records]
     load = os.getloadavg()[0]
-    builds = build_indices(ft, work)
+    builds = build_indices(ft, work, workers)
     cached = work / "fact-scores.npz"
     scores = dict(np.load(cached)) if cached.exists() else {}
-    default = None
-    for path, b in builds.items():
-        with QueryEngine(b["dir"]) as engine:
-            default = engine.resolve_method(None)
+    defaults = {}
+
+    def score(path):
+        out = {}
+        with QueryEngine(builds[path]["dir"]) as engine:
+            defaults[path] = engine.resolve_method(None)
             for name, m in (("default", None), ("ekfac", "ekfac"), ("ekfac-selfnorm", "ekfac-selfnorm")):
                 if f"{name} ({path})" not in scores:
-                    scores[f"{name} ({path})"] = engine.scores(queries, method=m)
+                    t0 = time.perf_counter()
+                    out[f"{name} ({path})"] = engine.scores(queries, method=m)
+                    print(f"{name} ({path}): {time.perf_counter() - t0:.0f} s", flush=True)
+        return out
+
+    with ThreadPoolExecutor(workers) as ex:
+        for part in ex.map(score, builds):
+            scores |= part
     scores.setdefault("bm25", bm25(ft, queries))
+    scores = {k: scores[k] for k in sorted(scores, key=lambda k: (k == "bm25", "adapter" in k))}
     np.savez(cached, **scores)
+    default = defaults.get("full")
     methods, why = {}, {}
     for name, s in scores.items():
         ranks = np.array(fact_ranks(s, ft["facts"]))
@@ -483,7 +498,7 @@ def facts_study(ft: dict, work: Path) -> dict:
                         "source_rows": sum(len(f["rows"]) for f in ft["facts"]), "seed": ft["seed"],
                         "recipe": ft["recipe"], "train_seconds": ft["train_seconds"],
                         "learned_greedy": strict, "learned_substring": ft["learned"]},
-           "default_method": default, "max_length": 192, "stage": "first stage",
+           "default_method": default, "default_methods": defaults, "max_length": 192, "stage": "first stage",
            "builds": builds, "methods": methods, "why": why,
            "machine": f"{os.cpu_count()} cores shared, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
                       f"load {load:.1f} before, {os.getloadavg()[0]:.1f} after"}
@@ -545,9 +560,10 @@ def main(argv=None) -> None:
                         "stage and BM25 (--facts planted facts), under facts-N; report: the JSON")
     p.add_argument("--n", type=int, default=160)
     p.add_argument("--facts", type=int, default=12, help="planted facts in the chat set")
+    p.add_argument("--epochs", type=int, default=None, help="the LoRA recipe's epochs (default: the recipe's)")
     p.add_argument("--subsets", type=int, default=24)
     p.add_argument("--noise-subsets", type=int, default=8, help="subsets retrained with a second seed")
-    p.add_argument("--workers", type=int, default=2, help="retrainings at once")
+    p.add_argument("--workers", type=int, default=2, help="retrainings at once; facts: builds at once")
     p.add_argument("--skip-full", action="store_true", help="no exhaustive full-space EK-FAC")
     p.add_argument("--retrain-one", nargs=3, metavar=("FT", "SUBSET", "SEED"), help=argparse.SUPPRESS)
     p.add_argument("--index-n", type=int, default=1000,
@@ -571,9 +587,9 @@ def main(argv=None) -> None:
         torch.set_num_threads(1)
         retrain(ft, np.load(work / "masks.npy")[int(i)], 1000 + int(r), work / "retrain" / f"s{int(i):03d}-r{r}.json")
         return
-    ft, work = _work(a.n, a.facts)
+    ft, work = _work(a.n, a.facts, a.epochs)
     if a.step == "facts":
-        res = facts_study(ft, work)
+        res = facts_study(ft, work, a.workers)
         print(facts_markdown(res))
         print(json.dumps({k: v["first_row_above"] for k, v in res["why"].items()}, indent=1))
         return
