@@ -272,7 +272,7 @@ def _space(ix: OpenStore | str | os.PathLike, cfg: DedupConfig, layers: Sequence
         basis = ix.basis
         return layers, UNWHITEN, {n: (1.0 / basis.scale[n]).astype(np.float32).reshape(-1) for n in layers}
     base = index_row_base(manifest, index_dir, base, cfg.method)
-    pre = Preconditioners(index_dir, manifest)
+    pre = Preconditioners(ix)
     if base != "graddot":
         pre.check(base)
     return layers, base, pre

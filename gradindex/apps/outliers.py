@@ -58,7 +58,7 @@ def rank_outliers(index_dir: str | os.PathLike | OpenStore, method: str = "ekfac
                          "for every example); use graddot, kfac or ekfac")
     ix, opened = open_store(index_dir, "look for outliers")
     with ix if opened else nullcontext():
-        si = self_influence(ix.dir, base, damping, layers, manifest=ix.manifest)
+        si = self_influence(ix, base, damping, layers)
         ntok = ix.store.column("num_tokens").astype(np.int64)
         loss = ix.store.column("loss").astype(np.float64)
     per_tok = np.where(ntok > 0, si / np.maximum(ntok, 1), 0.0)

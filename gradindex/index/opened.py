@@ -32,7 +32,7 @@ class OpenIndex(OpenStore):
     def __init__(self, index_dir: str | os.PathLike, manifest: dict | None = None, then: str = "query it"):
         super().__init__(index_dir, manifest, then)
         self._stamp = _stamp(self.dir)
-        self.pre = Preconditioners(index_dir, self.manifest)
+        self.pre = Preconditioners(self)
         self.indices: IndexSet | None = None
         self._self_influence: dict[tuple, np.ndarray] = {}
 
@@ -62,8 +62,7 @@ class OpenIndex(OpenStore):
         key = (base, float(damping), tuple(layers))
         if key not in self._self_influence:
             P = None if base == "cosine" else self.preconditioner(base)
-            self._self_influence[key] = self_influence(self.dir, base, damping, list(layers),
-                                                       manifest=self.manifest, preconditioner=P)
+            self._self_influence[key] = self_influence(self, base, damping, list(layers), preconditioner=P)
         return self._self_influence[key]
 
     def check_current(self) -> None:

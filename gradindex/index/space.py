@@ -18,16 +18,15 @@ search the best recall.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from gradindex.manifest import read_manifest
 from gradindex.methods import DEFAULT_DAMPING, SELFNORM, names
 from gradindex.precondition import Preconditioner, available_methods, load_preconditioner
 from gradindex.precondition.preconditioner import check_rows_fit_method
+from gradindex.store.opened import OpenStore
 
 WHITEN = ("none", "kfac", "ekfac")
 @dataclass(frozen=True)
@@ -66,16 +65,15 @@ class Preconditioners:
     string once (:func:`gradindex.methods.parse_method`) and pass its base.
     """
 
-    def __init__(self, index_dir: str | os.PathLike, manifest: dict | None = None):
-        self.index_dir = index_dir
-        self.manifest = manifest if manifest is not None else read_manifest(index_dir)
+    def __init__(self, ix: OpenStore):
+        self.ix, self.index_dir, self.manifest = ix, ix.dir, ix.manifest
         self._loaded: dict[str, Preconditioner] = {}
         self._available: list[str] | None = None
 
     def available(self) -> list[str]:
         """Operations on the stored rows (``graddot``, ``cosine`` and the fitted ones; ``adam``)."""
         if self._available is None:
-            self._available = available_methods(self.index_dir, manifest=self.manifest, rows=True)
+            self._available = available_methods(self.ix, rows=True)
         return self._available
 
     def check(self, base: str, selfnorm: bool = False) -> None:
@@ -95,7 +93,7 @@ class Preconditioners:
         """The loaded preconditioner of a base method (identity for graddot/cosine)."""
         if base not in self._loaded:
             self.check(base)
-            self._loaded[base] = load_preconditioner(self.index_dir, base, manifest=self.manifest)
+            self._loaded[base] = load_preconditioner(self.ix, base)
         return self._loaded[base]
 
     def apply(self, method: str, layer: str, x: torch.Tensor, power: float, damping: float) -> torch.Tensor:

@@ -29,19 +29,21 @@ import numpy as np
 from gradindex.manifest import (
     manifest_path,
     read_complete_manifest,
+    read_manifest,
     row_basis,
     write_manifest,
 )
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.ekfac import block_rows
-from gradindex.precondition.preconditioner import layer_shapes, load_preconditioner
+from gradindex.precondition.preconditioner import load_preconditioner
 from gradindex.precondition.rotated import RotatedRows
 from gradindex.progress import progress_bar
-from gradindex.spec.manifest import rows_of
+from gradindex.spec.manifest import Manifest, rows_of
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
 from gradindex.store.basis import index_basis, stored_rows, write_basis
 from gradindex.store.codes import check_storage
+from gradindex.store.opened import OpenStore
 from gradindex.store.swap import JOURNAL, STAGING, finish_transcode, swap_in  # noqa: F401 (re-exported)
 
 log = logging.getLogger("gradindex")
@@ -53,21 +55,19 @@ def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: 
                        progress: bool = False) -> dict:
     """Write ``out``: ``src``'s rows in the EK-FAC whitened eigenbasis, coded as ``storage``
     (default: the source's); return its manifest."""
-    src = Path(src)
-    manifest = read_complete_manifest(src, "compact it")
-    if row_basis(manifest) == "ekfac":
-        raise ValueError(f"{str(src)!r} is already in the ekfac eigenbasis")
-    if "ekfac" not in manifest.get("preconditioners", {}):
-        raise FileNotFoundError(f"{str(src)!r} has no EK-FAC fit to rotate into; run "
-                                f"`gradindex precondition {src} --method ekfac` first")
-    P = load_preconditioner(src, "ekfac")
-    curvature = {n: (P.curvature[n]["Q_S"], P.curvature[n]["Q_A"], P.curvature[n]["Lambda"]) for n in P.layers}
-    fit = manifest["preconditioners"]["ekfac"].get("fit", {})
-    new, _ = compact_rows(src, out, manifest, curvature, fit, damping, storage, overwrite, block, progress)
-    return new
+    with OpenStore(src, then="compact it") as ix:
+        if ix.described.basis_kind == "ekfac":
+            raise ValueError(f"{str(src)!r} is already in the ekfac eigenbasis")
+        if "ekfac" not in ix.described.preconditioners:
+            raise FileNotFoundError(f"{str(src)!r} has no EK-FAC fit to rotate into; run "
+                                    f"`gradindex precondition {src} --method ekfac` first")
+        P = load_preconditioner(ix, "ekfac")
+        curvature = {n: (P.curvature[n]["Q_S"], P.curvature[n]["Q_A"], P.curvature[n]["Lambda"]) for n in P.layers}
+        fit = ix.described.preconditioners["ekfac"].get("fit", {})
+        return compact_rows(ix, out, curvature, fit, damping, storage, overwrite, block, progress)[0]
 
 
-def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: dict, fit: dict,
+def compact_rows(ix: OpenStore, out: str | os.PathLike, curvature: dict, fit: dict,
                  damping: float, storage: str | None, overwrite: bool, block: int, progress: bool,
                  self_influence: bool = False, rotated: RotatedRows | None = None) -> tuple[dict, np.ndarray | None]:
     """The compact itself, from ``curvature`` (layer → ``(Q_S, Q_A, Λ*)``) of the fit recorded as ``fit``.
@@ -80,23 +80,23 @@ def compact_rows(src: Path, out: str | os.PathLike, manifest: dict, curvature: d
     (:mod:`gradindex.precondition.rotated`): they are only scaled, and each shard's are deleted once coded.
     """
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
+    src, out, manifest, shapes, store = ix.dir, Path(out), ix.manifest, ix.shapes, ix.store
     if out.resolve() == src.resolve():
         raise ValueError("--out must be another directory (the source index is never modified)")
-    storage = check_storage(storage or manifest["build"].get("storage", "fp32"))
-    shapes = layer_shapes(manifest)
+    storage = check_storage(storage or ix.described.storage)
     basis = eigen_basis(index_basis(src, manifest), curvature, damping)
     new = eigen_manifest(manifest, storage, damping, fit)
     _prepare(out, new, overwrite)
     write_manifest(out, new)  # first: a kill from here on leaves an unfinished compact that a re-run resumes
-    write_basis(out, basis, {"source": manifest["build"]["data_fingerprint"], "damping": damping})
+    write_basis(out, basis, {"source": ix.described.data_fingerprint, "damping": damping})
     (out / STORE_DIR).mkdir(exist_ok=True)
-    with Store(src) as store, progress_bar(total=len(store), unit="ex", desc="transcode" if self_influence
-                                           else "compact", disable=not progress) as bar:
+    with progress_bar(total=len(store), unit="ex", desc="transcode" if self_influence else "compact",
+                      disable=not progress) as bar:
         si = np.zeros((len(store), len(shapes))) if self_influence else None
         rows = block_rows(store.dims, list(shapes), block)
         for k in range(len(store.paths)):
-            _compact_shard(store, k, out, basis, shapes, storage, manifest, rows, si, bar.update, rotated)
+            _compact_shard(store, k, out, basis, shapes, storage, ix.described.data_fingerprint, rows, si,
+                           bar.update, rotated)
     new["status"] = "complete"
     new["compact"] = {"source": str(src.resolve()), "seconds": round(time.perf_counter() - t0, 3)}
     write_manifest(out, new)
@@ -118,17 +118,17 @@ def eigen_basis(basis, curvature: dict, damping: float):
 def eigen_manifest(manifest: dict, storage: str, damping: float, fit: dict) -> dict:
     """The manifest of ``manifest``'s rows in the EK-FAC whitened eigenbasis at ``damping`` as ``storage``
     codes (status ``building``, no fits yet): what a compact writes, and a sampled build's main pass."""
+    build = Manifest(manifest).build
     new = {**manifest, "status": "building", "preconditioners": {},
-           "build": {**manifest["build"], "storage": storage, "basis": {"kind": "ekfac", "damping": damping,
-                                                    "from": manifest["build"].get("basis", {"kind": "raw"}),
-                                                    "fit": fit}}}
+           "build": {**build, "storage": storage, "basis": {"kind": "ekfac", "damping": damping,
+                                                            "from": build.get("basis", {"kind": "raw"}), "fit": fit}}}
     source = rows_of(manifest)
     if source.basis == "raw":  # (the rows of other bases name their basis in build.basis.from)
         new["rows"] = str(replace(source, transcode=True, damping=damping, storage=storage))
     return new
 
 
-def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage: str, manifest: dict, rows: int,
+def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage: str, fingerprint: str, rows: int,
                    si: np.ndarray | None, advance, rotated: RotatedRows | None = None) -> None:
     """Shard ``k`` of ``store`` into ``out``, resuming a partial one (a run with ``si`` reads the written
     rows again, in the same blocks, for their self-influence: the same numbers as an unbroken run)."""
@@ -142,7 +142,7 @@ def _compact_shard(store: Store, k: int, out: Path, basis, shapes: dict, storage
     w = None
     done = size
     if not final.exists():
-        w = ShardWriter(final, first, size, store.dims, manifest["build"]["data_fingerprint"], storage)
+        w = ShardWriter(final, first, size, store.dims, fingerprint, storage)
         done = w.open()
         if done % rows and done != size:  # (written by a run with other blocks: redo it, in these)
             w.close()
@@ -189,13 +189,7 @@ def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
     if not out.exists() or not any(out.iterdir()):
         out.mkdir(parents=True, exist_ok=True)
         return
-    same = False
-    if manifest_path(out).exists():
-        from gradindex.manifest import read_manifest
-
-        old = read_manifest(out)
-        same = old.get("build") == manifest["build"]
-    if same:
+    if manifest_path(out).exists() and Manifest(read_manifest(out)).build == Manifest(manifest).build:
         return
     if not overwrite:
         raise FileExistsError(f"{str(out)!r} is not empty and holds another index; choose another --out, or "

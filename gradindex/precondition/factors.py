@@ -26,6 +26,7 @@ from gradindex.manifest import IndexMismatchError
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.spec.build import DEFAULT_BATCH_SIZE
+from gradindex.spec.manifest import Manifest
 from gradindex.store import Store
 from gradindex.store.covariance import read_covariance
 
@@ -79,7 +80,7 @@ def store_covariance(store: Store, layers: Sequence[str]) -> tuple[FactorSums, l
 
 
 def projection_from_manifest(manifest: dict) -> ProjectionSpec:
-    return ProjectionSpec.from_dict(manifest["build"]["projection"])
+    return ProjectionSpec.from_dict(Manifest(manifest).projection)
 
 
 def model_covariance(
@@ -155,11 +156,11 @@ def load_build_model(manifest: dict, device: str = "auto"):
         )
     model, tok = load_causal_lm(model_id, dtype=manifest.get("dtype", "float32"), device=device,
                                 **index_model_options(manifest))
-    fp = model_fingerprint(model)
-    if fp != manifest["build"]["model_fingerprint"]:
+    fp, built = model_fingerprint(model), Manifest(manifest).model_fingerprint
+    if fp != built:
         raise IndexMismatchError(
             f"the model at {model_id!r} is not the one that built this index (fingerprint {fp} vs "
-            f"{manifest['build']['model_fingerprint']}); restore it, or rebuild the index"
+            f"{built}); restore it, or rebuild the index"
         )
     return model, tok
 
@@ -172,9 +173,9 @@ def load_build_data(manifest: dict, tokenizer, path: str | None = None, check: b
             "this index records no data file (manifest 'data_id' is empty: captured in training without "
             "data_id=), and this step needs the data; pass --fit-data FILE, or capture with data_id=FILE"
         )
-    max_length = int(manifest["build"]["max_length"])
-    data = tokenize_records(load_records(path), tokenizer, max_length, text_field_of(manifest))
-    if check and data_fingerprint(data) != manifest["build"]["data_fingerprint"]:
+    m = Manifest(manifest)
+    data = tokenize_records(load_records(path), tokenizer, int(m.build["max_length"]), text_field_of(manifest))
+    if check and data_fingerprint(data) != m.data_fingerprint:
         raise IndexMismatchError(
             f"the data at {path!r} no longer tokenizes to what this index was built from (data set "
             "fingerprint differs); restore it, or rebuild the index"

@@ -35,6 +35,7 @@ from gradindex.checksum import Damage, check_files, damage_error, record
 from gradindex.manifest import IndexMismatchError
 from gradindex.methods import LEGACY_DAMPING
 from gradindex.spec import layout
+from gradindex.spec.manifest import Manifest
 
 PRECOND_DIR = layout.PRECOND_DIR
 FORMAT_VERSION = 1
@@ -52,7 +53,7 @@ def precond_path(index_dir: str | os.PathLike, method: str) -> Path:
 
 def fingerprints(manifest: dict) -> dict[str, str]:
     """What a preconditioner was fitted on, as JSON strings of ``manifest['build']`` entries."""
-    b = manifest["build"]
+    b = Manifest(manifest).build
     return {k: json.dumps(b.get(k), sort_keys=True) for k in FINGERPRINT_KEYS}
 
 

@@ -23,17 +23,9 @@ import torch
 import gradindex
 from gradindex.capture import ProjectionSpec
 from gradindex.capture.sampling import FISHERS
-from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.lock import index_lock
-from gradindex.manifest import (
-    baked_damping,
-    build_command,
-    read_complete_manifest,
-    read_manifest,
-    row_basis,
-    write_manifest,
-)
+from gradindex.manifest import baked_damping, build_command, row_basis, write_manifest
 from gradindex.methods import DEFAULT_DAMPING, adam_rows, names
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigen_power, eigendecompose, kfac_eigenvalues
@@ -52,11 +44,11 @@ from gradindex.precondition.factors import (
 from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path, write_precond
 from gradindex.precondition.fisher import model_correction
 from gradindex.precondition.fullspace import fit_full_space
-from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.spec.build import batch_size_of
+from gradindex.spec.manifest import Manifest
 from gradindex.store import Store
 from gradindex.store.basis import capture_transforms, index_basis
-from gradindex.store.repair import check_store
+from gradindex.store.opened import OpenStore
 
 log = logging.getLogger("gradindex")
 PRECISIONS = {"float64": torch.float64, "float32": torch.float32, "auto": None}
@@ -156,17 +148,19 @@ def fit_preconditioner(
 
 def _fit(index_dir, cfg: FitConfig, model, tokenizer, data, progress: bool, manifest: dict | None) -> dict:
     t0 = time.perf_counter()
-    held, manifest = fit_manifest(index_dir, manifest)
-    fitted = store_fit(index_dir, cfg, manifest, model, tokenizer, data, progress)
-    return register_fits(index_dir, cfg, manifest, held, fitted, time.perf_counter() - t0)
+    with fit_store(index_dir, manifest) as ix:
+        fitted = store_fit(ix, cfg, model, tokenizer, data, progress)
+    return register_fits(ix.dir, cfg, ix.manifest, fitted, time.perf_counter() - t0)
 
 
-def fit_manifest(index_dir, manifest: dict | None) -> tuple[bool, dict]:
-    """``(held, manifest)``: the caller's complete manifest (``held``) or the file's; refuse rows that
-    cannot be fitted (already whitened, or Adam-preconditioned)."""
+def fit_store(index_dir, manifest: dict | None, full_check: bool = True) -> OpenStore:
+    """The index opened for a fit: with the caller's complete manifest (updated in place by
+    :func:`register_fits`) or the file's, the store's whole-file hashes checked (``full_check``; else the
+    sampled check, as a resumed build does); refuse rows that cannot be fitted (already whitened, or
+    Adam-preconditioned)."""
     held = manifest is not None and manifest.get("status") == "complete"
-    if not held:
-        manifest = read_complete_manifest(index_dir, "fit")
+    ix = OpenStore(index_dir, manifest if held else None, "fit", full=full_check)
+    manifest = ix.manifest
     if row_basis(manifest) == "ekfac":  # a refit would not change the rows (whitened by the fit they came from)
         at = baked_damping(manifest)
         raise ValueError(f"the rows of {str(index_dir)!r} are already in the EK-FAC whitened eigenbasis (damping "
@@ -177,7 +171,7 @@ def fit_manifest(index_dir, manifest: dict | None) -> tuple[bool, dict]:
         raise ValueError(f"the rows of {str(index_dir)!r} are Adam-preconditioned (built with --optimizer-state) "
                          "and answer --method adam as they are; K-FAC/EK-FAC are fitted on an index of plain "
                          "gradients: build one without --optimizer-state")
-    return held, manifest
+    return ix
 
 
 @dataclass
@@ -189,29 +183,20 @@ class StoreFit:
     layers: list[str]
 
 
-def store_fit(index_dir, cfg: FitConfig, manifest: dict, model, tokenizer, data, progress: bool,
-              full_check: bool = True, **options) -> StoreFit:
-    """Fit ``cfg.method``'s :class:`Curvature` on the store's rows (``options``: to its fit, e.g. :meth:`KFAC.fit`);
-    write every method's file whose self-influence is known. ``full_check``: the shards' whole-file hashes are
-    checked first (else the sampled check, as a resumed build does: the fused transcode after its capture)."""
-    damage = check_store(index_dir, full=full_check, manifest=manifest)
-    if damage:
-        raise damage_error(index_dir, damage, then="fit")
-    shapes = layer_shapes(manifest)
-    kind = curvature_of(cfg.method)
-    with Store(index_dir) as store:
-        if set(store.layers) != set(shapes) or len(store) != int(manifest["counts"]["examples"]):
-            raise ValueError(
-                f"the store in {str(index_dir)!r} does not match its manifest; recompute it with "
-                f"`{build_command(index_dir, manifest)}`"
-            )
-        job = FitJob(Path(index_dir), cfg, manifest, store, list(shapes), shapes, resolve_device(cfg.device), model,
-                     tokenizer, data, progress)
-        written, fit = kind.fit(job, **options)
+def store_fit(ix: OpenStore, cfg: FitConfig, model, tokenizer, data, progress: bool, **options) -> StoreFit:
+    """Fit ``cfg.method``'s :class:`Curvature` on the rows of the index opened by :func:`fit_store` (``options``:
+    to its fit, e.g. :meth:`KFAC.fit`); write every method's file whose self-influence is known."""
+    store, shapes, manifest = ix.store, ix.shapes, ix.manifest
+    if set(store.layers) != set(shapes) or len(store) != ix.described.examples:
+        raise ValueError(f"the store in {str(ix.dir)!r} does not match its manifest; recompute it with "
+                         f"`{build_command(ix.dir, manifest)}`")
+    job = FitJob(ix.dir, cfg, manifest, store, list(shapes), shapes, resolve_device(cfg.device), model, tokenizer,
+                 data, progress)
+    written, fit = curvature_of(cfg.method).fit(job, **options)
     for m, (fac, si) in written.items():
         if si is not None:
             keys = curvature_of(m).write_keys if fac is not None else ()
-            write_precond(precond_path(index_dir, m), m, manifest, job.layers, fac, si, cfg.damping, fit, keys)
+            write_precond(precond_path(ix.dir, m), m, manifest, job.layers, fac, si, cfg.damping, fit, keys)
     return StoreFit(written, fit, job.layers)
 
 
@@ -308,11 +293,9 @@ def _eigen_factors(sums: FactorSums, layers: list[str], shapes: dict) -> dict[st
     return factors
 
 
-def register_fits(index_dir, cfg: FitConfig, manifest: dict, held: bool, fitted: StoreFit, seconds: float) -> dict:
-    """Record the fitted methods in the manifest (the caller's, updated in place, or a fresh read); return
-    its ``preconditioners``."""
-    if not held:
-        manifest = read_manifest(index_dir)  # fresh: another stage may have written meanwhile
+def register_fits(index_dir, cfg: FitConfig, manifest: dict, fitted: StoreFit, seconds: float) -> dict:
+    """Record the fitted methods in ``index_dir``'s manifest (the caller's, under the index's lock: updated in
+    place and written); return its ``preconditioners``."""
     entries = manifest.setdefault("preconditioners", {})
     for m in fitted.written:
         if m == "graddot":
@@ -322,7 +305,7 @@ def register_fits(index_dir, cfg: FitConfig, manifest: dict, held: bool, fitted:
             "damping": cfg.damping,
             "fit": fitted.fit,
             "config": asdict(cfg),
-            "fitted_on": {k: manifest["build"][k] for k in FITTED_ON},
+            "fitted_on": {k: Manifest(manifest).build[k] for k in FITTED_ON},
             "seconds": round(seconds, 3),
             "library_version": gradindex.__version__,
         }
@@ -365,8 +348,7 @@ def _factor_sums(
     """Token sums of ``A`` and ``S``: from the build's covariance groups, else one model pass (returned)."""
     proj: ProjectionSpec = projection_from_manifest(manifest)
     transforms = capture_transforms(index_basis(store.dir.parent, manifest))
-    conf = manifest.get("config", {})
-    bs, route = batch_size_of(manifest), conf.get("route", "auto")
+    bs, route = batch_size_of(manifest), Manifest(manifest).config.get("route", "auto")
     skip = set(manifest.get("nonfinite_ids", []))
     mp = None
 
@@ -412,7 +394,7 @@ def _factor_sums(
         fit = {
             "source": source,
             "data": manifest.get("data_id", ""),
-            "data_fingerprint": manifest["build"]["data_fingerprint"],
+            "data_fingerprint": Manifest(manifest).data_fingerprint,
             "examples": sums.examples,
         }
     fit["fisher"] = cfg.fisher

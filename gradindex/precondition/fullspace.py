@@ -40,6 +40,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -54,7 +55,7 @@ from gradindex.capture.head import plain_head
 from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.fingerprint import digest_bytes
-from gradindex.manifest import read_complete_manifest, read_manifest, write_manifest
+from gradindex.manifest import read_complete_manifest, write_manifest
 from gradindex.methods import names, parse_method
 from gradindex.precondition.apply import eigendecompose, kfac_eigenvalues
 from gradindex.precondition.factors import (
@@ -77,9 +78,10 @@ from gradindex.precondition.files import (
 from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES, Preconditioner
 from gradindex.progress import progress_bar
 from gradindex.spec.build import batch_size_of
-from gradindex.spec.manifest import rows_of
+from gradindex.spec.manifest import Manifest, rows_of
 from gradindex.store import Store
 from gradindex.store.covariance import covariance_rows, read_covariance, rows_digest
+from gradindex.store.opened import OpenStore, open_store
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
@@ -100,16 +102,15 @@ shape), so this halves the full-space files."""
 
 def full_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
     """layer → ``(N_o, N_i(+1))`` of its full-space gradient matrix, model order."""
-    return {n: (int(v["n_out"]), int(v["n_in"]) + int(bool(v["bias"]))) for n, v in manifest["build"]["layers"].items()}
+    return Manifest(manifest).full_shapes
 
 
 def stored_share(manifest: dict) -> float:
     """Numbers a row stores over the numbers of the whole (unprojected) gradient of its layers;
     below 1 the rows are a projection: their scores are a first stage, which the exact stage
     (``rerank_full=C``) re-ranks in full space on request (docs/query.md, "Two stages")."""
-    layers = manifest["build"]["layers"]
-    stored = sum(int(v["rows"]) * int(v["cols"]) for v in layers.values())
-    full = sum(int(v["n_out"]) * (int(v["n_in"]) + int(bool(v["bias"]))) for v in layers.values())
+    stored = sum(s.dim for s in Manifest(manifest).layers.values())
+    full = sum(r * c for r, c in full_shapes(manifest).values())
     return stored / full if full else 1.0
 
 
@@ -446,8 +447,8 @@ def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None, ch
     data, rows, source = _fit_set(manifest, cfg, tokenizer, data)
     bs = batch_size_of(manifest)
     fp = data_fingerprint(data)
-    corrected = correction_rows(rows, cfg)
-    key = digest_bytes([json.dumps([manifest["build"]["model_fingerprint"], fp, layers, rows.tolist(), bs, cfg.method]
+    corrected, model = correction_rows(rows, cfg), Manifest(manifest).model_fingerprint
+    key = digest_bytes([json.dumps([model, fp, layers, rows.tolist(), bs, cfg.method]
                                    + ([corrected.tolist()] if len(corrected) < len(rows) else [])).encode()])
     (Path(index_dir) / PRECOND_DIR).mkdir(parents=True, exist_ok=True)
     state = _State(Path(index_dir) / PRECOND_DIR / STATE, key, checkpoint_seconds)
@@ -497,8 +498,7 @@ def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fi
         write_precond(full_path(index_dir, m), m, manifest, layers, fac, None, cfg.damping, fit,
                       KFAC_KEYS if shared else FULL_KEYS, np.float32,
                       {BASES: full_path(index_dir, "ekfac").name} if shared else None)
-    seconds = time.perf_counter() - t0
-    manifest = read_manifest(index_dir)
+    seconds = time.perf_counter() - t0  # (``manifest``: the one the fit began with, a copy; the index is locked)
     entries = manifest.setdefault("full_space", {})
     for m in written:
         entries[m] = {"file": f"{PRECOND_DIR}/{m}{FULL}.h5", "fit": fit, "config": asdict(cfg),
@@ -509,16 +509,22 @@ def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fi
     return entries
 
 
-def full_space_methods(index_dir: str | os.PathLike) -> list[str]:
-    """Methods whose full-space curvature this index has (``graddot``, ``cosine`` always)."""
-    manifest = read_manifest(index_dir)
-    out = list(names("base"))
-    unprojected = manifest["build"]["projection"].get("kind") == "none"
-    for m in names("fitted"):
-        if (m in manifest.get("full_space", {}) and full_path(index_dir, m).exists()) or (
-                unprojected and m in manifest.get("preconditioners", {}) and precond_path(index_dir, m).exists()):
-            out.append(m)
-    return out
+def full_space_methods(index: str | os.PathLike | OpenStore) -> list[str]:
+    """Methods whose full-space curvature this index (open, or a path opened here) has (``graddot``, ``cosine``
+    always)."""
+    ix, opened = open_store(index, "list its methods")
+    with ix if opened else nullcontext():
+        return list(names("base")) + [m for m in names("fitted") if _full_file(ix, m) is not None]
+
+
+def _full_file(ix: OpenStore, base: str) -> Path | None:
+    """``base``'s full-space curvature file: its full-space fit's, or (unprojected rows) its stored-space fit's."""
+    m = ix.described
+    if base in m.full_space and full_path(ix.dir, base).exists():
+        return full_path(ix.dir, base)
+    if m.projection.get("kind") == "none" and base in m.preconditioners and precond_path(ix.dir, base).exists():
+        return precond_path(ix.dir, base)
+    return None
 
 
 class CurvatureFile(Mapping):
@@ -565,7 +571,7 @@ class CurvatureFile(Mapping):
         return len(self.names)
 
 
-def load_full_preconditioner(index_dir: str | os.PathLike, method: str,
+def load_full_preconditioner(index: str | os.PathLike | OpenStore, method: str,
                              cache_bytes: int | None = CURVATURE_CACHE_BYTES) -> Preconditioner:
     """The full-space preconditioner of ``method`` over ``[N_o, N_i(+1)]`` rows.
 
@@ -575,21 +581,20 @@ def load_full_preconditioner(index_dir: str | os.PathLike, method: str,
     once used). ``graddot``/``cosine`` (and their ``-selfnorm``) give the identity.
     """
     base, _ = parse_method(method)
-    manifest = read_manifest(index_dir)
-    shapes = full_shapes(manifest)
-    if base in names("base"):
-        return Preconditioner(base, shapes)
-    path = full_path(index_dir, base)
-    if not (base in manifest.get("full_space", {}) and path.exists()):
-        if manifest["build"]["projection"].get("kind") == "none" and base in manifest.get("preconditioners", {}):
-            path = precond_path(index_dir, base)
-        else:
+    ix, opened = open_store(index, "load its full-space preconditioner")
+    with ix if opened else nullcontext():
+        index_dir, manifest = ix.dir, ix.manifest
+        shapes = ix.described.full_shapes
+        if base in names("base"):
+            return Preconditioner(base, shapes)
+        path = _full_file(ix, base)
+        if path is None:
             raise FileNotFoundError(
-                f"index {str(Path(index_dir))!r} has no full-space {base} curvature; add it with "
+                f"index {str(index_dir)!r} has no full-space {base} curvature; add it with "
                 f"`gradindex precondition {index_dir} --method {base} --space full`")
-    check_fingerprints(path, manifest, base)
-    curv = CurvatureFile(path, manifest)
-    if set(curv) != set(shapes):
-        raise ValueError(f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it "
-                         f"with `gradindex precondition {index_dir} --method {base} --space full`")
-    return Preconditioner(base, shapes, curv, cache_bytes)
+        check_fingerprints(path, manifest, base)
+        curv = CurvatureFile(path, manifest)
+        if set(curv) != set(shapes):
+            raise ValueError(f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it "
+                             f"with `gradindex precondition {index_dir} --method {base} --space full`")
+        return Preconditioner(base, shapes, curv, cache_bytes)

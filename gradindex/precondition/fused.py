@@ -32,16 +32,17 @@ from gradindex.heap import bound_heap
 from gradindex.manifest import read_manifest, row_basis
 from gradindex.precondition.compact import STAGING, compact_rows, finish_transcode, swap_in
 from gradindex.precondition.files import precond_path, write_precond
-from gradindex.precondition.fit import FitConfig, fit_manifest, register_fits, store_fit
+from gradindex.precondition.fit import FitConfig, fit_store, register_fits, store_fit
 from gradindex.precondition.rotated import RotatedRows
+from gradindex.spec.manifest import Manifest
 from gradindex.store.codes import row_bytes
 
 
 def keeps_copy(d: Path, manifest: dict, storage: str) -> bool:
     """Whether ``d``'s disk holds the rotated copy beside the coded rows (with 10% to spare); without the
     copy the transcode rotates each row again, from the store (the same numbers up to round-off)."""
-    dims = [int(v["rows"]) * int(v["cols"]) for v in manifest["build"]["layers"].values()]
-    examples = int(manifest["counts"]["examples"])
+    m = Manifest(manifest)
+    dims, examples = [s.dim for s in m.layers.values()], m.examples
     coded = examples * sum(row_bytes(storage, x) for x in dims)
     return free_bytes(d) > 1.1 * (2 * examples * sum(dims) + coded)
 
@@ -64,17 +65,18 @@ def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str
         manifest = read_manifest(d)
     if row_basis(manifest) == "ekfac":
         return manifest
-    held, manifest = fit_manifest(d, manifest)
-    rotated = RotatedRows(d) if keeps_copy(d, manifest, storage) else None
-    fitted = store_fit(d, cfg, manifest, model, tokenizer, data, progress, ekfac_self_influence=False, spill=rotated,
-                       full_check=False, sample_correction=sample_correction)
-    ek, _ = fitted.written["ekfac"]
-    curvature = {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in ek.items()}
-    new, si = compact_rows(d, d / STAGING, manifest, curvature, fitted.fit, cfg.damping, storage, overwrite=True,
-                           block=cfg.block, progress=progress, self_influence=True, rotated=rotated)
+    with fit_store(d, manifest, full_check=False) as ix:
+        manifest = ix.manifest
+        rotated = RotatedRows(d) if keeps_copy(d, manifest, storage) else None
+        fitted = store_fit(ix, cfg, model, tokenizer, data, progress, ekfac_self_influence=False, spill=rotated,
+                           sample_correction=sample_correction)
+        ek, _ = fitted.written["ekfac"]
+        curvature = {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in ek.items()}
+        new, si = compact_rows(ix, d / STAGING, curvature, fitted.fit, cfg.damping, storage, overwrite=True,
+                               block=cfg.block, progress=progress, self_influence=True, rotated=rotated)
     if rotated is not None:
         rotated.discard()
     write_precond(precond_path(d, "ekfac"), "ekfac", manifest, fitted.layers, ek, si, cfg.damping, fitted.fit)
     fitted.written["ekfac"] = (ek, si)
-    register_fits(d, cfg, manifest, held, fitted, time.perf_counter() - t0)
-    return swap_in(d, read_manifest(d), new, cfg.damping)
+    register_fits(d, cfg, manifest, fitted, time.perf_counter() - t0)
+    return swap_in(d, manifest, new, cfg.damping)  # (the manifest register_fits wrote)

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 
-from gradindex.manifest import read_manifest
 from gradindex.methods import ADAM, DEFAULT_DAMPING, adam_rows, method_spec, methods_of, parse_method
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.curvature import Curvature, curvature_of
 from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
+from gradindex.spec.manifest import Manifest
+from gradindex.store.opened import OpenStore, open_store
 
 CURVATURE_CACHE_BYTES = 256 << 20
 """Default budget of a streamed (full-space) preconditioner's cached curvature: at most this many bytes of the
@@ -60,14 +61,9 @@ class LayerCache:
         self.held = 0
 
 
-def layer_shapes(manifest: dict) -> dict[str, tuple[int, int]]:
-    """layer → ``(rows, cols)`` of its stored matrix (``k_g, k_a`` or ``N_o, N_i+1``), model order."""
-    return {n: (int(v["rows"]), int(v["cols"])) for n, v in manifest["build"]["layers"].items()}
-
-
 def selected_layers(manifest: dict, layers: Sequence[str] | None) -> list[str]:
     """The index's layers (model order) when ``layers`` is empty, else ``layers`` checked against them."""
-    shapes = layer_shapes(manifest)
+    shapes = Manifest(manifest).shapes
     chosen = list(layers) if layers else list(shapes)
     unknown = [n for n in chosen if n not in shapes]
     if unknown:
@@ -75,17 +71,17 @@ def selected_layers(manifest: dict, layers: Sequence[str] | None) -> list[str]:
     return chosen
 
 
-def available_methods(index_dir: str | os.PathLike, selfnorm: bool = False, manifest: dict | None = None,
-                      rows: bool = False) -> list[str]:
+def available_methods(index: str | os.PathLike | OpenStore, selfnorm: bool = False, rows: bool = False) -> list[str]:
     """Methods this index answers: ``graddot``, ``cosine``, and ``kfac``/``ekfac`` once fitted; only
     ``adam`` when its rows are Adam-preconditioned.
 
     With ``selfnorm``, the self-normalized variants (``graddot-selfnorm``, ...) are listed too.
-    ``manifest``: the index's, when already read (else it is read). ``rows``: the operations on the
-    stored rows (:func:`gradindex.methods.row_base`), not the methods an index in a whitened basis answers.
+    ``index``: an open index (or a path, opened here). ``rows``: the operations on the stored rows
+    (:func:`gradindex.methods.row_base`), not the methods an index in a whitened basis answers.
     """
-    manifest = manifest if manifest is not None else read_manifest(index_dir)
-    return methods_of(manifest, index_dir, selfnorm, rows)
+    ix, opened = open_store(index, "list its methods")
+    with ix if opened else nullcontext():
+        return methods_of(ix.manifest, ix.dir, selfnorm, rows)
 
 
 class Preconditioner:
@@ -174,29 +170,28 @@ def check_rows_fit_method(index_dir: str | os.PathLike, manifest: dict, base: st
                          "`gradindex build ... --optimizer-state PATH`")
 
 
-def load_preconditioner(index_dir: str | os.PathLike, method: str, manifest: dict | None = None) -> Preconditioner:
-    """The preconditioner of ``method`` (``-selfnorm`` variants load their base method).
-
-    ``manifest``: the index's, when already read (else it is read).
-    """
+def load_preconditioner(index: str | os.PathLike | OpenStore, method: str) -> Preconditioner:
+    """The preconditioner of ``method`` (``-selfnorm`` variants load their base method) of an open index (or
+    a path, opened here)."""
     base, _ = parse_method(method)
-    manifest = manifest if manifest is not None else read_manifest(index_dir)
-    shapes = layer_shapes(manifest)
-    check_rows_fit_method(index_dir, manifest, base)
-    if method_spec(base).fitted is None:
-        return Preconditioner(base, shapes)
-    path = precond_path(index_dir, base)
-    if base not in manifest.get("preconditioners", {}) or not path.exists():
-        raise FileNotFoundError(
-            f"index {str(Path(index_dir))!r} has no {base} preconditioner (methods here: "
-            f"{available_methods(index_dir, manifest=manifest)}); add it with `gradindex precondition {index_dir} "
-            f"--method {base}` (or build with `gradindex build ... --precondition {base}`)"
-        )
-    check_fingerprints(path, manifest, base)
-    curv = read_layers(path, curvature_of(base).keys)
-    if set(curv) != set(shapes):
-        raise ValueError(
-            f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it with "
-            f"`gradindex precondition {index_dir} --method {base}`"
-        )
-    return Preconditioner(base, shapes, curv)
+    ix, opened = open_store(index, "load its preconditioner")
+    with ix if opened else nullcontext():
+        index_dir, manifest, shapes = ix.dir, ix.manifest, ix.shapes
+        check_rows_fit_method(index_dir, manifest, base)
+        if method_spec(base).fitted is None:
+            return Preconditioner(base, shapes)
+        path = precond_path(index_dir, base)
+        if base not in ix.described.preconditioners or not path.exists():
+            raise FileNotFoundError(
+                f"index {str(index_dir)!r} has no {base} preconditioner (methods here: "
+                f"{available_methods(ix)}); add it with `gradindex precondition {index_dir} "
+                f"--method {base}` (or build with `gradindex build ... --precondition {base}`)"
+            )
+        check_fingerprints(path, manifest, base)
+        curv = read_layers(path, curvature_of(base).keys)
+        if set(curv) != set(shapes):
+            raise ValueError(
+                f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it with "
+                f"`gradindex precondition {index_dir} --method {base}`"
+            )
+        return Preconditioner(base, shapes, curv)

@@ -18,6 +18,7 @@ from gradindex.checksum import Damage, DamagedIndexError, move_aside
 from gradindex.manifest import baked_damping, build_command, manifest_path, read_manifest
 from gradindex.precondition.compact import eigen_basis
 from gradindex.precondition.files import check_precond, precond_path, read_attrs, read_factors
+from gradindex.spec.manifest import Manifest
 from gradindex.store.basis import BASIS_FILE, RowBasis, check_basis, unrestorable, write_basis
 
 log = logging.getLogger("gradindex")
@@ -44,7 +45,7 @@ def restore_basis(index_dir: str | os.PathLike, manifest: dict | None = None) ->
     fit = read_factors(precond_path(d, "ekfac"))
     basis = eigen_basis(RowBasis(), {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in fit.items()}, damping)
     move_aside(d, [BASIS_FILE])
-    write_basis(d, basis, {"source": manifest["build"]["data_fingerprint"], "damping": damping})
+    write_basis(d, basis, {"source": Manifest(manifest).data_fingerprint, "damping": damping})
     log.warning("rewrote %s (%s) from precond/ekfac.h5, the EK-FAC fit the rows were transcoded with",
                 BASIS_FILE, damage[0].problem)
     return True
@@ -56,7 +57,7 @@ def _fit_problem(d: Path, manifest: dict) -> str:
     if damage:
         return f"precond/ekfac.h5, the EK-FAC fit it is made from, is {damage[0].problem} too"
     fit = read_attrs(precond_path(d, "ekfac")).get("fit")
-    recorded = manifest["build"]["basis"].get("fit")
+    recorded = Manifest(manifest).build["basis"].get("fit")
     if recorded is None or json.loads(fit or "null") != json.loads(json.dumps(recorded, default=str)):
         return "precond/ekfac.h5 is not the EK-FAC fit the rows were transcoded with (refitted since)"
     return ""

@@ -48,11 +48,12 @@ from gradindex.precondition.files import (
     write_precond,
 )
 from gradindex.precondition.fit import FitConfig, StoreFit, register_fits, store_fit
-from gradindex.precondition.preconditioner import layer_shapes
 from gradindex.spec import layout
 from gradindex.spec.build import FIT_EVERY_UP_TO
+from gradindex.spec.manifest import Manifest
 from gradindex.store.append import RowSink
 from gradindex.store.basis import RowBasis, stored_rows, write_basis
+from gradindex.store.opened import OpenStore
 from gradindex.store.repair import as_captured
 
 log = logging.getLogger("gradindex")
@@ -124,8 +125,8 @@ def fit_on_sample(model, tokenizer, data: Tokenized, out_dir, cfg, model_id: str
         shutil.rmtree(sub)
         res = build_store(model, tokenizer, sample, sub, scfg, model_id, data_id, progress=progress)
     fcfg = FitConfig(method="ekfac", damping=cfg.damping, fisher=cfg.fisher, seed=seed)
-    fitted = store_fit(sub, fcfg, res.manifest, model, tokenizer, sample, progress, ekfac_self_influence=False,
-                       full_check=False)
+    with OpenStore(sub, res.manifest, "fit") as ix:
+        fitted = store_fit(ix, fcfg, model, tokenizer, sample, progress, ekfac_self_influence=False)
     fit = {**fitted.fit, "source": "fit sample", "data": data_id, "data_fingerprint": data_fingerprint(data),
            "sample": {"size": len(rows), "seed": seed}, "sample_fingerprint": fitted.fit["data_fingerprint"]}
     ek = fitted.written["ekfac"][0]
@@ -174,8 +175,8 @@ class EigenCoder(RowSink):
         f = self.fitted
         self.basis = eigen_basis(RowBasis(), {n: (x.Q_S, x.Q_A, x.Lambda) for n, x in f.ekfac.items()}, self.damping)
         if distributed.rank() == 0:
-            write_basis(out, self.basis, {"source": manifest["build"]["data_fingerprint"], "damping": self.damping})
-        self.shapes = layer_shapes(manifest)
+            write_basis(out, self.basis, {"source": Manifest(manifest).data_fingerprint, "damping": self.damping})
+        self.shapes = Manifest(manifest).shapes
         self.weights = {}  # K-FAC's (λ_S λ_A + δ')⁻¹ over EK-FAC's scale², per number of a coded row
         for n in self.shapes:
             kf = f.kfac[n].Lambda
@@ -183,7 +184,7 @@ class EigenCoder(RowSink):
             self.weights[n] = (w / np.square(self.basis.scale[n])).reshape(-1)
         (self.sub / SELF_INFLUENCE).mkdir(parents=True, exist_ok=True)
         new = eigen_manifest(manifest, self.storage, self.damping, f.fit)
-        new["transcode"] = {"source_build": manifest["build"], "damping": self.damping, "storage": self.storage,
+        new["transcode"] = {"source_build": Manifest(manifest).build, "damping": self.damping, "storage": self.storage,
                             "seconds": f.seconds, "fit_sample": self.sample}
         return new
 
@@ -215,7 +216,7 @@ class EigenCoder(RowSink):
     def finish(self, manifest: dict, shard_size: int) -> dict:
         """Write the K-FAC and EK-FAC fit files with every example's self-influence; register them."""
         f = self.fitted
-        layers = list(layer_shapes(manifest))
+        layers = list(Manifest(manifest).layers)
         starts = range(0, self.examples, shard_size)
         for k in range(len(starts)):
             if not self._file(k).exists():
@@ -230,7 +231,7 @@ class EigenCoder(RowSink):
         written = {"kfac": (f.kfac, method(0)), "ekfac": (f.ekfac, method(1))}
         for m, (fac, s) in written.items():
             write_precond(precond_path(self.out, m), m, manifest, layers, fac, s, self.damping, f.fit)
-        register_fits(self.out, fcfg, manifest, True, StoreFit(written, f.fit, layers), f.seconds)
+        register_fits(self.out, fcfg, manifest, StoreFit(written, f.fit, layers), f.seconds)
         return manifest
 
     def discard(self) -> None:

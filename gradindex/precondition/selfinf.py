@@ -5,35 +5,30 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 
-from gradindex.manifest import read_manifest, row_basis
 from gradindex.methods import DEFAULT_DAMPING, parse_method, row_methods
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import store_pass
 from gradindex.precondition.files import check_fingerprints, precond_path, read_self_influence
-from gradindex.precondition.preconditioner import (
-    Preconditioner,
-    layer_shapes,
-    load_preconditioner,
-    selected_layers,
-)
-from gradindex.store import Store
+from gradindex.precondition.preconditioner import Preconditioner, load_preconditioner, selected_layers
+from gradindex.store.opened import OpenStore, open_store
 
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 4
 
 
-def _stored(index_dir, method: str, manifest: dict) -> tuple[float, list[str], np.ndarray] | None:
+def _stored(ix: OpenStore, method: str) -> tuple[float, list[str], np.ndarray] | None:
     """The per-layer self-influence written at fit time, if there is a valid file (cached by mtime)."""
-    path = precond_path(index_dir, method)
-    if not path.exists() or (method != "graddot" and method not in manifest.get("preconditioners", {})):
+    path = precond_path(ix.dir, method)
+    if not path.exists() or (method != "graddot" and method not in ix.described.preconditioners):
         return None
     key = (str(path.resolve()), path.stat().st_mtime_ns)
     if key not in _CACHE:
-        check_fingerprints(path, manifest, method)
+        check_fingerprints(path, ix.manifest, method)
         _CACHE[key] = read_self_influence(path)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
@@ -41,13 +36,12 @@ def _stored(index_dir, method: str, manifest: dict) -> tuple[float, list[str], n
 
 
 def self_influence(
-    index_dir: str | os.PathLike,
+    index: str | os.PathLike | OpenStore,
     method: str,
     damping: float = DEFAULT_DAMPING,
     layers: Sequence[str] | None = None,
     device: str = "auto",
     block: int = 1024,
-    manifest: dict | None = None,
     preconditioner: Preconditioner | None = None,
 ) -> np.ndarray:
     """``[N]`` self-influence of every stored example under ``method``, summed over ``layers``.
@@ -56,33 +50,30 @@ def self_influence(
     ``cosine``: 1 (0 for an all-zero row). On rows stored in a whitened basis, the method is
     the operation on those rows (:func:`gradindex.methods.row_base`) at the basis's baked damping.
     Read from ``precond/<method>.h5`` when it was written at this damping; otherwise computed with
-    one pass over the store. ``manifest`` and ``preconditioner`` (the method's, loaded): pass them
-    when already at hand (an open index).
+    one pass over the store. ``index``: an open index (or a path, opened here); ``preconditioner`` (the
+    method's, loaded): pass it when already at hand.
     """
     base, _ = parse_method(method)
-    manifest = manifest if manifest is not None else read_manifest(index_dir)
-    on_rows = row_methods().get(row_basis(manifest), {}).get(base, base)  # whitened rows: ekfac = their norm
-    if on_rows != base:  # (a name the table lacks is already the operation on the rows, as the engine asks)
-        return self_influence(index_dir, on_rows, damping, layers, device, block, manifest=manifest)
-    shapes = layer_shapes(manifest)
-    layers = selected_layers(manifest, layers)
-    if base == "cosine":
-        si = self_influence(index_dir, "graddot", damping, layers, device, block, manifest=manifest)
-        return (si > 0).astype(np.float64)
-    found = _stored(index_dir, base, manifest)
-    if found is not None:
-        d, names, per_layer = found
-        if per_layer.shape[0] != int(manifest["counts"]["examples"]):
-            raise ValueError(
-                f"{str(precond_path(index_dir, base))!r} has {per_layer.shape[0]} rows, the store "
-                f"{manifest['counts']['examples']}; refit with `gradindex precondition {index_dir} "
-                f"--method {base}`"
-            )
-        if (base == "graddot" or np.isclose(d, damping, rtol=1e-12, atol=0.0)) and set(layers) <= set(names):
-            return per_layer[:, [names.index(n) for n in layers]].sum(axis=1)
-    P = preconditioner if preconditioner is not None else load_preconditioner(index_dir, base, manifest)
-    with Store(index_dir) as store:
+    ix, opened = open_store(index, "compute self-influence")
+    with ix if opened else nullcontext():
+        on_rows = row_methods().get(ix.described.basis_kind, {}).get(base, base)  # whitened rows: ekfac = their norm
+        if on_rows != base:  # (a name the table lacks is already the operation on the rows, as the engine asks)
+            return self_influence(ix, on_rows, damping, layers, device, block)
+        layers = selected_layers(ix.manifest, layers)
+        if base == "cosine":
+            return (self_influence(ix, "graddot", damping, layers, device, block) > 0).astype(np.float64)
+        found = _stored(ix, base)
+        if found is not None:
+            d, names, per_layer = found
+            if per_layer.shape[0] != ix.described.examples:
+                raise ValueError(
+                    f"{str(precond_path(ix.dir, base))!r} has {per_layer.shape[0]} rows, the store "
+                    f"{ix.described.examples}; refit with `gradindex precondition {ix.dir} --method {base}`")
+            if (base == "graddot" or np.isclose(d, damping, rtol=1e-12, atol=0.0)) and set(layers) <= set(names):
+                return per_layer[:, [names.index(n) for n in layers]].sum(axis=1)
+        P = preconditioner if preconditioner is not None else load_preconditioner(ix, base)
         if not P.is_identity:  # (the method's curvature: K-FAC/EK-FAC rotate each row once)
-            return P.kind.self_influence(P, store, layers, damping, resolve_device(device), block).sum(axis=1)
-        res = store_pass(store, layers, shapes, None, device=resolve_device(device), dtype=torch.float64, block=block)
+            return P.kind.self_influence(P, ix.store, layers, damping, resolve_device(device), block).sum(axis=1)
+        res = store_pass(ix.store, layers, ix.shapes, None, device=resolve_device(device), dtype=torch.float64,
+                         block=block)
     return res.sq_norms.sum(axis=1)

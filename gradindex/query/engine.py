@@ -257,7 +257,7 @@ class QueryEngine:
 
     def full_preconditioner(self, method: str) -> Preconditioner:
         """The full-space preconditioner of ``method`` (identity for graddot/cosine), loaded once."""
-        return full.full_fit(self._full_pre, self.dir, method, self.curvature_cache_bytes)
+        return full.full_fit(self._full_pre, self.index, method, self.curvature_cache_bytes)
 
     def check_exact(self, method: str) -> None:
         """Refuse at once an exact stage of ``method`` that would fail: no full-space fit, no training data."""

@@ -366,11 +366,11 @@ def check_heads(results: list[QueryResult], top: int) -> None:
                          f"(query with k >= {top})")
 
 
-def full_fit(loaded: dict[str, Preconditioner], index_dir, method: str, budget: int | None) -> Preconditioner:
+def full_fit(loaded: dict[str, Preconditioner], index, method: str, budget: int | None) -> Preconditioner:
     """``method``'s full-space preconditioner, loaded once into ``loaded``, ``budget`` bytes of curvature held."""
     base, _ = parse_method(method)
     if base not in loaded:
-        loaded[base] = load_full_preconditioner(index_dir, base, budget)
+        loaded[base] = load_full_preconditioner(index, base, budget)
     pre = loaded[base]
     if pre.cache.budget != budget:  # (the budget changed since it was loaded)
         pre.cache.budget = budget

@@ -120,6 +120,23 @@ class Manifest:
         return int(self._data.get("counts", {}).get("examples", 0))
 
     @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """layer → ``(rows, cols)`` of its stored matrix (``k_g, k_a`` or ``N_o, N_i+1``), model order."""
+        return {n: (s.rows, s.cols) for n, s in self.layers.items()}
+
+    @property
+    def full_shapes(self) -> dict[str, tuple[int, int]]:
+        """layer → ``(N_o, N_i + bias)``: its unprojected gradient's shape, model order."""
+        return {n: (s.n_out, s.n_in + int(s.bias)) for n, s in self.layers.items()}
+
+    projection = property(lambda self: self.build.get("projection", {}), doc="``build.projection`` (a dict)")
+    storage = property(lambda self: str(self.build.get("storage", "fp32")), doc="the rows' codec")
+    data_fingerprint = property(lambda self: self.build["data_fingerprint"])
+    model_fingerprint = property(lambda self: self.build["model_fingerprint"])
+    preconditioners = property(lambda self: self._data.get("preconditioners", {}), doc="each stored-space fit")
+    full_space = property(lambda self: self._data.get("full_space", {}), doc="each full-space fit")
+
+    @property
     def basis_kind(self) -> str:
         """The basis the stored rows are in (``raw``, ``kfac`` or ``ekfac``)."""
         return str((self.build.get("basis") or {}).get("kind", "raw"))

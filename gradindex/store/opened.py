@@ -23,27 +23,29 @@ from gradindex.store.shards import Store
 
 
 class OpenStore:
-    """One open index directory. ``manifest``: the directory's, when the caller already holds it.
+    """One open index directory. ``manifest``: the directory's, when the caller already holds it (kept as is:
+    a stage that records in it, a fit, updates the caller's dict).
 
     The build must be complete (else an error says how to finish it before ``then``); the store gets its
-    cheap sampled hash check.
+    cheap sampled hash check (``full``: the whole-file hashes, as a fit checks them).
     """
 
-    def __init__(self, index_dir: str | os.PathLike, manifest: dict | None = None, then: str = "read it"):
+    def __init__(self, index_dir: str | os.PathLike, manifest: dict | None = None, then: str = "read it",
+                 full: bool = False):
         self.dir = Path(index_dir)
         if manifest is None:
             manifest = read_complete_manifest(index_dir, then)
         elif manifest.get("status") != "complete":
             read_complete_manifest(index_dir, then)  # the same error, from the file itself
-        damage = check_store(index_dir, full=False, manifest=manifest)  # the cheap sampled check
+        damage = check_store(index_dir, full=full, manifest=manifest)
         if damage:
             raise damage_error(index_dir, damage, then=then)
         self.manifest = manifest
         self.described = Manifest(manifest)
         """The typed view of the manifest (:class:`gradindex.spec.manifest.Manifest`)."""
-        self.layers: list[str] = list(manifest["build"]["layers"])
+        self.layers: list[str] = list(self.described.layers)
         """Every stored layer, model order."""
-        self.shapes: dict[str, tuple[int, int]] = {n: (s.rows, s.cols) for n, s in self.described.layers.items()}
+        self.shapes: dict[str, tuple[int, int]] = self.described.shapes
         """layer → ``(rows, cols)`` of its stored matrix."""
         self.store = Store(index_dir)
         self.n = len(self.store)
@@ -60,7 +62,7 @@ class OpenStore:
     def projection(self) -> ProjectionSpec:
         """The projection the store was built with (decoded once)."""
         if self._projection is None:
-            self._projection = ProjectionSpec.from_dict(self.manifest["build"]["projection"])
+            self._projection = ProjectionSpec.from_dict(self.described.projection)
         return self._projection
 
     @property
