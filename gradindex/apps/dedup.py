@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from gradindex.index.space import Preconditioners
-from gradindex.manifest import read_complete_manifest, row_basis
+from gradindex.manifest import row_basis
 from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
 from gradindex.precondition.preconditioner import selected_layers
 from gradindex.progress import progress_bar
@@ -247,24 +247,17 @@ def candidate_vectors(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig
         return _vectors(ix.store, layers, pre, base, cfg, progress)
 
 
-def resolved(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig) -> DedupConfig:
+def resolved(ix: OpenStore, cfg: DedupConfig) -> DedupConfig:
     """``cfg`` with its method set: when None, the first of graddot, ekfac, kfac the index answers."""
-    if cfg.method is not None:
-        return cfg
-    if isinstance(index_dir, OpenStore):
-        return replace(cfg, method=default_method(index_dir.manifest, index_dir.dir, app="dedup"))
-    method = default_method(read_complete_manifest(index_dir, "deduplicate"), index_dir, app="dedup")
-    return replace(cfg, method=method)
+    return cfg if cfg.method is not None else replace(cfg, method=default_method(ix.manifest, ix.dir, app="dedup"))
 
 
-def _space(ix: OpenStore | str | os.PathLike, cfg: DedupConfig, layers: Sequence[str] | None
+def _space(ix: OpenStore, cfg: DedupConfig, layers: Sequence[str] | None
            ) -> tuple[list[str], str, Space]:
     """``(layers, row method, preconditioners)``: the method applied to the stored rows (whitened rows: ekfac
     is their plain cosine). ``graddot`` on rows in the EK-FAC eigenbasis, ``W = (Q_Sᵀ G Q_A) ⊙ (Λ* + δ)^{-1/2}``,
     is ``unwhiten``: ``W ⊙ √(Λ* + δ) = Q_Sᵀ G Q_A`` is an orthogonal rotation of the raw gradient ``G``, so its
     cosines are the raw gradients' (the preconditioners are then layer → ``[D]`` ``√(Λ* + δ)``)."""
-    if not isinstance(ix, OpenStore):
-        ix = OpenStore(ix, then="deduplicate")  # (its store opens no file until it is read)
     manifest, index_dir = ix.manifest, ix.dir
     layers = selected_layers(manifest, layers)
     base = parse_method(cfg.method)[0]

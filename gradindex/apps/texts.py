@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from gradindex.manifest import read_manifest
 from gradindex.query.texts import TrainingTexts
-from gradindex.store import Store
+from gradindex.store.opened import OpenStore
 
 RESULT_TEXT_CHARS = 2000
 """Characters of a training text in a result (``query --json``, the server's ``/query``); the whole text is at
@@ -31,17 +30,15 @@ def capped_result(result: dict) -> dict:
     return {**result, **{key: [capped(h) for h in result[key]] for key in ("hits", "lowest") if key in result}}
 
 
-def row_texts(index_dir: str | os.PathLike, ids, data: str | os.PathLike | None = None,
+def row_texts(ix: OpenStore, ids, data: str | os.PathLike | None = None,
               model_dir: str | os.PathLike | None = None) -> tuple[list[str | None], str | None]:
     """``(texts, problem)``: each row's text (``None`` when unknown) and why texts are missing, if so."""
     from gradindex.model import is_gguf, load_tokenizer
 
-    manifest = read_manifest(index_dir)
+    manifest = ix.manifest
     path = Path(model_dir or manifest.get("model_id") or "")
     if not str(path) or not ((path / "config.json").exists() or (path / "tokenizer_config.json").exists()
                              or (is_gguf(path) and path.is_file())):
         return [None] * len(ids), f"the model directory {str(path)!r} is not there, so rows carry no text (--model)"
-    with Store(index_dir) as store:
-        texts = TrainingTexts(manifest, store, load_tokenizer(path, manifest.get("chat_template")), data)
-        out = texts.texts(np.asarray(ids, dtype=np.int64))
-        return out, texts.problem
+    texts = TrainingTexts(manifest, ix.store, load_tokenizer(path, manifest.get("chat_template")), data)
+    return texts.texts(np.asarray(ids, dtype=np.int64)), texts.problem

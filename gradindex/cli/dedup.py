@@ -36,15 +36,17 @@ def dedup(index_dir, out, threshold, method, damping, neighbors, sketch, data, m
     """Group the training examples of INDEX_DIR that are exact or near-duplicates in gradient space."""
     from gradindex.apps.dedup import DedupConfig, find_duplicates
     from gradindex.apps.texts import row_texts
+    from gradindex.store.opened import OpenStore
 
     Path(out).parent.mkdir(parents=True, exist_ok=True)  # before the search, not after it
     cfg = DedupConfig(threshold=threshold, method=method, damping=damping, neighbors=neighbors, sketch=sketch)
-    res = find_duplicates(index_dir, cfg, progress=not quiet)
-    ids = sorted({i for g in res.groups for i in g.ids})
-    texts, problem = ({}, None)
-    if ids and not no_text:
-        found, problem = row_texts(index_dir, ids, data, model_dir)
-        texts = dict(zip(ids, found, strict=True))
+    with OpenStore(index_dir, then="deduplicate") as ix:
+        res = find_duplicates(ix, cfg, progress=not quiet)
+        ids = sorted({i for g in res.groups for i in g.ids})
+        texts, problem = ({}, None)
+        if ids and not no_text:
+            found, problem = row_texts(ix, ids, data, model_dir)
+            texts = dict(zip(ids, found, strict=True))
     if problem:
         click.echo(f"note: {problem}", err=True)
     path = Path(out)

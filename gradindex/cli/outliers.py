@@ -32,21 +32,21 @@ def outliers(index_dir, method, damping, by, top, layers, data, model_dir, no_te
 
     from gradindex.apps.outliers import rank_outliers
     from gradindex.apps.texts import row_texts
-    from gradindex.manifest import read_manifest
-    from gradindex.precondition.preconditioner import selected_layers
+    from gradindex.store.opened import OpenStore
 
     if top < 1:
         raise ValueError(f"--top must be >= 1, got {top}")
-    chosen = None
-    if layers:
-        names = selected_layers(read_manifest(index_dir), None)
-        chosen = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in layers)]
-        if not chosen:
-            raise ValueError(f"--layers {list(layers)} match no layer of the index (they look like {names[:2]})")
-    ranking = rank_outliers(index_dir, method or index_method(index_dir), damping, chosen)
-    rows = ranking.top(top, by)
-    texts, problem = ([None] * len(rows), None) if no_text else row_texts(index_dir, [r["id"] for r in rows],
-                                                                          data, model_dir)
+    with OpenStore(index_dir, then="look for outliers") as ix:
+        chosen = None
+        if layers:
+            chosen = [n for n in ix.layers if any(fnmatch.fnmatchcase(n, p) for p in layers)]
+            if not chosen:
+                raise ValueError(f"--layers {list(layers)} match no layer of the index (they look like "
+                                 f"{ix.layers[:2]})")
+        ranking = rank_outliers(ix, method or index_method(index_dir), damping, chosen)
+        rows = ranking.top(top, by)
+        texts, problem = ([None] * len(rows), None) if no_text else row_texts(ix, [r["id"] for r in rows], data,
+                                                                              model_dir)
     if problem:
         click.echo(f"note: {problem}", err=True)
     for rank, (r, t) in enumerate(zip(rows, texts, strict=True), start=1):

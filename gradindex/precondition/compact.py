@@ -21,18 +21,13 @@ import logging
 import os
 import shutil
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from gradindex.manifest import (
-    manifest_path,
-    read_complete_manifest,
-    read_manifest,
-    row_basis,
-    write_manifest,
-)
+from gradindex.manifest import manifest_path, read_manifest, write_manifest
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.ekfac import block_rows
@@ -43,24 +38,25 @@ from gradindex.spec.manifest import Manifest, rows_of
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
 from gradindex.store.basis import index_basis, stored_rows, write_basis
 from gradindex.store.codes import check_storage
-from gradindex.store.opened import OpenStore
+from gradindex.store.opened import OpenStore, open_store
 from gradindex.store.swap import JOURNAL, STAGING, finish_transcode, swap_in  # noqa: F401 (re-exported)
 
 log = logging.getLogger("gradindex")
 COLUMNS = ("loss", "num_tokens", "finite", "token_hash")
 
 
-def compact_eigenbasis(src: str | os.PathLike, out: str | os.PathLike, damping: float = DEFAULT_DAMPING,
+def compact_eigenbasis(src: str | os.PathLike | OpenStore, out: str | os.PathLike, damping: float = DEFAULT_DAMPING,
                        storage: str | None = None, overwrite: bool = False, block: int = 1024,
                        progress: bool = False) -> dict:
-    """Write ``out``: ``src``'s rows in the EK-FAC whitened eigenbasis, coded as ``storage``
-    (default: the source's); return its manifest."""
-    with OpenStore(src, then="compact it") as ix:
+    """Write ``out``: the rows of ``src`` (an open index, or a path opened here) in the EK-FAC whitened
+    eigenbasis, coded as ``storage`` (default: the source's); return its manifest."""
+    ix, opened = open_store(src, "compact it")
+    with ix if opened else nullcontext():
         if ix.described.basis_kind == "ekfac":
-            raise ValueError(f"{str(src)!r} is already in the ekfac eigenbasis")
+            raise ValueError(f"{str(ix.dir)!r} is already in the ekfac eigenbasis")
         if "ekfac" not in ix.described.preconditioners:
-            raise FileNotFoundError(f"{str(src)!r} has no EK-FAC fit to rotate into; run "
-                                    f"`gradindex precondition {src} --method ekfac` first")
+            raise FileNotFoundError(f"{str(ix.dir)!r} has no EK-FAC fit to rotate into; run "
+                                    f"`gradindex precondition {ix.dir} --method ekfac` first")
         P = load_preconditioner(ix, "ekfac")
         curvature = {n: (P.curvature[n]["Q_S"], P.curvature[n]["Q_A"], P.curvature[n]["Lambda"]) for n in P.layers}
         fit = ix.described.preconditioners["ekfac"].get("fit", {})
@@ -208,9 +204,9 @@ def transcode_in_place(index_dir: str | os.PathLike, damping: float = DEFAULT_DA
     """
     d = Path(index_dir)
     finish_transcode(d)
-    manifest = read_complete_manifest(d, "transcode it")
-    if row_basis(manifest) == "ekfac":
-        return manifest
-    new = compact_eigenbasis(d, d / STAGING, damping=damping, storage=storage, overwrite=True,  # resumed if the same
-                             progress=progress)
-    return swap_in(d, manifest, new, damping)
+    with OpenStore(d, then="transcode it") as ix:
+        if ix.described.basis_kind == "ekfac":
+            return ix.manifest
+        new = compact_eigenbasis(ix, d / STAGING, damping=damping, storage=storage, overwrite=True,
+                                 progress=progress)  # (resumed if the same)
+    return swap_in(d, ix.manifest, new, damping)

@@ -41,10 +41,11 @@ def swap_in(d: Path, manifest: dict, new: dict, damping: float) -> dict:
                            "seconds": new["compact"]["seconds"]}}
     final.pop("compact", None)
     final["generation"] = new_generation()  # other rows: an engine open on the raw ones must not read these
-    (d / JOURNAL).write_text(json.dumps({"manifest": final}, default=str))
+    text = json.dumps({"manifest": final}, default=str)
+    (d / JOURNAL).write_text(text)
     finish_transcode(d)
     log.info("rows of %s transcoded in place into the ekfac eigenbasis (%s)", d, new["build"]["storage"])
-    return read_manifest(d)
+    return json.loads(text)["manifest"]  # (what finish_transcode wrote)
 
 
 def finish_transcode(index_dir: str | os.PathLike) -> None:
