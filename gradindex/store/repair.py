@@ -9,16 +9,17 @@ from pathlib import Path
 import numpy as np
 
 from gradindex.checksum import Damage, check_files, recorded, shard_of
-from gradindex.manifest import build_command, read_manifest
+from gradindex.manifest import build_command
 from gradindex.spec.build import batch_size_of
 from gradindex.store.shards import STORE_DIR, shard_name
 
 log = logging.getLogger("gradindex")
 
 
-def check_store(index_dir: str | os.PathLike, full: bool = True, manifest: dict | None = None) -> list[Damage]:
-    """Damaged or missing shards of a complete store (``full``: whole-file hashes, else the cheap check)."""
-    m = manifest if manifest is not None else read_manifest(index_dir)
+def check_store(index_dir: str | os.PathLike, full: bool, manifest: dict) -> list[Damage]:
+    """Damaged or missing shards of the store of ``index_dir``, whose manifest is ``manifest`` (``full``:
+    whole-file hashes, else the cheap check)."""
+    m = manifest
     repair = build_command(index_dir, m)
     names = set(recorded(index_dir, f"{STORE_DIR}/"))
     if m.get("status") == "complete":
