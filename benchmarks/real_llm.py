@@ -450,6 +450,7 @@ def facts_study(ft: dict, work: Path, workers: int = 1) -> dict:
     Written to ``results/real-llm.json`` under ``facts-N`` (only that key). ``workers``: builds and scorings
     at once (each one thread under ``OMP_NUM_THREADS=1``)."""
     import re
+    import threading
     from collections import Counter
 
     from gradindex.query import QueryEngine
@@ -462,11 +463,13 @@ def facts_study(ft: dict, work: Path, workers: int = 1) -> dict:
     builds = build_indices(ft, work, workers)
     cached = work / "fact-scores.npz"
     scores = dict(np.load(cached)) if cached.exists() else {}
-    defaults = {}
+    defaults, opening = {}, threading.Lock()
 
     def score(path):
         out = {}
-        with QueryEngine(builds[path]["dir"]) as engine:
+        with opening:  # (two models loaded at once in one process can report the tied head missing)
+            engine = QueryEngine(builds[path]["dir"])
+        with engine:
             defaults[path] = engine.resolve_method(None)
             for name, m in (("default", None), ("ekfac", "ekfac"), ("ekfac-selfnorm", "ekfac-selfnorm")):
                 if f"{name} ({path})" not in scores:
