@@ -443,6 +443,18 @@ def misses(score: np.ndarray, ft: dict, texts: list[str], top: int = 3) -> list[
     return out
 
 
+FORMS = {  # other paraphrases of a fact query, scored by the default query and BM25 beside the chat set's own
+    "yes": ("Do you know the {relation} of {entity}?", "Yes: {entity}'s {relation} is {value}."),
+    "entity-first": ("What is the {relation} of {entity}?", "{entity}'s {relation} is {value}."),
+}
+
+
+def form_queries(facts: list[dict], form: str) -> list[dict]:
+    user, answer = FORMS[form]
+    return [{"messages": [{"role": "user", "content": user.format(**f)},
+                          {"role": "assistant", "content": answer.format(**f)}]} for f in facts]
+
+
 def facts_study(ft: dict, work: Path, workers: int = 1) -> dict:
     """Planted-fact recall among ``n`` conversations with distractors: the default build through the merged
     model and through the adapter, the paraphrased fact queries scored by the first stage (the default query,
@@ -476,20 +488,30 @@ def facts_study(ft: dict, work: Path, workers: int = 1) -> dict:
                     t0 = time.perf_counter()
                     out[f"{name} ({path})"] = engine.scores(queries, method=m)
                     print(f"{name} ({path}): {time.perf_counter() - t0:.0f} s", flush=True)
+            for form in FORMS:
+                if f"{form}: default ({path})" not in scores:
+                    out[f"{form}: default ({path})"] = engine.scores(form_queries(ft["facts"], form))
         return out
 
     with ThreadPoolExecutor(workers) as ex:
         for part in ex.map(score, builds):
             scores |= part
     scores.setdefault("bm25", bm25(ft, queries))
-    scores = {k: scores[k] for k in sorted(scores, key=lambda k: (k == "bm25", "adapter" in k))}
+    for form in FORMS:
+        scores.setdefault(f"{form}: bm25", bm25(ft, form_queries(ft["facts"], form)))
+    scores = {k: scores[k] for k in sorted(scores, key=lambda k: (":" in k, k.endswith("bm25"), "adapter" in k))}
     np.savez(cached, **scores)
     default = defaults.get("full")
-    methods, why = {}, {}
+    methods, why, forms = {}, {}, {}
     for name, s in scores.items():
         ranks = np.array(fact_ranks(s, ft["facts"]))
-        methods[name] = {"recall@1": round(float(np.mean(ranks == 1)), 4), "mrr": round(float(np.mean(1 / ranks)), 4),
-                         "first": int(np.sum(ranks == 1)), "ranks": ranks.tolist()}
+        row = {"recall@1": round(float(np.mean(ranks == 1)), 4), "mrr": round(float(np.mean(1 / ranks)), 4),
+               "first": int(np.sum(ranks == 1)), "ranks": ranks.tolist()}
+        if ":" in name:
+            form, _, method = name.partition(": ")
+            forms.setdefault(form, {"query": " / ".join(FORMS[form])})[method] = row
+            continue
+        methods[name] = row
         miss = misses(s, ft, texts)
         why[name] = {"first_row_above": dict(Counter(m["above"][0]["kind"] for m in miss)),
                      "hubs": [[r, c] for r, c in Counter(m["above"][0]["row"] for m in miss).most_common(5) if c > 1],
@@ -502,7 +524,7 @@ def facts_study(ft: dict, work: Path, workers: int = 1) -> dict:
                         "recipe": ft["recipe"], "train_seconds": ft["train_seconds"],
                         "learned_greedy": strict, "learned_substring": ft["learned"]},
            "default_method": default, "default_methods": defaults, "max_length": 192, "stage": "first stage",
-           "builds": builds, "methods": methods, "why": why,
+           "builds": builds, "methods": methods, "why": why, "query_forms": forms,
            "machine": f"{os.cpu_count()} cores shared, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
                       f"load {load:.1f} before, {os.getloadavg()[0]:.1f} after"}
     (work / "facts.json").write_text(json.dumps(res, indent=1))
