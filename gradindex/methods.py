@@ -137,6 +137,9 @@ LEGACY_DAMPING = 0.1
 damping was written with."""
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def absolute_damping(relative: float, eigenvalues) -> float:
     """``δ = relative × mean(Λ)``: the absolute damping a relative one stands for, over a layer's eigenvalues
     ``Λ`` (any array with ``.mean()``); ``relative`` itself when ``Λ`` is all zero. The one place this rule
@@ -145,7 +148,13 @@ def absolute_damping(relative: float, eigenvalues) -> float:
         raise ValueError(f"damping must be finite and > 0 (a fraction of the mean eigenvalue, e.g. {DEFAULT_DAMPING}), "
                          f"got {relative}")
     mean = float(eigenvalues.mean())
-    return relative * mean if mean > 0 else float(relative)
+    delta = relative * mean if mean > 0 else float(relative)
+    if not delta <= FLOAT32_MAX:  # (the curvature is applied in float32: an infinite δ scores every row zero)
+        raise ValueError(f"damping {relative:g} is {delta:g} in absolute terms on a layer whose mean eigenvalue is "
+                         f"{mean:g}, beyond float32's range ({FLOAT32_MAX:g}); use a damping below "
+                         f"{FLOAT32_MAX / mean:.3g} (relative damping is a fraction of each layer's mean eigenvalue, "
+                         f"e.g. {DEFAULT_DAMPING})")
+    return delta
 
 
 def parse_method(method: str) -> tuple[str, bool]:

@@ -39,6 +39,19 @@ def test_a_damping_outside_float32s_positive_range_is_refused_by_query(tmp_path,
     assert option in line and "valid range" in line, line
 
 
+def test_a_damping_whose_absolute_value_overflows_float32_is_refused():
+    """A relative damping inside float32's range can still overflow once scaled, δ = d·mean(Λ): refused with the
+    largest damping that layer takes, not applied as an infinite δ (every score zero)."""
+    import numpy as np
+
+    from gradindex.methods import FLOAT32_MAX, absolute_damping
+
+    assert absolute_damping(3e38, np.array([0.25, 0.75])) == pytest.approx(1.5e38)
+    with pytest.raises(ValueError, match=r"beyond float32's range .* use a damping below 3\.4e\+37"):
+        absolute_damping(3e38, np.array([5.0, 15.0]))
+    assert np.isfinite(np.float32(absolute_damping(FLOAT32_MAX / 10 * 0.999, np.array([10.0]))))
+
+
 def test_the_float32_range_is_accepted(gpt2_dir, text_jsonl, tmp_path):
     code, out = _run("build", gpt2_dir, text_jsonl, "--out", tmp_path / "idx", "--damping", "1e30", "--storage", "fp32",
                      "--transcode", "none", "--device", "cpu", "--quiet", "--max-length", "16", "--no-index")
