@@ -229,8 +229,8 @@ def activation_bytes(model: nn.Module, cfg, layers, tokens: int, device: str = "
     shares = token_shares(model, cfg)
     per_token = sum((lp.n_in + lp.n_out) * shares[lp.name] for lp in layers)
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
-    hooked = {n for n, _ in model.named_modules()} & {lp.name for lp in layers}
-    if vocab and plain_head(model, {m for n, m in model.named_modules() if n in hooked}) is not None:
+    names = {lp.name for lp in layers}
+    if vocab and plain_head(model, {m for n, m in model.named_modules() if n in names}) is not None:
         rows = min(tokens, max(MIN_ROWS, CHUNK_BYTES.get(device, 256 << 20) // (4 * vocab)))
         return int(tokens * per_token * size + 2 * 4 * rows * vocab)
     return int(tokens * (per_token * size + vocab * (size + 8)))
