@@ -172,11 +172,11 @@ class EigenCoder(RowSink):
 
     def start(self, out: Path, manifest: dict) -> dict:
         """Write the rows' ``basis.h5`` (rank 0); return the transcoded manifest of the build ``manifest``."""
-        f = self.fitted
+        f, m = self.fitted, Manifest(manifest)
         self.basis = eigen_basis(RowBasis(), {n: (x.Q_S, x.Q_A, x.Lambda) for n, x in f.ekfac.items()}, self.damping)
         if distributed.rank() == 0:
-            write_basis(out, self.basis, {"source": Manifest(manifest).data_fingerprint, "damping": self.damping})
-        self.shapes = Manifest(manifest).shapes
+            write_basis(out, self.basis, {"source": m.data_fingerprint, "damping": self.damping})
+        self.shapes = m.shapes
         self.weights = {}  # K-FAC's (λ_S λ_A + δ')⁻¹ over EK-FAC's scale², per number of a coded row
         for n in self.shapes:
             kf = f.kfac[n].Lambda
@@ -184,7 +184,7 @@ class EigenCoder(RowSink):
             self.weights[n] = (w / np.square(self.basis.scale[n])).reshape(-1)
         (self.sub / SELF_INFLUENCE).mkdir(parents=True, exist_ok=True)
         new = eigen_manifest(manifest, self.storage, self.damping, f.fit)
-        new["transcode"] = {"source_build": Manifest(manifest).build, "damping": self.damping, "storage": self.storage,
+        new["transcode"] = {"source_build": m.build, "damping": self.damping, "storage": self.storage,
                             "seconds": f.seconds, "fit_sample": self.sample}
         return new
 
