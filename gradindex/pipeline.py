@@ -87,8 +87,7 @@ def build_index(
             restore_basis(out_dir)  # a missing or damaged basis.h5 its EK-FAC fit holds: no rebuild
         distributed.barrier()
         plan_args = (index is not None, *((index.factory, index.sketch_bytes) if index is not None else ("auto", 0)))
-        cfg = fit_route(model, cfg, len(data), Path(out_dir), overwrite, plan_args, longest_example(data))
-        plan = plan_build(model, cfg, len(data), *plan_args, longest=longest_example(data))
+        cfg, plan = routed_plan(model, cfg, len(data), Path(out_dir), overwrite, plan_args, longest_example(data))
         _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
         rows = _full_fit_rows(cfg, plan, len(data), rerank_fit)
         if cfg.full_factors and rows is not None and len(rows) < len(data):
@@ -217,23 +216,27 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
         return res, build_indices(ix, index, progress=progress)
 
 
-def fit_route(model, cfg: BuildConfig, n: int, out: Path, overwrite: bool, plan_args: tuple = (),
-              longest: int | None = None) -> BuildConfig:
-    """``cfg`` with ``sample_above`` set to ``fit_sample`` where its auto would fit on every example but ``out``'s
-    free disk cannot hold that build's peak (a fresh build: a resumed one keeps the route it started on)."""
+def routed_plan(model, cfg: BuildConfig, n: int, out: Path, overwrite: bool, plan_args: tuple = (),
+                longest: int | None = None) -> tuple[BuildConfig, BuildPlan]:
+    """``(cfg, its plan)``: ``cfg`` with ``sample_above`` set to ``fit_sample`` where its auto would fit on every
+    example but ``out``'s free disk cannot hold that build's peak (a fresh build: a resumed one keeps the route it
+    started on). Each plan is made once."""
+    def plan(c: BuildConfig) -> BuildPlan:
+        return plan_build(model, c, n, *plan_args, longest=longest)
+
     sampled = replace(cfg, sample_above=cfg.fit_sample)
     if cfg.sample_above or not sampled_reason(cfg, n) or sampled_reason(sampled, n):
-        return cfg  # (asked for, or the route does not depend on the auto threshold)
+        return cfg, plan(cfg)  # (asked for, or the route does not depend on the auto threshold)
     if not overwrite and (out / SAMPLE_DIR).exists():
-        return sampled
+        return sampled, plan(sampled)
     if not overwrite and manifest_path(out).exists():
-        return cfg
-    need, free = plan_build(model, cfg, n, *plan_args, longest=longest).peak_disk, free_bytes(out)
-    if need <= free:
-        return cfg
+        return cfg, plan(cfg)
+    every, free = plan(cfg), free_bytes(out)
+    if every.peak_disk <= free:
+        return cfg, every
     log.info("EK-FAC fitted on a sample of %d: the fit on every example of %d would take %s of disk at its peak, "
-             "%s is free", cfg.fit_sample, n, human(need), human(free))
-    return sampled
+             "%s is free", cfg.fit_sample, n, human(every.peak_disk), human(free))
+    return sampled, plan(sampled)
 
 
 def _check_disk(out: Path, plan: BuildPlan, overwrite: bool) -> None:

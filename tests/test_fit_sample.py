@@ -201,13 +201,13 @@ def test_auto_samples_where_the_disk_cannot_hold_the_fit_on_every_example(inputs
     need = plan_build(model, cfg, len(data), False).peak_disk
     out = tmp_path / "idx"
     monkeypatch.setattr(pipeline, "free_bytes", lambda _: need)
-    assert pipeline.fit_route(model, cfg, len(data), out, False) is cfg
+    assert pipeline.routed_plan(model, cfg, len(data), out, False)[0] is cfg
     monkeypatch.setattr(pipeline, "free_bytes", lambda _: need - 1)
-    assert pipeline.fit_route(model, cfg, len(data), out, False).sample_above == S
+    assert pipeline.routed_plan(model, cfg, len(data), out, False)[0].sample_above == S
     (out / sampled.SAMPLE_DIR).mkdir(parents=True)  # a sampled build under way: resumed as one
     monkeypatch.setattr(pipeline, "free_bytes", lambda _: 1 << 60)
-    assert pipeline.fit_route(model, cfg, len(data), out, False).sample_above == S
-    assert pipeline.fit_route(model, cfg, len(data), out, True) is cfg  # (--overwrite: a fresh build)
+    assert pipeline.routed_plan(model, cfg, len(data), out, False)[0].sample_above == S
+    assert pipeline.routed_plan(model, cfg, len(data), out, True)[0] is cfg  # (--overwrite: a fresh build)
     (out / sampled.SAMPLE_DIR).rmdir()
     monkeypatch.setattr(pipeline, "free_bytes", lambda _: need - 1)
     build_index(model, tok, data, out, cfg, progress=False)

@@ -44,8 +44,8 @@ def _plan(model_dir, data, out, batches, as_json, tokens_per_example, tflops, **
     files' size (docs/scaling.md, "Plan from a config alone")."""
     from gradindex.diskspace import free_bytes
     from gradindex.model import is_weightless, resolve_device, resolve_pad_id
-    from gradindex.pipeline import fit_route
-    from gradindex.plan import longest_example, measure_seconds, plan_build
+    from gradindex.pipeline import routed_plan
+    from gradindex.plan import longest_example, measure_seconds
 
     o = {**o, "model_dir": model_dir, "data": data}
     opts = settings(o)
@@ -59,8 +59,7 @@ def _plan(model_dir, data, out, batches, as_json, tokens_per_example, tflops, **
         o["device"] = str(resolve_device(o["device"]))
         model, tok, data_tok, cfg = load_inputs(o, opts)
         args = (not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes)
-        cfg = fit_route(model, cfg, len(data_tok), Path(out or "."), True, args, longest_example(data_tok))
-        plan = plan_build(model, cfg, len(data_tok), *args, longest_example(data_tok))
+        cfg, plan = routed_plan(model, cfg, len(data_tok), Path(out or "."), True, args, longest_example(data_tok))
         if batches > 0 and len(data_tok):
             plan.seconds = measure_seconds(model, data_tok, cfg, plan, resolve_pad_id(model, tok), batches)
     free = free_bytes(out or ".")
@@ -111,8 +110,7 @@ def _config_only(o: dict, opts, tokens_per_example: int | None, tflops: float | 
     from gradindex.cli.index import check_index_type
     from gradindex.estimate import estimate_build
     from gradindex.model import load_meta_model
-    from gradindex.pipeline import fit_route
-    from gradindex.plan import plan_build
+    from gradindex.pipeline import routed_plan
     from gradindex.store.builder import BuildConfig
 
     if o["adapter"]:
@@ -126,8 +124,7 @@ def _config_only(o: dict, opts, tokens_per_example: int | None, tflops: float | 
     if not o["no_index"]:
         check_index_type(o["index_type"], len(lengths))
     args = (not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes)
-    cfg = fit_route(model, cfg, len(lengths), Path(out or "."), True, args, max(lengths, default=1))
-    plan = plan_build(model, cfg, len(lengths), *args, max(lengths, default=1))
+    cfg, plan = routed_plan(model, cfg, len(lengths), Path(out or "."), True, args, max(lengths, default=1))
     est = estimate_build(model, cfg, plan, lengths, o["dtype"], tflops)
     plan.seconds, plan.from_flops = est.seconds, True
     return plan, est
