@@ -24,10 +24,6 @@ from gradindex.store.basis import RowBasis, capture_transforms, kfac_basis, read
 from gradindex.store.codes import bytes_per_number, has_scale
 
 
-def _shapes(infos: dict[str, LayerInfo]) -> dict[str, tuple[int, int]]:
-    return {n: (i.n_in_total, i.n_out) for n, i in infos.items()}
-
-
 def sized_projection(cfg, infos: dict[str, LayerInfo], basis: RowBasis) -> ProjectionSpec:
     """``cfg.projection``, or for an ``auto`` row spec per-layer sizes from its budget under its allocation.
 
@@ -39,7 +35,7 @@ def sized_projection(cfg, infos: dict[str, LayerInfo], basis: RowBasis) -> Proje
     if r.projection != "auto":
         return cfg.projection
     widths = {n: (i.n_in_total, i.n_out) for n, i in infos.items()}
-    sizes = allocate(widths, r.bytes_per_example(_shapes(infos)), r.allocation, bytes_per_number(r.storage),
+    sizes = allocate(widths, r.bytes_per_example(widths), r.allocation, bytes_per_number(r.storage),
                      basis.spectra)
     return ProjectionSpec(kind=cfg.projection_kind, k_a=0, k_g=0, seed=cfg.seed,
                           sizes=tuple((n, ka, kg) for n, (ka, kg) in sizes.items()))
