@@ -29,6 +29,7 @@ from gradindex.index.sharded import Sharded, read_sharded
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.query.engine import QueryEngine, QueryResult
 from gradindex.query.inputs import as_records
+from gradindex.query.search import clamp_k
 from gradindex.query.texts import TrainingTexts
 from gradindex.store import Store
 
@@ -205,9 +206,7 @@ class ShardedQueryEngine(QueryEngine):
                nprobe: int | None = None, texts: bool = True) -> list[QueryResult]:
         """:meth:`QueryEngine.search <gradindex.query.QueryEngine.search>` over every part, merged."""
         notes = []
-        if k > self.n or lowest > self.n:
-            notes.append(f"k={max(k, lowest)} is larger than the index ({self.n} examples); returning {self.n}")
-            k, lowest = min(k, self.n), min(lowest, self.n)
+        k, lowest = clamp_k(k, lowest, self.n, notes)
         q = {n: torch.as_tensor(v).float().cpu().numpy() for n, v in grads.items()}
         kw = {"grads": q, "k": k, "method": method, "damping": damping, "layers": layers, "lowest": lowest,
               "candidates": candidates, "shortlist": shortlist, "nprobe": nprobe}
