@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import os
 import pickle
+import time
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -28,7 +29,6 @@ from gradindex.index import OpenIndex
 from gradindex.index.sharded import Sharded, read_sharded
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.query.engine import QueryEngine, QueryResult
-from gradindex.query.inputs import as_records
 from gradindex.query.search import clamp_k
 from gradindex.query.texts import TrainingTexts
 from gradindex.store import Store
@@ -226,14 +226,8 @@ class ShardedQueryEngine(QueryEngine):
         <gradindex.query.QueryEngine.scores>`)."""
         method = self.resolve_method(method)
         chosen = self.select_layers(layers)
-        if isinstance(queries, Mapping):
-            grads = queries
-        else:
-            tokens = self.tokenize(as_records(queries, text_field), text_field)
-            grads, _, _ = self.gradients(tokens)
-            refine = self.refine_config(refine, method)
-            if refine is not None:
-                grads = self.refined_rows(tokens, grads, method, damping, chosen, refine)
+        grads = queries if isinstance(queries, Mapping) else self._query_rows(
+            queries, text_field, method, damping, chosen, self.refine_config(refine, method), time.perf_counter())[1]
         q = {n: torch.as_tensor(grads[n]).float().cpu().numpy() for n in chosen}
         kw = {"grads": q, "method": method, "damping": damping, "layers": chosen}
         return np.concatenate(self._ask("scores", kw), axis=1)
