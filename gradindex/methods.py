@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,7 +138,24 @@ LEGACY_DAMPING = 0.1
 damping was written with."""
 
 
-FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127
+"""float32's smallest positive normal and largest finite number, exactly (1.1754943508222875e-38 and
+3.4028234663852886e+38): the curvature is applied in float32, so a damping outside them vanishes or overflows."""
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to the nearest float32 (``inf`` beyond its range), as the float32 arithmetic will hold it.
+    The printed literal ``3.4028235e38`` (a little above :data:`FLOAT32_MAX` as a Python float) rounds to it."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def in_float32_range(value: float) -> bool:
+    """Whether ``value``, rounded to float32 (:func:`as_float32`), is a finite positive normal float32: the one
+    test of the CLI's damping options (:func:`absolute_damping` refuses a δ whose float32 is infinite)."""
+    return math.isfinite(value) and FLOAT32_TINY <= as_float32(value) <= FLOAT32_MAX
 
 
 def absolute_damping(relative: float, eigenvalues) -> float:
@@ -149,7 +167,7 @@ def absolute_damping(relative: float, eigenvalues) -> float:
                          f"got {relative}")
     mean = float(eigenvalues.mean())
     delta = relative * mean if mean > 0 else float(relative)
-    if not delta <= FLOAT32_MAX:  # (the curvature is applied in float32: an infinite δ scores every row zero)
+    if not math.isfinite(as_float32(delta)):  # (applied in float32: an infinite δ scores every row zero)
         raise ValueError(f"damping {relative:g} is {delta:g} in absolute terms on a layer whose mean eigenvalue is "
                          f"{mean:g}, beyond float32's range ({FLOAT32_MAX:g}); use a damping below "
                          f"{FLOAT32_MAX / mean:.3g} (relative damping is a fraction of each layer's mean eigenvalue, "

@@ -39,6 +39,19 @@ def test_a_damping_outside_float32s_positive_range_is_refused_by_query(tmp_path,
     assert option in line and "valid range" in line, line
 
 
+@pytest.mark.parametrize("value, taken", [("3.4028235e38", True), ("3.4028234663852886e38", True),
+                                          ("3.4028236e38", False), ("1.1754944e-38", True), ("1.1754942e-38", False)])
+def test_float32s_printed_limits_are_taken_and_anything_beyond_refused(tmp_path, value, taken):
+    """One ``FLOAT32_MAX`` (float32's exact max): the CLI compares a damping after rounding it to float32, so the
+    printed literal ``3.4028235e38`` (a little above the max as a Python float) is taken, the next digit up is not."""
+    from gradindex.methods import FLOAT32_MAX, FLOAT32_TINY, in_float32_range
+
+    assert (FLOAT32_MAX, FLOAT32_TINY) == (3.4028234663852886e38, 1.1754943508222875e-38)
+    assert in_float32_range(float(value)) is taken
+    line = _error_line(*_run("query", tmp_path / "missing", "--prompt", "a", "--damping", value))
+    assert ("valid range" in line) is not taken, line
+
+
 def test_a_damping_whose_absolute_value_overflows_float32_is_refused():
     """A relative damping inside float32's range can still overflow once scaled, δ = d·mean(Λ): refused with the
     largest damping that layer takes, not applied as an infinite δ (every score zero)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import sys
 
 import click
@@ -18,7 +17,7 @@ from gradindex.apps.html import number  # noqa: F401  (scores in tables: one for
 from gradindex.checksum import DamagedIndexError
 from gradindex.errors import CorruptFileError, DiskFullError, IndexMismatchError, UnsupportedLayerError
 from gradindex.lock import IndexBusyError
-from gradindex.methods import DEFAULT_DAMPING
+from gradindex.methods import DEFAULT_DAMPING, FLOAT32_MAX, FLOAT32_TINY, in_float32_range
 
 USER_ERRORS = (ValueError, IndexMismatchError, DiskFullError, CorruptFileError, UnsupportedLayerError,
                DamagedIndexError, IndexBusyError, FileNotFoundError, FileExistsError, PermissionError)
@@ -102,14 +101,12 @@ def parse_messages(values) -> list[dict]:
     return out
 
 
-FLOAT32_TINY, FLOAT32_MAX = 1.1754944e-38, 3.4028235e38
-"""The positive normal float32 numbers: a damping outside them overflows (or vanishes in) the float32
-rotations (issue 33 item 8: ``--damping 1e300`` ended in a ``RuntimeError ... overflow`` traceback)."""
-
-
 def positive_damping(ctx, param, value: float) -> float:
-    """A damping option's callback: a finite number in float32's positive normal range, else refused."""
-    if value is not None and not (math.isfinite(value) and FLOAT32_TINY <= value <= FLOAT32_MAX):
+    """A damping option's callback: a number that rounds to a positive normal float32
+    (:func:`~gradindex.methods.in_float32_range`: ``3.4028235e38``, float32's max as printed, is taken; anything
+    that rounds beyond it is refused), else refused. A damping outside it overflows (or vanishes in) the float32
+    rotations (issue 33 item 8: ``--damping 1e300`` ended in a ``RuntimeError ... overflow`` traceback)."""
+    if value is not None and not in_float32_range(value):
         raise click.BadParameter(f"{value:g} is outside the valid range {FLOAT32_TINY:.2g} to {FLOAT32_MAX:.2g} "
                                  f"(a positive float32); the damping is a fraction of each layer's mean eigenvalue, "
                                  f"e.g. {DEFAULT_DAMPING:g}")
