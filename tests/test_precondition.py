@@ -218,6 +218,25 @@ def test_methods_are_listed_and_unfitted_ones_name_the_command(tmp_path, exact_i
         load_preconditioner(bare, "cosine-selfnorm")
 
 
+def test_an_interrupted_index_still_lists_its_methods(tmp_path, exact_index):
+    """Listing by path reads the manifest alone (no store opened, no hash check): an index whose build was killed
+    (status ``building``, its last shard not yet written) lists what it has fitted, as before the OpenStore step;
+    opening its store is still refused."""
+    from gradindex.precondition.fullspace import full_space_methods
+    from gradindex.store.opened import OpenStore
+
+    killed = tmp_path / "killed"
+    shutil.copytree(exact_index, killed)
+    m = read_manifest(killed)
+    m["status"] = "building"
+    write_manifest(killed, m)
+    sorted((killed / "store").glob("shard-*.h5"))[-1].unlink()
+    assert available_methods(killed) == available_methods(exact_index) == ["graddot", "cosine", "kfac", "ekfac"]
+    assert full_space_methods(killed) == full_space_methods(exact_index) == ["graddot", "cosine", "kfac", "ekfac"]
+    with pytest.raises(ValueError, match="is not complete"):
+        OpenStore(killed)
+
+
 def test_preconditioner_fitted_on_another_model_is_refused(tmp_path, exact_index):
     other = tmp_path / "other"
     shutil.copytree(exact_index, other)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 import faiss
@@ -35,7 +34,7 @@ from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, p
 from gradindex.precondition.preconditioner import selected_layers
 from gradindex.progress import progress_bar
 from gradindex.store import Store
-from gradindex.store.opened import OpenStore, open_store
+from gradindex.store.opened import OpenStore, opened
 from gradindex.store.rows import RowReader
 
 log = logging.getLogger("gradindex")
@@ -208,8 +207,7 @@ def find_duplicates(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig =
     import time
 
     t0 = time.perf_counter()
-    ix, opened = open_store(index_dir, "deduplicate")
-    with ix if opened else nullcontext():
+    with opened(index_dir, "deduplicate") as ix:
         cfg = resolved(ix, cfg)
         layers, base, pre = _space(ix, cfg, layers)
         store = ix.store
@@ -240,8 +238,7 @@ def candidate_vectors(index_dir: str | os.PathLike | OpenStore, cfg: DedupConfig
                       ) -> tuple[np.ndarray, np.ndarray, bool]:
     """``([N, d] unit vectors searched for candidates, [N] nonzero, sketched)`` as :func:`find_duplicates`
     makes them (for measurements of the candidate search)."""
-    ix, opened = open_store(index_dir, "deduplicate")
-    with ix if opened else nullcontext():
+    with opened(index_dir, "deduplicate") as ix:
         cfg = resolved(ix, cfg)
         layers, base, pre = _space(ix, cfg, layers)
         return _vectors(ix.store, layers, pre, base, cfg, progress)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 
 from gradindex.methods import DEFAULT_DAMPING, parse_method
 from gradindex.precondition import self_influence
-from gradindex.store.opened import OpenStore, open_store
+from gradindex.store.opened import OpenStore, opened
 
 RANKINGS = ("self_influence", "per_token")
 
@@ -56,8 +55,7 @@ def rank_outliers(index_dir: str | os.PathLike | OpenStore, method: str = "ekfac
     if selfnorm or base == "cosine":
         raise ValueError(f"outliers rank by self-influence, which {method!r} does not have (it is 1 "
                          "for every example); use graddot, kfac or ekfac")
-    ix, opened = open_store(index_dir, "look for outliers")
-    with ix if opened else nullcontext():
+    with opened(index_dir, "look for outliers") as ix:
         si = self_influence(ix, base, damping, layers)
         ntok = ix.store.column("num_tokens").astype(np.int64)
         loss = ix.store.column("loss").astype(np.float64)

@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,12 +37,13 @@ from gradindex.index.files import (
     write_json,
     write_norms,
 )
-from gradindex.index.opened import OpenIndex, open_index
+from gradindex.index.opened import OpenIndex
 from gradindex.index.tiers import BuildJob, RowShape, Tier, make_tier
 from gradindex.lock import index_lock
 from gradindex.manifest import FORMAT_VERSION, refuse_unfinished_transcode, write_manifest
 from gradindex.progress import progress_bar
 from gradindex.store import Store
+from gradindex.store.opened import opened
 from gradindex.store.repair import check_store
 from gradindex.store.rows import iter_layer
 
@@ -69,8 +69,7 @@ def build_indices(index_dir: str | os.PathLike | OpenIndex, cfg: IndexConfig = I
     ``index_dir``: a path, or an :class:`OpenIndex` (its manifest and store are used as they are).
     """
     t0 = time.perf_counter()
-    ix, opened = open_index(index_dir, then="build the indices")
-    with ix if opened else nullcontext():
+    with opened(index_dir, "build the indices", OpenIndex) as ix:
         with index_lock(ix.dir, "gradindex index"):
             return _build(ix, cfg, progress, force, t0)
 

@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from gradindex.spec.manifest import Manifest, rows_of
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
 from gradindex.store.basis import index_basis, stored_rows, write_basis
 from gradindex.store.codes import check_storage
-from gradindex.store.opened import OpenStore, open_store
+from gradindex.store.opened import OpenStore, opened
 from gradindex.store.swap import JOURNAL, STAGING, finish_transcode, swap_in  # noqa: F401 (re-exported)
 
 log = logging.getLogger("gradindex")
@@ -50,8 +49,7 @@ def compact_eigenbasis(src: str | os.PathLike | OpenStore, out: str | os.PathLik
                        progress: bool = False) -> dict:
     """Write ``out``: the rows of ``src`` (an open index, or a path opened here) in the EK-FAC whitened
     eigenbasis, coded as ``storage`` (default: the source's); return its manifest."""
-    ix, opened = open_store(src, "compact it")
-    with ix if opened else nullcontext():
+    with opened(src, "compact it") as ix:
         if ix.described.basis_kind == "ekfac":
             raise ValueError(f"{str(ix.dir)!r} is already in the ekfac eigenbasis")
         if "ekfac" not in ix.described.preconditioners:

@@ -40,7 +40,6 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -81,7 +80,7 @@ from gradindex.spec.build import batch_size_of
 from gradindex.spec.manifest import Manifest, rows_of
 from gradindex.store import Store
 from gradindex.store.covariance import covariance_rows, read_covariance, rows_digest
-from gradindex.store.opened import OpenStore, open_store
+from gradindex.store.opened import Description, OpenStore, description, opened
 from gradindex.store.repair import check_store
 
 log = logging.getLogger("gradindex")
@@ -510,14 +509,13 @@ def _record(index_dir, cfg, manifest: dict, layers: list[str], written: dict, fi
 
 
 def full_space_methods(index: str | os.PathLike | OpenStore) -> list[str]:
-    """Methods whose full-space curvature this index (open, or a path opened here) has (``graddot``, ``cosine``
-    always)."""
-    ix, opened = open_store(index, "list its methods")
-    with ix if opened else nullcontext():
-        return list(names("base")) + [m for m in names("fitted") if _full_file(ix, m) is not None]
+    """Methods whose full-space curvature this index (open, or a path: its manifest alone is read) has
+    (``graddot``, ``cosine`` always)."""
+    ix = description(index)
+    return list(names("base")) + [m for m in names("fitted") if _full_file(ix, m) is not None]
 
 
-def _full_file(ix: OpenStore, base: str) -> Path | None:
+def _full_file(ix: OpenStore | Description, base: str) -> Path | None:
     """``base``'s full-space curvature file: its full-space fit's, or (unprojected rows) its stored-space fit's."""
     m = ix.described
     if base in m.full_space and full_path(ix.dir, base).exists():
@@ -581,8 +579,7 @@ def load_full_preconditioner(index: str | os.PathLike | OpenStore, method: str,
     once used). ``graddot``/``cosine`` (and their ``-selfnorm``) give the identity.
     """
     base, _ = parse_method(method)
-    ix, opened = open_store(index, "load its full-space preconditioner")
-    with ix if opened else nullcontext():
+    with opened(index, "load its full-space preconditioner") as ix:
         index_dir, manifest = ix.dir, ix.manifest
         shapes = ix.described.full_shapes
         if base in names("base"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -14,7 +13,7 @@ from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.curvature import Curvature, curvature_of
 from gradindex.precondition.files import check_fingerprints, precond_path, read_layers
 from gradindex.spec.manifest import Manifest
-from gradindex.store.opened import OpenStore, open_store
+from gradindex.store.opened import OpenStore, description, opened
 
 CURVATURE_CACHE_BYTES = 256 << 20
 """Default budget of a streamed (full-space) preconditioner's cached curvature: at most this many bytes of the
@@ -76,12 +75,12 @@ def available_methods(index: str | os.PathLike | OpenStore, selfnorm: bool = Fal
     ``adam`` when its rows are Adam-preconditioned.
 
     With ``selfnorm``, the self-normalized variants (``graddot-selfnorm``, ...) are listed too.
-    ``index``: an open index (or a path, opened here). ``rows``: the operations on the stored rows
-    (:func:`gradindex.methods.row_base`), not the methods an index in a whitened basis answers.
+    ``index``: an open index, or a path (its manifest alone is read: an interrupted build lists its methods too).
+    ``rows``: the operations on the stored rows (:func:`gradindex.methods.row_base`), not the methods an index in a
+    whitened basis answers.
     """
-    ix, opened = open_store(index, "list its methods")
-    with ix if opened else nullcontext():
-        return methods_of(ix.manifest, ix.dir, selfnorm, rows)
+    ix = description(index)
+    return methods_of(ix.manifest, ix.dir, selfnorm, rows)
 
 
 class Preconditioner:
@@ -174,8 +173,7 @@ def load_preconditioner(index: str | os.PathLike | OpenStore, method: str) -> Pr
     """The preconditioner of ``method`` (``-selfnorm`` variants load their base method) of an open index (or
     a path, opened here)."""
     base, _ = parse_method(method)
-    ix, opened = open_store(index, "load its preconditioner")
-    with ix if opened else nullcontext():
+    with opened(index, "load its preconditioner") as ix:
         index_dir, manifest, shapes = ix.dir, ix.manifest, ix.shapes
         check_rows_fit_method(index_dir, manifest, base)
         if method_spec(base).fitted is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -15,7 +14,7 @@ from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import store_pass
 from gradindex.precondition.files import check_fingerprints, precond_path, read_self_influence
 from gradindex.precondition.preconditioner import Preconditioner, load_preconditioner, selected_layers
-from gradindex.store.opened import OpenStore, open_store
+from gradindex.store.opened import OpenStore, opened
 
 _CACHE: OrderedDict = OrderedDict()
 _CACHE_SIZE = 4
@@ -54,8 +53,7 @@ def self_influence(
     method's, loaded): pass it when already at hand.
     """
     base, _ = parse_method(method)
-    ix, opened = open_store(index, "compute self-influence")
-    with ix if opened else nullcontext():
+    with opened(index, "compute self-influence") as ix:
         on_rows = row_methods().get(ix.described.basis_kind, {}).get(base, base)  # whitened rows: ekfac = their norm
         if on_rows != base:  # (a name the table lacks is already the operation on the rows, as the engine asks)
             return self_influence(ix, on_rows, damping, layers, device, block)

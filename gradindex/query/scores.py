@@ -19,16 +19,16 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 
 import numpy as np
 import torch
 
-from gradindex.index import OpenIndex, open_index
+from gradindex.index import OpenIndex
 from gradindex.methods import DEFAULT_DAMPING, index_row_base, parse_method
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import block_rows
 from gradindex.query.defaults import default_query_method, self_influence_or_note, selfnorm_scale
+from gradindex.store.opened import opened
 
 log = logging.getLogger("gradindex")
 
@@ -45,8 +45,7 @@ def score_matrix(index: str | os.PathLike | OpenIndex, query_grads: Mapping[str,
     ``ekfac`` with a warning logged). ``layers``: default all the index's layers. Arithmetic runs on ``device``
     (``auto``: the GPU when present) in ``dtype`` (default float64 on CPU, float32 on GPU).
     """
-    ix, opened = open_index(index, then="score it")
-    with ix if opened else nullcontext():
+    with opened(index, "score it", OpenIndex) as ix:
         defaulted, method = method is None, method or default_query_method(ix.manifest, ix.dir)
         parsed = parse_method(method)
         base = index_row_base(ix.manifest, ix.dir, parsed[0], method)  # the operation on stored rows

@@ -9,11 +9,13 @@ nothing re-reads ``manifest.json`` or the basis; :class:`gradindex.index.OpenInd
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from gradindex.capture import ProjectionSpec
 from gradindex.checksum import damage_error
-from gradindex.manifest import read_complete_manifest
+from gradindex.manifest import read_complete_manifest, read_manifest
 from gradindex.spec.manifest import Manifest
 from gradindex.spec.rows import RowSpec
 from gradindex.store.basis import RowBasis, index_basis
@@ -89,8 +91,32 @@ class OpenStore:
         self.close()
 
 
-def open_store(index: str | os.PathLike | OpenStore, then: str = "read it") -> tuple[OpenStore, bool]:
-    """``(OpenStore, opened_here)``: an open store (or index) as is, or a path opened (the caller closes it)."""
-    if isinstance(index, OpenStore):
-        return index, False
-    return OpenStore(index, then=then), True
+@dataclass(frozen=True)
+class Description:
+    """An index directory known by its manifest alone, for the questions the manifest and the files beside it
+    answer (which methods, which full-space fits): :class:`OpenStore`'s ``dir``, ``manifest`` and ``described``
+    with no store opened, no hash check, and no complete build required (an interrupted index still lists them)."""
+
+    dir: Path
+    manifest: dict
+
+    @property
+    def described(self) -> Manifest:
+        return Manifest(self.manifest)
+
+
+def description(index: str | os.PathLike | OpenStore) -> OpenStore | Description:
+    """An open store (or index) as is; a path, as its ``manifest.json`` alone (:class:`Description`)."""
+    return index if isinstance(index, OpenStore) else Description(Path(index), read_manifest(index))
+
+
+@contextmanager
+def opened(index: str | os.PathLike | OpenStore, then: str = "read it", kind: type[OpenStore] = OpenStore):
+    """``with opened(index) as ix``: an open store of ``kind`` (an :class:`OpenStore`, or a subclass such as
+    :class:`~gradindex.index.OpenIndex`) as is, its owner closing it; or a path opened as ``kind`` for the block
+    and closed after it. ``then``: what the caller is about to do, for the error of an incomplete build."""
+    if isinstance(index, kind):
+        yield index
+        return
+    with kind(index, then=then) as ix:
+        yield ix
