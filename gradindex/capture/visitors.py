@@ -30,6 +30,15 @@ def stored_factors(space: RowSpace, call: LayerCall) -> tuple[torch.Tensor, torc
     return call.cache[key]
 
 
+def inputs_with_ones(call: LayerCall) -> torch.Tensor:
+    """``[B, T, N_i(+1)]`` fp32: one call's inputs times its token weights, bias column appended
+    (:func:`~gradindex.capture.space.with_ones`), computed once per call for the visitors that take it (the
+    materialized rows and the full-space sums of a full-factor build)."""
+    if "with_ones" not in call.cache:
+        call.cache["with_ones"] = with_ones(call.a, call.m, call.info.bias)
+    return call.cache["with_ones"]
+
+
 class ProjectedRows(Visitor):
     """Per-example gradients in ``space``, summed over a layer's calls in a batch: :meth:`pop` gives them."""
 
@@ -66,8 +75,7 @@ class ProjectedRows(Visitor):
             gb, ab = stored_factors(sp, call)  # [B, T, k_g], [B, T, k_a]
             G = torch.bmm(gb.transpose(1, 2), ab)  # [B, k_g, k_a]
         else:
-            a1 = with_ones(call.a, call.m, call.info.bias)  # [B, T, N_i(+1)], padding zeroed
-            G = torch.bmm(call.g.transpose(1, 2), a1)  # [B, N_o, N_i(+1)]
+            G = torch.bmm(call.g.transpose(1, 2), inputs_with_ones(call))  # [B, N_o, N_i(+1)]
             if t is not None:
                 G = t.weight(G)  # entrywise weights first; side maps and scales below
             if M_a is not None:
@@ -159,23 +167,25 @@ class FullSums(_Sums):
         self.device = next(capture.model.parameters()).device
 
     def visit(self, call: LayerCall) -> None:
-        a, g, m, sel = call.a, call.g, call.m, self.select
-        if sel is not None:
-            sel = sel.to(a.device)
-            a, g, m = a[sel], g[sel], None if m is None else m[sel]
-        self.ensure(call.name, a.device)
-        if a.shape[0] == 0:
+        g, m, sel, made = call.g, call.m, self.select, call.cache.get("with_ones")  # (the materialized rows')
+        if sel is None:
+            a1 = inputs_with_ones(call)
+        else:  # the selected examples' (not the whole batch's, unless the rows made those)
+            sel = sel.to(g.device)
+            g, m = g[sel], None if m is None else m[sel]
+            a1 = made[sel] if made is not None else with_ones(call.a[sel], m, call.info.bias)
+        self.ensure(call.name, a1.device)
+        if a1.shape[0] == 0:
             return
-        a1 = with_ones(a, m, call.info.bias)
         a2 = a1.reshape(-1, a1.shape[-1])
         g2 = (g if m is None else g * m).reshape(-1, g.shape[-1])
-        block = gram_block(a.device)
+        block = gram_block(a1.device)
         add_gram(self.A[call.name], a2, block)
         add_gram(self.S[call.name], g2, block)
         if sel is None:
             self.tokens[call.name] += call.tokens()
         else:
-            self.tokens[call.name] += a.shape[0] * a.shape[1] if m is None else int(m.sum())
+            self.tokens[call.name] += a1.shape[0] * a1.shape[1] if m is None else int(m.sum())
 
     def ensure(self, name: str | None = None, device: torch.device | None = None) -> None:
         """Zero sums for layer ``name`` (``None``: every layer) where none are held yet: a shard none of whose
