@@ -38,6 +38,7 @@ from benchmarks.smollm2 import Recipe, finetune, retrain
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "real-llm.json"
 DAMPINGS = (1e-3, 1e-2, 1e-1, 1.0)
+DEFAULT = "first stage ekfac-selfnorm (full)"  # the default index's default query, what the others are paired with
 
 
 def _timed(cmd: list[str], log: Path, what: str) -> dict:
@@ -60,8 +61,10 @@ def _cli(args: list[str], log: Path) -> dict:
     return _timed([sys.executable, "-m", "gradindex", *args], log, f"gradindex {' '.join(args)}")
 
 
-def build_indices(ft: dict, work: Path, workers: int = 1) -> dict:
-    """The default build through the merged model and through the adapter (cached), ``workers`` at once."""
+def build_indices(ft: dict, work: Path, workers: int = 1, names: tuple[str, ...] = ("full", "adapter")) -> dict:
+    """The default build through the merged model (``full``) and through the adapter (``adapter``), cached,
+    ``workers`` at once; ``raw``: through the merged model with raw projected rows (``--transcode none``: int8
+    rows, the EK-FAC fit beside them), the rows ``graddot`` and ``cosine`` read."""
 
     def one(name_args):
         name, args = name_args
@@ -73,9 +76,10 @@ def build_indices(ft: dict, work: Path, workers: int = 1) -> dict:
             stamp.write_text(json.dumps(cost))
         return name, {"dir": str(idx), **json.loads(stamp.read_text())}
 
-    paths = (("full", [ft["merged"], ft["data"]]), ("adapter", [ft["base"], ft["data"], "--adapter", ft["adapter"]]))
+    paths = {"full": [ft["merged"], ft["data"]], "adapter": [ft["base"], ft["data"], "--adapter", ft["adapter"]],
+             "raw": [ft["merged"], ft["data"], "--transcode", "none"]}
     with ThreadPoolExecutor(workers) as ex:
-        return dict(ex.map(one, paths))
+        return dict(ex.map(one, [(n, paths[n]) for n in names]))
 
 
 def load_jsonl(path: str | Path) -> list[dict]:
@@ -154,6 +158,136 @@ def _train_pass(model, layers, train, pad, eig, w, rq, dots, sq, batch: int = 4)
                 sq[s:e] = cur["sq"].double().numpy()
 
 
+RAW = (("graddot", DAMPINGS[0]), ("cosine", DAMPINGS[0]), ("ekfac", DAMPINGS[0]), ("ekfac-selfnorm", DAMPINGS[0]),
+       ("ekfac-selfnorm", 0.1), ("ekfac-selfnorm", 1.0))
+
+
+def raw_rows(idx: str, queries: list[dict]) -> dict[str, np.ndarray]:
+    """The first stage on raw projected rows (the ``raw`` build): GradDot, cosine, and EK-FAC at the query's
+    damping (which the default rows bake in at 0.001)."""
+    from gradindex.query import QueryEngine
+
+    out = {}
+    with QueryEngine(idx) as engine:
+        for m, d in RAW:
+            name = f"raw rows {m} (full)" if m in ("graddot", "cosine") else f"raw rows {m} d={d:g} (full)"
+            out[name] = engine.scores(queries, method=m, damping=d)
+    return out
+
+
+def refined(idx: str, queries: list[dict], methods=("ekfac-selfnorm", "ekfac")) -> tuple[dict, dict]:
+    """The first stage with query refinement at its defaults (``--refine cg``: 1 CG step of Gauss-Newton products
+    over 32 training examples at refine damping 10), ``[Q, N]`` per method, and its seconds per query."""
+    from gradindex.query import QueryEngine
+    from gradindex.query.refine import RefineConfig
+
+    out, seconds = {}, {}
+    cfg = RefineConfig()
+    with QueryEngine(idx) as engine:
+        for m in methods:
+            t0 = time.perf_counter()
+            out[f"first stage {m} refined (full)"] = engine.scores(queries, method=m, refine=cfg)
+            seconds[m] = round((time.perf_counter() - t0) / len(queries), 2)
+    return out, {"config": {k: getattr(cfg, k) for k in ("method", "steps", "sample", "damping", "curvature")},
+                 "seconds_per_query": seconds}
+
+
+def adapter_gradients(ft: dict, queries: list[dict]) -> tuple[dict[str, tuple], np.ndarray, np.ndarray, np.ndarray]:
+    """Per-example gradients of the summed assistant-token loss with respect to the adapter's LoRA matrices
+    (the trained parameters), unprojected: ``({name: shape}, G_train [N, P] float32, tokens [N], G_query [Q, P])``,
+    tokenized as the fine-tune was (gradindex's chat tokenization, ``max_length`` of the recipe)."""
+    import datasets
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from gradindex.data import collate, per_example_loss, tokenize_records
+    from gradindex.model import load_tokenizer
+
+    L = ft["recipe"]["max_length"]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ft["base"], dtype=torch.float32),
+                                      ft["adapter"]).eval()
+    params = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+    for _, p in params:
+        p.requires_grad_(True)
+    tok = load_tokenizer(ft["base"])
+    P = sum(p.numel() for _, p in params)
+
+    def grads(records):
+        data = tokenize_records(datasets.Dataset.from_list(records), tok, L)
+        G, nt = np.zeros((len(data), P), np.float32), np.zeros(len(data))
+        for i in range(len(data)):
+            b = collate([data.input_ids[i]], [data.labels[i]], tok.pad_token_id)
+            loss, ntok = per_example_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
+                                          b["labels"])
+            g = torch.autograd.grad(loss.sum(), [p for _, p in params])
+            G[i], nt[i] = torch.cat([x.reshape(-1) for x in g]).numpy(), float(ntok.sum())
+        return G, nt
+
+    G, nt = grads(load_jsonl(ft["data"]))
+    Gq, _ = grads(queries)
+    return {n: tuple(p.shape) for n, p in params}, G, nt, Gq
+
+
+def second_moments(ft: dict, G: np.ndarray, nt: np.ndarray) -> dict[str, np.ndarray]:
+    """Stand-ins for the fine-tune's Adam ``exp_avg_sq`` (not saved), at the final parameters, ``[P]`` each:
+    ``batches``: the mean square of the training loss's minibatch gradients (token-mean loss of a batch of the
+    recipe's size), in the fine-tune's own batch order (its seed's permutations, every epoch): what Adam
+    averaged, but at the end of training rather than along it; ``examples``: the mean square of each
+    example's token-mean gradient."""
+    n, bs = len(G), ft["recipe"]["batch_size"]
+    rng = np.random.default_rng(ft["seed"])
+    acc, count = np.zeros(G.shape[1]), 0
+    for _ in range(ft["recipe"]["epochs"]):
+        order = rng.permutation(n)
+        for s in range(0, n, bs):
+            idx = order[s:s + bs]
+            acc += (G[idx].sum(0, dtype=np.float64) / nt[idx].sum()) ** 2
+            count += 1
+    ex = np.zeros(G.shape[1])
+    for i in range(n):
+        ex += (G[i].astype(np.float64) / nt[i]) ** 2
+    return {"batches": acc / count, "examples": ex / n}
+
+
+def trackstar(ft: dict, queries: list[dict], eps: float = 1e-8) -> dict[str, np.ndarray]:
+    """TrackStar (arXiv 2410.17413) through the adapter's LoRA matrices: each example's gradient divided by
+    ``√v + ε`` (``v``: :func:`second_moments`), projected per matrix with a seeded Gaussian (``k = 32`` a side, as
+    :func:`benchmarks.baselines.trackstar_scores`), unit-normalized, the cosine; also unprojected, and GradDot and
+    cosine of the raw LoRA gradients (unprojected), ``[Q, N]`` each."""
+    from benchmarks.baselines import trackstar_scores
+
+    shapes, G, nt, Gq = adapter_gradients(ft, queries)
+    vs = second_moments(ft, G, nt)
+
+    def gram(a, b, w=None, chunk=1 << 17):  # float64 a @ b.T of float32 rows (each column scaled by w), in chunks
+        out, na, nb = np.zeros((len(a), len(b))), np.zeros(len(a)), np.zeros(len(b))
+        for c in range(0, a.shape[1], chunk):
+            x, y = a[:, c:c + chunk].astype(np.float64), b[:, c:c + chunk].astype(np.float64)
+            if w is not None:
+                x, y = x * w[c:c + chunk], y * w[c:c + chunk]
+            out += x @ y.T
+            na += (x * x).sum(1)
+            nb += (y * y).sum(1)
+        return out, np.sqrt(np.maximum(na, 1e-300)), np.sqrt(np.maximum(nb, 1e-300))
+
+    def split(x):  # [n, P] -> {matrix: [n, *shape]}
+        out, o = {}, 0
+        for name, shape in shapes.items():
+            k = int(np.prod(shape))
+            out[name] = x[:, o:o + k].reshape(len(x), *shape)
+            o += k
+        return out
+
+    dot, qn, tn = gram(Gq, G)
+    out = {"graddot (adapter, unprojected)": dot, "cosine (adapter, unprojected)": dot / qn[:, None] / tn[None]}
+    for which, v in vs.items():
+        dot, qn, tn = gram(Gq, G, 1.0 / (np.sqrt(v) + eps))
+        out[f"trackstar unprojected (adapter, v: {which})"] = dot / qn[:, None] / tn[None]
+        vd = {name: m[0] for name, m in split(v[None]).items()}
+        out[f"trackstar (adapter, v: {which})"] = trackstar_scores(split(G), split(Gq), vd, eps=eps)
+    return out
+
+
 def bm25(ft: dict, queries: list[dict]) -> np.ndarray:
     """``[Q, N]`` BM25 of each query's answer tokens against each training conversation (tokenizer only)."""
     import datasets
@@ -198,7 +332,7 @@ def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: in
     first ``noise`` subsets under two seeds (the noise ceiling), ``workers`` processes at a time."""
     jobs = [(i, 0) for i in range(noise)] + [(i, 1) for i in range(noise)] + [(i, 0) for i in range(noise, len(masks))]
     ft_file = work / "finetune.json"
-    np.save(work / "masks.npy", masks)
+    _save_masks(work, masks)
 
     def one(job):
         i, r = job
@@ -224,6 +358,39 @@ def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: in
     return first, np.stack([first[:noise, 0], second], axis=1)
 
 
+def _save_masks(work: Path, masks: np.ndarray) -> None:
+    """Write ``masks.npy`` (what ``--retrain-one`` reads) unless it already holds ``masks`` as its first rows: a
+    shorter run must not cut the subsets a longer run still trains (halves are drawn in order, so a shorter
+    run's masks are the longer one's first rows)."""
+    path = work / "masks.npy"
+    if path.exists():
+        old = np.load(path)
+        if old.shape[1:] == masks.shape[1:] and len(old) >= len(masks) and np.array_equal(old[:len(masks)], masks):
+            return
+    np.save(path, masks)
+
+
+def retrained(masks: np.ndarray, noise: int, work: Path) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`retrainings`' ``([M, 1, Q], [K, 2, Q])`` from the files already in ``work/retrain``, training
+    nothing; refuses a subset whose file is missing (saying how many exist) or whose rows are not its mask's."""
+    def one(i, r):
+        out = work / "retrain" / f"s{i:03d}-r{r}.json"
+        if not out.exists():
+            have = sorted(x.stem for x in (work / "retrain").glob("s*-r*.json"))
+            seeds0 = sum(x.endswith("-r0") for x in have)
+            raise SystemExit(f"no retraining {out.name} yet: {seeds0} subsets under seed 0 and {len(have) - seeds0} "
+                             f"under seed 1 exist; pass --subsets / --noise-subsets within them (the retrain step "
+                             f"trains more)")
+        rec = json.loads(out.read_text())
+        if "rows" in rec and rec["rows"] != np.flatnonzero(masks[i]).tolist():
+            raise SystemExit(f"{out} was trained on other rows than subset {i}'s mask")
+        return np.array(rec["losses"])
+
+    first = np.stack([one(i, 0) for i in range(len(masks))])[:, None]
+    second = np.stack([one(i, 1) for i in range(noise)]) if noise else np.zeros((0,) + first.shape[2:])
+    return first, np.stack([first[:noise, 0], second], axis=1)
+
+
 def fact_ranks(score: np.ndarray, facts: list[dict]) -> list[int]:
     """Per fact query, the rank (1 = first) of its best-ranked source conversation."""
     out = []
@@ -243,15 +410,26 @@ def summarize(scores: dict[str, np.ndarray], ft: dict, masks: np.ndarray, losses
         if losses is not None:
             ev = evaluate(s, masks, losses)
             per_q = ev["per_query"]
-            row |= {"lds": float(per_q.mean()), "lds_facts": float(per_q[:F].mean()),
-                    "lds_docs": float(per_q[F:].mean()), "lds_per_seed": ev["per_seed"],
-                    "lds_per_query": [round(float(x), 4) for x in per_q]}
+            row |= {"lds": float(per_q.mean()), "lds_se": float(per_q.std(ddof=1) / np.sqrt(len(per_q))),
+                    "lds_facts": float(per_q[:F].mean()), "lds_docs": float(per_q[F:].mean()),
+                    "lds_per_seed": ev["per_seed"], "lds_per_query": [round(float(x), 4) for x in per_q]}
         table[name] = row
+    if losses is not None and DEFAULT in table:
+        for row in table.values():
+            row["vs_default"] = paired(row["lds_per_query"], table[DEFAULT]["lds_per_query"])
     ref = scores.get("full ekfac d=0.001")
     if ref is not None:
         for name, s in scores.items():
             table[name]["spearman_vs_full_ekfac"] = float(spearman_rows(s, ref).mean())
     return table
+
+
+def paired(a, b) -> dict:
+    """Mean per-query LDS difference ``a - b``, its standard error over queries, and on how many queries ``a``
+    is higher: the noise of a comparison on the same queries and retrainings (smaller than each mean's own)."""
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    return {"diff": round(float(d.mean()), 4), "se": round(float(d.std(ddof=1) / np.sqrt(len(d))), 4),
+            "higher": int((d > 0).sum()), "of": len(d)}
 
 
 def _peak_disk(path: Path, stop, out: list) -> None:
@@ -380,24 +558,54 @@ def _work(n: int, facts: int = 12, epochs: int | None = None) -> tuple[dict, Pat
     return ft, work
 
 
-def score_all(ft: dict, work: Path, full: bool) -> tuple[dict, dict]:
-    """Builds and every method's ``[Q, N]`` scores (cached in ``scores.npz``)."""
+EXTRA = ("graddot", "trackstar", "refine")  # the steps beyond the first stage, exhaustive EK-FAC and the baselines
+
+
+def score_all(ft: dict, work: Path, full: bool, extra: tuple[str, ...] = EXTRA) -> tuple[dict, dict]:
+    """Builds and every method's ``[Q, N]`` scores (cached in ``scores.npz``, each method once); ``extra``: which of
+    :data:`EXTRA` to compute if missing (``graddot``: the raw-rows build and its GradDot, cosine and EK-FAC at the
+    query's damping; ``trackstar``: TrackStar and the unprojected LoRA gradients' GradDot and cosine;
+    ``refine``: the first stage refined). Each extra step's seconds go to ``work/extra.json``."""
     queries = load_jsonl(ft["queries"])
     builds = build_indices(ft, work)
     cached = work / "scores.npz"
     scores = dict(np.load(cached)) if cached.exists() else {}
+    stamps = work / "extra.json"
+    info = json.loads(stamps.read_text()) if stamps.exists() else {}
+
+    def keep(new: dict, step: str | None = None, t0: float | None = None, **more) -> None:
+        scores.update(new)
+        np.savez(cached, **scores)
+        if step:
+            info[step] = {"seconds": round(time.perf_counter() - t0, 1), "load_after": round(os.getloadavg()[0], 1),
+                          "threads": torch.get_num_threads(), **more}
+            stamps.write_text(json.dumps(info, indent=1))
+
     if not any(k.startswith("first stage") for k in scores):
         for name, b in builds.items():
             scores |= {f"first stage {m} ({name})": s for m, s in first_stage(b["dir"], queries).items()}
-        scores |= baselines(ft, queries)
-        np.savez(cached, **scores)
+        keep(baselines(ft, queries))
     if full and not any(k.startswith("full ") for k in scores):
         t0 = time.perf_counter()
         scores |= exhaustive_full(builds["full"]["dir"], ft, queries, work)
         (work / "exhaustive.json").write_text(json.dumps({"seconds": round(time.perf_counter() - t0, 1)}))
-        np.savez(cached, **scores)
+        keep({})
     if (work / "exhaustive.json").exists():
         builds["exhaustive_full"] = json.loads((work / "exhaustive.json").read_text())
+    if "graddot" in extra or (work / "build-raw.json").exists():
+        builds |= build_indices(ft, work, names=("raw",))
+    if "graddot" in extra and not any(k.startswith("raw rows") for k in scores):
+        t0 = time.perf_counter()
+        keep(raw_rows(builds["raw"]["dir"], queries), "graddot", t0)
+    if "trackstar" in extra and not any(k.startswith("trackstar") for k in scores):
+        t0 = time.perf_counter()
+        keep(trackstar(ft, queries), "trackstar", t0)
+    if "refine" in extra and not any(" refined " in k for k in scores):
+        t0 = time.perf_counter()
+        new, how = refined(builds["full"]["dir"], queries)
+        keep(new, "refine", t0, **how)
+    if info:
+        builds["extra"] = info
     return builds, scores
 
 
@@ -547,28 +755,42 @@ def facts_markdown(res: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    """The methods table of a result, as docs/real-llm.md shows it."""
-    rows = ["| method | halves LDS (all) | facts | held-out docs | fact source @1 | fact MRR | Spearman vs full |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+    """The methods table of a result, as docs/real-llm.md shows it (``± SE``: the standard error over queries;
+    the last LDS column: paired with the default query, per-query difference ± its SE, queries higher)."""
+    rows = ["| method | halves LDS (all) ± SE | facts | held-out docs | vs default (paired) | fact source @1 | "
+            "fact MRR | Spearman vs full |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in result["methods"].items():
-        sp = r.get("spearman_vs_full_ekfac")
-        rows.append(f"| {name} | {r['lds']:.3f} | {r['lds_facts']:.3f} | {r['lds_docs']:.3f} | "
-                    f"{r['fact_recall@1']:.2f} | {r['fact_mrr']:.2f} | {'' if sp is None else f'{sp:.2f}'} |")
+        sp, vs = r.get("spearman_vs_full_ekfac"), r.get("vs_default")
+        vs = "" if vs is None or name == result.get("default") else \
+            f"{vs['diff']:+.3f} ± {vs['se']:.3f} ({vs['higher']} of {vs['of']})"
+        rows.append(f"| {name} | {r['lds']:.3f} ± {r.get('lds_se', float('nan')):.3f} | {r['lds_facts']:.3f} | "
+                    f"{r['lds_docs']:.3f} | {vs} | {r['fact_recall@1']:.2f} | {r['fact_mrr']:.2f} | "
+                    f"{'' if sp is None else f'{sp:.2f}'} |")
     return "\n".join(rows)
 
 
+REFINED = {"first stage ekfac-selfnorm refined (full)": DEFAULT,
+           "first stage ekfac refined (full)": "first stage ekfac (full)"}
+
+
 def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise: int) -> dict:
+    """The halves LDS, fact ranks and agreement of every method over the retrainings already made (``subsets``
+    under seed 0, the first ``noise`` also under seed 1; none is trained here), into ``results/real-llm.json``:
+    only this step's keys, the file re-read just before writing (other steps and scripts write other keys)."""
     masks = halves(ft["n"], subsets)
-    losses, pairs = retrainings(ft, masks, noise, work)
-    result = {"model": "SmolLM2-135M-Instruct (registry GGUF, Q4_1-rounded weights de-quantized to float32)",
-              "finetune": {k: ft[k] for k in ("n", "seed", "recipe", "train_seconds", "learned", "fact_queries",
-                                               "doc_queries")},
-              "builds": builds, "subsets": subsets, "noise_subsets": noise,
-              "cost": json.loads((work / "cost.json").read_text()) if (work / "cost.json").exists() else None,
-              "noise_ceiling": noise_ceiling(pairs) if noise else None, "methods": summarize(scores, ft, masks, losses),
-              "machine": f"{os.cpu_count()} cores, CPU"}
-    if RESULTS.exists() and "scale" in (old := json.loads(RESULTS.read_text())):
-        result["scale"] = old["scale"]  # (written by the scale step)
+    losses, pairs = retrained(masks, noise, work)
+    methods = summarize(scores, ft, masks, losses)
+    ours = {"model": "SmolLM2-135M-Instruct (registry GGUF, Q4_1-rounded weights de-quantized to float32)",
+            "finetune": {k: ft[k] for k in ("n", "seed", "recipe", "train_seconds", "learned", "fact_queries",
+                                             "doc_queries")},
+            "builds": builds, "subsets": subsets, "noise_subsets": noise,
+            "cost": json.loads((work / "cost.json").read_text()) if (work / "cost.json").exists() else None,
+            "noise_ceiling": noise_ceiling(pairs) if noise else None, "default": DEFAULT, "methods": methods,
+            "refinement": {r: {"over": p, **paired(methods[r]["lds_per_query"], methods[p]["lds_per_query"])}
+                           for r, p in REFINED.items() if r in methods and p in methods},
+            "machine": f"{os.cpu_count()} cores shared, CPU; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"}
+    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # re-read now: others write other keys
+    result |= ours
     RESULTS.write_text(json.dumps(result, indent=1))
     print(markdown(result))
     print("noise ceiling", result["noise_ceiling"])
@@ -577,12 +799,14 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("step", choices=["retrain", "score", "cost", "scale", "facts", "report", "all"], nargs="?",
+    p.add_argument("step", choices=["retrain", "score", *EXTRA, "cost", "scale", "facts", "report", "all"], nargs="?",
                    default="all",
-                   help="retrain: the LoRA retrainings only; score: builds and scores; cost: the default build "
+                   help="retrain: the LoRA retrainings only; score: builds and scores (graddot, trackstar, refine: "
+                        "one of the extra methods' scores alone); cost: the default build "
                         "against its plan and the default query's latency; scale: the same over --index-n "
                         "records beside a bare forward + backward of them; facts: planted-fact recall of the first "
-                        "stage and BM25 (--facts planted facts), under facts-N; report: the JSON")
+                        "stage and BM25 (--facts planted facts), under facts-N; report: the JSON over the "
+                        "retrainings already made (--subsets, --noise-subsets: how many of them; none trained)")
     p.add_argument("--n", type=int, default=160)
     p.add_argument("--facts", type=int, default=12, help="planted facts in the chat set")
     p.add_argument("--epochs", type=int, default=None, help="the LoRA recipe's epochs (default: the recipe's)")
@@ -628,7 +852,9 @@ def main(argv=None) -> None:
     if a.step == "scale":
         print(json.dumps(scale(ft, work, a.index_n, a.reuse_floor), indent=1))
         return
-    builds, scores = score_all(ft, work, not a.skip_full)
+    builds, scores = score_all(ft, work, not a.skip_full, (a.step,) if a.step in EXTRA else EXTRA)
+    if a.step == "all":
+        retrainings(ft, halves(a.n, a.subsets), a.noise_subsets, work, a.workers)
     if a.step in ("report", "all"):
         report(ft, work, builds, scores, a.subsets, a.noise_subsets)
 

@@ -1,0 +1,129 @@
+"""The halves study of the real-LLM benchmark (benchmarks/real_llm.py ``report``, TrackStar, paired noise): the report
+reads the retrainings that exist and trains none, writes only its own keys, never shortens the masks a longer run
+trains from; TrackStar's second-moment stand-ins and scores through a LoRA adapter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import real_llm
+from benchmarks.real_llm import _save_masks, halves, paired, retrained, second_moments
+
+
+def _work(tmp_path: Path, n: int = 20, q: int = 4, subsets: int = 3, noise: int = 1) -> Path:
+    work = tmp_path / "ft"
+    (work / "retrain").mkdir(parents=True)
+    masks = halves(n, subsets)
+    rng = np.random.default_rng(0)
+    for i in range(subsets):
+        for r in (0, 1) if i < noise else (0,):
+            (work / "retrain" / f"s{i:03d}-r{r}.json").write_text(json.dumps(
+                {"losses": rng.normal(size=q).tolist(), "rows": np.flatnonzero(masks[i]).tolist()}))
+    return work
+
+
+def test_retrained_reads_what_exists_and_trains_nothing(tmp_path):
+    work = _work(tmp_path)
+    first, pairs = retrained(halves(20, 3), 1, work)
+    assert first.shape == (3, 1, 4) and pairs.shape == (1, 2, 4)
+    with pytest.raises(SystemExit, match="3 subsets under seed 0 and 1 under seed 1 exist"):
+        retrained(halves(20, 4), 1, work)
+    assert not (work / "retrain" / "s003-r0.json").exists() and not (work / "masks.npy").exists()
+    bad = halves(20, 3)
+    bad[1] = ~bad[1]
+    with pytest.raises(SystemExit, match="other rows than subset 1"):
+        retrained(bad, 1, work)
+
+
+def test_a_shorter_run_keeps_the_longer_runs_masks(tmp_path):
+    _save_masks(tmp_path, halves(30, 6))
+    _save_masks(tmp_path, halves(30, 4))  # (the first 4 of the 6: halves are drawn in order)
+    assert np.array_equal(np.load(tmp_path / "masks.npy"), halves(30, 6))
+    _save_masks(tmp_path, halves(30, 8))
+    assert np.load(tmp_path / "masks.npy").shape == (8, 30)
+    _save_masks(tmp_path, halves(30, 2, seed=7))  # other masks: replaced
+    assert np.array_equal(np.load(tmp_path / "masks.npy"), halves(30, 2, seed=7))
+
+
+def test_report_writes_only_its_keys_over_existing_retrainings(tmp_path, monkeypatch):
+    work = _work(tmp_path)
+    results = tmp_path / "real-llm.json"
+    results.write_text(json.dumps({"query-tokens": {"kept": 1}, "facts-512": [2], "methods": "old"}))
+    monkeypatch.setattr(real_llm, "RESULTS", results)
+    ft = {"n": 20, "seed": 0, "recipe": {}, "train_seconds": 1.0, "learned": 0, "fact_queries": 2, "doc_queries": 2,
+          "facts": [{"rows": [0]}, {"rows": [1, 2]}]}
+    rng = np.random.default_rng(1)
+    scores = {real_llm.DEFAULT: rng.normal(size=(4, 20)), "first stage ekfac (full)": rng.normal(size=(4, 20))}
+    scores["first stage ekfac-selfnorm refined (full)"] = scores[real_llm.DEFAULT] + 0.1 * rng.normal(size=(4, 20))
+    res = real_llm.report(ft, work, {}, scores, 3, 1)
+    out = json.loads(results.read_text())
+    assert out["query-tokens"] == {"kept": 1} and out["facts-512"] == [2]
+    assert set(out["methods"]) == set(scores) and out["subsets"] == 3 and out["noise_subsets"] == 1
+    assert out["refinement"]["first stage ekfac-selfnorm refined (full)"]["over"] == real_llm.DEFAULT
+    assert "first stage ekfac refined (full)" not in out["refinement"]
+    row = res["methods"]["first stage ekfac (full)"]
+    assert row["vs_default"] == paired(row["lds_per_query"], res["methods"][real_llm.DEFAULT]["lds_per_query"])
+    assert sorted(p.name for p in (work / "retrain").iterdir()) == ["s000-r0.json", "s000-r1.json", "s001-r0.json",
+                                                                    "s002-r0.json"]
+
+
+def test_paired_difference_and_its_standard_error():
+    a, b = np.array([0.5, 0.4, 0.3, 0.6]), np.array([0.4, 0.4, 0.1, 0.5])
+    d = a - b
+    p = paired(a, b)
+    assert p["diff"] == pytest.approx(d.mean(), abs=1e-4) and p["higher"] == 3 and p["of"] == 4
+    assert p["se"] == pytest.approx(d.std(ddof=1) / 2, abs=1e-4)
+
+
+def test_second_moments_follow_the_fine_tunes_batches():
+    rng = np.random.default_rng(0)
+    G, nt = rng.normal(size=(10, 7)).astype(np.float32), rng.integers(1, 9, size=10).astype(float)
+    ft = {"seed": 3, "recipe": {"batch_size": 4, "epochs": 2}}
+    v = second_moments(ft, G, nt)
+    order, want = np.random.default_rng(3), []
+    for _ in range(2):
+        perm = order.permutation(10)
+        want += [(G[perm[s:s + 4]].sum(0, dtype=np.float64) / nt[perm[s:s + 4]].sum()) ** 2 for s in (0, 4, 8)]
+    assert np.allclose(v["batches"], np.mean(want, 0))
+    assert np.allclose(v["examples"], np.mean((G.astype(np.float64) / nt[:, None]) ** 2, 0))
+
+
+@pytest.mark.slow
+def test_trackstar_through_a_lora_adapter(tmp_path):
+    """A training example asked as a query is its own best match under every normalized score."""
+    from peft import LoraConfig, get_peft_model
+
+    from benchmarks import smollm2
+    from fixtures.tiny import chat_tokenizer, save_model_dir, tiny_llama
+
+    cs = smollm2.chat_set(24, facts=2, held_out=1, seed=2)
+    tok = chat_tokenizer([m["content"] for r in cs.records for m in r["messages"]], vocab_size=300)
+    torch.manual_seed(0)
+    base = save_model_dir(tiny_llama(vocab_size=len(tok), n_layer=1, hidden=16, n_head=2, intermediate=24), tok,
+                          tmp_path / "base")
+    from transformers import AutoModelForCausalLM
+
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                          LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)  # (B starts at zero: A's gradient would be zero)
+    lora.save_pretrained(tmp_path / "adapter")
+    data = smollm2.write_jsonl(cs.records, tmp_path / "train.jsonl")
+    ft = {"base": str(base), "adapter": str(tmp_path / "adapter"), "data": str(data), "seed": 0,
+          "recipe": {"max_length": 96, "batch_size": 8, "epochs": 2}}
+    out = real_llm.trackstar(ft, cs.records[:3])
+    assert set(out) == {"graddot (adapter, unprojected)", "cosine (adapter, unprojected)",
+                        *(f"trackstar{p} (adapter, v: {w})" for p in ("", " unprojected")
+                          for w in ("batches", "examples"))}
+    for name, s in out.items():
+        assert s.shape == (3, 24) and np.isfinite(s).all()
+        if name != "graddot (adapter, unprojected)":
+            assert np.allclose(np.diag(s[:, :3]), 1.0, atol=1e-5) and (s <= 1 + 1e-6).all(), name
+            assert (s.argmax(1) == np.arange(3)).all(), name
