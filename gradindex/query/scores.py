@@ -16,7 +16,6 @@ On an index whose rows are in a whitened basis the method names the influence as
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -24,13 +23,11 @@ import numpy as np
 import torch
 
 from gradindex.index import OpenIndex
-from gradindex.methods import DEFAULT_DAMPING, index_row_base, parse_method
+from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import resolve_device
 from gradindex.precondition.ekfac import block_rows
-from gradindex.query.defaults import default_query_method, self_influence_or_note, selfnorm_scale
+from gradindex.query.defaults import answer_for
 from gradindex.store.opened import opened
-
-log = logging.getLogger("gradindex")
 
 
 def score_matrix(index: str | os.PathLike | OpenIndex, query_grads: Mapping[str, torch.Tensor | np.ndarray],
@@ -46,19 +43,14 @@ def score_matrix(index: str | os.PathLike | OpenIndex, query_grads: Mapping[str,
     (``auto``: the GPU when present) in ``dtype`` (default float64 on CPU, float32 on GPU).
     """
     with opened(index, "score it", OpenIndex) as ix:
-        defaulted, method = method is None, method or default_query_method(ix.manifest, ix.dir)
-        parsed = parse_method(method)
-        base = index_row_base(ix.manifest, ix.dir, parsed[0], method)  # the operation on stored rows
-        si, fell = self_influence_or_note(ix, method, parsed, defaulted, base, damping, ix.selected_layers(layers))
-        if fell:  # the default's self-influence: plain scores of the base method, saying so
-            log.warning(fell)
-        return _scores(ix, query_grads, base, si, damping, layers, block, device, dtype)
+        answer = answer_for(ix, method, damping, ix.selected_layers(layers))  # (the engine's: notes logged)
+        return _scores(ix, query_grads, answer.base, answer.scale, damping, layers, block, device, dtype)
 
 
-def _scores(ix: OpenIndex, query_grads, base: str, si: np.ndarray | None, damping: float, layers, block: int,
+def _scores(ix: OpenIndex, query_grads, base: str, scale: np.ndarray | None, damping: float, layers, block: int,
             device: str, dtype: torch.dtype | None) -> np.ndarray:
-    """Every example's score under the operation ``base`` on the stored rows, divided by ``sqrt(si)`` (the
-    self-influence; an example with none scores 0) where ``si`` is given."""
+    """Every example's score under the operation ``base`` on the stored rows, times its ``-selfnorm`` ``scale``
+    (``1/sqrt`` of its self-influence; 0 for none) where given."""
     layers = ix.selected_layers(layers)
     lacking = [n for n in layers if n not in query_grads]
     if lacking:
@@ -95,6 +87,6 @@ def _scores(ix: OpenIndex, query_grads, base: str, si: np.ndarray | None, dampin
             denom = q_norm[:, None] * t_sq.sqrt()[None, :]
             s = torch.where(denom > 0, s / denom.clamp_min(torch.finfo(dtype).tiny), torch.zeros_like(s))
         out[:, pos] = s.double().cpu().numpy()
-    if si is not None:
-        out *= selfnorm_scale(si)[None, :]
+    if scale is not None:
+        out *= scale[None, :]
     return out
