@@ -249,15 +249,26 @@ def second_moments(ft: dict, G: np.ndarray, nt: np.ndarray) -> dict[str, np.ndar
     return {"batches": acc / count, "examples": ex / n}
 
 
-def trackstar(ft: dict, queries: list[dict], eps: float = 1e-8) -> dict[str, np.ndarray]:
+def trackstar(ft: dict, queries: list[dict], eps: float = 1e-8, save: Path | None = None) -> dict[str, np.ndarray]:
     """TrackStar (arXiv 2410.17413) through the adapter's LoRA matrices: each example's gradient divided by
     ``√v + ε`` (``v``: :func:`second_moments`), projected per matrix with a seeded Gaussian (``k = 32`` a side, as
     :func:`benchmarks.baselines.trackstar_scores`), unit-normalized, the cosine; also unprojected, and GradDot and
-    cosine of the raw LoRA gradients (unprojected), ``[Q, N]`` each."""
+    cosine of the raw LoRA gradients (unprojected), ``[Q, N]`` each. ``save``: a folder to write each ``v`` to as
+    ``v-WHICH.safetensors``, an optimizer state ``gradindex build --adapter ... --optimizer-state`` reads."""
     from benchmarks.baselines import trackstar_scores
 
     shapes, G, nt, Gq = adapter_gradients(ft, queries)
     vs = second_moments(ft, G, nt)
+    if save is not None:
+        from safetensors.torch import save_file
+
+        for which, v in vs.items():
+            o, tensors = 0, {}
+            for name, shape in shapes.items():
+                k = int(np.prod(shape))
+                tensors[f"{name}.exp_avg_sq"] = torch.from_numpy(v[o:o + k].reshape(shape)).float().contiguous()
+                o += k
+            save_file(tensors, str(save / f"v-{which}.safetensors"), metadata={"eps": repr(eps)})
 
     def gram(a, b, w=None, chunk=1 << 17):  # float64 a @ b.T of float32 rows (each column scaled by w), in chunks
         out, na, nb = np.zeros((len(a), len(b))), np.zeros(len(a)), np.zeros(len(b))
@@ -599,7 +610,7 @@ def score_all(ft: dict, work: Path, full: bool, extra: tuple[str, ...] = EXTRA) 
         keep(raw_rows(builds["raw"]["dir"], queries), "graddot", t0)
     if "trackstar" in extra and not any(k.startswith("trackstar") for k in scores):
         t0 = time.perf_counter()
-        keep(trackstar(ft, queries), "trackstar", t0)
+        keep(trackstar(ft, queries, save=work), "trackstar", t0)
     if "refine" in extra and not any(" refined " in k for k in scores):
         t0 = time.perf_counter()
         new, how = refined(builds["full"]["dir"], queries)

@@ -118,7 +118,7 @@ def test_trackstar_through_a_lora_adapter(tmp_path):
     data = smollm2.write_jsonl(cs.records, tmp_path / "train.jsonl")
     ft = {"base": str(base), "adapter": str(tmp_path / "adapter"), "data": str(data), "seed": 0,
           "recipe": {"max_length": 96, "batch_size": 8, "epochs": 2}}
-    out = real_llm.trackstar(ft, cs.records[:3])
+    out = real_llm.trackstar(ft, cs.records[:3], save=tmp_path)
     assert set(out) == {"graddot (adapter, unprojected)", "cosine (adapter, unprojected)",
                         *(f"trackstar{p} (adapter, v: {w})" for p in ("", " unprojected")
                           for w in ("batches", "examples"))}
@@ -127,3 +127,12 @@ def test_trackstar_through_a_lora_adapter(tmp_path):
         if name != "graddot (adapter, unprojected)":
             assert np.allclose(np.diag(s[:, :3]), 1.0, atol=1e-5) and (s <= 1 + 1e-6).all(), name
             assert (s.argmax(1) == np.arange(3)).all(), name
+    from peft import PeftModel
+
+    from gradindex.capture.adam import load_second_moments
+
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                     tmp_path / "adapter")
+    for which in ("batches", "examples"):  # the stand-ins are optimizer states gradindex reads for this model
+        moments = load_second_moments(tmp_path / f"v-{which}.safetensors", peft)
+        assert len(moments.v) == sum("lora_" in n for n, _ in peft.named_parameters()) == 4
