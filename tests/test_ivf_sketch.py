@@ -17,6 +17,7 @@ from gradindex.capture import ProjectionSpec
 from gradindex.cli import main
 from gradindex.data import records_from_texts, tokenize_records
 from gradindex.index import IndexConfig, build_indices
+from gradindex.index.sketch import SKETCH_BYTES
 from gradindex.index.tiers import CandidateRequest, RowShape, choose_kind, lookup_cost, make_tier, tier_class
 from gradindex.index.tiers import ivf_sketch as ivf
 from gradindex.manifest import index_args, read_manifest
@@ -143,7 +144,7 @@ def test_factory_strings_cli_and_plan(rows_index, built, gpt2_dir, tmp_path):
     plan = plan_build(model, PlanConfig(shard_size=16, max_length=48), 10**7, factory="ivf-sketch")
     ex = lookup_cost(10**7, sum(lp.numbers for lp in plan.layers), plan.storage, "sketch")
     assert plan.lookup.kind == "ivf-sketch" and plan.lookup.seconds < ex.seconds / 2
-    assert plan.index_bytes > 10**7 * (ivf.SKETCH_BYTES + 4)  # the sketch, its list ids, the centroids, the norms
+    assert plan.index_bytes > 10**7 * (SKETCH_BYTES + 4)  # the sketch, its list ids, the centroids, the norms
 
 
 def test_auto_picks_it_only_beyond_the_exhaustive_sketch(rows_index, tmp_path):

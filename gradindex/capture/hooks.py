@@ -26,7 +26,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gradindex.adapter import adapter_layers
-from gradindex.capture.layers import GroupMember, LayerInfo, group_rule_for, layer_info, rule_for
+from gradindex.capture.layers import GroupMember, LayerInfo, group_rule_for, layer_info, rule_for, some_names
 
 
 def _block_prefix(model: nn.Module) -> str | None:
@@ -66,7 +66,7 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
         if not chosen:
             raise ValueError(
                 "could not find the transformer blocks to hook by default; pass layer patterns "
-                f"(modules look like {_examples(hookable)})"
+                f"(modules look like {some_names(hookable)})"
             )
         return chosen
     chosen: dict[str, nn.Module] = {}
@@ -74,7 +74,7 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
         hits = [n for n in hookable if fnmatch.fnmatchcase(n, pat)]
         if not hits:
             raise ValueError(
-                f"layer pattern {pat!r} matched no module; modules look like {_examples(hookable)} "
+                f"layer pattern {pat!r} matched no module; modules look like {some_names(hookable)} "
                 "(see `gradindex layers MODEL_DIR`)"
             )
         chosen.update((n, hookable[n]) for n in hits)
@@ -163,9 +163,6 @@ def _hook_groups(modules: Mapping[str, nn.Module]) -> dict[str, tuple[nn.Module,
     return out
 
 
-def _examples(names: dict) -> str:
-    shown = list(names)[:3]
-    return ", ".join(repr(s) for s in shown) + (", ..." if len(names) > 3 else "")
 
 
 @dataclass

@@ -84,6 +84,13 @@ _RULES: dict[type, Callable[[nn.Module], LayerInfo]] = {}
 _GROUPS: list[GroupRule] = []
 
 
+def some_names(names) -> str:
+    """The first three of ``names`` (a sequence, or a dict's keys), quoted, ``...`` after them where there are more:
+    how an error about a layer shows the ones there are."""
+    shown = list(names)[:3]
+    return ", ".join(repr(s) for s in shown) + (", ..." if len(names) > 3 else "")
+
+
 def register_layer(cls: type) -> Callable:
     """Register a rule for modules of type ``cls`` (subclasses included)."""
 

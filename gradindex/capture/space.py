@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import torch
 
-from gradindex.capture.layers import LayerInfo
+from gradindex.capture.layers import LayerInfo, some_names
 from gradindex.capture.projection import ProjectionSpec, projection_matrix
 from gradindex.capture.transform import SIDES, LayerTransform
 
@@ -34,8 +34,7 @@ def check_transforms(transforms: Transforms, infos: Mapping[str, LayerInfo]) -> 
     out: dict[str, LayerTransform] = {}
     for name, t in transforms.items():
         if name not in infos:
-            shown = ", ".join(repr(s) for s in list(infos)[:3]) + (", ..." if len(infos) > 3 else "")
-            raise ValueError(f"transform given for layer {name!r}, which is not hooked (hooked: {shown})")
+            raise ValueError(f"transform given for layer {name!r}, which is not hooked (hooked: {some_names(infos)})")
         if not isinstance(t, LayerTransform):
             t = LayerTransform.from_maps(dict(t))
         info = infos[name]

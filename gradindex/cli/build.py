@@ -72,7 +72,8 @@ def note_unhooked(model) -> None:
 
 
 def _default(name: str):
-    """The library's default of a build setting (:mod:`gradindex.spec.build`; never restated here)."""
+    """The library's default of a build setting or row field (:func:`gradindex.spec.build.default`; never restated
+    here)."""
     from gradindex.spec.build import default
 
     return default(name)
@@ -82,7 +83,7 @@ def _default(name: str):
 @click.argument("model_dir", type=click.Path())
 @click.argument("data", type=click.Path())
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="Index directory to write.")
-@click.option("--projection", default="auto", show_default=True,
+@click.option("--projection", default=_default("projection"), show_default=True,
               help="K, KAxKG, none, or auto (per-layer sizes from --budget).")
 @click.option("--rows", default=None,
               help="What a row holds, as one spec: e.g. auto,EKFAC@0.001,int4 (the default), P16x16,fp32, none,int8 "
@@ -91,17 +92,17 @@ def _default(name: str):
 @click.option("--budget", default=None,
               help="Bytes per example for --projection auto: an integer, or a fraction of the full float32 "
                    "gradient such as 1/8 (default auto: 1/8, at most 256 KiB; the whole gradient where that buys it).")
-@click.option("--allocation", default="cost", show_default=True,
+@click.option("--allocation", default=_default("allocation"), show_default=True,
               type=click.Choice(["ratio", "equal", "spectrum", "cost"]),
               help="How --budget is spread over layers (docs/math.md, 'What a row holds'); cost: ratio's numbers "
                    "per layer, split between its sides for the cheapest capture (a narrow side often kept exact).")
-@click.option("--projection-basis", "basis", default="raw", show_default=True,
+@click.option("--projection-basis", "basis", default=_default("basis"), show_default=True,
               type=click.Choice(["raw", "kfac", "eigen"]),
               help="eigen: store the full-space EK-FAC eigen-coordinates --budget buys, chosen over all layers "
                    "(two model passes first; rows answer ekfac; wins where the budget holds most of the "
                    "influence, benchmarks/width.py). kfac: whiten each side by its damped full-space K-FAC factor "
                    "before projecting; rows then answer kfac/ekfac, not graddot.")
-@click.option("--basis-damping", default=1.0, show_default=True, type=float,
+@click.option("--basis-damping", default=_default("basis_damping"), show_default=True, type=float,
               callback=positive_damping, help="Relative damping of the kfac whitening.")
 @click.option("--fit-examples", "basis_examples", default=_default("basis_examples"), show_default=True, type=int,
               help="Examples sampled for the kfac basis's factor pass (0 = all).")
@@ -122,7 +123,7 @@ def _default(name: str):
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--route", default=_default("route"), show_default=True,
               type=click.Choice(["auto", "factorized", "materialized"]))
-@click.option("--storage", default="auto", show_default=True, type=click.Choice(["auto", *STORAGES]),
+@click.option("--storage", default=_default("storage"), show_default=True, type=click.Choice(["auto", *STORAGES]),
               help="Row codes on disk: float32, float16, or int8/int4 with a per-row scale (2x/4x/8x smaller). "
                    "auto: int4 for rows transcoded into the EK-FAC eigenbasis, else int8.")
 @click.option("--shard-size", default=_default("shard_size"), show_default=True, type=int,

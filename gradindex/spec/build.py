@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from gradindex.methods import DEFAULT_DAMPING
+from gradindex.spec.rows import RowSpec
 
 DEFAULT_BATCH_SIZE = 8
 """Examples per forward/backward unless one is given; also the batch of an index whose record names none."""
@@ -99,8 +100,9 @@ many, else a seeded sample of this many: its factors summed in the capture pass,
 
 
 def default(name: str):
-    """The default of field ``name`` (what ``gradindex build`` uses when its option is left out)."""
-    for f in fields(BuildOptions):
+    """The default of field ``name`` of :class:`BuildOptions`, else of the row spec (:class:`RowSpec`): what
+    ``gradindex build`` uses when its option is left out."""
+    for f in (*fields(BuildOptions), *fields(RowSpec)):
         if f.name == name:
             return f.default
-    raise KeyError(f"BuildOptions has no field {name!r}")
+    raise KeyError(f"neither BuildOptions nor RowSpec has a field {name!r}")

@@ -41,7 +41,7 @@ from gradindex.errors import CorruptFileError
 from gradindex.index import gpu
 from gradindex.index.cost import READ_BYTES_S, ROW_READ_S, SKETCH_NS, LookupCost, sketch_candidates
 from gradindex.index.files import index_command
-from gradindex.index.sketch import SKETCH_BYTES, Sketch, SketchIndex, _int_mm_works, read_into, split_levels
+from gradindex.index.sketch import Sketch, SketchIndex, _int_mm_works, read_into, split_levels
 from gradindex.index.space import IndexSpace
 from gradindex.index.tiers.base import (
     BuildJob,
@@ -108,11 +108,8 @@ class IvfSketchTier(SketchTier):
     def nlist(self, n: int) -> int:
         return min(n, self.asked_lists() or default_nlist(n))
 
-    def _m(self) -> int:
-        return max(1, (self.cfg.sketch_bytes or SKETCH_BYTES) - 4)
-
     def suits(self, rows: RowShape, space: IndexSpace, ram_bytes: int) -> bool:
-        slow = rows.n * self._m() * SKETCH_NS * 1e-9 >= SCAN_SECONDS
+        slow = rows.n * self.sketch_codes() * SKETCH_NS * 1e-9 >= SCAN_SECONDS
         fits = ram_bytes <= 0 or self.cost(rows).ram_bytes <= RAM_SHARE * ram_bytes
         return super().suits(rows, space, ram_bytes) and slow and fits
 
@@ -123,7 +120,7 @@ class IvfSketchTier(SketchTier):
                              "it on; use fewer lists, ivf-sketch (4·√N lists) or sketch (exhaustive)")
 
     def cost(self, rows: RowShape, candidates: int | None = None) -> LookupCost:
-        n, m = rows.n, self._m()
+        n, m = rows.n, self.sketch_codes()
         nlist = self.nlist(n)
         c = min(n, candidates or sketch_candidates(n))
         scanned = min(n, max(c, math.ceil(n * PROBE_SHARE)))

@@ -39,10 +39,14 @@ class SketchTier(Tier):
     def suits(self, rows: RowShape, space: IndexSpace, ram_bytes: int) -> bool:
         return space.whiten == "none" and not space.normalize
 
+    def sketch_codes(self) -> int:
+        """Code bytes of one example's sketch: ``sketch_bytes`` less its 4-byte scale (at least 1)."""
+        return max(1, (self.cfg.sketch_bytes or SKETCH_BYTES) - 4)
+
     def cost(self, rows: RowShape, candidates: int | None = None) -> LookupCost:
         n = rows.n
         norms = 4 * n * rows.layers
-        m = max(1, (self.cfg.sketch_bytes or SKETCH_BYTES) - 4)
+        m = self.sketch_codes()
         c = min(n, candidates or sketch_candidates(n))
         secs = n * m * SKETCH_NS * 1e-9 + c * (ROW_READ_S + rows.row_bytes / READ_BYTES_S)
         held = n * (m + 4) + norms
