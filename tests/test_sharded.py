@@ -83,6 +83,17 @@ def test_split_parts_and_merge_round_trip_bitwise(default_index, sharded, tmp_pa
                                                                        if n.startswith("store/")}
 
 
+def test_cli_merge_reads_the_sharded_index_once(sharded, tmp_path, monkeypatch):
+    """``gradindex merge`` reads ``shards.json`` and checks every part's manifest once (it used to twice: once for
+    the count it prints)."""
+    import gradindex.index.sharded as S
+
+    calls = []
+    monkeypatch.setattr(S, "read_sharded", lambda d: calls.append(d) or read_sharded(d))
+    assert "merged 2 parts" in run("merge", sharded.dir, "--out", tmp_path / "back")
+    assert len(calls) == 1 and read_manifest(tmp_path / "back") == sharded.manifest
+
+
 def test_sharded_engine_in_one_process_equals_the_index(gpt2_dir, default_index, sharded):
     with QueryEngine(default_index, gpt2_dir, device="cpu") as one, \
             ShardedQueryEngine(sharded.dir, gpt2_dir, device="cpu") as many:

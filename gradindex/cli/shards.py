@@ -50,9 +50,9 @@ def merge(sharded_dir, out):
     from gradindex.index.sharded import merge_index, read_sharded
 
     t0 = time.perf_counter()
-    n = len(read_sharded(sharded_dir).parts)
-    merge_index(sharded_dir, out)
-    click.echo(f"merged {n} parts of {sharded_dir} into {out} in {time.perf_counter() - t0:.1f} s")
+    sh = read_sharded(sharded_dir)  # (shards.json and every part's manifest, read once)
+    merge_index(sh, out)
+    click.echo(f"merged {len(sh.parts)} parts of {sharded_dir} into {out} in {time.perf_counter() - t0:.1f} s")
 
 
 @user_errors

@@ -257,11 +257,12 @@ def _build_tier(d: Path, manifest: dict) -> None:
 
 
 # -- merge ---------------------------------------------------------------------------------------------------------
-def merge_index(sharded: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Merge the parts of ``sharded`` into one complete index in the new directory ``out``: the store's shard files
-    copied back with their ids shifted to the whole index's (the original bytes, for a split index), the fits
-    with their self-influence rows joined, the whole manifest, and the tier rebuilt as it was."""
-    sh = read_sharded(sharded)
+def merge_index(sharded: str | os.PathLike | Sharded, out: str | os.PathLike) -> Path:
+    """Merge the parts of ``sharded`` (a directory, or one :func:`read_sharded` already read) into one complete index
+    in the new directory ``out``: the store's shard files copied back with their ids shifted to the whole index's
+    (the original bytes, for a split index), the fits with their self-influence rows joined, the whole manifest,
+    and the tier rebuilt as it was."""
+    sh = sharded if isinstance(sharded, Sharded) else read_sharded(sharded)
     out = Path(out)
     _refuse_out(out)
     fits = _same_fits(sh)
