@@ -71,11 +71,19 @@ def on_rank0(fn):
     return out
 
 
-def init_from_env(device: str = "cpu") -> bool:
+BUILD_TIMEOUT = timedelta(hours=6)
+"""A build's collective timeout: rank 0 alone fits, transcodes and indexes while the others wait at a barrier."""
+_timeout = BUILD_TIMEOUT
+
+
+def init_from_env(device: str = "cpu", timeout: float | None = None) -> bool:
     """Start the process group ``torchrun`` describes (``WORLD_SIZE`` > 1), once; return whether one runs.
 
-    Backend ``nccl`` for CUDA devices, else ``gloo``. Each rank uses CUDA device ``LOCAL_RANK``.
+    Backend ``nccl`` for CUDA devices, else ``gloo``. Each rank uses CUDA device ``LOCAL_RANK``. ``timeout``: seconds
+    a collective (and the start) may wait for the other ranks before it fails (default :data:`BUILD_TIMEOUT`; a
+    lookup's ranks take seconds, :mod:`gradindex.query.ranks`).
     """
+    global _timeout
     if active():
         return True
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available():
@@ -83,9 +91,19 @@ def init_from_env(device: str = "cpu") -> bool:
     cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # rank 0 alone fits, transcodes and indexes while the others wait at a barrier: allow it hours
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=6))
+    _timeout = BUILD_TIMEOUT if timeout is None else timedelta(seconds=timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=_timeout)
     return True
+
+
+def timeout() -> float:
+    """Seconds a collective of this run waits for the other ranks (:func:`init_from_env`)."""
+    return _timeout.total_seconds()
+
+
+def store() -> dist.Store:
+    """The process group's key-value store (``torchrun``'s rendezvous store): small keys every rank sees."""
+    return dist.distributed_c10d._get_default_store()
 
 
 def shutdown(wait: bool = True) -> None:

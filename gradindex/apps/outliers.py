@@ -51,14 +51,32 @@ class OutlierRanking:
 def rank_outliers(index_dir: str | os.PathLike | OpenStore, method: str = "ekfac",
                   damping: float = DEFAULT_DAMPING, layers: Sequence[str] | None = None) -> OutlierRanking:
     """Self-influence of every stored example under ``method`` (``graddot``, ``kfac``, ``ekfac``)."""
+    base = _base(method)
+    with opened(index_dir, "look for outliers") as ix:
+        return _ranking(base, damping, self_influence(ix, base, damping, layers), ix.store)
+
+
+def engine_outliers(engine, method: str = "ekfac", damping: float = DEFAULT_DAMPING,
+                    layers: Sequence[str] | None = None) -> OutlierRanking:
+    """:func:`rank_outliers` of the index a query engine answers from; over a sharded index, every part's
+    self-influence from the rank that holds it (:meth:`~gradindex.query.sharded.ShardedQueryEngine.self_influence`)."""
+    if getattr(engine, "sharded", None) is None:
+        return rank_outliers(engine.dir, method, damping, layers)
+    base = _base(method)
+    return _ranking(base, damping, engine.self_influence(base, damping, engine.select_layers(layers)), engine.store)
+
+
+def _base(method: str) -> str:
     base, selfnorm = parse_method(method)
     if selfnorm or base == "cosine":
         raise ValueError(f"outliers rank by self-influence, which {method!r} does not have (it is 1 "
                          "for every example); use graddot, kfac or ekfac")
-    with opened(index_dir, "look for outliers") as ix:
-        si = self_influence(ix, base, damping, layers)
-        ntok = ix.store.column("num_tokens").astype(np.int64)
-        loss = ix.store.column("loss").astype(np.float64)
+    return base
+
+
+def _ranking(base: str, damping: float, si: np.ndarray, store) -> OutlierRanking:
+    ntok = store.column("num_tokens").astype(np.int64)
+    loss = store.column("loss").astype(np.float64)
     per_tok = np.where(ntok > 0, si / np.maximum(ntok, 1), 0.0)
     return OutlierRanking(base, damping, si, per_tok, ntok, loss)
 

@@ -25,7 +25,7 @@ import torch
 from gradindex.apps.dedup import DedupConfig, find_duplicates
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, heatmap, page, table
-from gradindex.apps.outliers import rank_outliers
+from gradindex.apps.outliers import engine_outliers
 from gradindex.heap import bound_heap
 from gradindex.index.space import query_vectors
 from gradindex.manifest import row_basis
@@ -191,7 +191,7 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
     overall = sorted(agg.values(), key=lambda a: (-a["sum_abs_score"], a["id"]))
 
     _, sample = _score_sample(engine, grads, cfg, layers)
-    ranking = rank_outliers(engine.dir, cfg.method, cfg.damping, layers)
+    ranking = engine_outliers(engine, cfg.method, cfg.damping, layers)
     top_out = ranking.top(cfg.outliers) if cfg.outliers else []
     out_texts = engine.texts.texts(np.array([o["id"] for o in top_out], dtype=np.int64)) if top_out else []
     for o, t in zip(top_out, out_texts, strict=True):
@@ -201,12 +201,12 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
     groups = []
     dcfg = DedupConfig(threshold=cfg.dedup_threshold, method=cfg.method, damping=cfg.damping)
     if cfg.dedup:
-        res = find_duplicates(engine.dir, dcfg, layers)
+        res = find_duplicates(getattr(engine, "whole", engine.dir), dcfg, layers)  # (sharded: every part)
         ids = sorted({i for g in res.groups for i in g.ids})
         by_id = dict(zip(ids, engine.texts.texts(np.array(ids, dtype=np.int64)), strict=True)) if ids else {}
         groups = [{**g.to_dict(), "texts": [by_id.get(i) for i in g.ids]} for g in res.groups]
     plots = _plots(sample, [q["text"] for q in per_query], ranking.self_influence, flagged)
-    summary = {"index": str(engine.dir), "examples": engine.n, "queries": len(per_query),
+    summary = {"index": str(getattr(engine, "home", engine.dir)), "examples": engine.n, "queries": len(per_query),
                "config": {**asdict(cfg), "dedup_threshold": dcfg.cut if cfg.dedup else None}, "layers": layers,
                "overall": overall[:100], "outliers": top_out,
                "duplicate_groups": groups,

@@ -262,7 +262,7 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
     answers = [default] + [m for m in answers if m != default]
     stages = StageTimes()
     app.state.stages = stages
-    state = IndexState(engine.dir, engine.index.check_current)
+    state = IndexState(engine.dir, engine.index.check_current, getattr(engine, "lost", None))
     app.state.index = state
     app.add_middleware(Guard, token=token, max_body=MAX_BODY)
 

@@ -1,6 +1,7 @@
 """What the server says about its index, and how an error inside the engine becomes an HTTP status.
 
-The index is ``ok``, ``stale`` (a build replaced or is rebuilding the directory since the server opened
+The index is ``ok``, ``lost`` (a rank of a sharded index's run died or stalled: :mod:`gradindex.query.ranks`),
+``stale`` (a build replaced or is rebuilding the directory since the server opened
 it: :meth:`~gradindex.index.opened.OpenIndex.check_current`, one ``stat`` of ``manifest.json`` per
 request) or ``damaged`` (a read met a file whose bytes differ from those recorded at the build). Stale
 and damaged are 503 at once, before the request is queued; a request the engine refuses is 400 with the
@@ -17,6 +18,7 @@ from fastapi import HTTPException
 
 from gradindex.checksum import DamagedIndexError
 from gradindex.index import IndexReplacedError
+from gradindex.query.ranks import RankLostError
 
 log = logging.getLogger("gradindex")
 
@@ -31,10 +33,12 @@ class IndexState:
     """The served index's health (:meth:`status`), checked per request (:meth:`refuse`), and the HTTP
     error of an engine exception (:meth:`http_error`)."""
 
-    def __init__(self, index_dir: str | Path, check_current) -> None:
+    def __init__(self, index_dir: str | Path, check_current, lost=None) -> None:
         d = Path(index_dir)
         self._dirs = sorted({str(d), str(d.absolute()), str(d.resolve())}, key=len, reverse=True)
         self._check_current = check_current
+        self._lost = lost or (lambda: None)
+        """Why a sharded index's ranks can no longer answer (a rank died or stalled), else None."""
         self.damage: str | None = None
         """Set by the first read that met a damaged file; the server answers 503 from then on."""
 
@@ -58,6 +62,8 @@ class IndexState:
         """``ok``, ``damaged: shard N (...)`` with the repair command, or ``stale: ...``."""
         if self.damage:
             return f"damaged: {self.damage}"
+        if self._lost():
+            return f"lost: {self.public(self._lost())}"
         why = self.replaced()
         return f"stale: {why}" if why else "ok"
 
@@ -65,6 +71,8 @@ class IndexState:
         """503 at once when the index is damaged or no longer the directory's."""
         if self.damage:
             raise HTTPException(503, f"the index is damaged: {self.damage}")
+        if self._lost():
+            raise HTTPException(503, self.public(self._lost()))
         why = self.replaced()
         if why:
             raise HTTPException(503, why)
@@ -74,6 +82,9 @@ class IndexState:
         request the engine refuses, 500 (logged) for anything else; the message without server paths."""
         if isinstance(e, HTTPException):
             return e
+        if isinstance(e, RankLostError):  # (a sharded index's rank died or stalled: named, 503 now and after)
+            log.error("%s", e)
+            return HTTPException(503, self.public(str(e)))
         why = self.replaced()  # a build may have replaced the files under a request in flight
         if why or isinstance(e, IndexReplacedError):
             return HTTPException(503, why or self.public(str(e)))

@@ -35,12 +35,13 @@ def audit(index_dir, queries_file, out_dir, k, method, damping, layers, outliers
     from pathlib import Path
 
     from gradindex.apps.report import ReportConfig, build_report
-    from gradindex.query import QueryEngine, read_queries
+    from gradindex.query import read_queries
+    from gradindex.query.sharded import open_engine
 
     cfg = ReportConfig(k=k, method=method, damping=damping, layers=tuple(layers) or None,
                        outliers=outliers, text_field=text_field, dedup=not no_dedup, dedup_threshold=dedup_threshold)
     queries = read_queries(queries_file)
-    with QueryEngine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index) as engine:
+    with open_engine(index_dir, model_dir, device=device, data=data, use_gpu=not cpu_index) as engine:
         summary = build_report(engine, queries, out_dir, cfg)
     out = Path(out_dir)
     click.echo(f"{summary['queries']} queries, {len(summary['outliers'])} outliers, "

@@ -36,7 +36,7 @@ def serve(index_dir, host, port, token, token_file, request_timeout, queue_size,
           model_dir, data, device, cpu_index, refine):
     """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /."""
     from gradindex.apps.serve import serve as run
-    from gradindex.query import QueryEngine
+    from gradindex.query.sharded import open_engine
 
     token = bearer_token(token, token_file)
     if not 0 < port < 65536:
@@ -44,7 +44,7 @@ def serve(index_dir, host, port, token, token_file, request_timeout, queue_size,
     if not (request_timeout > 0 and queue_size >= 1 and max_batch >= 1 and batch_window >= 0):
         raise ValueError("--request-timeout must be > 0, --queue-size and --max-batch >= 1, --batch-window >= 0; "
                          f"got {request_timeout:g}, {queue_size}, {max_batch}, {batch_window:g}")
-    with QueryEngine(index_dir, model_dir, device=device, data=data, layers=list(layers) or None,
+    with open_engine(index_dir, model_dir, device=device, data=data, layers=list(layers) or None,
                      use_gpu=not cpu_index, refine=refine_config(refine)) as engine:
         click.echo(f"serving {index_dir} ({engine.n} examples) on http://{host}:{port}/"
                    f"{' (bearer token required)' if token else ''}; Ctrl-C stops", err=True)

@@ -1,8 +1,10 @@
-"""``gradindex split`` / ``gradindex merge``: one index directory to a sharded index and back; and ``gradindex query``
-over a sharded index, in one process or under ``torchrun`` (one run of parts a rank, rank 0 prints).
+"""``gradindex split`` / ``gradindex merge``: one index directory to a sharded index and back; and ``gradindex query``,
+``serve`` and ``audit`` over a sharded index, in one process or under ``torchrun`` (one run of parts a rank; rank 0
+prints, serves HTTP or writes the report).
 
-The query command is :mod:`gradindex.cli.query`'s, unchanged: this module routes its call to
-:func:`sharded_query` when INDEX_DIR is a sharded index (its callback wrapped once, at registration).
+The commands are :mod:`gradindex.cli.query`'s, ``serve``'s and ``audit``'s: this module routes their calls on a
+sharded INDEX_DIR through :func:`on_ranks` (their callbacks wrapped once, at registration; ``serve`` and ``audit``
+open their engine with :func:`~gradindex.query.sharded.open_engine`) and gives them ``--rank-timeout``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import time
 
 import click
 
+from gradindex.cli import audit as audit_cli
 from gradindex.cli import main
 from gradindex.cli import query as query_cli
-from gradindex.cli.common import status, user_errors
+from gradindex.cli import serve as serve_cli
+from gradindex.cli.common import UserError, status, user_errors
 
 
 @main.command()
@@ -55,52 +59,85 @@ def merge(sharded_dir, out):
     click.echo(f"merged {len(sh.parts)} parts of {sharded_dir} into {out} in {time.perf_counter() - t0:.1f} s")
 
 
+RANK_TIMEOUT = 60.0
+"""Default seconds a rank of a sharded index's run may take to answer a request (``--rank-timeout``)."""
+
+
+def on_ranks(o: dict, rank0, layers=None) -> None:
+    """A command over a sharded index, in one process or under ``torchrun``: ``rank0()`` on rank 0 (which opens the
+    engine, :func:`~gradindex.query.sharded.open_engine`, and ends the others' run when it closes it); every other
+    rank opens its parts and answers rank 0's searches until then. A rank that dies or stalls is one line here,
+    within ``--rank-timeout`` (:mod:`gradindex.query.ranks`)."""
+    from gradindex import distributed
+    from gradindex.query.ranks import RankLostError, lost, stop_followers
+    from gradindex.query.sharded import serve_parts
+
+    ranks = distributed.init_from_env(o["device"], timeout=o.pop("rank_timeout"))
+    try:
+        if distributed.rank() > 0:
+            serve_parts(o["index_dir"], layers=layers, use_gpu=not o["cpu_index"])
+        else:
+            try:
+                rank0()
+            except RankLostError as e:
+                raise UserError(str(e)) from None
+            finally:
+                stop_followers()
+    finally:
+        if ranks:
+            distributed.shutdown(wait=not lost())  # (a lost rank never reaches the barrier)
+    if ranks:
+        distributed.exit_rank(0)
+
+
 @user_errors
 def sharded_query(**o) -> None:
     """``gradindex query`` over a sharded index: rank 0 (or the one process) loads the model and prints; under
     ``torchrun`` every other rank opens its parts and answers rank 0's searches."""
     from gradindex import distributed
-    from gradindex.query.sharded import ShardedQueryEngine, serve_parts, stop_followers
+    from gradindex.query.sharded import ShardedQueryEngine
 
-    ranks = distributed.init_from_env(o["device"])
-    device = distributed.local_device(o["device"])
-    try:
-        if distributed.rank() > 0:
-            serve_parts(o["index_dir"], use_gpu=not o["cpu_index"])
-        else:
-            try:
-                qs = query_cli._queries(o)
-            except BaseException:
-                stop_followers()
-                raise
-            t0 = time.perf_counter()
-            status(f"loading model and sharded index {o['index_dir']} ...")
-            with ShardedQueryEngine(o["index_dir"], o["model_dir"], device=device, data=o["data"],
-                                    use_gpu=not o["cpu_index"], optimizer_state=o["optimizer_state"]) as engine:
-                status(f"searching {engine.n:,} examples in {len(engine.sharded.parts)} parts on "
-                       f"{distributed.world_size()} rank(s) (loaded in {time.perf_counter() - t0:.1f} s) ...")
-                results = query_cli.answer(engine, qs, o)
-            query_cli._show(qs, results, o["text_field"], o["as_json"])
-    finally:
-        if ranks:
-            distributed.shutdown()  # (every rank: rank 0 has ended the others' run, success or not)
-    if ranks:
-        distributed.exit_rank(0)
+    def rank0():
+        qs = query_cli._queries(o)
+        t0 = time.perf_counter()
+        status(f"loading model and sharded index {o['index_dir']} ...")
+        with ShardedQueryEngine(o["index_dir"], o["model_dir"], device=distributed.local_device(o["device"]),
+                                data=o["data"], use_gpu=not o["cpu_index"],
+                                optimizer_state=o["optimizer_state"]) as engine:
+            status(f"searching {engine.n:,} examples in {len(engine.sharded.parts)} parts on "
+                   f"{distributed.world_size()} rank(s) (loaded in {time.perf_counter() - t0:.1f} s) ...")
+            results = query_cli.answer(engine, qs, o)
+        query_cli._show(qs, results, o["text_field"], o["as_json"])
+
+    on_ranks(o, rank0)
 
 
-def _route_sharded(command: click.Command) -> None:
-    """Send ``command``'s calls on a sharded INDEX_DIR to :func:`sharded_query`."""
+def _route_sharded(command: click.Command, sharded=None, load_layers: bool = False) -> None:
+    """Send ``command``'s calls on a sharded INDEX_DIR to ``sharded(**options)`` (default: the command itself, run by
+    :func:`on_ranks`: it opens its engine with :func:`~gradindex.query.sharded.open_engine`), and give it
+    ``--rank-timeout``; ``load_layers``: its ``--layers`` are the layers its engine loads (each rank loads those)."""
     plain = command.callback
 
     @functools.wraps(plain)
     def callback(**o):
         from gradindex.index.sharded import is_sharded
 
-        if is_sharded(o["index_dir"]):
-            return sharded_query(**o)
-        return plain(**o)
+        if not is_sharded(o["index_dir"]):
+            o.pop("rank_timeout")
+            return plain(**o)
+        if sharded is not None:
+            return sharded(**o)
+        timeout = o.pop("rank_timeout")
+        layers = list(o["layers"]) or None if load_layers else None
+        return on_ranks({**o, "rank_timeout": timeout}, lambda: plain(**o), layers)
 
     command.callback = callback
+    command.params.append(click.Option(
+        ["--rank-timeout"], default=RANK_TIMEOUT, show_default=True, type=click.FloatRange(min=0, min_open=True),
+        help="A sharded index under torchrun: seconds a rank may take to answer a request before the request fails "
+             "with an error naming it (a rank that dies fails it at once)."))
 
 
-_route_sharded(query_cli.query)
+_route_sharded(query_cli.query, sharded_query)
+_route_sharded(serve_cli.serve, load_layers=True)
+_route_sharded(audit_cli.audit)

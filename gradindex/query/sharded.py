@@ -10,14 +10,19 @@ one index ranks them) and attaches the texts. The exact (full-space) stage, refi
 for one index, on the merged results. Without ``torchrun`` the one process searches every part in turn.
 
 A rank that fails answers its error to rank 0, which raises it; rank 0 always ends the run with a ``None``
-broadcast, on which the other ranks return (:func:`follow`).
+broadcast, on which the other ranks return (:func:`~gradindex.query.ranks.follow`). A rank that dies or stalls is
+named by rank 0 within the run's timeout (:mod:`gradindex.query.ranks`).
+
+What reads the whole store on rank 0 (the server's per-example columns, an explanation's stored rows, the audit's
+score sample, outliers and duplicates) reads every part through :class:`~gradindex.index.parts.PartsStore`
+(:attr:`ShardedQueryEngine.store`, :attr:`ShardedQueryEngine.whole`); the self-influence of the outliers is each
+part's, computed by the rank that holds it (:meth:`ShardedQueryEngine.self_influence`).
 """
 
 from __future__ import annotations
 
 import bisect
 import os
-import pickle
 import time
 from collections.abc import Mapping, Sequence
 
@@ -26,14 +31,17 @@ import torch
 
 from gradindex import distributed
 from gradindex.index import OpenIndex
-from gradindex.index.sharded import Sharded, read_sharded
+from gradindex.index.parts import OpenParts
+from gradindex.index.sharded import Sharded, is_sharded, read_sharded
 from gradindex.methods import DEFAULT_DAMPING
+from gradindex.precondition import self_influence
 from gradindex.query.engine import QueryEngine, QueryResult
+from gradindex.query.ranks import ask, follow, lost, stop_followers
 from gradindex.query.search import clamp_k
 from gradindex.query.texts import TrainingTexts
 from gradindex.store import Store
 
-__all__ = ["PartSearch", "ShardedQueryEngine", "follow", "serve_parts", "stop_followers"]
+__all__ = ["PartSearch", "ShardedQueryEngine", "follow", "open_engine", "serve_parts", "stop_followers"]
 
 
 class PartSearch:
@@ -70,6 +78,11 @@ class PartSearch:
         """``[Q, n]`` exact scores against these parts' rows, in row order."""
         return np.concatenate([eng.scores(grads, **kw) for eng in self.engines], axis=1)
 
+    def self_influence(self, base: str, damping: float, layers: Sequence[str]) -> np.ndarray:
+        """``[n]`` self-influence of these parts' rows under a base method (each part's own column of the fit,
+        else computed from its rows), in row order."""
+        return np.concatenate([self_influence(eng.index, base, damping, list(layers)) for eng in self.engines])
+
     def close(self) -> None:
         for eng in self.engines:
             eng.close()
@@ -86,42 +99,6 @@ def merge(a: list[QueryResult], b: list[QueryResult], k: int, lowest: int) -> li
         x.seconds = {n: x.seconds.get(n, 0.0) + y.seconds.get(n, 0.0) for n in {**x.seconds, **y.seconds}}
         out.append(x)
     return out
-
-
-def _answer(local: PartSearch | BaseException, op: str, kw: dict) -> tuple[str, object]:
-    """``("ok", result)`` or ``("error", exception)`` (one that pickles: the type and message at worst)."""
-    try:
-        if isinstance(local, BaseException):
-            raise local
-        return "ok", local.run(op, kw)
-    except Exception as e:  # noqa: BLE001 -- sent to rank 0, which raises it
-        try:
-            pickle.dumps(e)
-        except Exception:  # noqa: BLE001
-            e = RuntimeError(f"{type(e).__name__}: {e}")
-        return "error", e
-
-
-def ask(local: PartSearch | BaseException, op: str, kw: dict) -> list:
-    """Rank 0: ``op`` on every rank's parts (its own included), their answers in rank order; the first error raised."""
-    distributed.broadcast((op, kw))
-    replies = distributed.gather(_answer(local, op, kw))
-    for status, value in replies:
-        if status == "error":
-            raise value
-    return [value for _, value in replies]
-
-
-def follow(local: PartSearch | BaseException) -> None:
-    """A rank other than 0: answer rank 0's requests until it broadcasts ``None``."""
-    while (msg := distributed.broadcast(None)) is not None:
-        distributed.gather(_answer(local, *msg))
-
-
-def stop_followers() -> None:
-    """Rank 0: end the other ranks' :func:`follow` (once a run; nothing outside ``torchrun``)."""
-    if distributed.active():
-        distributed.broadcast(None)
 
 
 def serve_parts(index: str | os.PathLike, layers: Sequence[str] | None = None, use_gpu: bool = True) -> None:
@@ -192,6 +169,11 @@ class ShardedQueryEngine(QueryEngine):
             self.n = self.sharded.examples
             stores = {j: e.store for j, e in zip(owned, self.local.engines, strict=True)}
             self.texts = TrainingTexts(self.sharded.manifest, _Columns(self.sharded, stores), self.tokenizer, data)
+            self.whole = OpenParts(self.sharded)
+            """Every part as one open store (the whole index's manifest and rows; part 0's fits)."""
+            self.store = self.whole.store
+            self.home = self.sharded.dir
+            """The sharded index directory (:attr:`dir` is part 0's: the fits every part shares)."""
         except BaseException:
             self.close()
             raise
@@ -199,7 +181,23 @@ class ShardedQueryEngine(QueryEngine):
     def _ask(self, op: str, kw: dict) -> list:
         if not distributed.active():
             return [self.local.run(op, kw)]
-        return ask(self.local, op, kw)
+        return ask(self.local, op, kw, self.describe_rank)
+
+    def describe_rank(self, rank: int) -> str:
+        """What rank ``rank`` of this run answers for: ``part-00001, rows 16-39``."""
+        owned = self.sharded.owned(rank, distributed.world_size())
+        first, last = self.sharded.parts[owned[0]], self.sharded.parts[owned[-1]]
+        names = first.dir.name if len(owned) == 1 else f"{first.dir.name}..{last.dir.name}"
+        return f"{names}, rows {first.first}-{last.stop - 1}"
+
+    def lost(self) -> str | None:
+        """Why the run's ranks can no longer answer (a rank died or stalled); ``None`` while they can."""
+        return lost()
+
+    def self_influence(self, base: str, damping: float, layers: Sequence[str]) -> np.ndarray:
+        """``[N]`` self-influence of every row under a base method: each part's, from the rank that holds it."""
+        kw = {"base": base, "damping": damping, "layers": list(layers)}
+        return np.concatenate(self._ask("self_influence", kw))
 
     def search(self, grads, k: int = 10, method: str | None = None, damping: float = DEFAULT_DAMPING,
                layers=None, lowest: int = 0, candidates: int | None = None, shortlist: int | None = None,
@@ -237,9 +235,19 @@ class ShardedQueryEngine(QueryEngine):
         if not self._stopped:
             self._stopped = True
             stop_followers()
+        if getattr(self, "whole", None) is not None:
+            self.whole.close()
         if self.local is not None:
             self.local.close()
         if getattr(self, "index", None) is not None:
             super().close()
         if self._first is not None:
             self._first.close()
+
+
+def open_engine(index: str | os.PathLike, model_dir: str | os.PathLike | None = None, **kwargs) -> QueryEngine:
+    """A :class:`~gradindex.query.QueryEngine` over ``index``: a :class:`ShardedQueryEngine` where it is a sharded
+    index directory (the CLI's commands open their engine so)."""
+    if not isinstance(index, OpenIndex) and is_sharded(index):
+        return ShardedQueryEngine(index, model_dir, **kwargs)
+    return QueryEngine(index, model_dir, **kwargs)

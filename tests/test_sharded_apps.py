@@ -1,0 +1,197 @@
+"""`gradindex serve` and `gradindex audit` over a sharded index answer as over the index it was split from (in one
+process, and over 2 gloo ranks); a rank that stalls or dies fails the request within --rank-timeout with one line
+naming it, its part and the fix, and the server says so (503) instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
+
+from gradindex.apps.report import ReportConfig, build_report
+from gradindex.apps.serve import create_app
+from gradindex.cli import main
+from gradindex.index.parts import OpenParts
+from gradindex.index.sharded import split_index
+from gradindex.query import QueryEngine
+from gradindex.query.sharded import ShardedQueryEngine
+from tests.conftest import make_texts
+from tests.test_distributed import torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+QUERIES = make_texts(3, seed=5, max_words=10)
+
+
+@pytest.fixture(scope="module")
+def sharded(default_index, tmp_path_factory):
+    return split_index(default_index, tmp_path_factory.mktemp("apps") / "three", 3)
+
+
+def test_parts_store_reads_rows_and_columns_as_the_index(default_index, sharded):
+    with OpenParts(sharded) as whole, QueryEngine(default_index, load_model=False) as one:
+        assert whole.n == one.n == 40 and len(whole.store.paths) == 3
+        for name in ("ids", "num_tokens", "loss", "token_hash"):
+            np.testing.assert_array_equal(whole.store.column(name), one.store.column(name))
+        ids = np.array([39, 0, 17, 16, 15, 33])
+        a, b = whole.store.read_rows(ids), one.store.read_rows(ids)
+        assert all(np.array_equal(a[n], b[n]) for n in b)
+        a, b = whole.rows.read(ids), one.rows.read(ids)
+        assert all(np.array_equal(a[n], b[n]) for n in b)
+        got = [(i.copy(), r) for i, r in whole.store.iter_blocks(block=7)]
+        want = [(i.copy(), r) for i, r in one.store.iter_blocks(block=7)]
+        np.testing.assert_array_equal(np.concatenate([i for i, _ in got]), np.arange(40))
+        for (ia, ra), (ib, rb) in zip(got, want, strict=True):
+            assert np.array_equal(ia, ib) and all(np.array_equal(ra[n], rb[n]) for n in rb)
+
+
+def _report_equal(a: Path, b: Path) -> None:
+    """Two audit reports' per-query results and summaries equal (but where they were written and how long)."""
+    qa = [json.loads(x) for x in (a / "queries.jsonl").read_text().splitlines()]
+    qb = [json.loads(x) for x in (b / "queries.jsonl").read_text().splitlines()]
+    assert qa == qb
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    for s in (sa, sb):
+        s.pop("seconds"), s.pop("index")
+    assert sa == sb
+
+
+def test_audit_report_over_parts_equals_the_index(gpt2_dir, default_index, sharded, tmp_path):
+    cfg = ReportConfig(k=4, outliers=5)
+    with QueryEngine(default_index, gpt2_dir, device="cpu") as one:
+        s1 = build_report(one, QUERIES, tmp_path / "one", cfg)
+    with ShardedQueryEngine(sharded.dir, gpt2_dir, device="cpu") as many:
+        s2 = build_report(many, QUERIES, tmp_path / "many", cfg)
+    assert s2["index"] == str(sharded.dir) and s1["examples"] == s2["examples"] == 40
+    assert [o["id"] for o in s2["outliers"]] == [o["id"] for o in s1["outliers"]] and len(s1["outliers"]) == 5
+    _report_equal(tmp_path / "one", tmp_path / "many")
+
+
+def test_server_over_parts_answers_as_the_index(gpt2_dir, default_index, sharded):
+    body = {"text": QUERIES[0], "k": 5, "lowest": 2, "explain": 2}
+    with QueryEngine(default_index, gpt2_dir, device="cpu") as one:
+        c1 = TestClient(create_app(one))
+        a, ex_a, h_a = c1.post("/query", json=body).json(), c1.get("/example/33").json(), c1.get("/health").json()
+    with ShardedQueryEngine(sharded.dir, gpt2_dir, device="cpu") as many:
+        c2 = TestClient(create_app(many))
+        r = c2.post("/query", json=body)
+        assert r.status_code == 200, r.text
+        b, ex_b, h_b = r.json(), c2.get("/example/33").json(), c2.get("/health").json()
+    for key in ("hits", "lowest"):
+        assert [(h["id"], h["score"], h["text"]) for h in b[key]] == [(h["id"], h["score"], h["text"])
+                                                                       for h in a[key]]
+    assert [h["explanation"] for h in b["hits"][:2]] == [h["explanation"] for h in a["hits"][:2]]  # (explain: 2)
+    assert ex_b == ex_a and ex_b["text"]  # (a row of the last part: its text, tokens and loss)
+    assert (h_b["status"], h_b["examples"], h_b["methods"]) == (h_a["status"], 40, h_a["methods"])
+
+
+def _run(*args) -> str:
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+@pytest.mark.slow
+def test_cli_audit_over_parts_one_process_and_two_ranks_equal_the_index(default_index, sharded, tmp_path):
+    qf = tmp_path / "q.jsonl"
+    qf.write_text("".join(json.dumps({"text": t}) + "\n" for t in QUERIES))
+    common = ["--queries", qf, "-k", "3", "--outliers", "4", "--device", "cpu"]
+    _run("audit", default_index, *common, "--out", tmp_path / "one")
+    out = _run("audit", sharded.dir, *common, "--out", tmp_path / "many")
+    assert "3 queries, 4 outliers" in out
+    _report_equal(tmp_path / "one", tmp_path / "many")
+    printed = torchrun("-m", "gradindex", "audit", str(sharded.dir), *map(str, common), "--out",
+                       str(tmp_path / "ranks"))
+    assert printed.count("3 queries, 4 outliers") == 1  # (rank 0 prints)
+    _report_equal(tmp_path / "one", tmp_path / "ranks")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _ranks(args: list[str], world: int = 2) -> list[subprocess.Popen]:
+    """``world`` ranks of ``gradindex ARGS`` started as torchrun would (its environment), each its own process, so that
+    a test can stop or kill one (torchrun would end the others with it)."""
+    port = _free_port()
+    procs = []
+    for r in range(world):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": str(r),
+               "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "gradindex", *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _end(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_served_ranks_a_stalled_then_dead_rank_is_named_within_the_timeout(default_index, tmp_path):
+    sh = split_index(default_index, tmp_path / "two", 2)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    procs = _ranks(["serve", str(sh.dir), "--port", str(port), "--device", "cpu", "--cpu-index",
+                    "--rank-timeout", "3", "--request-timeout", "60"])
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                code, health = _http(base + "/health", timeout=5)
+                break
+            except OSError as e:
+                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                    _end(procs)
+                    raise AssertionError("ranks did not come up: " + " | ".join(p.stdout.read() for p in procs)) from e
+                time.sleep(0.5)
+        assert code == 200 and health["examples"] == 40
+        code, got = _http(base + "/query", {"text": QUERIES[1], "k": 5})
+        assert code == 200, got
+        with QueryEngine(default_index, device="cpu") as one:
+            want = one.query(QUERIES[1], k=5, method=got["method"])
+        assert [h["id"] for h in got["hits"]] == [h.id for h in want.hits]  # (ranks 0 and 1 both answered)
+        os.kill(procs[1].pid, signal.SIGSTOP)  # rank 1 stalls
+        t0 = time.monotonic()
+        code, got = _http(base + "/query", {"text": QUERIES[2], "k": 5})
+        waited = time.monotonic() - t0
+        assert code == 503 and waited < 20, (code, waited, got)
+        assert "rank 1 (part-00001, rows 16-39) did not answer within 3 s" in got["detail"], got
+        assert "restart the run" in got["detail"] and "--rank-timeout" in got["detail"]
+        code, health = _http(base + "/health")
+        assert code == 503 and health["status"].startswith("lost: rank 1 (part-00001"), health
+        os.kill(procs[1].pid, signal.SIGKILL)  # then dies: the next request is refused at once, the same way
+        t0 = time.monotonic()
+        code, got = _http(base + "/query", {"text": QUERIES[0], "k": 5})
+        assert code == 503 and "rank 1 (part-00001" in got["detail"] and time.monotonic() - t0 < 5
+        procs[0].send_signal(signal.SIGINT)
+        procs[0].wait(timeout=30)  # rank 0 ends (no barrier with a lost rank)
+    finally:
+        _end(procs)
