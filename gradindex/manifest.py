@@ -31,6 +31,7 @@ FORMAT_VERSION = 1
 IDENTITY_KEYS = {
     "dtype": "model dtype",
     "adapter_fingerprint": "adapter (--adapter)",
+    "base_quantization": "base quantization (--base-quantization)",
     "model_fingerprint": "model",
     "tokenizer": "tokenizer",
     "storage": "storage",
@@ -202,8 +203,10 @@ def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDE
     dtype_differs = "dtype" in stored and "dtype" in given and stored["dtype"] != given["dtype"]
     key = "adapter_fingerprint"  # the model's fingerprint covers the adapter's weights too: name the adapter
     adapter_differs = key in stored and key in given and stored[key] != given[key]
+    key = "base_quantization"  # (so does the base's quantization: the quantized weights are hashed)
+    quant_differs = key in stored and key in given and stored[key] != given[key]
     for key, words in keys.items():
-        if key == "model_fingerprint" and (dtype_differs or adapter_differs):
+        if key == "model_fingerprint" and (dtype_differs or adapter_differs or quant_differs):
             continue
         if key == "tokenizer" and key in stored and key in given:  # (its parts, named)
             from gradindex.fingerprint import tokenizer_differences
@@ -257,6 +260,8 @@ def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, ex
         args += ["--layers", pattern]
     if m.get("adapter_id") and m.get("adapter_id") != m.get("model_id"):
         args += ["--adapter", m["adapter_id"]]
+    if m.get("build", {}).get("base_quantization"):
+        args += ["--base-quantization", m["build"]["base_quantization"]]
     text_field = m.get("counts", {}).get("text_field")
     if text_field and text_field not in ("text", "input_ids", "prompt+completion", "messages"):
         args += ["--text-field", text_field]

@@ -110,7 +110,7 @@ def resolve_pad_id(model=None, tokenizer=None, pad_id: int | None = None) -> int
 
 def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device: str = "auto",
                    adapter: str | os.PathLike | None = None, chat_template: str | None = None,
-                   index_tokenizer: dict | None = None):
+                   index_tokenizer: dict | None = None, base_quantization: str | None = None):
     """``(model, tokenizer)`` from a local directory or a ``.gguf`` file, model in eval mode on ``device``.
 
     ``adapter``: a PEFT adapter folder to load onto the model (:mod:`gradindex.adapter`); a
@@ -119,20 +119,26 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     A GGUF file (:func:`load_gguf`) is de-quantized to ``dtype``; its tokenizer comes from the file.
     ``index_tokenizer``: the tokenizer fingerprint an index recorded (:func:`index_model_options`); a
     tokenizer that differs from it is refused (:func:`gradindex.fingerprint.check_tokenizer`).
+    ``base_quantization``: ``int8`` or ``nf4`` loads the base quantized (bitsandbytes, :mod:`gradindex.quantize`),
+    only under an adapter, whose LoRA layers are then what is attributed.
     """
     from gradindex.adapter import adapter_base, attach_adapter, check_adapter_base, is_adapter_dir
+    from gradindex.quantize import check_base_quantization
 
     dev = resolve_device(device)
     if is_adapter_dir(model_dir) and not (Path(model_dir) / "config.json").exists():
         adapter, model_dir = adapter or model_dir, adapter_base(model_dir)
     elif adapter is not None:
         check_adapter_base(adapter, model_dir)
-    model, tok_dir = _load_base(Path(model_dir), dtype)
+    quant = check_base_quantization(base_quantization, adapter, is_gguf(model_dir))
+    model, tok_dir = _load_base(Path(model_dir), dtype, quant, dev)
     if adapter is not None:
         model = attach_adapter(model, adapter)
         if (Path(adapter) / "tokenizer_config.json").is_file():
             tok_dir = Path(adapter)  # a Trainer saves the tokenizer it trained with beside the adapter
-    model.to(dev).eval()
+    if quant is None:  # (a quantized base is loaded onto the device: bitsandbytes quantizes it there)
+        model.to(dev)
+    model.eval()
     tokenizer = load_tokenizer(tok_dir, chat_template)
     check_tokenizer_fits(model, tokenizer, tok_dir)
     if index_tokenizer:
@@ -160,21 +166,30 @@ def check_tokenizer_fits(model, tokenizer, where: str | os.PathLike = "") -> Non
 
 def index_model_options(manifest: dict) -> dict:
     """``load_causal_lm`` keywords that reopen an index's model as it was built: its adapter and chat template,
-    and the tokenizer fingerprint it recorded (none before tokenizers were fingerprinted: not checked)."""
+    the base quantization it recorded, and the tokenizer fingerprint it recorded (none before tokenizers were
+    fingerprinted: not checked)."""
+    build = manifest.get("build", {})
     return {"adapter": manifest.get("adapter_id") or None, "chat_template": manifest.get("chat_template") or None,
-            "index_tokenizer": manifest.get("build", {}).get("tokenizer") or None}
+            "index_tokenizer": build.get("tokenizer") or None,
+            **({"base_quantization": build["base_quantization"]} if build.get("base_quantization") else {})}
 
 
-def _load_base(p: Path, dtype: str):
+def _load_base(p: Path, dtype: str, quant: str | None = None, device: torch.device | None = None):
     from transformers import AutoModelForCausalLM
 
     if is_gguf(p):
         return load_gguf(p, dtype), p
     config = causal_config(p)
     refuse_weightless(p)
+    extra = {}
+    if quant is not None:
+        from gradindex.quantize import quantization_config
+
+        extra = {"quantization_config": quantization_config(quant, resolve_dtype(dtype)),
+                 "device_map": {"": str(device or "cpu")}}
     try:
         model, info = AutoModelForCausalLM.from_pretrained(p, dtype=resolve_dtype(dtype), local_files_only=True,
-                                                           trust_remote_code=False, output_loading_info=True)
+                                                           trust_remote_code=False, output_loading_info=True, **extra)
     except Exception as e:  # noqa: BLE001 - safetensors, torch and transformers raise many types
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ValueError(
@@ -182,6 +197,10 @@ def _load_base(p: Path, dtype: str):
             "missing, truncated or corrupt: save the model there again (model.save_pretrained)"
         ) from None
     check_loaded(p, config, info)
+    if quant is not None:
+        from gradindex.quantize import prepare
+
+        prepare(model)
     return model, p
 
 

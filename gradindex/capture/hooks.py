@@ -27,6 +27,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from gradindex.adapter import adapter_layers
 from gradindex.capture.layers import GroupMember, LayerInfo, group_rule_for, layer_info, rule_for, some_names
+from gradindex.quantize import refuse_quantized
 
 
 def _block_prefix(model: nn.Module) -> str | None:
@@ -68,6 +69,7 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
                 "could not find the transformer blocks to hook by default; pass layer patterns "
                 f"(modules look like {some_names(hookable)})"
             )
+        refuse_quantized(chosen)
         return chosen
     chosen: dict[str, nn.Module] = {}
     for pat in patterns:
@@ -78,6 +80,7 @@ def select_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> di
                 "(see `gradindex layers MODEL_DIR`)"
             )
         chosen.update((n, hookable[n]) for n in hits)
+    refuse_quantized(chosen)
     return {n: m for n, m in hookable.items() if n in chosen}
 
 

@@ -115,6 +115,11 @@ def _default(name: str):
 @click.option("--adapter", default=None, type=click.Path(file_okay=False, exists=True),
               help="A PEFT (LoRA) adapter folder to load onto MODEL_DIR; its lora_A/lora_B gradients are "
                    "attributed (add the base layers with --layers). Needs `pip install 'gradindex[peft]'`.")
+@click.option("--base-quantization", default="none", show_default=True, type=click.Choice(["none", "int8", "nf4"]),
+              help="Load MODEL_DIR quantized under --adapter, as QLoRA trains it: int8 (8-bit weights and inputs) "
+                   "or nf4 (4-bit NormalFloat); the adapter's LoRA layers are attributed (the quantized layers have "
+                   "no weight gradient). Queries load the base as the index records. Needs `pip install "
+                   "'gradindex[quantize]'`.")
 @click.option("--chat-template", default=None, type=click.Path(dir_okay=False, exists=True),
               help="A Jinja chat template file for 'messages' records when the tokenizer has none.")
 @data_options
@@ -326,7 +331,7 @@ def load_inputs(o: dict, opts: Settings):
 
     layers, max_length, text_field = o["layers"], o["max_length"], o["text_field"]
     model, tok = load_causal_lm(o["model_dir"], dtype=o["dtype"], device=o["device"], adapter=o["adapter"],
-                                chat_template=o["chat_template"])
+                                chat_template=o["chat_template"], base_quantization=o["base_quantization"])
     if not layers and not o["adapter"]:
         note_unhooked(model)
     if o["projection"].strip().lower() != "auto":  # --projection auto stores what --budget buys

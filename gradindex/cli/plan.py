@@ -113,9 +113,10 @@ def _config_only(o: dict, opts, tokens_per_example: int | None, tflops: float | 
     from gradindex.pipeline import routed_plan
     from gradindex.store.builder import BuildConfig
 
-    if o["adapter"]:
-        raise ValueError("--adapter needs the base model's weights; a config-only plan (MODEL_DIR without "
-                         "weights) sizes the base model's layers: leave --adapter out")
+    if o["adapter"] or o["base_quantization"] != "none":
+        flag = "--adapter" if o["adapter"] else "--base-quantization"
+        raise ValueError(f"{flag} needs the base model's weights; a config-only plan (MODEL_DIR without "
+                         f"weights) sizes the base model's layers: leave {flag} out")
     model, tok = load_meta_model(o["model_dir"], o["dtype"])
     if not o["layers"]:
         note_unhooked(model)

@@ -31,6 +31,7 @@ from gradindex.fingerprint import check_index_tokenizer, model_fingerprint
 from gradindex.index import OpenIndex
 from gradindex.manifest import IndexMismatchError, identity_differences
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
+from gradindex.quantize import base_quantization
 from gradindex.spec.build import batch_size_of
 from gradindex.spec.manifest import layer_identity
 from gradindex.store.basis import capture_transforms, to_rows
@@ -177,7 +178,7 @@ def open_model(ix: OpenIndex, layers: list[str], model_dir=None, *, model=None, 
         raise IndexMismatchError(f"this model does not fit the index in {str(ix.dir)!r}: the index's {e}; query with "
                                  "the model the index was built from, or rebuild the index") from None
     now = {"model_fingerprint": model_fingerprint(model), "projection": spec.to_dict(),
-           "adapter_fingerprint": adapter_fingerprint(model),
+           "adapter_fingerprint": adapter_fingerprint(model), "base_quantization": base_quantization(model),
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "optimizer": optimizer,
            "layers": layer_identity(space)}
     diffs = identity_differences(ix.manifest["build"], now)

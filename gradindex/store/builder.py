@@ -41,6 +41,7 @@ from gradindex.manifest import (
 )
 from gradindex.model import check_tokenizer_fits, model_file, resolve_pad_id
 from gradindex.progress import progress_bar
+from gradindex.quantize import base_quantization
 from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
 from gradindex.spec.manifest import layer_identity
@@ -167,11 +168,12 @@ def model_dtype(model: nn.Module) -> str:
 
 def _identity(model: nn.Module, model_fp: str, space: RowSpace, cfg: BuildConfig, data_fp: str,
               basis: dict, optimizer: dict | None, tokenizer_fp: dict | None = None) -> dict:
-    adapter = adapter_fingerprint(model)
+    adapter, quant = adapter_fingerprint(model), base_quantization(model)
     return {
         "model_fingerprint": model_fp,
         **({"tokenizer": tokenizer_fp} if tokenizer_fp else {}),
         **({"adapter_fingerprint": adapter} if adapter else {}),
+        **({"base_quantization": quant} if quant else {}),  # (the query loads the base so again)
         "dtype": model_dtype(model),
         "storage": cfg.rows.capture_storage,
         "data_fingerprint": data_fp,
