@@ -6,6 +6,7 @@ import json
 import shlex
 import shutil
 
+import pytest
 from click.testing import CliRunner
 
 from gradindex.cli import main
@@ -76,3 +77,56 @@ def test_which_bases_the_fit_files_hold():
                                                                                    "from": {"kind": "kfac"}}}})
     assert "model pass" in unrestorable({**fit, "build": {"basis": {"kind": "ekfac", "space": "full-eigen"}}})
     assert "no EK-FAC fit" in unrestorable({"build": {"basis": {"kind": "ekfac", "from": {"kind": "raw"}}}})
+
+
+BUILD = ["--max-length", "48", "--shard-size", "16", "--no-index", "--quiet", "--device", "cpu"]
+
+
+def _store(idx) -> dict:
+    return {p.name: p.read_bytes() for p in (idx / "store").glob("shard-*.h5")}
+
+
+@pytest.mark.parametrize("rows", [["--projection-basis", "kfac", "--projection", "8", "--precondition", "none"],
+                                  ["--projection-basis", "eigen", "--budget", "4096"]], ids=["kfac", "eigen"])
+def test_a_lost_projection_basis_is_made_again_by_the_resume(gpt2_dir, text_jsonl, tmp_path, rows):
+    """Issue 33's leftover: a ``kfac``/``eigen`` projection basis comes from the build's own factor pass, which no
+    file keeps; a lost ``basis.h5`` needed ``--overwrite``. The advised ``--repair`` (and a killed build's plain
+    re-run) makes it again, bitwise (its digest is checked), and keeps every row; where the factor pass now gives
+    other maps, one line refuses, naming the fixes that keep the rows."""
+    ref = tmp_path / "ref"
+    build = ["build", str(gpt2_dir), str(text_jsonl), *rows, *BUILD]
+    assert _run(*build, "--out", str(ref)).exit_code == 0
+    basis, store = (ref / "basis.h5").read_bytes(), _store(ref)
+
+    idx = tmp_path / "lost"  # a complete index: the advised repair
+    shutil.copytree(ref, idx)
+    (idx / "basis.h5").unlink()
+    cmd = _advised(idx)
+    assert cmd.endswith(" --repair") and "--overwrite" not in cmd, cmd
+    res = _run(*shlex.split(cmd)[1:], "--no-index", "--quiet", "--device", "cpu")
+    assert res.exit_code == 0 and "(0 computed now)" in res.output, res.output
+    assert (idx / "basis.h5").read_bytes() == basis and _store(idx) == store
+    assert _run("verify", str(idx)).exit_code == 0
+
+    killed = tmp_path / "killed"  # a killed build: status building, its last shard not written, the basis lost
+    shutil.copytree(ref, killed)
+    m = json.loads((killed / "manifest.json").read_text())
+    m["status"] = "building"
+    (killed / "manifest.json").write_text(json.dumps(m))
+    sorted((killed / "store").glob("shard-*.h5"))[-1].unlink()
+    (killed / "basis.h5").unlink()
+    res = _run(*build, "--out", str(killed))
+    assert res.exit_code == 0 and "(8 computed now)" in res.output, res.output
+    assert (killed / "basis.h5").read_bytes() == basis and _store(killed) == store
+
+    other = tmp_path / "other"  # the factor pass gives other maps now (as on another device): refused, rows kept
+    shutil.copytree(ref, other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["build"]["basis"]["digest"] = "0" * 32
+    (other / "manifest.json").write_text(json.dumps(m))
+    (other / "basis.h5").unlink()
+    res = _run(*build, "--out", str(other))
+    err = [x for x in res.output.splitlines() if x.startswith("Error")]
+    assert res.exit_code == 2 and len(err) == 1 and "Traceback" not in res.output, res.output
+    assert "basis.h5" in err[0] and "put back a copy" in err[0] and "another --out" in err[0], err[0]
+    assert _store(other) == store and not (other / "basis.h5").exists()

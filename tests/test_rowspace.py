@@ -388,7 +388,8 @@ def test_verify_names_a_flipped_byte_in_the_row_basis(gpt2_dir, text_jsonl, tmp_
     bad = CliRunner().invoke(main, ["verify", str(out)])
     assert bad.exit_code == 1, bad.output
     assert "DAMAGED basis.h5" in bad.output, bad.output
-    assert ",KFAC@" in bad.output and "--overwrite" in bad.output, "the repair rebuilds the basis"
+    assert ",KFAC@" in bad.output and "--repair" in bad.output and "--overwrite" not in bad.output, \
+        "the repair makes the basis again with the build's factor pass (tests/test_basis_restore.py), keeping the rows"
 
 
 def test_the_resume_command_names_the_budget_basis_and_optimizer_options():

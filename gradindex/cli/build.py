@@ -138,8 +138,9 @@ def _default(name: str):
                    "build resumes with a plain re-run).")
 @click.option("--repair", is_flag=True,
               help="Check every committed shard's whole-file hash and recompute the damaged or missing ones "
-                   "(a plain re-run does a cheap sampled check); rewrite a transcoded index's missing or damaged "
-                   "basis.h5 from its EK-FAC fit. Damaged files are kept in --out/damaged/.")
+                   "(a plain re-run does a cheap sampled check); rewrite a missing or damaged basis.h5 (a transcoded "
+                   "index's from its EK-FAC fit, a kfac/eigen projection basis by its factor pass, checked against "
+                   "its digest). Damaged files are kept in --out/damaged/.")
 @click.option("--precondition", default=_default("precondition"), show_default=True,
               type=click.Choice(["auto", "none", "kfac", "ekfac"]),
               help="Fit this preconditioner too (factors collected in the same pass; ekfac writes kfac too). "

@@ -4,7 +4,9 @@ The ``ekfac`` basis of rows transcoded from raw rows is a function of the fit al
 and ``(Λ* + δ)^{-1/2}`` (:func:`~gradindex.precondition.compact.eigen_basis` at the transcode's damping), and
 ``precond/ekfac.h5`` keeps that fit in float64, so the file is rewritten bitwise as the build wrote it, with no
 model pass and no rebuild. ``gradindex build ... --repair`` (what ``verify`` and a refused query advise) does it
-first; where the basis holds maps no file keeps, the error names the rebuild.
+first. A ``kfac``/``eigen`` projection basis is no function of a fit: that same build makes it again with its own
+factor pass (the maps checked against the digest the manifest records, so the rows keep their meaning); where
+neither can give it back, the error names the rebuild.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ from gradindex.manifest import baked_damping, build_command, manifest_path, read
 from gradindex.precondition.compact import eigen_basis
 from gradindex.precondition.files import check_precond, precond_path, read_attrs, read_factors
 from gradindex.spec.manifest import Manifest
-from gradindex.store.basis import BASIS_FILE, RowBasis, check_basis, unrestorable, write_basis
+from gradindex.store.basis import BASIS_FILE, RowBasis, check_basis, made_by_factor_pass, unrestorable, write_basis
 
 log = logging.getLogger("gradindex")
 
 
 def restore_basis(index_dir: str | os.PathLike, manifest: dict | None = None) -> bool:
     """Rewrite ``basis.h5`` of a complete index when it is missing or damaged and its EK-FAC fit holds it;
-    whether it did. A damaged one is moved to ``damaged/`` first. Where the fit cannot give it back, a
+    whether it did. A damaged one is moved to ``damaged/`` first. One a ``kfac``/``eigen`` projection basis's
+    factor pass made is left to the build that calls this (it makes it again); where neither can give it back, a
     :class:`DamagedIndexError` says why and names the rebuild."""
     d = Path(index_dir)
     if manifest is None:
@@ -37,6 +40,10 @@ def restore_basis(index_dir: str | os.PathLike, manifest: dict | None = None) ->
         return False
     damage = check_basis(d, manifest)
     if not damage:
+        return False
+    if made_by_factor_pass(manifest):  # (the build's own factor pass makes it again, checked against its digest)
+        move_aside(d, [BASIS_FILE])
+        log.warning("%s is %s: the build's factor pass makes it again", BASIS_FILE, damage[0].problem)
         return False
     why = unrestorable(manifest) or _fit_problem(d, manifest)
     if why:

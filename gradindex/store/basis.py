@@ -153,15 +153,25 @@ def unrestorable(manifest: dict) -> str:
     return ""
 
 
+def made_by_factor_pass(manifest: dict) -> bool:
+    """Whether ``basis.h5`` holds the maps of a ``kfac`` or ``eigen`` row basis (``--projection-basis``): made by
+    the build's own factor pass before its capture, which the build run again makes again (a resume checks the
+    maps against the digest the manifest records: :func:`gradindex.store.sizing.full_space_basis`)."""
+    b = manifest.get("build", {}).get("basis") or {}
+    return b.get("kind") == "kfac" or b.get("space") == "full-eigen"
+
+
 def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
     """The command that rewrites a damaged ``basis.h5``: the compact that made it; the build with ``--repair``
-    where the index's EK-FAC fit holds it (:func:`unrestorable`); else the build with ``--overwrite``."""
+    where the index's EK-FAC fit holds it (:func:`unrestorable`) or its factor pass makes it again
+    (:func:`made_by_factor_pass`); else the build with ``--overwrite``."""
     from gradindex.manifest import baked_damping, build_command
 
     source = (manifest.get("compact") or {}).get("source")
     if source:
         return f"gradindex compact {source} --out {index_dir} --damping {baked_damping(manifest)} --overwrite"
-    return build_command(index_dir, manifest, extra="--overwrite" if unrestorable(manifest) else "--repair")
+    rebuild = unrestorable(manifest) and not made_by_factor_pass(manifest)
+    return build_command(index_dir, manifest, extra="--overwrite" if rebuild else "--repair")
 
 
 def check_basis(index_dir: str | os.PathLike, manifest: dict, full: bool = True) -> list[Damage]:

@@ -232,6 +232,9 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool, hashes: list[byt
     if transcoded and "transcode" not in identity:
         diffs.append(f"its rows were transcoded into the {old['build'].get('basis', {}).get('kind')} eigenbasis "
                      "after the build (the default) and this build asks for raw rows (--transcode none)")
+    lost = _lost_basis(out, built.get("basis") or {}, identity.get("basis") or {})
+    if lost and len(diffs) == 1:
+        raise IndexMismatchError(lost)
     if diffs:  # (what the options set first: the layer set and the projection follow from them)
         diffs.sort(key=lambda d: not d.startswith(("storage", "data set", "row transcode", "max length", "model")))
         raise IndexMismatchError(
@@ -239,6 +242,21 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool, hashes: list[byt
             + ". Use another --out, or --overwrite to replace it."
         )
     return old
+
+
+def _lost_basis(out: Path, built: dict, now: dict) -> str:
+    """The error of a resume whose ``basis.h5`` (a ``kfac``/``eigen`` projection basis) is lost and whose factor pass
+    now makes other maps than the rows were written in (the same settings, another digest); ``""`` otherwise."""
+    def settings(b: dict) -> dict:
+        return {k: v for k, v in b.items() if k not in ("digest", "kept_share")}
+
+    same = built.get("digest") == now.get("digest")
+    if (out / layout.BASIS_FILE).exists() or same or settings(built) != settings(now):
+        return ""
+    return (f"{layout.BASIS_FILE} of {str(out)!r} is missing and its factor pass now makes other maps than the rows "
+            f"were written in (digest {built.get('digest')}, now {now.get('digest')}: another device or thread count "
+            "sums in another order); the rows are kept: put back a copy of basis.h5, or run this build where the "
+            "index was built, or build into another --out")
 
 
 def first_differing_row(out: Path, hashes: list[bytes]) -> str:
