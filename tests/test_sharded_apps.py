@@ -195,3 +195,70 @@ def test_served_ranks_a_stalled_then_dead_rank_is_named_within_the_timeout(defau
         procs[0].wait(timeout=30)  # rank 0 ends (no barrier with a lost rank)
     finally:
         _end(procs)
+
+
+@pytest.mark.slow
+def test_query_ranks_a_dead_rank_is_one_line_within_the_timeout(default_index, tmp_path):
+    """`gradindex query` on 2 ranks whose rank 1 is killed: rank 0 exits with one line (the rank that died, its part
+    and the fix; or, killed before the run started, that the ranks did not all start) instead of waiting."""
+    sh = split_index(default_index, tmp_path / "two", 2)
+    procs = _ranks(["query", str(sh.dir), "--text", QUERIES[0], "--device", "cpu", "--rank-timeout", "5"])
+    try:
+        time.sleep(3)  # (rank 1 has opened its part and waits for the request, or is still starting)
+        procs[1].kill()
+        t0 = time.monotonic()
+        out, _ = procs[0].communicate(timeout=60)
+        assert procs[0].returncode not in (0, None) and time.monotonic() - t0 < 30, out
+        lines = [x for x in out.splitlines() if x.startswith("Error:")]
+        assert len(lines) == 1, out
+        assert ("rank 1 (part-00001, rows 16-39) died" in lines[0] and "restart the run" in lines[0]
+                or "did not all start within --rank-timeout 5 s" in lines[0]), out
+    finally:
+        _end(procs)
+
+
+def test_cli_info_and_verify_over_parts(sharded):
+    out = _run("info", sharded.dir)
+    assert "sharded: 3 parts" in out and "40 examples" in out, out
+    assert "part-00000  rows 0-15 (16 examples, complete)" in out and "part-00002  rows 32-39 (8 examples" in out, out
+    s = json.loads(_run("info", sharded.dir, "--json"))
+    assert [p["rows"] for p in s["parts"]] == [[0, 16], [16, 32], [32, 40]] and s["data"]["examples"] == 40
+    out = _run("verify", sharded.dir)
+    assert "part-00002  rows 32-39: intact" in out and out.strip().endswith("intact; 18 files verified in 3 parts"), out
+
+
+def _verify_fails(d: Path) -> str:
+    res = CliRunner().invoke(main, ["verify", str(d)], catch_exceptions=False)
+    assert res.exit_code == 1, res.output
+    return res.output
+
+
+def test_verify_names_a_mismatched_or_damaged_part_and_the_query_refuses_it(sharded, tmp_path):
+    import shutil
+
+    from gradindex.index.sharded import SHARDS_FILE, read_sharded
+    from gradindex.manifest import IndexMismatchError, read_manifest, write_manifest
+
+    bad = tmp_path / "bad"
+    shutil.copytree(sharded.dir, bad)
+    m = read_manifest(bad / "part-00001")
+    m["build"]["model_fingerprint"] = "0" * 16  # a part of another model's index
+    write_manifest(bad / "part-00001", m)
+    out = _verify_fails(bad)
+    assert f"DAMAGED {SHARDS_FILE}:" in out and "part-00001' holds another build" in out, out
+    assert "manifest's model_fingerprint differs" in out and "split the index again" in out, out
+    with pytest.raises(IndexMismatchError, match="part-00001.*model_fingerprint differs"):
+        read_sharded(bad)
+    res = CliRunner().invoke(main, ["query", str(bad), "--text", "a b", "--device", "cpu"])
+    assert res.exit_code == 2 and "model_fingerprint differs" in res.output, res.output
+    # rows that do not tile [0, N): a gap after part 0; and a damaged store file of part 2
+    doc = json.loads((bad / SHARDS_FILE).read_text())
+    doc["parts"][1]["first"] = 17
+    (bad / SHARDS_FILE).write_text(json.dumps(doc))
+    shard = bad / "part-00002" / "store" / "shard-00000.h5"
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    out = _verify_fails(bad)
+    assert "part 1 holds rows [17, 32), expected them to start at 16" in out, out
+    assert "DAMAGED part-00002/store/shard-00000.h5" in out and "part-00002  rows 32-39: 1 damaged" in out, out

@@ -86,13 +86,40 @@ def summary(index_dir: str) -> dict:
     }
 
 
+SHARDS = "shards.json"
+"""gradindex.index.sharded's file naming the parts of a sharded index (read here as plain JSON: no FAISS)."""
+
+
+def sharded_summary(index_dir: str) -> dict:
+    """:func:`summary` of a sharded index: part 0's (the model, layers, fits every part shares) with the whole index's
+    counts, the bytes of every part (the basis and fits once: the parts hard-link them), and ``parts``: each part's
+    rows, status, tier and bytes."""
+    d = Path(index_dir)
+    try:
+        doc = json.loads((d / SHARDS).read_text())
+        entries, whole = doc["parts"], doc["manifest"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{str(d / SHARDS)!r} is corrupt ({e}); split the index again") from None
+    parts = [(e, summary(str(d / e["dir"]))) for e in entries]
+    s = json.loads(json.dumps(parts[0][1]))  # (a copy: part 0's own stays as it is)
+    counts = whole.get("counts", {})
+    s["dir"] = str(d)
+    s["data"].update(examples=counts.get("examples"), truncated=counts.get("truncated"),
+                     nonfinite=len(whole.get("nonfinite_ids", [])))
+    s["bytes"].update({k: sum(p["bytes"][k] for _, p in parts) for k in ("store", "faiss")})
+    s["parts"] = [{"dir": e["dir"], "rows": [e["first"], e["stop"]], "examples": p["data"]["examples"],
+                   "status": p["status"], "index": p["index"], "bytes": p["bytes"]} for e, p in parts]
+    return s
+
+
 @main.command()
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @user_errors
 def info(index_dir, as_json):
-    """Summarize INDEX_DIR: model, layers and dimensions, counts, methods, index types, sizes."""
-    s = summary(index_dir)
+    """Summarize INDEX_DIR: model, layers and dimensions, counts, methods, index types, sizes (of a sharded index:
+    the whole index's, then each part's)."""
+    s = sharded_summary(index_dir) if (Path(index_dir) / SHARDS).is_file() else summary(index_dir)
     if as_json:
         click.echo(json.dumps(s, indent=2))
         return
@@ -102,7 +129,8 @@ def info(index_dir, as_json):
     if s["basis"].get("kind", "raw") != "raw":
         proj += f", rows in the {s['basis']['kind']} whitened basis"
     state = s["status"] if not s["transcode_unfinished"] else f"{s['status']} capture, transcode unfinished"
-    click.echo(f"index      {s['dir']} ({state}, gradindex {s['library_version']})")
+    sharded = f", sharded: {len(s['parts'])} parts" if "parts" in s else ""
+    click.echo(f"index      {s['dir']} ({state}, gradindex {s['library_version']}{sharded})")
     mo = s["model"]
     click.echo(f"model      {mo['id']} ({mo['dtype']}, fingerprint {str(mo['fingerprint'])[:12]})")
     if mo.get("file"):  # a GGUF file: de-quantized to the dtype above
@@ -142,3 +170,9 @@ def info(index_dir, as_json):
     basis = f", basis {human_bytes(b['basis'])}" if b["basis"] else ""
     click.echo(f"on disk    store {human_bytes(b['store'])}{basis}, precond {human_bytes(b['precond'])}, "
                f"faiss {human_bytes(b['faiss'])}")
+    for p in s.get("parts", []):
+        ix = p["index"]
+        tier = (f"tier {', '.join(ix['types'])} ({ix['status']}, {human_bytes(p['bytes']['faiss'])})" if ix
+                else "no tier")
+        click.echo(f"  {p['dir']}  rows {p['rows'][0]}-{p['rows'][1] - 1} ({p['examples']} examples, {p['status']}): "
+                   f"store {human_bytes(p['bytes']['store'])}, {tier}")

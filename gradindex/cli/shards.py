@@ -10,6 +10,7 @@ open their engine with :func:`~gradindex.query.sharded.open_engine`) and gives t
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import click
@@ -72,7 +73,12 @@ def on_ranks(o: dict, rank0, layers=None) -> None:
     from gradindex.query.ranks import RankLostError, lost, stop_followers
     from gradindex.query.sharded import serve_parts
 
-    ranks = distributed.init_from_env(o["device"], timeout=o.pop("rank_timeout"))
+    timeout = o.pop("rank_timeout")
+    try:
+        ranks = distributed.init_from_env(o["device"], timeout=timeout)
+    except RuntimeError as e:  # (torch's DistStoreError / DistNetworkError: a rank never joined, or rank 0 is gone)
+        raise UserError(f"the run's {os.environ.get('WORLD_SIZE')} ranks did not all start within --rank-timeout "
+                        f"{timeout:g} s ({str(e).splitlines()[0][:160]}); start every rank again") from None
     try:
         if distributed.rank() > 0:
             serve_parts(o["index_dir"], layers=layers, use_gpu=not o["cpu_index"])

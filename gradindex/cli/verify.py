@@ -36,6 +36,32 @@ def verify_index(index_dir: str) -> dict:
             "unrecorded": unrecorded}
 
 
+def verify_sharded(index_dir: str) -> dict:
+    """:func:`verify_index` of every part of a sharded index, its files named ``part-NNNNN/...``, and the parts'
+    consistency with ``shards.json`` (:func:`gradindex.index.sharded.check_sharded`: row ranges, builds, fits);
+    ``parts``: each part's rows and counts."""
+    from gradindex.index.sharded import SHARDS_FILE, check_sharded
+
+    d = Path(index_dir)
+    sh, problems = check_sharded(d)
+    again = (f"split the index again from the index it came from (`gradindex split INDEX --shards {len(sh.parts)} "
+             "--out NEW`; a part's own `build --repair` would capture other rows)")
+    out = {"index": str(d), "parts": [], "damaged": [{"file": SHARDS_FILE, "problem": p, "repair": again}
+                                                     for p in problems], "verified": 0, "unrecorded": []}
+    for p in sh.parts:
+        try:
+            r = verify_index(str(p.dir))
+        except (OSError, ValueError) as e:  # (no readable manifest: named above too)
+            r = {"damaged": [{"file": "manifest.json", "problem": str(e), "repair": again}], "verified": 0,
+                 "unrecorded": []}
+        out["damaged"] += [{**x, "file": f"{p.dir.name}/{x['file']}", "repair": again} for x in r["damaged"]]
+        out["verified"] += r["verified"]
+        out["unrecorded"] += [f"{p.dir.name}/{n}" for n in r["unrecorded"]]
+        out["parts"].append({"part": p.dir.name, "rows": [p.first, p.stop], "damaged": len(r["damaged"]),
+                             "verified": r["verified"]})
+    return out
+
+
 def _unrecorded_damage(d: Path, manifest: dict, files: dict, unrecorded: list[str]) -> list[dict]:
     """Data files without a recorded hash, as damage when the manifest names a gradindex that records one
     for every file it writes (every version that writes ``library_version``): ``checksums.json`` deleted,
@@ -64,7 +90,12 @@ def _unrecorded_damage(d: Path, manifest: dict, files: dict, unrecorded: list[st
 def verify(index_dir, as_json, record):
     """Hash every store shard, preconditioner, row basis and FAISS file of INDEX_DIR; exit 1 if any is damaged.
 
-    A data file without a recorded hash (``checksums.json`` deleted) is damage too."""
+    A data file without a recorded hash (``checksums.json`` deleted) is damage too. On a sharded index (``gradindex
+    split``): every part's files, and the parts' row ranges, builds and fits against its shards.json."""
+    sharded = (Path(index_dir) / "shards.json").is_file()
+    if record and sharded:
+        raise ValueError(f"{index_dir!r} is a sharded index: --record records one index's hashes; give it a part "
+                         "(DIR/part-NNNNN)")
     if record:
         from gradindex.checksum import record as record_hashes
         from gradindex.lock import index_lock
@@ -73,7 +104,7 @@ def verify(index_dir, as_json, record):
             names = verify_index(index_dir)["unrecorded"]
             record_hashes(index_dir, [Path(index_dir) / n for n in names], names)
         click.echo(f"recorded the hashes of {len(names)} files in {CHECKSUMS}", err=True)
-    r = verify_index(index_dir)
+    r = verify_sharded(index_dir) if sharded else verify_index(index_dir)
     if as_json:
         click.echo(json.dumps(r, indent=2))
     else:
@@ -84,6 +115,11 @@ def verify(index_dir, as_json, record):
             if n not in named and CHECKSUMS not in named:
                 click.echo(f"unverified {n}: no hash recorded in {CHECKSUMS} (written by an older gradindex)")
         state = f"{len(r['damaged'])} damaged" if r["damaged"] else "intact"
-        click.echo(f"{index_dir}: {state}; {r['verified']} files verified")
+        for p in r.get("parts", []):
+            part_state = f"{p['damaged']} damaged" if p["damaged"] else "intact"
+            click.echo(f"{p['part']}  rows {p['rows'][0]}-{p['rows'][1] - 1}: {part_state}; {p['verified']} files "
+                       "verified")
+        parts = f" in {len(r['parts'])} parts" if "parts" in r else ""
+        click.echo(f"{index_dir}: {state}; {r['verified']} files verified{parts}")
     if r["damaged"]:
         sys.exit(1)

@@ -107,8 +107,33 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 def read_sharded(path: str | os.PathLike) -> Sharded:
     """The sharded index in ``path``; its parts' ranges must tile ``[0, N)`` and each part's manifest must be a
-    complete build of the same index (its identity and row range as :data:`SHARDS_FILE` says)."""
-    d = Path(path)
+    complete build of the same index (its identity and row range as :data:`SHARDS_FILE` says): the first
+    inconsistency is raised."""
+    return _read(Path(path), None)
+
+
+def check_sharded(path: str | os.PathLike) -> tuple[Sharded, list[str]]:
+    """The sharded index in ``path`` and every inconsistency of its parts (:func:`read_sharded` raises the first):
+    row ranges that do not tile ``[0, N)``, a part whose manifest is not the index's build (model fingerprint,
+    projection, layers, row spec: ``build``), generation or row range, or whose fits differ from part 0's (a part
+    refitted alone). ``shards.json`` itself unreadable is raised."""
+    problems: list[str] = []
+    sh = _read(Path(path), problems)
+    if not problems:
+        try:
+            _same_fits(sh)
+        except (IndexMismatchError, OSError, ValueError) as e:
+            problems.append(str(e))
+    return sh, problems
+
+
+def _read(d: Path, problems: list[str] | None) -> Sharded:
+    """:data:`SHARDS_FILE` and its parts checked; each inconsistency raised (``problems`` None) or appended."""
+    def fail(e: Exception) -> None:
+        if problems is None:
+            raise e
+        problems.append(str(e))
+
     try:
         doc = json.loads((d / SHARDS_FILE).read_text())
     except FileNotFoundError:
@@ -123,12 +148,16 @@ def read_sharded(path: str | os.PathLike) -> Sharded:
     at = 0
     for j, p in enumerate(parts):
         if p.first != at or p.stop <= p.first:
-            raise ValueError(f"{str(d / SHARDS_FILE)!r}: part {j} holds rows [{p.first}, {p.stop}), expected them "
-                             f"to start at {at}")
+            fail(ValueError(f"{str(d / SHARDS_FILE)!r}: part {j} holds rows [{p.first}, {p.stop}), expected them "
+                            f"to start at {at}"))
         at = p.stop
-        _check_part(p, j, len(parts), whole)
+        try:
+            _check_part(p, j, len(parts), whole)
+        except (IndexMismatchError, ValueError, FileNotFoundError) as e:
+            fail(e)
     if at != int(whole["counts"]["examples"]):
-        raise ValueError(f"{str(d / SHARDS_FILE)!r}: its parts hold {at} rows, the index {whole['counts']['examples']}")
+        fail(ValueError(f"{str(d / SHARDS_FILE)!r}: its parts hold {at} rows, the index "
+                        f"{whole['counts']['examples']}"))
     return Sharded(d, parts, whole)
 
 
@@ -141,8 +170,14 @@ def _check_part(p: Part, j: int, parts: int, whole: dict) -> None:
         raise IndexMismatchError(f"{str(p.dir)!r} is not part {j} of this sharded index (its manifest says "
                                  f"{ {k: s.get(k) for k in want} }, {SHARDS_FILE} {want})")
     if m["build"] != whole["build"] or m.get("generation") != whole.get("generation"):
+        what = [k for k in ("model_fingerprint", "projection", "layers", "storage", "basis")
+                if m["build"].get(k) != whole["build"].get(k)] or ["build" if m["build"] != whole["build"] else
+                                                                     "generation"]
         raise IndexMismatchError(f"{str(p.dir)!r} holds another build than the sharded index's other parts (its "
-                                 "manifest's build or generation differs); split the index again")
+                                 f"manifest's {', '.join(what)} differs); split the index again")
+    if int(m["counts"]["examples"]) != p.n:
+        raise IndexMismatchError(f"{str(p.dir)!r} holds {m['counts']['examples']} examples, {SHARDS_FILE} says "
+                                 f"rows [{p.first}, {p.stop}); split the index again")
 
 
 # -- split ---------------------------------------------------------------------------------------------------------
