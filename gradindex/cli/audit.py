@@ -31,7 +31,10 @@ def audit(index_dir, queries_file, out_dir, k, method, damping, layers, outliers
           text_field, model_dir, data, device, cpu_index):
     """Write an audit report of INDEX_DIR for the queries in FILE: per query the top-k most helpful and
     most harmful training examples with token heatmaps, the examples that matter across queries,
-    outliers, duplicate groups and plots."""
+    outliers, duplicate groups and plots.
+
+    INDEX_DIR may be a sharded index (`gradindex split`), in one process or under torchrun (rank 0 writes the
+    report; each rank searches its parts and computes their self-influence)."""
     from pathlib import Path
 
     from gradindex.apps.report import ReportConfig, build_report

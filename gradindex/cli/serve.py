@@ -34,7 +34,11 @@ from gradindex.cli.common import engine_options, refine_config, refine_options, 
 @user_errors
 def serve(index_dir, host, port, token, token_file, request_timeout, queue_size, max_batch, batch_window, layers,
           model_dir, data, device, cpu_index, refine):
-    """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /."""
+    """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /.
+
+    INDEX_DIR may be a sharded index (`gradindex split`): in one process every part is searched in turn; under
+    `torchrun --nproc_per_node P -m gradindex serve DIR` rank 0 serves HTTP and each rank searches its parts. A rank
+    that dies or stalls fails the request with 503 naming it (within --rank-timeout); restart the run."""
     from gradindex.apps.serve import serve as run
     from gradindex.query.sharded import open_engine
 
