@@ -14,6 +14,8 @@ the same error until the run is restarted.
 from __future__ import annotations
 
 import pickle
+import signal
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -117,19 +119,26 @@ def _who(n: int, err: Exception, describe: Callable[[int], str], waited: float) 
 
 def follow(local) -> None:
     """A rank other than 0: answer rank 0's requests until it broadcasts ``None`` (waiting for each with no
-    deadline; the collectives carry the run's timeout)."""
+    deadline; the collectives carry the run's timeout). Ctrl-C is rank 0's to handle (a server stops, then ends
+    this loop): this rank ignores SIGINT meanwhile (torchrun sends it to every rank)."""
     store, n = distributed.store(), 0
-    while True:
-        n += 1
-        _wait(store, _key("go", n))
-        msg = distributed.broadcast(None)
-        if msg is None:
-            return
-        me = distributed.rank()
-        store.set(_key("took", n, me), "1")
-        answer = _answer(local, *msg)
-        store.set(_key("answered", n, me), "1")
-        distributed.gather(answer)
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        while True:
+            n += 1
+            _wait(store, _key("go", n))
+            msg = distributed.broadcast(None)
+            if msg is None:
+                return
+            me = distributed.rank()
+            store.set(_key("took", n, me), "1")
+            answer = _answer(local, *msg)
+            store.set(_key("answered", n, me), "1")
+            distributed.gather(answer)
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, before)
 
 
 def _wait(store: dist.Store, key: str) -> None:
