@@ -1,0 +1,200 @@
+"""A sharded index's lookup against the index it was split from, on ``benchmarks/lookup_scale.py``'s real default rows
+(GPT-2 2x32, int4 EK-FAC eigenbasis rows, 12.6 KiB an example) with the exhaustive ``sketch`` tier: search p50/p95 of
+one query at a time, the top 10's agreement with the unsplit index and recall@10 of the exhaustive default (where
+``lookup_scale --truth`` kept it), and each process's peak RSS (issue 34).
+
+For ``N`` (an index ``WORK/idx-N`` built by ``lookup_scale --build N``, left as it is) and ``P`` parts:
+
+1. ``WORK/shard-bench/idx-N``: the index with the sketch tier (its store, basis and fits hard-linked, its manifest,
+   hashes and tier its own), then ``split`` into ``WORK/shard-bench/idx-N-pP`` (each part's sketch over its rows);
+2. the queries' rows (``truth-N.npz``'s, else computed with the model) in ``WORK/shard-bench/queries-N.npz``;
+3. lookups, each in its own process, one torch thread a process: the unsplit index; the sharded index in one process
+   (every part in turn); and under ``torchrun --nproc_per_node P`` (rank 0 searches its parts and gathers the others').
+
+    python -m benchmarks.shard_lookup --n 100000 --parts 2 --work /work/tmp/lookup
+
+writes ``benchmarks/results/shard-lookup.json`` (a run per ``(N, P)``, replaced when measured again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "shard-lookup.json"
+QUERIES = 40
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sketch_copy(src: Path, dst: Path) -> None:
+    """``src`` with the sketch tier in ``dst``: the store, basis and fits hard-linked (read only here), the manifest,
+    the recorded hashes and the tier written in ``dst`` alone."""
+    from gradindex.index import IndexConfig, build_indices
+
+    if (dst / "manifest.json").exists():
+        return
+    dst.mkdir(parents=True)
+    for sub in ("store", "precond"):
+        (dst / sub).mkdir()
+        for f in sorted((src / sub).iterdir()):
+            os.link(f, dst / sub / f.name)
+    os.link(src / "basis.h5", dst / "basis.h5")
+    for f in ("manifest.json", "checksums.json"):
+        shutil.copy2(src / f, dst / f)
+    shutil.copytree(src / "faiss", dst / "faiss")
+    t = time.perf_counter()
+    build_indices(dst, IndexConfig(factory="sketch"), progress=False, force=True)
+    log(f"{dst.name}: sketch tier in {time.perf_counter() - t:.0f} s")
+
+
+def prepare(n: int, parts: int, work: Path) -> tuple[Path, Path, Path]:
+    """The sketch copy, its split in ``parts`` and the queries' rows (module doc)."""
+    import numpy as np
+
+    from gradindex.index.sharded import split_index
+
+    bench = work / "shard-bench"
+    one, sh, qf = bench / f"idx-{n}", bench / f"idx-{n}-p{parts}", bench / f"queries-{n}.npz"
+    sketch_copy(work / f"idx-{n}", one)
+    if not (sh / "shards.json").exists():
+        shutil.rmtree(sh, ignore_errors=True)
+        t = time.perf_counter()
+        split_index(one, sh, parts)
+        log(f"{sh.name}: split in {time.perf_counter() - t:.0f} s")
+    if not qf.exists():
+        truth = work / f"truth-{n}.npz"
+        if truth.exists():
+            z = np.load(truth)
+            rows = {k: z[k] for k in z.files if k.startswith("q:")}
+            np.savez(qf, truth=z["ids"][:, :10], **rows)
+        else:
+            from benchmarks.lookup import query_rows
+            from benchmarks.lookup_scale import windows
+
+            _, _, queries = windows(1, QUERIES)
+            np.savez(qf, **{f"q:{k}": v for k, v in query_rows(one, work / "model", queries).items()})
+    return one, sh, qf
+
+
+def peak_rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def lookups(index: Path, qf: Path, out: Path) -> None:
+    """One process (or rank 0 under torchrun): 40 searches one at a time after 3 warm-up ones; JSON to ``out``."""
+    import numpy as np
+    import torch
+
+    from gradindex import distributed
+    from gradindex.query import QueryEngine
+    from gradindex.query.sharded import ShardedQueryEngine, serve_parts
+
+    torch.set_num_threads(1)
+    ranks = distributed.init_from_env("cpu", timeout=600)
+    z = np.load(qf)
+    q = {k[2:]: z[k] for k in z.files if k.startswith("q:")}
+    if distributed.rank() > 0:
+        serve_parts(index, use_gpu=False)
+        distributed.gather(peak_rss())
+        distributed.shutdown()
+        distributed.exit_rank(0)
+    sharded = (index / "shards.json").exists()
+    opener = ShardedQueryEngine if sharded else QueryEngine
+    t = time.perf_counter()
+    with opener(index, load_model=False, use_gpu=False) as e:
+        for j in range(3):  # (warm: the tier loaded, the page cache)
+            e.search({n: v[j:j + 1] for n, v in q.items()}, k=10, texts=False)
+        opened = time.perf_counter() - t
+        ts, top = [], []
+        for j in range(len(next(iter(q.values())))):
+            t = time.perf_counter()
+            r = e.search({n: v[j:j + 1] for n, v in q.items()}, k=10, texts=False)[0]
+            ts.append(time.perf_counter() - t)
+            top.append([h.id for h in r.hits])
+    rss = distributed.gather(peak_rss()) if ranks else [peak_rss()]
+    res = {"p50_s": float(np.percentile(ts, 50)), "p95_s": float(np.percentile(ts, 95)), "queries": len(ts),
+           "open_and_warm_s": round(opened, 2), "peak_rss_bytes_per_process": rss, "top10": top}
+    out.write_text(json.dumps(res))
+    if ranks:
+        distributed.shutdown()
+        distributed.exit_rank(0)
+
+
+def run(n: int, parts: int, work: Path, out: Path) -> dict:
+    import numpy as np
+
+    one, sh, qf = prepare(n, parts, work)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    tmp = work / "shard-bench"
+    runs = {}
+    for name, cmd in [
+        ("unsplit", [sys.executable, "-m", "benchmarks.shard_lookup", "--lookups", str(one)]),
+        ("sharded, one process", [sys.executable, "-m", "benchmarks.shard_lookup", "--lookups", str(sh)]),
+        (f"sharded, {parts} gloo ranks", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                          "--nproc_per_node", str(parts), "-m", "benchmarks.shard_lookup",
+                                          "--lookups", str(sh)]),
+    ]:
+        f = tmp / f"lookups-{n}-{parts}-{len(runs)}.json"
+        subprocess.run([*cmd, "--queries-file", str(qf), "--result", str(f)], cwd=ROOT, env=env, check=True)
+        runs[name] = json.loads(f.read_text())
+        log(f"N={n}, P={parts}, {name}: search p50/p95 {runs[name]['p50_s'] * 1e3:.0f}/"
+            f"{runs[name]['p95_s'] * 1e3:.0f} ms, peak RSS "
+            f"{', '.join(f'{b / 2**30:.2f}' for b in runs[name]['peak_rss_bytes_per_process'])} GiB")
+    z = np.load(qf)
+    base = runs["unsplit"]["top10"]
+    for r in runs.values():
+        r["same_top10_as_unsplit"] = float(np.mean([a == b for a, b in zip(r["top10"], base, strict=True)]))
+        r["recall@10_of_unsplit"] = float(np.mean([len(set(a) & set(b)) / 10
+                                                   for a, b in zip(r["top10"], base, strict=True)]))
+        if "truth" in z.files:
+            r["recall@10_of_exhaustive_default"] = float(np.mean([len(set(a) & set(t.tolist())) / 10
+                                                                  for a, t in zip(r["top10"], z["truth"],
+                                                                                  strict=True)]))
+        del r["top10"]
+    entry = {"examples": n, "parts": parts, "tier": "sketch", "threads_per_process": 1, "runs": runs,
+             "machine": f"{os.cpu_count()} cores, shared with other work while measured"}
+    report = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    report["runs"] = [r for r in report["runs"] if (r["examples"], r["parts"]) != (n, parts)] + [entry]
+    report["runs"].sort(key=lambda r: (r["examples"], r["parts"]))
+    report["what"] = __doc__.split("\n\n")[0].replace("\n", " ")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    return entry
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, nargs="*", default=[100000])
+    ap.add_argument("--parts", type=int, nargs="*", default=[2])
+    ap.add_argument("--work", type=Path, default=Path("/work/tmp/lookup"))
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--lookups", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--queries-file", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.lookups:
+        return lookups(a.lookups, a.queries_file, a.result)
+    for n in a.n:
+        for p in a.parts:
+            run(n, p, a.work, a.out)
+
+
+if __name__ == "__main__":
+    main()
