@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import evaluate, noise_ceiling, spearman_rows
+from benchmarks.common import evaluate, lds_per_query, noise_ceiling, spearman_rows
 from benchmarks.smollm2 import Recipe, finetune, retrain
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,21 +175,43 @@ def raw_rows(idx: str, queries: list[dict]) -> dict[str, np.ndarray]:
     return out
 
 
-def refined(idx: str, queries: list[dict], methods=("ekfac-selfnorm", "ekfac")) -> tuple[dict, dict]:
+REFINE_BATCH = 2  # examples per curvature-product pass: the default 16 took 16.8 GB on SmolLM2 (killed), 2 takes 6.7 GB
+
+
+def refined(idx: str, queries: list[dict], facts: int, part: Path) -> tuple[dict, dict]:
     """The first stage with query refinement at its defaults (``--refine cg``: 1 CG step of Gauss-Newton products
-    over 32 training examples at refine damping 10), ``[Q, N]`` per method, and its seconds per query."""
+    over 32 training examples at refine damping 10; :data:`REFINE_BATCH` examples a pass, which changes only the
+    memory): ``{name: [Q, N]}`` for ``ekfac-selfnorm`` and ``ekfac`` (the same refined vector, cached by the engine)
+    once every query is done, else ``{}``; and how it ran. One query at a time, fact and documentation queries
+    alternating, each kept in ``part`` as it finishes (a killed run resumes; :func:`report` reads a partial run)."""
     from gradindex.query import QueryEngine
     from gradindex.query.refine import RefineConfig
 
-    out, seconds = {}, {}
-    cfg = RefineConfig()
+    Q = len(queries)
+    old = dict(np.load(part)) if part.exists() else {}
+    rows = {m: old.get(m, np.full((Q, 0), np.nan)) for m in ("ekfac-selfnorm", "ekfac")}
+    seconds = old.get("seconds", np.full(Q, np.nan))
+    cfg = RefineConfig(batch=REFINE_BATCH)
+    order = [j for pair in zip(range(facts), range(facts, Q)) for j in pair]
+    order += [j for j in range(Q) if j not in order]
     with QueryEngine(idx) as engine:
-        for m in methods:
+        for j in order:
+            if not np.isnan(seconds[j]):
+                continue
             t0 = time.perf_counter()
-            out[f"first stage {m} refined (full)"] = engine.scores(queries, method=m, refine=cfg)
-            seconds[m] = round((time.perf_counter() - t0) / len(queries), 2)
-    return out, {"config": {k: getattr(cfg, k) for k in ("method", "steps", "sample", "damping", "curvature")},
-                 "seconds_per_query": seconds}
+            for m in rows:
+                s = engine.scores(queries[j:j + 1], method=m, refine=cfg)[0]
+                if rows[m].shape[1] == 0:
+                    rows[m] = np.full((Q, len(s)), np.nan)
+                rows[m][j] = s
+            seconds[j] = time.perf_counter() - t0
+            np.savez(part, seconds=seconds, **rows)
+            print(f"refined query {j}: {seconds[j]:.0f} s ({int((~np.isnan(seconds)).sum())} of {Q})", flush=True)
+    how = {"config": {k: getattr(cfg, k) for k in ("method", "steps", "sample", "damping", "curvature", "batch")},
+           "seconds_per_query": round(float(np.nanmean(seconds)), 1)}
+    if np.isnan(seconds).any():
+        return {}, how
+    return {f"first stage {m} refined (full)": r for m, r in rows.items()}, how
 
 
 def adapter_gradients(ft: dict, queries: list[dict]) -> tuple[dict[str, tuple], np.ndarray, np.ndarray, np.ndarray]:
@@ -613,8 +635,9 @@ def score_all(ft: dict, work: Path, full: bool, extra: tuple[str, ...] = EXTRA) 
         keep(trackstar(ft, queries, save=work), "trackstar", t0)
     if "refine" in extra and not any(" refined " in k for k in scores):
         t0 = time.perf_counter()
-        new, how = refined(builds["full"]["dir"], queries)
-        keep(new, "refine", t0, **how)
+        new, how = refined(builds["full"]["dir"], queries, ft["fact_queries"], work / "refine-partial.npz")
+        if new:
+            keep(new, "refine", t0, **how)
     if info:
         builds["extra"] = info
     return builds, scores
@@ -784,6 +807,31 @@ REFINED = {"first stage ekfac-selfnorm refined (full)": DEFAULT,
            "first stage ekfac refined (full)": "first stage ekfac (full)"}
 
 
+def refinement(ft: dict, work: Path, scores: dict, methods: dict, masks: np.ndarray, losses: np.ndarray) -> dict:
+    """Each refined method paired with its plain one, per query (difference, SE, queries higher); over the queries a
+    partial :func:`refined` run finished when not all are done (``queries``: which), with the plain fact ranks of
+    the same queries beside the refined ones."""
+    out = {}
+    part = work / "refine-partial.npz"
+    have = dict(np.load(part)) if part.exists() and not any(r in scores for r in REFINED) else {}
+    F = ft["fact_queries"]
+    for r, p in REFINED.items():
+        if r in methods and p in methods:
+            out[r] = {"over": p, "queries": "all", **paired(methods[r]["lds_per_query"], methods[p]["lds_per_query"])}
+        elif have and p in methods:
+            done = np.flatnonzero(~np.isnan(have["seconds"]))
+            s = have[r.split()[2]][done]
+            lds = lds_per_query(s, masks, losses.mean(axis=1)[:, done])
+            fq = [int(j) for j in done if j < F]
+            ranks = fact_ranks(s[:len(fq)], [ft["facts"][j] for j in fq])
+            out[r] = {"over": p, "queries": done.tolist(), "lds": float(lds.mean()),
+                      "lds_plain": float(np.array(methods[p]["lds_per_query"])[done].mean()),
+                      **paired(lds, np.array(methods[p]["lds_per_query"])[done]),
+                      "fact_ranks": ranks, "fact_ranks_plain": [methods[p]["fact_ranks"][j] for j in fq],
+                      "seconds_per_query": round(float(np.nanmean(have["seconds"])), 1)}
+    return out
+
+
 def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise: int) -> dict:
     """The halves LDS, fact ranks and agreement of every method over the retrainings already made (``subsets``
     under seed 0, the first ``noise`` also under seed 1; none is trained here), into ``results/real-llm.json``:
@@ -797,8 +845,7 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
             "builds": builds, "subsets": subsets, "noise_subsets": noise,
             "cost": json.loads((work / "cost.json").read_text()) if (work / "cost.json").exists() else None,
             "noise_ceiling": noise_ceiling(pairs) if noise else None, "default": DEFAULT, "methods": methods,
-            "refinement": {r: {"over": p, **paired(methods[r]["lds_per_query"], methods[p]["lds_per_query"])}
-                           for r, p in REFINED.items() if r in methods and p in methods},
+            "refinement": refinement(ft, work, scores, methods, masks, losses),
             "machine": f"{os.cpu_count()} cores shared, CPU; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"}
     result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # re-read now: others write other keys
     result |= ours

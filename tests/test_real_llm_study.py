@@ -70,6 +70,14 @@ def test_report_writes_only_its_keys_over_existing_retrainings(tmp_path, monkeyp
     assert row["vs_default"] == paired(row["lds_per_query"], res["methods"][real_llm.DEFAULT]["lds_per_query"])
     assert sorted(p.name for p in (work / "retrain").iterdir()) == ["s000-r0.json", "s000-r1.json", "s001-r0.json",
                                                                     "s002-r0.json"]
+    refined = scores.pop("first stage ekfac-selfnorm refined (full)")
+    seconds = np.array([5.0, np.nan, 7.0, np.nan])  # a partial refine run: queries 0 (a fact) and 2 (a document)
+    np.savez(work / "refine-partial.npz", seconds=seconds, **{"ekfac-selfnorm": refined, "ekfac": refined})
+    part = real_llm.report(ft, work, {}, scores, 3, 1)["refinement"]["first stage ekfac-selfnorm refined (full)"]
+    full = res["methods"]["first stage ekfac-selfnorm refined (full)"]["lds_per_query"]
+    assert part["queries"] == [0, 2] and part["of"] == 2 and part["seconds_per_query"] == 6.0
+    assert part["lds"] == pytest.approx(np.mean([full[0], full[2]]), abs=1e-4)
+    assert len(part["fact_ranks"]) == len(part["fact_ranks_plain"]) == 1
 
 
 def test_paired_difference_and_its_standard_error():
