@@ -41,19 +41,19 @@ import numpy as np
 import torch
 from torch import nn
 
-import gradindex
 from gradindex import distributed
-from gradindex.adapter import adapter_fingerprint, unwrap_peft
+from gradindex.adapter import unwrap_peft
 from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.batch import finite_rows
 from gradindex.data import IGNORE, token_hash
 from gradindex.fingerprint import model_fingerprint
 from gradindex.integrations.assemble import assemble_store
 from gradindex.integrations.capture_log import CaptureLog, rank_dir
+from gradindex.integrations.loss_scale import LossScaleFit, MicroBatch
 from gradindex.integrations.optimizer_state import save_second_moments
-from gradindex.manifest import FORMAT_VERSION, manifest_path, write_manifest
-from gradindex.spec.manifest import layer_identity
-from gradindex.store.builder import LOSS_CONVENTION, model_dtype
+from gradindex.manifest import manifest_path, write_manifest
+from gradindex.spec.manifest import new_manifest
+from gradindex.store.builder import build_identity
 from gradindex.store.codes import check_storage
 
 log = logging.getLogger("gradindex")
@@ -68,10 +68,6 @@ MISSING_ROWS = (
     "(Trainer: TrainingArguments(remove_unused_columns=False)); in a plain loop call "
     "capture.batch(row_ids) before the forward"
 )
-FIT_TOKENS = 4
-"""Target tokens per example whose logit gradient measures the loss scale."""
-SCALE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
-"""Largest residual of the loss-scale fit, relative to its largest term (bf16/fp16 gradients: 5e-2)."""
 
 
 @dataclass
@@ -121,27 +117,6 @@ class CaptureOptions:
         return ProjectionSpec.parse(self.projection, kind=self.projection_kind, seed=self.seed)
 
 
-@dataclass
-class _MicroBatch:
-    rows: np.ndarray
-    step: int
-    epoch: float
-    lr: float
-    input_ids: torch.Tensor
-    labels: torch.Tensor | None
-    mask: torch.Tensor | None
-    fit: list = field(default_factory=list)
-    """Per backward through the output: ``(gradient at the targets, what it is c times, its dtype)``."""
-    loss: torch.Tensor | None = None
-    num_tokens: torch.Tensor | None = None
-
-
-def _field(output, name: str):
-    if isinstance(output, dict):
-        return output.get(name)
-    return getattr(output, name, None)
-
-
 def _tensor(x, name: str) -> torch.Tensor:
     if x is None or isinstance(x, torch.Tensor):
         return x
@@ -165,6 +140,7 @@ class LiveCapture:
         check_storage(options.storage)
         distributed.on_rank0(self._prepare_out_dir)  # (the other ranks wait)
         self.rows = ProjectedRows(RowSpace(self.spec), options.route)
+        self.fit = LossScaleFit(options.loss_scale, options.record_loss)
         self.capture = GradientCapture(self.inner, options.layers or None, self.rows, weight_free=False)
         self.dims = {n: self.rows.space.dim(n) for n in self.capture.infos}
         self.log = CaptureLog(rank_dir(self.out, distributed.rank()), self.dims, part_rows=options.shard_size)
@@ -173,7 +149,7 @@ class LiveCapture:
         self.optimizer = None
         self._lr = float("nan")
         self._next: dict | None = None
-        self._pending: _MicroBatch | None = None
+        self._pending: MicroBatch | None = None
         self._handles: list = []
         self._scales: list[float] = []
         self._max_batch = 0
@@ -250,86 +226,14 @@ class LiveCapture:
             )
         self._max_batch = max(self._max_batch, B)
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else self._lr
-        self._pending = _MicroBatch(rows, self.step, float(self.epoch), float(lr), ids, labels, mask)
+        self._pending = MicroBatch(rows, self.step, float(self.epoch), float(lr), ids, labels, mask)
         self.capture.set_mask(mask, tuple(ids.shape) if ids.ndim == 2 else None)
         return args, kwargs
 
     def _output_hook(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        """Hook the tensor the loss is computed from: ``logits``, or the per-token ``log_probs`` of a fused head."""
         mb = self._pending
-        if mb is None or not torch.is_grad_enabled() or mb.labels is None:
-            return
-        logits, log_probs = _field(output, "logits"), _field(output, "log_probs")
-        if isinstance(logits, torch.Tensor) and logits.requires_grad:
-            self._hook_logits(mb, logits)
-        elif isinstance(log_probs, torch.Tensor) and log_probs.requires_grad:
-            self._hook_log_probs(mb, log_probs, _field(output, "label_mask"))
-
-    def _hook_logits(self, mb: _MicroBatch, logits: torch.Tensor) -> None:
-        """The loss's gradient at the target logit of token ``t`` is ``c · (p_t − 1)``.
-
-        Each such equation gives ``c`` exactly, so a few target tokens per example suffice
-        (:data:`FIT_TOKENS`, spread over the example): a softmax over every position would cost
-        about half the LM head's matmul. ``record_loss`` takes every position (for the loss column).
-        """
-        with torch.no_grad():
-            y = mb.labels.to(logits.device)[:, 1:]  # [B, T-1]
-            valid = y != IGNORE
-            if self.opt.record_loss:
-                pick = valid
-            else:
-                rank = valid.cumsum(1) - 1  # index of each target among its example's targets
-                stride = (valid.sum(1, keepdim=True) + FIT_TOKENS - 1) // FIT_TOKENS
-                pick = valid & (rank % stride.clamp(min=1) == 0)
-            b, t = pick.nonzero(as_tuple=True)  # [M] chosen target tokens
-            yt = y[b, t].unsqueeze(1)  # [M, 1]
-            lg = logits[b, t].float()  # [M, V]
-            tok = torch.logsumexp(lg, dim=-1) - lg.gather(1, yt).squeeze(1)  # [M] token losses
-            pm1 = torch.expm1(-tok)  # p_y - 1
-            if self.opt.record_loss:
-                mb.loss = torch.zeros(y.shape[0], device=tok.device).index_add_(0, b, tok)
-            mb.num_tokens = valid.sum(1)
-
-        def grad_hook(g: torch.Tensor) -> None:
-            with torch.no_grad():
-                mb.fit.append((g[b, t].gather(1, yt).squeeze(1).float(), pm1, g.dtype))
-
-        logits.register_hook(grad_hook)
-
-    @staticmethod
-    def _hook_log_probs(mb: _MicroBatch, log_probs: torch.Tensor, mask: torch.Tensor | None) -> None:
-        """A fused LM head (TRL) returns target log-probabilities ``[B, T-1]``: their gradient is ``−c``."""
-        with torch.no_grad():
-            valid = (mb.labels.to(log_probs.device)[:, 1:] != IGNORE) if mask is None else mask.bool()
-            w = -valid.float()
-            mb.loss, mb.num_tokens = -(log_probs.float() * valid).sum(1), valid.sum(1)
-        log_probs.register_hook(lambda g: mb.fit.append((g.float() * valid, w, g.dtype)))
-
-    def _scale(self, mb: _MicroBatch) -> float:
-        """The loss's factor ``c`` on each example's summed token loss, fitted on the head's gradient."""
-        if self.opt.loss_scale is not None:
-            return float(self.opt.loss_scale)
-        if not mb.fit:
-            raise ValueError(
-                "the model's output logits (or a fused head's log_probs) received no gradient, so the loss scale "
-                "cannot be measured (is the loss computed from the model's output?); pass loss_scale= explicitly"
-            )
-        gy = sum(f[0] for f in mb.fit)
-        pm1, dtype = mb.fit[0][1], mb.fit[0][2]
-        den = float((pm1 * pm1).sum())
-        if den == 0.0:
-            return float("nan")  # no target token with p < 1: nothing to learn from this batch
-        c = float((gy * pm1).sum()) / den
-        resid = float((gy - c * pm1).abs().max())
-        tol = SCALE_TOLERANCE.get(dtype, 5e-2)
-        if resid > tol * abs(c) * float(pm1.abs().max()) + 1e-30:
-            raise ValueError(
-                f"the training loss is not a uniformly scaled sum of token cross-entropies (fit residual "
-                f"{resid:.3g} against {abs(c) * float(pm1.abs().max()):.3g}: label smoothing, per-token or "
-                "per-example weights?); gradindex stores gradients of the summed token loss: pass loss_scale= "
-                "if the loss is one, or turn the weighting off while capturing"
-            )
-        return c
+        if mb is not None and torch.is_grad_enabled() and mb.labels is not None:
+            self.fit.hook(mb, output)
 
     def flush(self) -> None:
         """Write the finished micro-batch's rows to the capture log."""
@@ -348,7 +252,7 @@ class LiveCapture:
                 f"hooked layers {missing[:3]}{'...' if len(missing) > 3 else ''} received no gradient in the "
                 "backward (frozen?); leave them out with layers=[...] patterns"
             )
-        c = self._scale(mb)
+        c = self.fit.scale(mb)
         self._scales.append(c)
         B = len(mb.rows)
         ok_c = math.isfinite(c) and c != 0.0
@@ -365,13 +269,13 @@ class LiveCapture:
         )
 
     @staticmethod
-    def _num_tokens(mb: _MicroBatch) -> np.ndarray:
+    def _num_tokens(mb: MicroBatch) -> np.ndarray:
         if mb.labels is None:
             return np.zeros(len(mb.rows), np.int32)
         return (mb.labels[:, 1:] != IGNORE).sum(1).cpu().numpy()
 
     @staticmethod
-    def _hashes(mb: _MicroBatch) -> np.ndarray:
+    def _hashes(mb: MicroBatch) -> np.ndarray:
         """Each example's :func:`gradindex.data.token_hash` of its real (unpadded) tokens and labels."""
         ids = mb.input_ids.cpu()
         labels = mb.labels.cpu() if mb.labels is not None else ids
@@ -432,38 +336,18 @@ class LiveCapture:
     def _manifest(self, res, n: int, fingerprint: str) -> dict:
         o = self.opt
         scales = np.asarray([s for s in self._scales if math.isfinite(s)])
-        adapter = adapter_fingerprint(self.inner)
-        build = {
-            "model_fingerprint": fingerprint,
-            **({"adapter_fingerprint": adapter} if adapter else {}),
-            "dtype": model_dtype(self.model),
-            "storage": o.storage,
-            "data_fingerprint": res.data_fingerprint,
-            "layers": layer_identity(self.rows.space),
-            "projection": self.spec.to_dict(),
-            "max_length": o.max_length,
-            "loss": LOSS_CONVENTION,
-            "shard_size": o.shard_size,
-            "batch_size": self._max_batch,
-        }
-        return {
-            "format_version": FORMAT_VERSION,
-            "library_version": gradindex.__version__,
-            "status": "complete",
-            "model_id": o.model_id,
-            "data_id": o.data_id,
-            **({"chat_template": o.chat_template} if o.chat_template else {}),
-            "build": build,
-            "config": {"projection": self.spec.to_dict(), "layers": list(o.layers), "max_length": o.max_length,
-                       "batch_size": self._max_batch, "route": o.route, "shard_size": o.shard_size,
-                       "storage": o.storage,
-                       "collect_covariance": False, "precondition": "none"},
-            "dtype": model_dtype(self.model),
-            "counts": {"examples": n, "truncated": 0, "text_field": o.text_field,
-                       "shards": (n + o.shard_size - 1) // o.shard_size},
-            "nonfinite_ids": sorted(set(res.nonfinite) - set(res.unseen)) + res.unseen,
-            "routes": dict(self.rows.route_counts),
-            "training": {
+        build = build_identity(self.inner, fingerprint, self.rows.space, res.data_fingerprint, o.storage, o.max_length,
+                               o.shard_size, self._max_batch)
+        config = {"projection": self.spec.to_dict(), "layers": list(o.layers), "max_length": o.max_length,
+                  "batch_size": self._max_batch, "route": o.route, "shard_size": o.shard_size, "storage": o.storage,
+                  "collect_covariance": False, "precondition": "none"}
+        counts = {"examples": n, "truncated": 0, "text_field": o.text_field,
+                  "shards": (n + o.shard_size - 1) // o.shard_size}
+        return new_manifest(
+            "complete", o.model_id, o.data_id, build, config, counts, o.chat_template or None,
+            nonfinite_ids=sorted(set(res.nonfinite) - set(res.unseen)) + res.unseen,
+            routes=dict(self.rows.route_counts),
+            training={
                 "source": "in-loop capture (gradindex.integrations)",
                 "loss_scale": {
                     "how": "given" if o.loss_scale is not None else "fitted on the output logits' gradient",
@@ -483,4 +367,4 @@ class LiveCapture:
                 "seconds": round(time.perf_counter() - self._t0, 3),
                 **o.extra,
             },
-        }
+        )

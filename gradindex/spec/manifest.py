@@ -21,7 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import gradindex
 from gradindex.manifest import (  # noqa: F401  (rows_of: re-exported)
+    FORMAT_VERSION,
     IDENTITY_KEYS,
     baked_damping,
     build_command,
@@ -72,6 +74,26 @@ def layer_identity(capture: _Captures) -> dict[str, dict[str, Any]]:
     """``build.layers`` of a gradient capture: layer → :class:`LayerShape` as a dict, model order."""
     return {n: LayerShape(i.kind, i.n_in, i.n_out, i.bias, *capture.dims(n)).to_dict()
             for n, i in capture.infos.items()}
+
+
+def new_manifest(status: str, model_id: str, data_id: str, build: dict[str, Any], config: dict[str, Any],
+                 counts: dict[str, Any], chat_template: str | None = None, **sections: Any) -> dict[str, Any]:
+    """A new ``manifest.json``: the one place one is made (the offline build's, the in-loop capture's). ``build``:
+    the identity (``build_identity`` of :mod:`gradindex.store.builder`); ``sections``: the rest of what the maker
+    records (``rows``, ``model_file``, ``training``, ...)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "library_version": gradindex.__version__,
+        "status": status,
+        "model_id": model_id,
+        "data_id": data_id,
+        **({"chat_template": chat_template} if chat_template else {}),
+        "build": build,
+        "config": config,
+        "dtype": build["dtype"],
+        "counts": counts,
+        **sections,
+    }
 
 
 class Manifest:

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from torch import nn
 
-import gradindex
 from gradindex import distributed
 from gradindex.adapter import adapter_fingerprint, adapter_path
 from gradindex.capture import FullSums, GradientCapture, KfacSums, ProjectedRows, ProjectionSpec, RowSpace
@@ -31,7 +30,6 @@ from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint, tokenizer_fingerprint
 from gradindex.lock import LOCK, index_lock
 from gradindex.manifest import (
-    FORMAT_VERSION,
     IndexMismatchError,
     identity_differences,
     manifest_path,
@@ -44,7 +42,7 @@ from gradindex.progress import progress_bar
 from gradindex.quantize import base_quantization
 from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
-from gradindex.spec.manifest import layer_identity
+from gradindex.spec.manifest import layer_identity, new_manifest
 from gradindex.spec.rows import DEFAULT_SPEC, RowSpec
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.append import RowSink, append_batch
@@ -166,8 +164,11 @@ def model_dtype(model: nn.Module) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
 
 
-def _identity(model: nn.Module, model_fp: str, space: RowSpace, cfg: BuildConfig, data_fp: str,
-              basis: dict, optimizer: dict | None, tokenizer_fp: dict | None = None) -> dict:
+def build_identity(model: nn.Module, model_fp: str, space: RowSpace, data_fp: str, storage: str, max_length: int,
+                   shard_size: int, batch_size: int, tokenizer_fp: dict | None = None, **more) -> dict:
+    """The manifest's ``build`` section, what a resume or a query must match (:data:`IDENTITY_KEYS`): the one place
+    it is made, for the offline build and the in-loop capture. ``more``: the sections only a build has (``basis``,
+    ``optimizer``, ``transcode``)."""
     adapter, quant = adapter_fingerprint(model), base_quantization(model)
     return {
         "model_fingerprint": model_fp,
@@ -175,18 +176,15 @@ def _identity(model: nn.Module, model_fp: str, space: RowSpace, cfg: BuildConfig
         **({"adapter_fingerprint": adapter} if adapter else {}),
         **({"base_quantization": quant} if quant else {}),  # (the query loads the base so again)
         "dtype": model_dtype(model),
-        "storage": cfg.rows.capture_storage,
+        "storage": storage,
         "data_fingerprint": data_fp,
         "layers": layer_identity(space),
         "projection": space.projection.to_dict(),
-        "basis": basis,
-        "max_length": cfg.max_length,
+        "max_length": max_length,
         "loss": LOSS_CONVENTION,
-        "shard_size": cfg.shard_size,
-        "batch_size": cfg.batch_size,
-        "optimizer": optimizer,
-        **({"transcode": {"basis": "ekfac", "storage": cfg.rows.storage, "damping": cfg.damping}}
-           if cfg.rows.transcode else {}),
+        "shard_size": shard_size,
+        "batch_size": batch_size,
+        **more,
     }
 
 
@@ -371,8 +369,11 @@ def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildCo
         cfg.precondition != "none" and cfg.fisher == "empirical" and not sink.coded) else None
     full = FullSums() if cfg.full_factors or full_rows is not None else None
     capture = GradientCapture(model, cfg.layers, *[v for v in (rows, kfac, full) if v is not None])
-    identity = sink.identity(_identity(model, model_fp, space, cfg, data_fp,
-                                       basis_identity(cfg, basis, model_fp, data_fp), optimizer, tokenizer_fp))
+    r = cfg.rows
+    identity = sink.identity(build_identity(
+        model, model_fp, space, data_fp, r.capture_storage, cfg.max_length, cfg.shard_size, cfg.batch_size,
+        tokenizer_fp, basis=basis_identity(cfg, basis, model_fp, data_fp), optimizer=optimizer,
+        **({"transcode": {"basis": "ekfac", "storage": r.storage, "damping": cfg.damping}} if r.transcode else {})))
     return _Setup(hashes, data_fp, pad_id, spec, capture, rows, kfac, full, identity, write, sink,
                   *_full_selection(full_rows, len(data)))
 
@@ -380,23 +381,16 @@ def _setup(model: nn.Module, tokenizer, data: Tokenized, out: Path, cfg: BuildCo
 def _start_manifest(model: nn.Module, tokenizer, data: Tokenized, cfg: BuildConfig, identity: dict, model_id: str,
                     data_id: str, old: dict | None) -> dict:
     """The manifest a build writes first (``status: building``); a resume keeps the old one's other keys."""
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "library_version": gradindex.__version__,
-        "status": "building",
-        "model_id": model_id,
+    manifest = new_manifest(
+        "building", model_id, data_id, identity,
+        {**{k: v for k, v in asdict(cfg).items()  # (the rows: "rows"; the stream: build.projection)
+            if k not in ("rows", "projection_kind", "seed")},
+         "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
+        {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
+        template_of(tokenizer) if data.field == MESSAGES else None,
         **({"model_file": model_file(model)} if model_file(model) else {}),  # (a GGUF: its path and hash)
         **({"adapter_id": adapter_path(model)} if adapter_path(model) else {}),
-        "data_id": data_id,
-        **({"chat_template": template_of(tokenizer)} if data.field == MESSAGES else {}),
-        "build": identity,
-        "rows": str(cfg.rows),
-        "config": {**{k: v for k, v in asdict(cfg).items()  # (the rows: "rows"; the stream: build.projection)
-                      if k not in ("rows", "projection_kind", "seed")},
-                   "optimizer_state": str(Path(cfg.optimizer_state).resolve()) if cfg.optimizer_state else ""},
-        "dtype": identity["dtype"],
-        "counts": {"examples": len(data), "truncated": data.n_truncated, "text_field": data.field},
-    }
+        rows=str(cfg.rows))
     if old is not None:
         manifest = {**old, **{k: v for k, v in manifest.items() if k not in ("counts",)},
                     "counts": {**old.get("counts", {}), **manifest["counts"]}}
