@@ -33,6 +33,7 @@ from gradindex.precondition.fullspace import HeadGrads, keep_build_sums, stored_
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.precondition.restore import restore_basis
 from gradindex.precondition.sampled import SAMPLE_DIR, EigenCoder, fit_on_sample, sampled_reason
+from gradindex.spec.manifest import Manifest
 from gradindex.store.append import RowSink
 from gradindex.store.builder import (
     BuildConfig,
@@ -142,7 +143,7 @@ def rerank_fit_config(cfg: BuildConfig, manifest: dict, n: int, asked: bool | No
     on every example up to :data:`~gradindex.spec.build.RERANK_FIT_EXAMPLES`
     (:func:`~gradindex.plan.rerank_fit_sizes`)."""
     wanted = (cfg.rerank_fit if asked is None else asked) and stored_share(manifest) < 1
-    return _rerank_fit(cfg, n, wanted, bool(manifest["build"].get("optimizer")))
+    return _rerank_fit(cfg, n, wanted, Manifest(manifest).adam_rows)
 
 
 def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitConfig | None:

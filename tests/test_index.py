@@ -26,6 +26,7 @@ from gradindex.manifest import IndexMismatchError, read_manifest, write_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.store import Store
+from gradindex.store.opened import OpenStore
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +189,7 @@ def indexed(store_dir, tmp_path_factory):
 
 
 def _open(d):
-    return IndexSet(d, read_manifest(d), 40)
+    return IndexSet(OpenStore(d))
 
 
 def test_missing_or_corrupt_index_file_names_the_file_and_the_fix(indexed, tmp_path):

@@ -80,11 +80,11 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
     space = cfg.space
     if space.whiten != "none":
         ix.pre.check(space.whiten)
-    storage = manifest["build"].get("storage", "fp32")
+    storage = ix.described.storage
     tier = make_tier(cfg, RowShape.of(N, list(store.dims.values()), store.storage))
     factories = tier.layer_factories(N, {n: store.dims[n] for n in store.layers}, storage)
-    key = {"identity": manifest["build"], "examples": N, "space": space.to_dict(),
-           "preconditioner": manifest.get("preconditioners", {}).get(space.whiten),
+    key = {"identity": ix.described.build, "examples": N, "space": space.to_dict(),
+           "preconditioner": ix.described.preconditioners.get(space.whiten),
            "train_size": cfg.train_size, "seed": cfg.seed, **tier.key()}
     settle_swap(index_dir)
     for p in move_aside(index_dir, [x.file for x in check_faiss(index_dir) if x.problem != "missing"]):

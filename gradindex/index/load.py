@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,13 +15,14 @@ from gradindex.index.space import IndexSpace
 from gradindex.index.tiers import CandidateRequest, Candidates, TierSource, kind_of, tier_named
 from gradindex.index.tiers.faiss_layers import LayerIndex, rebuild_hint
 from gradindex.manifest import IndexMismatchError, identity_differences, refuse_unfinished_transcode
-from gradindex.store.rows import RowReader
+from gradindex.store.opened import OpenStore
 
 __all__ = ["IndexSet", "LayerIndex"]
 
 
-def _check(meta: dict | None, d: Path, index_dir: str | os.PathLike, manifest: dict, n: int) -> dict:
-    refuse_unfinished_transcode(index_dir, manifest, "query it")
+def _check(meta: dict | None, d: Path, ix: OpenStore) -> dict:
+    index_dir, n = ix.dir, ix.n
+    refuse_unfinished_transcode(index_dir, ix.manifest, "query it")
     if meta is None and staging_dir(index_dir).exists():
         raise ValueError(f"the first index build in {str(staging_dir(index_dir))!r} did not finish; "
                          f"resume it with `gradindex index {index_dir}`")
@@ -35,7 +35,7 @@ def _check(meta: dict | None, d: Path, index_dir: str | os.PathLike, manifest: d
         raise ValueError(
             f"the index build in {str(d)!r} did not finish; resume it with `gradindex index {index_dir}`"
         )
-    diffs = identity_differences(meta["key"]["identity"], manifest["build"])
+    diffs = identity_differences(meta["key"]["identity"], ix.described.build)
     if diffs:
         raise IndexMismatchError(
             f"the FAISS indices in {str(d)!r} were built from another store: " + "; ".join(diffs)
@@ -56,14 +56,13 @@ class IndexSet:
     """The index of an index directory, loaded once and kept in memory: its tier (:mod:`gradindex.index.tiers`,
     by the ``kind`` its ``index.json`` records) and the raw vectors' norms."""
 
-    def __init__(self, index_dir: str | os.PathLike, manifest: dict, n: int,
-                 layers: Sequence[str] | None = None, use_gpu: bool = True, rows: RowReader | None = None):
-        self.dir = Path(index_dir)
+    def __init__(self, ix: OpenStore, layers: Sequence[str] | None = None, use_gpu: bool = True):
+        index_dir = self.dir = ix.dir
         self.folder = live_dir(index_dir)
-        self.meta = _check(read_meta_at(self.folder), self.folder, index_dir, manifest, n)
+        self.meta = _check(read_meta_at(self.folder), self.folder, ix)
         self.space = IndexSpace.from_dict(self.meta["space"])
-        self.n = n
-        self.all_layers = list(manifest["build"]["layers"])
+        n = self.n = ix.n
+        self.all_layers = list(ix.layers)
         chosen = list(layers) if layers is not None else self.all_layers
         self.kind = kind_of(self.meta)
         """The tier's name: ``store`` (exhaustive scan of the store), ``sketch`` (two stages), ``faiss``..."""
@@ -77,7 +76,7 @@ class IndexSet:
                 raise FileNotFoundError(f"no FAISS index for layer {name!r} in "
                                         f"{str(self.folder)!r}; " + rebuild_hint(index_dir))
         self.source = TierSource(self.dir, self.folder, self.meta, n, chosen, self.all_layers, self.space,
-                                 self._norms(index_dir), rows, use_gpu)
+                                 self._norms(index_dir), ix.rows, use_gpu)
         self.tier = cls.load(self.source)
         self.layers: dict[str, LayerIndex] = getattr(self.tier, "layers", None) or {
             name: LayerIndex(name, self.folder, self.meta["layers"][name]["factory"], None, tier=self.kind)

@@ -42,7 +42,7 @@ class OpenIndex(OpenStore):
         (again only when layers not loaded yet are asked for)."""
         want = set(layers or self.layers)
         if self.indices is None or not want <= set(self.indices.layers):
-            self.indices = IndexSet(self.dir, self.manifest, self.n, layers, use_gpu, self.rows)
+            self.indices = IndexSet(self, layers, use_gpu)
         return self.indices
 
     def methods(self, selfnorm: bool = False) -> list[str]:
