@@ -71,7 +71,8 @@ def test_split_parts_and_merge_round_trip_bitwise(default_index, sharded, tmp_pa
     assert [(p.first, p.stop) for p in sharded.parts] == [(0, 16), (16, 40)]  # 3 store files of 16: 1 + 2
     part = read_manifest(sharded.parts[1].dir)
     assert part["build"] == whole["build"] and part["counts"]["examples"] == 24
-    assert part["shard"] == {"part": 1, "parts": 2, "first": 16, "stop": 40, "examples": 40}
+    assert part["shard"] == {"part": 1, "parts": 2, "first": 16, "stop": 40, "examples": 40,
+                             "files": [[1, 0, 16, 16], [2, 0, 8, 8]]}  # (whole files: [file, first, stop, rows])
     merged = merge_index(sharded.dir, tmp_path / "merged")
     assert read_manifest(merged) == whole
     names = sorted(p.name for p in (default_index / "store").iterdir())
@@ -117,8 +118,8 @@ def test_sketch_tier_parts_equal_the_index(gpt2_dir, default_index, tmp_path):
 
 
 def test_refusals(default_index, sharded, tmp_path):
-    with pytest.raises(ValueError, match="splits into 1 to 3 parts, not 4"):
-        split_index(default_index, tmp_path / "four", 4)
+    with pytest.raises(ValueError, match="splits into 1 to 40 parts, not 41"):
+        split_index(default_index, tmp_path / "many", 41)
     with pytest.raises(FileExistsError, match="not an empty directory"):
         split_index(default_index, sharded.dir, 2)
     with pytest.raises(ValueError, match="already a sharded index"):

@@ -262,3 +262,32 @@ def test_verify_names_a_mismatched_or_damaged_part_and_the_query_refuses_it(shar
     out = _verify_fails(bad)
     assert "part 1 holds rows [17, 32), expected them to start at 16" in out, out
     assert "DAMAGED part-00002/store/shard-00000.h5" in out and "part-00002  rows 32-39: 1 damaged" in out, out
+
+
+def test_more_parts_than_files_cut_them_and_merge_joins_them(gpt2_dir, default_index, tmp_path):
+    """5 parts of 40 rows in 3 files (16, 16, 8): files 0 and 1 are cut at rows 8 and 24; the answers equal the
+    index's, and a merge joins the pieces again: the same rows and columns (file 2, never cut, byte for byte)."""
+    import filecmp
+
+    from gradindex.index.sharded import merge_index
+    from gradindex.manifest import read_manifest
+    from gradindex.store import Store
+
+    sh = split_index(default_index, tmp_path / "five", 5)
+    assert [(p.first, p.stop) for p in sh.parts] == [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40)]
+    assert read_manifest(sh.parts[1].dir)["shard"]["files"] == [[0, 8, 16, 16]]
+    with QueryEngine(default_index, gpt2_dir, device="cpu") as one, \
+            ShardedQueryEngine(sh.dir, gpt2_dir, device="cpu") as many:
+        a = many.query_batch(QUERIES, k=10, lowest=3)
+        b = one.query_batch(QUERIES, k=10, lowest=3)
+        for x, y in zip(a, b, strict=True):
+            assert [(h.id, h.score) for h in x.hits + x.lowest] == [(h.id, h.score) for h in y.hits + y.lowest]
+    merged = merge_index(sh.dir, tmp_path / "merged")
+    with Store(default_index) as s1, Store(merged) as s2:
+        assert (s1.sizes, s1.first_ids) == (s2.sizes, s2.first_ids) == ([16, 16, 8], [0, 16, 32])
+        for name in ("ids", "loss", "num_tokens", "token_hash", "finite"):
+            np.testing.assert_array_equal(s1.column(name), s2.column(name))
+        r1, r2 = s1.read_rows(np.arange(40)), s2.read_rows(np.arange(40))
+        assert all(np.array_equal(r1[n], r2[n]) for n in r1)
+    assert filecmp.cmp(default_index / "store" / "shard-00002.h5", merged / "store" / "shard-00002.h5", shallow=False)
+    assert "intact" in _run("verify", merged) and "intact" in _run("verify", sh.dir)

@@ -26,7 +26,7 @@ from gradindex.cli.common import UserError, status, user_errors
 @click.argument("index_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--shards", "parts", required=True, type=click.IntRange(min=1),
               help="Parts to split into: each a complete index over a contiguous range of rows (whole store shard "
-                   "files: at most one part a file).")
+                   "files while the parts are at most the files; more parts cut the files at even row ranges).")
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="The new sharded index directory (must not exist, or be empty).")
 @user_errors

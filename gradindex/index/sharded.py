@@ -51,7 +51,8 @@ from gradindex.precondition.files import (
     write_precond,
 )
 from gradindex.spec.layout import BASIS_FILE, PRECOND_DIR, IndexLayout
-from gradindex.store.relabel import copy_shard
+from gradindex.store import Store
+from gradindex.store.relabel import copy_shard, write_rows
 
 log = logging.getLogger("gradindex")
 
@@ -191,21 +192,17 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
     _refuse_out(out)
     with OpenIndex(src, then="split it") as ix:
         refuse_unfinished_transcode(src, ix.manifest, "split it")
-        K = len(ix.store.paths)
-        if not 1 <= parts <= K:
-            raise ValueError(f"{str(src)!r} has {K} store shard files ({ix.n} examples, "
-                             f"{ix.manifest['config']['shard_size']} a file); it splits into 1 to {K} parts, not "
-                             f"{parts} (a part holds whole files: rebuild with a smaller --shard-size for more)")
+        if not 1 <= parts <= ix.n:
+            raise ValueError(f"{str(src)!r} has {ix.n} examples; it splits into 1 to {ix.n} parts, not {parts}")
         whole = ix.manifest
-        groups = [list(range(j * K // parts, (j + 1) * K // parts)) for j in range(parts)]
         fits = _fit_files(src)
         out.mkdir(parents=True, exist_ok=True)
         made = []
-        for j, g in enumerate(groups):
-            first = ix.store.first_ids[g[0]]
-            stop = ix.store.first_ids[g[-1]] + ix.store.sizes[g[-1]]
+        for j, pieces in enumerate(_pieces(ix.store, parts)):
+            first = ix.store.first_ids[pieces[0][0]] + pieces[0][1]
+            stop = ix.store.first_ids[pieces[-1][0]] + pieces[-1][2]
             part = Part(out / f"part-{j:05d}", first, stop)
-            _write_part(ix, part, j, parts, g, fits)
+            _write_part(ix, part, j, parts, pieces, fits)
             made.append(part)
             if progress:
                 log.warning("part %d of %d: rows [%d, %d)", j + 1, parts, first, stop)
@@ -239,15 +236,38 @@ def _has_rows(path: Path) -> bool:
     return True
 
 
-def _write_part(ix: OpenIndex, part: Part, j: int, parts: int, group: list[int], fits) -> None:
-    """One part: its store (shard files copied, ids shifted), fits, manifest, then its tier."""
+def _pieces(store, parts: int) -> list[list[tuple[int, int, int]]]:
+    """Each part's ``(shard file, first row, stop row)`` pieces (rows within the file): whole files, in contiguous
+    groups as even as the files allow, when the parts are at most the files; else rows ``[j N / P, (j+1) N / P)``,
+    the files cut where a part starts or ends inside one."""
+    K, N = len(store.paths), store.n
+    if parts <= K:
+        return [[(k, 0, store.sizes[k]) for k in range(j * K // parts, (j + 1) * K // parts)] for j in range(parts)]
+    out = []
+    for j in range(parts):
+        lo, hi = j * N // parts, (j + 1) * N // parts
+        out.append([(k, max(lo, f) - f, min(hi, f + n) - f) for k, (f, n) in enumerate(zip(store.first_ids,
+                                                                                          store.sizes, strict=True))
+                    if f < hi and lo < f + n])
+    return out
+
+
+def _write_part(ix: OpenIndex, part: Part, j: int, parts: int, pieces: list[tuple[int, int, int]], fits) -> None:
+    """One part: its store (shard files copied with their ids shifted, or the rows of a cut file written as one of its
+    own), fits, manifest (its ``shard`` entry's ``files``: each file's ``[file of the whole index, first row, stop
+    row, that file's rows]``, what a merge joins again), then its tier."""
     recorded = read_checksums(ix.dir)
-    for k_local, k in enumerate(group):
-        copy_shard(ix.store.paths[k], IndexLayout.of(part.dir).shard(k_local), -part.first, recorded)
+    for k_local, (k, a, b) in enumerate(pieces):
+        dst = IndexLayout.of(part.dir).shard(k_local)
+        if (a, b) == (0, ix.store.sizes[k]):
+            copy_shard(ix.store.paths[k], dst, -part.first, recorded)
+        else:
+            write_rows([(ix.store.paths[k], a, b)], dst, ix.store.first_ids[k] + a - part.first, {ix.dir: recorded})
     m = copy.deepcopy(ix.manifest)
-    m["counts"] = {**m["counts"], "examples": part.n, "shards": len(group)}
+    m["counts"] = {**m["counts"], "examples": part.n, "shards": len(pieces)}
     m["nonfinite_ids"] = [int(i) - part.first for i in m.get("nonfinite_ids", []) if part.first <= int(i) < part.stop]
-    m[SHARD_KEY] = {"part": j, "parts": parts, "first": part.first, "stop": part.stop, "examples": ix.n}
+    m[SHARD_KEY] = {"part": j, "parts": parts, "first": part.first, "stop": part.stop, "examples": ix.n,
+                    "files": [[k, a, b, ix.store.sizes[k]] for k, a, b in pieces]}
     for name, rows in fits:
         if rows:
             _write_fit(ix.dir / name, part.dir / name, m, lambda si: si[part.first:part.stop])  # (its rows only)
@@ -303,11 +323,13 @@ def merge_index(sharded: str | os.PathLike | Sharded, out: str | os.PathLike) ->
     fits = _same_fits(sh)
     out.mkdir(parents=True, exist_ok=True)
     k = 0
-    for p in sh.parts:
-        recorded = read_checksums(p.dir)
-        for path in sorted((p.dir / "store").glob("shard-*.h5")):
-            copy_shard(path, IndexLayout.of(out).shard(k), p.first, recorded)
-            k += 1
+    for pieces, first in _originals(sh):
+        dst = IndexLayout.of(out).shard(k)
+        if len(pieces) == 1 and pieces[0][4]:
+            copy_shard(pieces[0][0], dst, pieces[0][1].first)
+        else:  # (the pieces of a file a split cut, joined: the same rows, not the same bytes)
+            write_rows([(path, 0, n) for path, _, _, n, _, _ in pieces], dst, first)
+        k += 1
     whole = copy.deepcopy(sh.manifest)
     if k != int(whole["counts"]["shards"]):
         raise ValueError(f"the parts of {str(sh.dir)!r} hold {k} store shard files, the index "
@@ -321,6 +343,31 @@ def merge_index(sharded: str | os.PathLike | Sharded, out: str | os.PathLike) ->
     write_manifest(out, whole)
     _build_tier(out, whole)
     return out
+
+
+def _originals(sh: Sharded) -> list[tuple[list[tuple], int]]:
+    """The whole index's store files from the parts' files, each ``(pieces, first row)``: one piece
+    ``(part file, its part, file of the whole index, rows, whole?, first row in that file)`` for a file copied whole,
+    several for the pieces of a file a split cut (the parts' ``files`` entries say which; a part without them holds
+    whole files)."""
+    files = []
+    for p in sh.parts:
+        paths = sorted((p.dir / "store").glob("shard-*.h5"))
+        entries = (read_complete_manifest(p.dir, "merge it").get(SHARD_KEY) or {}).get("files")
+        if entries is None:
+            with Store(p.dir) as st:
+                entries = [[None, 0, n, n] for n in st.sizes]
+        for path, (k, a, b, size) in zip(paths, entries, strict=True):
+            files.append((path, p, k, b - a, (a, b) == (0, size), a))
+    groups: list[tuple[list[tuple], int]] = []
+    at = 0
+    for f in files:
+        if groups and f[2] is not None and groups[-1][0][-1][2] == f[2] and f[5] > 0:
+            groups[-1][0].append(f)  # (the rest of the file the previous piece began)
+        else:
+            groups.append(([f], at))
+        at += f[3]
+    return groups
 
 
 def _joined(cuts: list[Path], _) -> np.ndarray:
