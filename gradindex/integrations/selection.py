@@ -194,6 +194,90 @@ def batch_labels(batch: Mapping) -> torch.Tensor:
     return ids if mask is None else ids.masked_fill(torch.as_tensor(mask).to(ids.device) == 0, IGNORE)
 
 
+# -- the score and the weights -------------------------------------------------------------------
+class Scorer:
+    """How each example's projected gradient is compared with the target's (module doc, step 2): ``kind``
+    ``cosine`` or ``dot``, with ``diagonal`` through ``v^{-1/2}``, ``v`` the running second moment
+    (:meth:`update`, ``beta``) damped by ``damping`` times its mean."""
+
+    def __init__(self, kind: str, diagonal: bool, beta: float, damping: float) -> None:
+        if kind not in SCORES:
+            raise ValueError(f"score {kind!r} is not one of {list(SCORES)}")
+        self.kind, self.diagonal, self.beta, self.damping = kind, diagonal, beta, damping
+        self.second_moment: dict[str, torch.Tensor] | None = None
+        """layer → ``[D]`` running mean of squared per-example projected gradients (``diagonal``)."""
+        self._batches = 0
+        self._raw: dict[str, torch.Tensor] = {}
+
+    def update(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Adam-like bias-corrected running mean (``beta``) of the batches' mean squared per-example gradients."""
+        self._batches += 1
+        k, b = self._batches, self.beta
+        for n in grads:
+            sq = grads[n].double().pow(2).mean(0)
+            self._raw[n] = (1 - b) * sq + (b * self._raw[n] if n in self._raw else 0.0)
+        self.second_moment = {n: (self._raw[n] / (1 - b ** k)).float() for n in grads}
+
+    def __call__(self, grads: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor],
+                 layers: Sequence[str]) -> torch.Tensor:
+        """``[B]`` scores of per-example gradients (layer → ``[B, D]``) against ``target`` (layer → ``[D]``)."""
+        g = torch.cat([grads[n].float() for n in layers], dim=1)  # [B, D]
+        t = torch.cat([target[n].to(g.device) for n in layers])  # [D]
+        if self.diagonal:
+            v = torch.cat([self.second_moment[n].to(g.device) for n in layers])
+            d = (v + self.damping * v.mean()).rsqrt()  # [D]
+            g, t = g * d, t * d
+        s = g @ t
+        if self.kind == "cosine":
+            s = s / (g.norm(dim=1) * t.norm()).clamp(min=1e-30)
+        return s
+
+
+class LogitWeights:
+    """Per-example weights on the next training forward's output logits gradient (module doc, step 4), applied
+    by a forward hook on ``model`` (:meth:`hook`) unless ``paused()`` (the selector's own scoring pass)."""
+
+    def __init__(self, model: nn.Module, paused) -> None:
+        self.model, self.paused = model, paused
+        self._armed: torch.Tensor | None = None
+        self._handle = None
+
+    def arm(self, w: torch.Tensor, batch: Mapping) -> None:
+        """Weights ``w`` for the next training forward, on ``batch``'s examples: scaled so that
+        ``Σ w_i n_i = Σ n_i`` (``n_i``: target tokens; all zero stays zero)."""
+        n = (batch_labels(batch)[:, 1:] != IGNORE).sum(1).cpu().to(w.device, torch.float64)
+        tot = float((w.double() * n).sum())
+        self._armed = w * 0.0 if tot == 0.0 else (w.double() * (float(n.sum()) / tot)).float()
+
+    def _output_hook(self, module: nn.Module, args, kwargs, output) -> None:
+        if self.paused() or self._armed is None or not torch.is_grad_enabled():
+            return
+        w, self._armed = self._armed, None
+        out = None
+        for name in ("logits", "log_probs"):
+            x = output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                out = x
+                break
+        if out is None:
+            raise ValueError("online selection's weights act on the model's output 'logits' (or a fused head's "
+                             "'log_probs'), and this forward returned neither with gradients")
+        if out.shape[0] != w.shape[0]:
+            raise ValueError(f"weights for {w.shape[0]} examples, but the forward ran on {out.shape[0]}")
+        scale = w.to(out.device).view(-1, *([1] * (out.ndim - 1)))
+        out.register_hook(lambda g: g * scale.to(g.dtype))
+
+    def hook(self) -> None:
+        if self._handle is None:
+            self._handle = self.model.register_forward_hook(self._output_hook, with_kwargs=True)
+
+    def unhook(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._armed = None
+
+
 # -- the selector --------------------------------------------------------------------------------
 class OnlineSelector:
     """Scores a training batch's examples against a target set's gradient and turns them into weights.
@@ -206,7 +290,7 @@ class OnlineSelector:
     updates when ``optimizer`` is given (or the Trainer's), else scored batches (``count_steps=False``:
     the caller sets :attr:`step`). ``projection``, ``projection_kind``, ``seed``, ``layers`` and ``route``
     are ``gradindex build``'s. ``precondition``: ``none``, ``adam`` (the optimizer's second moments, see
-    :meth:`_adam_transforms`) or ``diagonal`` (:meth:`_update_moment`, with ``beta`` and ``damping``).
+    :meth:`_adam_transforms`) or ``diagonal`` (:class:`Scorer`, with ``beta`` and ``damping``).
     """
 
     def __init__(self, model: nn.Module, target, policy, *, target_labels: Sequence[Sequence[int]] | None = None,
@@ -214,16 +298,12 @@ class OnlineSelector:
                  damping: float = DIAGONAL_DAMPING, refresh_every: int = 0, projection: str | ProjectionSpec = "16",
                  projection_kind: str = "gaussian", seed: int = 0, layers: Sequence[str] = (), route: str = "auto",
                  target_batch_size: int = 16, optimizer=None, count_steps: bool = True) -> None:
-        if score not in SCORES:
-            raise ValueError(f"score {score!r} is not one of {list(SCORES)}")
         if precondition not in PRECONDITIONERS:
             raise ValueError(f"precondition {precondition!r} is not one of {list(PRECONDITIONERS)}")
         self.model = distributed.unwrap(model)
         self.policy = policy
-        self.score_kind = score
+        self.scorer = Scorer(score, precondition == "diagonal", beta, damping)
         self.precondition = precondition
-        self.beta = beta
-        self.damping = damping
         self.refresh_every = refresh_every
         self.target_batch_size = target_batch_size
         self.target_ids, self.target_labels = _target_lists(target, target_labels)
@@ -240,10 +320,6 @@ class OnlineSelector:
         self._adam_missing = False
         self.target: dict[str, torch.Tensor] | None = None
         """layer → ``[D]`` gradient of the target set's mean token loss (projected), at the last refresh."""
-        self.second_moment: dict[str, torch.Tensor] | None = None
-        """layer → ``[D]`` running mean of squared per-example projected gradients (``precondition='diagonal'``)."""
-        self._moment_batches = 0
-        self._raw_moment: dict[str, torch.Tensor] = {}
         self.step = 0
         self.refreshed_at: int | None = None
         self.last_scores: torch.Tensor | None = None
@@ -252,9 +328,8 @@ class OnlineSelector:
         """Batches and examples weighed, examples kept (weight > 0), target refreshes, and the seconds spent
         scoring training batches and refreshing the target."""
         self._busy = False
-        self._armed: torch.Tensor | None = None
+        self.weights = LogitWeights(self.model, lambda: self._busy)
         self._handles: list = []
-        self._output_handle = None
         self._opt_handle = None
         self.count_batches = optimizer is None and count_steps
         """Whether each scored batch counts as a step (no optimizer to count updates, no Trainer to tell)."""
@@ -359,36 +434,14 @@ class OnlineSelector:
             bg = tensor_batch_gradients(self.model, self.capture, tb)
         return bg.grads, bg.num_tokens
 
-    def scores_of(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """``[B]`` scores of per-example gradients against :attr:`target` (see the module doc)."""
-        g = torch.cat([grads[n].float() for n in self.layers], dim=1)  # [B, D]
-        t = torch.cat([self.target[n].to(g.device) for n in self.layers])  # [D]
-        if self.precondition == "diagonal":
-            v = torch.cat([self.second_moment[n].to(g.device) for n in self.layers])
-            d = (v + self.damping * v.mean()).rsqrt()  # [D]
-            g, t = g * d, t * d
-        s = g @ t
-        if self.score_kind == "cosine":
-            s = s / (g.norm(dim=1) * t.norm()).clamp(min=1e-30)
-        return s
-
-    def _update_moment(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Adam-like bias-corrected running mean (``beta``) of the batches' mean squared per-example gradients."""
-        self._moment_batches += 1
-        k, b = self._moment_batches, self.beta
-        for n in self.layers:
-            sq = grads[n].double().pow(2).mean(0)
-            self._raw_moment[n] = (1 - b) * sq + (b * self._raw_moment[n] if n in self._raw_moment else 0.0)
-        self.second_moment = {n: (self._raw_moment[n] / (1 - b ** k)).float() for n in self.layers}
-
     def score(self, batch: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
         """``[B]`` scores of a batch's examples (CPU float32) and their target-token counts."""
         self._maybe_refresh()
         t0 = time.perf_counter()
         grads, ntok = self.example_gradients(batch)
-        if self.precondition == "diagonal":
-            self._update_moment(grads)
-        s = self.scores_of(grads).cpu()
+        if self.scorer.diagonal:
+            self.scorer.update({n: grads[n] for n in self.layers})
+        s = self.scorer(grads, self.target, self.layers).cpu()
         self.stats["scoring_s"] += time.perf_counter() - t0
         return s, ntok.cpu()
 
@@ -411,46 +464,6 @@ class OnlineSelector:
         self.stats["kept"] += int((w > 0).sum())
         return None if bool((w == 1).all()) else w
 
-    @staticmethod
-    def normalized(w: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
-        """``w`` scaled so that ``Σ w_i n_i = Σ n_i`` (all zero stays zero)."""
-        n = num_tokens.to(w.device, torch.float64)
-        tot = float((w.double() * n).sum())
-        return w * 0.0 if tot == 0.0 else (w.double() * (float(n.sum()) / tot)).float()
-
-    # -- weights on the loop's backward ----------------------------------------------------------
-    def arm(self, weights: torch.Tensor | None) -> None:
-        """Weights for the next training forward's examples (applied to its output logits' gradient)."""
-        self._armed = weights
-
-    def _output_hook(self, module: nn.Module, args, kwargs, output) -> None:
-        if self._busy or self._armed is None or not torch.is_grad_enabled():
-            return
-        w, self._armed = self._armed, None
-        out = None
-        for name in ("logits", "log_probs"):
-            x = output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
-            if isinstance(x, torch.Tensor) and x.requires_grad:
-                out = x
-                break
-        if out is None:
-            raise ValueError("online selection's weights act on the model's output 'logits' (or a fused head's "
-                             "'log_probs'), and this forward returned neither with gradients")
-        if out.shape[0] != w.shape[0]:
-            raise ValueError(f"weights for {w.shape[0]} examples, but the forward ran on {out.shape[0]}")
-        scale = w.to(out.device).view(-1, *([1] * (out.ndim - 1)))
-        out.register_hook(lambda g: g * scale.to(g.dtype))
-
-    def _hook_output(self) -> None:
-        if self._output_handle is None:
-            self._output_handle = self.model.register_forward_hook(self._output_hook, with_kwargs=True)
-
-    def _unhook_output(self) -> None:
-        if self._output_handle is not None:
-            self._output_handle.remove()
-            self._output_handle = None
-        self._armed = None
-
     # -- hook mode (the Trainer, or a loop whose batches cannot be wrapped) ----------------------
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         if self._busy or not torch.is_grad_enabled() or not module.training:
@@ -460,8 +473,7 @@ class OnlineSelector:
             batch.setdefault("input_ids", args[0])
         w = self.weigh(batch)
         if w is not None:
-            labels = batch_labels(batch)
-            self.arm(self.normalized(w, (labels[:, 1:] != IGNORE).sum(1).cpu()))
+            self.weights.arm(w, batch)
         if self.count_batches:
             self.step += 1
         return None
@@ -470,14 +482,14 @@ class OnlineSelector:
         """Score every training forward of the model in a pre-hook; weights (drops: 0) on its logits' gradient."""
         if not self._handles:
             self._handles.append(self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-            self._hook_output()
+            self.weights.hook()
         return self
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._unhook_output()
+        self.weights.unhook()
 
     def close(self) -> None:
         self.detach()
@@ -532,7 +544,7 @@ class SelectingLoader:
 
     def __iter__(self) -> Iterator[Mapping]:
         sel = self.selector
-        sel._hook_output()
+        sel.weights.hook()
         try:
             for batch in self.loader:
                 if not isinstance(batch, Mapping):
@@ -548,11 +560,10 @@ class SelectingLoader:
                         continue
                     out = subset_batch(batch, keep, w.shape[0])
                 else:
-                    labels = batch_labels(batch)
-                    sel.arm(sel.normalized(w, (labels[:, 1:] != IGNORE).sum(1).cpu()))
+                    sel.weights.arm(w, batch)
                     out = batch
                 yield out
                 sel.step += int(sel.count_batches)
         finally:
             if not sel._handles:
-                sel._unhook_output()
+                sel.weights.unhook()
