@@ -134,7 +134,7 @@ def _route_sharded(command: click.Command, sharded=None, load_layers: bool = Fal
         if sharded is not None:
             return sharded(**o)
         timeout = o.pop("rank_timeout")
-        layers = list(o["layers"]) or None if load_layers else None
+        layers = (list(o["layers"]) or None) if load_layers else None
         return on_ranks({**o, "rank_timeout": timeout}, lambda: plain(**o), layers)
 
     command.callback = callback
