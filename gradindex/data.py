@@ -275,8 +275,21 @@ def tokenize_records(
         ids_out.append(ids)
         labels_out.append(lab)
 
-    if "input_ids" in cols:
-        field = "input_ids"
+    field, pairs = _token_pairs(ds, cols, tokenizer, text_field, max_length, vocab_size)
+    for ids, lab in pairs:
+        add(ids, lab)
+    ids, labels = ids_out.build(), labels_out.build()
+    if require_targets:
+        _check_targets(labels, truncated, max_length)
+    return Tokenized(ids, labels, sum(truncated), field, tuple(truncated))
+
+
+def _token_pairs(ds: datasets.Dataset | Records, cols: set, tokenizer, text_field: str, max_length: int,
+                 vocab_size: int | None) -> tuple[str, Iterator[tuple[list[int], list[int]]]]:
+    """``(field, pairs)``: the data's format (pre-tokenized, prompt and completion, chat messages or text) and each
+    record's ``(ids, labels)`` in it, checked, as :func:`tokenize_records` reads them (it cuts them to
+    ``max_length``)."""
+    def given():
         labels_col = _column(ds, "labels") if "labels" in cols else None
         for i, ids in enumerate(_column(ds, "input_ids")):
             ids = _int_list(ids, i, "input_ids")
@@ -284,33 +297,37 @@ def tokenize_records(
             if len(lab) != len(ids):
                 raise ValueError(f"record {i}: labels ({len(lab)}) and input_ids ({len(ids)}) differ in length")
             _check_ids(ids, i, vocab_size)
-            add(ids, lab)
-    elif {"prompt", "completion"} <= cols:
-        field = "prompt+completion"
+            yield ids, lab
+
+    def prompted():
         for i, (p, c) in enumerate(zip(_column(ds, "prompt"), _column(ds, "completion"))):
             pi = _tokens(tokenizer, _text(p, i, "prompt"), i, max_length)
             ci = _tokens(tokenizer, _text(c, i, "completion"), i, max_length)
-            add(pi + ci, [IGNORE] * len(pi) + ci)
-    elif MESSAGES in cols:
-        field = MESSAGES
+            yield pi + ci, [IGNORE] * len(pi) + ci
+
+    def chats():
         for i, msgs in enumerate(_column(ds, MESSAGES)):
             ids, lab = chat_tokens(tokenizer, msgs, i)
             _check_ids(ids, i, vocab_size)
-            add(ids, lab)
-    elif text_field in cols:
-        field = text_field
+            yield ids, lab
+
+    def texts():
         for i, t in enumerate(_column(ds, text_field)):
             ids = _tokens(tokenizer, _text(t, i, text_field), i, max_length)
-            add(ids, ids)
-    else:
-        raise ValueError(
-            f"no field {text_field!r} in the data (columns: {sorted(cols)}); pass --text-field NAME, "
-            "or give 'prompt' and 'completion', chat 'messages', or pre-tokenized 'input_ids'"
-        )
-    ids, labels = ids_out.build(), labels_out.build()
-    if require_targets:
-        _check_targets(labels, truncated, max_length)
-    return Tokenized(ids, labels, sum(truncated), field, tuple(truncated))
+            yield ids, ids
+
+    if "input_ids" in cols:
+        return "input_ids", given()
+    if {"prompt", "completion"} <= cols:
+        return "prompt+completion", prompted()
+    if MESSAGES in cols:
+        return MESSAGES, chats()
+    if text_field in cols:
+        return text_field, texts()
+    raise ValueError(
+        f"no field {text_field!r} in the data (columns: {sorted(cols)}); pass --text-field NAME, "
+        "or give 'prompt' and 'completion', chat 'messages', or pre-tokenized 'input_ids'"
+    )
 
 
 def _column(ds: datasets.Dataset | Records, field: str) -> list:

@@ -76,11 +76,8 @@ def build_index(
     """
     refuse_foreign(Path(out_dir))
     bound_heap(CAPTURE_THRESHOLD)  # (gradindex.heap: peak RSS -7% on the peers workload, same time)
-    if index is not None:  # an index type that cannot work for this data is refused before the capture pass
-        space = RowSpace(cfg.projection).bind({n: layer_info(m) for n, m in select_layers(model, cfg.layers).items()})
-        dims = {name: space.dim(name) for name in space.infos}
-        tier = make_tier(index, RowShape.of(len(data), list(dims.values()), cfg.rows.storage))
-        tier.layer_factories(len(data), dims, cfg.rows.storage)
+    if index is not None:
+        _check_index_type(model, cfg, len(data), index)
     with index_lock(out_dir, "gradindex build"):
         t0 = time.perf_counter()
         if not overwrite and distributed.rank() == 0:
@@ -90,11 +87,7 @@ def build_index(
         plan_args = (index is not None, *((index.factory, index.sketch_bytes) if index is not None else ("auto", 0)))
         cfg, plan = routed_plan(model, cfg, len(data), Path(out_dir), overwrite, plan_args, longest_example(data))
         _check_disk(Path(out_dir), plan, overwrite)  # (every rank: one refusing alone would leave the others waiting)
-        rows = _full_fit_rows(cfg, plan, len(data), rerank_fit)
-        if cfg.full_factors and rows is not None and len(rows) < len(data):
-            rows = None  # (--full-factors: the sums over every example, as asked)
-        every = rows is not None and len(rows) == len(data) and not 0 < cfg.rerank_correction < len(data)
-        heads = HeadGrads() if every else None  # (replayed by a correction pass over the capture's own batches)
+        rows, heads = _full_fit_rows(cfg, plan, len(data), rerank_fit)
         why = sampled_reason(cfg, len(data))
         if why and cfg.rows.transcode and cfg.fit_sample > 0:
             log.info("EK-FAC fitted on every example: %s", why)
@@ -155,21 +148,34 @@ def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitC
                      correction_examples=0 if correction == examples else correction)
 
 
-def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None) -> np.ndarray | None:
-    """The examples of the full-space fit the build will make (:func:`rerank_fit_config`, whether the rows
-    are a projection judged from the plan's row sizes), whose ``A`` and ``S`` its capture pass sums; None
-    where it makes none (the default), or where the shards' copies of the sums would take too much disk
-    (:data:`FACTOR_SUMS_NOTE`)."""
-    if plan.approximate:
-        return None
+def _check_index_type(model: nn.Module, cfg: BuildConfig, n: int, index: IndexConfig) -> None:
+    """Refuse, before the capture pass, an index type that cannot work for ``n`` examples of these rows."""
+    space = RowSpace(cfg.projection).bind({name: layer_info(m) for name, m in select_layers(model, cfg.layers).items()})
+    dims = {name: space.dim(name) for name in space.infos}
+    tier = make_tier(index, RowShape.of(n, list(dims.values()), cfg.rows.storage))
+    tier.layer_factories(n, dims, cfg.rows.storage)
+
+
+def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None) -> tuple[np.ndarray | None,
+                                                                                          HeadGrads | None]:
+    """``(rows, heads)``: the examples whose full-space ``A`` and ``S`` the capture pass sums, and where that is every
+    example and the correction takes them all, the head gradients it keeps for the correction pass to replay.
+
+    The rows: those of the full-space fit the build will make (:func:`rerank_fit_config`, whether the rows are a
+    projection judged from the plan's row sizes); None where it makes none (the default), or where the shards'
+    copies of the sums would take too much disk (:data:`FACTOR_SUMS_NOTE`); every example with ``full_factors``."""
+    rows = None
     wanted = (cfg.rerank_fit if asked is None else asked) and plan.budget_bound
-    full = _rerank_fit(cfg, n, wanted, bool(cfg.optimizer_state))
-    if full is None:
-        return None
-    rows = sample_rows(n, full.fit_examples, full.seed)
-    sums = 8 * sum(lp.n_in ** 2 + lp.n_out ** 2 for lp in plan.layers)  # one shard's float64 A and S
-    copies = len(np.unique(rows // cfg.shard_size))
-    return rows if copies * sums <= max(2 * sums, plan.capture_bytes // 2) else None
+    full = None if plan.approximate else _rerank_fit(cfg, n, wanted, bool(cfg.optimizer_state))
+    if full is not None:
+        rows = sample_rows(n, full.fit_examples, full.seed)
+        sums = 8 * sum(lp.n_in ** 2 + lp.n_out ** 2 for lp in plan.layers)  # one shard's float64 A and S
+        copies = len(np.unique(rows // cfg.shard_size))
+        rows = rows if copies * sums <= max(2 * sums, plan.capture_bytes // 2) else None
+    if cfg.full_factors and rows is not None and len(rows) < n:
+        rows = None  # (--full-factors: the sums over every example, as asked)
+    every = rows is not None and len(rows) == n and not 0 < cfg.rerank_correction < n
+    return rows, HeadGrads() if every else None  # (heads: replayed by a correction pass over the capture's batches)
 
 
 FACTOR_SUMS_NOTE = """Each capture shard holding fit examples stores its own float64 sums (``N_i² + N_o²`` per

@@ -83,34 +83,20 @@ def store_pass(
     layers = list(layers)
     N, L = len(store), len(layers)
     finite = store.column("finite").astype(bool)
-    fitted = finite.copy()
-    if fit_rows is not None:
-        fitted[:] = False
-        fitted[np.asarray(fit_rows, np.int64)] = True
-        fitted &= finite
+    fitted = _fit_mask(finite, fit_rows)
     need_rot = bases is not None
     with_lam = need_rot and all(bases[n].Lam is not None for n in layers)
     if correct and not need_rot:
         raise ValueError("the eigenvalue correction needs the eigenbases")
-    dev = torch.device(device)
-    dtypes = dtype if isinstance(dtype, dict) else {n: dtype for n in layers}
-    mats = {}
-    if need_rot:
-        for n in layers:
-            b, dt = bases[n], dtypes[n]
-            mats[n] = (
-                torch.as_tensor(b.Q_S, dtype=dt, device=dev),
-                torch.as_tensor(b.Q_A, dtype=dt, device=dev),
-                None if b.Lam is None else damped(torch.as_tensor(b.Lam, dtype=dt, device=dev), b.delta, -1.0),
-            )
+    dev, dtypes = torch.device(device), (dtype if isinstance(dtype, dict) else {n: dtype for n in layers})
+    mats = _device_bases(bases, layers, dtypes, dev) if need_rot else {}
     sums = {n: torch.zeros(shapes[n], dtype=torch.float64, device=dev) for n in layers} if correct else None
-    si = np.zeros((N, L)) if with_lam else None
-    sq = np.zeros((N, L))
-    rows = block_rows({n: shapes[n][0] * shapes[n][1] for n in layers}, layers, block)
+    si, sq = np.zeros((N, L)) if with_lam else None, np.zeros((N, L))
+    dims = {n: shapes[n][0] * shapes[n][1] for n in layers}
     if spill is not None:
-        spill.attach(store.sizes, {n: shapes[n][0] * shapes[n][1] for n in layers}, layers)
+        spill.attach(store.sizes, dims, layers)
     with progress_bar(total=N, unit="ex", desc=desc, disable=not progress) as bar:
-        for ids, grads in store.iter_blocks(layers, rows):
+        for ids, grads in store.iter_blocks(layers, block_rows(dims, layers, block)):
             pos = store.positions(ids)
             keep = None if fitted[pos].all() else torch.as_tensor(fitted[pos], device=dev)
             for j, n in enumerate(layers):
@@ -132,8 +118,25 @@ def store_pass(
                 if weight is not None:  # ⟨(H + δI)⁻¹x, x⟩ = Σ R² (Λ + δ)⁻¹, the weights formed once
                     si[pos, j] = (R2 * weight).sum(dim=(1, 2)).double().cpu().numpy()
             bar.update(len(ids))
-    n_finite = int(finite.sum())
-    corrected = None
-    if correct:
-        corrected = {n: (sums[n] / max(1, int(fitted.sum()))).cpu().numpy() for n in layers}
-    return PassResult(si, sq, corrected, n_finite)
+    corrected = {n: (sums[n] / max(1, int(fitted.sum()))).cpu().numpy() for n in layers} if correct else None
+    return PassResult(si, sq, corrected, int(finite.sum()))
+
+
+def _fit_mask(finite: np.ndarray, fit_rows: np.ndarray | None) -> np.ndarray:
+    """``[N]`` bool: the store positions whose rows make ``Λ*``: ``fit_rows`` (None: all) that are finite."""
+    if fit_rows is None:
+        return finite.copy()
+    fitted = np.zeros_like(finite)
+    fitted[np.asarray(fit_rows, np.int64)] = True
+    return fitted & finite
+
+
+def _device_bases(bases: dict[str, Basis], layers: Sequence[str], dtypes: dict[str, torch.dtype],
+                  dev: torch.device) -> dict:
+    """layer → ``(Q_S, Q_A, (Λ + δ)⁻¹ or None)`` on ``dev``, in the layer's rotation dtype."""
+    out = {}
+    for n in layers:
+        b, dt = bases[n], dtypes[n]
+        lam = None if b.Lam is None else damped(torch.as_tensor(b.Lam, dtype=dt, device=dev), b.delta, -1.0)
+        out[n] = (torch.as_tensor(b.Q_S, dtype=dt, device=dev), torch.as_tensor(b.Q_A, dtype=dt, device=dev), lam)
+    return out

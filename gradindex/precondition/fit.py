@@ -358,6 +358,10 @@ def _factor_sums(
             model, tokenizer = load_build_model(manifest, str(device))
         return model, tokenizer
 
+    def model_pass(m, tok, fdata: Tokenized, rows) -> FactorSums:
+        return model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms, cfg.fisher,
+                                cfg.seed)
+
     if cfg.fit_data or cfg.fit_examples > 0 or cfg.fisher == "true":
         m, tok = need_model()
         if cfg.fit_data:
@@ -366,8 +370,7 @@ def _factor_sums(
         else:
             fdata = data if data is not None else load_build_data(manifest, tok)
             rows = [r for r in sample_rows(len(fdata), cfg.fit_examples, cfg.seed) if r not in skip]
-        sums = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms,
-                                cfg.fisher, cfg.seed)
+        sums = model_pass(m, tok, fdata, rows)
         fit = {
             "source": "model pass",
             "data": cfg.fit_data or manifest.get("data_id", ""),
@@ -377,26 +380,7 @@ def _factor_sums(
         }
         mp = _ModelPass(m, tok, fdata, [int(r) for r in rows], proj, bs, route, transforms)
     else:
-        sums, missing = store_covariance(store, layers)
-        source = "build pass"
-        if missing:
-            m, tok = need_model()
-            fdata = data if data is not None else load_build_data(manifest, tok)
-            rows = [r for s, n in missing for r in range(s, s + n) if r not in skip]
-            log.info("%d examples have no factors from the build pass; one model pass over them", len(rows))
-            extra = model_covariance(m, tok, fdata, rows, layers, proj, bs, route, progress, transforms,
-                                     cfg.fisher, cfg.seed)
-            for n in layers:
-                if n in extra.A:
-                    sums.add(n, extra.A[n], extra.S[n], extra.tokens[n])
-            sums.examples += extra.examples
-            source = "model pass" if len(missing) == len(store.paths) else "build pass + model pass"
-        fit = {
-            "source": source,
-            "data": manifest.get("data_id", ""),
-            "data_fingerprint": Manifest(manifest).data_fingerprint,
-            "examples": sums.examples,
-        }
+        sums, fit = _build_pass_sums(manifest, store, layers, data, skip, need_model, model_pass)
     fit["fisher"] = cfg.fisher
     if cfg.fisher == "true":
         fit["fisher_seed"] = cfg.seed
@@ -404,3 +388,23 @@ def _factor_sums(
     # K-FAC of per-example gradients ≈ (tokens per example) × S ⊗ A; kept for reading magnitudes.
     fit["tokens_per_example"] = round(max(fit["tokens"].values()) / max(1, sums.examples), 3)
     return sums, fit, mp
+
+
+def _build_pass_sums(manifest: dict, store: Store, layers: list[str], data: Tokenized | None, skip: set,
+                     need_model, model_pass) -> tuple[FactorSums, dict]:
+    """The build's covariance groups, completed by one model pass (``model_pass``) over the examples none covers."""
+    sums, missing = store_covariance(store, layers)
+    source = "build pass"
+    if missing:
+        m, tok = need_model()
+        fdata = data if data is not None else load_build_data(manifest, tok)
+        rows = [r for s, n in missing for r in range(s, s + n) if r not in skip]
+        log.info("%d examples have no factors from the build pass; one model pass over them", len(rows))
+        extra = model_pass(m, tok, fdata, rows)
+        for n in layers:
+            if n in extra.A:
+                sums.add(n, extra.A[n], extra.S[n], extra.tokens[n])
+        sums.examples += extra.examples
+        source = "model pass" if len(missing) == len(store.paths) else "build pass + model pass"
+    return sums, {"source": source, "data": manifest.get("data_id", ""),
+                  "data_fingerprint": Manifest(manifest).data_fingerprint, "examples": sums.examples}
