@@ -291,3 +291,24 @@ def test_more_parts_than_files_cut_them_and_merge_joins_them(gpt2_dir, default_i
         assert all(np.array_equal(r1[n], r2[n]) for n in r1)
     assert filecmp.cmp(default_index / "store" / "shard-00002.h5", merged / "store" / "shard-00002.h5", shallow=False)
     assert "intact" in _run("verify", merged) and "intact" in _run("verify", sh.dir)
+
+
+def test_a_damaged_row_read_across_parts_is_named_in_its_part(sharded, tmp_path):
+    import shutil
+
+    import h5py
+
+    from gradindex.checksum import DamagedIndexError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(sharded.dir, bad)
+    with h5py.File(bad / "part-00002" / "store" / "shard-00000.h5", "r+") as f:
+        ds = f["grads"][next(iter(f["grads"]))]
+        ds[1] = ds[1] ^ 0x11  # (row 33 of the whole index: its codes no longer match their recorded hash)
+    from gradindex.index.sharded import read_sharded
+
+    with OpenParts(read_sharded(bad)) as whole:
+        assert whole.store.read_rows(np.array([0, 20, 32]))  # (other rows read)
+        for read in (whole.store.read_rows, whole.rows.read):
+            with pytest.raises(DamagedIndexError, match=r"part-00002.*shard-00000\.h5.*rows \[1\]"):
+                read(np.array([5, 33, 17]))

@@ -46,7 +46,7 @@ class PartsStore(Store):
             self.sizes += s.sizes
             self._shift += [p.first] * len(s.paths)
             s.close()
-        self.dir = sharded.parts[0].dir / stores[0].dir.name  # (Store's messages: overridden where they name it)
+        self.dir = self._home_store = stores[0].dir  # (part 0's; the messages that name a file name its own part)
         self.storage, self.layers, self.dims = stores[0].storage, stores[0].layers, stores[0].dims
         self.n = int(sum(self.sizes))
         self._starts = np.cumsum([0] + self.sizes)
@@ -59,6 +59,18 @@ class PartsStore(Store):
         why = str(e).strip() or type(e).__name__
         return damage_error(part, [Damage(f"{path.parent.name}/{path.name}", f"unreadable: {why}",
                                           f"split the index again (`gradindex verify {part}` checks the part)")])
+
+    def verify_gathered(self, bounds, local, name, codes, scales, expected) -> None:
+        """:meth:`Store.verify_gathered <gradindex.store.Store.verify_gathered>` a file at a time, its damage named in
+        its own part (its directory, ``store/shard-NNNNN.h5``)."""
+        hashes, have = expected
+        for k, a, b in bounds:
+            self.dir = self.paths[k].parent  # (what Store's message names)
+            try:
+                super().verify_gathered([(k, 0, b - a)], local[a:b], name, codes[a:b],
+                                        None if scales is None else scales[a:b], (hashes[a:b], have[a:b]))
+            finally:
+                self.dir = self._home_store
 
     def column(self, name: str) -> np.ndarray:
         """A per-example column over every part (``ids`` the whole index's rows)."""
