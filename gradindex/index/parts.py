@@ -31,16 +31,15 @@ class PartsStore(Store):
     check at open (every recorded file there, at its recorded size)."""
 
     def __init__(self, sharded):
-        self.home = sharded.dir
         stores = [Store(p.dir) for p in sharded.parts]
         self.paths, self.first_ids, self.sizes, self._shift = [], [], [], []
         for p, s in zip(sharded.parts, stores, strict=True):
             if (s.storage, s.layers, s.dims) != (stores[0].storage, stores[0].layers, stores[0].dims):
                 raise IndexMismatchError(f"{str(p.dir)!r} stores other rows ({s.storage}, {len(s.dims)} layers) than "
-                                        f"{str(sharded.parts[0].dir)!r}; split the index again")
+                                         f"{str(sharded.parts[0].dir)!r}; split the index again")
             if len(s) != p.n:
                 raise IndexMismatchError(f"{str(p.dir)!r} holds {len(s)} rows, shards.json says {p.n}; split the "
-                                        "index again")
+                                         "index again")
             self.paths += s.paths
             self.first_ids += [p.first + f for f in s.first_ids]
             self.sizes += s.sizes
