@@ -179,32 +179,12 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
         for q in per_query:
             f.write(json.dumps(q) + "\n")
 
-    # across queries: how often and how strongly each example shows up
-    agg: dict[int, dict] = {}
-    for q in per_query:
-        for h in q["hits"] + q["lowest"]:
-            a = agg.setdefault(h["id"], {"id": h["id"], "text": h["text"], "in_top": 0, "in_lowest": 0,
-                                         "sum_abs_score": 0.0, "sum_score": 0.0})
-            a["in_top" if h["kind"] == "top" else "in_lowest"] += 1
-            a["sum_abs_score"] += abs(h["score"])
-            a["sum_score"] += h["score"]
-    overall = sorted(agg.values(), key=lambda a: (-a["sum_abs_score"], a["id"]))
-
+    overall = _overall(per_query)
     _, sample = _score_sample(engine, grads, cfg, layers)
     ranking = engine_outliers(engine, cfg.method, cfg.damping, layers)
-    top_out = ranking.top(cfg.outliers) if cfg.outliers else []
-    out_texts = engine.texts.texts(np.array([o["id"] for o in top_out], dtype=np.int64)) if top_out else []
-    for o, t in zip(top_out, out_texts, strict=True):
-        o["text"] = t
-    flagged = np.zeros(engine.n, dtype=bool)
-    flagged[[o["id"] for o in top_out]] = True
-    groups = []
+    top_out, flagged = _top_outliers(engine, ranking, cfg.outliers)
     dcfg = DedupConfig(threshold=cfg.dedup_threshold, method=cfg.method, damping=cfg.damping)
-    if cfg.dedup:
-        res = find_duplicates(getattr(engine, "whole", engine.dir), dcfg, layers)  # (sharded: every part)
-        ids = sorted({i for g in res.groups for i in g.ids})
-        by_id = dict(zip(ids, engine.texts.texts(np.array(ids, dtype=np.int64)), strict=True)) if ids else {}
-        groups = [{**g.to_dict(), "texts": [by_id.get(i) for i in g.ids]} for g in res.groups]
+    groups = _duplicate_groups(engine, dcfg, layers) if cfg.dedup else []
     plots = _plots(sample, [q["text"] for q in per_query], ranking.self_influence, flagged)
     summary = {"index": str(getattr(engine, "home", engine.dir)), "examples": engine.n, "queries": len(per_query),
                "config": {**asdict(cfg), "dedup_threshold": dcfg.cut if cfg.dedup else None}, "layers": layers,
@@ -218,6 +198,38 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
     summary["seconds"]["total"] = time.perf_counter() - t0
     log.info("audit report in %s (%.1f s)", out, summary["seconds"]["total"])
     return summary
+
+
+def _overall(per_query: list[dict]) -> list[dict]:
+    """Across queries, how often and how strongly each example shows up (strongest first)."""
+    agg: dict[int, dict] = {}
+    for q in per_query:
+        for h in q["hits"] + q["lowest"]:
+            a = agg.setdefault(h["id"], {"id": h["id"], "text": h["text"], "in_top": 0, "in_lowest": 0,
+                                         "sum_abs_score": 0.0, "sum_score": 0.0})
+            a["in_top" if h["kind"] == "top" else "in_lowest"] += 1
+            a["sum_abs_score"] += abs(h["score"])
+            a["sum_score"] += h["score"]
+    return sorted(agg.values(), key=lambda a: (-a["sum_abs_score"], a["id"]))
+
+
+def _top_outliers(engine: QueryEngine, ranking, k: int) -> tuple[list[dict], np.ndarray]:
+    """The ``k`` strongest outliers of ``ranking``, each with its text, and the ``[N]`` mask flagging them."""
+    top = ranking.top(k) if k else []
+    for o, t in zip(top, engine.texts.texts(np.array([o["id"] for o in top], dtype=np.int64)) if top else [],
+                    strict=True):
+        o["text"] = t
+    flagged = np.zeros(engine.n, dtype=bool)
+    flagged[[o["id"] for o in top]] = True
+    return top, flagged
+
+
+def _duplicate_groups(engine: QueryEngine, dcfg: DedupConfig, layers: list[str]) -> list[dict]:
+    """The index's duplicate groups (:func:`find_duplicates`; sharded: over every part), each with its texts."""
+    res = find_duplicates(getattr(engine, "whole", engine.dir), dcfg, layers)
+    ids = sorted({i for g in res.groups for i in g.ids})
+    by_id = dict(zip(ids, engine.texts.texts(np.array(ids, dtype=np.int64)), strict=True)) if ids else {}
+    return [{**g.to_dict(), "texts": [by_id.get(i) for i in g.ids]} for g in res.groups]
 
 
 def _hits_table(hits: list[dict], q_tokens: list[str]) -> str:
