@@ -197,7 +197,7 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     if full is not None and cfg.rows.transcode and full.method not in res.manifest.get("full_space", {}) \
             and not res.manifest.get("transcode"):  # the fit's checkpoint: the transcode drops the shards' sums
         with disk_full_as_error(out_dir, "full-space fit", "the store is complete and kept", need):
-            keep_build_sums(out_dir, full, tokenizer, data)
+            keep_build_sums(out_dir, full, tokenizer, data, res.manifest)
     fit = None if cfg.precondition == "none" else \
         FitConfig(method=cfg.precondition, damping=cfg.damping, fisher=cfg.fisher, seed=cfg.fisher_seed)
     kept = "the captured rows are kept (and the transcode's finished shards)"
@@ -207,11 +207,11 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
                                              res.manifest)
         elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
             fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
-    if full is not None and full.method not in read_manifest(out_dir).get("full_space", {}):
+    if full is not None and full.method not in res.manifest.get("full_space", {}):  # (updated in place)
         with disk_full_as_error(out_dir, "full-space fit", "the store and its stored-space fit are complete and kept",
                                 need):
-            fit_preconditioner(out_dir, full, model, tokenizer, data, progress=progress, heads=heads)
-        res.manifest = read_manifest(out_dir)
+            fit_preconditioner(out_dir, full, model, tokenizer, data, progress=progress, heads=heads,
+                               manifest=res.manifest)
     res.seconds = time.perf_counter() - t0
     if index is None:
         return res, None

@@ -142,7 +142,7 @@ def fit_preconditioner(
     space = " --space full" if cfg.space == "full" else ""
     with index_lock(index_dir, f"gradindex precondition --method {cfg.method}{space}"):
         if cfg.space == "full":
-            return fit_full_space(index_dir, cfg, model, tokenizer, data, progress, heads=heads)
+            return fit_full_space(index_dir, cfg, model, tokenizer, data, progress, heads=heads, manifest=manifest)
         return _fit(index_dir, cfg, model, tokenizer, data, progress, manifest)
 
 

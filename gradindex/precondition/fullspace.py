@@ -375,17 +375,19 @@ class _Pass:
 
 
 def fit_full_space(index_dir: str | os.PathLike, cfg, model=None, tokenizer=None, data: Tokenized | None = None,
-                   progress: bool = False, checkpoint_seconds: float = 60.0, heads: HeadGrads | None = None) -> dict:
+                   progress: bool = False, checkpoint_seconds: float = 60.0, heads: HeadGrads | None = None,
+                   manifest: dict | None = None) -> dict:
     """Fit full-space K-FAC (and EK-FAC when ``cfg.method == 'ekfac'``); return the manifest's ``full_space``.
 
     ``cfg`` is a :class:`~gradindex.precondition.fit.FitConfig`; its ``fit_data`` / ``fit_examples``
     choose the fit set as for the stored-space fit (default: every finite indexed example). Where the
     build's capture pass summed ``A`` and ``S`` over exactly that set (:func:`build_pass_factors`),
     the factor pass is skipped; ``heads``: the capture's gradients w.r.t. the final hidden states
-    (:class:`HeadGrads`), which spare the correction pass the LM head on those batches.
+    (:class:`HeadGrads`), which spare the correction pass the LM head on those batches. ``manifest``: the index's
+    complete one, when the caller holds it (the pipeline): used instead of the file and updated in place.
     """
     t0 = time.perf_counter()
-    manifest = read_complete_manifest(index_dir, "fit")
+    manifest = _held(index_dir, manifest)
     shapes = full_shapes(manifest)
     layers = list(shapes)
     if model is None or tokenizer is None:
@@ -464,16 +466,23 @@ def _start(index_dir, manifest: dict, cfg, tokenizer, data: Tokenized | None, ch
     return data, rows, source, fp, state
 
 
-def keep_build_sums(index_dir: str | os.PathLike, cfg, tokenizer, data: Tokenized | None = None) -> bool:
+def keep_build_sums(index_dir: str | os.PathLike, cfg, tokenizer, data: Tokenized | None = None,
+                    manifest: dict | None = None) -> bool:
     """Save the capture pass's full-space sums over ``cfg``'s fit set as the fit's checkpoint (before the
     transcode replaces the shards that hold them; :func:`fit_full_space` then resumes from it). Whether saved.
-    The build has just written and hashed the shards: they get the sampled check, not a whole read."""
-    manifest = read_complete_manifest(index_dir, "fit")
-    _, _, _, _, state = _start(index_dir, manifest, cfg, tokenizer, data, 0.0, full_check=False)
+    The build has just written and hashed the shards: they get the sampled check, not a whole read.
+    ``manifest``: the build's, when the caller holds it."""
+    _, _, _, _, state = _start(index_dir, _held(index_dir, manifest), cfg, tokenizer, data, 0.0, full_check=False)
     if state.source != BUILD_PASS or state.path.exists():
         return False
     state.save()
     return True
+
+
+def _held(index_dir, manifest: dict | None) -> dict:
+    """The caller's manifest where it holds a complete one, else the file's (refused unless complete)."""
+    return manifest if manifest is not None and manifest.get("status") == "complete" else \
+        read_complete_manifest(index_dir, "fit")
 
 
 def _build_sums(index_dir, manifest: dict, cfg, layers: list[str], rows: np.ndarray) -> tuple[dict, int] | None:
