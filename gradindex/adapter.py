@@ -110,6 +110,9 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
 
 def attach_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
     """``model`` with the PEFT adapter of ``adapter_dir`` injected (frozen); refused when it does not fit."""
+    from gradindex.quantize import quiet_bitsandbytes
+
+    quiet_bitsandbytes()  # (peft imports bitsandbytes where it is installed)
     try:
         from peft import PeftModel
     except ImportError:

@@ -53,29 +53,32 @@ def check_base_quantization(name: str | None, adapter, gguf: bool = False) -> st
 
 
 def _import_bnb():
-    """Import bitsandbytes quietly (its CPU backend logs a warning when it cannot fetch an optional kernel from the
-    hub, and falls back to its own)."""
-    log = logging.getLogger("bitsandbytes")
-    level = log.level
-    log.setLevel(logging.ERROR)
+    """Import bitsandbytes (quietly: :func:`quiet_bitsandbytes`)."""
+    quiet_bitsandbytes()
     try:
         import bitsandbytes
     except ImportError:
         raise ValueError(NEEDS_BNB) from None
-    finally:
-        log.setLevel(level)
-    calls = logging.getLogger("bitsandbytes.autograd._functions")  # logged on every int8 layer call
-    if not any(isinstance(f, _Every8bitCall) for f in calls.filters):
-        calls.addFilter(_Every8bitCall())
     return bitsandbytes
 
 
-class _Every8bitCall(logging.Filter):
-    """Drops bitsandbytes' "MatMul8bitLt: inputs will be cast ... to float16" (LLM.int8() quantizes the inputs in
-    float16 by design), which it logs on every int8 layer call."""
+class _Noise(logging.Filter):
+    """bitsandbytes' log lines that say nothing to a gradindex user: "MatMul8bitLt: inputs will be cast ... to
+    float16" on every int8 layer call (the inputs are quantized in float16 by design), and, where it is installed,
+    on import (PEFT imports it for any adapter) "Failed to load CPU gemm_4bit_forward from kernels-community" (an
+    optional kernel fetched from the hub; it falls back to its own)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "inputs will be cast" not in str(record.msg)
+        msg = str(record.msg)
+        return "inputs will be cast" not in msg and "from kernels-community" not in msg
+
+
+def quiet_bitsandbytes() -> None:
+    """Filter :class:`_Noise` out of bitsandbytes' loggers (before it is imported: the kernel line is logged then)."""
+    for name in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _Noise) for f in log.filters):
+            log.addFilter(_Noise())
 
 
 def quantization_config(name: str, dtype: torch.dtype):
