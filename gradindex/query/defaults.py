@@ -116,8 +116,9 @@ class Answer:
     notes: list[str]
 
 
-def answer_for(ix, method: str | None, damping: float, layers: Sequence[str]) -> Answer:
-    """The :class:`Answer` of ``method`` (``None``: the default query method) on the open index ``ix``."""
+def answer_for(ix, method: str | None, damping: float, layers: Sequence[str], log_notes: bool = True) -> Answer:
+    """The :class:`Answer` of ``method`` (``None``: the default query method) on the open index ``ix``. The default's
+    fallback is logged as a warning; ``log_notes``: the last note too (a query's; an array of scores has none)."""
     defaulted, method = method is None, method or default_query_method(ix.manifest, ix.dir)
     asked, selfnorm = parse_method(method)
     base = index_row_base(ix.manifest, ix.dir, asked, method)  # the operation on stored rows
@@ -128,7 +129,7 @@ def answer_for(ix, method: str | None, damping: float, layers: Sequence[str]) ->
         notes.append(fell)
         log.warning(fell)
         method = asked
-    if notes:
+    if notes and log_notes:
         log.info(notes[-1])
     scale = None if si is None else selfnorm_scale(si)
     return Answer(method, asked, base, ix.basis.damping_used(asked, damping), scale, notes)

@@ -43,7 +43,7 @@ def score_matrix(index: str | os.PathLike | OpenIndex, query_grads: Mapping[str,
     (``auto``: the GPU when present) in ``dtype`` (default float64 on CPU, float32 on GPU).
     """
     with opened(index, "score it", OpenIndex) as ix:
-        answer = answer_for(ix, method, damping, ix.selected_layers(layers))  # (the engine's: notes logged)
+        answer = answer_for(ix, method, damping, ix.selected_layers(layers), log_notes=False)  # (the engine's steps)
         return _scores(ix, query_grads, answer.base, answer.scale, damping, layers, block, device, dtype)
 
 
