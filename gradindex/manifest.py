@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gradindex.errors import IndexMismatchError  # noqa: F401  (re-exported)
-from gradindex.methods import DEFAULT_DAMPING, LEGACY_DAMPING
+from gradindex.methods import DEFAULT_DAMPING, LEGACY_DAMPING, row_basis  # noqa: F401  (row_basis: re-exported)
 from gradindex.spec.build import DEFAULT_BATCH_SIZE, default
 from gradindex.spec.layout import MANIFEST
 from gradindex.spec.rows import RowSpec
@@ -134,11 +134,6 @@ def read_complete_manifest(index_dir: str | os.PathLike, then: str) -> dict[str,
             f"finish it with `{build_command(index_dir, manifest, extra='')}` (it resumes), then {then}"
         )
     return manifest
-
-
-def row_basis(manifest: dict[str, Any]) -> str:
-    """The basis the stored rows are in (``raw``, ``kfac`` or ``ekfac``; see gradindex.store.basis)."""
-    return str(manifest.get("build", {}).get("basis", {}).get("kind", "raw"))
 
 
 def baked_damping(manifest: dict[str, Any]) -> float | None:

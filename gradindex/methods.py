@@ -201,6 +201,13 @@ def adam_rows(manifest: dict) -> bool:
     return bool(manifest.get("build", {}).get("optimizer"))
 
 
+def row_basis(manifest: dict) -> str:
+    """The basis an index's stored rows are in (``raw``, ``kfac`` or ``ekfac``; :mod:`gradindex.store.basis`): the
+    one reading of ``build.basis.kind`` (kept here, below the manifest module, as the methods answered depend on
+    it)."""
+    return str((manifest.get("build", {}).get("basis") or {}).get("kind", "raw"))
+
+
 def row_methods() -> dict[str, dict[str, str]]:
     """Per row basis (manifest ``build.basis.kind``): method asked for → operation on the stored rows."""
     out: dict[str, dict[str, str]] = {"raw": {}, "kfac": {}, "ekfac": {}}
@@ -243,7 +250,7 @@ def _row_base(base: str, basis: str, method: str | None, answers: Sequence[str] 
 def index_row_base(manifest: dict, index_dir: str | os.PathLike, base: str, method: str | None = None) -> str:
     """:func:`row_base` on this index's rows; a refusal names every method the index answers
     (:func:`methods_of` with ``-selfnorm``), not only the operations on its rows."""
-    basis = str((manifest.get("build", {}).get("basis") or {}).get("kind", "raw"))
+    basis = row_basis(manifest)
     try:
         return _row_base(base, basis, method, None)
     except ValueError:
@@ -272,7 +279,7 @@ def methods_of(manifest: dict, index_dir: str | os.PathLike, selfnorm: bool = Fa
     kind = "adam" if adam_rows(manifest) else "raw"
     fitted = set(fitted_methods(manifest, index_dir))
     out = [m.name for m in REGISTRY.values() if m.rows == kind and (m.fitted is None or m.name in fitted)]
-    basis = str((manifest.get("build", {}).get("basis") or {}).get("kind", "raw"))
+    basis = row_basis(manifest)
     if basis != "raw" and not rows:
         table = row_methods().get(basis, {})
         out = [m for m in table if table[m] in out]

@@ -31,6 +31,7 @@ from gradindex.manifest import (  # noqa: F401  (rows_of: re-exported)
     shape_problem,
     write_manifest,
 )
+from gradindex.methods import adam_rows, row_basis
 from gradindex.spec.rows import RowSpec
 
 
@@ -160,8 +161,8 @@ class Manifest:
 
     @property
     def basis_kind(self) -> str:
-        """The basis the stored rows are in (``raw``, ``kfac`` or ``ekfac``)."""
-        return str((self.build.get("basis") or {}).get("kind", "raw"))
+        """The basis the stored rows are in (``raw``, ``kfac`` or ``ekfac``: :func:`gradindex.methods.row_basis`)."""
+        return row_basis(self._data)
 
     @property
     def baked_damping(self) -> float | None:
@@ -171,7 +172,7 @@ class Manifest:
     @property
     def adam_rows(self) -> bool:
         """Whether the rows are Adam-preconditioned (built with ``--optimizer-state``)."""
-        return bool(self.build.get("optimizer"))
+        return adam_rows(self._data)
 
     @property
     def rows(self) -> RowSpec:

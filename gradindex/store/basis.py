@@ -31,7 +31,7 @@ import torch
 
 from gradindex.capture.transform import LayerTransform
 from gradindex.checksum import Damage, check_files, damage_error, record
-from gradindex.methods import absolute_damping, names, row_base
+from gradindex.methods import absolute_damping, names, row_base, row_basis
 from gradindex.spec import layout
 
 BASIS_FILE = layout.BASIS_FILE
@@ -176,15 +176,14 @@ def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
 
 def check_basis(index_dir: str | os.PathLike, manifest: dict, full: bool = True) -> list[Damage]:
     """Damage of ``basis.h5`` against its recorded hash (none when the index has no basis file)."""
-    kind = (manifest.get("build", {}).get("basis") or {}).get("kind", "raw")
-    if kind == "raw" and not basis_path(index_dir).exists():
+    if row_basis(manifest) == "raw" and not basis_path(index_dir).exists():
         return []
     return check_files(index_dir, [BASIS_FILE], full, basis_repair(index_dir, manifest))
 
 
 def index_basis(index_dir: str | os.PathLike, manifest: dict) -> RowBasis:
     """The basis the manifest says the rows are in; an error if its file is missing."""
-    kind = manifest["build"].get("basis", {}).get("kind", "raw")
+    kind = row_basis(manifest)
     if kind == "raw":
         return RowBasis()
     damage = check_basis(index_dir, manifest, full=False)  # the cheap sampled check, as for shards
