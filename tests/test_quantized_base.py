@@ -108,6 +108,7 @@ def _build(base, data, out, *extra):
 def test_build_with_a_quantized_base_end_to_end_and_its_scores_equal_the_loop(lora, text_jsonl, tmp_path, quant):
     from gradindex.data import load_records, tokenize_records
     from gradindex.errors import IndexMismatchError
+    from gradindex.manifest import build_command
     from gradindex.model import load_causal_lm
     from gradindex.quantize import quantized_kind
     from gradindex.query import QueryEngine
@@ -120,6 +121,13 @@ def test_build_with_a_quantized_base_end_to_end_and_its_scores_equal_the_loop(lo
     m = json.loads((out / "manifest.json").read_text())
     assert m["build"]["base_quantization"] == quant and m["build"]["adapter_fingerprint"]
     assert m["build"]["layers"] and all(".lora_" in n for n in m["build"]["layers"])
+    assert f"--base-quantization {quant}" in build_command(out, m)
+    r = CliRunner().invoke(main, ["query", str(out), "--text", "the cat sat", "-k", "3", "--method", "graddot",
+                                  "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["plan", str(base), str(text_jsonl), "--adapter", str(adapter), "--device", "cpu",
+                                  "--base-quantization", quant, "--max-length", "32", "--batches", "1"])
+    assert r.exit_code == 0, r.output
 
     train = tokenize_records(load_records(text_jsonl), tok, 32).input_ids
     query = "the cat sat on a mat"
