@@ -190,3 +190,43 @@ def test_a_config_only_plan_refuses_a_quantized_base(tmp_path, text_jsonl):
     r = CliRunner().invoke(main, ["plan", str(tmp_path / "cfg"), str(text_jsonl), "--base-quantization", "nf4",
                                   "--tokens-per-example", "16"])
     assert r.exit_code != 0 and "--base-quantization needs the base model's weights" in _last_line(r)
+
+
+@needs_bnb
+def test_qlora_training_loop_capture_is_queried_with_its_base_reloaded_quantized(tokenizer, text_jsonl, tmp_path):
+    """QLoRA proper: LoRA trained on an nf4 base with the in-loop capture; the CLI query reloads the saved adapter onto
+    the base quantized as the index records, and the model's fingerprint is the trained one's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.tiny import save_model_dir, tiny_qwen2
+    from gradindex.data import collate, load_records, tokenize_records
+    from gradindex.integrations import GradIndexCapture
+    from gradindex.quantize import prepare, quantization_config
+
+    base = save_model_dir(tiny_qwen2(vocab_size=len(tokenizer)), tokenizer, tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=quantization_config("nf4", torch.float32),
+                                                 device_map={"": "cpu"})
+    model = get_peft_model(prepare(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                      lora_dropout=0.0))
+    data = tokenize_records(load_records(text_jsonl), tokenizer, 32)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model.train()
+    out, adapter = tmp_path / "idx", tmp_path / "adapter"
+    with GradIndexCapture(model, str(out), optimizer=opt, projection="none", num_rows=len(data), max_length=32,
+                          model_id=str(adapter), data_id=str(text_jsonl)):
+        for s in range(0, len(data), 8):
+            rows = list(range(s, min(s + 8, len(data))))
+            batch = collate([data.input_ids[i] for i in rows], [data.labels[i] for i in rows], tokenizer.pad_token_id)
+            batch["gradindex_row"] = torch.tensor(rows)
+            model(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    model.save_pretrained(adapter)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["build"]["base_quantization"] == "nf4" and all(".lora_" in n for n in m["build"]["layers"])
+    r = CliRunner().invoke(main, ["index", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["query", str(out), "--text", "the cat sat", "-k", "3", "--method", "graddot",
+                                  "--device", "cpu"])
+    assert r.exit_code == 0, r.output
