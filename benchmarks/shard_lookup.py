@@ -139,15 +139,18 @@ def lookups(index: Path, qf: Path, out: Path) -> None:
         for j in range(3):  # (warm: the tier loaded, the page cache)
             e.search({n: v[j:j + 1] for n, v in q.items()}, k=10, texts=False)
         opened = time.perf_counter() - t
-        ts, top = [], []
+        ts, top, stages = [], [], []
         for j in range(len(next(iter(q.values())))):
             t = time.perf_counter()
             r = e.search({n: v[j:j + 1] for n, v in q.items()}, k=10, texts=False)[0]
             ts.append(time.perf_counter() - t)
             top.append([h.id for h in r.hits])
+            stages.append(r.seconds)
     rss = distributed.gather(peak_rss()) if ranks else [peak_rss()]
     res = {"p50_s": float(np.percentile(ts, 50)), "p95_s": float(np.percentile(ts, 95)), "queries": len(ts),
-           "open_and_warm_s": round(opened, 2), "peak_rss_bytes_per_process": rss, "top10": top}
+           "open_and_warm_s": round(opened, 2), "peak_rss_bytes_per_process": rss, "top10": top,
+           # (each stage's median seconds; over parts: the parts' seconds added, every rank's)
+           "stage_seconds_p50": {k: float(np.median([x.get(k, 0.0) for x in stages])) for k in stages[0]}}
     out.write_text(json.dumps(res))
     if ranks:
         distributed.shutdown()
@@ -180,7 +183,7 @@ def run(n: int, parts: int, work: Path, out: Path, rounds: int = 1) -> dict:
                 f"{', '.join(f'{b / 2**30:.2f}' for b in got['peak_rss_bytes_per_process'])} GiB")
             e = runs.setdefault(name, {"rounds": [], "top10": got["top10"], "peak_rss_bytes_per_process":
                                        got["peak_rss_bytes_per_process"]})
-            e["rounds"].append({k: got[k] for k in ("p50_s", "p95_s", "open_and_warm_s")})
+            e["rounds"].append({k: got[k] for k in ("p50_s", "p95_s", "open_and_warm_s", "stage_seconds_p50")})
             e["peak_rss_bytes_per_process"] = [max(a, b) for a, b in zip(e["peak_rss_bytes_per_process"],
                                                                          got["peak_rss_bytes_per_process"],
                                                                          strict=True)]
