@@ -33,7 +33,7 @@ from gradindex.manifest import IndexMismatchError, identity_differences
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.quantize import base_quantization
 from gradindex.spec.build import batch_size_of
-from gradindex.spec.manifest import layer_identity
+from gradindex.spec.manifest import Manifest, layer_identity
 from gradindex.store.basis import capture_transforms, to_rows
 
 log = logging.getLogger("gradindex")
@@ -166,7 +166,7 @@ def open_model(ix: OpenIndex, layers: list[str], model_dir=None, *, model=None, 
         spec = ix.projection
     except ValueError as e:
         raise IndexMismatchError(str(e)) from None
-    route = ix.manifest.get("config", {}).get("route", "auto")
+    route = ix.described.route
     model.requires_grad_(False)
     transforms, optimizer = _optimizer_transforms(ix.manifest, optimizer_state, model, layers)
     if transforms is None:  # the row basis's side maps (an Adam index has the raw basis)
@@ -181,7 +181,7 @@ def open_model(ix: OpenIndex, layers: list[str], model_dir=None, *, model=None, 
            "adapter_fingerprint": adapter_fingerprint(model), "base_quantization": base_quantization(model),
            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""), "optimizer": optimizer,
            "layers": layer_identity(space)}
-    diffs = identity_differences(ix.manifest["build"], now)
+    diffs = identity_differences(ix.described.build, now)
     if diffs:
         raise IndexMismatchError(f"this model does not fit the index in {str(ix.dir)!r}: " + "; ".join(diffs)
                                  + ". Query with the model the index was built from, or rebuild the index")
@@ -205,10 +205,11 @@ def _load(manifest: dict, model_dir, device: str, dtype: str | None) -> tuple:
 
 def _optimizer_transforms(manifest: dict, path, model, layers: list[str]) -> tuple[dict | None, dict | None]:
     """The Adam transforms the build applied to every row, so queries get the same (or none)."""
-    rec = manifest["build"].get("optimizer")
+    m = Manifest(manifest)
+    rec = m.optimizer
     if not rec:
         return None, None
-    path = Path(path or manifest.get("config", {}).get("optimizer_state", ""))
+    path = Path(path or m.optimizer_state)
     if not path.is_file():
         raise FileNotFoundError(f"this index's rows are Adam-preconditioned and queries need the same optimizer "
                                 f"state, but {str(path)!r} is not there; pass it (optimizer_state= / "
@@ -219,7 +220,7 @@ def _optimizer_transforms(manifest: dict, path, model, layers: list[str]) -> tup
 def tokenize(model, tokenizer, manifest: dict, queries: list, text_field: str = "text") -> QueryTokens:
     """Records → tokens, truncated to the build's max length and the model's positions (flagged per query)."""
     recs = [as_record(q, text_field) if not isinstance(q, dict) else q for q in queries]
-    max_length = int(manifest["build"]["max_length"])  # and no longer than the model's positions
+    max_length = Manifest(manifest).max_length  # and no longer than the model's positions
     max_length = min(max_length, max_positions(model) or max_length)
     return tokenize_queries(recs, tokenizer, max_length, text_field, vocab_size=vocab_size(model))
 
@@ -235,7 +236,7 @@ def query_gradients(model, capture: GradientCapture, basis, manifest: dict, toke
             parts.append({n: v.float().cpu() for n, v in bg.grads.items()})
             loss.append(bg.loss.float().cpu().numpy())
             ntok.append(bg.num_tokens.cpu().numpy())
-    shapes = {n: (v["rows"], v["cols"]) for n, v in manifest["build"]["layers"].items()}
+    shapes = Manifest(manifest).shapes
     grads = {n: torch.from_numpy(to_rows(basis, n, torch.cat([p[n] for p in parts]).numpy(), shapes[n]))
              for n in parts[0]}
     if not all(torch.isfinite(v).all() for v in grads.values()):

@@ -18,6 +18,7 @@ import numpy as np
 from gradindex.chat import MESSAGES, render_turns
 from gradindex.data import load_records, token_hash, tokenize_records
 from gradindex.query.jsonl import JsonlRows
+from gradindex.spec.manifest import Manifest
 from gradindex.store import Store
 
 log = logging.getLogger("gradindex")
@@ -29,8 +30,7 @@ class TrainingTexts:
     def __init__(self, manifest: dict, store: Store, tokenizer, data: str | os.PathLike | None = None):
         self.path = Path(data or manifest.get("data_id") or "")
         self.field = manifest.get("counts", {}).get("text_field", "text")
-        self.max_length = int(manifest["build"]["max_length"])
-        self.n = int(manifest["counts"]["examples"])
+        self.max_length, self.n = Manifest(manifest).max_length, int(manifest["counts"]["examples"])
         self.store, self.tokenizer = store, tokenizer
         self._ds = None
         self._no_jsonl = False

@@ -153,6 +153,11 @@ class Manifest:
         return {n: (s.n_out, s.n_in + int(s.bias)) for n, s in self.layers.items()}
 
     projection = property(lambda self: self.build.get("projection", {}), doc="``build.projection`` (a dict)")
+    max_length = property(lambda self: int(self.build["max_length"]), doc="the build's (and queries') max tokens")
+    optimizer = property(lambda self: self.build.get("optimizer"), doc="the Adam record of Adam-preconditioned rows")
+    optimizer_state = property(lambda self: self.config.get("optimizer_state", ""), doc="that Adam state's file")
+    route = property(lambda self: self.config.get("route", "auto"), doc="the capture's route")
+    shard_size = property(lambda self: int(self.config["shard_size"]), doc="examples per store file")
     storage = property(lambda self: str(self.build.get("storage", "fp32")), doc="the rows' codec")
     data_fingerprint = property(lambda self: self.build["data_fingerprint"])
     model_fingerprint = property(lambda self: self.build["model_fingerprint"])

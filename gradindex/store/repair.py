@@ -11,6 +11,7 @@ import numpy as np
 from gradindex.checksum import Damage, check_files, recorded, shard_of
 from gradindex.manifest import build_command
 from gradindex.spec.build import batch_size_of
+from gradindex.spec.manifest import Manifest
 from gradindex.store.shards import STORE_DIR, shard_name
 
 log = logging.getLogger("gradindex")
@@ -54,11 +55,12 @@ def repair_eigenbasis_store(model, capture, data, index_dir: str | os.PathLike, 
         return 0
     move_aside(d, [x.file for x in damage if x.problem != "missing"])
     basis = index_basis(d, manifest)
-    shapes = {n: (int(v["rows"]), int(v["cols"])) for n, v in manifest["build"]["layers"].items()}
+    m = Manifest(manifest)
+    shapes = m.shapes
     dims = {n: r * c for n, (r, c) in shapes.items()}  # (the captured rows: the build's, checked identical)
-    N, S = int(manifest["counts"]["examples"]), int(manifest["config"]["shard_size"])
+    N, S = int(manifest["counts"]["examples"]), m.shard_size
     B = batch_size_of(manifest)
-    fp, storage = manifest["build"]["data_fingerprint"], manifest["build"]["storage"]
+    fp, storage = m.data_fingerprint, m.storage
     captured = (manifest.get("transcode") or {}).get("source_build", {}).get("storage", "fp32")
     computed = 0
     sink = RowSink()

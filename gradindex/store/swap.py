@@ -16,6 +16,7 @@ from pathlib import Path
 from gradindex.checksum import read_checksums, write_checksums
 from gradindex.manifest import new_generation, read_manifest, row_basis, write_manifest
 from gradindex.spec import layout
+from gradindex.spec.manifest import Manifest
 from gradindex.store.basis import BASIS_FILE
 from gradindex.store.shards import STORE_DIR
 
@@ -37,14 +38,15 @@ def swap_in(d: Path, manifest: dict, new: dict, damping: float) -> dict:
     """Swap the compacted copy in ``d / STAGING`` (manifest ``new``) into ``d``, whose manifest is ``manifest``
     (with its fits), under the journal; return the final manifest."""
     final = {**new, "preconditioners": manifest.get("preconditioners", {}),
-             "transcode": {"source_build": manifest["build"], "damping": damping, "storage": new["build"]["storage"],
+             "transcode": {"source_build": Manifest(manifest).build, "damping": damping,
+                           "storage": Manifest(new).storage,
                            "seconds": new["compact"]["seconds"]}}
     final.pop("compact", None)
     final["generation"] = new_generation()  # other rows: an engine open on the raw ones must not read these
     text = json.dumps({"manifest": final}, default=str)
     (d / JOURNAL).write_text(text)
     finish_transcode(d)
-    log.info("rows of %s transcoded in place into the ekfac eigenbasis (%s)", d, new["build"]["storage"])
+    log.info("rows of %s transcoded in place into the ekfac eigenbasis (%s)", d, final["transcode"]["storage"])
     return json.loads(text)["manifest"]  # (what finish_transcode wrote)
 
 
