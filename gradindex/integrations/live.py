@@ -8,7 +8,8 @@ Per micro-batch (one forward and one backward of the user's loop):
 2. :class:`gradindex.capture.GradientCapture` (``weight_free=False``) hooks the chosen layers'
    outputs, so their per-example projected gradients are summed while the user's
    ``loss.backward()`` runs; no gradient or parameter of the loop is touched;
-3. a hook on the model's output logits measures the loss scale ``c``: whatever the loop's reduction
+3. a hook on the model's output logits measures the loss scale ``c``
+   (:class:`~gradindex.integrations.loss_scale.LossScaleFit`): whatever the loop's reduction
    (HF's mean over the batch's target tokens, ``num_items_in_batch`` under gradient accumulation,
    a division by the accumulation steps, a GradScaler's factor), the gradient it sends to the
    target logit of token ``t`` is ``c · (p_t − 1)``, so ``c`` is a least-squares fit over the
