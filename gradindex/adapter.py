@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -108,10 +109,27 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model
 
 
+class _Noise(logging.Filter):
+    """bitsandbytes' log lines that say nothing to a gradindex user: "MatMul8bitLt: inputs will be cast ... to
+    float16" on every int8 layer call (the inputs are quantized in float16 by design), and, where it is installed,
+    on import (PEFT imports it for any adapter) "Failed to load CPU gemm_4bit_forward from kernels-community" (an
+    optional kernel fetched from the hub; it falls back to its own)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return "inputs will be cast" not in msg and "from kernels-community" not in msg
+
+
+def quiet_bitsandbytes() -> None:
+    """Filter :class:`_Noise` out of bitsandbytes' loggers (before it is imported: the kernel line is logged then)."""
+    for name in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _Noise) for f in log.filters):
+            log.addFilter(_Noise())
+
+
 def attach_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Module:
     """``model`` with the PEFT adapter of ``adapter_dir`` injected (frozen); refused when it does not fit."""
-    from gradindex.quantize import quiet_bitsandbytes
-
     quiet_bitsandbytes()  # (peft imports bitsandbytes where it is installed)
     try:
         from peft import PeftModel

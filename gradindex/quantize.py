@@ -21,10 +21,10 @@ and it runs on CPU (0.50 tested) as well as CUDA. Quantization is done at load t
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
+
+from gradindex.adapter import quiet_bitsandbytes, unwrap_peft
 
 BASE_QUANTIZATIONS = {"int8": "8-bit weights, row-wise 8-bit inputs (bitsandbytes load_in_8bit, outlier threshold 0)",
                       "nf4": "4-bit NormalFloat with double quantization, QLoRA's (bitsandbytes load_in_4bit)"}
@@ -60,25 +60,6 @@ def _import_bnb():
     except ImportError:
         raise ValueError(NEEDS_BNB) from None
     return bitsandbytes
-
-
-class _Noise(logging.Filter):
-    """bitsandbytes' log lines that say nothing to a gradindex user: "MatMul8bitLt: inputs will be cast ... to
-    float16" on every int8 layer call (the inputs are quantized in float16 by design), and, where it is installed,
-    on import (PEFT imports it for any adapter) "Failed to load CPU gemm_4bit_forward from kernels-community" (an
-    optional kernel fetched from the hub; it falls back to its own)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
-        return "inputs will be cast" not in msg and "from kernels-community" not in msg
-
-
-def quiet_bitsandbytes() -> None:
-    """Filter :class:`_Noise` out of bitsandbytes' loggers (before it is imported: the kernel line is logged then)."""
-    for name in ("bitsandbytes.autograd._functions", "bitsandbytes.backends.cpu.ops"):
-        log = logging.getLogger(name)
-        if not any(isinstance(f, _Noise) for f in log.filters):
-            log.addFilter(_Noise())
 
 
 def quantization_config(name: str, dtype: torch.dtype):
@@ -117,7 +98,6 @@ def quantized_kind(weight) -> str | None:
 def base_quantization(model: nn.Module) -> str | None:
     """How the model's base weights are quantized (:func:`quantized_kind` of the first quantized linear), or
     ``None`` when none is."""
-    from gradindex.adapter import unwrap_peft
 
     for m in unwrap_peft(model).modules():
         kind = quantized_kind(getattr(m, "weight", None))

@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parents[1] / "gradindex"
 # Stage of every top-level module or package of gradindex; a module may import its own stage or earlier ones.
 STAGES = {
     "__init__": 0, "errors": 0, "data": 0, "model": 0, "fingerprint": 0, "manifest": 0, "methods": 0, "checksum": 0,
-    "lock": 0, "distributed": 0, "progress": 0, "chat": 0, "adapter": 0, "deps": 0, "spec": 0, "heap": 0,
+    "lock": 0, "distributed": 0, "progress": 0, "chat": 0, "adapter": 0, "quantize": 0, "deps": 0, "spec": 0, "heap": 0,
     "diskspace": 0,
     "capture": 1,
     "store": 2,
