@@ -130,3 +130,36 @@ def test_a_lost_projection_basis_is_made_again_by_the_resume(gpt2_dir, text_json
     assert res.exit_code == 2 and len(err) == 1 and "Traceback" not in res.output, res.output
     assert "basis.h5" in err[0] and "put back a copy" in err[0] and "another --out" in err[0], err[0]
     assert _store(other) == store and not (other / "basis.h5").exists()
+
+
+def test_a_killed_builds_damaged_projection_basis_is_made_again_not_reused(gpt2_dir, text_jsonl, tmp_path):
+    """A killed ``kfac``-basis build whose ``basis.h5`` is damaged (a flipped byte in its maps): the plain re-run
+    (what ``verify`` advises is the same build, ``--repair``) moves it aside and its factor pass makes it again,
+    bitwise, keeping every row; it reused the damaged maps before, and refused the resume as another index's
+    (digest differs), naming ``--overwrite``."""
+    import h5py
+
+    ref = tmp_path / "ref"
+    build = ["build", str(gpt2_dir), str(text_jsonl), "--projection-basis", "kfac", "--projection", "8",
+             "--precondition", "none", *BUILD]
+    assert _run(*build, "--out", str(ref)).exit_code == 0
+    basis, store = (ref / "basis.h5").read_bytes(), _store(ref)
+    with h5py.File(ref / "basis.h5") as f:
+        names = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) and n.endswith("/W_a") else None)
+        offset = f[names[0]].id.get_offset()
+
+    killed = tmp_path / "killed"
+    shutil.copytree(ref, killed)
+    m = json.loads((killed / "manifest.json").read_text())
+    m["status"] = "building"
+    (killed / "manifest.json").write_text(json.dumps(m))
+    damaged = bytearray(basis)
+    damaged[offset + 8] ^= 0xFF
+    (killed / "basis.h5").write_bytes(bytes(damaged))
+    assert _run("verify", str(killed)).exit_code == 1
+    res = _run(*build, "--out", str(killed))
+    assert res.exit_code == 0 and "(0 computed now)" in res.output, res.output
+    assert (killed / "basis.h5").read_bytes() == basis and _store(killed) == store
+    assert list((killed / "damaged").glob("*/basis.h5"))  # (the damaged copy kept)
+    assert _run("verify", str(killed)).exit_code == 0

@@ -29,15 +29,16 @@ log = logging.getLogger("gradindex")
 def restore_basis(index_dir: str | os.PathLike, manifest: dict | None = None) -> bool:
     """Rewrite ``basis.h5`` of a complete index when it is missing or damaged and its EK-FAC fit holds it;
     whether it did. A damaged one is moved to ``damaged/`` first. One a ``kfac``/``eigen`` projection basis's
-    factor pass made is left to the build that calls this (it makes it again); where neither can give it back, a
-    :class:`DamagedIndexError` says why and names the rebuild."""
+    factor pass made (complete or killed build: it is written before any row) is left to the build that calls this
+    (it makes it again); where neither can give it back, a :class:`DamagedIndexError` says why and names the
+    rebuild."""
     d = Path(index_dir)
     if manifest is None:
         if not manifest_path(d).exists():
             return False
         manifest = read_manifest(d)
-    if manifest.get("status") != "complete":
-        return False
+    if manifest.get("status") != "complete" and not made_by_factor_pass(manifest):
+        return False  # (a killed build's resume reads a kept factor-pass basis: a damaged one must not be reused)
     damage = check_basis(d, manifest)
     if not damage:
         return False
