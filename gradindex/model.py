@@ -167,11 +167,20 @@ def check_tokenizer_fits(model, tokenizer, where: str | os.PathLike = "") -> Non
 def index_model_options(manifest: dict) -> dict:
     """``load_causal_lm`` keywords that reopen an index's model as it was built: its adapter and chat template,
     the base quantization it recorded, and the tokenizer fingerprint it recorded (none before tokenizers were
-    fingerprinted: not checked)."""
+    fingerprinted: not checked). A base quantized otherwise than gradindex loads one (the in-loop capture records
+    what the training loop used, e.g. bitsandbytes' default 4-bit ``fp4``) is refused, naming what to do."""
+    from gradindex.quantize import BASE_QUANTIZATIONS
+
     build = manifest.get("build", {})
+    quant = build.get("base_quantization")
+    if quant and quant not in BASE_QUANTIZATIONS:
+        raise ValueError(
+            f"this index's base model was quantized as {quant!r} when its gradients were captured, and gradindex "
+            f"loads a base quantized only as {' or '.join(BASE_QUANTIZATIONS)} "
+            "(gradindex.quantize.quantization_config): load the model as it was trained and pass it (Python: "
+            "model=..., e.g. QueryEngine(index, model=..., tokenizer=...)), or train on a base quantized so")
     return {"adapter": manifest.get("adapter_id") or None, "chat_template": manifest.get("chat_template") or None,
-            "index_tokenizer": build.get("tokenizer") or None,
-            **({"base_quantization": build["base_quantization"]} if build.get("base_quantization") else {})}
+            "index_tokenizer": build.get("tokenizer") or None, **({"base_quantization": quant} if quant else {})}
 
 
 def _load_base(p: Path, dtype: str, quant: str | None = None, device: torch.device | None = None):

@@ -230,3 +230,21 @@ def test_qlora_training_loop_capture_is_queried_with_its_base_reloaded_quantized
     r = CliRunner().invoke(main, ["query", str(out), "--text", "the cat sat", "-k", "3", "--method", "graddot",
                                   "--device", "cpu"])
     assert r.exit_code == 0, r.output
+
+
+def test_a_base_quantized_otherwise_by_the_training_loop_is_refused_naming_what_to_do(default_index, tmp_path):
+    """The in-loop capture records the training loop's quantization as it finds it: bitsandbytes' default 4-bit type
+    is ``fp4``, which gradindex cannot load a base as. A query (which reloads the base as the index records) says
+    so and what to do; it said ``--base-quantization 'fp4' is not one of ...``, an option the user never gave."""
+    import shutil
+
+    idx = tmp_path / "idx"
+    shutil.copytree(default_index, idx)
+    m = json.loads((idx / "manifest.json").read_text())
+    m["build"]["base_quantization"] = "fp4"
+    (idx / "manifest.json").write_text(json.dumps(m))
+    r = CliRunner().invoke(main, ["query", str(idx), "--text", "the cat sat", "-k", "3", "--device", "cpu"])
+    assert r.exit_code == 2, r.output
+    err = _last_line(r)
+    assert err.startswith("Error") and "quantized as 'fp4'" in err and "model=" in err, err
+    assert "not one of" not in err, err
