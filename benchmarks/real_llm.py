@@ -878,12 +878,13 @@ def main(argv=None) -> None:
                    help="scale: the training set followed by documentation chats not trained on, to this many")
     p.add_argument("--reuse-floor", action="store_true",
                    help="scale: keep the bare forward + backward an earlier run of the same records measured")
-    p.add_argument("--results", type=Path, default=RESULTS, help="the JSON report and facts write their keys into")
+    p.add_argument("--results", type=Path, default=None,
+                   help="the JSON the steps write their keys into (default: results/real-llm.json)")
     p.add_argument("--latency", nargs="+", metavar="IDX QUERIES N [FT]", help=argparse.SUPPRESS)
     p.add_argument("--floor", nargs=2, metavar=("MODEL", "DATA"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     global RESULTS
-    RESULTS = a.results
+    RESULTS = a.results or RESULTS
     if a.latency:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
         print(json.dumps(latency(a.latency[0], a.latency[1], int(a.latency[2]), *a.latency[3:])))
