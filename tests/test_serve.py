@@ -46,6 +46,8 @@ def client(engine):
     ({"prompt": "dog ran far", "completion": " away from home", "k": 3, "method": "ekfac"},
      ("dog ran far", " away from home")),
     ({"input_ids": [5, 9, 12, 40, 7], "k": 5, "method": "kfac", "damping": 0.5}, [5, 9, 12, 40, 7]),
+    ({"prompt": "dog ran far", "completion": " away from home", "target": "from home", "k": 3},
+     {"prompt": "dog ran far", "completion": " away from home", "target": "from home"}),
 ])
 def test_answers_equal_the_engines(client, engine, body, query):
     r = client.post("/query", json=body)
@@ -96,6 +98,7 @@ def test_example_and_health(client, engine):
     ({"text": "the cat sat", "layers": ["nope.*"]}, 400, "match no indexed layer"),
     ({"text": "the cat sat", "method": "cosine", "explain": 2}, 422, "explain works for graddot"),
     ({"input_ids": [3, 4], "labels": [-100, -100]}, 400, "no target token"),
+    ({"prompt": "the cat", "completion": " sat on a mat", "target": "dog"}, 400, "is not in the text"),
     ({"input_ids": [3, 99999]}, 422, "outside the model's vocabulary"),
     ({"input_ids": [3, 4], "labels": [-5, 4]}, 422, "outside the model's vocabulary"),
     ({"input_ids": [3, 4], "labels": [4]}, 422, "labels go with input_ids, one per token"),

@@ -66,6 +66,8 @@ class QueryRequest(BaseModel):
     labels: list[int] | None = Field(None, description="With input_ids: -100 where no loss is taken.")
     messages: list[dict[str, str]] | None = Field(None, min_length=1, max_length=1000,
                                                   description="A chat: [{role, content}, ...]; loss on its replies.")
+    target: str | None = Field(None, min_length=1, max_length=MAX_TEXT,
+                               description="Measure only this piece of the answer (the completion, reply or text).")
     k: int = Field(10, ge=1, le=MAX_K)
     method: str | None = Field(None, description="Default: ekfac-selfnorm where the index answers ekfac (ekfac with "
                                                 "explain), else graddot.")
@@ -97,13 +99,14 @@ class QueryRequest(BaseModel):
         return self
 
     def record(self) -> dict:
+        rec: dict = {} if self.target is None else {"target": self.target}
         if self.text is not None:
-            return {"text": self.text}
+            return rec | {"text": self.text}
         if self.prompt is not None:
-            return {"prompt": self.prompt, "completion": self.completion}
+            return rec | {"prompt": self.prompt, "completion": self.completion}
         if self.messages is not None:
-            return {"messages": self.messages}
-        rec: dict = {"input_ids": self.input_ids}
+            return rec | {"messages": self.messages}
+        rec["input_ids"] = self.input_ids
         if self.labels is not None:
             rec["labels"] = self.labels
         return rec

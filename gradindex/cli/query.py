@@ -57,7 +57,10 @@ def _queries(o: dict) -> list[dict]:
     if not out:
         raise ValueError("nothing to query: pass --text T, --prompt P --completion C, --messages JSON, "
                          "or --queries FILE")
-    return [{text_field: q} if isinstance(q, str) else q for q in out]
+    out = [{text_field: q} if isinstance(q, str) else q for q in out]
+    if o.get("target") is not None:  # (a --queries record's own target stays)
+        out = [{"target": o["target"], **q} for q in out]
+    return out
 
 
 def _line(text: str | None, width: int) -> str:
@@ -106,6 +109,10 @@ def _json(r) -> list[dict]:
 @click.option("--queries", "queries_file", type=click.Path(dir_okay=True, exists=True),
               help="File of queries, any format and fields `gradindex build` reads.")
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
+@click.option("--target", default=None,
+              help="Measure only this piece of each query's answer (its completion, assistant turn or text; a "
+                   "--queries record may carry its own 'target'): the loss on the other tokens is left out. For "
+                   "fact tracing, the fact itself (docs/query.md).")
 @click.option("-k", "k", default=10, show_default=True, type=click.IntRange(min=1), help="Results per query.")
 @click.option("--method", default=None, type=MethodChoice("query"),
               help="Scoring method (default: ekfac-selfnorm where the index answers ekfac, plain ekfac with a "

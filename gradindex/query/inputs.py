@@ -5,6 +5,11 @@ only), a sequence of token ids (loss on every next token), or a record ``dict`` 
 :func:`gradindex.data.tokenize_records` reads (``text``/``--text-field``, ``prompt`` +
 ``completion``, or ``input_ids`` with optional ``labels``). A batch is a ``list`` of these.
 
+A record may also name a ``target``: a piece of its loss tokens' text (the completion, the assistant's turns,
+or the text), whose tokens alone are measured; the loss on the rest is left out of the query's gradient
+(:func:`measure_target`). For fact tracing, the fact itself: asked "What is the capital of X?" / "It is V.",
+the default query is decided by the model's surprise at "It" where the target ``V`` is not.
+
 Then their gradients: the model an index was built with, opened and checked against it (:func:`open_model`), and
 the tokens captured as the build captured its rows, the same capture, projection and row basis
 (:func:`query_gradients`).
@@ -88,6 +93,29 @@ def as_records(queries, text_field: str = "text") -> list[dict]:
     return [as_record(q, text_field) for q in queries]
 
 
+def measure_target(labels: list[int], target: str, tokenizer, i: int = 0) -> list[int]:
+    """``labels`` with every loss token outside the last occurrence of ``target`` in their text ignored (a token
+    partly inside it is kept). Refused, naming the text, where the loss tokens do not contain ``target``."""
+    if not isinstance(target, str) or not target.strip():
+        raise ValueError(f"query {i}'s target must be a non-empty string, got {target!r}")
+    if tokenizer is None:
+        raise ValueError(f"query {i} names a target, and this engine has no tokenizer to find it with; pass "
+                         "tokenizer=, or give labels with -100 outside the tokens to measure")
+    at = [k for k, y in enumerate(labels) if y != IGNORE]
+    ends = [len(tokenizer.decode([labels[k] for k in at[:n + 1]])) for n in range(len(at))]
+    text = tokenizer.decode([labels[k] for k in at])
+    start = text.rfind(target)
+    if start < 0:
+        raise ValueError(f"query {i}'s target {target!r} is not in the text its loss is taken on ({text[:200]!r}); "
+                         "give a piece of the completion or the assistant's answer, as written there")
+    out = [IGNORE] * len(labels)
+    for n, k in enumerate(at):
+        begin = ends[n - 1] if n else 0
+        if begin < start + len(target) and ends[n] > start:
+            out[k] = labels[k]
+    return out
+
+
 def read_queries(path: str | os.PathLike) -> list[dict]:
     """Records of a query file, in any format `gradindex build` reads; each record is typed on its own.
 
@@ -114,6 +142,8 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
         if texts:
             raise ValueError(f"query {texts[0]} is text ({_preview(records[texts[0]])}), and this engine has no "
                              "tokenizer; pass tokenizer=, or give token ids")
+    targets = [r.get("target") for r in records]
+    records = [{f: v for f, v in r.items() if f != "target"} for r in records]
     ids: list[list[int]] = [[] for _ in records]
     labels: list[list[int]] = [[] for _ in records]
     truncated = [False] * len(records)
@@ -126,6 +156,9 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
                                require_targets=False)
         for j, i in enumerate(members):
             ids[i], labels[i], truncated[i] = tok.input_ids[j], tok.labels[j], tok.truncated[j]
+    for i, target in enumerate(targets):
+        if target is not None:
+            labels[i] = measure_target(labels[i], target, tokenizer, i)
     for i, y in enumerate(labels):
         if not any(t != IGNORE for t in y[1:]):
             raise ValueError(

@@ -1,0 +1,82 @@
+"""A query's ``target``: only the loss tokens inside it are measured (gradindex.query.inputs.measure_target).
+
+Checked independently: the scores are linear in the query's gradient, so a targeted query's scores equal the sum of
+one-token queries (each ``input_ids`` + ``labels`` with a single label kept) over the tokens the target covers, the
+tokens found here by decoding the completion's own tokenization, not by the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from gradindex.data import IGNORE
+from gradindex.query import QueryEngine
+from gradindex.query.inputs import measure_target
+
+PROMPT, COMPLETION, TARGET = "The secret of the castle is", " a small red lantern by the door.", "red lantern"
+
+
+def test_measure_target_keeps_the_tokens_that_overlap_it(tokenizer):
+    ids = tokenizer(PROMPT + COMPLETION)["input_ids"]
+    n_prompt = len(tokenizer(PROMPT)["input_ids"])
+    labels = [IGNORE] * n_prompt + ids[n_prompt:]
+    kept = measure_target(labels, TARGET, tokenizer)
+    assert len(kept) == len(labels) and all(y in (IGNORE, x) for y, x in zip(kept, labels, strict=True))
+    text = tokenizer.decode([y for y in kept if y != IGNORE])
+    assert TARGET in text and len(text) < len(COMPLETION)
+    assert kept[:n_prompt] == [IGNORE] * n_prompt
+
+
+def test_the_last_occurrence_is_measured(tokenizer):
+    ids = tokenizer(" red one, then red two")["input_ids"]
+    kept = measure_target(list(ids), "red", tokenizer)
+    first = [k for k, y in enumerate(kept) if y != IGNORE]
+    assert first and first[0] > len(ids) // 2
+
+
+@pytest.mark.parametrize("target, match", [("blue door", "not in the text"), ("", "non-empty"), (3, "non-empty")])
+def test_a_target_not_in_the_answer_is_refused(default_index, target, match):
+    with QueryEngine(default_index) as engine, pytest.raises(ValueError, match=match):
+        engine.scores([{"prompt": PROMPT, "completion": COMPLETION, "target": target}])
+
+
+def test_a_targeted_query_scores_the_sum_of_its_target_tokens(default_index, tokenizer):
+    ids = tokenizer(PROMPT + COMPLETION)["input_ids"]
+    n_prompt = len(tokenizer(PROMPT)["input_ids"])
+    pieces = [tokenizer.decode(ids[n_prompt:k + 1]) for k in range(n_prompt, len(ids))]
+    start = COMPLETION.rfind(TARGET)
+    inside = [n_prompt + i for i, end in enumerate(pieces)
+              if (len(pieces[i - 1]) if i else 0) < start + len(TARGET) and len(end) > start]
+    assert 0 < len(inside) < len(ids) - n_prompt
+    singles = [{"input_ids": ids, "labels": [ids[k] if j == k else IGNORE for j in range(len(ids))]} for k in inside]
+    with QueryEngine(default_index) as engine:
+        targeted = engine.scores([{"prompt": PROMPT, "completion": COMPLETION, "target": TARGET}])
+        whole = engine.scores([{"prompt": PROMPT, "completion": COMPLETION}])
+        summed = engine.scores(singles).sum(0, keepdims=True)
+    np.testing.assert_allclose(targeted, summed, rtol=1e-4, atol=1e-4 * np.abs(summed).max())
+    assert not np.allclose(targeted, whole)
+
+
+def test_cli_query_target(default_index, tmp_path):
+    from gradindex.cli import main
+
+    args = ["query", str(default_index), "--prompt", PROMPT, "--completion", COMPLETION, "--json", "-k", "3"]
+    r = CliRunner().invoke(main, args + ["--target", TARGET])
+    assert r.exit_code == 0, r.output
+    with QueryEngine(default_index) as engine:
+        want = engine.query({"prompt": PROMPT, "completion": COMPLETION, "target": TARGET}, k=3)
+    assert [g["id"] for g in json.loads(r.output) if g["kind"] == "top"] == [h.id for h in want.hits]
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"prompt": PROMPT, "completion": COMPLETION, "target": TARGET}) + "\n")
+    r2 = CliRunner().invoke(main, ["query", str(default_index), "--queries", str(q), "--json", "-k", "3"])
+    assert r2.exit_code == 0, r2.output
+    def ids(out: str) -> list[int]:
+        return [g["id"] for g in json.loads(out)]
+
+    assert ids(r2.output) == ids(r.output)
+    bad = CliRunner().invoke(main, args + ["--target", "blue door"])
+    assert bad.exit_code != 0 and "not in the text" in bad.output
