@@ -7,6 +7,11 @@ entity's name, and ``gradindex explain`` put 61-65% of the winning rows' scores 
 labels set to ignored, and scored with the default query on the cached indices of that study.
 
     python -m benchmarks.query_tokens --work $GRADINDEX_CACHE/smollm2/ft-n512-f40-s0-fef273aca2 --drop 0 1 2
+
+With ``--lds`` (a study folder with retrainings, e.g. ``ft-n160-s0-fef273aca2``) every query (facts and held-out
+documentation) is scored at each ``--drop`` and its halves LDS measured against the retrained losses (the whole
+answer's loss), paired against ``--drop 0``: what leaving the first answer tokens out costs or buys by the
+field's measure, beside the fact ranks.
 """
 
 from __future__ import annotations
@@ -39,23 +44,146 @@ def dropped(records: list[dict], tokenizer, max_length: int, drop: int) -> list[
     return out
 
 
-def measure(work: Path, drops: list[int], paths: list[str], max_length: int = 192) -> dict:
+def measure(work: Path, drops: list[int], paths: list[str], forms: list[str], max_length: int = 192) -> dict:
+    """Per path, query form and drop: the fact ranks. ``forms``: ``chat`` (the chat set's own fact queries, "It is
+    V.") and any of ``benchmarks.real_llm.FORMS``."""
+    from benchmarks.real_llm import form_queries
     from gradindex.model import load_tokenizer
     from gradindex.query import QueryEngine
 
     ft = json.loads((work / "finetune.json").read_text())
-    facts = load_jsonl(work / "queries.jsonl")[:ft["fact_queries"]]
+    asked = {f: (load_jsonl(work / "queries.jsonl")[:ft["fact_queries"]] if f == "chat" else
+                 form_queries(ft["facts"], f)) for f in forms}
     tok = load_tokenizer(work / "merged")
     out = {}
     for path in paths:
         with QueryEngine(work / path) as engine:
+            for form, facts in asked.items():
+                for d in drops:
+                    ranks = fact_ranks(engine.scores(dropped(facts, tok, max_length, d)), ft["facts"])
+                    name = f"{path}, first {d} answer tokens dropped" + ("" if form == "chat" else f", {form} form")
+                    out[name] = {"at_1": sum(r == 1 for r in ranks), "of": len(ranks),
+                                 "mrr": round(float(np.mean([1 / r for r in ranks])), 3), "ranks": ranks,
+                                 "method": engine.resolve_method(None)}
+                    print(name, out[name]["at_1"], flush=True)
+    return out
+
+
+def measure_targets(work: Path, paths: list[str], forms: list[str]) -> dict:
+    """Per path and query form: fact ranks of the default query, and of the same query with its ``target`` the
+    fact's value (only the value's tokens measured, :func:`gradindex.query.inputs.measure_target`)."""
+    from benchmarks.real_llm import form_queries
+    from gradindex.query import QueryEngine
+
+    ft = json.loads((work / "finetune.json").read_text())
+    asked = {f: (load_jsonl(work / "queries.jsonl")[:ft["fact_queries"]] if f == "chat" else
+                 form_queries(ft["facts"], f)) for f in forms}
+    out = {}
+    for path in paths:
+        with QueryEngine(work / path) as engine:
+            for form, facts in asked.items():
+                for name, qs in (("whole answer", facts),
+                                 ("target: the value", [dict(q, target=f["value"]) for q, f in zip(facts, ft["facts"],
+                                                                                                  strict=True)])):
+                    ranks = fact_ranks(engine.scores(qs), ft["facts"])
+                    key = f"{path}, {form} form, {name}"
+                    out[key] = {"at_1": sum(r == 1 for r in ranks), "of": len(ranks),
+                                "mrr": round(float(np.mean([1 / r for r in ranks])), 3), "ranks": ranks,
+                                "method": engine.resolve_method(None)}
+                    print(key, out[key]["at_1"], flush=True)
+    return out
+
+
+def single_tokens(records: list[dict], tokenizer, max_length: int) -> tuple[list[dict], list[int]]:
+    """Each record's answer tokens one at a time: one ``input_ids``/``labels`` query per label kept (the others
+    ignored), and the record each came from. Scores are linear in the query's gradient, so a record's score is the
+    sum of its tokens' (:func:`weighted`)."""
+    import datasets
+
+    from gradindex.data import tokenize_records
+
+    t = tokenize_records(datasets.Dataset.from_list(records), tokenizer, max_length)
+    out, owner = [], []
+    for j, (ids, labels) in enumerate(zip(t.input_ids, t.labels, strict=True)):
+        for i in [i for i, y in enumerate(labels) if y != IGNORE]:
+            one = [IGNORE] * len(labels)
+            one[i] = labels[i]
+            out.append({"input_ids": list(ids), "labels": one})
+            owner.append(j)
+    return out, owner
+
+
+def per_token_scores(work: Path, path: str, records: list[dict], name: str, max_length: int = 192) -> list[np.ndarray]:
+    """Per record, ``[T, N]`` default-query scores of each of its answer tokens alone (cached in ``work``)."""
+    from gradindex.model import load_tokenizer
+    from gradindex.query import QueryEngine
+
+    cache = work / f"per-token-{path}-{name}.npz"
+    if cache.exists():
+        z = np.load(cache)
+        return [z[str(j)] for j in range(len(records))]
+    qs, owner = single_tokens(records, load_tokenizer(work / "merged"), max_length)
+    with QueryEngine(work / path) as engine:
+        s = np.concatenate([engine.scores(qs[i:i + 64]) for i in range(0, len(qs), 64)])
+    owner = np.array(owner)
+    out = [s[owner == j] for j in range(len(records))]
+    np.savez(cache, **{str(j): x for j, x in enumerate(out)})
+    return out
+
+
+WEIGHTINGS = {  # a record's score from its tokens' score vectors S [T, N]
+    "sum (the default)": lambda S: S.sum(0),
+    "first dropped": lambda S: S[1:].sum(0),
+    "tokens unit-normed": lambda S: (S / np.linalg.norm(S, axis=1, keepdims=True).clip(1e-30)).sum(0),
+    "tokens z-scored": lambda S: ((S - S.mean(1, keepdims=True)) / S.std(1, keepdims=True).clip(1e-30)).sum(0),
+}
+
+
+def weighted(per_token: list[np.ndarray], how: str) -> np.ndarray:
+    """``[Q, N]`` scores of the records from their per-token scores under weighting ``how``."""
+    return np.stack([WEIGHTINGS[how](S) for S in per_token])
+
+
+def retrained(work: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(masks [M, N], losses [M, 1, Q])`` of the seed-0 halves retrained so far in ``work/retrain``."""
+    from benchmarks.real_llm import halves
+
+    m = 0
+    while (work / "retrain" / f"s{m:03d}-r0.json").exists():
+        m += 1
+    losses = [json.loads((work / "retrain" / f"s{i:03d}-r0.json").read_text())["losses"] for i in range(m)]
+    return halves(n, m), np.array(losses)[:, None]
+
+
+def measure_lds(work: Path, drops: list[int], paths: list[str], max_length: int = 192) -> dict:
+    """Per path and drop: halves LDS (all, facts, docs), its paired difference to drop 0 (mean ± standard error
+    over queries), fact ranks."""
+    from benchmarks.common import evaluate
+    from gradindex.model import load_tokenizer
+    from gradindex.query import QueryEngine
+
+    ft = json.loads((work / "finetune.json").read_text())
+    queries, F = load_jsonl(ft["queries"]), ft["fact_queries"]
+    masks, losses = retrained(work, ft["n"])
+    tok = load_tokenizer(work / "merged")
+    out = {"halves": len(masks)}
+    for path in paths:
+        with QueryEngine(work / path) as engine:
+            per = {d: evaluate(engine.scores(dropped(queries, tok, max_length, d)), masks, losses)["per_query"]
+                   for d in drops}
             for d in drops:
-                ranks = fact_ranks(engine.scores(dropped(facts, tok, max_length, d)), ft["facts"])
+                diff = per[d] - per[drops[0]]
+                scores = engine.scores(dropped(queries[:F], tok, max_length, d))
+                ranks = fact_ranks(scores, ft["facts"])
                 out[f"{path}, first {d} answer tokens dropped"] = {
-                    "at_1": sum(r == 1 for r in ranks), "of": len(ranks),
-                    "mrr": round(float(np.mean([1 / r for r in ranks])), 3), "ranks": ranks,
-                    "method": engine.resolve_method(None)}
-                print(path, d, out[f"{path}, first {d} answer tokens dropped"]["at_1"], flush=True)
+                    "lds": round(float(per[d].mean()), 4), "lds_facts": round(float(per[d][:F].mean()), 4),
+                    "lds_docs": round(float(per[d][F:].mean()), 4),
+                    f"paired_vs_drop_{drops[0]}": [round(float(diff.mean()), 4),
+                                                   round(float(diff.std(ddof=1) / np.sqrt(len(diff))), 4)],
+                    "facts_at_1": sum(r == 1 for r in ranks), "of": len(ranks), "ranks": ranks,
+                    "lds_per_query": [round(float(x), 4) for x in per[d]], "method": engine.resolve_method(None)}
+                print(path, d, {k: v for k, v in out[f"{path}, first {d} answer tokens dropped"].items()
+                                if k not in ("ranks", "lds_per_query")}, flush=True)
     return out
 
 
@@ -64,12 +192,28 @@ def main(argv=None) -> None:
     p.add_argument("--work", type=Path, required=True, help="a facts study's folder (finetune.json, idx-*)")
     p.add_argument("--drop", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--paths", nargs="+", default=["idx-full", "idx-adapter"])
+    p.add_argument("--forms", nargs="+", default=["chat"],
+                   help="fact query forms: chat (the chat set's own) and benchmarks.real_llm.FORMS' names")
+    p.add_argument("--results", type=Path, default=RESULTS, help="the JSON to write the key into")
+    p.add_argument("--target", action="store_true", help="each fact query also with its value as its target")
+    p.add_argument("--lds", action="store_true", help="every query, halves LDS against the retrainings in --work")
     a = p.parse_args(argv)
-    res = {"work": a.work.name, "queries": "the study's fact queries ('What is the R of E?' / 'It is V.')",
-           "results": measure(a.work, a.drop, a.paths)}
-    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    result["query-tokens"] = res
-    RESULTS.write_text(json.dumps(result, indent=1))
+    if a.target:
+        key, res = f"query-target-{a.work.name}", {
+            "work": a.work.name, "queries": "the study's fact queries in each --forms phrasing",
+            "results": measure_targets(a.work, a.paths, a.forms)}
+    elif a.lds:
+        key, res = f"query-tokens-lds-{a.work.name}", {
+            "work": a.work.name, "queries": "the study's fact and held-out documentation queries",
+            "lds": "Spearman per query between a half's summed scores and its retrained loss of the whole answer",
+            "results": measure_lds(a.work, a.drop, a.paths)}
+    else:
+        key, res = "query-tokens", {"work": a.work.name,
+                                    "queries": "the study's fact queries ('What is the R of E?' / 'It is V.')",
+                                    "results": measure(a.work, a.drop, a.paths, a.forms)}
+    result = json.loads(a.results.read_text()) if a.results.exists() else {}  # re-read: others write other keys
+    result[key] = res
+    a.results.write_text(json.dumps(result, indent=1))
     print(json.dumps(res["results"], indent=1))
 
 
