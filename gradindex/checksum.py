@@ -188,8 +188,9 @@ def recorded(index_dir: str | os.PathLike, prefix: str) -> list[str]:
     return sorted(n for n in read_checksums(index_dir) if n.startswith(prefix))
 
 
-def move_aside(index_dir: str | os.PathLike, names: Iterable[str]) -> list[Path]:
-    """Move damaged files to ``INDEX_DIR/damaged/<time>/`` (kept, not deleted) and forget their hashes."""
+def move_aside(index_dir: str | os.PathLike, names: Iterable[str], keep_records: bool = False) -> list[Path]:
+    """Move damaged files to ``INDEX_DIR/damaged/<time>/`` (kept, not deleted) and forget their hashes (with
+    ``keep_records``, keep them: a copy put back is checked against them, as a lost file's is)."""
     d = Path(index_dir)
     names = [n for n in names if (d / n).exists()]
     dest = d / layout.DAMAGED_DIR / time.strftime("%Y%m%d-%H%M%S")
@@ -199,7 +200,8 @@ def move_aside(index_dir: str | os.PathLike, names: Iterable[str]) -> list[Path]
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(d / n, target)
         moved.append(target)
-    forget(d, names)
+    if not keep_records:
+        forget(d, names)
     return moved
 
 

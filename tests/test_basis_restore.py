@@ -163,3 +163,40 @@ def test_a_killed_builds_damaged_projection_basis_is_made_again_not_reused(gpt2_
     assert (killed / "basis.h5").read_bytes() == basis and _store(killed) == store
     assert list((killed / "damaged").glob("*/basis.h5"))  # (the damaged copy kept)
     assert _run("verify", str(killed)).exit_code == 0
+
+
+def test_a_damaged_projection_basis_keeps_its_hash_so_a_copy_put_back_is_checked(gpt2_dir, text_jsonl, tmp_path):
+    """A complete ``kfac``-basis index whose ``basis.h5`` is damaged, where the factor pass now gives other maps: the
+    build refuses (rows kept) and advises putting back a copy. The damaged file is moved aside with its recorded
+    hash kept (as a lost one's is), so a copy put back is checked against it: the original is taken (verify intact,
+    a query answers), a wrong one refused by the query. The hash was forgotten before: the original counted as
+    unrecorded (verify: damaged) and a wrong copy was read by queries unchecked."""
+    import h5py
+
+    ref = tmp_path / "ref"
+    build = ["build", str(gpt2_dir), str(text_jsonl), "--projection-basis", "kfac", "--projection", "8",
+             "--precondition", "none", *BUILD]
+    assert _run(*build, "--out", str(ref)).exit_code == 0 and _run("index", str(ref)).exit_code == 0
+    basis = (ref / "basis.h5").read_bytes()
+    with h5py.File(ref / "basis.h5") as f:
+        offset = f["transformer.h.0.attn.c_attn/W_a"].id.get_offset()
+    wrong = bytearray(basis)
+    wrong[offset + 8] ^= 0xFF
+
+    idx = tmp_path / "idx"
+    shutil.copytree(ref, idx)
+    m = json.loads((idx / "manifest.json").read_text())
+    m["build"]["basis"]["digest"] = "0" * 32  # (the factor pass gives other maps now, as on another device)
+    (idx / "manifest.json").write_text(json.dumps(m))
+    (idx / "basis.h5").write_bytes(bytes(wrong))
+    res = _run(*build, "--out", str(idx))
+    assert res.exit_code == 2 and "put back a copy" in res.output, res.output
+    assert not (idx / "basis.h5").exists()
+    (idx / "manifest.json").write_text((ref / "manifest.json").read_text())  # (the digest hack served its turn)
+
+    (idx / "basis.h5").write_bytes(bytes(wrong))  # a wrong copy put back: a query refuses it
+    res = _run("query", str(idx), *QUERY)
+    assert res.exit_code == 2 and "basis.h5" in res.output, res.output
+    (idx / "basis.h5").write_bytes(basis)  # the original: taken as it was
+    assert _run("verify", str(idx)).exit_code == 0
+    assert _run("query", str(idx), *QUERY).exit_code == 0

@@ -43,7 +43,7 @@ def restore_basis(index_dir: str | os.PathLike, manifest: dict | None = None) ->
     if not damage:
         return False
     if made_by_factor_pass(manifest):  # (the build's own factor pass makes it again, checked against its digest)
-        move_aside(d, [BASIS_FILE])
+        move_aside(d, [BASIS_FILE], keep_records=True)  # (where it cannot: a copy put back is checked against it)
         log.warning("%s is %s: the build's factor pass makes it again", BASIS_FILE, damage[0].problem)
         return False
     why = unrestorable(manifest) or _fit_problem(d, manifest)
