@@ -144,6 +144,34 @@ def weighted(per_token: list[np.ndarray], how: str) -> np.ndarray:
     return np.stack([WEIGHTINGS[how](S) for S in per_token])
 
 
+def measure_weightings(work: Path, paths: list[str], forms: list[str]) -> dict:
+    """Per path and query form (``queries``: the chat set's fact and documentation queries, with the halves LDS;
+    a fact form: its fact ranks): every :data:`WEIGHTINGS` of the per-token scores (computed once, cached)."""
+    from benchmarks.common import evaluate
+    from benchmarks.real_llm import form_queries
+
+    ft = json.loads((work / "finetune.json").read_text())
+    F = ft["fact_queries"]
+    out = {}
+    for path in paths:
+        for form in forms:
+            qs = (load_jsonl(ft["queries"]) if form == "queries" else
+                  load_jsonl(ft["queries"])[:F] if form == "chat" else form_queries(ft["facts"], form))
+            per = per_token_scores(work, path, qs, form)
+            lds = retrained(work, ft["n"]) if form == "queries" else None
+            for how in WEIGHTINGS:
+                s = weighted(per, how)
+                ranks = fact_ranks(s[:F], ft["facts"])
+                row = {"facts_at_1": sum(r == 1 for r in ranks), "of": len(ranks), "ranks": ranks}
+                if lds is not None and len(lds[0]):
+                    pq = evaluate(s, *lds)["per_query"]
+                    row |= {"halves": len(lds[0]), "lds": round(float(pq.mean()), 4),
+                            "lds_facts": round(float(pq[:F].mean()), 4), "lds_docs": round(float(pq[F:].mean()), 4)}
+                out[f"{path}, {form}, {how}"] = row
+                print(f"{path}, {form}, {how}", {k: v for k, v in row.items() if k != "ranks"}, flush=True)
+    return out
+
+
 def retrained(work: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
     """``(masks [M, N], losses [M, 1, Q])`` of the seed-0 halves retrained so far in ``work/retrain``."""
     from benchmarks.real_llm import halves
@@ -195,10 +223,17 @@ def main(argv=None) -> None:
     p.add_argument("--forms", nargs="+", default=["chat"],
                    help="fact query forms: chat (the chat set's own) and benchmarks.real_llm.FORMS' names")
     p.add_argument("--results", type=Path, default=RESULTS, help="the JSON to write the key into")
+    p.add_argument("--weightings", action="store_true",
+                   help="per-token scores of --forms (queries: the chat set's queries, with the halves LDS) under "
+                        "every weighting")
     p.add_argument("--target", action="store_true", help="each fact query also with its value as its target")
     p.add_argument("--lds", action="store_true", help="every query, halves LDS against the retrainings in --work")
     a = p.parse_args(argv)
-    if a.target:
+    if a.weightings:
+        key, res = f"query-token-weightings-{a.work.name}", {
+            "work": a.work.name, "weightings": list(WEIGHTINGS),
+            "results": measure_weightings(a.work, a.paths, a.forms)}
+    elif a.target:
         key, res = f"query-target-{a.work.name}", {
             "work": a.work.name, "queries": "the study's fact queries in each --forms phrasing",
             "results": measure_targets(a.work, a.paths, a.forms)}
