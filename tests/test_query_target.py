@@ -61,7 +61,7 @@ def test_a_targeted_query_scores_the_sum_of_its_target_tokens(default_index, tok
     assert not np.allclose(targeted, whole)
 
 
-def test_cli_query_target(default_index, tmp_path):
+def test_cli_query_target(default_index, tokenizer, tmp_path):
     from gradindex.cli import main
 
     args = ["query", str(default_index), "--prompt", PROMPT, "--completion", COMPLETION, "--json", "-k", "3"]
@@ -69,7 +69,11 @@ def test_cli_query_target(default_index, tmp_path):
     assert r.exit_code == 0, r.output
     with QueryEngine(default_index) as engine:
         want = engine.query({"prompt": PROMPT, "completion": COMPLETION, "target": TARGET}, k=3)
-    assert [g["id"] for g in json.loads(r.output) if g["kind"] == "top"] == [h.id for h in want.hits]
+    assert [g["id"] for g in json.loads(r.stdout) if g["kind"] == "top"] == [h.id for h in want.hits]
+    n = sum(1 for _ in tokenizer(COMPLETION)["input_ids"])
+    assert any(note.startswith(f"only the target {TARGET!r} measured: ") and note.endswith(" tokens")
+               for note in want.notes), want.notes
+    assert 0 < want.num_tokens < n
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"prompt": PROMPT, "completion": COMPLETION, "target": TARGET}) + "\n")
     r2 = CliRunner().invoke(main, ["query", str(default_index), "--queries", str(q), "--json", "-k", "3"])
@@ -77,6 +81,6 @@ def test_cli_query_target(default_index, tmp_path):
     def ids(out: str) -> list[int]:
         return [g["id"] for g in json.loads(out)]
 
-    assert ids(r2.output) == ids(r.output)
+    assert ids(r2.stdout) == ids(r.stdout)
     bad = CliRunner().invoke(main, args + ["--target", "blue door"])
     assert bad.exit_code != 0 and "not in the text" in bad.output

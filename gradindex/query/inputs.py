@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +52,7 @@ class QueryTokens:
     input_ids: list[list[int]]
     labels: list[list[int]]
     truncated: list[bool]
+    measured: list[str | None] = field(default_factory=list)  # per query: what its target kept, or None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -156,16 +157,19 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
                                require_targets=False)
         for j, i in enumerate(members):
             ids[i], labels[i], truncated[i] = tok.input_ids[j], tok.labels[j], tok.truncated[j]
+    measured: list[str | None] = [None] * len(records)
     for i, target in enumerate(targets):
         if target is not None:
-            labels[i] = measure_target(labels[i], target, tokenizer, i)
+            kept = measure_target(labels[i], target, tokenizer, i)
+            n, of = sum(y != IGNORE for y in kept), sum(y != IGNORE for y in labels[i])
+            labels[i], measured[i] = kept, f"only the target {target!r} measured: {n} of the answer's {of} tokens"
     for i, y in enumerate(labels):
         if not any(t != IGNORE for t in y[1:]):
             raise ValueError(
                 f"query {i} has no target token to take a loss on ({_preview(records[i])}): a text needs at "
                 "least two tokens, a completion at least one" + (" after truncation" if truncated[i] else "")
             )
-    return QueryTokens(records, ids, labels, truncated)
+    return QueryTokens(records, ids, labels, truncated, measured)
 
 
 def describe(rec: dict, text_field: str = "text", sep: str = "|") -> str:
@@ -285,6 +289,8 @@ def describe_queries(results: list, tokens: QueryTokens, loss: np.ndarray, ntok:
         r.seconds.update(seconds)
         if note:
             r.notes.append(note)
+        if j < len(tokens.measured) and tokens.measured[j]:
+            r.notes.append(tokens.measured[j])
         if r.truncated:
             r.notes.append(f"query {j} was longer than the index's max length ({max_length} tokens) and was "
                            "truncated")
