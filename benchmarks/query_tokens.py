@@ -159,14 +159,19 @@ def measure_weightings(work: Path, paths: list[str], forms: list[str]) -> dict:
                   load_jsonl(ft["queries"])[:F] if form == "chat" else form_queries(ft["facts"], form))
             per = per_token_scores(work, path, qs, form)
             lds = retrained(work, ft["n"]) if form == "queries" else None
+            base = None
             for how in WEIGHTINGS:
                 s = weighted(per, how)
                 ranks = fact_ranks(s[:F], ft["facts"])
                 row = {"facts_at_1": sum(r == 1 for r in ranks), "of": len(ranks), "ranks": ranks}
                 if lds is not None and len(lds[0]):
                     pq = evaluate(s, *lds)["per_query"]
+                    base = pq if base is None else base  # (the first weighting: the plain sum)
+                    d = pq - base
                     row |= {"halves": len(lds[0]), "lds": round(float(pq.mean()), 4),
-                            "lds_facts": round(float(pq[:F].mean()), 4), "lds_docs": round(float(pq[F:].mean()), 4)}
+                            "lds_facts": round(float(pq[:F].mean()), 4), "lds_docs": round(float(pq[F:].mean()), 4),
+                            "paired_vs_sum": [round(float(d.mean()), 4),
+                                              round(float(d.std(ddof=1) / np.sqrt(len(d))), 4)]}
                 out[f"{path}, {form}, {how}"] = row
                 print(f"{path}, {form}, {how}", {k: v for k, v in row.items() if k != "ranks"}, flush=True)
     return out
