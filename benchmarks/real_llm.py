@@ -856,6 +856,7 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
 
 
 def main(argv=None) -> None:
+    global RESULTS
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("step", choices=["retrain", "score", *EXTRA, "cost", "scale", "facts", "report", "all"], nargs="?",
                    default="all",
