@@ -11,7 +11,9 @@ For ``N`` (an index ``WORK/idx-N`` built by ``lookup_scale --build N``, left as 
    (the unsplit index's exact scores of every row) in ``WORK/shard-bench/queries-N.npz``;
 3. lookups, each in its own process, one torch thread a process: the unsplit index; the sharded index in one process
    (every part in turn); and under ``torchrun --nproc_per_node P`` (rank 0 searches its parts and gathers the others');
-   ``--rounds`` times in turn (p50/p95: the median of the rounds').
+   ``--rounds`` times in turn (p50/p95: the median of the rounds'). The sharded lookups re-rank each part's share of
+   the sketch's ``C`` candidates (:func:`gradindex.query.sharded.part_candidates`); the ranks are also run as before
+   that, every part re-ranking a whole ``C`` of its own (``whole C a part``), side by side in the same rounds.
 
     python -m benchmarks.shard_lookup --n 100000 --parts 2 --work /work/tmp/lookup
 
@@ -114,7 +116,7 @@ def peak_rss() -> int:
     return 0
 
 
-def lookups(index: Path, qf: Path, out: Path) -> None:
+def lookups(index: Path, qf: Path, out: Path, whole: bool = False) -> None:
     """One process (or rank 0 under torchrun): 40 searches one at a time after 3 warm-up ones; JSON to ``out``."""
     import numpy as np
     import torch
@@ -135,7 +137,8 @@ def lookups(index: Path, qf: Path, out: Path) -> None:
     sharded = (index / "shards.json").exists()
     opener = ShardedQueryEngine if sharded else QueryEngine
     t = time.perf_counter()
-    with opener(index, load_model=False, use_gpu=False) as e:
+    more = {"share_candidates": not whole} if sharded else {}
+    with opener(index, load_model=False, use_gpu=False, **more) as e:
         for j in range(3):  # (warm: the tier loaded, the page cache)
             e.search({n: v[j:j + 1] for n, v in q.items()}, k=10, texts=False)
         opened = time.perf_counter() - t
@@ -171,9 +174,14 @@ def run(n: int, parts: int, work: Path, out: Path, rounds: int = 1) -> dict:
         (f"sharded, {parts} gloo ranks", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                           "--nproc_per_node", str(parts), "-m", "benchmarks.shard_lookup",
                                           "--lookups", str(sh)]),
+        (f"sharded, {parts} gloo ranks, whole C a part", [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(parts), "-m",
+            "benchmarks.shard_lookup", "--lookups", str(sh), "--whole-candidates"]),
     ]
     runs: dict[str, dict] = {}
+    load = []
     for r in range(rounds):
+        load.append(round(os.getloadavg()[0], 1))
         for i, (name, cmd) in enumerate(configs):
             f = tmp / f"lookups-{n}-{parts}-{i}.json"
             subprocess.run([*cmd, "--queries-file", str(qf), "--result", str(f)], cwd=ROOT, env=env, check=True)
@@ -200,8 +208,18 @@ def run(n: int, parts: int, work: Path, out: Path, rounds: int = 1) -> dict:
         r["recall@10_of_exhaustive_default"] = float(np.mean([len(set(a) & set(t.tolist())) / 10
                                                               for a, t in zip(r["top10"], z["exact"], strict=True)]))
         del r["top10"]
+    from gradindex.index.cost import sketch_candidates
+    from gradindex.index.sharded import read_sharded
+    from gradindex.query.sharded import part_candidates
+
+    shd = read_sharded(sh)
+    c = sketch_candidates(n)
+    share = [part_candidates(c, p.stop - p.first, n, 10) for p in shd.parts]
     entry = {"examples": n, "parts": parts, "tier": "sketch", "threads_per_process": 1, "rounds": rounds,
-             "queries": QUERIES, "runs": runs,
+             "queries": QUERIES, "load_average_at_each_round": load,
+             "candidates": {"unsplit": c, "shared, per part": share,
+                            "whole C a part, per part": [sketch_candidates(p.stop - p.first) for p in shd.parts]},
+             "runs": runs,
              "machine": f"{os.cpu_count()} cores, shared with other work while measured"}
     report = json.loads(out.read_text()) if out.exists() else {"runs": []}
     report["runs"] = [r for r in report["runs"] if (r["examples"], r["parts"]) != (n, parts)] + [entry]
@@ -222,9 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lookups", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--queries-file", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--whole-candidates", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.lookups:
-        return lookups(a.lookups, a.queries_file, a.result)
+        return lookups(a.lookups, a.queries_file, a.result, a.whole_candidates)
     for n in a.n:
         for p in a.parts:
             run(n, p, a.work, a.out, a.rounds)

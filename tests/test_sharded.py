@@ -117,6 +117,41 @@ def test_sketch_tier_parts_equal_the_index(gpt2_dir, default_index, tmp_path):
         _same(many.query_batch(QUERIES, k=10), one.query_batch(QUERIES, k=10), exact=False)
 
 
+def test_sketch_parts_rerank_their_share_of_the_candidates(gpt2_dir, default_index, tmp_path, monkeypatch):
+    """Each part of a sketch index hands its share of the whole index's C to the exact re-rank (its rows' share plus
+    3 standard deviations of a binomial widened for runs of similar rows, at least k, at most its rows);
+    share_candidates=False: C each, as before."""
+    from gradindex.index import IndexConfig, build_indices
+    from gradindex.index.tiers.sketch import SketchTier
+    from gradindex.query.sharded import part_candidates
+
+    assert [part_candidates(500, n, 2 * n, 10) for n in (50000, 150000)] == [385, 385]  # (docs/scaling.md)
+    assert part_candidates(500, 75000, 300000, 10) == 242
+    assert part_candidates(500, 10, 40, 10) == 10 and part_candidates(20, 30, 40, 25) == 30
+    assert part_candidates(4, 30000, 40000, 200) == 200
+    sk = tmp_path / "sketch"
+    shutil.copytree(default_index, sk)
+    build_indices(sk, IndexConfig(factory="sketch"), progress=False, force=True)
+    sh = split_index(sk, tmp_path / "sk2", 2)
+    asked, real = [], SketchTier.candidates
+
+    def spy(self, req):
+        got = real(self, req)
+        asked.append((self.source.n, req.candidates, {len(c) for c in got.ids}))
+        return got
+
+    monkeypatch.setattr(SketchTier, "candidates", spy)
+    with ShardedQueryEngine(sh.dir, gpt2_dir, device="cpu") as many:
+        many.query_batch(QUERIES[:2], k=3, candidates=8)  # (so few that the margin takes most of a part)
+        rows = [p.stop - p.first for p in sh.parts]
+        share = [part_candidates(8, n, 40, 3) for n in rows]
+        assert rows == [16, 24] and share == [16, 22] and asked == [(n, c, {c}) for n, c in zip(rows, share)]
+        asked.clear()
+        many.share_candidates = False
+        many.query_batch(QUERIES[:2], k=3, candidates=8)
+        assert asked == [(n, 8, {8}) for n in rows]
+
+
 def test_refusals(default_index, sharded, tmp_path):
     with pytest.raises(ValueError, match="splits into 1 to 40 parts, not 41"):
         split_index(default_index, tmp_path / "many", 41)

@@ -22,6 +22,7 @@ part's, computed by the rank that holds it (:meth:`ShardedQueryEngine.self_influ
 from __future__ import annotations
 
 import bisect
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ import torch
 
 from gradindex import distributed
 from gradindex.index import OpenIndex
+from gradindex.index.cost import sketch_candidates
 from gradindex.index.parts import OpenParts
 from gradindex.index.sharded import Sharded, is_sharded, read_sharded
 from gradindex.methods import DEFAULT_DAMPING
@@ -41,7 +43,28 @@ from gradindex.query.search import clamp_k
 from gradindex.query.texts import TrainingTexts
 from gradindex.store import Store
 
-__all__ = ["PartSearch", "ShardedQueryEngine", "follow", "open_engine", "serve_parts", "stop_followers"]
+__all__ = ["PartSearch", "ShardedQueryEngine", "follow", "open_engine", "part_candidates", "serve_parts",
+           "stop_followers"]
+
+SHARE_Z = 3.0
+"""Standard deviations of margin in a part's share of the candidates (:func:`part_candidates`)."""
+SHARE_RUN = 16
+"""The variance factor of a part's count of the unsplit first stage's top ``C`` over a binomial's: rows come in runs
+of similar rows (a document's windows are stored one after another), so a query's nearest rows fall in a part a run
+at a time (measured: 18 on the 40 queries of 10^5 real rows split in 2, docs/scaling.md)."""
+
+
+def part_candidates(c: int, n_part: int, n: int, want: int) -> int:
+    """A part's share of the whole index's ``c`` candidates (the sketch tiers' exact re-rank).
+
+    The part holds ``f = n_part / n`` of the rows, so of the ``c`` rows the unsplit first stage would hand on it holds
+    ``c·f`` on average. Were the rows in an order unrelated to the query the count would be binomial, spread
+    ``√(c·f·(1−f))``; they come in runs of similar rows, which multiplies the variance by :data:`SHARE_RUN`. The part
+    takes ``⌈c·f + SHARE_Z·√(SHARE_RUN·c·f·(1−f))⌉``, at least ``want`` (the ``k`` and ``lowest`` asked) and at most its
+    rows: 385 a part for 2 parts of ``c`` = 500, 242 for 4 (docs/scaling.md)."""
+    f = n_part / n
+    share = math.ceil(c * f + SHARE_Z * math.sqrt(SHARE_RUN * c * f * (1 - f)))
+    return int(min(n_part, max(want, share)))
 
 
 class PartSearch:
@@ -51,6 +74,7 @@ class PartSearch:
     def __init__(self, sharded: Sharded, owned: Sequence[int], layers: Sequence[str] | None = None,
                  use_gpu: bool = True, opened: dict[int, OpenIndex] | None = None):
         self.parts = [sharded.parts[j] for j in owned]
+        self.examples = sharded.examples
         self.engines: list[QueryEngine] = []
         try:
             for j in owned:
@@ -63,11 +87,18 @@ class PartSearch:
     def run(self, op: str, kw: dict):
         return getattr(self, op)(**kw)
 
-    def search(self, grads: Mapping[str, np.ndarray], k: int, lowest: int = 0, **kw) -> list[QueryResult]:
-        """Each query's best ``k`` (and lowest ``lowest``) over these parts, ids in the whole index's rows."""
+    def search(self, grads: Mapping[str, np.ndarray], k: int, lowest: int = 0, candidates: int | None = None,
+               share: bool = True, **kw) -> list[QueryResult]:
+        """Each query's best ``k`` (and lowest ``lowest``) over these parts, ids in the whole index's rows.
+        ``candidates``: the whole index's ``C``; with ``share``, a part with a sketch tier re-ranks its share of it
+        (:func:`part_candidates`), else each part takes ``candidates`` (or its own default) whole."""
         out = None
         for part, eng in zip(self.parts, self.engines, strict=True):
-            res = eng.search(grads, k=min(k, eng.n), lowest=min(lowest, eng.n), texts=False, **kw)
+            c = candidates
+            if share and eng.indices.sketch is not None:
+                c = part_candidates(candidates or sketch_candidates(self.examples), eng.n, self.examples,
+                                    max(k, lowest))
+            res = eng.search(grads, k=min(k, eng.n), lowest=min(lowest, eng.n), texts=False, candidates=c, **kw)
             for r in res:
                 for h in r.hits + r.lowest:
                     h.id += part.first
@@ -156,8 +187,10 @@ class ShardedQueryEngine(QueryEngine):
 
     def __init__(self, index: str | os.PathLike | Sharded, model_dir: str | os.PathLike | None = None, *,
                  layers: Sequence[str] | None = None, use_gpu: bool = True,
-                 data: str | os.PathLike | None = None, **kwargs):
+                 data: str | os.PathLike | None = None, share_candidates: bool = True, **kwargs):
         self._stopped, self.local, self._first = False, None, None
+        self.share_candidates = share_candidates
+        """Whether a sketch tier's part re-ranks its share of the candidates (:func:`part_candidates`), not all."""
         try:
             if distributed.rank() != 0:
                 raise RuntimeError("a sharded index's engine opens on rank 0; other ranks run serve_parts")
@@ -207,7 +240,7 @@ class ShardedQueryEngine(QueryEngine):
         k, lowest = clamp_k(k, lowest, self.n, notes)
         q = {n: torch.as_tensor(v).float().cpu().numpy() for n, v in grads.items()}
         kw = {"grads": q, "k": k, "method": method, "damping": damping, "layers": layers, "lowest": lowest,
-              "candidates": candidates, "shortlist": shortlist, "nprobe": nprobe}
+              "candidates": candidates, "shortlist": shortlist, "nprobe": nprobe, "share": self.share_candidates}
         answers = self._ask("search", kw)
         out = answers[0]
         for more in answers[1:]:
