@@ -129,8 +129,8 @@ def _json(r) -> list[dict]:
                    "of the queries' candidates once. auto (= 0): the first stage answers.")
 @click.option("--candidates", default=None, type=click.IntRange(min=1),
               help="Sketch index: examples its first tier hands to the exact re-rank (default: 500, or N/1000 "
-                   "above 500,000 examples); "
-                   "per-layer FAISS indices: ANN results per layer (default 2000).")
+                   "above 500,000 examples; on a sharded index the whole index's count, each part re-ranking "
+                   "its share); per-layer FAISS indices: ANN results per layer (default 2000).")
 @click.option("--shortlist", default=None, type=click.IntRange(min=1),
               help="Of those, kept per layer after exact per-layer scoring (default 100).")
 @click.option("--nprobe", default=None, type=click.IntRange(min=1),
