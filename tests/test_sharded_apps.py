@@ -199,12 +199,17 @@ def test_served_ranks_a_stalled_then_dead_rank_is_named_within_the_timeout(defau
 
 @pytest.mark.slow
 def test_query_ranks_a_dead_rank_is_one_line_within_the_timeout(default_index, tmp_path):
-    """`gradindex query` on 2 ranks whose rank 1 is killed: rank 0 exits with one line (the rank that died, its part
-    and the fix; or, killed before the run started, that the ranks did not all start) instead of waiting."""
+    """`gradindex query` on 2 ranks whose rank 1 never answers, then is killed: rank 0 exits with one line (the rank
+    that died, its part and the fix; or that the ranks did not all start) instead of waiting or answering.
+
+    Rank 1 is stopped as it is launched: a query of the tiny index can end within seconds, so a rank killed
+    after a fixed sleep could miss it on a quick machine (it did: rank 0 answered). A rank stopped mid-query is
+    test_served_ranks_a_stalled_then_dead_rank_is_named_within_the_timeout's."""
     sh = split_index(default_index, tmp_path / "two", 2)
     procs = _ranks(["query", str(sh.dir), "--text", QUERIES[0], "--device", "cpu", "--rank-timeout", "5"])
     try:
-        time.sleep(3)  # (rank 1 has opened its part and waits for the request, or is still starting)
+        os.kill(procs[1].pid, signal.SIGSTOP)  # (it cannot answer, so rank 0 cannot finish the query)
+        time.sleep(3)
         procs[1].kill()
         t0 = time.monotonic()
         out, _ = procs[0].communicate(timeout=60)
