@@ -8,10 +8,10 @@ labels set to ignored, and scored with the default query on the cached indices o
 
     python -m benchmarks.query_tokens --work $GRADINDEX_CACHE/smollm2/ft-n512-f40-s0-fef273aca2 --drop 0 1 2
 
-With ``--lds`` (a study folder with retrainings, e.g. ``ft-n160-s0-fef273aca2``) every query (facts and held-out
-documentation) is scored at each ``--drop`` and its halves LDS measured against the retrained losses (the whole
-answer's loss), paired against ``--drop 0``: what leaving the first answer tokens out costs or buys by the
-field's measure, beside the fact ranks.
+With ``--target`` each fact query is also scored with the fact's value as its ``target`` (only the value's
+tokens measured). With ``--weightings`` each answer token is scored alone once (cached; scores are linear in the
+query's gradient) and every :data:`WEIGHTINGS` of them measured: fact ranks, and for ``--forms queries`` (a study
+folder with retrainings, e.g. ``ft-n160-s0-fef273aca2``) the halves LDS paired against the plain sum.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.real_llm import RESULTS, fact_ranks, load_jsonl
+from benchmarks.real_llm import RESULTS, fact_ranks, load_jsonl, paired
 
 IGNORE = -100
 
@@ -44,27 +44,40 @@ def dropped(records: list[dict], tokenizer, max_length: int, drop: int) -> list[
     return out
 
 
+def asked(work: Path, ft: dict, form: str) -> list[dict]:
+    """A study's queries of ``form``: ``queries`` (all: facts, then held-out documentation), ``chat`` (its fact
+    queries, "It is V."), or one of ``benchmarks.real_llm.FORMS``."""
+    from benchmarks.real_llm import form_queries
+
+    if form in ("queries", "chat"):
+        qs = load_jsonl(work / "queries.jsonl")
+        return qs if form == "queries" else qs[:ft["fact_queries"]]
+    return form_queries(ft["facts"], form)
+
+
+def ranks_row(ranks: list[int], method: str) -> dict:
+    """Fact ranks as the JSON records them: how many first, of how many, MRR, the ranks, the method."""
+    return {"at_1": sum(r == 1 for r in ranks), "of": len(ranks),
+            "mrr": round(float(np.mean([1 / r for r in ranks])), 3), "ranks": ranks, "method": method}
+
+
 def measure(work: Path, drops: list[int], paths: list[str], forms: list[str], max_length: int = 192) -> dict:
     """Per path, query form and drop: the fact ranks. ``forms``: ``chat`` (the chat set's own fact queries, "It is
     V.") and any of ``benchmarks.real_llm.FORMS``."""
-    from benchmarks.real_llm import form_queries
     from gradindex.model import load_tokenizer
     from gradindex.query import QueryEngine
 
     ft = json.loads((work / "finetune.json").read_text())
-    asked = {f: (load_jsonl(work / "queries.jsonl")[:ft["fact_queries"]] if f == "chat" else
-                 form_queries(ft["facts"], f)) for f in forms}
+    facts_of = {f: asked(work, ft, f) for f in forms}
     tok = load_tokenizer(work / "merged")
     out = {}
     for path in paths:
         with QueryEngine(work / path) as engine:
-            for form, facts in asked.items():
+            for form, facts in facts_of.items():
                 for d in drops:
                     ranks = fact_ranks(engine.scores(dropped(facts, tok, max_length, d)), ft["facts"])
                     name = f"{path}, first {d} answer tokens dropped" + ("" if form == "chat" else f", {form} form")
-                    out[name] = {"at_1": sum(r == 1 for r in ranks), "of": len(ranks),
-                                 "mrr": round(float(np.mean([1 / r for r in ranks])), 3), "ranks": ranks,
-                                 "method": engine.resolve_method(None)}
+                    out[name] = ranks_row(ranks, engine.resolve_method(None))
                     print(name, out[name]["at_1"], flush=True)
     return out
 
@@ -72,24 +85,20 @@ def measure(work: Path, drops: list[int], paths: list[str], forms: list[str], ma
 def measure_targets(work: Path, paths: list[str], forms: list[str]) -> dict:
     """Per path and query form: fact ranks of the default query, and of the same query with its ``target`` the
     fact's value (only the value's tokens measured, :func:`gradindex.query.inputs.measure_target`)."""
-    from benchmarks.real_llm import form_queries
     from gradindex.query import QueryEngine
 
     ft = json.loads((work / "finetune.json").read_text())
-    asked = {f: (load_jsonl(work / "queries.jsonl")[:ft["fact_queries"]] if f == "chat" else
-                 form_queries(ft["facts"], f)) for f in forms}
+    facts_of = {f: asked(work, ft, f) for f in forms}
     out = {}
     for path in paths:
         with QueryEngine(work / path) as engine:
-            for form, facts in asked.items():
+            for form, facts in facts_of.items():
                 for name, qs in (("whole answer", facts),
                                  ("target: the value", [dict(q, target=f["value"]) for q, f in zip(facts, ft["facts"],
                                                                                                   strict=True)])):
                     ranks = fact_ranks(engine.scores(qs), ft["facts"])
                     key = f"{path}, {form} form, {name}"
-                    out[key] = {"at_1": sum(r == 1 for r in ranks), "of": len(ranks),
-                                "mrr": round(float(np.mean([1 / r for r in ranks])), 3), "ranks": ranks,
-                                "method": engine.resolve_method(None)}
+                    out[key] = ranks_row(ranks, engine.resolve_method(None))
                     print(key, out[key]["at_1"], flush=True)
     return out
 
@@ -148,16 +157,13 @@ def measure_weightings(work: Path, paths: list[str], forms: list[str]) -> dict:
     """Per path and query form (``queries``: the chat set's fact and documentation queries, with the halves LDS;
     a fact form: its fact ranks): every :data:`WEIGHTINGS` of the per-token scores (computed once, cached)."""
     from benchmarks.common import evaluate
-    from benchmarks.real_llm import form_queries
 
     ft = json.loads((work / "finetune.json").read_text())
     F = ft["fact_queries"]
     out = {}
     for path in paths:
         for form in forms:
-            qs = (load_jsonl(ft["queries"]) if form == "queries" else
-                  load_jsonl(ft["queries"])[:F] if form == "chat" else form_queries(ft["facts"], form))
-            per = per_token_scores(work, path, qs, form)
+            per = per_token_scores(work, path, asked(work, ft, form), form)
             lds = retrained(work, ft["n"]) if form == "queries" else None
             base = None
             for how in WEIGHTINGS:
@@ -167,11 +173,9 @@ def measure_weightings(work: Path, paths: list[str], forms: list[str]) -> dict:
                 if lds is not None and len(lds[0]):
                     pq = evaluate(s, *lds)["per_query"]
                     base = pq if base is None else base  # (the first weighting: the plain sum)
-                    d = pq - base
                     row |= {"halves": len(lds[0]), "lds": round(float(pq.mean()), 4),
                             "lds_facts": round(float(pq[:F].mean()), 4), "lds_docs": round(float(pq[F:].mean()), 4),
-                            "paired_vs_sum": [round(float(d.mean()), 4),
-                                              round(float(d.std(ddof=1) / np.sqrt(len(d))), 4)]}
+                            "paired_vs_sum": paired(pq, base)}
                 out[f"{path}, {form}, {how}"] = row
                 print(f"{path}, {form}, {how}", {k: v for k, v in row.items() if k != "ranks"}, flush=True)
     return out
@@ -188,38 +192,6 @@ def retrained(work: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
     return halves(n, m), np.array(losses)[:, None]
 
 
-def measure_lds(work: Path, drops: list[int], paths: list[str], max_length: int = 192) -> dict:
-    """Per path and drop: halves LDS (all, facts, docs), its paired difference to drop 0 (mean ± standard error
-    over queries), fact ranks."""
-    from benchmarks.common import evaluate
-    from gradindex.model import load_tokenizer
-    from gradindex.query import QueryEngine
-
-    ft = json.loads((work / "finetune.json").read_text())
-    queries, F = load_jsonl(ft["queries"]), ft["fact_queries"]
-    masks, losses = retrained(work, ft["n"])
-    tok = load_tokenizer(work / "merged")
-    out = {"halves": len(masks)}
-    for path in paths:
-        with QueryEngine(work / path) as engine:
-            per = {d: evaluate(engine.scores(dropped(queries, tok, max_length, d)), masks, losses)["per_query"]
-                   for d in drops}
-            for d in drops:
-                diff = per[d] - per[drops[0]]
-                scores = engine.scores(dropped(queries[:F], tok, max_length, d))
-                ranks = fact_ranks(scores, ft["facts"])
-                out[f"{path}, first {d} answer tokens dropped"] = {
-                    "lds": round(float(per[d].mean()), 4), "lds_facts": round(float(per[d][:F].mean()), 4),
-                    "lds_docs": round(float(per[d][F:].mean()), 4),
-                    f"paired_vs_drop_{drops[0]}": [round(float(diff.mean()), 4),
-                                                   round(float(diff.std(ddof=1) / np.sqrt(len(diff))), 4)],
-                    "facts_at_1": sum(r == 1 for r in ranks), "of": len(ranks), "ranks": ranks,
-                    "lds_per_query": [round(float(x), 4) for x in per[d]], "method": engine.resolve_method(None)}
-                print(path, d, {k: v for k, v in out[f"{path}, first {d} answer tokens dropped"].items()
-                                if k not in ("ranks", "lds_per_query")}, flush=True)
-    return out
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--work", type=Path, required=True, help="a facts study's folder (finetune.json, idx-*)")
@@ -232,7 +204,6 @@ def main(argv=None) -> None:
                    help="per-token scores of --forms (queries: the chat set's queries, with the halves LDS) under "
                         "every weighting")
     p.add_argument("--target", action="store_true", help="each fact query also with its value as its target")
-    p.add_argument("--lds", action="store_true", help="every query, halves LDS against the retrainings in --work")
     a = p.parse_args(argv)
     if a.weightings:
         key, res = f"query-token-weightings-{a.work.name}", {
@@ -242,11 +213,6 @@ def main(argv=None) -> None:
         key, res = f"query-target-{a.work.name}", {
             "work": a.work.name, "queries": "the study's fact queries in each --forms phrasing",
             "results": measure_targets(a.work, a.paths, a.forms)}
-    elif a.lds:
-        key, res = f"query-tokens-lds-{a.work.name}", {
-            "work": a.work.name, "queries": "the study's fact and held-out documentation queries",
-            "lds": "Spearman per query between a half's summed scores and its retrained loss of the whole answer",
-            "results": measure_lds(a.work, a.drop, a.paths)}
     else:
         key, res = "query-tokens", {"work": a.work.name,
                                     "queries": "the study's fact queries ('What is the R of E?' / 'It is V.')",
