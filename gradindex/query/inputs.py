@@ -103,8 +103,9 @@ def measure_target(labels: list[int], target: str, tokenizer, i: int = 0) -> lis
         raise ValueError(f"query {i} names a target, and this engine has no tokenizer to find it with; pass "
                          "tokenizer=, or give labels with -100 outside the tokens to measure")
     at = [k for k, y in enumerate(labels) if y != IGNORE]
-    ends = [len(tokenizer.decode([labels[k] for k in at[:n + 1]])) for n in range(len(at))]
-    text = tokenizer.decode([labels[k] for k in at])
+    prefixes = [tokenizer.decode([labels[k] for k in at[:n + 1]]) for n in range(len(at))]  # (a token's text
+    ends = [len(t) for t in prefixes]  # ends where its prefix's does: decoding one token alone can differ)
+    text = prefixes[-1] if prefixes else ""
     start = text.rfind(target)
     if start < 0:
         raise ValueError(f"query {i}'s target {target!r} is not in the text its loss is taken on ({text[:200]!r}); "
