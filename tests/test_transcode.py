@@ -305,3 +305,26 @@ def test_a_kill_during_the_transcode_names_the_build_command_and_index_refuses(g
     assert row_basis(m) == "ekfac" and m["build"]["storage"] == "int4"
     res = r.invoke(main, ["query", str(out), "--text", "the cat sat on a mat", "--json", "--device", "cpu"])
     assert res.exit_code == 0, res.output
+
+
+def test_to_rows_matches_float64_rotation_and_follows_a_replaced_map():
+    """The query's rows in an ``ekfac`` basis: ``(Q_Sᵀ X Q_A) ⊙ scale`` to float32 rounding, with the float32
+    maps cached per layer (``RowBasis.rotation``) yet never stale when a layer's map is replaced."""
+    from gradindex.store.basis import RowBasis, to_rows
+
+    rng = np.random.default_rng(0)
+    k_g, k_a = 3, 4
+    Q_S, _ = np.linalg.qr(rng.standard_normal((k_g, k_g)))
+    Q_A, _ = np.linalg.qr(rng.standard_normal((k_a, k_a)))
+    scale = rng.uniform(0.5, 2.0, (k_g, k_a))
+    b = RowBasis(kind="ekfac", Q_S={"l": Q_S}, Q_A={"l": Q_A}, scale={"l": scale})
+    x = rng.standard_normal((5, k_g * k_a))
+
+    def reference() -> np.ndarray:
+        X = x.reshape(-1, k_g, k_a)
+        return ((b.Q_S["l"].T @ X @ b.Q_A["l"]) * b.scale["l"]).reshape(len(x), -1)
+
+    np.testing.assert_allclose(to_rows(b, "l", x, (k_g, k_a)), reference(), rtol=1e-5, atol=1e-6)
+    assert to_rows(b, "l", x, (k_g, k_a)) is not None and b.rotation("l")[0] is b.rotation("l")[0]  # cached
+    b.scale["l"] = 2 * scale  # a replaced map is converted again
+    np.testing.assert_allclose(to_rows(b, "l", x, (k_g, k_a)), reference(), rtol=1e-5, atol=1e-6)
