@@ -64,7 +64,9 @@ def _cli(args: list[str], log: Path) -> dict:
 def build_indices(ft: dict, work: Path, workers: int = 1, names: tuple[str, ...] = ("full", "adapter")) -> dict:
     """The default build through the merged model (``full``) and through the adapter (``adapter``), cached,
     ``workers`` at once; ``raw``: through the merged model with raw projected rows (``--transcode none``: int8
-    rows, the EK-FAC fit beside them), the rows ``graddot`` and ``cosine`` read."""
+    rows, the EK-FAC fit beside them), the rows ``graddot`` and ``cosine`` read; ``var-b1m``: the default build at
+    four times the default bytes per example (1 MiB), the on-disk tier an exact stage could read instead of
+    recomputing (:func:`stages`)."""
 
     def one(name_args):
         name, args = name_args
@@ -77,7 +79,8 @@ def build_indices(ft: dict, work: Path, workers: int = 1, names: tuple[str, ...]
         return name, {"dir": str(idx), **json.loads(stamp.read_text())}
 
     paths = {"full": [ft["merged"], ft["data"]], "adapter": [ft["base"], ft["data"], "--adapter", ft["adapter"]],
-             "raw": [ft["merged"], ft["data"], "--transcode", "none"]}
+             "raw": [ft["merged"], ft["data"], "--transcode", "none"],
+             "var-b1m": [ft["merged"], ft["data"], "--budget", str(1 << 20)]}
     with ThreadPoolExecutor(workers) as ex:
         return dict(ex.map(one, [(n, paths[n]) for n in names]))
 
@@ -832,6 +835,62 @@ def refinement(ft: dict, work: Path, scores: dict, methods: dict, masks: np.ndar
     return out
 
 
+C_GRID = (5, 10, 20, 30, 50, 100)
+"""Candidate counts at which :func:`stages` reads the first stage's recall of the exhaustive exact stage."""
+
+
+def recall_curve(first: np.ndarray, exact: np.ndarray) -> dict:
+    """The first stage's recall of the exact stage's top 1 / 5 / 10 among its own top ``C`` (:data:`C_GRID`), and
+    per query the ``C`` that holds the exact top ``k`` whole."""
+    out: dict = {"C": [c for c in C_GRID if c <= first.shape[1]]}
+    ranks = np.empty_like(first, dtype=np.int64)  # first-stage rank (1 = best) of every example, per query
+    for q in range(len(first)):
+        ranks[q, np.argsort(-first[q], kind="stable")] = np.arange(1, first.shape[1] + 1)
+    for k in (1, 5, 10):
+        tops = [np.argsort(-exact[q], kind="stable")[:k] for q in range(len(exact))]
+        need = [int(ranks[q, t].max()) for q, t in enumerate(tops)]
+        out[f"top{k}"] = {"recall_at_C": [round(float(np.mean([np.mean(ranks[q, t] <= c) for q, t in enumerate(tops)])),
+                                                 3) for c in out["C"]],
+                          "C_holding_it_per_query": sorted(need)}
+    return out
+
+
+def stages(ft: dict, work: Path, scores: dict, subsets: int) -> dict:
+    """What the exact stage buys on this fine-tune, taken apart (issue 30 item 2), from the cached scores and the
+    retrainings already made: the first stage's recall of the exhaustive exact stage against ``C``; scores made of
+    one stage's inner products and the other's self-influence (which half of the self-normalized score carries the
+    exact stage's gain); and a first stage of rows four times as large (``var-b1m``, built here: the on-disk tier an
+    exact stage could read instead of recomputing gradients). Writes ``exact_stage_parts`` into the results."""
+    queries = load_jsonl(ft["queries"])
+    b1m = build_indices(ft, work, names=("var-b1m",))["var-b1m"]
+    key = "first stage ekfac-selfnorm (full, 1 MiB rows)"
+    if key not in scores:
+        scores |= {k.replace("(full)", "(full, 1 MiB rows)"): v for k, v in
+                   {f"first stage {m} (full)": s for m, s in first_stage(b1m["dir"], queries).items()}.items()}
+        np.savez(work / "scores.npz", **scores)
+    first, exact = scores[DEFAULT], scores["full ekfac-selfnorm d=0.001"]
+    norm = {"first": scores["first stage ekfac (full)"] / np.where(first == 0, 1, first),  # √(self-influence)
+            "exact": scores["full ekfac d=0.001"] / np.where(exact == 0, 1, exact)}
+    norm = {k: np.median(v, axis=0) for k, v in norm.items()}  # the same for every query (checked below)
+    parts = {"first-stage inner products / exact self-influence": scores["first stage ekfac (full)"] / norm["exact"],
+             "exact inner products / first-stage self-influence": scores["full ekfac d=0.001"] / norm["first"]}
+    compared = {k: scores[k] for k in (DEFAULT, "full ekfac-selfnorm d=0.001", key)} | parts
+    masks = halves(ft["n"], subsets)
+    losses, _ = retrained(masks, 0, work)
+    table = summarize(compared, ft, masks, losses)
+    keep = ("lds", "lds_se", "lds_facts", "lds_docs", "fact_recall@1", "fact_ranks", "vs_default")
+    ranks = [np.argsort(np.argsort(v)) for v in norm.values()]
+    out = {"subsets": subsets, "recall_of_exact": recall_curve(first, exact),
+           "self_influence_spearman_first_vs_exact": round(float(np.corrcoef(*ranks)[0, 1]), 3),
+           "methods": {k: {f: v[f] for f in keep} for k, v in table.items()},
+           "var_b1m_build": {k: b1m[k] for k in ("wall_s", "peak_rss_gb", "cpu_s") if k in b1m},
+           "conditions": "cached scores (scores.npz) and retrainings; the 1 MiB build on 2 shared cores"}
+    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    result["exact_stage_parts"] = out
+    RESULTS.write_text(json.dumps(result, indent=1))
+    return out
+
+
 def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise: int) -> dict:
     """The halves LDS, fact ranks and agreement of every method over the retrainings already made (``subsets``
     under seed 0, the first ``noise`` also under seed 1; none is trained here), into ``results/real-llm.json``:
@@ -858,13 +917,16 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
 def main(argv=None) -> None:
     global RESULTS
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("step", choices=["retrain", "score", *EXTRA, "cost", "scale", "facts", "report", "all"], nargs="?",
+    p.add_argument("step", choices=["retrain", "score", *EXTRA, "cost", "scale", "facts", "stages", "report", "all"],
+                   nargs="?",
                    default="all",
                    help="retrain: the LoRA retrainings only; score: builds and scores (graddot, trackstar, refine: "
                         "one of the extra methods' scores alone); cost: the default build "
                         "against its plan and the default query's latency; scale: the same over --index-n "
                         "records beside a bare forward + backward of them; facts: planted-fact recall of the first "
-                        "stage and BM25 (--facts planted facts), under facts-N; report: the JSON from the cached "
+                        "stage and BM25 (--facts planted facts), under facts-N; stages: what the exact stage buys, "
+                        "taken apart (recall against C, its two halves, a 1 MiB-row first stage); report: the JSON "
+                        "from the cached "
                         "scores (the extra steps' only if computed) over the retrainings already made (--subsets, "
                         "--noise-subsets: how many of them; none trained)")
     p.add_argument("--n", type=int, default=160)
@@ -918,6 +980,9 @@ def main(argv=None) -> None:
         return
     extra = (a.step,) if a.step in EXTRA else EXTRA if a.step in ("score", "all") else ()
     builds, scores = score_all(ft, work, not a.skip_full, extra)
+    if a.step == "stages":
+        print(json.dumps(stages(ft, work, scores, a.subsets), indent=1))
+        return
     if a.step == "report" and (missing := [e for e in EXTRA if e not in builds.get("extra", {})]):
         print(f"not in this report (not computed yet; the score step computes them): {', '.join(missing)}")
     if a.step == "all":
