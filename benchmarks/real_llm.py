@@ -574,13 +574,15 @@ def latency(idx: str, queries_file: str, n: int, ft_file: str | None = None) -> 
     lat = []
     with QueryEngine(idx) as engine:
         engine.query(qs[0], k=10)
+        first_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
         for q in (qs * 3)[1:n + 1]:
             t = time.perf_counter()
             r = engine.query(q, k=10)
             lat.append(time.perf_counter() - t)
         out = {"p50_s": round(float(np.median(lat)), 3), "p95_s": round(float(np.percentile(lat, 95)), 3),
                "stage": r.stage, "method": engine.resolve_method(None),
-               "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}
+               "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2),
+               "peak_rss_after_first_query_gb": round(first_rss, 2)}
         if ft_file:
             ft = json.loads(Path(ft_file).read_text())
             out["fact_ranks"] = fact_ranks(engine.scores(qs[:ft["fact_queries"]]), ft["facts"])
