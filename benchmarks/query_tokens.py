@@ -192,6 +192,137 @@ def retrained(work: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
     return halves(n, m), np.array(losses)[:, None]
 
 
+def target_positions(records: list[dict], values: list[str], tokenizer, max_length: int = 192) -> list[list[int]]:
+    """Per record, the indices among its loss tokens (in order: the rows of :func:`per_token_scores` and the
+    entries of a retraining's per-token losses) of the tokens :func:`gradindex.query.inputs.measure_target` keeps
+    for the target ``values[j]``."""
+    import datasets
+
+    from gradindex.data import tokenize_records
+    from gradindex.query.inputs import measure_target
+
+    t = tokenize_records(datasets.Dataset.from_list(records), tokenizer, max_length)
+    out = []
+    for j, (labels, value) in enumerate(zip(t.labels, values, strict=True)):
+        labels = list(labels)
+        kept = measure_target(labels, value, tokenizer, j)
+        out.append([n for n, k in enumerate([k for k, y in enumerate(labels) if y != IGNORE]) if kept[k] != IGNORE])
+    return out
+
+
+def token_retrained(work: Path) -> tuple[list[int], list[dict]]:
+    """The seed-0 subsets whose per-token losses ``benchmarks.real_llm retrain-tokens`` has written
+    (``retrain/tokens/sNNN-r0.json``), in order, and their records."""
+    done = sorted(int(x.stem[1:4]) for x in (work / "retrain" / "tokens").glob("s[0-9][0-9][0-9]-r0.json"))
+    return done, [json.loads((work / "retrain" / "tokens" / f"s{i:03d}-r0.json").read_text()) for i in done]
+
+
+def measure_target_lds(work: Path, path: str = "idx-full") -> dict:
+    """The halves LDS of the fact queries with the fact's value as their ``target``: each query's score the sum of
+    its per-token scores (:func:`per_token_scores`, the default query) over the value's tokens, against the
+    retrained models' loss on those same tokens (the per-token losses of ``real_llm retrain-tokens``); beside it
+    the whole answer against the whole answer's loss, BM25 against the target's loss, and the crossings, paired
+    on the same fact queries and subsets. Checks the token alignment on the way (counts per query, the per-token
+    sums against the summed losses, the target sums against the engine's own ``target`` query)."""
+    import datasets
+
+    from benchmarks.baselines import bm25_scores
+    from benchmarks.common import evaluate
+    from benchmarks.real_llm import bm25, halves
+    from gradindex.data import load_records, tokenize_records
+    from gradindex.model import load_tokenizer
+    from gradindex.query import QueryEngine
+    from gradindex.query.inputs import measure_target
+
+    ft = json.loads((work / "finetune.json").read_text())
+    F = ft["fact_queries"]
+    queries = asked(work, ft, "queries")
+    facts = queries[:F]
+    values = [f["value"] for f in ft["facts"]]
+    tok = load_tokenizer(work / "merged")
+    per = per_token_scores(work, path, queries, "queries")[:F]  # [T_j, N] per fact query
+    pos = target_positions(facts, values, tok)
+    done, recs = token_retrained(work)
+    if len(done) < 3:
+        raise SystemExit(f"{len(done)} subsets with per-token losses in {work / 'retrain' / 'tokens'}; the LDS "
+                         "needs at least 3 (benchmarks.real_llm retrain-tokens makes them)")
+    masks_all = np.load(work / "masks.npy")
+    if not np.array_equal(masks_all, halves(ft["n"], len(masks_all))):
+        raise SystemExit("masks.npy is not the halves real_llm draws")
+    masks = masks_all[done]
+    old = np.array([json.loads((work / "retrain" / f"s{i:03d}-r0.json").read_text())["losses"] for i in done])
+    for i, r in zip(done, recs, strict=True):
+        if r["rows"] != np.flatnonzero(masks_all[i]).tolist() or r["seed"] != 1000:
+            raise SystemExit(f"subset {i}'s per-token file was trained on other rows or another seed")
+    new = np.array([r["losses"] for r in recs])  # [M, Q] summed losses of the re-runs
+    tl = [[np.array(t) for t in r["token_losses"]] for r in recs]  # [M][Q] per-token losses
+    # -- token alignment: the per-token losses and the per-token scores index the same tokens
+    counts_scores = [len(S) for S in per]
+    counts_losses = sorted({tuple(len(t) for t in x[:F]) for x in tl})
+    if counts_losses != [tuple(counts_scores)]:
+        raise SystemExit(f"per-token counts differ: scores {counts_scores}, retrained losses {counts_losses}")
+    sums = np.array([[t.sum() for t in x] for x in tl])
+    rel = lambda a, b: float(np.max(np.abs(a - b) / np.abs(b)))  # noqa: E731
+    rel_row = lambda a, b: float(np.max(np.abs(a - b).max(1) / np.abs(b).max(1)))  # noqa: E731  (to each row's scale)
+    with QueryEngine(work / path) as engine:
+        engine_target = engine.scores([dict(q, target=v) for q, v in zip(facts, values, strict=True)])
+        method = engine.resolve_method(None)
+    s_target = np.stack([S[p].sum(0) for S, p in zip(per, pos, strict=True)])
+    s_whole = np.stack([S.sum(0) for S in per])
+    default = np.load(work / "scores.npz")["first stage ekfac-selfnorm (full)"][:F]
+    check = {
+        "subsets_done": done, "seed": 1000,
+        "tokens_per_query": counts_scores,
+        "target_tokens": [[tok.decode([int(x)]) for x in np.array(
+            [y for y in tokenize_records(datasets.Dataset.from_list([q]), tok, 192).labels[0] if y != IGNORE])[p]]
+            for q, p in zip(facts, pos, strict=True)],
+        "per_token_sum_vs_new_summed_max_rel": rel(sums, new),
+        "new_summed_vs_existing_max_rel": rel(new, old),
+        "new_summed_vs_existing_max_abs": float(np.max(np.abs(new - old))),
+        "target_score_vs_engine_target_query_max_rel_to_row": rel_row(s_target, engine_target),
+        "whole_score_vs_cached_default_max_rel_to_row": rel_row(s_whole, default),
+        "method": method,
+    }
+    print(json.dumps(check), flush=True)
+    target_loss = np.array([[t[p].sum() for t, p in zip(x[:F], pos, strict=True)] for x in tl])  # [M, F]
+    train = tokenize_records(load_records(ft["data"]), tok, 192)
+    qt = tokenize_records(datasets.Dataset.from_list(facts), tok, 192)
+    bm25_target = bm25_scores([list(x) for x in train.input_ids], [list(x) for x in qt.input_ids],
+                              [measure_target(list(y), v, tok) for y, v in zip(qt.labels, values, strict=True)])
+    bm25_whole = bm25(ft, facts)
+    conditions = {  # name: (score [F, N], ground truth [M, F])
+        "target query vs target loss": (s_target, target_loss),
+        "whole answer vs whole-answer loss (existing retrainings)": (s_whole, old[:, :F]),
+        "whole answer vs whole-answer loss (re-runs)": (s_whole, new[:, :F]),
+        "whole answer vs target loss": (s_whole, target_loss),
+        "target query vs whole-answer loss (re-runs)": (s_target, new[:, :F]),
+        "bm25 (whole answer) vs target loss": (bm25_whole, target_loss),
+        "bm25 (target tokens) vs target loss": (bm25_target, target_loss),
+        "bm25 (whole answer) vs whole-answer loss (re-runs)": (bm25_whole, new[:, :F]),
+    }
+    rows = {}
+    for name, (score, truth) in conditions.items():
+        pq = evaluate(score, masks, truth[:, None, :])["per_query"]
+        rows[name] = {"lds": round(float(pq.mean()), 4), "se": round(float(pq.std(ddof=1) / np.sqrt(len(pq))), 4),
+                      "lds_per_query": [round(float(x), 4) for x in pq]}
+    ref = rows["target query vs target loss"]["lds_per_query"]
+    for name, row in rows.items():
+        if name != "target query vs target loss":
+            row["target_query_vs_this"] = paired(ref, row["lds_per_query"])
+    ranks = {"target query": ranks_row(fact_ranks(s_target, ft["facts"]), method),
+             "whole answer": ranks_row(fact_ranks(s_whole, ft["facts"]), method)}
+    for name, row in rows.items():
+        print(f"{name}: {row['lds']} +- {row['se']}", row.get("target_query_vs_this", ""), flush=True)
+    return {"work": work.name, "index": path, "method": method, "subsets": len(done), "fact_queries": F,
+            "conditions": "halves LDS (Spearman per fact query over the subsets of the summed scores against minus "
+                          "the retrained loss) on the seed-0 subsets re-run with per-token losses (real_llm "
+                          "retrain-tokens, one thread, nice 19, on 2 shared cores); scores: the cached per-token "
+                          f"default-query scores ({path}) summed over the tokens measure_target keeps for the "
+                          "fact's value (target) or over all answer tokens (whole answer); BM25 of the whole answer's "
+                          "or the target's tokens",
+            "check": check, "results": rows, "fact_ranks": ranks}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("--work", type=Path, required=True, help="a facts study's folder (finetune.json, idx-*)")
@@ -204,8 +335,14 @@ def main(argv=None) -> None:
                    help="per-token scores of --forms (queries: the chat set's queries, with the halves LDS) under "
                         "every weighting")
     p.add_argument("--target", action="store_true", help="each fact query also with its value as its target")
+    p.add_argument("--target-lds", action="store_true",
+                   help="the halves LDS of the fact queries with their value as target, against the retrained loss "
+                        "on the same tokens (per-token losses of real_llm retrain-tokens), beside the whole answer "
+                        "and BM25")
     a = p.parse_args(argv)
-    if a.weightings:
+    if a.target_lds:
+        key, res = f"query-target-lds-{a.work.name}", measure_target_lds(a.work, a.paths[0])
+    elif a.weightings:
         key, res = f"query-token-weightings-{a.work.name}", {
             "work": a.work.name, "weightings": list(WEIGHTINGS),
             "results": measure_weightings(a.work, a.paths, a.forms)}

@@ -427,6 +427,56 @@ def retrained(masks: np.ndarray, noise: int, work: Path) -> tuple[np.ndarray, np
     return first, np.stack([first[:noise, 0], second], axis=1)
 
 
+def retrain_tokens(work: Path, subsets: int) -> None:
+    """Re-run the seed-0 retraining of subsets ``0 .. subsets-1`` in order, one at a time (``nice``, one
+    thread), each with its original seed (1000) and mask (``masks.npy``), recording each query's per-token losses
+    in ``retrain/tokens/sNNN-r0.json`` (the existing ``retrain/*.json`` are never written). Resumable: a
+    finished subset's file is kept and skipped. ``retrain/tokens/run.pid`` holds this runner's pid while it runs;
+    SIGTERM stops the retraining under way (nothing partial is written) and the runner."""
+    import signal
+
+    tokens = work / "retrain" / "tokens"
+    tokens.mkdir(parents=True, exist_ok=True)
+    lock = tokens / "run.pid"
+    if lock.exists() and Path(f"/proc/{lock.read_text().strip()}").exists():
+        raise SystemExit(f"a runner is already at work: pid {lock.read_text().strip()} ({lock})")
+    lock.write_text(str(os.getpid()))
+    child: list[subprocess.Popen] = []
+
+    def stop(*_):
+        for c in child:
+            c.terminate()
+            c.wait()
+        lock.unlink(missing_ok=True)
+        raise SystemExit("stopped")
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for i in range(subsets):
+            out = tokens / f"s{i:03d}-r0.json"
+            if out.exists():
+                continue
+            t0 = time.perf_counter()
+            child[:] = [subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "benchmarks.real_llm",
+                                          "--retrain-one", str(work / "finetune.json"), str(i), "0", "--per-token"],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         env={**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})]
+            (tokens / f"s{i:03d}-r0.pid").write_text(str(child[0].pid))
+            _, err = child[0].communicate()
+            if child[0].returncode != 0:
+                raise RuntimeError(f"retraining {i} failed: {err.decode()[-2000:]}")
+            (tokens / f"s{i:03d}-r0.pid").unlink(missing_ok=True)
+            new = json.loads(out.read_text())
+            old = json.loads((work / "retrain" / f"s{i:03d}-r0.json").read_text())["losses"]
+            sums = np.array([sum(t) for t in new["token_losses"]])
+            print(f"subset {i}: {time.perf_counter() - t0:.0f} s; largest relative difference of the per-token sums "
+                  f"from the existing summed losses {np.max(np.abs(sums - old) / np.abs(old)):.2e}, of the new "
+                  f"summed losses from the existing {np.max(np.abs(np.array(new['losses']) - old) / np.abs(old)):.2e}",
+                  flush=True)
+    finally:
+        lock.unlink(missing_ok=True)
+
+
 def fact_ranks(score: np.ndarray, facts: list[dict]) -> list[int]:
     """Per fact query, the rank (1 = first) of its best-ranked source conversation."""
     out = []
@@ -919,7 +969,8 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
 def main(argv=None) -> None:
     global RESULTS
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("step", choices=["retrain", "score", *EXTRA, "cost", "scale", "facts", "stages", "report", "all"],
+    p.add_argument("step", choices=["retrain", "retrain-tokens", "score", *EXTRA, "cost", "scale", "facts", "stages",
+                                    "report", "all"],
                    nargs="?",
                    default="all",
                    help="retrain: the LoRA retrainings only; score: builds and scores (graddot, trackstar, refine: "
@@ -939,6 +990,7 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=2, help="retrainings at once; facts: builds at once")
     p.add_argument("--skip-full", action="store_true", help="no exhaustive full-space EK-FAC")
     p.add_argument("--retrain-one", nargs=3, metavar=("FT", "SUBSET", "SEED"), help=argparse.SUPPRESS)
+    p.add_argument("--per-token", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--index-n", type=int, default=1000,
                    help="scale: the training set followed by documentation chats not trained on, to this many")
     p.add_argument("--reuse-floor", action="store_true",
@@ -962,6 +1014,10 @@ def main(argv=None) -> None:
         ft = json.loads(Path(ft_file).read_text())
         work = Path(ft_file).parent
         torch.set_num_threads(1)
+        if a.per_token:  # the same retraining, its per-token losses in retrain/tokens/ (retrain-tokens)
+            retrain(ft, np.load(work / "masks.npy")[int(i)], 1000 + int(r),
+                    work / "retrain" / "tokens" / f"s{int(i):03d}-r{r}.json", per_token=True)
+            return
         retrain(ft, np.load(work / "masks.npy")[int(i)], 1000 + int(r), work / "retrain" / f"s{int(i):03d}-r{r}.json")
         return
     ft, work = _work(a.n, a.facts, a.epochs)
@@ -972,6 +1028,9 @@ def main(argv=None) -> None:
         return
     if a.step == "retrain":
         retrainings(ft, halves(a.n, a.subsets), a.noise_subsets, work, a.workers)
+        return
+    if a.step == "retrain-tokens":
+        retrain_tokens(work, a.subsets)
         return
     if a.step == "cost":
         (work / "cost.json").write_text(json.dumps(cost(ft, work), indent=1))

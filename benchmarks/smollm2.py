@@ -305,21 +305,29 @@ def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log
     return model, tok
 
 
-def query_losses(model, tok, queries: list[dict], max_length: int) -> np.ndarray:
-    """``[Q]`` summed token loss of each query's assistant turn under ``model``."""
+def query_losses(model, tok, queries: list[dict], max_length: int, per_token: bool = False):
+    """``[Q]`` summed token loss of each query's assistant turn under ``model``. ``per_token``: also each query's
+    per-token losses (``(summed [Q], [list of floats per query])``): the loss of every target token (the
+    assistant-turn tokens that carry loss), in order, from the same forward pass, so they sum to the summed loss."""
     import datasets
 
-    from gradindex.data import collate, per_example_loss, tokenize_records
+    from gradindex.data import IGNORE, collate, per_example_loss, tokenize_records
 
     data = tokenize_records(datasets.Dataset.from_list(queries), tok, max_length)
-    out = []
+    out, tokens = [], []
     with torch.no_grad():
         for s in range(0, len(data), 8):
             b = collate(list(data.input_ids[s:s + 8]), list(data.labels[s:s + 8]), tok.pad_token_id)
-            loss, _ = per_example_loss(model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits,
-                                       b["labels"])
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            loss, _ = per_example_loss(logits, b["labels"])
             out.append(loss.double().numpy())
-    return np.concatenate(out)
+            if per_token:
+                lab = b["labels"][:, 1:]
+                each = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                                         lab.reshape(-1), ignore_index=IGNORE,
+                                                         reduction="none").view(lab.shape)
+                tokens += [each[j][lab[j] != IGNORE].double().tolist() for j in range(len(lab))]
+    return (np.concatenate(out), tokens) if per_token else np.concatenate(out)
 
 
 def finetune_dir(n: int = 160, seed: int = 0, recipe: Recipe | None = None, root: Path | None = None,
@@ -388,8 +396,9 @@ def finetune(n: int = 160, seed: int = 0, recipe: Recipe | None = None, root: Pa
     return info
 
 
-def retrain(ft: dict, mask: np.ndarray, seed: int, out: Path) -> np.ndarray:
-    """The query losses ``[Q]`` of a LoRA retraining on the rows ``mask`` selects (cached in ``out``)."""
+def retrain(ft: dict, mask: np.ndarray, seed: int, out: Path, per_token: bool = False) -> np.ndarray:
+    """The query losses ``[Q]`` of a LoRA retraining on the rows ``mask`` selects (cached in ``out``).
+    ``per_token``: the file also holds ``token_losses``, each query's per-token losses (:func:`query_losses`)."""
     if out.exists():
         return np.array(json.loads(out.read_text())["losses"])
     records = [json.loads(x) for x in Path(ft["data"]).read_text().splitlines()]
@@ -397,10 +406,15 @@ def retrain(ft: dict, mask: np.ndarray, seed: int, out: Path) -> np.ndarray:
     recipe = Recipe(**{k: tuple(v) if k == "targets" else v for k, v in ft["recipe"].items()})
     t0 = time.perf_counter()
     model, tok = train_lora(Path(ft["base"]), [r for r, m in zip(records, mask, strict=True) if m], recipe, seed)
-    losses = query_losses(model, tok, queries, recipe.max_length)
+    losses = query_losses(model, tok, queries, recipe.max_length, per_token=per_token)
+    more = {}
+    if per_token:
+        losses, more = losses[0], {"token_losses": losses[1]}
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"losses": losses.tolist(), "seed": seed, "rows": np.flatnonzero(mask).tolist(),
+    tmp = out.with_suffix(".part")
+    tmp.write_text(json.dumps({"losses": losses.tolist(), **more, "seed": seed, "rows": np.flatnonzero(mask).tolist(),
                                "seconds": round(time.perf_counter() - t0, 1)}))
+    tmp.replace(out)
     return losses
 
 
