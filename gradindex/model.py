@@ -223,7 +223,7 @@ def causal_config(p: Path):
     if not (p / "config.json").exists():
         hint = ""
         if (p / MANIFEST).is_file():  # an index folder given where the model goes
-            from gradindex.manifest import read_manifest
+            from gradindex.spec.manifest import read_manifest
 
             try:
                 built_from = read_manifest(p)["model_id"]

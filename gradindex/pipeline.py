@@ -24,7 +24,6 @@ from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices
 from gradindex.index.tiers import RowShape, make_tier
 from gradindex.lock import index_lock
-from gradindex.manifest import manifest_path, read_manifest
 from gradindex.plan import BuildPlan, longest_example, plan_build, rerank_fit_sizes
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
@@ -33,7 +32,7 @@ from gradindex.precondition.fullspace import HeadGrads, keep_build_sums, stored_
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.precondition.restore import restore_basis
 from gradindex.precondition.sampled import SAMPLE_DIR, EigenCoder, fit_on_sample, sampled_reason
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, manifest_path, read_manifest
 from gradindex.store.append import RowSink
 from gradindex.store.builder import (
     BuildConfig,

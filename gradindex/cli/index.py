@@ -98,7 +98,7 @@ def index(index_dir, index_type, sketch_bytes, whiten, normalize, train_size, cp
     """(Re)build one FAISS index per layer of INDEX_DIR's store (resumes an interrupted build)."""
     from gradindex.diskspace import disk_full_as_error
     from gradindex.index import build_indices
-    from gradindex.manifest import read_manifest
+    from gradindex.spec.manifest import read_manifest
 
     manifest = read_manifest(index_dir)
     check_index_type(index_type, int(manifest.get("counts", {}).get("examples", 0)))

@@ -10,9 +10,9 @@ import click
 from gradindex.cli import main
 from gradindex.cli.common import human_bytes, user_errors
 from gradindex.cli.index import space_words
-from gradindex.manifest import baked_damping, build_command, read_manifest, transcode_unfinished
 from gradindex.methods import methods_of
 from gradindex.spec import layout
+from gradindex.spec.manifest import baked_damping, build_command, read_manifest, transcode_unfinished
 
 INDEX_META = Path(layout.FAISS_DIR) / layout.FAISS_META
 """gradindex.index.files' ``faiss/index.json``, read here as plain JSON so that ``info`` does not load FAISS."""

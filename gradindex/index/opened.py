@@ -15,10 +15,10 @@ import numpy as np
 
 from gradindex.index.load import IndexSet
 from gradindex.index.space import Preconditioners
-from gradindex.manifest import MANIFEST, IndexMismatchError, read_manifest
 from gradindex.methods import methods_of
 from gradindex.precondition import Preconditioner, self_influence
 from gradindex.precondition.preconditioner import selected_layers
+from gradindex.spec.manifest import MANIFEST, IndexMismatchError, read_manifest
 from gradindex.store.opened import OpenStore
 
 

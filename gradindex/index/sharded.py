@@ -38,12 +38,6 @@ from gradindex.index.config import IndexConfig
 from gradindex.index.files import link_or_copy, write_json
 from gradindex.index.opened import OpenIndex
 from gradindex.index.space import IndexSpace
-from gradindex.manifest import (
-    IndexMismatchError,
-    read_complete_manifest,
-    refuse_unfinished_transcode,
-    write_manifest,
-)
 from gradindex.precondition.files import (
     read_attrs,
     read_factors,
@@ -51,6 +45,12 @@ from gradindex.precondition.files import (
     write_precond,
 )
 from gradindex.spec.layout import BASIS_FILE, PRECOND_DIR, IndexLayout
+from gradindex.spec.manifest import (
+    IndexMismatchError,
+    read_complete_manifest,
+    refuse_unfinished_transcode,
+    write_manifest,
+)
 from gradindex.store import Store
 from gradindex.store.relabel import copy_shard, write_rows
 

@@ -32,10 +32,9 @@ import numpy as np
 
 import gradindex
 from gradindex.checksum import Damage, check_files, damage_error, record
-from gradindex.manifest import IndexMismatchError
 from gradindex.methods import LEGACY_DAMPING
 from gradindex.spec import layout
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import IndexMismatchError, Manifest
 
 PRECOND_DIR = layout.PRECOND_DIR
 FORMAT_VERSION = 1

@@ -29,12 +29,11 @@ from pathlib import Path
 
 from gradindex.diskspace import free_bytes
 from gradindex.heap import bound_heap
-from gradindex.manifest import read_manifest, row_basis
 from gradindex.precondition.compact import STAGING, compact_rows, finish_transcode, swap_in
 from gradindex.precondition.files import precond_path, write_precond
 from gradindex.precondition.fit import FitConfig, fit_store, register_fits, store_fit
 from gradindex.precondition.rotated import RotatedRows
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, read_manifest, row_basis
 from gradindex.store.codes import row_bytes
 
 

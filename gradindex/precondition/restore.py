@@ -17,10 +17,9 @@ import os
 from pathlib import Path
 
 from gradindex.checksum import Damage, DamagedIndexError, move_aside
-from gradindex.manifest import baked_damping, build_command, manifest_path, read_manifest
 from gradindex.precondition.compact import eigen_basis
 from gradindex.precondition.files import check_precond, precond_path, read_attrs, read_factors
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, baked_damping, build_command, manifest_path, read_manifest
 from gradindex.store.basis import BASIS_FILE, RowBasis, check_basis, made_by_factor_pass, unrestorable, write_basis
 
 log = logging.getLogger("gradindex")

@@ -29,20 +29,21 @@ from gradindex.checksum import check_files, move_aside, recorded, shard_of
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint, tokenizer_fingerprint
 from gradindex.lock import LOCK, index_lock
-from gradindex.manifest import (
-    IndexMismatchError,
-    identity_differences,
-    manifest_path,
-    new_generation,
-    read_manifest,
-    write_manifest,
-)
 from gradindex.model import check_tokenizer_fits, model_file, resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.quantize import base_quantization
 from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
-from gradindex.spec.manifest import layer_identity, new_manifest
+from gradindex.spec.manifest import (
+    IndexMismatchError,
+    identity_differences,
+    layer_identity,
+    manifest_path,
+    new_generation,
+    new_manifest,
+    read_manifest,
+    write_manifest,
+)
 from gradindex.spec.rows import DEFAULT_SPEC, RowSpec
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.append import RowSink, append_batch

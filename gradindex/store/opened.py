@@ -15,8 +15,7 @@ from pathlib import Path
 
 from gradindex.capture import ProjectionSpec
 from gradindex.checksum import damage_error
-from gradindex.manifest import read_complete_manifest, read_manifest
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, read_complete_manifest, read_manifest
 from gradindex.spec.rows import RowSpec
 from gradindex.store.basis import RowBasis, index_basis
 from gradindex.store.repair import check_store

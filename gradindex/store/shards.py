@@ -46,9 +46,9 @@ from gradindex.checksum import (
     shard_of,
 )
 from gradindex.diskspace import reserve
-from gradindex.manifest import build_command
 from gradindex.spec import layout
 from gradindex.spec.layout import shard_name
+from gradindex.spec.manifest import build_command
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
 STORE_DIR = layout.STORE_DIR

@@ -14,9 +14,8 @@ import shutil
 from pathlib import Path
 
 from gradindex.checksum import read_checksums, write_checksums
-from gradindex.manifest import new_generation, read_manifest, row_basis, write_manifest
 from gradindex.spec import layout
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, new_generation, read_manifest, row_basis, write_manifest
 from gradindex.store.basis import BASIS_FILE
 from gradindex.store.shards import STORE_DIR
 
