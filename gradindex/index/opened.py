@@ -18,7 +18,7 @@ from gradindex.index.space import Preconditioners
 from gradindex.methods import methods_of
 from gradindex.precondition import Preconditioner, self_influence
 from gradindex.precondition.preconditioner import selected_layers
-from gradindex.spec.manifest import MANIFEST, IndexMismatchError, read_manifest
+from gradindex.spec.manifest import MANIFEST, IndexMismatchError, Manifest
 from gradindex.store.opened import OpenStore
 
 
@@ -78,14 +78,14 @@ class OpenIndex(OpenStore):
         fix = ("reopen it (a QueryEngine: open a new one; `gradindex serve`: restart it) to answer from the new "
                "index")
         try:
-            m = read_manifest(self.dir)
+            m = Manifest.read(self.dir)
         except (FileNotFoundError, ValueError):
             raise IndexReplacedError(f"the index in {str(self.dir)!r} was removed or is being rebuilt since it was "
                                      f"opened; {fix} once its build finishes") from None
-        if m.get("generation") != self.manifest.get("generation") or m.get("status") != "complete":
-            state = "replaced by a new build" if m.get("status") == "complete" else "is being rebuilt"
+        if m.generation != self.described.generation or not m.complete:
+            state = "replaced by a new build" if m.complete else "is being rebuilt"
             raise IndexReplacedError(f"the index in {str(self.dir)!r} was {state} since it was opened (generation "
-                                     f"{self.manifest.get('generation')} → {m.get('generation')}): its answers "
+                                     f"{self.described.generation} → {m.generation}): its answers "
                                      f"would come from the deleted index; {fix}")
         self._stamp = now
 

@@ -76,7 +76,7 @@ from gradindex.precondition.files import (
 from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES, Preconditioner
 from gradindex.progress import progress_bar
 from gradindex.spec.build import batch_size_of
-from gradindex.spec.manifest import Manifest, read_complete_manifest, rows_of, write_manifest
+from gradindex.spec.manifest import Manifest, rows_of, write_manifest
 from gradindex.store import Store
 from gradindex.store.covariance import covariance_rows, read_covariance, rows_digest
 from gradindex.store.opened import Description, OpenStore, description, opened
@@ -481,7 +481,7 @@ def keep_build_sums(index_dir: str | os.PathLike, cfg, tokenizer, data: Tokenize
 def _held(index_dir, manifest: dict | None) -> dict:
     """The caller's manifest where it holds a complete one, else the file's (refused unless complete)."""
     return manifest if manifest is not None and manifest.get("status") == "complete" else \
-        read_complete_manifest(index_dir, "fit")
+        Manifest.read_complete(index_dir, "fit").data
 
 
 def _build_sums(index_dir, manifest: dict, cfg, layers: list[str], rows: np.ndarray) -> tuple[dict, int] | None:

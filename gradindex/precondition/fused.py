@@ -33,7 +33,7 @@ from gradindex.precondition.compact import STAGING, compact_rows, finish_transco
 from gradindex.precondition.files import precond_path, write_precond
 from gradindex.precondition.fit import FitConfig, fit_store, register_fits, store_fit
 from gradindex.precondition.rotated import RotatedRows
-from gradindex.spec.manifest import Manifest, read_manifest, row_basis
+from gradindex.spec.manifest import Manifest
 from gradindex.store.codes import row_bytes
 
 
@@ -61,8 +61,8 @@ def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str
     bound_heap()  # memory flat in N over the two passes (gradindex.heap)
     t0 = time.perf_counter()
     if manifest is None or manifest.get("status") != "complete":
-        manifest = read_manifest(d)
-    if row_basis(manifest) == "ekfac":
+        manifest = Manifest.read(d).data
+    if Manifest.of(manifest).basis_kind == "ekfac":
         return manifest
     with fit_store(d, manifest, full_check=False) as ix:
         manifest = ix.manifest

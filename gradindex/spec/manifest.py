@@ -140,17 +140,6 @@ def shape_problem(manifest: Any) -> str:
     return ""
 
 
-def read_complete_manifest(index_dir: str | os.PathLike, then: str) -> dict[str, Any]:
-    """The manifest of a finished build; an error saying how to finish it (before ``then``) otherwise."""
-    manifest = read_manifest(index_dir)
-    if manifest.get("status") != "complete":
-        raise ValueError(
-            f"the build of {str(index_dir)!r} is not complete (status {manifest.get('status')!r}); "
-            f"finish it with `{build_command(index_dir, manifest, extra='')}` (it resumes), then {then}"
-        )
-    return manifest
-
-
 def baked_damping(manifest: dict[str, Any]) -> float | None:
     """The relative damping the stored rows are whitened at, fixed when they were written (``build.basis.damping``:
     ``(Λ* + δ)^{-1/2}`` of an ``ekfac`` basis, each side's ``(F + δ)^{-1/2}`` of a ``kfac`` one); ``None`` for raw rows.
@@ -250,13 +239,12 @@ def _short(v: Any) -> str:
     return s if len(s) <= 120 else s[:117] + "..."
 
 
-def build_command(index_dir: str | os.PathLike, manifest: dict | None = None, extra: str = "--repair",
-                  index: bool = True) -> str:
+def build_command(index_dir: str | os.PathLike, manifest: dict, extra: str = "--repair", index: bool = True) -> str:
     """The ``gradindex build`` command line that made this index (from its manifest: its rows as one ``--rows``
     spec, :func:`rows_of`), plus ``extra``. With ``index`` (the default) it ends with the index stage the index
     recorded (:func:`index_args`), so the index it leaves answers queries (with ``--no-index`` it did not: issue
     33 item 9); else ``--no-index``."""
-    m = manifest if manifest is not None else read_manifest(index_dir)
+    m = manifest
     c, proj = m.get("config", {}), m.get("build", {}).get("projection", {})
     args = ["gradindex", "build", m.get("model_id") or "MODEL_DIR", m.get("data_id") or "DATA",
             "--out", str(index_dir), "--rows", str(rows_of(m))]
@@ -427,6 +415,37 @@ class Manifest:
     def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
         return cls(copy.deepcopy(dict(data)))
 
+    @classmethod
+    def read(cls, index_dir: str | os.PathLike) -> Manifest:
+        """The manifest of ``index_dir`` (:func:`read_manifest`: its own copy, read once per process), for an
+        entry point that takes a path; the stages below take it (or an open store) instead of re-reading."""
+        return cls(read_manifest(index_dir))
+
+    @classmethod
+    def read_complete(cls, index_dir: str | os.PathLike, then: str) -> Manifest:
+        """:meth:`read` of a finished build; an error saying how to finish it (before ``then``) otherwise."""
+        m = cls.read(index_dir)
+        if not m.complete:
+            raise ValueError(
+                f"the build of {str(index_dir)!r} is not complete (status {m.status!r}); "
+                f"finish it with `{m.build_command(index_dir, extra='')}` (it resumes), then {then}"
+            )
+        return m
+
+    @classmethod
+    def of(cls, manifest: Manifest | dict[str, Any]) -> Manifest:
+        """``manifest`` as is, or a manifest dict wrapped (not copied: it stays the caller's)."""
+        return manifest if isinstance(manifest, Manifest) else cls(manifest)
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The dict itself (not a copy): for a stage that records in it and writes it back."""
+        return self._data
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level key outside the ``build`` and ``config`` sections (``shard``, ``index``, ``compact``, ...)."""
+        return self._data.get(key, default)
+
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self._data)
 
@@ -469,6 +488,15 @@ class Manifest:
         """layer → ``(N_o, N_i + bias)``: its unprojected gradient's shape, model order."""
         return {n: (s.n_out, s.n_in + int(s.bias)) for n, s in self.layers.items()}
 
+    model_id = property(lambda self: self._data.get("model_id"), doc="the model the index was built from")
+    adapter_id = property(lambda self: self._data.get("adapter_id") or None, doc="the adapter it was built under")
+    chat_template = property(lambda self: self._data.get("chat_template") or None, doc="the chat template recorded")
+    dtype = property(lambda self: self._data.get("dtype", "float32"), doc="the model's dtype at build")
+    generation = property(lambda self: self._data.get("generation"), doc="the build's id (a new build changes it)")
+    transcoded = property(lambda self: self._data.get("transcode") or {}, doc="the in-place transcode's record")
+    tokenizer = property(lambda self: self.build.get("tokenizer") or None, doc="the tokenizer's fingerprint")
+    base_quantization = property(lambda self: self.build.get("base_quantization"), doc="the base's quantization")
+    basis = property(lambda self: self.build.get("basis") or {}, doc="``build.basis`` (a dict; empty: raw rows)")
     projection = property(lambda self: self.build.get("projection", {}), doc="``build.projection`` (a dict)")
     max_length = property(lambda self: int(self.build["max_length"]), doc="the build's (and queries') max tokens")
     optimizer = property(lambda self: self.build.get("optimizer"), doc="the Adam record of Adam-preconditioned rows")
@@ -501,6 +529,12 @@ class Manifest:
         """What a stored row holds (:mod:`gradindex.spec.rows`): the spec the build recorded, or the one an
         index built before the specs existed was made with (from its build and config)."""
         return rows_of(self._data)
+
+    @property
+    def source_build(self) -> dict[str, Any]:
+        """The ``build`` that made the stored rows: the transcode's source where the rows were rewritten in place
+        after the build (a resume compares against it), else ``build``."""
+        return self.transcoded["source_build"] if self.transcoded else self.build
 
     def identity(self) -> dict[str, Any]:
         """The ``build`` keys that must match for a resume or a query (:data:`IDENTITY_KEYS`)."""

@@ -48,7 +48,7 @@ from gradindex.checksum import (
 from gradindex.diskspace import reserve
 from gradindex.spec import layout
 from gradindex.spec.layout import shard_name
-from gradindex.spec.manifest import build_command
+from gradindex.spec.manifest import Manifest
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
 STORE_DIR = layout.STORE_DIR
@@ -228,7 +228,7 @@ class ShardWriter:
 
 def _repair(index_dir: Path) -> str:
     try:
-        return build_command(index_dir)
+        return Manifest.read(index_dir).build_command(index_dir)
     except (OSError, ValueError):
         return "gradindex build ... --repair"
 
