@@ -44,7 +44,7 @@ from gradindex.precondition.files import (
     read_self_influence,
     write_precond,
 )
-from gradindex.spec.layout import BASIS_FILE, PRECOND_DIR, IndexLayout
+from gradindex.spec.layout import BASIS_FILE, PRECOND_DIR, SHARD_GLOB, IndexLayout
 from gradindex.spec.manifest import (
     IndexMismatchError,
     Manifest,
@@ -351,7 +351,7 @@ def _originals(sh: Sharded) -> list[tuple[list[tuple], int]]:
     whole files)."""
     files = []
     for p in sh.parts:
-        paths = sorted((p.dir / "store").glob("shard-*.h5"))
+        paths = sorted(IndexLayout(p.dir).store.glob(SHARD_GLOB))
         entries = (Manifest.read_complete(p.dir, "merge it").get(SHARD_KEY) or {}).get("files")
         if entries is None:
             with Store(p.dir) as st:

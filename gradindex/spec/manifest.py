@@ -449,9 +449,6 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self._data)
 
-    def write(self, index_dir: str | os.PathLike) -> None:
-        write_manifest(index_dir, self._data)
-
     # -- what the stages ask ----------------------------------------------------------------------
     @property
     def build(self) -> dict[str, Any]:

@@ -238,7 +238,7 @@ class Store:
 
     def __init__(self, index_dir: str | os.PathLike):
         self.dir = Path(index_dir) / STORE_DIR
-        paths = sorted(self.dir.glob("shard-*.h5"))
+        paths = sorted(self.dir.glob(layout.SHARD_GLOB))
         if not paths:
             raise FileNotFoundError(
                 f"no store shards in {str(self.dir)!r}; build the index first (`gradindex build`)"
