@@ -84,8 +84,13 @@ def forget_manifests() -> None:
     _READ.clear()
 
 
-def _stamp(p: Path) -> tuple[int, int, int]:
-    st = p.stat()
+def manifest_stamp(index_dir: str | os.PathLike) -> tuple[int, int, int] | None:
+    """``(inode, size, mtime_ns)`` of ``index_dir``'s manifest file (``None``: there is none): it changed when
+    this did (what :func:`read_manifest` keys its copies by, and an open index checks it is current by)."""
+    try:
+        st = manifest_path(index_dir).stat()
+    except FileNotFoundError:
+        return None
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -94,14 +99,10 @@ def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
     changed since this process last read or wrote it."""
     global _FILE_READS, _CALLS
     _CALLS += 1
-    p = manifest_path(index_dir)
-    try:
-        stamp = _stamp(p)
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{str(Path(index_dir))!r} is not a gradindex index (no {MANIFEST}); build one with "
-            "`gradindex build MODEL_DIR DATA --out INDEX_DIR`"
-        ) from None
+    p, stamp = manifest_path(index_dir), manifest_stamp(index_dir)
+    if stamp is None:
+        raise FileNotFoundError(f"{str(Path(index_dir))!r} is not a gradindex index (no {MANIFEST}); build one "
+                                "with `gradindex build MODEL_DIR DATA --out INDEX_DIR`")
     key = str(p.resolve())
     kept = _READ.get(key)
     if kept is not None and kept[0] == stamp:
@@ -189,7 +190,7 @@ def write_manifest(index_dir: str | os.PathLike, manifest: dict[str, Any]) -> No
     tmp = p.with_suffix(".json.tmp")
     tmp.write_text(text)
     os.replace(tmp, p)
-    _READ[str(p.resolve())] = (_stamp(p), written)
+    _READ[str(p.resolve())] = (manifest_stamp(index_dir), written)
 
 
 def identity_differences(stored: dict[str, Any], given: dict[str, Any], keys=IDENTITY_KEYS) -> list[str]:
@@ -506,26 +507,10 @@ class Manifest:
     preconditioners = property(lambda self: self._data.get("preconditioners", {}), doc="each stored-space fit")
     full_space = property(lambda self: self._data.get("full_space", {}), doc="each full-space fit")
 
-    @property
-    def basis_kind(self) -> str:
-        """The basis the stored rows are in (``raw``, ``kfac`` or ``ekfac``: :func:`gradindex.methods.row_basis`)."""
-        return row_basis(self._data)
-
-    @property
-    def baked_damping(self) -> float | None:
-        """The damping the rows are whitened at, fixed at build (:func:`baked_damping`)."""
-        return baked_damping(self._data)
-
-    @property
-    def adam_rows(self) -> bool:
-        """Whether the rows are Adam-preconditioned (built with ``--optimizer-state``)."""
-        return adam_rows(self._data)
-
-    @property
-    def rows(self) -> RowSpec:
-        """What a stored row holds (:mod:`gradindex.spec.rows`): the spec the build recorded, or the one an
-        index built before the specs existed was made with (from its build and config)."""
-        return rows_of(self._data)
+    basis_kind = property(lambda self: row_basis(self._data), doc="the rows' basis (:func:`row_basis`)")
+    baked_damping = property(lambda self: baked_damping(self._data), doc="the rows' whitening (:func:`baked_damping`)")
+    adam_rows = property(lambda self: adam_rows(self._data), doc="whether the rows are Adam-preconditioned")
+    rows = property(lambda self: rows_of(self._data), doc="what a stored row holds (:func:`rows_of`)")
 
     @property
     def source_build(self) -> dict[str, Any]:
