@@ -371,8 +371,8 @@ def default_scorer(cfg: FidelityConfig, setup: Setup, model, out: Path) -> tuple
     """The library's default index (``gradindex build``'s defaults: auto budget, EK-FAC fitted, rows transcoded to
     its whitened eigenbasis as int4) at damping ``cfg.damping``: ``(scorer, the methods of cfg.methods it answers,
     stored numbers per example, build seconds)``."""
-    from gradindex.manifest import read_manifest
     from gradindex.methods import methods_of
+    from gradindex.spec.manifest import read_manifest
 
     t0 = time.perf_counter()
     shutil.rmtree(out, ignore_errors=True)

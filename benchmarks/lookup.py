@@ -134,8 +134,8 @@ def query_rows(d: Path, mdir: Path, queries: list[str]) -> dict[str, np.ndarray]
 def first_stage(engine: QueryEngine, q: dict, truth: np.ndarray) -> dict[str, float]:
     """Share of the exact top 10 within the sketch's top C (before the re-rank), per C."""
     from gradindex.index import query_vectors
-    from gradindex.manifest import row_basis
     from gradindex.methods import parse_method, row_base
+    from gradindex.spec.manifest import row_basis
 
     method = engine.resolve_method(None)
     base = row_base(parse_method(method)[0], row_basis(engine.manifest), method)  # the operation on the rows

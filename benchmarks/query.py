@@ -51,10 +51,10 @@ from gradindex.capture import ProjectionSpec  # noqa: E402
 from gradindex.data import records_from_texts, tokenize_records  # noqa: E402
 from gradindex.index import IndexConfig, build_indices, default_factory  # noqa: E402
 from gradindex.index.factory import default_nlist  # noqa: E402
-from gradindex.manifest import read_manifest, write_manifest  # noqa: E402
 from gradindex.model import load_causal_lm  # noqa: E402
 from gradindex.query import QueryEngine  # noqa: E402
 from gradindex.query.scores import score_matrix  # noqa: E402
+from gradindex.spec.manifest import read_manifest, write_manifest  # noqa: E402
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name  # noqa: E402
 from gradindex.store.builder import BuildConfig, build_store  # noqa: E402
 

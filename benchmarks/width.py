@@ -71,11 +71,11 @@ from gradindex.capture import (  # noqa: E402
 from gradindex.capture.allocation import influence_share  # noqa: E402
 from gradindex.capture.batch import batch_gradients  # noqa: E402
 from gradindex.data import Tokenized  # noqa: E402
-from gradindex.manifest import read_manifest  # noqa: E402
 from gradindex.pipeline import BuildConfig, build_index  # noqa: E402
 from gradindex.precondition import FitConfig, fit_preconditioner, load_full_preconditioner  # noqa: E402
 from gradindex.precondition.factors import projection_from_manifest  # noqa: E402
 from gradindex.query.scores import score_matrix  # noqa: E402
+from gradindex.spec.manifest import read_manifest  # noqa: E402
 from gradindex.store import codes  # noqa: E402
 from gradindex.store.basis import capture_transforms, index_basis, read_basis, to_rows  # noqa: E402
 from gradindex.store.sizing import kept_share  # noqa: E402

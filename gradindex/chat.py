@@ -23,7 +23,6 @@ from pathlib import Path
 IGNORE = -100
 """Label of a position with no target (transformers' and TRL's ignore index)."""
 MESSAGES = "messages"
-ROLES = ("system", "user", "assistant", "tool")
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 NO_TEMPLATE = ("the tokenizer has no chat template, so 'messages' records cannot be tokenized; a build takes one "
                "with --chat-template FILE (a Jinja chat template, e.g. the training model's tokenizer_config.json "

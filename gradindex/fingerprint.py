@@ -121,7 +121,7 @@ def tokenizer_differences(recorded: dict, now: dict) -> list[str]:
 
 def check_tokenizer(recorded: dict | None, tokenizer, what: str = "this tokenizer", index_dir="") -> None:
     """Refuse ``tokenizer`` where it is not the one whose fingerprint an index recorded (``recorded``:
-    ``manifest["build"]["tokenizer"]``): the same text would become other ids, and other rows. Nothing is
+    the index's ``build.tokenizer``): the same text would become other ids, and other rows. Nothing is
     checked where the index recorded none (built before tokenizers were fingerprinted, or with no tokenizer)
     or where there is no tokenizer (token-id queries)."""
     if not recorded or tokenizer is None:

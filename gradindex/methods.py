@@ -22,6 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradindex.spec.manifest import adam_rows, row_basis  # noqa: F401  (adam_rows: re-exported)
+from gradindex.spec.rows import DEFAULT_DAMPING, LEGACY_DAMPING  # noqa: F401  (re-exported)
+
 APPS = ("query", "serve", "explain", "outliers", "dedup", "audit")
 """Where a method can be used: ``gradindex query`` / the engine, the server, explain, outliers, dedup, audit."""
 
@@ -128,16 +131,6 @@ def resolve(ref):
         return ref
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
-DEFAULT_DAMPING = 1e-3
-"""Relative damping of ``kfac``/``ekfac`` (a fraction of each layer's mean eigenvalue) unless one is given:
-the default of every API and CLI option. Chosen from ``benchmarks/results/damping.json``: full-space
-EK-FAC's LDS rises as the damping falls on all three corpora (0.1 → 0.001: +24%, +13%, +14%), the
-default int4 codes keep 98-101% of it at every damping, and 0.001 holds 81-88% of the gain down to 1e-4."""
-LEGACY_DAMPING = 0.1
-"""The default before 0.2 (Kronfluence's ``0.1 × mean eigenvalue`` heuristic): what a record that names no
-damping was written with."""
-
-
 FLOAT32_TINY, FLOAT32_MAX = 2.0 ** -126, (2 - 2.0 ** -23) * 2.0 ** 127
 """float32's smallest positive normal and largest finite number, exactly (1.1754943508222875e-38 and
 3.4028234663852886e+38): the curvature is applied in float32, so a damping outside them vanishes or overflows."""
@@ -194,18 +187,6 @@ def _parse(method: str) -> tuple[str, bool]:
 def all_methods_of_rows() -> tuple[str, ...]:
     """Every method name an index of stored rows answers somewhere (TracIn's trajectory indices aside)."""
     return tuple(n for n in all_methods() if REGISTRY[n.removesuffix(SELFNORM)].rows != "trajectory")
-
-
-def adam_rows(manifest: dict) -> bool:
-    """Whether an index's rows are Adam-preconditioned (built with ``--optimizer-state``)."""
-    return bool(manifest.get("build", {}).get("optimizer"))
-
-
-def row_basis(manifest: dict) -> str:
-    """The basis an index's stored rows are in (``raw``, ``kfac`` or ``ekfac``; :mod:`gradindex.store.basis`): the
-    one reading of ``build.basis.kind`` (kept here, below the manifest module, as the methods answered depend on
-    it)."""
-    return str((manifest.get("build", {}).get("basis") or {}).get("kind", "raw"))
 
 
 def row_methods() -> dict[str, dict[str, str]]:

@@ -164,23 +164,24 @@ def check_tokenizer_fits(model, tokenizer, where: str | os.PathLike = "") -> Non
             "tokenizer beside its weights (tokenizer.save_pretrained(MODEL_DIR))")
 
 
-def index_model_options(manifest: dict) -> dict:
+def index_model_options(manifest) -> dict:
     """``load_causal_lm`` keywords that reopen an index's model as it was built: its adapter and chat template,
     the base quantization it recorded, and the tokenizer fingerprint it recorded (none before tokenizers were
     fingerprinted: not checked). A base quantized otherwise than gradindex loads one (the in-loop capture records
     what the training loop used, e.g. bitsandbytes' default 4-bit ``fp4``) is refused, naming what to do."""
     from gradindex.quantize import BASE_QUANTIZATIONS
+    from gradindex.spec.manifest import Manifest
 
-    build = manifest.get("build", {})
-    quant = build.get("base_quantization")
+    m = Manifest.of(manifest)
+    quant = m.base_quantization
     if quant and quant not in BASE_QUANTIZATIONS:
         raise ValueError(
             f"this index's base model was quantized as {quant!r} when its gradients were captured, and gradindex "
             f"loads a base quantized only as {' or '.join(BASE_QUANTIZATIONS)} "
             "(gradindex.quantize.quantization_config): load the model as it was trained and pass it (Python: "
             "model=..., e.g. QueryEngine(index, model=..., tokenizer=...)), or train on a base quantized so")
-    return {"adapter": manifest.get("adapter_id") or None, "chat_template": manifest.get("chat_template") or None,
-            "index_tokenizer": build.get("tokenizer") or None, **({"base_quantization": quant} if quant else {})}
+    return {"adapter": m.adapter_id, "chat_template": m.chat_template, "index_tokenizer": m.tokenizer,
+            **({"base_quantization": quant} if quant else {})}
 
 
 def _load_base(p: Path, dtype: str, quant: str | None = None, device: torch.device | None = None):
@@ -223,10 +224,10 @@ def causal_config(p: Path):
     if not (p / "config.json").exists():
         hint = ""
         if (p / MANIFEST).is_file():  # an index folder given where the model goes
-            from gradindex.manifest import read_manifest
+            from gradindex.spec.manifest import Manifest
 
             try:
-                built_from = read_manifest(p)["model_id"]
+                built_from = Manifest.read(p).model_id
                 hint = f" ({str(p)!r} is a gradindex index, built from the model in {built_from!r})"
             except (ValueError, KeyError, TypeError, OSError):
                 hint = f" ({str(p)!r} looks like a gradindex index)"

@@ -24,7 +24,6 @@ from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices
 from gradindex.index.tiers import RowShape, make_tier
 from gradindex.lock import index_lock
-from gradindex.manifest import manifest_path, read_manifest
 from gradindex.plan import BuildPlan, longest_example, plan_build, rerank_fit_sizes
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
@@ -33,7 +32,7 @@ from gradindex.precondition.fullspace import HeadGrads, keep_build_sums, stored_
 from gradindex.precondition.fused import fit_and_transcode
 from gradindex.precondition.restore import restore_basis
 from gradindex.precondition.sampled import SAMPLE_DIR, EigenCoder, fit_on_sample, sampled_reason
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, manifest_path
 from gradindex.store.append import RowSink
 from gradindex.store.builder import (
     BuildConfig,
@@ -117,8 +116,8 @@ def _sampled(model, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, mod
     coder = EigenCoder(cfg, len(data), out, heads=heads)
     if overwrite:
         clear_out_dir(out)
-    m = read_manifest(out) if manifest_path(out).exists() else {}
-    if not (m.get("status") == "complete" and "ekfac" in m.get("preconditioners", {})):
+    m = Manifest.read(out) if manifest_path(out).exists() else None
+    if not (m and m.complete and "ekfac" in m.preconditioners):
         check_resumable(model, tokenizer, data, out, cfg, coder)  # another index there: refused before the sample
         coder.fitted = fit_on_sample(model, tokenizer, data, out, cfg, model_id, data_id, progress)
     res = build_store(model, tokenizer, data, out, cfg, model_id=model_id, data_id=data_id, progress=progress,
@@ -248,8 +247,8 @@ def routed_plan(model, cfg: BuildConfig, n: int, out: Path, overwrite: bool, pla
 
 def _check_disk(out: Path, plan: BuildPlan, overwrite: bool) -> None:
     """Refuse a build whose remaining stages cannot fit on ``out``'s disk (before any is written)."""
-    m = read_manifest(out) if manifest_path(out).exists() and not overwrite else {}
-    if plan.approximate or m.get("status") == "complete" and (m.get("transcode") or not plan.transcode):
+    m = Manifest.read(out) if manifest_path(out).exists() and not overwrite else None
+    if plan.approximate or m and m.complete and (m.transcoded or not plan.transcode):
         return  # only the FAISS stage (if any) is left: checked before it
     parts = [f"{human(plan.capture_bytes)} of {plan.capture_storage} rows"]
     if plan.sample_examples:  # (the sample's rows, deleted before the coded rows are written)

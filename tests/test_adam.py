@@ -16,12 +16,12 @@ from gradindex.capture import ProjectionSpec, projection_matrix
 from gradindex.capture.adam import load_second_moments, save_second_moments
 from gradindex.cli import main
 from gradindex.data import collate, load_records, per_example_loss, tokenize_records
-from gradindex.manifest import IndexMismatchError, read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, IndexConfig, build_index
 from gradindex.precondition import FitConfig, available_methods, fit_preconditioner
 from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
+from gradindex.spec.manifest import IndexMismatchError, read_manifest
 from gradindex.store import Store
 
 EPS = 1e-8

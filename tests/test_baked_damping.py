@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from gradindex.cli import main
-from gradindex.manifest import baked_damping, read_manifest
+from gradindex.spec.manifest import baked_damping, read_manifest
 
 LINE = "rows whitened at damping 0.001 (fixed at build; query --damping does not change them)"
 TEXT = "the cat sat on a mat"

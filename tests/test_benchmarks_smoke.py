@@ -97,9 +97,9 @@ def test_lookup_scale_builds_then_measures_against_an_independent_exact_scan(tmp
 
     from benchmarks import lookup_scale as L
     from gradindex.index import OpenIndex, query_vectors
-    from gradindex.manifest import row_basis
     from gradindex.methods import parse_method, row_base
     from gradindex.query import QueryEngine
+    from gradindex.spec.manifest import row_basis
     from gradindex.store.rows import RowReader
 
     out = tmp_path / "scale.json"

@@ -19,8 +19,8 @@ from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, Ro
 from gradindex.capture.batch import batch_gradients
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
-from gradindex.manifest import IndexMismatchError, read_manifest
 from gradindex.model import load_causal_lm
+from gradindex.spec.manifest import IndexMismatchError, read_manifest
 from gradindex.store import Store
 from gradindex.store.builder import BuildConfig, build_store
 

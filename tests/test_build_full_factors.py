@@ -15,11 +15,11 @@ import pytest
 import gradindex.plan as plan
 from gradindex.capture import ProjectionSpec
 from gradindex.data import load_records, tokenize_records
-from gradindex.manifest import build_command, read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition import fullspace as fs
+from gradindex.spec.manifest import build_command, read_manifest
 
 DAMPING = 0.1
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from gradindex.cli import main
-from gradindex.manifest import read_manifest, write_manifest
+from gradindex.spec.manifest import read_manifest, write_manifest
 
 POSITIONS = 16
 

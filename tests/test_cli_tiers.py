@@ -53,7 +53,7 @@ def test_a_tier_registered_at_runtime_is_listed():
 
 def test_sketch_bytes_is_in_the_printed_build_and_index_commands(default_index, tmp_path):
     from gradindex.index.files import index_command
-    from gradindex.manifest import build_command, read_manifest
+    from gradindex.spec.manifest import build_command, read_manifest
 
     idx = tmp_path / "idx"
     shutil.copytree(default_index, idx)

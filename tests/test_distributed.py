@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradindex.manifest import read_manifest, write_manifest
+from gradindex.spec.manifest import read_manifest, write_manifest
 from gradindex.store import STORE_DIR, shard_name
 from tests.conftest import make_texts
 from tests.test_integrations import _rows, assert_rows_close

@@ -18,11 +18,11 @@ from gradindex.capture.allocation import influence_counts
 from gradindex.capture.transform import LayerTransform
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
-from gradindex.manifest import read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
+from gradindex.spec.manifest import read_manifest
 
 DAMPING = 0.1  # the Reference's
 

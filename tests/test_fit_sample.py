@@ -13,13 +13,13 @@ import pytest
 
 from gradindex.capture import ProjectionSpec
 from gradindex.data import load_records, tokenize_records
-from gradindex.manifest import read_manifest, row_basis
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import sampled
 from gradindex.precondition.files import precond_path
 from gradindex.precondition.fit import FitConfig
 from gradindex.precondition.fused import fit_and_transcode
+from gradindex.spec.manifest import build_command, read_manifest, row_basis
 from gradindex.store import Store
 from gradindex.store.builder import build_store
 
@@ -168,7 +168,7 @@ def test_cli_build_with_fit_sample_then_query(gpt2_dir, text_jsonl, tmp_path):
     assert f"fitted on a sample of {S}" in res.output
     m = read_manifest(out)
     assert m["transcode"]["fit_sample"] == {"size": S, "seed": 0} and m["config"]["fit_sample"] == S
-    assert f"--fit-sample {S} --sample-above {S}" in __import__("gradindex.manifest").manifest.build_command(out, m)
+    assert f"--fit-sample {S} --sample-above {S}" in build_command(out, m)
     res = run("query", out, "--text", "the cat sat on a mat", "-k", "3", "--json")
     assert len(json.loads(res.stdout.strip().splitlines()[0])) >= 3
     res = run("build", gpt2_dir, text_jsonl, "--out", out, "--shard-size", "16", "--max-length", "48",

@@ -21,12 +21,12 @@ from gradindex.capture.gram import add_gram, upper_to_symmetric
 from gradindex.cli import main
 from gradindex.data import collate, load_records, per_example_loss, tokenize_records
 from gradindex.index import IndexConfig, build_indices
-from gradindex.manifest import read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import FitConfig, fit_preconditioner, load_full_preconditioner
 from gradindex.precondition import fullspace as fs
 from gradindex.query import QueryEngine
+from gradindex.spec.manifest import read_manifest
 
 DAMPING = 0.1
 QUERY = "the cat sat on a mat"

@@ -11,11 +11,11 @@ import pytest
 
 from gradindex.capture import ProjectionSpec
 from gradindex.data import load_records, tokenize_records
-from gradindex.manifest import read_manifest, row_basis
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import compact, ekfac, fit, fused, rotated
 from gradindex.precondition.files import precond_path
+from gradindex.spec.manifest import read_manifest, row_basis
 from gradindex.store import Store
 
 DEFAULT = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",

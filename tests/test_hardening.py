@@ -119,7 +119,7 @@ def test_an_open_engine_and_server_refuse_an_index_that_build_overwrite_replaced
 
     from gradindex.apps.serve import create_app
     from gradindex.index import IndexReplacedError
-    from gradindex.manifest import read_manifest
+    from gradindex.spec.manifest import read_manifest
 
     out = tmp_path / "idx"
     build = ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--projection", "4", "--device", "cpu",

@@ -164,7 +164,7 @@ def test_a_full_disk_during_gradindex_index_is_one_line_not_a_faiss_traceback(gp
 def test_a_bug_keeps_its_traceback_instead_of_reading_as_bad_input(tmp_path, monkeypatch, bug):
     """Issue 32 item 6: ``USER_ERRORS`` turned any ``TypeError``/``OSError``/``MemoryError`` into ``Error: ...``,
     exit 2, so a bug read as bad input."""
-    from gradindex import manifest
+    from gradindex.spec import manifest
 
     def broken(*a, **k):
         raise bug
@@ -178,8 +178,8 @@ def test_a_bug_keeps_its_traceback_instead_of_reading_as_bad_input(tmp_path, mon
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
                                    FileNotFoundError("no file 'x'"), ValueError("bad value")])
 def test_the_library_s_own_errors_and_expected_os_conditions_stay_one_line(tmp_path, monkeypatch, error):
-    from gradindex import manifest
     from gradindex.errors import CorruptFileError
+    from gradindex.spec import manifest
 
     def refused(*a, **k):
         raise error

@@ -22,9 +22,9 @@ from gradindex.index import (
     layer_file,
 )
 from gradindex.index.tiers import faiss_layers as index_build
-from gradindex.manifest import IndexMismatchError, read_manifest, write_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
+from gradindex.spec.manifest import IndexMismatchError, read_manifest, write_manifest
 from gradindex.store import Store
 from gradindex.store.opened import OpenStore
 

@@ -170,8 +170,8 @@ def test_a_query_with_another_tokenizer_of_the_same_weights_is_refused(twins):
 
 def test_the_tokenizer_check_names_what_differs_and_skips_old_indices(twins, tmp_path):
     from gradindex.fingerprint import check_index_tokenizer, tokenizer_fingerprint
-    from gradindex.manifest import IndexMismatchError
     from gradindex.model import load_tokenizer
+    from gradindex.spec.manifest import IndexMismatchError
 
     own, foreign, index, tok, other = twins
     manifest = json.loads((index / "manifest.json").read_text())
@@ -218,8 +218,8 @@ def test_a_resumed_build_with_another_tokenizer_is_refused(twins, tmp_path):
 def test_an_engine_given_another_tokenizer_is_refused(twins):
     from transformers import AutoModelForCausalLM
 
-    from gradindex.manifest import IndexMismatchError
     from gradindex.query import QueryEngine
+    from gradindex.spec.manifest import IndexMismatchError
 
     own, _, index, _, other = twins
     model = AutoModelForCausalLM.from_pretrained(own)

@@ -106,7 +106,7 @@ def test_plain_loop_lr0_accumulation_equals_offline_build(tmp_path, gpt2_dir, to
     assert (ids_l == np.arange(N)).all() and (ids_o == ids_l).all()
     assert_rows_close(live, ref, 1e-4)
     m = holder["c"].manifest
-    from gradindex.manifest import read_manifest
+    from gradindex.spec.manifest import read_manifest
 
     mo = read_manifest(off)
     assert m["build"]["data_fingerprint"] == mo["build"]["data_fingerprint"]

@@ -20,10 +20,10 @@ from gradindex.index import IndexConfig, build_indices
 from gradindex.index.sketch import SKETCH_BYTES
 from gradindex.index.tiers import CandidateRequest, RowShape, choose_kind, lookup_cost, make_tier, tier_class
 from gradindex.index.tiers import ivf_sketch as ivf
-from gradindex.manifest import index_args, read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
+from gradindex.spec.manifest import index_args, read_manifest
 
 N = 3000
 SKETCH = 132  # 128 int8 numbers of rows of 8 x 72

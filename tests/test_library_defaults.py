@@ -11,9 +11,9 @@ import numpy as np
 
 from gradindex.apps.dedup import DedupConfig, find_duplicates
 from gradindex.apps.explain import Explainer
-from gradindex.manifest import read_manifest, row_basis
 from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
+from gradindex.spec.manifest import read_manifest, row_basis
 
 Q = ("the quick brown", " fox jumps")
 
@@ -118,7 +118,7 @@ def test_the_recorded_build_command_rebuilds_the_same_config(default_index):
     from dataclasses import asdict
 
     from gradindex.cli.build import build, settings
-    from gradindex.manifest import build_command
+    from gradindex.spec.manifest import build_command
     from gradindex.store.builder import BuildConfig
 
     m = read_manifest(default_index)

@@ -16,9 +16,8 @@ import pytest
 from click.testing import CliRunner
 
 from gradindex.cli import main
-from gradindex.manifest import forget_manifests, manifest_reads, read_manifest, write_manifest
 from gradindex.spec.layout import IndexLayout
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, forget_manifests, manifest_reads, read_manifest, write_manifest
 
 
 def reads(*args) -> int:

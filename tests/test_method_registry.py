@@ -25,9 +25,9 @@ def toy_method():
 
 def test_a_registered_method_is_answered_everywhere(toy_method, audit_index):
     from gradindex.index import OpenIndex
-    from gradindex.manifest import read_manifest
     from gradindex.precondition import available_methods
     from gradindex.query import QueryEngine
+    from gradindex.spec.manifest import read_manifest
     from gradindex.store import Store
 
     assert "dot" in M.all_methods("query") and "dot-selfnorm" in M.all_methods("query")

@@ -13,11 +13,11 @@ import pytest
 from gradindex.capture import ProjectionSpec
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, IndexSpace, OpenIndex
-from gradindex.manifest import forget_manifests
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
+from gradindex.spec.manifest import forget_manifests
 
 
 class ManifestIO:

@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from gradindex.cli import main
-from gradindex.manifest import read_manifest
+from gradindex.spec.manifest import read_manifest
 
 OPTS = ["--max-length", "48", "--device", "cpu", "--shard-size", "16"]
 

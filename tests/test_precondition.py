@@ -14,7 +14,6 @@ from click.testing import CliRunner
 from gradindex.capture import ProjectionSpec
 from gradindex.cli import main
 from gradindex.data import collate, load_records, per_example_loss, tokenize_records
-from gradindex.manifest import IndexMismatchError, read_manifest, write_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import (
@@ -25,6 +24,7 @@ from gradindex.precondition import (
     self_influence,
 )
 from gradindex.precondition.files import precond_path
+from gradindex.spec.manifest import IndexMismatchError, read_manifest, write_manifest
 from gradindex.store import Store
 
 LAYERS = ("*.attn.c_proj",)  # [32, 33] per example: 1056 numbers, small enough for dense matrices

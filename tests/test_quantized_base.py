@@ -108,10 +108,10 @@ def _build(base, data, out, *extra):
 def test_build_with_a_quantized_base_end_to_end_and_its_scores_equal_the_loop(lora, text_jsonl, tmp_path, quant):
     from gradindex.data import load_records, tokenize_records
     from gradindex.errors import IndexMismatchError
-    from gradindex.manifest import build_command
     from gradindex.model import load_causal_lm
     from gradindex.quantize import quantized_kind
     from gradindex.query import QueryEngine
+    from gradindex.spec.manifest import build_command
 
     base, adapter = lora
     model, tok = _load(lora, quant)

@@ -15,12 +15,12 @@ from gradindex.capture import ProjectionSpec, select_layers
 from gradindex.capture.layers import layer_info
 from gradindex.data import load_records, per_example_loss, tokenize_records
 from gradindex.index import IndexConfig, IndexSpace, build_indices
-from gradindex.manifest import IndexMismatchError
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
+from gradindex.spec.manifest import IndexMismatchError
 from gradindex.store import Store
 
 QUERIES = ["the cat sat on a mat", "dog ran far away from home", ("some bread at noon", " under blue sky")]

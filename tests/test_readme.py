@@ -98,7 +98,7 @@ def test_readme_python_runs_as_written(tmp_path, tokenizer, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for code in blocks:
         exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
-    from gradindex.manifest import read_manifest
+    from gradindex.spec.manifest import read_manifest
 
     assert read_manifest(tmp_path / "my-store")["status"] == "complete"
 
@@ -115,7 +115,7 @@ def test_readme_python_runs_from_a_folder_beside_the_clone(tmp_path, tokenizer, 
     monkeypatch.chdir(beside)
     for code in python_blocks((ROOT / "README.md").read_text()):
         exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
-    from gradindex.manifest import read_manifest
+    from gradindex.spec.manifest import read_manifest
 
     assert read_manifest(beside / "my-store")["status"] == "complete"
 

@@ -120,8 +120,7 @@ def test_the_default_build_records_the_documented_spec(default_index):
     from click.testing import CliRunner
 
     from gradindex.cli import main
-    from gradindex.manifest import read_manifest
-    from gradindex.spec.manifest import rows_of
+    from gradindex.spec.manifest import read_manifest, rows_of
 
     m = read_manifest(default_index)
     old = {**{k: v for k, v in m.items() if k != "rows"},  # (as builds before specs recorded it)
@@ -141,7 +140,7 @@ def test_build_rows_option_is_the_options_it_replaces(tmp_path, gpt2_dir, text_j
     from click.testing import CliRunner
 
     from gradindex.cli import main
-    from gradindex.manifest import read_manifest
+    from gradindex.spec.manifest import read_manifest
 
     base = ["build", str(gpt2_dir), str(text_jsonl), "--quiet", "--device", "cpu", "--no-index",
             "--precondition", "none", "--max-length", "32"]

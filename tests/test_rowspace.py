@@ -20,12 +20,12 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import build_indices
-from gradindex.manifest import IndexMismatchError, read_manifest
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, IndexConfig, build_index
 from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
+from gradindex.spec.manifest import IndexMismatchError, read_manifest
 from gradindex.store import Store
 from gradindex.store.basis import read_basis
 from gradindex.store.builder import build_store
@@ -393,7 +393,7 @@ def test_verify_names_a_flipped_byte_in_the_row_basis(gpt2_dir, text_jsonl, tmp_
 
 
 def test_the_resume_command_names_the_budget_basis_and_optimizer_options():
-    from gradindex.manifest import build_command
+    from gradindex.spec.manifest import build_command
 
     proj = {"kind": "gaussian", "k_a": 0, "k_g": 0, "seed": 3, "sizes": {"h.0.mlp": [4, 0]}}
     m = {"model_id": "M", "data_id": "D", "config": {"budget": "1/16", "allocation": "equal"},

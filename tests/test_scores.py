@@ -13,13 +13,13 @@ from click.testing import CliRunner
 from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
-from gradindex.manifest import read_manifest
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import self_influence
 from gradindex.precondition.files import precond_path
 from gradindex.query.scores import score_matrix
+from gradindex.spec.manifest import read_manifest
 from gradindex.store import Store
 
 N = 40

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from gradindex.checksum import read_checksums
 from gradindex.cli import main
 from gradindex.index.sharded import SHARDS_FILE, is_sharded, merge_index, read_sharded, split_index
-from gradindex.manifest import read_manifest, write_manifest
 from gradindex.query import QueryEngine
 from gradindex.query.sharded import ShardedQueryEngine
+from gradindex.spec.manifest import read_manifest, write_manifest
 from tests.conftest import make_texts
 from tests.test_distributed import torchrun
 

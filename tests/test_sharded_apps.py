@@ -242,7 +242,7 @@ def test_verify_names_a_mismatched_or_damaged_part_and_the_query_refuses_it(shar
     import shutil
 
     from gradindex.index.sharded import SHARDS_FILE, read_sharded
-    from gradindex.manifest import IndexMismatchError, read_manifest, write_manifest
+    from gradindex.spec.manifest import IndexMismatchError, read_manifest, write_manifest
 
     bad = tmp_path / "bad"
     shutil.copytree(sharded.dir, bad)
@@ -275,7 +275,7 @@ def test_more_parts_than_files_cut_them_and_merge_joins_them(gpt2_dir, default_i
     import filecmp
 
     from gradindex.index.sharded import merge_index
-    from gradindex.manifest import read_manifest
+    from gradindex.spec.manifest import read_manifest
     from gradindex.store import Store
 
     sh = split_index(default_index, tmp_path / "five", 5)

@@ -13,11 +13,11 @@ from conftest import make_texts
 from gradindex.capture import ProjectionSpec
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, RowReader, build_indices, layer_file
-from gradindex.manifest import IndexMismatchError
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
+from gradindex.spec.manifest import IndexMismatchError
 from gradindex.store import Store
 from gradindex.store.builder import build_store
 from gradindex.store.codes import STORAGES, decode, encode

@@ -31,8 +31,8 @@ from gradindex.index.tiers import (
     unregister_tier,
 )
 from gradindex.index.tiers.base import top_and_bottom, with_factors
-from gradindex.manifest import index_args, read_manifest
 from gradindex.query import QueryEngine
+from gradindex.spec.manifest import index_args, read_manifest
 
 ROWS = "brute.rows.npy"
 

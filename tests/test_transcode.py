@@ -16,13 +16,13 @@ from gradindex.checksum import read_checksums
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, default_factory
-from gradindex.manifest import IndexMismatchError, read_manifest, row_basis
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition import compact
 from gradindex.precondition.compact import JOURNAL, STAGING, compact_eigenbasis, transcode_in_place
 from gradindex.query import QueryEngine
 from gradindex.query.scores import score_matrix
+from gradindex.spec.manifest import IndexMismatchError, read_manifest, row_basis
 from gradindex.store import Store
 
 RAW = BuildConfig(projection=ProjectionSpec(), budget="auto", storage="int4", precondition="ekfac",

@@ -20,12 +20,12 @@ from gradindex.capture import ProjectionSpec
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, build_indices
-from gradindex.manifest import read_manifest
 from gradindex.model import load_causal_lm
 from gradindex.pipeline import BuildConfig, build_index
 from gradindex.precondition.fullspace import budget_bound, stored_share
 from gradindex.query import QueryEngine
 from gradindex.query.full import DEFAULT_RERANK, EXACT_STAGE_C
+from gradindex.spec.manifest import read_manifest
 
 DAMPING = 0.1  # the Reference's
 BUDGET = "1/64"

@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from gradindex.index.space import Preconditioners
-from gradindex.manifest import row_basis
 from gradindex.methods import DEFAULT_DAMPING, default_method, index_row_base, parse_method
 from gradindex.precondition.preconditioner import selected_layers
 from gradindex.progress import progress_bar
+from gradindex.spec.manifest import row_basis
 from gradindex.store import Store
 from gradindex.store.opened import OpenStore, opened
 from gradindex.store.rows import RowReader

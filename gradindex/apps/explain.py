@@ -36,6 +36,7 @@ from gradindex.query import QueryEngine
 from gradindex.query.full import full_gradient_scores
 from gradindex.query.inputs import as_records
 from gradindex.spec.build import batch_size_of
+from gradindex.spec.manifest import Manifest
 from gradindex.store.basis import rows_dual, to_rows
 
 METHODS = all_methods("explain", selfnorm=False)
@@ -101,9 +102,9 @@ class Explanation:
                 "residual": self.residual, "residual_cause": self.residual_cause, "full_score": self.full_score}
 
 
-def residual_cause(manifest: dict) -> str:
+def residual_cause(manifest: Manifest) -> str:
     """Why an explanation's training-token terms do not sum exactly to its score, for this index's rows."""
-    storage = str(manifest.get("build", {}).get("storage", "fp32"))
+    storage = manifest.storage
     if storage in ("fp32", "float32"):
         return ("float round-off: the score is the query against the stored float32 row, the terms are of the "
                 "example's gradient re-captured now")
@@ -210,7 +211,7 @@ class Explainer:
             query_side = self._scores(q_ids, q_labels, q_fac, captured({n: mt[n][j] for n in chosen}))
             score = float(sum(float(np.dot(m[n][0], stored[n][j].astype(np.float64))) for n in chosen))
             out.append(Explanation(i, score, base, e.basis.damping_used(base, damping), chosen, train, query_side,
-                                   residual_cause(e.manifest)))
+                                   residual_cause(e.index.described)))
         if full_space:
             self._full_scores(out, (q_ids, q_labels), method, damping, chosen)
         return out

@@ -28,10 +28,10 @@ from gradindex.apps.html import LEGEND, heatmap, page, table
 from gradindex.apps.outliers import engine_outliers
 from gradindex.heap import bound_heap
 from gradindex.index.space import query_vectors
-from gradindex.manifest import row_basis
 from gradindex.methods import DEFAULT_DAMPING, all_methods, parse_method, row_base
 from gradindex.query import QueryEngine
 from gradindex.query.inputs import as_records, describe
+from gradindex.spec.manifest import row_basis
 
 log = logging.getLogger("gradindex")
 

@@ -160,50 +160,14 @@ def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], de
     @app.post("/query")
     async def query(req: QueryRequest) -> dict:
         t0 = time.monotonic()
-        bad = [i for i in (req.input_ids or []) if not 0 <= i < vocab]
-        bad += [i for i in (req.labels or []) if i != -100 and not 0 <= i < vocab]
-        if bad:
-            raise HTTPException(422, f"token ids {bad[:3]} are outside the model's vocabulary (0..{vocab - 1}; "
-                                     "labels may also be -100)")
+        method = _checked_method(req, engine, vocab, answers, default)
         rec = req.record()
-        # no method: the query default (the engine's, which answers plain ekfac with a note where the self-influence
-        # cannot be had); with explain, the base method, whose scores explanations split (ekfac, not -selfnorm)
-        method = req.method or (engine.base_method() if req.explain else default)
-        if method not in answers:
-            raise HTTPException(422, f"method {method!r} is not one this index answers: it answers "
-                                     f"{', '.join(answers)} (default {default})")
-        if req.explain and method not in all_methods("explain", selfnorm=False):
-            raise HTTPException(422, f"explain works for {', '.join(all_methods('explain', selfnorm=False))}, "
-                                     f"not {method!r}")
-
-        def finish(r: QueryResult) -> dict:
-            """In the worker: the first stage's answer, and the exact stage queued (refused here if impossible)."""
-            exact = None
-            if req.rerank_full:  # (no full-space fit, no training data: refused here, 400 with the reason)
-                exact = _exact_work(app, engine, rec, r, req.rerank_full, req.k, req.damping)
-                r.hits = r.hits[:req.k]
-            out = explained(r) if req.explain else r.to_dict()
-            if exact is not None:
-                out["exact"] = exact
-            return out
-
-        def explained(r: QueryResult) -> dict:
-            out = r.to_dict()
-            if r.hits:
-                t1 = time.perf_counter()
-                exps = explainer.explain(rec, [h.id for h in r.hits[:req.explain]], method, req.damping, r.layers)
-                for h, e in zip(out["hits"], exps, strict=False):
-                    h["explanation"] = {"tokens": e.train.tokens, "scores": e.train.scores,
-                                        "query_tokens": e.query.tokens, "query_scores": e.query.scores}
-                out["seconds"]["explain"] = time.perf_counter() - t1
-            return out
-
+        finish = _finisher(app, engine, explainer, req, rec, method)
         settings = {"method": req.method or (method if req.explain else None), "damping": req.damping,
                     "layers": req.layers, "lowest": req.lowest,
                     "rerank_full": 0 if req.rerank_full else None}  # (the exact stage runs later)
         k = max(req.k, req.rerank_full or 0)
-        job = Job(QueryJob(rec, k, settings, finish if req.explain or req.rerank_full else None),
-                  deadline=t0 + request_timeout)
+        job = Job(QueryJob(rec, k, settings, finish), deadline=t0 + request_timeout)
         out = capped_result(await answer(job))
         out["notes"] = [app.state.index.public(n) for n in out.get("notes", [])]
         out["batch"] = job.batch
@@ -211,6 +175,55 @@ def _add_query(app: FastAPI, engine: QueryEngine, answer, answers: list[str], de
         out["seconds"]["total"] = time.monotonic() - t0
         stages.add(out["seconds"])
         return out
+
+
+def _checked_method(req: QueryRequest, engine: QueryEngine, vocab: int, answers: list[str], default: str) -> str:
+    """The method ``req`` is answered with, once its token ids and method are checked (422 otherwise)."""
+    bad = [i for i in (req.input_ids or []) if not 0 <= i < vocab]
+    bad += [i for i in (req.labels or []) if i != -100 and not 0 <= i < vocab]
+    if bad:
+        raise HTTPException(422, f"token ids {bad[:3]} are outside the model's vocabulary (0..{vocab - 1}; "
+                                 "labels may also be -100)")
+    # no method: the query default (the engine's, which answers plain ekfac with a note where the self-influence
+    # cannot be had); with explain, the base method, whose scores explanations split (ekfac, not -selfnorm)
+    method = req.method or (engine.base_method() if req.explain else default)
+    if method not in answers:
+        raise HTTPException(422, f"method {method!r} is not one this index answers: it answers "
+                                 f"{', '.join(answers)} (default {default})")
+    if req.explain and method not in all_methods("explain", selfnorm=False):
+        raise HTTPException(422, f"explain works for {', '.join(all_methods('explain', selfnorm=False))}, "
+                                 f"not {method!r}")
+    return method
+
+
+def _finisher(app: FastAPI, engine: QueryEngine, explainer: Explainer, req: QueryRequest, rec: dict, method: str):
+    """What the worker does with the first stage's answer of ``req`` (``None``: nothing more): its explanations,
+    and its exact stage queued (refused there if impossible: no full-space fit, no training data)."""
+    if not (req.explain or req.rerank_full):
+        return None
+
+    def finish(r: QueryResult) -> dict:
+        exact = None
+        if req.rerank_full:
+            exact = _exact_work(app, engine, rec, r, req.rerank_full, req.k, req.damping)
+            r.hits = r.hits[:req.k]
+        out = explained(r) if req.explain else r.to_dict()
+        if exact is not None:
+            out["exact"] = exact
+        return out
+
+    def explained(r: QueryResult) -> dict:
+        out = r.to_dict()
+        if r.hits:
+            t1 = time.perf_counter()
+            exps = explainer.explain(rec, [h.id for h in r.hits[:req.explain]], method, req.damping, r.layers)
+            for h, e in zip(out["hits"], exps, strict=False):
+                h["explanation"] = {"tokens": e.train.tokens, "scores": e.train.scores,
+                                    "query_tokens": e.query.tokens, "query_scores": e.query.scores}
+            out["seconds"]["explain"] = time.perf_counter() - t1
+        return out
+
+    return finish
 
 
 def _exact_work(app: FastAPI, engine: QueryEngine, rec: dict, first: QueryResult, top: int, k: int,
@@ -258,13 +271,10 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
                   docs_url=None, redoc_url=None, openapi_url=None)
     batcher = Batcher(engine, max_batch=max_batch, queue_size=queue_size, window=batch_window)
     app.state.batcher = batcher
-    num_tokens = engine.store.column("num_tokens")
-    losses = engine.store.column("loss")
     default = engine.resolve_method()  # the query default: ekfac-selfnorm where the index answers ekfac
     answers = methods_of(engine.manifest, engine.dir, selfnorm=True)
     answers = [default] + [m for m in answers if m != default]
-    stages = StageTimes()
-    app.state.stages = stages
+    app.state.stages = StageTimes()
     state = IndexState(engine.dir, engine.index.check_current, getattr(engine, "lost", None))
     app.state.index = state
     app.add_middleware(Guard, token=token, max_body=MAX_BODY)
@@ -274,6 +284,21 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
         return JSONResponse({"detail": _validation_message(exc)}, status_code=422)
 
     answer = _answerer(batcher, request_timeout, state)
+    _add_health(app, engine, answers, default, request_timeout)
+    _add_query(app, engine, answer, answers, default, request_timeout)
+    _add_exact(app, batcher, state)
+    _add_example(app, engine, answer, request_timeout)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index() -> str:
+        return _page(answers, default, token is not None, engine.n)
+
+    return app
+
+
+def _add_health(app: FastAPI, engine: QueryEngine, answers: list[str], default: str, request_timeout: float) -> None:
+    """``GET /health``: the index's state (503 unless ``ok``), the methods offered, the queue, the stage timings."""
+    batcher, state, stages = app.state.batcher, app.state.index, app.state.stages
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -289,9 +314,12 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
                           "request_timeout_s": request_timeout},
                 "served": batcher.stats.to_dict(), "stages": stages.to_dict()}
 
-    _add_query(app, engine, answer, answers, default, request_timeout)
 
-    _add_exact(app, batcher, state)
+def _add_example(app: FastAPI, engine: QueryEngine, answer, request_timeout: float) -> None:
+    """``GET /example/{id}``: the whole text of one training example, read by the worker."""
+    num_tokens = engine.store.column("num_tokens")
+    losses = engine.store.column("loss")
+    state = app.state.index
 
     @app.get("/example/{example_id}")
     async def example(example_id: int) -> dict:
@@ -307,12 +335,6 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
                     "note": note and state.public(note)}
 
         return await answer(Job(read, deadline=time.monotonic() + request_timeout))
-
-    @app.get("/", response_class=HTMLResponse)
-    async def index() -> str:
-        return _page(answers, default, token is not None, engine.n)
-
-    return app
 
 
 def _page(answers: list[str], default: str, auth: bool, n: int) -> str:

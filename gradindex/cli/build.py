@@ -243,20 +243,21 @@ def _build(o: dict, opts) -> None:
 
 def _report(out, res, idx) -> None:
     """What the build wrote: examples, layers, numbers and bytes per example, time; warnings."""
+    from gradindex.spec.manifest import Manifest
     from gradindex.store.codes import bytes_per_number
 
-    m = res.manifest
-    numbers = sum(v["rows"] * v["cols"] for v in m["build"]["layers"].values())
-    row_bytes = int(numbers * bytes_per_number(m["build"]["storage"]))
-    full_eigen = (m["build"].get("basis") or {}).get("space") == "full-eigen"
-    share = (m["build"].get("basis") or {}).get("kept_share")
+    m = Manifest.of(res.manifest)
+    numbers = sum(s.dim for s in m.layers.values())
+    row_bytes = int(numbers * bytes_per_number(m.storage))
+    full_eigen = m.basis.get("space") == "full-eigen"
+    share = m.basis.get("kept_share")
     rows = f"full-space ekfac eigen-coordinates keeping {share:.0%} of the influence, " if full_eigen else \
-        "in the ekfac eigenbasis, " if m.get("transcode") else ""
-    click.echo(f"built {out}: {m['counts']['examples']} examples x {len(m['build']['layers'])} layers "
-               f"({numbers:,} numbers, {rows}{m['build']['storage']}: {human_bytes(row_bytes)} per example) "
+        "in the ekfac eigenbasis, " if m.transcoded else ""
+    click.echo(f"built {out}: {m.examples} examples x {len(m.layers)} layers "
+               f"({numbers:,} numbers, {rows}{m.storage}: {human_bytes(row_bytes)} per example) "
                f"in {res.seconds:.1f} s ({res.examples_computed} computed now)")
-    if m["nonfinite_ids"]:
-        click.echo(f"warning: {len(m['nonfinite_ids'])} examples had non-finite gradients "
+    if m.get("nonfinite_ids"):
+        click.echo(f"warning: {len(m.get('nonfinite_ids'))} examples had non-finite gradients "
                    f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)
     if idx is not None:
         click.echo(report(idx))

@@ -185,8 +185,8 @@ def human_bytes(n: float) -> str:
 
 def index_method(index_dir, prefer=None, app: str | None = None) -> str:
     """The method a command uses on ``index_dir`` when none is given (:func:`gradindex.methods.default_method`)."""
-    from gradindex.manifest import read_manifest
     from gradindex.methods import default_method
+    from gradindex.spec.manifest import read_manifest
 
     return default_method(read_manifest(index_dir), index_dir, prefer, app=app)
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import click
 
 from gradindex.cli import main
 from gradindex.cli.common import damping_option, human_bytes, user_errors
+
+if TYPE_CHECKING:
+    from gradindex.spec.manifest import Manifest
 
 
 class IndexTypeOption(click.Option):
@@ -98,10 +102,10 @@ def index(index_dir, index_type, sketch_bytes, whiten, normalize, train_size, cp
     """(Re)build one FAISS index per layer of INDEX_DIR's store (resumes an interrupted build)."""
     from gradindex.diskspace import disk_full_as_error
     from gradindex.index import build_indices
-    from gradindex.manifest import read_manifest
+    from gradindex.spec.manifest import Manifest
 
-    manifest = read_manifest(index_dir)
-    check_index_type(index_type, int(manifest.get("counts", {}).get("examples", 0)))
+    manifest = Manifest.read(index_dir)
+    check_index_type(index_type, manifest.examples)
     cfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index, sketch_bytes)
     cfg = dataclasses.replace(cfg, seed=seed)
     with disk_full_as_error(index_dir, "FAISS stage", "the store and its fits are kept",
@@ -109,9 +113,7 @@ def index(index_dir, index_type, sketch_bytes, whiten, normalize, train_size, cp
         click.echo(report(build_indices(index_dir, cfg, progress=not quiet, force=force)))
 
 
-def faiss_bytes(manifest: dict) -> int:
+def faiss_bytes(manifest: Manifest) -> int:
     """At most what a FAISS type writes for the index of ``manifest``: every row as float32 (``Flat``), and the
     norms (compressed types write less)."""
-    n = int(manifest.get("counts", {}).get("examples", 0))
-    layers = manifest.get("build", {}).get("layers", {})
-    return n * sum(4 * int(v["rows"]) * int(v["cols"]) + 4 for v in layers.values())
+    return manifest.examples * sum(4 * s.dim + 4 for s in manifest.layers.values())

@@ -10,9 +10,9 @@ import click
 from gradindex.cli import main
 from gradindex.cli.common import human_bytes, user_errors
 from gradindex.cli.index import space_words
-from gradindex.manifest import baked_damping, build_command, read_manifest, transcode_unfinished
 from gradindex.methods import methods_of
 from gradindex.spec import layout
+from gradindex.spec.manifest import Manifest, baked_damping, build_command, read_manifest, transcode_unfinished
 
 INDEX_META = Path(layout.FAISS_DIR) / layout.FAISS_META
 """gradindex.index.files' ``faiss/index.json``, read here as plain JSON so that ``info`` does not load FAISS."""
@@ -52,16 +52,15 @@ def summary(index_dir: str) -> dict:
     """A JSON-able summary of an index directory."""
     d = Path(index_dir)
     paths = layout.IndexLayout(d)
-    m = read_manifest(d)
+    described = Manifest.read(d)
+    m, b = described.data, described.build
     meta = _index_meta(d)
-    b = m["build"]
     counts = m.get("counts", {})
     layers = {}
-    for n, v in b["layers"].items():
+    for n, v in described.layers.items():
         e = (meta or {}).get("layers", {}).get(n, {})
-        layers[n] = {"shape": [v["rows"], v["cols"]], "dim": v["rows"] * v["cols"], "module": v["kind"],
-                     "in_out": [v["n_in"], v["n_out"]], "index": e.get("factory"),
-                     "index_bytes": e.get("bytes")}
+        layers[n] = {"shape": [v.rows, v.cols], "dim": v.dim, "module": v.kind, "in_out": [v.n_in, v.n_out],
+                     "index": e.get("factory"), "index_bytes": e.get("bytes")}
     return {
         "dir": str(d), "status": m.get("status"), "library_version": m.get("library_version"),
         "transcode_unfinished": transcode_unfinished(m),

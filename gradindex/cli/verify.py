@@ -16,8 +16,8 @@ from gradindex.cli.common import user_errors
 def verify_index(index_dir: str) -> dict:
     """``{"damaged": [{file, problem, repair}], "verified": n, "unrecorded": [files]}``."""
     from gradindex.index.files import FAISS_DIR, check_faiss
-    from gradindex.manifest import read_manifest
     from gradindex.precondition.files import PRECOND_DIR, check_precond
+    from gradindex.spec.manifest import read_manifest
     from gradindex.store import STORE_DIR
     from gradindex.store.basis import BASIS_FILE, check_basis
     from gradindex.store.repair import check_store
@@ -66,7 +66,7 @@ def _unrecorded_damage(d: Path, manifest: dict, files: dict, unrecorded: list[st
     """Data files without a recorded hash, as damage when the manifest names a gradindex that records one
     for every file it writes (every version that writes ``library_version``): ``checksums.json`` deleted,
     or files added or swapped in outside gradindex."""
-    from gradindex.manifest import build_command
+    from gradindex.spec.manifest import build_command
 
     version = manifest.get("library_version")
     if not unrecorded or not version:

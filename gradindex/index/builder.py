@@ -40,8 +40,8 @@ from gradindex.index.files import (
 from gradindex.index.opened import OpenIndex
 from gradindex.index.tiers import BuildJob, RowShape, Tier, make_tier
 from gradindex.lock import index_lock
-from gradindex.manifest import FORMAT_VERSION, refuse_unfinished_transcode, write_manifest
 from gradindex.progress import progress_bar
+from gradindex.spec.manifest import FORMAT_VERSION, refuse_unfinished_transcode, write_manifest
 from gradindex.store import Store
 from gradindex.store.opened import opened
 from gradindex.store.repair import check_store

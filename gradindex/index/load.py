@@ -14,7 +14,7 @@ from gradindex.index.sketch import SketchIndex
 from gradindex.index.space import IndexSpace
 from gradindex.index.tiers import CandidateRequest, Candidates, TierSource, kind_of, tier_named
 from gradindex.index.tiers.faiss_layers import LayerIndex, rebuild_hint
-from gradindex.manifest import IndexMismatchError, identity_differences, refuse_unfinished_transcode
+from gradindex.spec.manifest import IndexMismatchError, identity_differences, refuse_unfinished_transcode
 from gradindex.store.opened import OpenStore
 
 __all__ = ["IndexSet", "LayerIndex"]

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
 from gradindex.index.load import IndexSet
 from gradindex.index.space import Preconditioners
-from gradindex.manifest import MANIFEST, IndexMismatchError, read_manifest
 from gradindex.methods import methods_of
 from gradindex.precondition import Preconditioner, self_influence
 from gradindex.precondition.preconditioner import selected_layers
+from gradindex.spec.manifest import IndexMismatchError, Manifest, manifest_stamp
 from gradindex.store.opened import OpenStore
 
 
@@ -31,7 +30,7 @@ class OpenIndex(OpenStore):
 
     def __init__(self, index_dir: str | os.PathLike, manifest: dict | None = None, then: str = "query it"):
         super().__init__(index_dir, manifest, then)
-        self._stamp = _stamp(self.dir)
+        self._stamp = manifest_stamp(self.dir)
         self.pre = Preconditioners(self)
         self.indices: IndexSet | None = None
         self._self_influence: dict[tuple, np.ndarray] = {}
@@ -72,34 +71,26 @@ class OpenIndex(OpenStore):
         ``generation`` (``build --overwrite``, a transcode) or a build in progress is refused, an
         update of the same build (the index stage, a fit) is not.
         """
-        now = _stamp(self.dir)
+        now = manifest_stamp(self.dir)
         if now == self._stamp:
             return
         fix = ("reopen it (a QueryEngine: open a new one; `gradindex serve`: restart it) to answer from the new "
                "index")
         try:
-            m = read_manifest(self.dir)
+            m = Manifest.read(self.dir)
         except (FileNotFoundError, ValueError):
             raise IndexReplacedError(f"the index in {str(self.dir)!r} was removed or is being rebuilt since it was "
                                      f"opened; {fix} once its build finishes") from None
-        if m.get("generation") != self.manifest.get("generation") or m.get("status") != "complete":
-            state = "replaced by a new build" if m.get("status") == "complete" else "is being rebuilt"
+        if m.generation != self.described.generation or not m.complete:
+            state = "replaced by a new build" if m.complete else "is being rebuilt"
             raise IndexReplacedError(f"the index in {str(self.dir)!r} was {state} since it was opened (generation "
-                                     f"{self.manifest.get('generation')} → {m.get('generation')}): its answers "
+                                     f"{self.described.generation} → {m.generation}): its answers "
                                      f"would come from the deleted index; {fix}")
         self._stamp = now
 
 
 class IndexReplacedError(IndexMismatchError):
     """The index directory holds another build than the one an open index read."""
-
-
-def _stamp(d: Path) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(d / MANIFEST)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def open_index(index: str | os.PathLike | OpenIndex, then: str = "query it") -> tuple[OpenIndex, bool]:

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from gradindex.checksum import Damage, DamagedIndexError, damage_error
-from gradindex.manifest import IndexMismatchError
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import IndexMismatchError, Manifest
 from gradindex.store import Store
 from gradindex.store.opened import OpenStore
 

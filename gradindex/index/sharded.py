@@ -38,19 +38,19 @@ from gradindex.index.config import IndexConfig
 from gradindex.index.files import link_or_copy, write_json
 from gradindex.index.opened import OpenIndex
 from gradindex.index.space import IndexSpace
-from gradindex.manifest import (
-    IndexMismatchError,
-    read_complete_manifest,
-    refuse_unfinished_transcode,
-    write_manifest,
-)
 from gradindex.precondition.files import (
     read_attrs,
     read_factors,
     read_self_influence,
     write_precond,
 )
-from gradindex.spec.layout import BASIS_FILE, PRECOND_DIR, IndexLayout
+from gradindex.spec.layout import BASIS_FILE, PRECOND_DIR, SHARD_GLOB, IndexLayout
+from gradindex.spec.manifest import (
+    IndexMismatchError,
+    Manifest,
+    refuse_unfinished_transcode,
+    write_manifest,
+)
 from gradindex.store import Store
 from gradindex.store.relabel import copy_shard, write_rows
 
@@ -164,20 +164,19 @@ def _read(d: Path, problems: list[str] | None) -> Sharded:
 
 def _check_part(p: Part, j: int, parts: int, whole: dict) -> None:
     """Refuse a part that is not a complete build of ``whole``'s index over its rows."""
-    m = read_complete_manifest(p.dir, "query it")
+    m, w = Manifest.read_complete(p.dir, "query it"), Manifest.of(whole)
     s = m.get(SHARD_KEY) or {}
-    want = {"part": j, "parts": parts, "first": p.first, "stop": p.stop, "examples": int(whole["counts"]["examples"])}
+    want = {"part": j, "parts": parts, "first": p.first, "stop": p.stop, "examples": w.examples}
     if {k: s.get(k) for k in want} != want:
         raise IndexMismatchError(f"{str(p.dir)!r} is not part {j} of this sharded index (its manifest says "
                                  f"{ {k: s.get(k) for k in want} }, {SHARDS_FILE} {want})")
-    if m["build"] != whole["build"] or m.get("generation") != whole.get("generation"):
+    if m.build != w.build or m.generation != w.generation:
         what = [k for k in ("model_fingerprint", "projection", "layers", "storage", "basis")
-                if m["build"].get(k) != whole["build"].get(k)] or ["build" if m["build"] != whole["build"] else
-                                                                     "generation"]
+                if m.build.get(k) != w.build.get(k)] or ["build" if m.build != w.build else "generation"]
         raise IndexMismatchError(f"{str(p.dir)!r} holds another build than the sharded index's other parts (its "
                                  f"manifest's {', '.join(what)} differs); split the index again")
-    if int(m["counts"]["examples"]) != p.n:
-        raise IndexMismatchError(f"{str(p.dir)!r} holds {m['counts']['examples']} examples, {SHARDS_FILE} says "
+    if m.examples != p.n:
+        raise IndexMismatchError(f"{str(p.dir)!r} holds {m.examples} examples, {SHARDS_FILE} says "
                                  f"rows [{p.first}, {p.stop}); split the index again")
 
 
@@ -352,8 +351,8 @@ def _originals(sh: Sharded) -> list[tuple[list[tuple], int]]:
     whole files)."""
     files = []
     for p in sh.parts:
-        paths = sorted((p.dir / "store").glob("shard-*.h5"))
-        entries = (read_complete_manifest(p.dir, "merge it").get(SHARD_KEY) or {}).get("files")
+        paths = sorted(IndexLayout(p.dir).store.glob(SHARD_GLOB))
+        entries = (Manifest.read_complete(p.dir, "merge it").get(SHARD_KEY) or {}).get("files")
         if entries is None:
             with Store(p.dir) as st:
                 entries = [[None, 0, n, n] for n in st.sizes]

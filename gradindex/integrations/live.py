@@ -52,8 +52,7 @@ from gradindex.integrations.assemble import assemble_store
 from gradindex.integrations.capture_log import CaptureLog, rank_dir
 from gradindex.integrations.loss_scale import LossScaleFit, MicroBatch
 from gradindex.integrations.optimizer_state import save_second_moments
-from gradindex.manifest import manifest_path, write_manifest
-from gradindex.spec.manifest import new_manifest
+from gradindex.spec.manifest import manifest_path, new_manifest, write_manifest
 from gradindex.store.builder import build_identity
 from gradindex.store.codes import check_storage
 

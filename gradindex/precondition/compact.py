@@ -26,14 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
-from gradindex.manifest import manifest_path, read_manifest, write_manifest
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.ekfac import block_rows
 from gradindex.precondition.preconditioner import load_preconditioner
 from gradindex.precondition.rotated import RotatedRows
 from gradindex.progress import progress_bar
-from gradindex.spec.manifest import Manifest, rows_of
+from gradindex.spec.manifest import Manifest, manifest_path, rows_of, write_manifest
 from gradindex.store import STORE_DIR, ShardWriter, Store, shard_name
 from gradindex.store.basis import index_basis, stored_rows, write_basis
 from gradindex.store.codes import check_storage
@@ -183,7 +182,7 @@ def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
     if not out.exists() or not any(out.iterdir()):
         out.mkdir(parents=True, exist_ok=True)
         return
-    if manifest_path(out).exists() and Manifest(read_manifest(out)).build == Manifest(manifest).build:
+    if manifest_path(out).exists() and Manifest.read(out).build == Manifest.of(manifest).build:
         return
     if not overwrite:
         raise FileExistsError(f"{str(out)!r} is not empty and holds another index; choose another --out, or "

@@ -22,11 +22,10 @@ from gradindex.capture.batch import batch_gradients
 from gradindex.capture.sampling import FISHERS, label_uniforms
 from gradindex.data import Tokenized, load_records, token_hash, tokenize_records
 from gradindex.fingerprint import digest_bytes, model_fingerprint
-from gradindex.manifest import IndexMismatchError
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.spec.build import DEFAULT_BATCH_SIZE
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import IndexMismatchError, Manifest
 from gradindex.store import Store
 from gradindex.store.covariance import read_covariance
 

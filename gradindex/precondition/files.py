@@ -3,7 +3,7 @@
 Layout (one file per method; ``graddot.h5`` holds only the self-influence columns)::
 
     attrs   method, format_version, library_version, damping (of the self-influence), fit (JSON:
-            source, examples, tokens, fit-set fingerprint), fp_<key> (JSON of manifest["build"][key]
+            source, examples, tokens, fit-set fingerprint), fp_<key> (JSON of the manifest's build.<key>
             for model_fingerprint, data_fingerprint, projection, layers), layer_names (JSON list)
     layers/<layer>/  A [k_a,k_a], S [k_g,k_g]      token-mean factors (float64; not in full-space files,
                                                    whose arrays are float32: ``Q diag(λ) Qᵀ`` of the two below)
@@ -32,10 +32,9 @@ import numpy as np
 
 import gradindex
 from gradindex.checksum import Damage, check_files, damage_error, record
-from gradindex.manifest import IndexMismatchError
 from gradindex.methods import LEGACY_DAMPING
 from gradindex.spec import layout
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import IndexMismatchError, Manifest
 
 PRECOND_DIR = layout.PRECOND_DIR
 FORMAT_VERSION = 1

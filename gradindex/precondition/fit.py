@@ -25,7 +25,6 @@ from gradindex.capture import ProjectionSpec
 from gradindex.capture.sampling import FISHERS
 from gradindex.data import Tokenized
 from gradindex.lock import index_lock
-from gradindex.manifest import baked_damping, build_command, row_basis, write_manifest
 from gradindex.methods import DEFAULT_DAMPING, adam_rows, names
 from gradindex.model import resolve_device
 from gradindex.precondition.apply import absolute_damping, eigen_power, eigendecompose, kfac_eigenvalues
@@ -45,7 +44,7 @@ from gradindex.precondition.files import PRECOND_DIR, LayerFactors, precond_path
 from gradindex.precondition.fisher import model_correction
 from gradindex.precondition.fullspace import fit_full_space
 from gradindex.spec.build import batch_size_of
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, baked_damping, build_command, row_basis, write_manifest
 from gradindex.store import Store
 from gradindex.store.basis import capture_transforms, index_basis
 from gradindex.store.opened import OpenStore

@@ -54,7 +54,6 @@ from gradindex.capture.head import plain_head
 from gradindex.checksum import damage_error
 from gradindex.data import Tokenized
 from gradindex.fingerprint import digest_bytes
-from gradindex.manifest import read_complete_manifest, write_manifest
 from gradindex.methods import names, parse_method
 from gradindex.precondition.apply import eigendecompose, kfac_eigenvalues
 from gradindex.precondition.factors import (
@@ -77,7 +76,7 @@ from gradindex.precondition.files import (
 from gradindex.precondition.preconditioner import CURVATURE_CACHE_BYTES, Preconditioner
 from gradindex.progress import progress_bar
 from gradindex.spec.build import batch_size_of
-from gradindex.spec.manifest import Manifest, rows_of
+from gradindex.spec.manifest import Manifest, rows_of, write_manifest
 from gradindex.store import Store
 from gradindex.store.covariance import covariance_rows, read_covariance, rows_digest
 from gradindex.store.opened import Description, OpenStore, description, opened
@@ -482,7 +481,7 @@ def keep_build_sums(index_dir: str | os.PathLike, cfg, tokenizer, data: Tokenize
 def _held(index_dir, manifest: dict | None) -> dict:
     """The caller's manifest where it holds a complete one, else the file's (refused unless complete)."""
     return manifest if manifest is not None and manifest.get("status") == "complete" else \
-        read_complete_manifest(index_dir, "fit")
+        Manifest.read_complete(index_dir, "fit").data
 
 
 def _build_sums(index_dir, manifest: dict, cfg, layers: list[str], rows: np.ndarray) -> tuple[dict, int] | None:

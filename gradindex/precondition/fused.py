@@ -29,7 +29,6 @@ from pathlib import Path
 
 from gradindex.diskspace import free_bytes
 from gradindex.heap import bound_heap
-from gradindex.manifest import read_manifest, row_basis
 from gradindex.precondition.compact import STAGING, compact_rows, finish_transcode, swap_in
 from gradindex.precondition.files import precond_path, write_precond
 from gradindex.precondition.fit import FitConfig, fit_store, register_fits, store_fit
@@ -62,8 +61,8 @@ def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str
     bound_heap()  # memory flat in N over the two passes (gradindex.heap)
     t0 = time.perf_counter()
     if manifest is None or manifest.get("status") != "complete":
-        manifest = read_manifest(d)
-    if row_basis(manifest) == "ekfac":
+        manifest = Manifest.read(d).data
+    if Manifest.of(manifest).basis_kind == "ekfac":
         return manifest
     with fit_store(d, manifest, full_check=False) as ix:
         manifest = ix.manifest

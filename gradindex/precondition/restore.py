@@ -17,10 +17,9 @@ import os
 from pathlib import Path
 
 from gradindex.checksum import Damage, DamagedIndexError, move_aside
-from gradindex.manifest import baked_damping, build_command, manifest_path, read_manifest
 from gradindex.precondition.compact import eigen_basis
 from gradindex.precondition.files import check_precond, precond_path, read_attrs, read_factors
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, baked_damping, build_command, manifest_path
 from gradindex.store.basis import BASIS_FILE, RowBasis, check_basis, made_by_factor_pass, unrestorable, write_basis
 
 log = logging.getLogger("gradindex")
@@ -36,7 +35,7 @@ def restore_basis(index_dir: str | os.PathLike, manifest: dict | None = None) ->
     if manifest is None:
         if not manifest_path(d).exists():
             return False
-        manifest = read_manifest(d)
+        manifest = Manifest.read(d).data
     if manifest.get("status") != "complete" and not made_by_factor_pass(manifest):
         return False  # (a killed build's resume reads a kept factor-pass basis: a damaged one must not be reused)
     damage = check_basis(d, manifest)

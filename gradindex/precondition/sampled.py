@@ -36,7 +36,6 @@ import torch
 
 from gradindex import distributed
 from gradindex.data import Tokenized
-from gradindex.manifest import IndexMismatchError
 from gradindex.precondition.apply import absolute_damping, damped
 from gradindex.precondition.compact import eigen_basis, eigen_manifest
 from gradindex.precondition.factors import data_fingerprint, sample_rows
@@ -50,7 +49,7 @@ from gradindex.precondition.files import (
 from gradindex.precondition.fit import FitConfig, StoreFit, register_fits, store_fit
 from gradindex.spec import layout
 from gradindex.spec.build import FIT_EVERY_UP_TO
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import IndexMismatchError, Manifest
 from gradindex.store.append import RowSink
 from gradindex.store.basis import RowBasis, stored_rows, write_basis
 from gradindex.store.opened import OpenStore

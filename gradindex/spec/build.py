@@ -9,8 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from gradindex.methods import DEFAULT_DAMPING
-from gradindex.spec.rows import RowSpec
+from gradindex.spec.rows import DEFAULT_DAMPING, RowSpec
 
 DEFAULT_BATCH_SIZE = 8
 """Examples per forward/backward unless one is given; also the batch of an index whose record names none."""

@@ -97,16 +97,8 @@ class IndexLayout:
         return self.root / FAISS_DIR
 
     @property
-    def faiss_meta(self) -> Path:
-        return self.faiss / FAISS_META
-
-    @property
     def damaged(self) -> Path:
         return self.root / DAMAGED_DIR
-
-    @property
-    def transcode_journal(self) -> Path:
-        return self.root / TRANSCODE_JOURNAL
 
     @property
     def optimizer(self) -> Path:

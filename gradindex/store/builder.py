@@ -29,20 +29,21 @@ from gradindex.checksum import check_files, move_aside, recorded, shard_of
 from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint, tokenizer_fingerprint
 from gradindex.lock import LOCK, index_lock
-from gradindex.manifest import (
-    IndexMismatchError,
-    identity_differences,
-    manifest_path,
-    new_generation,
-    read_manifest,
-    write_manifest,
-)
 from gradindex.model import check_tokenizer_fits, model_file, resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.quantize import base_quantization
 from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
-from gradindex.spec.manifest import layer_identity, new_manifest
+from gradindex.spec.manifest import (
+    IndexMismatchError,
+    Manifest,
+    identity_differences,
+    layer_identity,
+    manifest_path,
+    new_generation,
+    new_manifest,
+    write_manifest,
+)
 from gradindex.spec.rows import DEFAULT_SPEC, RowSpec
 from gradindex.store import STORE_DIR, ShardWriter, shard_name
 from gradindex.store.append import RowSink, append_batch
@@ -216,9 +217,9 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool, hashes: list[byt
     if overwrite:
         clear_out_dir(out)
         return None
-    old = read_manifest(out)
-    transcoded = old.get("transcode")  # rows rewritten in place after the build: compare the build that made them
-    built = transcoded["source_build"] if transcoded else old.get("build", {})
+    old = Manifest.read(out)
+    transcoded = old.transcoded  # rows rewritten in place after the build: compare the build that made them
+    built = old.source_build
     diffs = identity_differences(built, identity)
     if hashes is not None and built.get("data_fingerprint") not in (None, identity.get("data_fingerprint")):
         diffs = [d + first_differing_row(out, hashes) if d.startswith("data set differs") else d for d in diffs]
@@ -228,7 +229,7 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool, hashes: list[byt
                 for k, v in (("index", built.get("fit_sample")), ("now", identity.get("fit_sample")))}
         diffs.append(f"its rows were coded after {said['index']} and this build asks for {said['now']}")
     if transcoded and "transcode" not in identity:
-        diffs.append(f"its rows were transcoded into the {old['build'].get('basis', {}).get('kind')} eigenbasis "
+        diffs.append(f"its rows were transcoded into the {old.basis.get('kind')} eigenbasis "
                      "after the build (the default) and this build asks for raw rows (--transcode none)")
     lost = _lost_basis(out, built.get("basis") or {}, identity.get("basis") or {})
     if lost and len(diffs) == 1:
@@ -239,7 +240,7 @@ def prepare_out_dir(out: Path, identity: dict, overwrite: bool, hashes: list[byt
             f"{str(out)!r} holds another index, so it cannot be resumed: " + "; ".join(diffs)
             + ". Use another --out, or --overwrite to replace it."
         )
-    return old
+    return old.data
 
 
 def _lost_basis(out: Path, built: dict, now: dict) -> str:

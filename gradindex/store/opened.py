@@ -15,7 +15,6 @@ from pathlib import Path
 
 from gradindex.capture import ProjectionSpec
 from gradindex.checksum import damage_error
-from gradindex.manifest import read_complete_manifest, read_manifest
 from gradindex.spec.manifest import Manifest
 from gradindex.spec.rows import RowSpec
 from gradindex.store.basis import RowBasis, index_basis
@@ -35,10 +34,10 @@ class OpenStore:
     def __init__(self, index_dir: str | os.PathLike, manifest: dict | None = None, then: str = "read it",
                  full: bool = False):
         self.dir = Path(index_dir)
+        if manifest is None or manifest.get("status") != "complete":  # (a held one: the same error, from the file)
+            described = Manifest.read_complete(index_dir, then)
         if manifest is None:
-            manifest = read_complete_manifest(index_dir, then)
-        elif manifest.get("status") != "complete":
-            read_complete_manifest(index_dir, then)  # the same error, from the file itself
+            manifest = described.data
         damage = check_store(index_dir, full=full, manifest=manifest)
         if damage:
             raise damage_error(index_dir, damage, then=then)
@@ -107,7 +106,7 @@ class Description:
 
 def description(index: str | os.PathLike | OpenStore) -> OpenStore | Description:
     """An open store (or index) as is; a path, as its ``manifest.json`` alone (:class:`Description`)."""
-    return index if isinstance(index, OpenStore) else Description(Path(index), read_manifest(index))
+    return index if isinstance(index, OpenStore) else Description(Path(index), Manifest.read(index).data)
 
 
 @contextmanager

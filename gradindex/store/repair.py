@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from gradindex.checksum import Damage, check_files, recorded, shard_of
-from gradindex.manifest import build_command
 from gradindex.spec.build import batch_size_of
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, build_command
 from gradindex.store.shards import STORE_DIR, shard_name
 
 log = logging.getLogger("gradindex")

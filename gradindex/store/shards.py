@@ -46,9 +46,9 @@ from gradindex.checksum import (
     shard_of,
 )
 from gradindex.diskspace import reserve
-from gradindex.manifest import build_command
 from gradindex.spec import layout
 from gradindex.spec.layout import shard_name
+from gradindex.spec.manifest import Manifest
 from gradindex.store.codes import check_storage, code_dtype, code_width, decode, encode, has_scale, row_bytes
 
 STORE_DIR = layout.STORE_DIR
@@ -228,7 +228,7 @@ class ShardWriter:
 
 def _repair(index_dir: Path) -> str:
     try:
-        return build_command(index_dir)
+        return Manifest.read(index_dir).build_command(index_dir)
     except (OSError, ValueError):
         return "gradindex build ... --repair"
 
@@ -238,7 +238,7 @@ class Store:
 
     def __init__(self, index_dir: str | os.PathLike):
         self.dir = Path(index_dir) / STORE_DIR
-        paths = sorted(self.dir.glob("shard-*.h5"))
+        paths = sorted(self.dir.glob(layout.SHARD_GLOB))
         if not paths:
             raise FileNotFoundError(
                 f"no store shards in {str(self.dir)!r}; build the index first (`gradindex build`)"

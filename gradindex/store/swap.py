@@ -14,9 +14,8 @@ import shutil
 from pathlib import Path
 
 from gradindex.checksum import read_checksums, write_checksums
-from gradindex.manifest import new_generation, read_manifest, row_basis, write_manifest
 from gradindex.spec import layout
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, new_generation, write_manifest
 from gradindex.store.basis import BASIS_FILE
 from gradindex.store.shards import STORE_DIR
 
@@ -58,7 +57,7 @@ def finish_transcode(index_dir: str | os.PathLike) -> None:
         return
     final = json.loads(journal.read_text())["manifest"]
     staging, old = d / STAGING, d / _RAW_OLD
-    if row_basis(read_manifest(d)) != "ekfac":  # the commit point (the manifest write) is not reached yet
+    if Manifest.read(d).basis_kind != "ekfac":  # the commit point (the manifest write) is not reached yet
         old.mkdir(exist_ok=True)
         for name in (*_SWAPPED, *_STALE):  # raw rows out (with what was computed from them) ...
             if (d / name).exists() and not (old / name).exists() and ((staging / name).exists() or name in _STALE):

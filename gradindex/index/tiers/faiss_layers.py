@@ -24,7 +24,7 @@ from gradindex.index.config import IndexConfig
 from gradindex.index.factory import apply_search_params, make_index, train_size
 from gradindex.index.files import index_command, layer_path, write_index, write_json
 from gradindex.index.space import Preconditioners, index_vectors
-from gradindex.manifest import IndexMismatchError
+from gradindex.spec.manifest import IndexMismatchError
 from gradindex.store import Store
 from gradindex.store.rows import RowReader, iter_layer
 
