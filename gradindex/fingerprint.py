@@ -133,9 +133,3 @@ def check_tokenizer(recorded: dict | None, tokenizer, what: str = "this tokenize
             f"{what} is not the one that built {index}: " + "; ".join(diffs) + ". The same text would become "
             "other token ids; use the tokenizer the index was built with (the model folder or GGUF file it was built "
             "from), or rebuild the index with this one")
-
-
-def check_index_tokenizer(manifest: dict, tokenizer, index_dir="") -> None:
-    """:func:`check_tokenizer` of a query engine's tokenizer (the one it opened, or was given) against the
-    fingerprint its index's ``manifest`` recorded."""
-    check_tokenizer((manifest.get("build") or {}).get("tokenizer"), tokenizer, "the query's tokenizer", index_dir)

@@ -169,9 +169,12 @@ def test_a_query_with_another_tokenizer_of_the_same_weights_is_refused(twins):
 
 
 def test_the_tokenizer_check_names_what_differs_and_skips_old_indices(twins, tmp_path):
-    from gradindex.fingerprint import check_index_tokenizer, tokenizer_fingerprint
+    from gradindex.fingerprint import check_tokenizer, tokenizer_fingerprint
     from gradindex.model import load_tokenizer
     from gradindex.spec.manifest import IndexMismatchError
+
+    def check_index_tokenizer(manifest: dict, tokenizer, index_dir="") -> None:  # what the query engine checks
+        check_tokenizer(manifest["build"].get("tokenizer"), tokenizer, "the query's tokenizer", index_dir)
 
     own, foreign, index, tok, other = twins
     manifest = json.loads((index / "manifest.json").read_text())

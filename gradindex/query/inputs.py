@@ -32,13 +32,12 @@ from gradindex.capture.adam import adam_capture_transforms
 from gradindex.capture.batch import batch_gradients
 from gradindex.chat import MESSAGES, render_turns, set_chat_template, template_of
 from gradindex.data import IGNORE, Records, load_records, tokenize_records
-from gradindex.fingerprint import check_index_tokenizer, model_fingerprint
+from gradindex.fingerprint import check_tokenizer, model_fingerprint
 from gradindex.index import OpenIndex
-from gradindex.manifest import IndexMismatchError, identity_differences
 from gradindex.model import max_positions, resolve_pad_id, vocab_size
 from gradindex.quantize import base_quantization
 from gradindex.spec.build import batch_size_of
-from gradindex.spec.manifest import Manifest, layer_identity
+from gradindex.spec.manifest import IndexMismatchError, Manifest, identity_differences, layer_identity
 from gradindex.store.basis import capture_transforms, to_rows
 
 log = logging.getLogger("gradindex")
@@ -199,7 +198,7 @@ def open_model(ix: OpenIndex, layers: list[str], model_dir=None, *, model=None, 
     if ix.manifest.get("chat_template") and tokenizer is not None and template_of(tokenizer) is None:
         set_chat_template(tokenizer, ix.manifest["chat_template"])  # the template the build used
     if given:
-        check_index_tokenizer(ix.manifest, tokenizer, ix.dir)
+        check_tokenizer(Manifest.of(ix.manifest).tokenizer, tokenizer, "the query's tokenizer", ix.dir)
     try:
         spec = ix.projection
     except ValueError as e:

@@ -141,6 +141,12 @@ def shape_problem(manifest: Any) -> str:
     return ""
 
 
+def basis_of(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """``build.basis`` of a manifest dict, partial ones included (empty: raw rows); :attr:`Manifest.basis` of a
+    whole one."""
+    return (manifest.get("build") or {}).get("basis") or {}
+
+
 def baked_damping(manifest: dict[str, Any]) -> float | None:
     """The relative damping the stored rows are whitened at, fixed when they were written (``build.basis.damping``:
     ``(Λ* + δ)^{-1/2}`` of an ``ekfac`` basis, each side's ``(F + δ)^{-1/2}`` of a ``kfac`` one); ``None`` for raw rows.
@@ -148,7 +154,7 @@ def baked_damping(manifest: dict[str, Any]) -> float | None:
     Not a query's ``damping``: that one applies a fitted curvature to the rows and cannot change these numbers, so
     on such rows it only matters to the methods fitted on them (``ekfac`` on ``kfac`` rows). Every reader of the
     field reads it here."""
-    basis = manifest.get("build", {}).get("basis") or {}
+    basis = basis_of(manifest)
     kind = basis.get("kind", "raw")
     if kind == "raw":
         return None
@@ -249,7 +255,7 @@ def build_command(index_dir: str | os.PathLike, manifest: dict, extra: str = "--
     c, proj = m.get("config", {}), m.get("build", {}).get("projection", {})
     args = ["gradindex", "build", m.get("model_id") or "MODEL_DIR", m.get("data_id") or "DATA",
             "--out", str(index_dir), "--rows", str(rows_of(m))]
-    basis = m.get("build", {}).get("basis") or {}
+    basis = basis_of(m)
     if basis.get("kind", "raw") == "kfac":
         args += ["--fit-examples", str(basis.get("examples", 0)), "--fit-seed", str(c.get("basis_seed", 0))]
     if proj.get("kind", "none") != "none":

@@ -33,6 +33,7 @@ from gradindex.capture.transform import LayerTransform
 from gradindex.checksum import Damage, check_files, damage_error, record
 from gradindex.methods import absolute_damping, names, row_base, row_basis
 from gradindex.spec import layout
+from gradindex.spec.manifest import baked_damping, basis_of, build_command
 
 BASIS_FILE = layout.BASIS_FILE
 BASES = ("raw", "kfac", "ekfac")
@@ -153,7 +154,7 @@ def unrestorable(manifest: dict) -> str:
     """Why ``basis.h5`` cannot be rewritten from the index's own EK-FAC fit file (``precond/ekfac.h5``); ``""``
     where it can: rows transcoded from raw rows (no pre-projection maps: a projection is regenerated from its
     seed), the fit kept. :func:`gradindex.precondition.restore.restore_basis` rewrites it."""
-    b = manifest.get("build", {}).get("basis") or {}
+    b = basis_of(manifest)
     if b.get("kind", "raw") != "ekfac" or b.get("space") == "full-eigen":
         return "its maps come from a model pass before the capture, which no file of the index keeps"
     source = (b.get("from") or {}).get("kind", "raw")
@@ -168,7 +169,7 @@ def made_by_factor_pass(manifest: dict) -> bool:
     """Whether ``basis.h5`` holds the maps of a ``kfac`` or ``eigen`` row basis (``--projection-basis``): made by
     the build's own factor pass before its capture, which the build run again makes again (a resume checks the
     maps against the digest the manifest records: :func:`gradindex.store.sizing.full_space_basis`)."""
-    b = manifest.get("build", {}).get("basis") or {}
+    b = basis_of(manifest)
     return b.get("kind") == "kfac" or b.get("space") == "full-eigen"
 
 
@@ -176,8 +177,6 @@ def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
     """The command that rewrites a damaged ``basis.h5``: the compact that made it; the build with ``--repair``
     where the index's EK-FAC fit holds it (:func:`unrestorable`) or its factor pass makes it again
     (:func:`made_by_factor_pass`); else the build with ``--overwrite``."""
-    from gradindex.manifest import baked_damping, build_command
-
     source = (manifest.get("compact") or {}).get("source")
     if source:
         return f"gradindex compact {source} --out {index_dir} --damping {baked_damping(manifest)} --overwrite"
