@@ -646,7 +646,32 @@ def _work(n: int, facts: int = 12, epochs: int | None = None) -> tuple[dict, Pat
     return ft, work
 
 
-EXTRA = ("graddot", "trackstar", "refine")  # the steps beyond the first stage, exhaustive EK-FAC and the baselines
+EXTRA = ("graddot", "trackstar", "refine", "adapter-exact")  # the steps beyond the first stage, exhaustive EK-FAC
+# and the baselines
+
+
+def adapter_exact(idx: str, queries: list[dict], work: Path) -> dict[str, np.ndarray]:
+    """Exhaustive full-space EK-FAC through the adapter (issue 30 item 2: the exact stage over the adapter's
+    parameters instead of the base layers): the adapter index's full-space fit (``gradindex precondition --space
+    full``, every example, cached in the index), then every query's exact stage over all N examples in one batch
+    (their union: one forward + backward per example), plain and self-normalized, at the default damping."""
+    from gradindex.query import QueryEngine
+
+    if not (Path(idx) / "manifest.json").exists() or "ekfac" not in json.loads(
+            (Path(idx) / "manifest.json").read_text()).get("full_space", {}):
+        _cli(["precondition", idx, "--method", "ekfac", "--space", "full", "--quiet"],
+             work / "precondition-adapter-full.log")
+    out = {}
+    with QueryEngine(idx) as engine:
+        n = engine.n
+        for m in ("ekfac", "ekfac-selfnorm"):
+            res = engine.query_batch(queries, k=n, method=m, rerank_full=n, texts=False)
+            sc = np.zeros((len(queries), n))
+            for j, r in enumerate(res):
+                for h in r.hits:
+                    sc[j, h.id] = h.full_score
+            out[f"full {m} d=0.001 (adapter)"] = sc
+    return out
 
 
 def score_all(ft: dict, work: Path, full: bool, extra: tuple[str, ...] = EXTRA) -> tuple[dict, dict]:
@@ -693,6 +718,9 @@ def score_all(ft: dict, work: Path, full: bool, extra: tuple[str, ...] = EXTRA) 
         new, how = refined(builds["full"]["dir"], queries, ft["fact_queries"], work / "refine-partial.npz")
         if new:
             keep(new, "refine", t0, **how)
+    if "adapter-exact" in extra and not any(k.endswith("d=0.001 (adapter)") for k in scores):
+        t0 = time.perf_counter()
+        keep(adapter_exact(builds["adapter"]["dir"], queries, work), "adapter-exact", t0)
     if info:
         builds["extra"] = info
     return builds, scores
