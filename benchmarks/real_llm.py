@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "real-llm.json"
 DAMPINGS = (1e-3, 1e-2, 1e-1, 1.0)
 DEFAULT = "first stage ekfac-selfnorm (full)"  # the default index's default query, what the others are paired with
+ADAM_STATE = "adam-state.safetensors"  # the fine-tune's AdamW state, from a re-run (benchmarks.smollm2.adam_state)
 
 
 def _timed(cmd: list[str], log: Path, what: str) -> dict:
@@ -66,7 +67,8 @@ def build_indices(ft: dict, work: Path, workers: int = 1, names: tuple[str, ...]
     ``workers`` at once; ``raw``: through the merged model with raw projected rows (``--transcode none``: int8
     rows, the EK-FAC fit beside them), the rows ``graddot`` and ``cosine`` read; ``var-b1m``: the default build at
     four times the default bytes per example (1 MiB), the on-disk tier an exact stage could read instead of
-    recomputing (:func:`stages`)."""
+    recomputing (:func:`stages`); ``adapter-adam``: through the adapter with the re-run fine-tune's AdamW state
+    (``--optimizer-state``, :data:`ADAM_STATE`): rows ``G / (√v + ε)``, methods ``adam`` and ``adam-selfnorm``."""
 
     def one(name_args):
         name, args = name_args
@@ -80,7 +82,9 @@ def build_indices(ft: dict, work: Path, workers: int = 1, names: tuple[str, ...]
 
     paths = {"full": [ft["merged"], ft["data"]], "adapter": [ft["base"], ft["data"], "--adapter", ft["adapter"]],
              "raw": [ft["merged"], ft["data"], "--transcode", "none"],
-             "var-b1m": [ft["merged"], ft["data"], "--budget", str(1 << 20)]}
+             "var-b1m": [ft["merged"], ft["data"], "--budget", str(1 << 20)],
+             "adapter-adam": [ft["base"], ft["data"], "--adapter", ft["adapter"], "--optimizer-state",
+                              str(work / ADAM_STATE)]}
     with ThreadPoolExecutor(workers) as ex:
         return dict(ex.map(one, [(n, paths[n]) for n in names]))
 
@@ -274,16 +278,32 @@ def second_moments(ft: dict, G: np.ndarray, nt: np.ndarray) -> dict[str, np.ndar
     return {"batches": acc / count, "examples": ex / n}
 
 
-def trackstar(ft: dict, queries: list[dict], eps: float = 1e-8, save: Path | None = None) -> dict[str, np.ndarray]:
+def state_v(path: Path, shapes: dict[str, tuple]) -> np.ndarray:
+    """``[P]`` float64: the ``<name>.exp_avg_sq`` tensors of an optimizer state file (:data:`ADAM_STATE`), flattened
+    in ``shapes``' order (:func:`adapter_gradients`' layout); refuses a missing or misshapen matrix."""
+    from safetensors.torch import load_file
+
+    t = load_file(str(path))
+    miss = [n for n, sh in shapes.items() if f"{n}.exp_avg_sq" not in t or tuple(t[f"{n}.exp_avg_sq"].shape) != sh]
+    if miss:
+        raise ValueError(f"{path}: no second moment of the shape of {miss[:3]}")
+    return np.concatenate([t[f"{n}.exp_avg_sq"].double().reshape(-1).numpy() for n in shapes])
+
+
+def trackstar(ft: dict, queries: list[dict], eps: float = 1e-8, save: Path | None = None,
+              states: dict[str, Path] | None = None, stand_ins: bool = True) -> dict[str, np.ndarray]:
     """TrackStar (arXiv 2410.17413) through the adapter's LoRA matrices: each example's gradient divided by
     ``√v + ε`` (``v``: :func:`second_moments`), projected per matrix with a seeded Gaussian (``k = 32`` a side, as
     :func:`benchmarks.baselines.trackstar_scores`), unit-normalized, the cosine; also unprojected, and GradDot and
     cosine of the raw LoRA gradients (unprojected), ``[Q, N]`` each. ``save``: a folder to write each ``v`` to as
-    ``v-WHICH.safetensors``, an optimizer state ``gradindex build --adapter ... --optimizer-state`` reads."""
+    ``v-WHICH.safetensors``, an optimizer state ``gradindex build --adapter ... --optimizer-state`` reads.
+    ``states``: more ``v`` sources, ``{which: optimizer state file}`` (:func:`state_v`; e.g. ``adam``: the
+    fine-tune's own AdamW ``exp_avg_sq``, not bias-corrected, which moves only ε); ``stand_ins=False``: only
+    those (no :func:`second_moments`, no GradDot or cosine)."""
     from benchmarks.baselines import trackstar_scores
 
     shapes, G, nt, Gq = adapter_gradients(ft, queries)
-    vs = second_moments(ft, G, nt)
+    vs = second_moments(ft, G, nt) if stand_ins else {}
     if save is not None:
         from safetensors.torch import save_file
 
@@ -294,6 +314,7 @@ def trackstar(ft: dict, queries: list[dict], eps: float = 1e-8, save: Path | Non
                 tensors[f"{name}.exp_avg_sq"] = torch.from_numpy(v[o:o + k].reshape(shape)).float().contiguous()
                 o += k
             save_file(tensors, str(save / f"v-{which}.safetensors"), metadata={"eps": repr(eps)})
+    vs |= {which: state_v(path, shapes) for which, path in (states or {}).items()}
 
     def gram(a, b, w=None, chunk=1 << 17):  # float64 a @ b.T of float32 rows (each column scaled by w), in chunks
         out, na, nb = np.zeros((len(a), len(b))), np.zeros(len(a)), np.zeros(len(b))
@@ -314,8 +335,10 @@ def trackstar(ft: dict, queries: list[dict], eps: float = 1e-8, save: Path | Non
             o += k
         return out
 
-    dot, qn, tn = gram(Gq, G)
-    out = {"graddot (adapter, unprojected)": dot, "cosine (adapter, unprojected)": dot / qn[:, None] / tn[None]}
+    out = {}
+    if stand_ins:
+        dot, qn, tn = gram(Gq, G)
+        out = {"graddot (adapter, unprojected)": dot, "cosine (adapter, unprojected)": dot / qn[:, None] / tn[None]}
     for which, v in vs.items():
         dot, qn, tn = gram(Gq, G, 1.0 / (np.sqrt(v) + eps))
         out[f"trackstar unprojected (adapter, v: {which})"] = dot / qn[:, None] / tn[None]
@@ -646,8 +669,8 @@ def _work(n: int, facts: int = 12, epochs: int | None = None) -> tuple[dict, Pat
     return ft, work
 
 
-EXTRA = ("graddot", "trackstar", "refine", "adapter-exact")  # the steps beyond the first stage, exhaustive EK-FAC
-# and the baselines
+EXTRA = ("graddot", "trackstar", "refine", "adapter-exact", "adam-index")  # the steps beyond the first stage,
+# exhaustive EK-FAC and the baselines
 
 
 def adapter_exact(idx: str, queries: list[dict], work: Path) -> dict[str, np.ndarray]:
@@ -710,9 +733,13 @@ def score_all(ft: dict, work: Path, full: bool, extra: tuple[str, ...] = EXTRA) 
     if "graddot" in extra and not any(k.startswith("raw rows") for k in scores):
         t0 = time.perf_counter()
         keep(raw_rows(builds["raw"]["dir"], queries), "graddot", t0)
+    states = {"adam": work / ADAM_STATE} if (work / ADAM_STATE).exists() else {}
     if "trackstar" in extra and not any(k.startswith("trackstar") for k in scores):
         t0 = time.perf_counter()
-        keep(trackstar(ft, queries, save=work), "trackstar", t0)
+        keep(trackstar(ft, queries, save=work, states=states), "trackstar", t0)
+    elif "trackstar" in extra and states and "trackstar (adapter, v: adam)" not in scores:
+        t0 = time.perf_counter()  # the stand-ins are cached: only the fine-tune's own AdamW state is new
+        keep(trackstar(ft, queries, states=states, stand_ins=False), "trackstar-adam", t0)
     if "refine" in extra and not any(" refined " in k for k in scores):
         t0 = time.perf_counter()
         new, how = refined(builds["full"]["dir"], queries, ft["fact_queries"], work / "refine-partial.npz")
@@ -721,6 +748,14 @@ def score_all(ft: dict, work: Path, full: bool, extra: tuple[str, ...] = EXTRA) 
     if "adapter-exact" in extra and not any(k.endswith("d=0.001 (adapter)") for k in scores):
         t0 = time.perf_counter()
         keep(adapter_exact(builds["adapter"]["dir"], queries, work), "adapter-exact", t0)
+    if ("adam-index" in extra or (work / "build-adapter-adam.json").exists()) and states:
+        builds |= build_indices(ft, work, names=("adapter-adam",))
+    if "adam-index" in extra and states and "first stage adam (adapter)" not in scores:
+        t0 = time.perf_counter()
+        keep({f"first stage {m} (adapter)": s for m, s in
+              first_stage(builds["adapter-adam"]["dir"], queries, ("adam", "adam-selfnorm")).items()}, "adam-index", t0)
+    elif "adam-index" in extra and not states:
+        print(f"adam-index: no {work / ADAM_STATE} (python -m benchmarks.smollm2 adam-state makes it)")
     if info:
         builds["extra"] = info
     return builds, scores
@@ -940,7 +975,9 @@ def stages(ft: dict, work: Path, scores: dict, subsets: int) -> dict:
     retrainings already made: the first stage's recall of the exhaustive exact stage against ``C``; scores made of
     one stage's inner products and the other's self-influence (which half of the self-normalized score carries the
     exact stage's gain); and a first stage of rows four times as large (``var-b1m``, built here: the on-disk tier an
-    exact stage could read instead of recomputing gradients). Writes ``exact_stage_parts`` into the results."""
+    exact stage could read instead of recomputing gradients); and, where the ``adapter-exact`` step has run, the exact
+    stage over the adapter's parameters beside the adapter's first stage. Writes ``exact_stage_parts`` into the
+    results."""
     queries = load_jsonl(ft["queries"])
     b1m = build_indices(ft, work, names=("var-b1m",))["var-b1m"]
     key = "first stage ekfac-selfnorm (full, 1 MiB rows)"
@@ -954,7 +991,9 @@ def stages(ft: dict, work: Path, scores: dict, subsets: int) -> dict:
     norm = {k: np.median(v, axis=0) for k, v in norm.items()}  # the same for every query (checked below)
     parts = {"first-stage inner products / exact self-influence": scores["first stage ekfac (full)"] / norm["exact"],
              "exact inner products / first-stage self-influence": scores["full ekfac d=0.001"] / norm["first"]}
-    compared = {k: scores[k] for k in (DEFAULT, "full ekfac-selfnorm d=0.001", key)} | parts
+    adapter = [k for k in ("first stage ekfac-selfnorm (adapter)", "full ekfac-selfnorm d=0.001 (adapter)")
+               if k in scores]
+    compared = {k: scores[k] for k in (DEFAULT, "full ekfac-selfnorm d=0.001", key, *adapter)} | parts
     masks = halves(ft["n"], subsets)
     losses, _ = retrained(masks, 0, work)
     table = summarize(compared, ft, masks, losses)
@@ -962,6 +1001,8 @@ def stages(ft: dict, work: Path, scores: dict, subsets: int) -> dict:
     ranks = [np.argsort(np.argsort(v)) for v in norm.values()]
     out = {"subsets": subsets, "recall_of_exact": recall_curve(first, exact),
            "self_influence_spearman_first_vs_exact": round(float(np.corrcoef(*ranks)[0, 1]), 3),
+           **({"adapter_exact_vs_adapter_first": paired(*(table[k]["lds_per_query"] for k in adapter[::-1]))}
+              if len(adapter) == 2 else {}),
            "methods": {k: {f: v[f] for f in keep} for k, v in table.items()},
            "var_b1m_build": {k: b1m[k] for k in ("wall_s", "peak_rss_gb", "cpu_s") if k in b1m},
            "conditions": "cached scores (scores.npz) and retrainings; the 1 MiB build on 2 shared cores"}
