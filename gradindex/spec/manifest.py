@@ -365,7 +365,8 @@ class LayerShape:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LayerShape:
-        return cls(str(d["kind"]), int(d["n_in"]), int(d["n_out"]), bool(d["bias"]), int(d["rows"]), int(d["cols"]))
+        return cls(str(d["kind"]), int(d["n_in"]), int(d["n_out"]), bool(d.get("bias", False)), int(d["rows"]),
+                   int(d["cols"]))  # (no "bias": a layer recorded without one has none)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "n_in": self.n_in, "n_out": self.n_out, "bias": self.bias,
