@@ -217,11 +217,33 @@ def stage_flops(model: nn.Module, cfg, plan, lengths: np.ndarray) -> tuple[dict[
     return gpu, host
 
 
+ACTIVATION_FACTOR = 1.6
+"""What a capture batch holds beyond the hooked layers' inputs and outputs and the logits counted by
+:func:`activation_bytes`: the tensors autograd keeps beside them (the norms' inputs, the rotated queries and keys,
+the key-value heads repeated for grouped attention, the MLP's activation output). Measured on CPU as the capture's
+peak anonymous RSS over three batches (``benchmarks/plan_slice.py``): 1.6x on a SmolLM2-135M-shaped model (8 x 192
+tokens: 3.34 GB against 1.98 counted + 0.14 hooks and rows) and on a 2-layer Llama-3-8B slice (8 x 64: 1.20 GB
+against 0.60 + 0.22). Applied to the host RAM of :func:`gradindex.plan.plan_build` only: the GPU figures
+(:func:`gpu_memory`, :func:`exact_stage_memory`) are not measured on a GPU and are left as counted."""
+
+
+def hook_bytes(cfg, layers, B: int, T: int) -> int:
+    """Bytes of the hooks' float32 working set for a batch of ``B`` examples of ``T`` tokens: the largest layer's
+    per-token factors (and its materialized per-example gradients where it takes that route), every layer's
+    projection maps, the batch's rows and their host copy."""
+    largest = max((4 * B * T * (lp.n_in + lp.n_out) + 4 * (materialized_memory(B, lp.n_in, lp.n_out, lp.k_a)
+                   if _route(cfg, lp, B, T)[0] == "materialized" else 0) for lp in layers), default=0)
+    maps = sum(4 * (lp.k_a * lp.n_in * (lp.k_a != lp.n_in) + lp.k_g * lp.n_out * (lp.k_g != lp.n_out))
+               for lp in layers)
+    return int(largest + maps + 2 * 4 * B * sum(lp.numbers for lp in layers))
+
+
 def activation_bytes(model: nn.Module, cfg, layers, tokens: int, device: str = "cpu") -> int:
     """Bytes a forward + backward of ``tokens`` tokens holds: every hooked layer's input and output per token
     (in the weights' dtype) and the logits: where the capture's fused head runs (:mod:`gradindex.capture.head`),
     one chunk of float32 logits and their log-probabilities on ``device``; else every token's logits with a
-    float32 copy and its gradient (the largest term of a small model with a large vocabulary)."""
+    float32 copy and its gradient (the largest term of a small model with a large vocabulary). The host plan
+    multiplies it by :data:`ACTIVATION_FACTOR` (measured on CPU); the GPU figures do not (not measured on a GPU)."""
     from gradindex.capture.head import CHUNK_BYTES, MIN_ROWS, plain_head
 
     params = list(model.parameters())
@@ -242,13 +264,8 @@ def gpu_memory(model: nn.Module, cfg, plan, longest: int) -> dict[str, int]:
     tokens = B * longest
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     activations = activation_bytes(model, cfg, plan.layers, tokens, "cuda")
-    largest = max((4 * tokens * (lp.n_in + lp.n_out) + 4 * (materialized_memory(B, lp.n_in, lp.n_out, lp.k_a)
-                   if _route(cfg, lp, B, longest)[0] == "materialized" else 0) for lp in plan.layers), default=0)
-    maps = sum(4 * (lp.k_a * lp.n_in * (lp.k_a != lp.n_in) + lp.k_g * lp.n_out * (lp.k_g != lp.n_out))
-               for lp in plan.layers)
-    rows = 2 * 4 * B * sum(lp.numbers for lp in plan.layers)
     full = 8 * sum(lp.n_in ** 2 + lp.n_out ** 2 for lp in plan.layers) if plan.full_fit else 0
-    return {"weights": int(weights), "activations": int(activations), "hooks": int(largest + maps + rows),
+    return {"weights": int(weights), "activations": int(activations), "hooks": hook_bytes(cfg, plan.layers, B, longest),
             "full_sums": int(full)}
 
 

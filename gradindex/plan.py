@@ -207,7 +207,7 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
     """Sizes of a build of ``examples`` examples under ``cfg`` (``index``: with its FAISS stage, of
     ``factory`` and ``sketch_bytes`` as in :class:`gradindex.index.IndexConfig`; ``longest``: the longest
     example's tokens, :func:`longest_example`, else ``cfg.max_length``)."""
-    from gradindex.estimate import activation_bytes
+    from gradindex.estimate import ACTIVATION_FACTOR, activation_bytes, hook_bytes
 
     layers = hooked_layers(model, cfg)
     shards = max(1, -(-examples // cfg.shard_size))
@@ -231,9 +231,11 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
         lookup, index_bytes = tier.cost(rows), tier.disk_bytes(rows)
     width = sum(lp.numbers for lp in layers)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    tokens = cfg.batch_size * min(cfg.max_length, longest or cfg.max_length)
-    # float32 batch rows on the device and their host copy, and the forward + backward's activations and logits
-    capture_ram = 2 * 4 * cfg.batch_size * width + 2 * params + activation_bytes(model, cfg, layers, tokens)
+    T = min(cfg.max_length, longest or cfg.max_length)
+    # the hooks' working set (the batch's float32 rows with their host copy included) and the forward + backward's
+    # activations and logits; the weights once (a float32 folder's are its mapped file, another dtype's a copy)
+    capture_ram = hook_bytes(cfg, layers, cfg.batch_size, T) + \
+        int(ACTIVATION_FACTOR * activation_bytes(model, cfg, layers, cfg.batch_size * T))
     block = 3 * min(BLOCK_BYTES, 4 * width * max(1, examples))  # a block of rows, rotated, coded
     ram = BASE_RAM + params + max(capture_ram, block)
     rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" \
