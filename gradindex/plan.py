@@ -231,13 +231,17 @@ def plan_build(model: nn.Module, cfg: BuildConfig, examples: int, index: bool = 
         lookup, index_bytes = tier.cost(rows), tier.disk_bytes(rows)
     width = sum(lp.numbers for lp in layers)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # fused expert weights ([E, ...] 3-D parameters, e.g. Mixtral's): transformers loads a checkpoint's per-expert
+    # matrices into them, a copy beside the file's mapped pages, so they count twice (plan_slice.json: a Mixtral
+    # slice peaked at 2x its weights; tests/test_plan.py)
+    fused = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() >= 3)
     T = min(cfg.max_length, longest or cfg.max_length)
     # the hooks' working set (the batch's float32 rows with their host copy included) and the forward + backward's
     # activations and logits; the weights once (a float32 folder's are its mapped file, another dtype's a copy)
     capture_ram = hook_bytes(cfg, layers, cfg.batch_size, T) + \
         int(ACTIVATION_FACTOR * activation_bytes(model, cfg, layers, cfg.batch_size * T))
     block = 3 * min(BLOCK_BYTES, 4 * width * max(1, examples))  # a block of rows, rotated, coded
-    ram = BASE_RAM + params + max(capture_ram, block)
+    ram = BASE_RAM + params + fused + max(capture_ram, block)
     rotated = 2 * examples * sum(lp.numbers for lp in layers) if transcode and cfg.precondition == "ekfac" \
         and not sample else 0
     plan = BuildPlan(examples, layers, cfg.rows.storage, cfg.rows.capture_storage, transcode, capture, store, precond,
