@@ -111,3 +111,28 @@ def test_an_adapter_that_does_not_fit_the_base_is_one_line(lora, tokenizer, text
     err = r.output.strip().splitlines()[-1]
     assert "does not fit this base model" in err and "base model it was trained from" in err
     assert not (tmp_path / "x" / "manifest.json").exists()
+
+
+def test_a_peft_models_adam_state_is_read_for_the_adapter_build(lora, tmp_path):
+    """A LoRA training loop saves its second moments under the ``PeftModel``'s names (``base_model.model.``...);
+    ``build BASE --adapter DIR --optimizer-state`` loads the injected model (no wrapper) and reads them alike."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from gradindex.capture.adam import load_second_moments
+
+    base_dir, adapter_dir = lora
+    wrapped = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(adapter_dir))
+    lora_names = [n for n, _ in wrapped.named_parameters() if ".lora_" in n]
+    assert lora_names and all(n.startswith("base_model.model.") for n in lora_names)
+    state = {f"{n}.exp_avg_sq": torch.full(p.shape, float(i + 1)) for i, (n, p) in
+             enumerate((n, p) for n, p in wrapped.named_parameters() if ".lora_" in n)}
+    save_file(state, str(tmp_path / "adam.safetensors"))
+    model, _ = load_causal_lm(base_dir, device="cpu", adapter=adapter_dir)
+    moments = load_second_moments(tmp_path / "adam.safetensors", model)
+    assert sorted(moments.v) == sorted(n.removeprefix("base_model.model.") for n in lora_names)
+    assert all(float(moments.v[n.removeprefix("base_model.model.")][0, 0]) == i + 1 for i, n in enumerate(lora_names))
+    save_file({"base_model.model.no.such.weight.exp_avg_sq": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="this model does not have"):  # a name of neither form is still refused
+        load_second_moments(tmp_path / "other.safetensors", model)

@@ -13,7 +13,8 @@ stored rows (``--method adam``). Two modes (:class:`gradindex.capture.transform.
 The state is read from
 
 * a safetensors file with one tensor per parameter, ``<parameter name>.exp_avg_sq`` (names as in
-  ``model.named_parameters()``), and optionally the metadata key ``eps``
+  ``model.named_parameters()``; a PEFT ``PeftModel``'s ``base_model.model.`` names are read as the
+  injected model's that ``--adapter`` loads), and optionally the metadata key ``eps``
   (default 1e-8); :func:`save_second_moments` writes one from a live optimizer; or
 * a torch checkpoint of ``torch.optim.Adam``/``AdamW``'s ``state_dict()`` (or a dict holding it
   under ``optimizer``), loaded with ``torch.load(weights_only=True)``: never unpickled otherwise.
@@ -43,6 +44,8 @@ from gradindex.capture.transform import LayerTransform
 ADAM_MODES = ("exact", "factored")
 DEFAULT_EPS = 1e-8
 SUFFIX = ".exp_avg_sq"
+PEFT_WRAPPER = "base_model.model."
+"""What a ``PeftModel`` puts before its injected model's parameter names (a LoRA training loop saves those)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,14 @@ def load_second_moments(path: str | os.PathLike, model: nn.Module) -> SecondMome
     return SecondMoments(v, eps, file_sha256(p), fmt)
 
 
+def _unwrapped(name: str, params: Mapping[str, nn.Parameter]) -> str:
+    """``name`` as ``params`` holds it: a ``PeftModel``'s ``base_model.model.X`` is ``X`` of the injected model that
+    ``--adapter`` loads (:func:`gradindex.adapter.attach_adapter`), where only ``X`` is the model's."""
+    if name not in params and name.startswith(PEFT_WRAPPER) and name[len(PEFT_WRAPPER):] in params:
+        return name[len(PEFT_WRAPPER):]
+    return name
+
+
 def _safetensors_eps(p: Path) -> float:
     from safetensors import safe_open
 
@@ -100,7 +111,7 @@ def _from_safetensors(p: Path, params: Mapping[str, nn.Parameter]) -> dict[str, 
     for key, t in tensors.items():
         if not key.endswith(SUFFIX):
             continue
-        name = key[: -len(SUFFIX)]
+        name = _unwrapped(key[: -len(SUFFIX)], params)
         if name not in params:
             unknown.append(name)
             continue
@@ -145,6 +156,7 @@ def _from_torch(p: Path, params: Mapping[str, nn.Parameter]) -> tuple[dict[str, 
     out, eps = {}, {}
     for i, st in sd["state"].items():
         name = by_id.get(int(i))
+        name = name if name is None else _unwrapped(name, params)
         if name is None or name not in params:
             raise ValueError(f"{str(p)!r}: state of parameter id {i} maps to no parameter of this model")
         if "exp_avg_sq" not in st:
