@@ -280,10 +280,13 @@ def second_moments(ft: dict, G: np.ndarray, nt: np.ndarray) -> dict[str, np.ndar
 
 def state_v(path: Path, shapes: dict[str, tuple]) -> np.ndarray:
     """``[P]`` float64: the ``<name>.exp_avg_sq`` tensors of an optimizer state file (:data:`ADAM_STATE`), flattened
-    in ``shapes``' order (:func:`adapter_gradients`' layout); refuses a missing or misshapen matrix."""
+    in ``shapes``' order (:func:`adapter_gradients`' layout, the ``PeftModel``'s names); the file may name them as the
+    wrapper does or as the injected model inside it (``base_model.model.`` dropped: what ``gradindex build --adapter``
+    reads); refuses a missing or misshapen matrix."""
     from safetensors.torch import load_file
 
     t = load_file(str(path))
+    t |= {"base_model.model." + k: v for k, v in t.items() if not k.startswith("base_model.model.")}
     miss = [n for n, sh in shapes.items() if f"{n}.exp_avg_sq" not in t or tuple(t[f"{n}.exp_avg_sq"].shape) != sh]
     if miss:
         raise ValueError(f"{path}: no second moment of the shape of {miss[:3]}")

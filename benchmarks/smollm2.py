@@ -273,10 +273,11 @@ def _lora_model(folder: Path, recipe: Recipe, seed: int):
     return get_peft_model(base, cfg)
 
 
-def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log=None, on_epoch=None):
+def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log=None, on_epoch=None, on_end=None):
     """A PEFT LoRA model trained on ``records`` (shuffled with ``seed``), in eval mode. ``on_epoch(model, epoch,
     seconds)`` after each epoch: the learning rate is constant, so after epoch ``e`` the model is exactly what the
-    same recipe with ``epochs=e`` trains."""
+    same recipe with ``epochs=e`` trains. ``on_end(model, opt)`` once after the last step: the AdamW optimizer,
+    its state as training left it (what :func:`adam_state` saves)."""
     from gradindex.data import collate, per_example_loss
 
     tok, data = tokenized(folder, records, recipe.max_length)
@@ -301,6 +302,8 @@ def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log
             log(f"epoch {epoch + 1}/{recipe.epochs} done ({time.perf_counter() - t0:.0f} s)")
         if on_epoch:
             on_epoch(model, epoch + 1, time.perf_counter() - t0)
+    if on_end:
+        on_end(model, opt)
     model.eval()
     return model, tok
 
@@ -418,9 +421,72 @@ def retrain(ft: dict, mask: np.ndarray, seed: int, out: Path, per_token: bool = 
     return losses
 
 
+def adam_state(ft: dict, work: Path | None = None) -> dict:
+    """Re-run the fine-tune ``ft`` describes (its ``train.jsonl`` records, seed and recipe) keeping AdamW's state at
+    the end, which the first run did not save: ``adam-state.safetensors`` in the fine-tune's folder, one
+    ``<parameter name>.exp_avg_sq`` per LoRA matrix (names as the injected model inside the ``PeftModel`` gives
+    them, ``model.layers.0...lora_A.default.weight``: what ``gradindex build --adapter ... --optimizer-state`` reads,
+    not the wrapper's ``base_model.model.`` names; not bias-corrected), metadata ``eps``, ``step`` (the
+    optimizer updates taken), ``betas`` and ``lr``; the re-run's adapter in ``adapter-rerun/`` when its weights are
+    not bit-identical to ``adapter/``'s; ``adam-state.json``: threads, seconds, and the re-run's LoRA weights against
+    the cached adapter's (the state belongs to the re-run, so how close it is to the indexed fine-tune)."""
+    from safetensors.torch import load_file, save_file
+
+    work = work or Path(ft["data"]).parent
+    records = [json.loads(x) for x in Path(ft["data"]).read_text().splitlines()]
+    recipe = Recipe(**{k: tuple(v) if k == "targets" else v for k, v in ft["recipe"].items()})
+    got = {}
+
+    def keep(model, opt):
+        from gradindex.adapter import unwrap_peft
+
+        names = {id(p): n for n, p in unwrap_peft(model).named_parameters()}
+        tensors, steps = {}, set()
+        for p, st in opt.state.items():
+            tensors[names[id(p)] + ".exp_avg_sq"] = st["exp_avg_sq"].detach().float().contiguous().clone()
+            steps.add(int(st["step"]))
+        (g,) = opt.param_groups
+        got.update(tensors=tensors, step=steps.pop() if len(steps) == 1 else sorted(steps), eps=g["eps"],
+                   betas=list(g["betas"]), lr=g["lr"])
+
+    t0 = time.perf_counter()
+    model, tok = train_lora(Path(ft["base"]), records, recipe, ft["seed"], log=print, on_end=keep)
+    seconds = time.perf_counter() - t0
+    out = work / "adam-state.safetensors"
+    save_file(got["tensors"], str(out), metadata={"eps": repr(got["eps"]), "step": str(got["step"]),
+                                                  "betas": json.dumps(got["betas"]), "lr": repr(got["lr"]),
+                                                  "key_format": "<param name>.exp_avg_sq"})
+    rerun = work / "adapter-rerun"
+    model.save_pretrained(rerun)
+    a, b = load_file(str(rerun / "adapter_model.safetensors")), load_file(str(Path(ft["adapter"]) /
+                                                                            "adapter_model.safetensors"))
+    if set(a) != set(b):
+        raise RuntimeError(f"the re-run's adapter holds other tensors than {ft['adapter']}")
+    diff = torch.cat([(a[k].double() - b[k].double()).reshape(-1) for k in sorted(a)])
+    ref = torch.cat([b[k].double().reshape(-1) for k in sorted(a)])
+    per = {k: float((a[k].double() - b[k].double()).norm() / b[k].double().norm()) for k in a}
+    identical = all(torch.equal(a[k], b[k]) for k in a)
+    if identical:
+        import shutil
+
+        shutil.rmtree(rerun)
+    info = {"state": str(out), "step": got["step"], "eps": got["eps"], "betas": got["betas"], "lr": got["lr"],
+            "tensors": len(got["tensors"]), "numbers": int(sum(t.numel() for t in got["tensors"].values())),
+            "threads": torch.get_num_threads(), "seconds": round(seconds, 1),
+            "load_after": round(os.getloadavg()[0], 1), "adapter_rerun": None if identical else str(rerun),
+            "vs_cached_adapter": {"bit_identical": identical, "max_abs_diff": float(diff.abs().max()),
+                                  "max_abs_weight": float(ref.abs().max()),
+                                  "relative_l2": float(diff.norm() / ref.norm()),
+                                  "largest_matrix_relative_l2": max(per.values()),
+                                  "largest_matrix": max(per, key=per.get)}}
+    (work / "adam-state.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="SmolLM2-135M-Instruct as a benchmark subject")
-    p.add_argument("what", choices=["prepare", "finetune"])
+    p.add_argument("what", choices=["prepare", "finetune", "adam-state"],
+                   help="adam-state: re-run a cached fine-tune keeping its AdamW state (adam_state)")
     p.add_argument("--n", type=int, default=160, help="conversations in the chat set")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--facts", type=int, default=12, help="planted facts")
@@ -431,6 +497,8 @@ def main(argv=None) -> None:
     if a.what == "prepare":
         folder = model_folder()
         print(json.dumps({"model": str(folder), **json.loads((folder / "converted.json").read_text())}))
+    elif a.what == "adam-state":
+        print(json.dumps(adam_state(finetune(a.n, a.seed, Recipe(epochs=a.epochs), facts=a.facts)), indent=1))
     else:
         print(json.dumps(finetune(a.n, a.seed, Recipe(epochs=a.epochs), facts=a.facts, snapshots=a.snapshots),
                          indent=1))

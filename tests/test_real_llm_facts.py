@@ -60,3 +60,32 @@ def test_an_epoch_snapshot_is_the_shorter_recipe(tmp_path):
     assert sorted(seen) == [1, 2, 3] and two.keys() == seen[2].keys()
     assert all(torch.equal(two[k], seen[2][k]) for k in two)
     assert not all(torch.equal(seen[3][k], seen[2][k]) for k in two)
+
+
+@pytest.mark.slow
+def test_adam_state_is_the_rerun_optimizer_state_gradindex_reads(tmp_path):
+    """``adam_state`` re-runs a fine-tune keeping AdamW's ``exp_avg_sq``: a file gradindex's loader reads for the
+    PEFT model, one update per batch and epoch; a re-run of the same records and seed is the cached adapter."""
+    from transformers import AutoModelForCausalLM
+
+    from fixtures.tiny import chat_tokenizer, save_model_dir, tiny_llama
+    from gradindex.adapter import attach_adapter
+    from gradindex.capture.adam import load_second_moments
+
+    cs = smollm2.chat_set(40, facts=3, held_out=1, seed=1)
+    tok = chat_tokenizer([m["content"] for r in cs.records for m in r["messages"]], vocab_size=300)
+    base = save_model_dir(tiny_llama(vocab_size=len(tok), n_layer=1, hidden=16, n_head=2, intermediate=24), tok,
+                          tmp_path / "base")
+    recipe = smollm2.Recipe(rank=2, alpha=4, lr=1e-2, epochs=2, batch_size=8, max_length=96)
+    model, _ = smollm2.train_lora(base, cs.records, recipe, 5)
+    model.save_pretrained(tmp_path / "adapter")
+    ft = {"base": str(base), "adapter": str(tmp_path / "adapter"),
+          "data": str(smollm2.write_jsonl(cs.records, tmp_path / "train.jsonl")), "seed": 5,
+          "recipe": smollm2.asdict(recipe)}
+    info = smollm2.adam_state(ft, tmp_path)
+    assert info["step"] == 2 * 5 and info["vs_cached_adapter"]["bit_identical"]
+    assert info["adapter_rerun"] is None and not (tmp_path / "adapter-rerun").exists()
+    model = attach_adapter(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / "adapter")
+    moments = load_second_moments(tmp_path / "adam-state.safetensors", model)  # as `gradindex build --adapter` does
+    assert len(moments.v) == sum("lora_" in n for n, _ in model.named_parameters()) == info["tensors"]
+    assert set(moments.eps.values()) == {1e-8} and all((v > 0).any() for v in moments.v.values())

@@ -144,3 +144,8 @@ def test_trackstar_through_a_lora_adapter(tmp_path):
     for which in ("batches", "examples"):  # the stand-ins are optimizer states gradindex reads for this model
         moments = load_second_moments(tmp_path / f"v-{which}.safetensors", peft)
         assert len(moments.v) == sum("lora_" in n for n, _ in peft.named_parameters()) == 4
+    adam = real_llm.trackstar(ft, cs.records[:3], states={"adam": tmp_path / "v-batches.safetensors"},
+                              stand_ins=False)  # another v source, read from a state file: only its scores
+    assert set(adam) == {"trackstar (adapter, v: adam)", "trackstar unprojected (adapter, v: adam)"}
+    assert np.allclose(adam["trackstar unprojected (adapter, v: adam)"],
+                       out["trackstar unprojected (adapter, v: batches)"])
