@@ -79,6 +79,9 @@ class Estimate:
     dtype: str
     exact: dict[str, int] = field(default_factory=dict)
     """Bytes of the exact stage's GPU memory (:func:`exact_stage_memory`)."""
+    exact_seconds: float = 0.0
+    """One query's exact stage of the top :data:`~gradindex.query.full.EXACT_STAGE_C` on one GPU at ``tflops``
+    (:func:`exact_stage_flops`, a query and candidates of the mean length)."""
 
     @property
     def gpu_bytes(self) -> int:
@@ -92,7 +95,7 @@ class Estimate:
 
     def to_dict(self) -> dict:
         exact = {**self.exact, "total": self.exact_total, "queries_per_gpu": self.exact_queries,
-                 "fits_one_gpu": self.exact_queries > 0}
+                 "fits_one_gpu": self.exact_queries > 0, "seconds_a_query": self.exact_seconds}
         return {"weights_loaded": False, "tflops_per_gpu": self.tflops, "host_flops": HOST_FLOPS,
                 "flops": self.flops, "gpus": self.gpus, "full_space_gpus": self.full_space_gpus,
                 "gpu_bytes_each": GPU_BYTES, "batch_tokens": self.tokens,
@@ -217,6 +220,30 @@ def stage_flops(model: nn.Module, cfg, plan, lengths: np.ndarray) -> tuple[dict[
     return gpu, host
 
 
+def exact_stage_flops(model: nn.Module, cfg, layers, query_t: float, candidate_t: float,
+                      candidates: int) -> dict[str, float]:
+    """FLOPs of one self-normalized exact stage (``--rerank-full C``, :mod:`gradindex.query.full`) of ``candidates``
+    examples of ``candidate_t`` tokens for a query of ``query_t``: ``query``, its model pass, its full gradient
+    ``G_q`` (``2 T N_o N_i`` a layer) and ``M = (H + δI)⁻¹ G_q`` (two rotations, ``4 (N_o² N_i + N_o N_i²)``);
+    ``candidates``, each a model pass, its dense gradient dotted with ``M`` (``2 T N_o N_i``) and its self-influence
+    (per-token factors rotated and multiplied, ``2 T (N_o² + N_i² + N_o N_i)``); an expert's layer on its
+    ``top_k / E`` share of the tokens."""
+    L, d_attn = attention_width(model)
+    per_token, per_sq = 4 * matmul_params(model), 6 * L * d_attn
+    shares = token_shares(model, cfg)
+
+    def model_pass(t: float) -> float:
+        return per_token * t + per_sq * t * t
+
+    query = model_pass(query_t)
+    each = model_pass(candidate_t)
+    for lp in layers:
+        s, o, i = shares.get(lp.name, 1.0), lp.n_out, lp.n_in
+        query += 2 * s * query_t * o * i + 4 * (o * o * i + o * i * i)
+        each += 2 * s * candidate_t * (2 * o * i + o * o + i * i)
+    return {"query": query, "candidates": candidates * each}
+
+
 ACTIVATION_FACTOR = 1.6
 """What a capture batch holds beyond the hooked layers' inputs and outputs and the logits counted by
 :func:`activation_bytes`: the tensors autograd keeps beside them (the norms' inputs, the rotated queries and keys,
@@ -315,4 +342,9 @@ def estimate_build(model: nn.Module, cfg, plan, lengths, dtype: str, tflops: flo
                for k in [*on_gpu, *(k for k in on_host if k not in on_gpu)]}
     flops = {k: on_gpu.get(k, 0) + on_host.get(k, 0) for k in seconds}
     exact = exact_stage_memory(gpu["weights"], gpu["activations"], plan.layers, cfg.batch_size)
-    return Estimate(tflops, flops, seconds, gpu, full, gpus, full_gpus, cfg.batch_size * longest, dtype, exact)
+    from gradindex.query.full import EXACT_STAGE_C
+
+    t = float(np.mean(lengths)) if len(lengths) else 1.0
+    exact_s = sum(exact_stage_flops(model, cfg, plan.layers, t, t, EXACT_STAGE_C).values()) / (tflops * 1e12)
+    return Estimate(tflops, flops, seconds, gpu, full, gpus, full_gpus, cfg.batch_size * longest, dtype, exact,
+                    exact_s)

@@ -99,6 +99,10 @@ class BuildPlan:
     ``ram_bytes``."""
     correction: int = 0
     """Examples of that fit's EK-FAC correction pass (a model pass over them; 0: a K-FAC fit)."""
+    exact_seconds: float = 0.0
+    """One query's exact stage of the top :data:`~gradindex.query.full.EXACT_STAGE_C` (self-normalized; on a
+    budget-bound index, on request): its FLOPs (:func:`gradindex.estimate.exact_stage_flops`) at the throughput the
+    timed capture batches ran at, or a config-only plan's assumed one (0: not estimated)."""
 
     @property
     def budget_bound(self) -> bool:
@@ -158,9 +162,15 @@ class BuildPlan:
             lk = self.lookup
             look = (f"a lookup ({lk.kind} index) about {lk.seconds:.2g} s a query on one idle core, "
                     f"{human(lk.ram_bytes)} RAM, {human(lk.scanned_bytes)} read")
+        exact = ""
+        if self.exact_seconds and self.budget_bound:
+            from gradindex.query.full import EXACT_STAGE_C
+
+            exact = (f"; the exact stage, on request (--rerank-full {EXACT_STAGE_C} after `gradindex precondition "
+                     f"--space full`), about {_duration(self.exact_seconds)} a query")
         return (f"plan: {self.examples:,} examples x {len(self.layers)} layers ({numbers:,} numbers, {rows}: "
                 f"{human(self.row_bytes)} per example); disk {human(self.final_disk)} final, {human(self.peak_disk)} "
-                f"at peak; RAM about {human(self.ram_bytes)}{t}; {look}")
+                f"at peak; RAM about {human(self.ram_bytes)}{t}; {look}{exact}")
 
 
 def _duration(s: float) -> str:
@@ -277,6 +287,19 @@ def rerank_fit_sizes(cfg: BuildConfig, examples: int, wanted: bool, optimizer: b
     return fit, correction
 
 
+def exact_seconds(model: nn.Module, cfg: BuildConfig, plan: BuildPlan, lengths, capture_seconds: float) -> float:
+    """One query's exact stage of the top :data:`~gradindex.query.full.EXACT_STAGE_C` (a query and candidates of the
+    data's mean length): its FLOPs at the rate the capture of ``lengths`` runs at (``capture_seconds``)."""
+    from gradindex.estimate import exact_stage_flops, stage_flops
+    from gradindex.query.full import EXACT_STAGE_C
+
+    if not len(lengths) or capture_seconds <= 0:
+        return 0.0
+    rate = stage_flops(model, cfg, plan, np.asarray(lengths))[0]["capture"] / capture_seconds
+    t = float(np.mean(lengths))
+    return sum(exact_stage_flops(model, cfg, plan.layers, t, t, EXACT_STAGE_C).values()) / rate
+
+
 def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,
                     batches: int = 2) -> dict[str, float]:
     """Seconds per stage, extrapolated from ``batches`` timed capture batches (after one warm-up) and one
@@ -303,6 +326,7 @@ def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: B
             p.requires_grad_(was[n])
     per_batch = float(np.mean(times[1:] if len(times) > 1 else times))
     out = {"capture": per_batch * N / B}
+    plan.exact_seconds = exact_seconds(model, cfg, plan, [len(x) for x in data.input_ids], out["capture"])
     if cfg.precondition != "none":
         g = torch.Generator().manual_seed(0)
         t = time.perf_counter()

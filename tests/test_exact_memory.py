@@ -170,3 +170,28 @@ def test_curvature_held_at_once_stays_within_the_budget(tmp_path, tokenizer, tex
           f"{streamed}")
     assert every["peak"] >= total and every["cache_peak"] == total
     assert streamed["cache_peak"] <= budget and streamed["peak"] <= budget + (1 << 20)
+
+
+def test_the_plans_exact_stage_flops_are_what_torch_counts(built):
+    """``gradindex plan``'s exact-stage time is :func:`gradindex.estimate.exact_stage_flops` at a rate: its count
+    within 15% of torch's FlopCounterMode over a real self-normalized exact stage (one query, candidates of their
+    own lengths, one a batch so that nothing is padded)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gradindex.estimate import exact_stage_flops
+    from gradindex.plan import hooked_layers
+
+    idx, model, tok, data = built
+    pre = load_full_preconditioner(idx, "ekfac")
+    query = (data.input_ids[5], data.labels[5])
+    rows = np.array([0, 3, 7, 11])
+    with FlopCounterMode(display=False) as counter:
+        F.full_scores_batch(model, pre.layers, [query], (data.input_ids, data.labels), [rows], tok.pad_token_id,
+                            "ekfac-selfnorm", 1, pre, DAMPING)
+    cfg = BuildConfig(max_length=64, layers=tuple(pre.layers))
+    plan_layers = [lp for lp in hooked_layers(model, cfg) if lp.name in pre.layers]
+    assert len(plan_layers) == len(pre.layers)
+    t_q = len(query[0])
+    want = exact_stage_flops(model, cfg, plan_layers, t_q, t_q, 0)["query"] + sum(
+        exact_stage_flops(model, cfg, plan_layers, t_q, len(data.input_ids[i]), 1)["candidates"] for i in rows)
+    assert 0.85 < want / counter.get_total_flops() < 1.15, (want, counter.get_total_flops())
