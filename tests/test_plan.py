@@ -76,8 +76,8 @@ def test_plan_of_a_budget_bound_build_counts_its_full_space_fit(gpt2_dir, text_j
     assert 0.8 * fits <= b["precond"] + b["basis"] <= 1.2 * fits, (b, fits)
 
 
-RAM_PROBE = """
-import json, resource, sys, threading
+PROBE = """
+import json, resource, sys
 import torch, transformers
 from gradindex.capture import GradientCapture, KfacSums, ProjectedRows, RowSpace
 from gradindex.capture.batch import batch_gradients
@@ -89,53 +89,12 @@ from gradindex.store.builder import BuildConfig
 from gradindex.store.sizing import sized_projection
 
 torch.manual_seed(0)
-model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-    vocab_size=50_000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
-    num_key_value_heads=2, max_position_embeddings=64)).eval().requires_grad_(False)
-B, T = 4, 32
-cfg = BuildConfig(batch_size=B, max_length=T)
-plan = plan_build(model, cfg, 64, index=False, longest=T)
-space = RowSpace(sized_projection(cfg, {n: layer_info(m) for n, m in select_layers(model).items()}, RowBasis()))
-ids = torch.randint(0, 50_000, (3 * B, T), generator=torch.Generator().manual_seed(1)).tolist()
-with GradientCapture(model, cfg.layers, ProjectedRows(space, cfg.route), KfacSums(space)) as cap:
-    for b in range(3):
-        batch_gradients(model, cap, ids[b * B:(b + 1) * B], ids[b * B:(b + 1) * B], 0)
-print(json.dumps({"plan": plan.ram_bytes, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  "weights": sum(p.numel() * 4 for p in model.parameters())}))
-"""
-
-
-def test_plan_ram_counts_the_weights_once():
-    """A 2-layer model whose weights are most of its memory (a 2-layer slice of a big model is one): the planned
-    RAM within 25% of a capture's measured peak RSS (the interpreter, the weights, three capture batches). The
-    plan counted the weights three times (its own copy and ``2 x`` more in the capture): 1.9x here, 2.5x on a
-    2-layer Llama-3-8B slice (18.9 GB planned, 7.6 GB measured; benchmarks/results/plan_slice.json)."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", RAM_PROBE], capture_output=True, text=True, env=env, timeout=300)
-    assert res.returncode == 0, res.stderr
-    r = json.loads(res.stdout.strip().splitlines()[-1])
-    assert r["weights"] > 400e6  # (the weights dominate)
-    assert 0.75 < r["plan"] / r["peak"] < 1.25, r
-
-
-MOE_PROBE = """
-import json, resource, sys
-import torch
-from gradindex.capture import GradientCapture, KfacSums, ProjectedRows, RowSpace
-from gradindex.capture.batch import batch_gradients
-from gradindex.capture.hooks import select_layers
-from gradindex.capture.layers import layer_info
-from gradindex.plan import plan_build
-from gradindex.store.basis import RowBasis
-from gradindex.store.builder import BuildConfig
-from gradindex.store.sizing import sized_projection
-
-import transformers
-model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)  # (as a build loads it)
+if len(sys.argv) > 1:  # a saved folder, loaded as a build loads it
+    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+else:
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=50_000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=64))
 model.eval().requires_grad_(False)
 B, T = 4, 32
 cfg = BuildConfig(batch_size=B, max_length=T)
@@ -151,14 +110,35 @@ print(json.dumps({"plan": plan.ram_bytes, "peak": resource.getrusage(resource.RU
 """
 
 
-def test_plan_ram_counts_fused_expert_weights_twice(tmp_path):
-    """A Mixtral folder whose experts are most of its weights: loading fuses the checkpoint's per-expert matrices
-    into 3-D parameters, a copy beside the mapped file, so a capture's peak RSS holds them twice (a 1-layer
-    Mixtral-8x7B slice: 14.2 GB for 6.85 GB of weights, benchmarks/results/plan_slice.json). The plan within 25%."""
+def _probe(*folder) -> dict:
+    """:data:`PROBE` in a fresh process (one thread): the plan's RAM, the capture's peak RSS, the weights' bytes."""
     import os
     import subprocess
     import sys
 
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", PROBE, *map(str, folder)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_plan_ram_counts_the_weights_once():
+    """A 2-layer model whose weights are most of its memory (a 2-layer slice of a big model is one): the planned
+    RAM within 25% of a capture's measured peak RSS (the interpreter, the weights, three capture batches). The
+    plan counted the weights three times (its own copy and ``2 x`` more in the capture): 1.9x here, 2.5x on a
+    2-layer Llama-3-8B slice (18.9 GB planned, 7.6 GB measured; benchmarks/results/plan_slice.json)."""
+    r = _probe()
+    assert r["weights"] > 400e6  # (the weights dominate)
+    assert 0.75 < r["plan"] / r["peak"] < 1.25, r
+
+
+
+
+def test_plan_ram_counts_fused_expert_weights_twice(tmp_path):
+    """A Mixtral folder whose experts are most of its weights: loading fuses the checkpoint's per-expert matrices
+    into 3-D parameters, a copy beside the mapped file, so a capture's peak RSS holds them twice (a 1-layer
+    Mixtral-8x7B slice: 14.2 GB for 6.85 GB of weights, benchmarks/results/plan_slice.json). The plan within 25%."""
     import torch
     import transformers
 
@@ -167,10 +147,6 @@ def test_plan_ram_counts_fused_expert_weights_twice(tmp_path):
                                      num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
                                      num_experts_per_tok=2, max_position_embeddings=64)
     transformers.MixtralForCausalLM(cfg).save_pretrained(tmp_path / "moe")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, "-c", MOE_PROBE, str(tmp_path / "moe")], capture_output=True, text=True,
-                         env=env, timeout=300)
-    assert res.returncode == 0, res.stderr
-    r = json.loads(res.stdout.strip().splitlines()[-1])
+    r = _probe(tmp_path / "moe")
     assert r["fused"] > 0.8 * r["weights"] > 400e6  # (the experts dominate)
     assert 0.75 < r["plan"] / r["peak"] < 1.25, r
