@@ -223,11 +223,11 @@ def stage_flops(model: nn.Module, cfg, plan, lengths: np.ndarray) -> tuple[dict[
 def exact_stage_flops(model: nn.Module, cfg, layers, query_t: float, candidate_t: float,
                       candidates: int) -> dict[str, float]:
     """FLOPs of one self-normalized exact stage (``--rerank-full C``, :mod:`gradindex.query.full`) of ``candidates``
-    examples of ``candidate_t`` tokens for a query of ``query_t``: ``query``, its model pass, its full gradient
-    ``G_q`` (``2 T N_o N_i`` a layer) and ``M = (H + δI)⁻¹ G_q`` (two rotations, ``4 (N_o² N_i + N_o N_i²)``);
-    ``candidates``, each a model pass, its dense gradient dotted with ``M`` (``2 T N_o N_i``) and its self-influence
-    (per-token factors rotated and multiplied, ``2 T (N_o² + N_i² + N_o N_i)``); an expert's layer on its
-    ``top_k / E`` share of the tokens."""
+    examples of ``candidate_t`` tokens for a query of ``query_t``: ``passes``, the query's and the candidates' model
+    passes (as the capture's); ``query``, its full gradient ``G_q`` (``2 T N_o N_i`` a layer) and ``M = (H + δI)⁻¹
+    G_q`` (two rotations, ``4 (N_o² N_i + N_o N_i²)``); ``candidates``, each one's dense gradient dotted with ``M``
+    (``2 T N_o N_i``) and its self-influence (per-token factors rotated and multiplied, ``2 T (N_o² + N_i² + N_o
+    N_i)``); an expert's layer on its ``top_k / E`` share of the tokens. The last two are large dense products."""
     L, d_attn = attention_width(model)
     per_token, per_sq = 4 * matmul_params(model), 6 * L * d_attn
     shares = token_shares(model, cfg)
@@ -235,13 +235,13 @@ def exact_stage_flops(model: nn.Module, cfg, layers, query_t: float, candidate_t
     def model_pass(t: float) -> float:
         return per_token * t + per_sq * t * t
 
-    query = model_pass(query_t)
-    each = model_pass(candidate_t)
+    query, each = 0.0, 0.0
     for lp in layers:
         s, o, i = shares.get(lp.name, 1.0), lp.n_out, lp.n_in
         query += 2 * s * query_t * o * i + 4 * (o * o * i + o * i * i)
         each += 2 * s * candidate_t * (2 * o * i + o * o + i * i)
-    return {"query": query, "candidates": candidates * each}
+    return {"passes": model_pass(query_t) + candidates * model_pass(candidate_t), "query": query,
+            "candidates": candidates * each}
 
 
 ACTIVATION_FACTOR = 1.6

@@ -101,8 +101,9 @@ class BuildPlan:
     """Examples of that fit's EK-FAC correction pass (a model pass over them; 0: a K-FAC fit)."""
     exact_seconds: float = 0.0
     """One query's exact stage of the top :data:`~gradindex.query.full.EXACT_STAGE_C` (self-normalized; on a
-    budget-bound index, on request): its FLOPs (:func:`gradindex.estimate.exact_stage_flops`) at the throughput the
-    timed capture batches ran at, or a config-only plan's assumed one (0: not estimated)."""
+    budget-bound index, on request): its FLOPs (:func:`gradindex.estimate.exact_stage_flops`), the model passes at
+    the throughput the timed capture batches ran at and the dense products at a timed one (:func:`dense_rate`), or
+    all at a config-only plan's assumed throughput (0: not estimated)."""
 
     @property
     def budget_bound(self) -> bool:
@@ -287,17 +288,39 @@ def rerank_fit_sizes(cfg: BuildConfig, examples: int, wanted: bool, optimizer: b
     return fit, correction
 
 
-def exact_seconds(model: nn.Module, cfg: BuildConfig, plan: BuildPlan, lengths, capture_seconds: float) -> float:
+def exact_seconds(model: nn.Module, cfg: BuildConfig, plan: BuildPlan, lengths, capture_seconds: float,
+                  dense_rate: float) -> float:
     """One query's exact stage of the top :data:`~gradindex.query.full.EXACT_STAGE_C` (a query and candidates of the
-    data's mean length): its FLOPs at the rate the capture of ``lengths`` runs at (``capture_seconds``)."""
+    data's mean length): its model passes at the rate the capture of ``lengths`` runs at (``capture_seconds``), its
+    dense products at ``dense_rate`` FLOP/s (:func:`dense_rate`)."""
     from gradindex.estimate import exact_stage_flops, stage_flops
     from gradindex.query.full import EXACT_STAGE_C
 
-    if not len(lengths) or capture_seconds <= 0:
+    if not len(lengths) or capture_seconds <= 0 or dense_rate <= 0:
         return 0.0
     rate = stage_flops(model, cfg, plan, np.asarray(lengths))[0]["capture"] / capture_seconds
     t = float(np.mean(lengths))
-    return sum(exact_stage_flops(model, cfg, plan.layers, t, t, EXACT_STAGE_C).values()) / rate
+    f = exact_stage_flops(model, cfg, plan.layers, t, t, EXACT_STAGE_C)
+    return f["passes"] / rate + (f["query"] + f["candidates"]) / dense_rate
+
+
+def dense_rate(plan: BuildPlan, device: str = "cpu", tokens: int = 64) -> float:
+    """FLOP/s of the exact stage's dense products on ``device``: the largest hooked layer's full-space rotation of
+    a ``tokens`` x ``N_o`` and ``tokens`` x ``N_i`` per-token factor pair, timed once after a warm-up."""
+    if not plan.layers:
+        return 0.0
+    lp = max(plan.layers, key=lambda x: x.n_out * x.n_in)
+    g = torch.Generator().manual_seed(0)
+    Q_S, Q_A = torch.randn(lp.n_out, lp.n_out, generator=g), torch.randn(lp.n_in, lp.n_in, generator=g)
+    gt, at = torch.randn(tokens, lp.n_out, generator=g), torch.randn(tokens, lp.n_in, generator=g)
+    Q_S, Q_A, gt, at = (x.to(device) for x in (Q_S, Q_A, gt, at))
+    flops = 2 * tokens * (lp.n_out ** 2 + lp.n_in ** 2 + lp.n_out * lp.n_in)
+    seconds = []
+    for _ in range(3):
+        t = time.perf_counter()
+        ((gt @ Q_S).T @ (at @ Q_A)).sum().item()
+        seconds.append(time.perf_counter() - t)
+    return flops / max(min(seconds[1:]), 1e-9)
 
 
 def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,
@@ -326,7 +349,9 @@ def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: B
             p.requires_grad_(was[n])
     per_batch = float(np.mean(times[1:] if len(times) > 1 else times))
     out = {"capture": per_batch * N / B}
-    plan.exact_seconds = exact_seconds(model, cfg, plan, [len(x) for x in data.input_ids], out["capture"])
+    device = next(model.parameters()).device
+    plan.exact_seconds = exact_seconds(model, cfg, plan, [len(x) for x in data.input_ids], out["capture"],
+                                       dense_rate(plan, device) if plan.budget_bound else 0.0)
     if cfg.precondition != "none":
         g = torch.Generator().manual_seed(0)
         t = time.perf_counter()

@@ -192,6 +192,7 @@ def test_the_plans_exact_stage_flops_are_what_torch_counts(built):
     plan_layers = [lp for lp in hooked_layers(model, cfg) if lp.name in pre.layers]
     assert len(plan_layers) == len(pre.layers)
     t_q = len(query[0])
-    want = exact_stage_flops(model, cfg, plan_layers, t_q, t_q, 0)["query"] + sum(
-        exact_stage_flops(model, cfg, plan_layers, t_q, len(data.input_ids[i]), 1)["candidates"] for i in rows)
+    alone = exact_stage_flops(model, cfg, plan_layers, t_q, t_q, 0)  # the query's pass and M
+    each = [exact_stage_flops(model, cfg, plan_layers, t_q, len(data.input_ids[i]), 1) for i in rows]
+    want = sum(alone.values()) + sum(f["passes"] - alone["passes"] + f["candidates"] for f in each)
     assert 0.85 < want / counter.get_total_flops() < 1.15, (want, counter.get_total_flops())
