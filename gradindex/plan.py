@@ -99,11 +99,12 @@ class BuildPlan:
     ``ram_bytes``."""
     correction: int = 0
     """Examples of that fit's EK-FAC correction pass (a model pass over them; 0: a K-FAC fit)."""
-    exact_seconds: float = 0.0
+    exact_seconds: tuple[float, float] = (0.0, 0.0)
     """One query's exact stage of the top :data:`~gradindex.query.full.EXACT_STAGE_C` (self-normalized; on a
-    budget-bound index, on request): its FLOPs (:func:`gradindex.estimate.exact_stage_flops`), the model passes at
-    the throughput the timed capture batches ran at and the dense products at a timed one (:func:`dense_rate`), or
-    all at a config-only plan's assumed throughput (0: not estimated)."""
+    budget-bound index, on request), ``(low, high)``: its FLOPs (:func:`gradindex.estimate.exact_stage_flops`) with
+    the dense products at timed matmul rates (:func:`dense_rates`: low) or at the timed capture's rate (high), the
+    model passes at the capture's; a config-only plan's both at its assumed throughput ((0, 0): not estimated). On
+    SmolLM2-135M the measured exact stage fell between the two (docs/query.md, "Two stages")."""
 
     @property
     def budget_bound(self) -> bool:
@@ -164,11 +165,13 @@ class BuildPlan:
             look = (f"a lookup ({lk.kind} index) about {lk.seconds:.2g} s a query on one idle core, "
                     f"{human(lk.ram_bytes)} RAM, {human(lk.scanned_bytes)} read")
         exact = ""
-        if self.exact_seconds and self.budget_bound:
+        low, high = self.exact_seconds
+        if high and self.budget_bound:
             from gradindex.query.full import EXACT_STAGE_C
 
+            span = _duration(low) if _duration(low) == _duration(high) else f"{_duration(low)}-{_duration(high)}"
             exact = (f"; the exact stage, on request (--rerank-full {EXACT_STAGE_C} after `gradindex precondition "
-                     f"--space full`), about {_duration(self.exact_seconds)} a query")
+                     f"--space full`), about {span} a query")
         return (f"plan: {self.examples:,} examples x {len(self.layers)} layers ({numbers:,} numbers, {rows}: "
                 f"{human(self.row_bytes)} per example); disk {human(self.final_disk)} final, {human(self.peak_disk)} "
                 f"at peak; RAM about {human(self.ram_bytes)}{t}; {look}{exact}")
@@ -289,38 +292,44 @@ def rerank_fit_sizes(cfg: BuildConfig, examples: int, wanted: bool, optimizer: b
 
 
 def exact_seconds(model: nn.Module, cfg: BuildConfig, plan: BuildPlan, lengths, capture_seconds: float,
-                  dense_rate: float) -> float:
+                  device="cpu") -> tuple[float, float]:
     """One query's exact stage of the top :data:`~gradindex.query.full.EXACT_STAGE_C` (a query and candidates of the
-    data's mean length): its model passes at the rate the capture of ``lengths`` runs at (``capture_seconds``), its
-    dense products at ``dense_rate`` FLOP/s (:func:`dense_rate`)."""
+    data's mean length), ``(low, high)``: its model passes at the rate the capture of ``lengths`` runs at
+    (``capture_seconds``), its dense products at the rates :func:`dense_rates` times on ``device`` (low; the real
+    stage adds reading its curvature and elementwise work) or at the capture's rate (high)."""
     from gradindex.estimate import exact_stage_flops, stage_flops
     from gradindex.query.full import EXACT_STAGE_C
 
-    if not len(lengths) or capture_seconds <= 0 or dense_rate <= 0:
-        return 0.0
+    if not len(lengths) or capture_seconds <= 0 or not plan.layers:
+        return 0.0, 0.0
     rate = stage_flops(model, cfg, plan, np.asarray(lengths))[0]["capture"] / capture_seconds
     t = float(np.mean(lengths))
     f = exact_stage_flops(model, cfg, plan.layers, t, t, EXACT_STAGE_C)
-    return f["passes"] / rate + (f["query"] + f["candidates"]) / dense_rate
+    on_m, on_tokens = dense_rates(plan, device, max(1, round(min(cfg.batch_size, EXACT_STAGE_C) * t)))
+    return (f["passes"] / rate + f["query"] / on_m + f["candidates"] / on_tokens,
+            (f["passes"] + f["query"] + f["candidates"]) / rate)
 
 
-def dense_rate(plan: BuildPlan, device: str = "cpu", tokens: int = 64) -> float:
-    """FLOP/s of the exact stage's dense products on ``device``: the largest hooked layer's full-space rotation of
-    a ``tokens`` x ``N_o`` and ``tokens`` x ``N_i`` per-token factor pair, timed once after a warm-up."""
-    if not plan.layers:
-        return 0.0
+def dense_rates(plan: BuildPlan, device="cpu", rows: int = 512) -> tuple[float, float]:
+    """FLOP/s of the exact stage's two kinds of dense product on ``device``, on the largest hooked layer: the query's
+    ``Q_Sᵀ G Q_A`` (``[N_o, N_i]`` between square factors) and a candidate batch's per-token factors rotated and
+    multiplied (``rows`` tokens of ``[N_o]`` and ``[N_i]``). Each timed after a warm-up, the faster of two."""
     lp = max(plan.layers, key=lambda x: x.n_out * x.n_in)
+    o, i = lp.n_out, lp.n_in
     g = torch.Generator().manual_seed(0)
-    Q_S, Q_A = torch.randn(lp.n_out, lp.n_out, generator=g), torch.randn(lp.n_in, lp.n_in, generator=g)
-    gt, at = torch.randn(tokens, lp.n_out, generator=g), torch.randn(tokens, lp.n_in, generator=g)
-    Q_S, Q_A, gt, at = (x.to(device) for x in (Q_S, Q_A, gt, at))
-    flops = 2 * tokens * (lp.n_out ** 2 + lp.n_in ** 2 + lp.n_out * lp.n_in)
-    seconds = []
-    for _ in range(3):
-        t = time.perf_counter()
-        ((gt @ Q_S).T @ (at @ Q_A)).sum().item()
-        seconds.append(time.perf_counter() - t)
-    return flops / max(min(seconds[1:]), 1e-9)
+    Q_S, Q_A, G = (torch.randn(*s, generator=g).to(device) for s in ((o, o), (i, i), (o, i)))
+    gt, at = (torch.randn(rows, n, generator=g).to(device) for n in (o, i))
+    products = ((lambda: Q_S.T @ G @ Q_A, 2 * (o * o * i + o * i * i)),
+                (lambda: (gt @ Q_S).T @ (at @ Q_A), 2 * rows * (o * o + i * i + o * i)))
+    out = []
+    for run, flops in products:
+        seconds = []
+        for _ in range(3):
+            t = time.perf_counter()
+            run().sum().item()
+            seconds.append(time.perf_counter() - t)
+        out.append(flops / max(min(seconds[1:]), 1e-9))
+    return out[0], out[1]
 
 
 def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: BuildPlan, pad_id: int,
@@ -349,9 +358,9 @@ def measure_seconds(model: nn.Module, data: Tokenized, cfg: BuildConfig, plan: B
             p.requires_grad_(was[n])
     per_batch = float(np.mean(times[1:] if len(times) > 1 else times))
     out = {"capture": per_batch * N / B}
-    device = next(model.parameters()).device
-    plan.exact_seconds = exact_seconds(model, cfg, plan, [len(x) for x in data.input_ids], out["capture"],
-                                       dense_rate(plan, device) if plan.budget_bound else 0.0)
+    if plan.budget_bound:
+        plan.exact_seconds = exact_seconds(model, cfg, plan, [len(x) for x in data.input_ids], out["capture"],
+                                           next(model.parameters()).device)
     if cfg.precondition != "none":
         g = torch.Generator().manual_seed(0)
         t = time.perf_counter()

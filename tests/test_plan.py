@@ -59,6 +59,10 @@ def test_plan_of_a_budget_bound_build_counts_its_full_space_fit(gpt2_dir, text_j
     assert res.exit_code == 0, res.output
     default = json.loads(res.output.strip().splitlines()[-1])
     assert "full-space fit" not in default["seconds"]
+    low, high = default["exact_stage_seconds"]  # one exact stage a query, timed from the capture and matmuls
+    assert 0 < low <= high
+    text = r.invoke(main, ["plan", str(gpt2_dir), str(text_jsonl), *opts])
+    assert "the exact stage, on request (--rerank-full 30" in text.output.strip().splitlines()[-1]
     opts.append("--rerank-fit")
     res = r.invoke(main, ["plan", str(gpt2_dir), str(text_jsonl), "--json", *opts])
     assert res.exit_code == 0, res.output

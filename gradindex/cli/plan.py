@@ -78,7 +78,7 @@ def _plan_dict(plan, free: int, est) -> dict:
                    "precond": plan.precond_bytes,
                    "basis": plan.basis_bytes, "index": plan.index_bytes, "final": plan.final_disk,
                    "peak": plan.peak_disk, "free": free, "per_example": plan.row_bytes},
-         "ram_bytes": plan.ram_bytes, "seconds": plan.seconds, "exact_stage_seconds": plan.exact_seconds,
+         "ram_bytes": plan.ram_bytes, "seconds": plan.seconds, "exact_stage_seconds": list(plan.exact_seconds),
          "lookup": {**(plan.lookup.to_dict() if plan.lookup else {}), "exhaustive_scan_bytes": plan.store_bytes}}
     if est is not None:
         d["estimate"] = est.to_dict()
@@ -127,7 +127,7 @@ def _config_only(o: dict, opts, tokens_per_example: int | None, tflops: float | 
     args = (not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes)
     cfg, plan = routed_plan(model, cfg, len(lengths), Path(out or "."), True, args, max(lengths, default=1))
     est = estimate_build(model, cfg, plan, lengths, o["dtype"], tflops)
-    plan.seconds, plan.from_flops, plan.exact_seconds = est.seconds, True, est.exact_seconds
+    plan.seconds, plan.from_flops, plan.exact_seconds = est.seconds, True, (est.exact_seconds, est.exact_seconds)
     return plan, est
 
 
