@@ -305,6 +305,9 @@ def measure_target_lds(work: Path, path: str = "idx-full") -> dict:
         pq = evaluate(score, masks, truth[:, None, :])["per_query"]
         rows[name] = {"lds": round(float(pq.mean()), 4), "se": round(float(pq.std(ddof=1) / np.sqrt(len(pq))), 4),
                       "lds_per_query": [round(float(x), 4) for x in pq]}
+    cached = evaluate(default, masks, old[:, None, :F])["per_query"]  # the existing figures on these subsets
+    check["whole_answer_lds_vs_cached_default_max_abs"] = float(np.max(np.abs(
+        cached - np.array(rows["whole answer vs whole-answer loss (existing retrainings)"]["lds_per_query"]))))
     ref = rows["target query vs target loss"]["lds_per_query"]
     for name, row in rows.items():
         if name != "target query vs target loss":
