@@ -56,12 +56,10 @@ def main(argv=None) -> dict:
                 t = time.perf_counter()
                 r = e.query_batch([qs[qi]], k=10, method="ekfac-selfnorm", rerank_full=C)[0]
                 wall = time.perf_counter() - t
-                alone = exact_stage_flops(model, cfg, plan.layers, qt, qt, 0)
-                each = [exact_stage_flops(model, cfg, plan.layers, qt, lengths[h.id], 1) for h in first.hits[:C]]
-                passes = alone["passes"] + sum(f["passes"] - alone["passes"] for f in each)
-                dense = alone["query"] + sum(f["candidates"] for f in each)
+                f = exact_stage_flops(model, cfg, plan.layers, qt, [lengths[h.id] for h in first.hits[:C]])
+                passes, dense = f["passes"], f["query"] + f["candidates"]
                 on_m, on_tokens = dense_rates(plan, "cpu", round(min(cfg.batch_size, C) * float(np.mean(lengths))))
-                low = passes / rate + alone["query"] / on_m + sum(f["candidates"] for f in each) / on_tokens
+                low = passes / rate + f["query"] / on_m + f["candidates"] / on_tokens
                 run = {"query": qi, "C": C, "query_tokens": qt, "measured_s": round(r.seconds["rerank_full"], 1),
                        "query_wall_s": round(wall, 1), "planned_low_s": round(low, 1),
                        "planned_high_s": round((passes + dense) / rate, 1),

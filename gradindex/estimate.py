@@ -33,6 +33,7 @@ its square); and how many queries' ``M`` fit on one GPU beside the rest.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -220,10 +221,10 @@ def stage_flops(model: nn.Module, cfg, plan, lengths: np.ndarray) -> tuple[dict[
     return gpu, host
 
 
-def exact_stage_flops(model: nn.Module, cfg, layers, query_t: float, candidate_t: float,
-                      candidates: int) -> dict[str, float]:
-    """FLOPs of one self-normalized exact stage (``--rerank-full C``, :mod:`gradindex.query.full`) of ``candidates``
-    examples of ``candidate_t`` tokens for a query of ``query_t``: ``passes``, the query's and the candidates' model
+def exact_stage_flops(model: nn.Module, cfg, layers, query_t: float,
+                      candidate_ts: Sequence[float]) -> dict[str, float]:
+    """FLOPs of one self-normalized exact stage (``--rerank-full C``, :mod:`gradindex.query.full`) of candidates of
+    ``candidate_ts`` tokens each for a query of ``query_t``: ``passes``, the query's and the candidates' model
     passes (as the capture's); ``query``, its full gradient ``G_q`` (``2 T N_o N_i`` a layer) and ``M = (H + δI)⁻¹
     G_q`` (two rotations, ``4 (N_o² N_i + N_o N_i²)``); ``candidates``, each one's dense gradient dotted with ``M``
     (``2 T N_o N_i``) and its self-influence (per-token factors rotated and multiplied, ``2 T (N_o² + N_i² + N_o
@@ -235,13 +236,13 @@ def exact_stage_flops(model: nn.Module, cfg, layers, query_t: float, candidate_t
     def model_pass(t: float) -> float:
         return per_token * t + per_sq * t * t
 
-    query, each = 0.0, 0.0
+    query, dense = 0.0, 0.0  # (dense: a candidate's dense products per token, linear in its tokens)
     for lp in layers:
         s, o, i = shares.get(lp.name, 1.0), lp.n_out, lp.n_in
         query += 2 * s * query_t * o * i + 4 * (o * o * i + o * i * i)
-        each += 2 * s * candidate_t * (2 * o * i + o * o + i * i)
-    return {"passes": model_pass(query_t) + candidates * model_pass(candidate_t), "query": query,
-            "candidates": candidates * each}
+        dense += 2 * s * (2 * o * i + o * o + i * i)
+    return {"passes": model_pass(query_t) + sum(model_pass(t) for t in candidate_ts), "query": query,
+            "candidates": dense * float(sum(candidate_ts))}
 
 
 ACTIVATION_FACTOR = 1.6
@@ -345,6 +346,6 @@ def estimate_build(model: nn.Module, cfg, plan, lengths, dtype: str, tflops: flo
     from gradindex.query.full import EXACT_STAGE_C
 
     t = float(np.mean(lengths)) if len(lengths) else 1.0
-    exact_s = sum(exact_stage_flops(model, cfg, plan.layers, t, t, EXACT_STAGE_C).values()) / (tflops * 1e12)
+    exact_s = sum(exact_stage_flops(model, cfg, plan.layers, t, [t] * EXACT_STAGE_C).values()) / (tflops * 1e12)
     return Estimate(tflops, flops, seconds, gpu, full, gpus, full_gpus, cfg.batch_size * longest, dtype, exact,
                     exact_s)

@@ -304,18 +304,24 @@ def exact_seconds(model: nn.Module, cfg: BuildConfig, plan: BuildPlan, lengths, 
         return 0.0, 0.0
     rate = stage_flops(model, cfg, plan, np.asarray(lengths))[0]["capture"] / capture_seconds
     t = float(np.mean(lengths))
-    f = exact_stage_flops(model, cfg, plan.layers, t, t, EXACT_STAGE_C)
+    f = exact_stage_flops(model, cfg, plan.layers, t, [t] * EXACT_STAGE_C)
     on_m, on_tokens = dense_rates(plan, device, max(1, round(min(cfg.batch_size, EXACT_STAGE_C) * t)))
     return (f["passes"] / rate + f["query"] / on_m + f["candidates"] / on_tokens,
             (f["passes"] + f["query"] + f["candidates"]) / rate)
 
 
+DENSE_PROBE = 2048
+"""The widest side :func:`dense_rates` times (a product this wide runs at the rate of wider ones), so that a plan
+with weights of a large model does not spend minutes of CPU on its probe (Llama-3-8B's widest layer: 14,336)."""
+
+
 def dense_rates(plan: BuildPlan, device="cpu", rows: int = 512) -> tuple[float, float]:
-    """FLOP/s of the exact stage's two kinds of dense product on ``device``, on the largest hooked layer: the query's
-    ``Q_Sᵀ G Q_A`` (``[N_o, N_i]`` between square factors) and a candidate batch's per-token factors rotated and
-    multiplied (``rows`` tokens of ``[N_o]`` and ``[N_i]``). Each timed after a warm-up, the faster of two."""
+    """FLOP/s of the exact stage's two kinds of dense product on ``device``, on the largest hooked layer's shape
+    (each side at most :data:`DENSE_PROBE`): the query's ``Q_Sᵀ G Q_A`` (``[N_o, N_i]`` between square factors) and a
+    candidate batch's per-token factors rotated and multiplied (``rows`` tokens of ``[N_o]`` and ``[N_i]``). Each
+    timed after a warm-up, the faster of two."""
     lp = max(plan.layers, key=lambda x: x.n_out * x.n_in)
-    o, i = lp.n_out, lp.n_in
+    o, i, rows = min(lp.n_out, DENSE_PROBE), min(lp.n_in, DENSE_PROBE), min(rows, DENSE_PROBE)
     g = torch.Generator().manual_seed(0)
     Q_S, Q_A, G = (torch.randn(*s, generator=g).to(device) for s in ((o, o), (i, i), (o, i)))
     gt, at = (torch.randn(rows, n, generator=g).to(device) for n in (o, i))
