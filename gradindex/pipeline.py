@@ -22,6 +22,7 @@ from gradindex.data import Tokenized
 from gradindex.diskspace import check_space, disk_full_as_error, free_bytes, human
 from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices
+from gradindex.index.sharded import Sharded
 from gradindex.index.tiers import RowShape, make_tier
 from gradindex.lock import index_lock
 from gradindex.plan import BuildPlan, longest_example, plan_build, rerank_fit_sizes
@@ -47,32 +48,27 @@ __all__ = ["BuildConfig", "BuildResult", "IndexConfig", "build_index"]
 log = logging.getLogger("gradindex")
 
 
-def build_index(
-    model: nn.Module,
-    tokenizer,
-    data: Tokenized,
-    out_dir: str | os.PathLike,
-    cfg: BuildConfig = BuildConfig(),
-    index: IndexConfig | None = None,
-    model_id: str = "",
-    data_id: str = "",
-    overwrite: bool = False,
-    progress: bool = True,
-    repair: bool = False,
-    rerank_fit: bool | None = None,
-) -> tuple[BuildResult, IndexBuildResult | None]:
+def build_index(model: nn.Module, tokenizer, data: Tokenized, out_dir: str | os.PathLike,
+                cfg: BuildConfig = BuildConfig(), index: IndexConfig | None = None, model_id: str = "",
+                data_id: str = "", overwrite: bool = False, progress: bool = True, repair: bool = False,
+                rerank_fit: bool | None = None, parts: int | str | None = None,
+                ) -> tuple[BuildResult, IndexBuildResult | Sharded | None]:
     """Store every example's gradient, fit ``cfg.precondition`` (if any), then index (if ``index``).
 
-    A killed run re-run with the same arguments resumes: each stage skips what is done.
-    ``cfg.rows.transcode``: after the fit, the rows are rewritten in place in the EK-FAC
-    whitened eigenbasis as ``cfg.rows.storage`` codes (the CLI's default; see docs/math.md).
-    ``repair``: check every committed shard's whole-file hash and recompute the damaged ones
-    (a plain re-run does the cheap sampled check only). Holds the directory's lock throughout.
+    A killed run re-run with the same arguments resumes: each stage skips what is done. ``cfg.rows.transcode``:
+    after the fit, the rows are rewritten in place in the EK-FAC whitened eigenbasis as ``cfg.rows.storage`` codes
+    (the CLI's default; see docs/math.md). ``repair``: check every committed shard's whole-file hash and recompute
+    the damaged ones (a plain re-run does the cheap sampled check only). Holds the directory's lock throughout.
     ``rerank_fit``: also fit ``cfg.precondition`` in full space (:func:`rerank_fit_config`) for a query's exact
     stage (``rerank_full=C``); ``None``: ``cfg.rerank_fit`` (off by default; or ``precondition --space full``).
     An ``index.factory`` that cannot be trained on ``len(data)`` examples (or a tier that cannot hold
     ``index.space``) is refused before capturing. The manifest is passed from stage to stage, never re-read.
+    ``parts``: a sharded index of that many parts (``"ranks"``: one a ``torchrun`` rank), what ``split_index``
+    makes of this build (:mod:`gradindex.index.build_parts`); the tier's result is then the ``Sharded`` index.
     """
+    if parts is not None:
+        return _sharded(model, tokenizer, data, out_dir, cfg, index, parts, model_id=model_id, data_id=data_id,
+                        overwrite=overwrite, progress=progress, repair=repair, rerank_fit=rerank_fit)
     refuse_foreign(Path(out_dir))
     bound_heap(CAPTURE_THRESHOLD)  # (gradindex.heap: peak RSS -7% on the peers workload, same time)
     if index is not None:
@@ -107,6 +103,25 @@ def build_index(
             return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0, plan, rerank_fit, heads)
         finally:
             distributed.barrier()
+
+
+def _sharded(model, tokenizer, data: Tokenized, out_dir, cfg: BuildConfig, index: IndexConfig | None,
+             parts: int | str, **build) -> tuple[BuildResult, Sharded]:
+    """:func:`build_index` of a sharded index: its tiers checked for the whole index and its smallest part before
+    the capture, then :func:`~gradindex.index.build_parts.build_sharded`."""
+    from gradindex.index.build_parts import build_sharded, check_part_tiers, parts_of
+
+    p = parts_of(parts, len(data))
+    if index is None:
+        raise ValueError(NO_TIER_PARTS)
+    check_part_tiers(layer_dims(model, cfg), cfg, len(data), p, index)
+    return build_sharded(model, tokenizer, data, out_dir, cfg, index, p, **build)
+
+
+NO_TIER_PARTS = ("--parts with --no-index: a sharded index's parts are searched through their tiers, and "
+                 "`gradindex index` builds one directory's; build the parts with their tiers (drop --no-index), or "
+                 "build one directory with --no-index, `gradindex index` it, then `gradindex split` it")
+"""Why :func:`build_index` refuses ``parts`` without ``index``."""
 
 
 def _sampled(model, tokenizer, data: Tokenized, out: Path, cfg: BuildConfig, model_id: str, data_id: str,
@@ -147,12 +162,18 @@ def _rerank_fit(cfg: BuildConfig, n: int, wanted: bool, optimizer: bool) -> FitC
                      correction_examples=0 if correction == examples else correction)
 
 
-def _check_index_type(model: nn.Module, cfg: BuildConfig, n: int, index: IndexConfig) -> None:
-    """Refuse, before the capture pass, an index type that cannot work for ``n`` examples of these rows."""
-    space = RowSpace(cfg.projection).bind({name: layer_info(m) for name, m in select_layers(model, cfg.layers).items()})
-    dims = {name: space.dim(name) for name in space.infos}
+def _check_index_type(model: nn.Module, cfg: BuildConfig, n: int, index: IndexConfig) -> dict[str, str]:
+    """Refuse, before the capture pass, an index type that cannot work for ``n`` examples of these rows; return
+    the layers' factories."""
+    dims = layer_dims(model, cfg)
     tier = make_tier(index, RowShape.of(n, list(dims.values()), cfg.rows.storage))
-    tier.layer_factories(n, dims, cfg.rows.storage)
+    return tier.layer_factories(n, dims, cfg.rows.storage)
+
+
+def layer_dims(model: nn.Module, cfg: BuildConfig) -> dict[str, int]:
+    """Each captured layer's row length under ``cfg``'s projection (before the capture)."""
+    space = RowSpace(cfg.projection).bind({name: layer_info(m) for name, m in select_layers(model, cfg.layers).items()})
+    return {name: space.dim(name) for name in space.infos}
 
 
 def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None) -> tuple[np.ndarray | None,

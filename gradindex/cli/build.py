@@ -188,6 +188,11 @@ def _default(name: str):
               help="exact: entrywise (materialized route); factored: rank-1 v per layer (factorized route).")
 @index_options
 @click.option("--no-index", is_flag=True, help="Skip the FAISS index stage (run `gradindex index` later).")
+@click.option("--parts", default=None, metavar="P|ranks",
+              help="Write a sharded index of P parts (contiguous row ranges, each a complete index with its own "
+                   "tier; `query`, `serve` and `audit` run one part or more a torchrun rank): the parts `gradindex "
+                   "split --shards P` makes of the same build, the store's files moved into them. ranks: one part a "
+                   "torchrun rank. Default: one index directory, also under torchrun.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def build(**o):
@@ -198,6 +203,7 @@ def build(**o):
     from gradindex.model import causal_config, is_gguf, refuse_weightless, resolve_device
 
     opts = settings(o)
+    _check_parts(o["parts"], o["no_index"])
     resolve_device(o["device"])
     if not is_gguf(o["model_dir"]) and Path(o["model_dir"], "config.json").is_file():
         causal_config(Path(o["model_dir"]))  # a model that is no causal LM is named as such first
@@ -216,6 +222,19 @@ def build(**o):
     distributed.exit_rank(0)  # (every rank done and synchronized: no teardown left to abort it)
 
 
+def _check_parts(parts: str | None, no_index: bool) -> None:
+    """Refuse a ``--parts`` that is neither a positive count nor ``ranks``, or one with ``--no-index`` (before
+    anything is loaded)."""
+    if parts is None:
+        return
+    if parts.strip().lower() != "ranks" and not (parts.strip().isdigit() and int(parts) > 0):
+        raise ValueError(f"--parts takes a positive count or 'ranks', not {parts!r}")
+    if no_index:
+        from gradindex.pipeline import NO_TIER_PARTS
+
+        raise ValueError(NO_TIER_PARTS)
+
+
 def _build(o: dict, opts) -> None:
     """The build itself, once the options are checked (and the process group, under ``torchrun``, started)."""
     from gradindex import distributed
@@ -224,16 +243,22 @@ def _build(o: dict, opts) -> None:
     from gradindex.store.builder import refuse_foreign
 
     out = o["out"]
-    refuse_foreign(Path(out))
+    if o["parts"] is None:
+        refuse_foreign(Path(out))  # (a --parts build checks its own --out: gradindex.index.build_parts)
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
         model, tok, data_tok, cfg = load_inputs(o, opts)
+        if o["parts"] is not None:
+            from gradindex.index.build_parts import parts_of
+
+            parts_of(o["parts"], len(data_tok))  # (before the plan is printed)
         if distributed.rank() == 0:
             click.echo(plan_build(model, cfg, len(data_tok), not o["no_index"], opts.icfg.factory,
                                   opts.icfg.sketch_bytes, longest_example(data_tok)).summary(), err=True)
         try:
             res, idx = build_index(model, tok, data_tok, out, cfg, index=None if o["no_index"] else opts.icfg,
                                    model_id=str(Path(o["model_dir"]).resolve()), data_id=str(Path(o["data"]).resolve()),
-                                   overwrite=o["overwrite"], progress=not o["quiet"], repair=o["repair"])
+                                   overwrite=o["overwrite"], progress=not o["quiet"], repair=o["repair"],
+                                   parts=o["parts"])
         except KeyboardInterrupt:
             raise Interrupted(f"interrupted; the shards written so far in {out} are kept: re-run the same command "
                               "(without --overwrite) to resume") from None
@@ -259,7 +284,10 @@ def _report(out, res, idx) -> None:
     if m.get("nonfinite_ids"):
         click.echo(f"warning: {len(m.get('nonfinite_ids'))} examples had non-finite gradients "
                    f"(stored as zeros, listed in manifest.json 'nonfinite_ids')", err=True)
-    if idx is not None:
+    if getattr(idx, "parts", None) is not None:  # (a sharded index: build --parts)
+        ranges = ", ".join(f"{p.dir.name} rows {p.first}-{p.stop - 1}" for p in idx.parts)
+        click.echo(f"{len(idx.parts)} parts: {ranges}")
+    elif idx is not None:
         click.echo(report(idx))
 
 

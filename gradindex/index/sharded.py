@@ -23,6 +23,7 @@ parts, in one process or one part (or more) per ``torchrun`` rank.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -44,6 +45,7 @@ from gradindex.precondition.files import (
     read_self_influence,
     write_precond,
 )
+from gradindex.spec import layout
 from gradindex.spec.layout import BASIS_FILE, PRECOND_DIR, SHARD_GLOB, IndexLayout
 from gradindex.spec.manifest import (
     IndexMismatchError,
@@ -56,7 +58,7 @@ from gradindex.store.relabel import copy_shard, write_rows
 
 log = logging.getLogger("gradindex")
 
-SHARDS_FILE = "shards.json"
+SHARDS_FILE = layout.SHARDS_FILE
 """The file that makes a directory a sharded index."""
 FORMAT = "gradindex sharded index"
 VERSION = 1
@@ -236,25 +238,30 @@ def _has_rows(path: Path) -> bool:
 
 
 def _pieces(store, parts: int) -> list[list[tuple[int, int, int]]]:
-    """Each part's ``(shard file, first row, stop row)`` pieces (rows within the file): whole files, in contiguous
-    groups as even as the files allow, when the parts are at most the files; else rows ``[j N / P, (j+1) N / P)``,
-    the files cut where a part starts or ends inside one."""
-    K, N = len(store.paths), store.n
+    """Each part's ``(shard file, first row, stop row)`` pieces of ``store`` (:func:`piece_rows`)."""
+    return piece_rows(store.sizes, parts)
+
+
+def piece_rows(sizes: list[int], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Each part's ``(shard file, first row, stop row)`` pieces (rows within the file) of a store whose files hold
+    ``sizes`` rows: whole files, in contiguous groups as even as the files allow, when the parts are at most the
+    files; else rows ``[j N / P, (j+1) N / P)``, the files cut where a part starts or ends inside one."""
+    K, N = len(sizes), sum(sizes)
+    firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist() if K else []
     if parts <= K:
-        return [[(k, 0, store.sizes[k]) for k in range(j * K // parts, (j + 1) * K // parts)] for j in range(parts)]
+        return [[(k, 0, sizes[k]) for k in range(j * K // parts, (j + 1) * K // parts)] for j in range(parts)]
     out = []
     for j in range(parts):
         lo, hi = j * N // parts, (j + 1) * N // parts
-        out.append([(k, max(lo, f) - f, min(hi, f + n) - f) for k, (f, n) in enumerate(zip(store.first_ids,
-                                                                                          store.sizes, strict=True))
+        out.append([(k, max(lo, f) - f, min(hi, f + n) - f) for k, (f, n) in enumerate(zip(firsts, sizes,
+                                                                                          strict=True))
                     if f < hi and lo < f + n])
     return out
 
 
 def _write_part(ix: OpenIndex, part: Part, j: int, parts: int, pieces: list[tuple[int, int, int]], fits) -> None:
     """One part: its store (shard files copied with their ids shifted, or the rows of a cut file written as one of its
-    own), fits, manifest (its ``shard`` entry's ``files``: each file's ``[file of the whole index, first row, stop
-    row, that file's rows]``, what a merge joins again), then its tier."""
+    own), then :func:`write_part_rest` (fits, manifest) and its tier."""
     recorded = read_checksums(ix.dir)
     for k_local, (k, a, b) in enumerate(pieces):
         dst = IndexLayout.of(part.dir).shard(k_local)
@@ -262,18 +269,30 @@ def _write_part(ix: OpenIndex, part: Part, j: int, parts: int, pieces: list[tupl
             copy_shard(ix.store.paths[k], dst, -part.first, recorded)
         else:
             write_rows([(ix.store.paths[k], a, b)], dst, ix.store.first_ids[k] + a - part.first, {ix.dir: recorded})
-    m = copy.deepcopy(ix.manifest)
+    write_part_rest(ix.dir, ix.manifest, part, j, parts, pieces, ix.store.sizes, fits, recorded)
+    _build_tier(part.dir, ix.manifest)
+
+
+def write_part_rest(src: Path, whole: dict, part: Part, j: int, parts: int, pieces: list[tuple[int, int, int]],
+                    sizes: list[int], fits, recorded: dict) -> dict:
+    """A part's fits (linked from ``src``, or cut to its rows) and manifest (``whole``'s with its own counts and a
+    ``shard`` entry whose ``files`` are each file's ``[file of the whole index, first row, stop row, that file's
+    rows]``, what a merge joins again), once its store is in place; written again over a killed try's. Returns
+    the manifest."""
+    m = copy.deepcopy(whole)
     m["counts"] = {**m["counts"], "examples": part.n, "shards": len(pieces)}
     m["nonfinite_ids"] = [int(i) - part.first for i in m.get("nonfinite_ids", []) if part.first <= int(i) < part.stop]
-    m[SHARD_KEY] = {"part": j, "parts": parts, "first": part.first, "stop": part.stop, "examples": ix.n,
-                    "files": [[k, a, b, ix.store.sizes[k]] for k, a, b in pieces]}
+    m[SHARD_KEY] = {"part": j, "parts": parts, "first": part.first, "stop": part.stop,
+                    "examples": int(whole["counts"]["examples"]),
+                    "files": [[k, a, b, sizes[k]] for k, a, b in pieces]}
     for name, rows in fits:
         if rows:
-            _write_fit(ix.dir / name, part.dir / name, m, lambda si: si[part.first:part.stop])  # (its rows only)
+            _write_fit(src / name, part.dir / name, m, lambda si: si[part.first:part.stop])  # (its rows only)
         else:
-            _link(ix.dir, part.dir, name, recorded)
+            (part.dir / name).unlink(missing_ok=True)  # (a killed try's link: linked again)
+            _link(src, part.dir, name, recorded)
     write_manifest(part.dir, m)
-    _build_tier(part.dir, ix.manifest)
+    return m
 
 
 def _link(src: Path, dst: Path, name: str, recorded: dict) -> None:
@@ -298,16 +317,22 @@ def _write_fit(src: Path, dst: Path, manifest: dict, rows) -> None:
                   attrs=extra)
 
 
-def _build_tier(d: Path, manifest: dict) -> None:
-    """The tier of the whole index (``manifest['index']``), built over ``d``'s rows; none where it had none."""
+def _build_tier(d: Path, manifest: dict, base: IndexConfig | None = None) -> None:
+    """The tier of the whole index (``manifest['index']``), built over ``d``'s rows; none where it had none.
+    ``base``: the settings the tier's kind, space and sketch size do not set (training sample, GPU)."""
     ix = manifest.get("index") or {}
-    if ix.get("status") != "complete":
-        return
-    kind, factories = ix.get("kind", "faiss"), ix.get("factories") or []
+    if ix.get("status") == "complete":
+        build_indices(d, part_tier_config(ix, base), progress=False)
+
+
+def part_tier_config(entry: dict, base: IndexConfig | None = None) -> IndexConfig:
+    """The :class:`IndexConfig` a part's tier is built with, from the whole index's manifest ``index`` entry: its
+    kind (a FAISS tier's one factory, else ``auto``), space and sketch size; the rest ``base``'s."""
+    kind, factories = entry.get("kind", "faiss"), entry.get("factories") or []
     factory = kind if kind != "faiss" else (factories[0] if len(factories) == 1 else "auto")
-    cfg = IndexConfig(factory=factory, space=IndexSpace.from_dict(ix.get("space") or {}),
-                      **({"sketch_bytes": int(ix["sketch_bytes"])} if ix.get("sketch_bytes") else {}))
-    build_indices(d, cfg, progress=False)
+    return dataclasses.replace(base or IndexConfig(), factory=factory,
+                               space=IndexSpace.from_dict(entry.get("space") or {}),
+                               **({"sketch_bytes": int(entry["sketch_bytes"])} if entry.get("sketch_bytes") else {}))
 
 
 # -- merge ---------------------------------------------------------------------------------------------------------

@@ -17,6 +17,10 @@
       fit-sample.partial/    a sampled build's fit sample and its fit, while it runs (gradindex.precondition.sampled)
       trajectory.json        a TracIn index over checkpoints (gradindex.apps.tracin)
 
+A sharded index directory (gradindex.index.sharded) holds instead ``shards.json`` and ``part-NNNNN/`` index
+directories; while ``gradindex build --parts`` runs (gradindex.index.build_parts), also ``unsplit.partial/`` (the
+build before its split) and ``split.json`` (the split's plan, written before a file moves).
+
 Modules that own a file keep writing and reading it; they take its name from here, so no other
 module spells a file name as a string literal.
 """
@@ -44,6 +48,9 @@ TRANSCODE_STAGING = "eigenbasis.partial"
 TRANSCODE_ROTATED = "rotated.partial"
 FIT_SAMPLE_DIR = "fit-sample.partial"
 TRAJECTORY = "trajectory.json"
+SHARDS_FILE = "shards.json"
+UNSPLIT_DIR = "unsplit.partial"
+SPLIT_PLAN = "split.json"
 
 
 def shard_name(k: int) -> str:

@@ -198,6 +198,10 @@ def _contents(out: Path) -> list[Path]:
 def refuse_foreign(out: Path) -> None:
     """Refuse (writing nothing) a non-empty directory that holds no gradindex index (rank 0 checks for all)."""
     if distributed.rank() == 0 and _contents(out) and not manifest_path(out).exists():
+        if any((out / n).exists() for n in (layout.SHARDS_FILE, layout.UNSPLIT_DIR, layout.SPLIT_PLAN)):
+            raise FileExistsError(f"output directory {str(out)!r} holds a sharded index (or a `build --parts` "
+                                  "under way): a killed `build --parts` resumes with its --parts; else choose another "
+                                  "--out (nothing was written)")
         raise FileExistsError(
             f"output directory {str(out)!r} is not empty and holds no gradindex index; "
             "choose another --out (nothing was written)"

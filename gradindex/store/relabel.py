@@ -53,6 +53,35 @@ def copy_shard(src: Path, dst: Path, shift: int, recorded: dict | None = None) -
     os.replace(tmp, dst)
 
 
+def move_shard(src: Path, dst: Path, first: int) -> None:
+    """Move shard file ``src`` and its row-hash sidecar to ``dst`` (a rename: nothing copied), its ids set to run
+    from ``first`` in place (the bytes :func:`copy_shard` writes), and record both in the checksums of ``dst``'s
+    index. Resumable: a ``dst`` in place is done; a ``dst.partial`` (``src`` already moved) is finished."""
+    if dst.exists():
+        return
+    tmp = dst.with_name(dst.name + ".partial")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.exists():
+        os.replace(src, tmp)
+    with h5py.File(tmp, "r") as f:
+        was, n = int(f.attrs["first_id"]), int(f["ids"].shape[0])
+        ids = f["ids"][:]
+    if was != first:
+        if not (np.array_equal(ids, np.arange(was, was + n)) or np.array_equal(ids, np.arange(first, first + n))):
+            raise ValueError(f"{src}: its ids are not the rows {was} to {was + n - 1}; it cannot be renumbered")
+        with h5py.File(tmp, "r+") as f:
+            f["ids"][:] = np.arange(first, first + n, dtype=np.int64)  # (absolute: a killed try's write redone)
+            f.attrs.modify("first_id", np.int64(first))
+    side_src, side_dst = row_hash_path(src), row_hash_path(dst)
+    if side_src.exists():
+        os.replace(side_src, side_dst)
+    names, paths = [f"{STORE_DIR}/{dst.name}"], [tmp]
+    if side_dst.exists():
+        names.append(f"{STORE_DIR}/{side_dst.name}")
+        paths.append(side_dst)
+    record(dst.parent.parent, paths, names)
+    os.replace(tmp, dst)
+
 
 def _check(src: Path, copy: Path, recorded: dict, drop: Path | None = None) -> None:
     """Refuse ``src`` (read as ``copy``) when it differs from the hash its index recorded (``drop`` removed first)."""
