@@ -105,6 +105,39 @@ def test_killed_split_resumes_and_other_parts_are_refused(gpt2_dir, text_jsonl, 
         assert _stored(a.dir) == _stored(b.dir)
 
 
+def test_killed_tier_stage_and_staging_build_resume(gpt2_dir, text_jsonl, builds, tmp_path, monkeypatch):
+    """A build killed while it builds the parts' tiers finishes with the same command (the built tier kept); a
+    complete staging build (as a kill after the capture leaves it) is split without a capture."""
+    import gradindex.index.build_parts as B
+
+    split, _, _ = builds
+    out, real = tmp_path / "tiers", B._build_tier
+
+    def dies(d, whole, base):
+        if d.name == "part-00001":
+            raise KeyboardInterrupt
+        real(d, whole, base)
+
+    monkeypatch.setattr(B, "_build_tier", dies)
+    args = build_args(gpt2_dir, text_jsonl)
+    assert "interrupted" in run(*args, "--out", out, "--parts", "2", code=1)
+    monkeypatch.setattr(B, "_build_tier", real)
+    built0 = read_manifest(out / "part-00000")["index"]
+    assert "(0 computed now)" in run(*args, "--out", out, "--parts", "2")
+    assert read_manifest(out / "part-00000")["index"] == built0
+    staged = tmp_path / "staged"
+    run(*args, "--out", staged / UNSPLIT_DIR, "--no-index")
+    assert "(0 computed now)" in run(*args, "--out", staged, "--parts", "2")
+    for o in (out, staged):
+        sh = read_sharded(o)
+        assert sh.manifest["index"]["bytes"] == sum(read_manifest(p.dir)["index"]["bytes"] for p in sh.parts)
+        for a, b in zip(split.parts, sh.parts, strict=True):
+            assert _stored(a.dir) == _stored(b.dir)
+        with ShardedQueryEngine(split.dir, gpt2_dir, device="cpu") as x, \
+                ShardedQueryEngine(sh.dir, gpt2_dir, device="cpu") as y:
+            _same(y.query_batch(QUERIES, k=10), x.query_batch(QUERIES, k=10))
+
+
 def test_more_parts_than_files(gpt2_dir, text_jsonl, builds, tmp_path, caplog):
     """--parts 4 over 3 store files cuts them where the split cuts them (those rows copied, not moved)."""
     split, _, d = builds

@@ -213,7 +213,9 @@ def _move(out: Path) -> dict:
                 write_rows([(store / plan["files"][k], a, b)], dst, firsts[k] + a - part.first, {src: recorded})
     fits = [tuple(f) for f in plan["fits"]]
     for j, (part, pieces) in enumerate(zip(parts, plan["pieces"], strict=True)):
-        write_part_rest(src, plan["whole"], part, j, len(parts), [tuple(p) for p in pieces], sizes, fits, recorded)
+        if not IndexLayout.of(part.dir).manifest.exists():  # (written last: a part that has it is done, its tier too)
+            write_part_rest(src, plan["whole"], part, j, len(parts), [tuple(p) for p in pieces], sizes, fits,
+                            recorded)
     return plan
 
 
