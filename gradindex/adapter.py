@@ -46,30 +46,87 @@ def adapter_base(path: str | os.PathLike) -> str:
     return str(base)
 
 
-def check_adapter_base(adapter_dir: str | os.PathLike, base: str | os.PathLike) -> None:
-    """Refuse ``base`` for an adapter whose config names another local model (``base_model_name_or_path``).
+def local_model(name: str | os.PathLike) -> Path | None:
+    """The model ``name`` on this machine: the path itself, or for a hub id (``org/name``) the snapshot the local
+    Hugging Face cache holds (nothing is downloaded); ``None`` where neither is here."""
+    p = Path(name)
+    if p.exists():
+        return p
+    if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)):
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        snap = Path(snapshot_download(str(name), local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, not a valid id, no huggingface_hub: not here
+        return None
+    return snap if (snap / "config.json").is_file() else None
+
+
+def adapter_base_path(adapter_dir: str | os.PathLike) -> Path:
+    """The local folder (or file) of the base model the adapter in ``adapter_dir`` names; refused in one line,
+    naming the fix, where it is not on this machine."""
+    name = adapter_base(adapter_dir)
+    local = local_model(name)
+    if local is None:
+        raise FileNotFoundError(
+            f"the adapter in {str(adapter_dir)!r} names its base model {name!r} (base_model_name_or_path in its "
+            f"{ADAPTER_CONFIG}), which is not on this machine (gradindex reads local models only and found no copy "
+            "in the Hugging Face cache); pass the base model's folder or .gguf file as the model and this folder as "
+            f"its adapter (gradindex build BASE_DIR DATA --adapter {adapter_dir})")
+    return local
+
+
+def check_adapter_base(adapter_dir: str | os.PathLike, base: str | os.PathLike, warn: bool = True) -> None:
+    """Refuse ``base`` for an adapter whose config names another model (``base_model_name_or_path``).
 
     An adapter of the right shapes loads onto any base of the same architecture, and its gradients would
     be those of a model it was never trained with. Where the named base is a folder or file on this machine
-    and not ``base`` itself, the two are compared: another config, or weight files of the same names and
-    sizes with other contents (:func:`gradindex.checksum.sample_digest`), is refused. A base named by a hub
-    id, or not on this machine, or saved in another file layout, cannot be compared (PEFT still refuses
-    shapes that do not fit).
+    (or a hub id in the local Hugging Face cache, :func:`local_model`) and not ``base`` itself, the two are
+    compared: another config, or weight files of the same names and sizes with other contents
+    (:func:`gradindex.checksum.sample_digest`), is refused. A base not on this machine is refused where the
+    adapter records another model class (PEFT's ``auto_mapping``), else cannot be compared: a warning says so
+    (``warn``; PEFT still refuses shapes that do not fit). A base saved in another file layout is compared by
+    its config alone.
     """
     try:
-        named = Path(adapter_base(adapter_dir))
+        name = adapter_base(adapter_dir)
     except ValueError:
         return  # no base named: nothing to compare (a malformed config is reported where it is loaded)
-    given = Path(base)
-    if not named.exists() or not given.exists() or named.resolve() == given.resolve():
+    given, named = Path(base), local_model(name)
+    if named is None:
+        _check_base_class(adapter_dir, name, given)
+        if warn:
+            logging.getLogger(__name__).warning(
+                "the adapter in %r names its base model %r, which is not on this machine: gradindex cannot check "
+                "that %r is that model (PEFT checks the shapes only); if it is not, the scores are those of a model "
+                "the adapter was never trained with", str(adapter_dir), name, str(given))
+        return
+    if not given.exists() or named.resolve() == given.resolve():
         return
     why = _differs(named, given)
     if why:
         raise ValueError(
             f"the adapter in {str(adapter_dir)!r} does not fit this base model: it was trained on the model in "
-            f"{str(named)!r} (base_model_name_or_path in its {ADAPTER_CONFIG}), and {str(given)!r} is another "
+            f"{name!r} (base_model_name_or_path in its {ADAPTER_CONFIG}), and {str(given)!r} is another "
             f"model ({why}), so its gradients would be those of a model the adapter was never trained with; pass "
             f"the base model it was trained from ({str(named)!r}), or the adapter trained on this one")
+
+
+def _check_base_class(adapter_dir: str | os.PathLike, name: str, given: Path) -> None:
+    """Refuse a base folder whose ``architectures`` lack the model class the adapter was saved from (PEFT's
+    ``auto_mapping.base_model_class``, written for adapters saved without a task type)."""
+    try:
+        saved = (json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text()).get("auto_mapping") or {})
+        archs = json.loads((given / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return
+    cls = saved.get("base_model_class") if isinstance(saved, dict) else None
+    if cls and archs and cls not in archs:
+        raise ValueError(
+            f"the adapter in {str(adapter_dir)!r} does not fit this base model: it was trained on a {cls} ({name!r}, "
+            f"base_model_name_or_path in its {ADAPTER_CONFIG}) and {str(given)!r} is a {', '.join(archs)}; pass the "
+            "base model it was trained from, or the adapter trained on this one")
 
 
 _CONFIG_NOISE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures")

@@ -32,7 +32,8 @@ NO_TEMPLATE = ("the tokenizer has no chat template, so 'messages' records cannot
 
 
 def set_chat_template(tokenizer, template: str | os.PathLike | None) -> None:
-    """Give ``tokenizer`` the chat template ``template`` (its text, or a file holding it); ``None``: keep it."""
+    """Give ``tokenizer`` the chat template ``template`` (its text, or a file holding it: a Jinja file, or a
+    ``tokenizer_config.json`` whose ``chat_template`` is taken); ``None``: keep it."""
     if template is None or tokenizer is None:
         return
     text = str(template)
@@ -40,10 +41,30 @@ def set_chat_template(tokenizer, template: str | os.PathLike | None) -> None:
         p = Path(text)
         if not p.is_file():
             raise FileNotFoundError(f"chat template file {text!r} does not exist; pass a Jinja chat template file")
-        text = p.read_text(encoding="utf-8")
+        text = _template_text(p.read_text(encoding="utf-8"), text)
     if not text.strip():
         raise ValueError(f"chat template {str(template)!r} is empty; pass a Jinja chat template")
     tokenizer.chat_template = text
+
+
+def _template_text(text: str, where: str) -> str:
+    """The template a file holds: its text, or the ``chat_template`` of a JSON object (a ``tokenizer_config.json``,
+    whose JSON would otherwise be rendered as the template itself: every record the same text)."""
+    import json
+
+    if not text.lstrip().startswith("{") or text.lstrip().startswith(("{%", "{{", "{#")):
+        return text
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text
+    t = obj.get("chat_template") if isinstance(obj, dict) else None
+    if isinstance(t, list):  # named variants: [{"name": "default", "template": ...}, ...]
+        t = next((v.get("template") for v in t if isinstance(v, dict) and v.get("name") == "default"), None)
+    if not isinstance(t, str) or not t.strip():
+        raise ValueError(f"chat template file {where!r} is a JSON file with no 'chat_template' text; pass a Jinja "
+                         "chat template file, or the tokenizer_config.json that holds one")
+    return t
 
 
 def template_of(tokenizer) -> str | None:
@@ -84,8 +105,18 @@ def check_messages(messages, row: int) -> list[dict]:
     return out
 
 
-def _render(tokenizer, messages: list[dict], **kw) -> dict:
-    return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
+def _render(tokenizer, messages: list[dict], row: int, **kw) -> dict:
+    """``apply_chat_template`` of ``messages``; a template that fails (bad Jinja, or its own
+    ``raise_exception``) is refused in one line naming the row."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kw)
+    except TemplateError as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"row {row}: the chat template cannot render this conversation ({type(e).__name__}: "
+                         f"{first}); fix the template (a build takes one with --chat-template FILE) or that "
+                         "row") from None
 
 
 def chat_tokens(tokenizer, messages, row: int) -> tuple[list[int], list[int]]:
@@ -97,25 +128,26 @@ def chat_tokens(tokenizer, messages, row: int) -> tuple[list[int], list[int]]:
         raise ValueError(NO_TEMPLATE)
     msgs = check_messages(messages, row)
     if has_generation_markers(template):
-        out = _render(tokenizer, msgs, return_assistant_tokens_mask=True)
+        out = _render(tokenizer, msgs, row, return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     else:
         ids, mask = _prefix_mask(tokenizer, msgs, row)
     if not any(mask):
-        raise ValueError(f"row {row}: the chat template marks no assistant token (the assistant turns are empty?); "
-                         "give each assistant turn its content, or drop that row")
+        raise ValueError(f"row {row}: the chat template marks no assistant token: the assistant turns are empty, or "
+                         "the template does not render them; give each assistant turn its content, or use a template "
+                         "that renders the assistant's turns (a build takes one with --chat-template FILE)")
     return ids, [t if m else IGNORE for t, m in zip(ids, mask, strict=True)]
 
 
 def _prefix_mask(tokenizer, msgs: list[dict], row: int) -> tuple[list[int], list[int]]:
     """Assistant tokens as the difference between renderings of growing prefixes of the conversation."""
-    ids = list(_render(tokenizer, msgs)["input_ids"])
+    ids = list(_render(tokenizer, msgs, row)["input_ids"])
     mask = [0] * len(ids)
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        before = list(_render(tokenizer, msgs[:i], add_generation_prompt=True)["input_ids"]) if i else []
-        upto = list(_render(tokenizer, msgs[: i + 1])["input_ids"])
+        before = list(_render(tokenizer, msgs[:i], row, add_generation_prompt=True)["input_ids"]) if i else []
+        upto = list(_render(tokenizer, msgs[: i + 1], row)["input_ids"])
         if upto[: len(before)] != before or ids[: len(upto)] != upto:
             raise ValueError(
                 f"row {row}: the chat template renders turn {i} differently once later turns follow, so the "

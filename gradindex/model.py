@@ -122,14 +122,14 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: str = "float32", device:
     ``base_quantization``: ``int8`` or ``nf4`` loads the base quantized (bitsandbytes, :mod:`gradindex.quantize`),
     only under an adapter, whose LoRA layers are then what is attributed.
     """
-    from gradindex.adapter import adapter_base, attach_adapter, check_adapter_base, is_adapter_dir
+    from gradindex.adapter import adapter_base_path, attach_adapter, check_adapter_base, is_adapter_dir
     from gradindex.quantize import check_base_quantization
 
     dev = resolve_device(device)
     if is_adapter_dir(model_dir) and not (Path(model_dir) / "config.json").exists():
-        adapter, model_dir = adapter or model_dir, adapter_base(model_dir)
-    elif adapter is not None:
-        check_adapter_base(adapter, model_dir)
+        adapter, model_dir = adapter or model_dir, adapter_base_path(model_dir)
+    elif adapter is not None:  # (an index reopened checked its base at its build: no warning then)
+        check_adapter_base(adapter, model_dir, warn=index_tokenizer is None)
     quant = check_base_quantization(base_quantization, adapter, is_gguf(model_dir))
     model, tok_dir = _load_base(Path(model_dir), dtype, quant, dev)
     if adapter is not None:
@@ -332,19 +332,20 @@ def _causal_class_names() -> set[str]:
     return out
 
 
-def check_loaded(path: Path, config, info: dict) -> None:
+def check_loaded(path: Path, config, info: dict, fix: str | None = None) -> None:
     """Refuse a causal LM whose weights did not all come from the checkpoint.
 
     A directory saved from a model without an LM head (``LlamaModel``, a classifier) still loads
     into ``AutoModelForCausalLM``, with the missing weights (an untied ``lm_head``) drawn at random
-    and the checkpoint's own head dropped: its gradients would be those of another model.
+    and the checkpoint's own head dropped: its gradients would be those of another model. ``fix``: what the
+    error tells to do (default: save the causal LM itself).
     """
     missing = sorted(info.get("missing_keys") or [])
     unexpected = sorted(info.get("unexpected_keys") or [])
     archs = list(getattr(config, "architectures", None) or [])
     headless = bool(archs) and not set(archs) & _causal_class_names()
-    fix = ("gradindex needs the causal LM itself: save the model loaded with AutoModelForCausalLM "
-           "(e.g. AutoModelForCausalLM.from_pretrained(...).save_pretrained(DIR)) with its trained LM head")
+    fix = fix or ("gradindex needs the causal LM itself: save the model loaded with AutoModelForCausalLM "
+                  "(e.g. AutoModelForCausalLM.from_pretrained(...).save_pretrained(DIR)) with its trained LM head")
     if missing:
         shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
         what = f"{_saved_as(config)}, with no causal LM head; " if headless else ""
@@ -365,7 +366,7 @@ def load_tokenizer(model_dir: str | os.PathLike, chat_template: str | os.PathLik
 
     p = Path(model_dir)
     if is_gguf(p):
-        tokenizer = from_gguf(AutoTokenizer, p)
+        tokenizer = _gguf_tokenizer(p)
     else:
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True, trust_remote_code=False)
     if tokenizer.pad_token_id is None:
@@ -415,7 +416,8 @@ def load_gguf(p: Path, dtype: str = "float32"):
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ValueError(f"could not load the {arch!r} weights in {str(p)!r} ({type(e).__name__}: {first}); "
                          f"{_gguf_fix(arch)}") from None
-    check_loaded(p, config, info)
+    check_loaded(p, config, info, fix=f"the file's tensors are not those transformers reads as a {arch!r} model: "
+                 "convert it again (llama.cpp's convert_hf_to_gguf.py), or pass the model folder it was converted from")
     model.gradindex_file = {"path": str(p.resolve()), "format": "gguf", "architecture": arch,
                             "bytes": p.stat().st_size, "blake2b": file_digest(p)}
     return model
@@ -456,16 +458,35 @@ def gguf_architecture(p: Path) -> str:
                          "or corrupt: download or convert it again") from None
 
 
+def _gguf_tokenizer(p: Path):
+    """The tokenizer in the GGUF file ``p``, the file refused in one line as :func:`load_gguf` refuses it (a command
+    that reads only the tokenizer, e.g. ``dedup --model``, would otherwise meet gguf's and transformers' errors)."""
+    from transformers import AutoTokenizer
+
+    _check_gguf_architecture(p, gguf_architecture(p))
+    try:
+        return from_gguf(AutoTokenizer, p)
+    except Exception as e:  # noqa: BLE001 - gguf, struct and transformers raise many types for a bad file
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ValueError(f"could not read the tokenizer in {str(p)!r} ({type(e).__name__}: {first}); the file is "
+                         "truncated or corrupt, or holds no tokenizer: download or convert it again") from None
+
+
+def _check_gguf_architecture(p: Path, arch: str) -> None:
+    """Refuse a GGUF whose architecture this transformers does not de-quantize, naming those it does."""
+    supported = _gguf_architectures()
+    if supported is not None and not _gguf_readable(arch, supported):
+        raise ValueError(f"{str(p)!r} holds a {arch!r} model, an architecture transformers cannot de-quantize from "
+                         f"GGUF; {_gguf_fix(arch)}")
+
+
 def _gguf_config(p: Path, arch: str):
     """The transformers config transformers reads from the GGUF ``p`` (refused as :func:`causal_config` does)."""
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    supported = _gguf_architectures()
-    if supported is not None and not _gguf_readable(arch, supported):
-        raise ValueError(f"{str(p)!r} holds a {arch!r} model, an architecture transformers cannot de-quantize from "
-                         f"GGUF; {_gguf_fix(arch)}")
+    _check_gguf_architecture(p, arch)
     try:
         config = from_gguf(AutoConfig, p)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a GGUF it cannot read

@@ -150,11 +150,11 @@ def build_report(engine: QueryEngine, queries: list, out_dir: str | os.PathLike,
     if cfg.method is None:
         cfg = replace(cfg, method=engine.base_method())  # (self-influence ranks outliers: ekfac itself)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     # a query file mixing forms gives every record every field, None where absent
     records = [{f: v for f, v in r.items() if v is not None} for r in as_records(queries, cfg.text_field)]
     layers = engine.select_layers(list(cfg.layers) if cfg.layers else None)
     tokens = engine.tokenize(records, cfg.text_field)
+    out.mkdir(parents=True, exist_ok=True)  # (after the queries are read: a query refused writes nothing)
     grads, loss, ntok = engine.gradients(tokens)
     results = engine.search(grads, k=cfg.k, lowest=cfg.k, method=cfg.method, damping=cfg.damping, layers=layers)
     for j, r in enumerate(results):
