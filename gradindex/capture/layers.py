@@ -80,7 +80,7 @@ class GroupMember(nn.Module):
         object.__setattr__(self, "group", group)  # not a submodule: the parameters stay the group's
 
 
-_RULES: dict[type, Callable[[nn.Module], LayerInfo]] = {}
+_RULES: dict[type | str, Callable[[nn.Module], LayerInfo]] = {}
 _GROUPS: list[GroupRule] = []
 
 
@@ -91,8 +91,10 @@ def some_names(names) -> str:
     return ", ".join(repr(s) for s in shown) + (", ..." if len(names) > 3 else "")
 
 
-def register_layer(cls: type) -> Callable:
-    """Register a rule for modules of type ``cls`` (subclasses included)."""
+def register_layer(cls: type | str) -> Callable:
+    """Register a rule for modules of type ``cls`` (subclasses included); ``cls`` may be the class's dotted name
+    (``"transformers.pytorch_utils.Conv1D"``), so that registering it imports nothing (a sharded index's ranks
+    search rows and never load transformers)."""
 
     def deco(fn: Callable[[nn.Module], LayerInfo]) -> Callable[[nn.Module], LayerInfo]:
         _RULES[cls] = fn
@@ -109,8 +111,9 @@ def register_group(rule: GroupRule) -> GroupRule:
 
 def rule_for(module: nn.Module) -> Callable[[nn.Module], LayerInfo] | None:
     for cls in type(module).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
+        for key in (cls, f"{cls.__module__}.{cls.__qualname__}"):
+            if key in _RULES:
+                return _RULES[key]
     return None
 
 
@@ -121,9 +124,10 @@ def group_rule_for(module: nn.Module) -> GroupRule | None:
 def layer_info(module: nn.Module) -> LayerInfo:
     rule = rule_for(module)
     if rule is None:
+        names = sorted(c.rsplit(".", 1)[-1] if isinstance(c, str) else c.__name__ for c in _RULES)
         raise UnsupportedLayerError(
             f"no capture rule for {type(module).__name__}; supported: "
-            f"{sorted(c.__name__ for c in _RULES)} (add one with gradindex.capture.register_layer)"
+            f"{names} (add one with gradindex.capture.register_layer)"
         )
     return rule(module)
 
