@@ -17,7 +17,8 @@ For ``N`` (an index ``WORK/idx-N`` built by ``lookup_scale --build N``, left as 
 
     python -m benchmarks.shard_lookup --n 100000 --parts 2 --work /work/tmp/lookup
 
-writes ``benchmarks/results/shard-lookup.json`` (a run per ``(N, P)``, replaced when measured again).
+writes ``benchmarks/results/shard-lookup.json`` (a run per ``(N, P)`` and ``--label``, replaced when measured again),
+with every process's RSS after its imports, after opening its index or parts, after its first query, and at the end.
 """
 
 from __future__ import annotations
@@ -110,10 +111,49 @@ def exact_top10(index: Path, rows: dict):
 
 
 def peak_rss() -> int:
+    return _status("VmHWM")
+
+
+def _status(key: str) -> int:
+    """``/proc/self/status``'s ``key`` (kB) in bytes (0 where there is none)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_stage(stages: dict, name: str) -> None:
+    """Record this process's RSS (its anonymous part, and its peak so far) at stage ``name``."""
+    stages[name] = {"rss": _status("VmRSS"), "anon": _status("RssAnon"), "peak": _status("VmHWM")}
+
+
+class _Part:
+    """A rank's parts (:class:`gradindex.query.sharded.PartSearch`), its RSS recorded after its first request."""
+
+    def __init__(self, local, stages: dict):
+        self.local, self.stages = local, stages
+
+    def run(self, op: str, kw: dict):
+        out = self.local.run(op, kw)
+        if "first query" not in self.stages:
+            rss_stage(self.stages, "first query")
+        return out
+
+
+def follow_parts(index: Path, stages: dict) -> None:
+    """A rank other than 0: :func:`gradindex.query.sharded.serve_parts`, its RSS recorded after it opened its
+    parts and after its first request."""
+    from gradindex import distributed
+    from gradindex.index.sharded import read_sharded
+    from gradindex.query.sharded import PartSearch, follow
+
+    sh = read_sharded(index)
+    local = PartSearch(sh, sh.owned(distributed.rank(), distributed.world_size()), use_gpu=False)
+    rss_stage(stages, "opened")
+    try:
+        follow(_Part(local, stages))
+    finally:
+        local.close()
 
 
 def lookups(index: Path, qf: Path, out: Path, whole: bool = False) -> None:
@@ -123,15 +163,18 @@ def lookups(index: Path, qf: Path, out: Path, whole: bool = False) -> None:
 
     from gradindex import distributed
     from gradindex.query import QueryEngine
-    from gradindex.query.sharded import ShardedQueryEngine, serve_parts
+    from gradindex.query.sharded import ShardedQueryEngine
 
     torch.set_num_threads(1)
+    mem: dict = {}
+    rss_stage(mem, "imports")
     ranks = distributed.init_from_env("cpu", timeout=600)
     z = np.load(qf)
     q = {k[2:]: z[k] for k in z.files if k.startswith("q:")}
     if distributed.rank() > 0:
-        serve_parts(index, use_gpu=False)
-        distributed.gather(peak_rss())
+        follow_parts(index, mem)
+        rss_stage(mem, "end")
+        distributed.gather((peak_rss(), mem))
         distributed.shutdown()
         distributed.exit_rank(0)
     sharded = (index / "shards.json").exists()
@@ -139,8 +182,11 @@ def lookups(index: Path, qf: Path, out: Path, whole: bool = False) -> None:
     t = time.perf_counter()
     more = {"share_candidates": not whole} if sharded else {}
     with opener(index, load_model=False, use_gpu=False, **more) as e:
+        rss_stage(mem, "opened")
         for j in range(3):  # (warm: the tier loaded, the page cache)
             e.search({n: v[j:j + 1] for n, v in q.items()}, k=10, texts=False)
+            if j == 0:
+                rss_stage(mem, "first query")
         opened = time.perf_counter() - t
         ts, top, stages = [], [], []
         for j in range(len(next(iter(q.values())))):
@@ -149,9 +195,11 @@ def lookups(index: Path, qf: Path, out: Path, whole: bool = False) -> None:
             ts.append(time.perf_counter() - t)
             top.append([h.id for h in r.hits])
             stages.append(r.seconds)
-    rss = distributed.gather(peak_rss()) if ranks else [peak_rss()]
+    rss_stage(mem, "end")
+    rss, per = zip(*distributed.gather((peak_rss(), mem))) if ranks else ([peak_rss()], [mem])
     res = {"p50_s": float(np.percentile(ts, 50)), "p95_s": float(np.percentile(ts, 95)), "queries": len(ts),
-           "open_and_warm_s": round(opened, 2), "peak_rss_bytes_per_process": rss, "top10": top,
+           "open_and_warm_s": round(opened, 2), "peak_rss_bytes_per_process": list(rss),
+           "rss_bytes_by_stage_per_process": list(per), "top10": top,
            # (each stage's median seconds; over parts: the parts' seconds added, every rank's)
            "stage_seconds_p50": {k: float(np.median([x.get(k, 0.0) for x in stages])) for k in stages[0]}}
     out.write_text(json.dumps(res))
@@ -160,10 +208,28 @@ def lookups(index: Path, qf: Path, out: Path, whole: bool = False) -> None:
         distributed.exit_rank(0)
 
 
-def run(n: int, parts: int, work: Path, out: Path, rounds: int = 1) -> dict:
-    """The three lookups (module doc), ``rounds`` times in turn (the machine's other load shifts between rounds; each
-    round's p50/p95 kept, their medians reported)."""
+def summarize(runs: dict[str, dict], qf: Path) -> None:
+    """Each lookup's median p50/p95 over the rounds, and its top 10 against the unsplit's and the exhaustive
+    default's (the top 10s themselves dropped)."""
     import numpy as np
+
+    for e in runs.values():
+        e["p50_s"] = float(np.median([x["p50_s"] for x in e["rounds"]]))
+        e["p95_s"] = float(np.median([x["p95_s"] for x in e["rounds"]]))
+    z = np.load(qf)
+    base = runs["unsplit"]["top10"]
+    for r in runs.values():
+        r["same_top10_as_unsplit"] = float(np.mean([a == b for a, b in zip(r["top10"], base, strict=True)]))
+        r["recall@10_of_unsplit"] = float(np.mean([len(set(a) & set(b)) / 10
+                                                   for a, b in zip(r["top10"], base, strict=True)]))
+        r["recall@10_of_exhaustive_default"] = float(np.mean([len(set(a) & set(t.tolist())) / 10
+                                                              for a, t in zip(r["top10"], z["exact"], strict=True)]))
+        del r["top10"]
+
+
+def run(n: int, parts: int, work: Path, out: Path, rounds: int = 1, label: str | None = None) -> dict:
+    """The three lookups (module doc), ``rounds`` times in turn (the machine's other load shifts between rounds; each
+    round's p50/p95 kept, their medians reported). The run replaces the one of the same ``(N, P, label)``."""
 
     one, sh, qf = prepare(n, parts, work)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -192,22 +258,12 @@ def run(n: int, parts: int, work: Path, out: Path, rounds: int = 1) -> dict:
             e = runs.setdefault(name, {"rounds": [], "top10": got["top10"], "peak_rss_bytes_per_process":
                                        got["peak_rss_bytes_per_process"]})
             e["rounds"].append({k: got[k] for k in ("p50_s", "p95_s", "open_and_warm_s", "stage_seconds_p50")})
+            e["rss_bytes_by_stage_per_process"] = got["rss_bytes_by_stage_per_process"]  # (the last round's)
             e["peak_rss_bytes_per_process"] = [max(a, b) for a, b in zip(e["peak_rss_bytes_per_process"],
                                                                          got["peak_rss_bytes_per_process"],
                                                                          strict=True)]
             assert got["top10"] == e["top10"], f"{name}: another top 10 in round {r + 1}"
-    for e in runs.values():
-        e["p50_s"] = float(np.median([x["p50_s"] for x in e["rounds"]]))
-        e["p95_s"] = float(np.median([x["p95_s"] for x in e["rounds"]]))
-    z = np.load(qf)
-    base = runs["unsplit"]["top10"]
-    for r in runs.values():
-        r["same_top10_as_unsplit"] = float(np.mean([a == b for a, b in zip(r["top10"], base, strict=True)]))
-        r["recall@10_of_unsplit"] = float(np.mean([len(set(a) & set(b)) / 10
-                                                   for a, b in zip(r["top10"], base, strict=True)]))
-        r["recall@10_of_exhaustive_default"] = float(np.mean([len(set(a) & set(t.tolist())) / 10
-                                                              for a, t in zip(r["top10"], z["exact"], strict=True)]))
-        del r["top10"]
+    summarize(runs, qf)
     from gradindex.index.cost import sketch_candidates
     from gradindex.index.sharded import read_sharded
     from gradindex.query.sharded import part_candidates
@@ -219,11 +275,14 @@ def run(n: int, parts: int, work: Path, out: Path, rounds: int = 1) -> dict:
              "queries": QUERIES, "load_average_at_each_round": load,
              "candidates": {"unsplit": c, "shared, per part": share,
                             "whole C a part, per part": [sketch_candidates(p.stop - p.first) for p in shd.parts]},
-             "runs": runs,
+             "runs": runs, "measured": time.strftime("%Y-%m-%d"),
              "machine": f"{os.cpu_count()} cores, shared with other work while measured"}
+    if label:
+        entry["label"] = label
     report = json.loads(out.read_text()) if out.exists() else {"runs": []}
-    report["runs"] = [r for r in report["runs"] if (r["examples"], r["parts"]) != (n, parts)] + [entry]
-    report["runs"].sort(key=lambda r: (r["examples"], r["parts"]))
+    key = (n, parts, label)
+    report["runs"] = [r for r in report["runs"] if (r["examples"], r["parts"], r.get("label")) != key] + [entry]
+    report["runs"].sort(key=lambda r: (r["examples"], r["parts"], r.get("measured", "")))
     report["what"] = __doc__.split("\n\n")[0].replace("\n", " ")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
@@ -237,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--work", type=Path, default=Path("/work/tmp/lookup"))
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--rounds", type=int, default=3, help="the three lookups this many times in turn")
+    ap.add_argument("--label", help="names this run: it is kept beside earlier runs of the same N and P")
     ap.add_argument("--lookups", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--queries-file", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--result", type=Path, help=argparse.SUPPRESS)
@@ -246,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
         return lookups(a.lookups, a.queries_file, a.result, a.whole_candidates)
     for n in a.n:
         for p in a.parts:
-            run(n, p, a.work, a.out, a.rounds)
+            run(n, p, a.work, a.out, a.rounds, a.label)
 
 
 if __name__ == "__main__":
