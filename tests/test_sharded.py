@@ -46,15 +46,15 @@ def test_exact_stage_over_three_parts_equals_the_index(gpt2_dir, default_index, 
 
 
 def _same(a, b, exact: bool = True) -> None:
-    """Two answers to the same queries: ids, texts, and scores (exactly, or to float tolerance)."""
+    """Two answers to the same queries: ids and texts exactly; scores to the last bits, or to float tolerance."""
     assert len(a) == len(b)
     for x, y in zip(a, b, strict=True):
         for hx, hy in ((x.hits, y.hits), (x.lowest, y.lowest)):
             assert [h.id for h in hx] == [h.id for h in hy]
             assert [h.text for h in hx] == [h.text for h in hy]
             sx, sy = [h.score for h in hx], [h.score for h in hy]
-            if exact:
-                assert sx == sy
+            if exact:  # the same sums; a part's smaller matmul may round the last bit differently (CPU-dependent)
+                np.testing.assert_allclose(sx, sy, rtol=1e-13, atol=0)
             else:
                 np.testing.assert_allclose(sx, sy, rtol=1e-6, atol=1e-9)
         assert (x.method, x.damping, x.layers, x.stage) == (y.method, y.damping, y.layers, y.stage)
@@ -102,7 +102,7 @@ def test_sharded_engine_in_one_process_equals_the_index(gpt2_dir, default_index,
         for method in (None, "ekfac-selfnorm"):  # (selfnorm: each part's cut of the fit's self-influence)
             _same(many.query_batch(QUERIES, k=10, lowest=3, method=method),
                   one.query_batch(QUERIES, k=10, lowest=3, method=method))
-        np.testing.assert_array_equal(many.scores(QUERIES), one.scores(QUERIES))
+        np.testing.assert_allclose(many.scores(QUERIES), one.scores(QUERIES), rtol=1e-13, atol=0)
 
 
 def test_sketch_tier_parts_equal_the_index(gpt2_dir, default_index, tmp_path):
