@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -143,3 +145,91 @@ def owned(k: int) -> bool:
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside a ``DistributedDataParallel`` wrapper (FSDP2 shards in place: as is)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+@dataclass(frozen=True)
+class Team:
+    """The ranks that share a per-shard loop of a build's stages after the capture (the EK-FAC correction's sums,
+    the transcode): each works on its own store files (:func:`owned`'s round robin), rank 0 (the lead) writes
+    what is shared. :data:`SOLO` is one process; :func:`team` the running ranks, every one of them calling the
+    same stage (rank 0 alone must never be handed a team: its collectives would wait for the others)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+    def owns(self, k: int) -> bool:
+        """Whether this rank does store file ``k``."""
+        return k % self.size == self.rank
+
+    def on_lead(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the lead, its result (or its error, raised on every rank: :func:`shared`)."""
+        if self.size == 1:
+            return fn()
+        try:
+            return on_rank0(fn)
+        except Exception as e:
+            raise _shared(e) from None
+
+    def each(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on every rank; the first rank's error raised on every rank (:func:`shared`)."""
+        if self.size == 1:
+            return fn()
+        out, err = None, None
+        try:
+            out = fn()
+        except Exception as e:  # noqa: BLE001 -- raised on every rank below
+            err = e
+        errors = [(r, e) for r, e in enumerate(gather(err)) if e is not None]
+        if errors:
+            r, e = errors[0]
+            raise _shared(e if r != self.rank else err, None if r == self.rank else f"(on rank {r})")
+        return out
+
+    def rounds(self, n: int, work: Callable[[int], Any], combine: Callable[[int, Any], None]) -> None:
+        """``work(k)`` for this rank's files ``k < n``, ``size`` files a round; after each round ``combine(k,
+        result)`` on every rank for every file of the round, in file order, so that sums come out in the order one
+        process adds them (bit for bit). A rank's error reaches every rank after its round (raised on each: the
+        collectives stay matched, and the next build resumes)."""
+        for start in range(0, n, self.size):
+            k = start + self.rank
+            out, err = None, None
+            if k < n:
+                try:
+                    out = work(k)
+                except Exception as e:  # noqa: BLE001 -- raised on every rank below
+                    err = e
+            results = [(out, err)] if self.size == 1 else gather((out, err))
+            failed = [(r, e) for r, (_, e) in enumerate(results) if e is not None]
+            if failed:
+                r, e = failed[0]
+                raise _shared(err, None) if r == self.rank else _shared(e, f"(on rank {r}, store file {start + r})")
+            for r, (res, _) in enumerate(results):
+                if start + r < n:
+                    combine(start + r, res)
+
+
+def _shared(e: BaseException, note: str | None = None) -> BaseException:
+    """``e`` marked as raised on every rank of a :class:`Team` at the same point (:func:`shared`)."""
+    if note:
+        e.add_note(note)
+    e.gradindex_team_error = True  # type: ignore[attr-defined]
+    return e
+
+
+def shared(e: BaseException) -> bool:
+    """Whether ``e`` came out of a :class:`Team`'s collective step, raised on every rank alike (so a rank that
+    waits for the next step may go on; any other error leaves the ranks out of step: fatal)."""
+    return bool(getattr(e, "gradindex_team_error", False))
+
+
+SOLO = Team()
+"""One process: every file, no collective."""
+
+
+def team() -> Team:
+    """The running ranks as a :class:`Team` (:data:`SOLO` on one process)."""
+    return Team(rank(), world_size())

@@ -7,6 +7,7 @@ module only chains them, and is what ``gradindex build`` calls.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -30,7 +31,7 @@ from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
 from gradindex.precondition.fullspace import HeadGrads, keep_build_sums, stored_share
-from gradindex.precondition.fused import fit_and_transcode
+from gradindex.precondition.fused import fit_and_transcode, team_fits
 from gradindex.precondition.restore import restore_basis
 from gradindex.precondition.sampled import SAMPLE_DIR, EigenCoder, fit_on_sample, sampled_reason
 from gradindex.spec.manifest import Manifest, manifest_path
@@ -95,14 +96,48 @@ def build_index(model: nn.Module, tokenizer, data: Tokenized, out_dir: str | os.
                 res = build_store(model, tokenizer, data, out_dir, cfg, model_id=model_id, data_id=data_id,
                                   overwrite=overwrite, progress=progress, repair=repair, full_fit_rows=rows,
                                   sink=RowSink(heads))
-        if distributed.rank() > 0:  # under torchrun: the fit, transcode and indices read the store, on rank 0
-            distributed.barrier()
+        if distributed.rank() > 0:  # under torchrun: rank 0 runs the later stages, handing out the shared ones
+            _assist(model, tokenizer, data, out_dir)
             res.seconds = time.perf_counter() - t0
             return res, None
         try:
-            return _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0, plan, rerank_fit, heads)
-        finally:
-            distributed.barrier()
+            done = _finish(model, tokenizer, data, out_dir, cfg, index, res, progress, t0, plan, rerank_fit, heads)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (a rank that died: the first error is the one to report)
+                _dismiss()
+            raise
+        _dismiss()
+        return done
+
+
+def _assist(model, tokenizer, data: Tokenized, out_dir) -> None:
+    """A rank other than 0 after its capture: its share of each stage rank 0 hands out (:func:`_share`: the
+    EK-FAC correction's store pass and the transcode, over its own store files), until rank 0 is done."""
+    while (job := distributed.broadcast(None)) is not None:
+        fit, storage, manifest = job
+        try:
+            fit_and_transcode(out_dir, fit, storage, model, tokenizer, data, False, manifest, team=distributed.team())
+        except Exception as e:
+            if not distributed.shared(e):
+                raise  # (out of step with the other ranks: fatal)
+            log.debug("rank %d: the shared stage failed on every rank (rank 0 reports it): %s", distributed.rank(), e)
+    distributed.barrier()
+
+
+def _share(fit: FitConfig, storage: str, manifest: dict) -> distributed.Team:
+    """Rank 0: the :class:`~gradindex.distributed.Team` the fused fit and transcode of ``fit`` runs on: every rank
+    (handed the job, :func:`_assist`) where they can share it (:func:`team_fits`), else rank 0 alone."""
+    if not distributed.active() or not team_fits(fit):
+        return distributed.SOLO
+    distributed.broadcast((fit, storage, manifest))
+    return distributed.team()
+
+
+def _dismiss() -> None:
+    """Rank 0, done: the other ranks leave :func:`_assist`, then all meet at a barrier."""
+    if distributed.active():
+        distributed.broadcast(None)
+    distributed.barrier()
 
 
 def _sharded(model, tokenizer, data: Tokenized, out_dir, cfg: BuildConfig, index: IndexConfig | None,
@@ -223,8 +258,9 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     kept = "the captured rows are kept (and the transcode's finished shards)"
     with disk_full_as_error(out_dir, "fit and transcode", kept, need):
         if cfg.rows.transcode and not res.manifest.get("transcode"):  # the default: fit and transcode fused
+            team = _share(fit, cfg.rows.storage, res.manifest)
             res.manifest = fit_and_transcode(out_dir, fit, cfg.rows.storage, model, tokenizer, data, progress,
-                                             res.manifest)
+                                             res.manifest, team=team)
         elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
             fit_preconditioner(out_dir, fit, model, tokenizer, data, progress=progress, manifest=res.manifest)
     if full is not None and full.method not in res.manifest.get("full_space", {}):  # (updated in place)

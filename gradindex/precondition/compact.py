@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gradindex.distributed import SOLO, Team
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition.apply import absolute_damping
 from gradindex.precondition.ekfac import block_rows
@@ -62,7 +63,8 @@ def compact_eigenbasis(src: str | os.PathLike | OpenStore, out: str | os.PathLik
 
 def compact_rows(ix: OpenStore, out: str | os.PathLike, curvature: dict, fit: dict,
                  damping: float, storage: str | None, overwrite: bool, block: int, progress: bool,
-                 self_influence: bool = False, rotated: RotatedRows | None = None) -> tuple[dict, np.ndarray | None]:
+                 self_influence: bool = False, rotated: RotatedRows | None = None,
+                 team: Team = SOLO) -> tuple[dict, np.ndarray | None]:
     """The compact itself, from ``curvature`` (layer → ``(Q_S, Q_A, Λ*)``) of the fit recorded as ``fit``.
 
     Streams the store in shard order, ``block`` rows at a time (fewer where a block of all layers
@@ -71,6 +73,8 @@ def compact_rows(ix: OpenStore, out: str | os.PathLike, curvature: dict, fit: di
     (the EK-FAC self-influence at ``damping``), recomputed for the rows a resumed run finds written.
     ``rotated``: the rows already rotated into ``curvature``'s eigenbasis by the fit pass
     (:mod:`gradindex.precondition.rotated`): they are only scaled, and each shard's are deleted once coded.
+    ``team``: the ranks sharing the shards (:class:`~gradindex.distributed.Team`; each codes its own, the lead
+    writes the manifest and basis and gets every row's self-influence).
     """
     t0 = time.perf_counter()
     src, out, manifest, shapes, store = ix.dir, Path(out), ix.manifest, ix.shapes, ix.store
@@ -79,20 +83,34 @@ def compact_rows(ix: OpenStore, out: str | os.PathLike, curvature: dict, fit: di
     storage = check_storage(storage or ix.described.storage)
     basis = eigen_basis(index_basis(src, manifest), curvature, damping)
     new = eigen_manifest(manifest, storage, damping, fit)
-    _prepare(out, new, overwrite)
-    write_manifest(out, new)  # first: a kill from here on leaves an unfinished compact that a re-run resumes
-    write_basis(out, basis, {"source": ix.described.data_fingerprint, "damping": damping})
-    (out / STORE_DIR).mkdir(exist_ok=True)
+
+    def start() -> None:
+        _prepare(out, new, overwrite)
+        write_manifest(out, new)  # first: a kill from here on leaves an unfinished compact that a re-run resumes
+        write_basis(out, basis, {"source": ix.described.data_fingerprint, "damping": damping})
+        (out / STORE_DIR).mkdir(exist_ok=True)
+
+    team.on_lead(start)
     with progress_bar(total=len(store), unit="ex", desc="transcode" if self_influence else "compact",
                       disable=not progress) as bar:
         si = np.zeros((len(store), len(shapes))) if self_influence else None
         rows = block_rows(store.dims, list(shapes), block)
-        for k in range(len(store.paths)):
+
+        def work(k: int) -> np.ndarray | None:
             _compact_shard(store, k, out, basis, shapes, storage, ix.described.data_fingerprint, rows, si,
                            bar.update, rotated)
+            return None if si is None else si[store.first_ids[k]:store.first_ids[k] + store.sizes[k]]
+
+        def combine(k: int, res: np.ndarray | None) -> None:
+            if not team.owns(k):  # (another rank's shard)
+                bar.update(int(store.sizes[k]))
+                if si is not None and team.lead:
+                    si[store.first_ids[k]:store.first_ids[k] + store.sizes[k]] = res
+
+        team.rounds(len(store.paths), work, combine)
     new["status"] = "complete"
     new["compact"] = {"source": str(src.resolve()), "seconds": round(time.perf_counter() - t0, 3)}
-    write_manifest(out, new)
+    team.on_lead(lambda: write_manifest(out, new))
     log.info("compacted %s into the ekfac eigenbasis at %s", src, out)
     return new, si
 

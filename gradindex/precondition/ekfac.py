@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gradindex.distributed import SOLO, Team
 from gradindex.precondition.apply import damped, rotate
 from gradindex.precondition.rotated import RotatedRows
 from gradindex.progress import progress_bar
@@ -74,52 +75,98 @@ def store_pass(
     spill: RotatedRows | None = None,
     norms: bool = True,
     fit_rows: np.ndarray | None = None,
+    team: Team = SOLO,
 ) -> PassResult:
     """One streaming pass over the store; see the module docstring. ``shapes``: layer → ``(k_g, k_a)``;
     ``dtype``: of the rotations, one for all layers or per layer (sums are float64 either way);
     ``spill``: where the rotated rows are written for the fused transcode (:mod:`gradindex.precondition.rotated`);
     ``norms``: also ``‖Ĝ‖²`` (else ``sq_norms`` is left zero); ``fit_rows``: the store positions whose rows
-    make ``Λ*`` (a fit on a sample of the stored rows; None: every finite row)."""
+    make ``Λ*`` (a fit on a sample of the stored rows; None: every finite row). ``team``: the ranks that share
+    the pass, each over its own store files (:class:`~gradindex.distributed.Team`): every rank gets ``Λ*``,
+    summed file by file in file order (the same bits on any number of ranks), the lead every row's results
+    (the others their own files' rows)."""
     layers = list(layers)
     N, L = len(store), len(layers)
     finite = store.column("finite").astype(bool)
     fitted = _fit_mask(finite, fit_rows)
-    need_rot = bases is not None
-    with_lam = need_rot and all(bases[n].Lam is not None for n in layers)
-    if correct and not need_rot:
+    if correct and bases is None:
         raise ValueError("the eigenvalue correction needs the eigenbases")
     dev, dtypes = torch.device(device), (dtype if isinstance(dtype, dict) else {n: dtype for n in layers})
-    mats = _device_bases(bases, layers, dtypes, dev) if need_rot else {}
-    sums = {n: torch.zeros(shapes[n], dtype=torch.float64, device=dev) for n in layers} if correct else None
-    si, sq = np.zeros((N, L)) if with_lam else None, np.zeros((N, L))
     dims = {n: shapes[n][0] * shapes[n][1] for n in layers}
+    mats = _device_bases(bases, layers, dtypes, dev) if bases is not None else {}
+    run = _FilePass(store, layers, shapes, bases, mats, dtypes, dev, fitted, correct, norms, spill,
+                    block_rows(dims, layers, block))
+    sums = {n: np.zeros(shapes[n], np.float64) for n in layers} if correct else None
+    si, sq = np.zeros((N, L)) if run.with_lam else None, np.zeros((N, L))
     if spill is not None:
-        spill.attach(store.sizes, dims, layers)
+        spill.attach(store.sizes, dims, layers, clear=team.size == 1)  # (a team's lead cleared it first)
     with progress_bar(total=N, unit="ex", desc=desc, disable=not progress) as bar:
-        for ids, grads in store.iter_blocks(layers, block_rows(dims, layers, block)):
+        def combine(k: int, res: tuple) -> None:
+            file_sums, si_k, sq_k = res
+            for n in file_sums:
+                sums[n] += file_sums[n]
+            lo, hi = store.first_ids[k], store.first_ids[k] + store.sizes[k]
+            if team.lead or team.owns(k):
+                sq[lo:hi] = sq_k
+                if si is not None:
+                    si[lo:hi] = si_k
+            bar.update(int(store.sizes[k]))
+
+        team.rounds(len(store.paths), run.file, combine)
+    corrected = {n: sums[n] / max(1, int(fitted.sum())) for n in layers} if correct else None
+    return PassResult(si, sq, corrected, int(finite.sum()))
+
+
+@dataclass
+class _FilePass:
+    """One store file's share of :func:`store_pass`: its ``Λ*`` sums and its rows' results."""
+
+    store: Store
+    layers: list[str]
+    shapes: dict[str, tuple[int, int]]
+    bases: dict[str, Basis] | None
+    mats: dict
+    dtypes: dict[str, torch.dtype]
+    dev: torch.device
+    fitted: np.ndarray
+    correct: bool
+    norms: bool
+    spill: RotatedRows | None
+    rows: int
+
+    @property
+    def with_lam(self) -> bool:
+        return self.bases is not None and all(self.bases[n].Lam is not None for n in self.layers)
+
+    def file(self, k: int) -> tuple[dict[str, np.ndarray], np.ndarray | None, np.ndarray]:
+        """``(layer → Λ* sum of file k's fitted rows (float64; only when correcting), [n_k, L] self-influence
+        (or None), [n_k, L] ‖Ĝ‖²)``."""
+        store, first, size, L = self.store, self.store.first_ids[k], self.store.sizes[k], len(self.layers)
+        sums = {n: torch.zeros(self.shapes[n], dtype=torch.float64, device=self.dev) for n in self.layers} \
+            if self.correct else {}
+        si, sq = np.zeros((size, L)) if self.with_lam else None, np.zeros((size, L))
+        for ids, grads in store.iter_blocks(self.layers, self.rows, first, first + size):
             pos = store.positions(ids)
-            keep = None if fitted[pos].all() else torch.as_tensor(fitted[pos], device=dev)
-            for j, n in enumerate(layers):
-                k_g, k_a = shapes[n]
-                x = torch.from_numpy(grads[n]).to(dev, dtypes[n])  # [n, k_g·k_a]
-                if norms:
-                    sq[pos, j] = x.double().square().sum(1).cpu().numpy()
-                if not need_rot:
+            keep = None if self.fitted[pos].all() else torch.as_tensor(self.fitted[pos], device=self.dev)
+            for j, n in enumerate(self.layers):
+                k_g, k_a = self.shapes[n]
+                x = torch.from_numpy(grads[n]).to(self.dev, self.dtypes[n])  # [n, k_g·k_a]
+                if self.norms:
+                    sq[pos - first, j] = x.double().square().sum(1).cpu().numpy()
+                if self.bases is None:
                     continue
-                Q_S, Q_A, weight = mats[n]
+                Q_S, Q_A, weight = self.mats[n]
                 R = rotate(x.view(-1, k_g, k_a), Q_S, Q_A)  # [n, k_g, k_a]
-                if spill is not None:  # (the stored rows' own float32 CPU rotation: :func:`stored_rows`)
+                if self.spill is not None:  # (the stored rows' own float32 CPU rotation: :func:`stored_rows`)
                     same = R.dtype == torch.float32 and R.device.type == "cpu"
-                    spill.put(pos, n, R.reshape(len(pos), -1).numpy() if same else
-                              rotate_rows(grads[n], bases[n].Q_S, bases[n].Q_A, shapes[n]))
-                R2 = R.square_() if correct or weight is not None else None  # (R is not needed after this)
-                if correct:
+                    self.spill.put(pos, n, R.reshape(len(pos), -1).numpy() if same else
+                                   rotate_rows(grads[n], self.bases[n].Q_S, self.bases[n].Q_A, self.shapes[n]))
+                R2 = R.square_() if self.correct or weight is not None else None  # (R is not needed after this)
+                if self.correct:
                     sums[n] += (R2 if keep is None else R2[keep]).sum(0).double()
                 if weight is not None:  # ⟨(H + δI)⁻¹x, x⟩ = Σ R² (Λ + δ)⁻¹, the weights formed once
-                    si[pos, j] = (R2 * weight).sum(dim=(1, 2)).double().cpu().numpy()
-            bar.update(len(ids))
-    corrected = {n: (sums[n] / max(1, int(fitted.sum()))).cpu().numpy() for n in layers} if correct else None
-    return PassResult(si, sq, corrected, int(finite.sum()))
+                    si[pos - first, j] = (R2 * weight).sum(dim=(1, 2)).double().cpu().numpy()
+        return {n: s.cpu().numpy() for n, s in sums.items()}, si, sq
 
 
 def _fit_mask(finite: np.ndarray, fit_rows: np.ndarray | None) -> np.ndarray:

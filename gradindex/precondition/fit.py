@@ -24,6 +24,7 @@ import gradindex
 from gradindex.capture import ProjectionSpec
 from gradindex.capture.sampling import FISHERS
 from gradindex.data import Tokenized
+from gradindex.distributed import SOLO, Team
 from gradindex.lock import index_lock
 from gradindex.methods import DEFAULT_DAMPING, adam_rows, names
 from gradindex.model import resolve_device
@@ -193,7 +194,7 @@ def store_fit(ix: OpenStore, cfg: FitConfig, model, tokenizer, data, progress: b
                  data, progress)
     written, fit = curvature_of(cfg.method).fit(job, **options)
     for m, (fac, si) in written.items():
-        if si is not None:
+        if si is not None and options.get("team", SOLO).lead:  # (a team's rows meet on its lead)
             keys = curvature_of(m).write_keys if fac is not None else ()
             write_precond(precond_path(ix.dir, m), m, manifest, job.layers, fac, si, cfg.damping, fit, keys)
     return StoreFit(written, fit, job.layers)
@@ -208,22 +209,27 @@ class KFAC(Curvature):
 
     @classmethod
     def fit(cls, job: FitJob, ekfac_self_influence: bool = True, spill=None,
-            sample_correction: bool = False) -> tuple[dict, dict]:
+            sample_correction: bool = False, team: Team = SOLO) -> tuple[dict, dict]:
         """Factors → eigenbases → one store pass (K-FAC self-influence, ``Λ*``, ``‖Ĝ‖²``), then :meth:`refit`.
         ``ekfac_self_influence`` False: neither EK-FAC's second pass nor ``‖Ĝ‖²`` (the fused transcode computes its
         self-influence from the rows it rotates: :mod:`gradindex.precondition.fused`); ``spill`` (a
         :class:`~gradindex.precondition.rotated.RotatedRows`) keeps the first pass's rotated rows for it;
-        ``sample_correction``: ``Λ*`` from the rows of ``cfg.fit_examples``'s sample only (a sampled build's fit)."""
+        ``sample_correction``: ``Λ*`` from the rows of ``cfg.fit_examples``'s sample only (a sampled build's fit);
+        ``team``: the ranks sharing the store pass (the lead fits the factors, from the build pass's sums only)."""
         cfg, store, layers, shapes = job.cfg, job.store, job.layers, job.shapes
-        sums, fit, mp = _factor_sums(job.manifest, store, layers, cfg, job.model, job.tokenizer, job.data,
-                                     job.device, job.progress)
-        factors = _eigen_factors(sums, layers, shapes)
+
+        def factors_of() -> tuple:
+            sums, fit, mp = _factor_sums(job.manifest, store, layers, cfg, job.model, job.tokenizer, job.data,
+                                         job.device, job.progress)
+            return _eigen_factors(sums, layers, shapes), fit, mp if team.size == 1 else None
+
+        factors, fit, mp = team.on_lead(factors_of)
         kw = dict(device=job.device, dtype=layer_dtypes(cfg.precision, shapes), block=cfg.block,
                   progress=job.progress)
         fit_rows = store.positions(np.asarray(mp.rows, np.int64)) if sample_correction and mp is not None else None
         first = store_pass(store, layers, shapes, _bases(factors, cfg.damping),
                            correct=cls.corrects and cfg.fisher == "empirical", desc="store pass (kfac)", spill=spill,
-                           norms=ekfac_self_influence, fit_rows=fit_rows, **kw)
+                           norms=ekfac_self_influence, fit_rows=fit_rows, team=team, **kw)
         written = {"kfac": (factors, first.self_influence), "graddot": (None, first.sq_norms)}
         written.update(cls.refit(job, factors, first, mp, kw if ekfac_self_influence else None))
         fit["finite_examples"] = first.n_finite

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from gradindex.diskspace import free_bytes
+from gradindex.distributed import SOLO, Team
 from gradindex.heap import bound_heap
 from gradindex.precondition.compact import STAGING, compact_rows, finish_transcode, swap_in
 from gradindex.precondition.files import precond_path, write_precond
@@ -48,34 +49,57 @@ def keeps_copy(d: Path, manifest: dict, storage: str) -> bool:
 
 def fit_and_transcode(index_dir: str | os.PathLike, cfg: FitConfig, storage: str, model=None, tokenizer=None,
                       data=None, progress: bool = False, manifest: dict | None = None,
-                      sample_correction: bool = False) -> dict:
+                      sample_correction: bool = False, team: Team = SOLO) -> dict:
     """Fit EK-FAC (and K-FAC) on ``index_dir``'s raw rows and rewrite them in place in its whitened
     eigenbasis at ``cfg.damping`` as ``storage`` codes; return the new manifest. The caller holds the
     directory's lock (the pipeline); ``model``/``tokenizer``/``data`` as for :func:`fit_preconditioner`.
     ``sample_correction``: ``Λ*`` too from ``cfg.fit_examples``'s sample only (the fit a sampled build makes,
-    :mod:`gradindex.precondition.sampled`, here over the stored rows: its reference)."""
+    :mod:`gradindex.precondition.sampled`, here over the stored rows: its reference). ``team``: the ranks of a
+    build that share the store pass and the transcode, each over its own store files (every rank calls this
+    with the lead's ``manifest``; the empirical Fisher of the build pass's factors: :func:`team_fits`); the lead
+    writes the fits and swaps the rows in. The same bytes as one process."""
     if cfg.method != "ekfac" or cfg.space != "stored":
         raise ValueError("the fused transcode fits EK-FAC on the stored rows (method 'ekfac', space 'stored')")
     d = Path(index_dir)
-    finish_transcode(d)
     bound_heap()  # memory flat in N over the two passes (gradindex.heap)
     t0 = time.perf_counter()
-    if manifest is None or manifest.get("status") != "complete":
-        manifest = Manifest.read(d).data
+    manifest, keep = team.on_lead(lambda: _begin(d, manifest, storage, team))
     if Manifest.of(manifest).basis_kind == "ekfac":
         return manifest
-    with fit_store(d, manifest, full_check=False) as ix:
+    with team.each(lambda: fit_store(d, manifest, full_check=False)) as ix:
         manifest = ix.manifest
-        rotated = RotatedRows(d) if keeps_copy(d, manifest, storage) else None
+        rotated = RotatedRows(d) if keep else None
         fitted = store_fit(ix, cfg, model, tokenizer, data, progress, ekfac_self_influence=False, spill=rotated,
-                           sample_correction=sample_correction)
+                           sample_correction=sample_correction, team=team)
         ek, _ = fitted.written["ekfac"]
         curvature = {n: (f.Q_S, f.Q_A, f.Lambda) for n, f in ek.items()}
         new, si = compact_rows(ix, d / STAGING, curvature, fitted.fit, cfg.damping, storage, overwrite=True,
-                               block=cfg.block, progress=progress, self_influence=True, rotated=rotated)
-    if rotated is not None:
-        rotated.discard()
-    write_precond(precond_path(d, "ekfac"), "ekfac", manifest, fitted.layers, ek, si, cfg.damping, fitted.fit)
-    fitted.written["ekfac"] = (ek, si)
-    register_fits(d, cfg, manifest, fitted, time.perf_counter() - t0)
-    return swap_in(d, manifest, new, cfg.damping)  # (the manifest register_fits wrote)
+                               block=cfg.block, progress=progress, self_influence=True, rotated=rotated, team=team)
+
+    def finish() -> dict:  # (every rank's shards are coded: the last round of the transcode waited for them)
+        if rotated is not None:
+            rotated.discard()
+        write_precond(precond_path(d, "ekfac"), "ekfac", manifest, fitted.layers, ek, si, cfg.damping, fitted.fit)
+        fitted.written["ekfac"] = (ek, si)
+        register_fits(d, cfg, manifest, fitted, time.perf_counter() - t0)
+        return swap_in(d, manifest, new, cfg.damping)  # (the manifest register_fits wrote)
+
+    return team.on_lead(finish)
+
+
+def _begin(d: Path, manifest: dict | None, storage: str, team: Team) -> tuple[dict, bool]:
+    """``(manifest, whether the rotated rows are kept)``, once an interrupted swap is finished (the lead's work
+    before a team's store pass; a team's ranks share the rotated rows' directory, cleared here)."""
+    finish_transcode(d)
+    if manifest is None or manifest.get("status") != "complete":
+        manifest = Manifest.read(d).data
+    if team.size > 1:
+        RotatedRows(d).discard()
+    return manifest, keeps_copy(d, manifest, storage)
+
+
+def team_fits(cfg: FitConfig) -> bool:
+    """Whether a build's ranks can share :func:`fit_and_transcode` of ``cfg``: its factors from the build pass
+    and ``Λ*`` from the stored rows (the empirical Fisher on every example), no model pass on the lead alone."""
+    return cfg.method == "ekfac" and cfg.space == "stored" and cfg.fisher == "empirical" and not cfg.fit_data \
+        and not cfg.fit_examples

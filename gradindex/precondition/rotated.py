@@ -42,10 +42,12 @@ class RotatedRows:
         self._bytes = 0
         self._written: set[tuple[int, int]] = set()
 
-    def attach(self, sizes: Sequence[int], dims: dict[str, int], layers: Sequence[str]) -> None:
-        """Start a pass over a store of shards ``sizes``: discard what an earlier run left."""
-        self.discard()
-        self.root.mkdir(parents=True)
+    def attach(self, sizes: Sequence[int], dims: dict[str, int], layers: Sequence[str], clear: bool = True) -> None:
+        """Start a pass over a store of shards ``sizes``: discard what an earlier run left (``clear``; a build's
+        ranks share the directory, each writing its own shards' files: its lead clears it before they start)."""
+        if clear:
+            self.discard()
+        self.root.mkdir(parents=True, exist_ok=not clear)
         self.layers, self.dims = list(layers), [int(dims[n]) for n in layers]
         self.starts = np.cumsum([0, *sizes]).astype(np.int64)
         self.scale = np.zeros((int(self.starts[-1]), len(self.layers)), np.float32)  # [N, L] row maxima
