@@ -5,7 +5,9 @@ gradindex needs no collective of its own for the gradients: each rank captures i
 files; rank 0 writes what is shared (the manifest, the preconditioner, the FAISS indices) once the
 others are done. This module is the little that needs ``torch.distributed``: the rank and world
 size, a barrier, gathering small Python objects, and starting the process group that ``torchrun``
-describes in the environment (``gradindex build`` does so when it runs under ``torchrun``).
+describes in the environment (``gradindex build`` does so when it runs under ``torchrun``). After the
+capture the ranks also share the per-file loops whose results add up (the EK-FAC correction's store pass,
+the transcode) as a :class:`Team`: each its own store files, the results met in file order.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def on_rank0(fn):
 
 
 BUILD_TIMEOUT = timedelta(hours=6)
-"""A build's collective timeout: rank 0 alone fits, transcodes and indexes while the others wait at a barrier."""
+"""A build's collective timeout: rank 0 alone fits the factors and indexes while the others wait."""
 _timeout = BUILD_TIMEOUT
 
 
