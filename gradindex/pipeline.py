@@ -23,6 +23,7 @@ from gradindex.data import Tokenized
 from gradindex.diskspace import check_space, disk_full_as_error, free_bytes, human
 from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices
+from gradindex.index.builder import row_norms
 from gradindex.index.sharded import Sharded
 from gradindex.index.tiers import RowShape, make_tier
 from gradindex.lock import index_lock
@@ -44,6 +45,7 @@ from gradindex.store.builder import (
     clear_out_dir,
     refuse_foreign,
 )
+from gradindex.store.shards import Store
 
 __all__ = ["BuildConfig", "BuildResult", "IndexConfig", "build_index"]
 log = logging.getLogger("gradindex")
@@ -111,25 +113,32 @@ def build_index(model: nn.Module, tokenizer, data: Tokenized, out_dir: str | os.
 
 
 def _assist(model, tokenizer, data: Tokenized, out_dir) -> None:
-    """A rank other than 0 after its capture: its share of each stage rank 0 hands out (:func:`_share`: the
-    EK-FAC correction's store pass and the transcode, over its own store files), until rank 0 is done."""
+    """A rank other than 0 after its capture: its share of each per-file pass rank 0 hands out (:func:`_share`: the
+    EK-FAC correction's store pass and the transcode, the tier's norms), over its own store files, until rank 0 is
+    done."""
     while (job := distributed.broadcast(None)) is not None:
-        fit, storage, manifest = job
+        kind, args = job
+        team = distributed.team()
         try:
-            fit_and_transcode(out_dir, fit, storage, model, tokenizer, data, False, manifest, team=distributed.team())
+            if kind == "fused":
+                fit, storage, manifest = args
+                fit_and_transcode(out_dir, fit, storage, model, tokenizer, data, False, manifest, team=team)
+            else:  # "norms"
+                with Store(out_dir) as store:
+                    row_norms(store, False, team)
         except Exception as e:
             if not distributed.shared(e):
                 raise  # (out of step with the other ranks: fatal)
-            log.debug("rank %d: the shared stage failed on every rank (rank 0 reports it): %s", distributed.rank(), e)
+            log.debug("rank %d: the shared %s pass failed on every rank (rank 0 reports it): %s", team.rank, kind, e)
     distributed.barrier()
 
 
-def _share(fit: FitConfig, storage: str, manifest: dict) -> distributed.Team:
-    """Rank 0: the :class:`~gradindex.distributed.Team` the fused fit and transcode of ``fit`` runs on: every rank
-    (handed the job, :func:`_assist`) where they can share it (:func:`team_fits`), else rank 0 alone."""
-    if not distributed.active() or not team_fits(fit):
+def _share(kind: str, *args) -> distributed.Team:
+    """Rank 0: hand the per-file pass ``kind`` (``fused``: ``(fit, storage, manifest)``; ``norms``) to the other
+    ranks (:func:`_assist`); the :class:`~gradindex.distributed.Team` to run it with (one process: ``SOLO``)."""
+    if not distributed.active():
         return distributed.SOLO
-    distributed.broadcast((fit, storage, manifest))
+    distributed.broadcast((kind, args))
     return distributed.team()
 
 
@@ -258,7 +267,7 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     kept = "the captured rows are kept (and the transcode's finished shards)"
     with disk_full_as_error(out_dir, "fit and transcode", kept, need):
         if cfg.rows.transcode and not res.manifest.get("transcode"):  # the default: fit and transcode fused
-            team = _share(fit, cfg.rows.storage, res.manifest)
+            team = _share("fused", fit, cfg.rows.storage, res.manifest) if team_fits(fit) else distributed.SOLO
             res.manifest = fit_and_transcode(out_dir, fit, cfg.rows.storage, model, tokenizer, data, progress,
                                              res.manifest, team=team)
         elif cfg.precondition != "none" and not res.manifest.get("transcode"):  # updates res.manifest in place
@@ -276,7 +285,7 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     with disk_full_as_error(out_dir, "FAISS stage", "the store and its fits are complete and kept",
                             lambda: plan.index_bytes), \
             OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
-        return res, build_indices(ix, index, progress=progress)
+        return res, build_indices(ix, index, progress=progress, share=lambda: _share("norms"))
 
 
 def routed_plan(model, cfg: BuildConfig, n: int, out: Path, overwrite: bool, plan_args: tuple = (),

@@ -1,5 +1,5 @@
 """A torchrun build's stages after the capture shared by its ranks (issue 34): each rank sums the EK-FAC
-correction over its own store files and transcodes them; the index equals the one-process build's byte for byte
+correction over its own store files, transcodes them and takes their rows' norms for the tier; the index equals the one-process build's byte for byte
 (store files, fits, basis), every query's top 10 with it; a rank failing mid-transcode fails the build on every
 rank, and the same command resumes it to the same bytes."""
 
@@ -74,6 +74,8 @@ def test_two_ranks_share_the_correction_and_transcode_to_the_same_bytes(gpt2_dir
         a, b = _fit(d / "one", method), _fit(d / "two", method)
         for n in a:
             np.testing.assert_array_equal(a[n], b[n])
+    np.testing.assert_array_equal(np.load(d / "two" / "faiss" / "norms.npy"),  # the tier's norms, also shared
+                                  np.load(d / "one" / "faiss" / "norms.npy"))
     q = [a for t in QUERIES for a in ("--text", t)] + ["-k", "10", "--device", "cpu"]
     assert _cli("query", str(d / "two"), *q) == _cli("query", str(d / "one"), *q)
 

@@ -17,12 +17,14 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from gradindex.checksum import damage_error, forget, move_aside, record, recorded
+from gradindex.distributed import SOLO, Team
 from gradindex.index.config import IndexConfig
 from gradindex.index.files import (
     META,
@@ -45,7 +47,6 @@ from gradindex.spec.manifest import FORMAT_VERSION, refuse_unfinished_transcode,
 from gradindex.store import Store
 from gradindex.store.opened import opened
 from gradindex.store.repair import check_store
-from gradindex.store.rows import iter_layer
 
 __all__ = ["IndexBuildResult", "IndexConfig", "build_indices"]
 
@@ -61,20 +62,24 @@ class IndexBuildResult:
 
 
 def build_indices(index_dir: str | os.PathLike | OpenIndex, cfg: IndexConfig = IndexConfig(),
-                  progress: bool = True, force: bool = False) -> IndexBuildResult:
+                  progress: bool = True, force: bool = False,
+                  share: Callable[[], Team] | None = None) -> IndexBuildResult:
     """Write ``faiss/<layer>.index`` for every stored layer (resuming an interrupted build).
 
     The new set is written into ``faiss.new/`` and swapped in only when complete, so a failed or
     killed build (``force`` included) leaves the previous indices answering queries.
     ``index_dir``: a path, or an :class:`OpenIndex` (its manifest and store are used as they are).
+    ``share``: a torchrun build's rank 0 hands the norms pass to the other ranks with it (they run
+    :func:`row_norms` over the same store with the :class:`~gradindex.distributed.Team` it returns).
     """
     t0 = time.perf_counter()
     with opened(index_dir, "build the indices", OpenIndex) as ix:
         with index_lock(ix.dir, "gradindex index"):
-            return _build(ix, cfg, progress, force, t0)
+            return _build(ix, cfg, progress, force, t0, share)
 
 
-def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: float) -> IndexBuildResult:
+def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: float,
+           share: Callable[[], Team] | None = None) -> IndexBuildResult:
     index_dir, store, manifest, N = ix.dir, ix.store, ix.manifest, ix.n
     _refuse(ix)
     space = cfg.space
@@ -97,7 +102,7 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
         return IndexBuildResult(live, old, time.perf_counter() - t0, 0, up_to_date=True)
     meta = _staged_meta(index_dir, live, out, old, key, factories, tier.name, space, N, force)
     write_json(out / META, meta)
-    norms = _norms(store, out / NORMS, meta, progress)
+    norms = _norms(store, out / NORMS, meta, progress, share)
     write_json(out / META, meta)
     inv = np.where(norms > 0, 1.0 / np.sqrt(np.maximum(norms, 1e-300)), 0.0).astype(np.float32)
     job = BuildJob(store, ix.pre, cfg, out, meta, key, factories, inv if space.normalize else None, progress)
@@ -150,8 +155,10 @@ def _carry(src: Path, dst: Path, name: str | None) -> bool:
     return True
 
 
-def _norms(store: Store, path: Path, meta: dict, progress: bool) -> np.ndarray:
-    """``[N, L]`` per-layer squared norms of the raw store vectors (one pass, cached)."""
+def _norms(store: Store, path: Path, meta: dict, progress: bool, share: Callable[[], Team] | None = None
+           ) -> np.ndarray:
+    """``[N, L]`` per-layer squared norms of the raw store vectors (one pass, cached; ``share``: with the ranks
+    it hands the pass to)."""
     if meta.get("norms") and path.exists():
         try:
             arr = np.load(path)
@@ -159,13 +166,33 @@ def _norms(store: Store, path: Path, meta: dict, progress: bool) -> np.ndarray:
                 return arr.sum(axis=1)
         except (OSError, ValueError):
             pass
-    sq = np.zeros((len(store), len(store.layers)), dtype=np.float32)
-    for j, n in enumerate(progress_bar(store.layers, desc="norms", disable=not progress, leave=False)):
-        for s, x in iter_layer(store, n, 0, max(1, (64 << 20) // (4 * max(1, store.dims[n])))):  # 64 MB a block
-            sq[s:s + len(x), j] = np.einsum("ij,ij->i", x, x, dtype=np.float64)
+    sq = row_norms(store, progress, share() if share is not None else SOLO)
     write_norms(path.parent, sq)
     meta["norms"] = {"file": path.name, "layers": list(store.layers)}
     return sq.sum(axis=1)
+
+
+def row_norms(store: Store, progress: bool = False, team: Team = SOLO) -> np.ndarray:
+    """``[N, L]`` float32 squared norms of every stored row per layer, a store file at a time (``team``: each rank
+    its own files; the lead gets every row, the others their own files' rows)."""
+    sq = np.zeros((len(store), len(store.layers)), dtype=np.float32)
+    with progress_bar(total=len(store), unit="ex", desc="norms", disable=not progress, leave=False) as bar:
+        def work(k: int) -> np.ndarray:
+            first, size = store.first_ids[k], store.sizes[k]
+            out = np.zeros((size, len(store.layers)), dtype=np.float32)
+            for j, n in enumerate(store.layers):
+                block = max(1, (64 << 20) // (4 * max(1, store.dims[n])))  # 64 MB a block
+                for ids, x in store.iter_blocks([n], block, first, first + size):
+                    out[ids - first, j] = np.einsum("ij,ij->i", x[n], x[n], dtype=np.float64)
+            return out
+
+        def combine(k: int, rows: np.ndarray) -> None:
+            if team.lead or team.owns(k):
+                sq[store.first_ids[k]:store.first_ids[k] + store.sizes[k]] = rows
+            bar.update(int(store.sizes[k]))
+
+        team.rounds(len(store.paths), work, combine)
+    return sq
 
 
 def _register(index_dir: Path, manifest: dict, meta: dict, tier: type[Tier]) -> None:
