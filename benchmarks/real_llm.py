@@ -12,10 +12,15 @@ Measured, each step cached in the work folder so a killed run resumes:
 * the halves LDS: LoRA retrainings on random halves, two at a time (``--subsets``; a second seed of
   the first ``--noise-subsets`` gives the noise ceiling), Spearman per query of a half's summed
   scores against its retrained loss;
+* the 1%-drop LDS (``retrain-drop``, ``report-drop``): retrainings each leaving out ceil(1%) of the conversations,
+  in the full set's batch order with those left out (so a drop differs from the full run by its records alone);
+  the first ``--noise-subsets`` also under another batch order, the noise ceiling;
 * planted facts: the rank of the best-ranked source conversation of each paraphrased fact query.
 
     python -m benchmarks.real_llm retrain --n 160 --subsets 24 --noise-subsets 8   # the retrainings, 2 at a time
     python -m benchmarks.real_llm report --n 160 --subsets 24 --noise-subsets 8    # -> benchmarks/results/real-llm.json
+    python -m benchmarks.real_llm retrain-drop --subsets 12 --noise-subsets 4      # the 1%-drop retrainings
+    python -m benchmarks.real_llm report-drop --subsets 12 --noise-subsets 4       # -> real-llm.json "drop"
 """
 
 from __future__ import annotations
@@ -389,23 +394,39 @@ def halves(n: int, m: int, seed: int = 1234) -> np.ndarray:
     return masks
 
 
-def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: int = 2) -> tuple[np.ndarray, np.ndarray]:
+def drops(n: int, m: int, frac: float = 0.01, seed: int = 4321) -> np.ndarray:
+    """``[m, n]`` keep-masks of the 1%-drop protocol: each leaves out ``ceil(frac * n)`` random records."""
+    rng = np.random.default_rng(seed)
+    k = max(1, int(np.ceil(frac * n)))
+    masks = np.ones((m, n), dtype=bool)
+    for i in range(m):
+        masks[i, rng.choice(n, k, replace=False)] = False
+    return masks
+
+
+def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: int = 2,
+                protocol: str = "halves") -> tuple[np.ndarray, np.ndarray]:
     """``([M, 1, Q], [K, 2, Q])``: query losses of a LoRA retraining on each subset (seed 0), and of the
-    first ``noise`` subsets under two seeds (the noise ceiling), ``workers`` processes at a time."""
+    first ``noise`` subsets under two seeds (the noise ceiling), ``workers`` processes at a time. ``protocol``
+    ``"drop"``: the subsets' files under ``work/drop``, each trained in the full set's batch order."""
     jobs = [(i, 0) for i in range(noise)] + [(i, 1) for i in range(noise)] + [(i, 0) for i in range(noise, len(masks))]
+    if protocol == "drop":  # every subset under seed 0 first: a run cut short still has an LDS over all of them
+        jobs = [(i, 0) for i in range(len(masks))] + [(i, 1) for i in range(noise)]
     ft_file = work / "finetune.json"
-    _save_masks(work, masks)
+    sub = _protocol_dir(work, protocol)
+    _save_masks(sub, masks)
 
     def one(job):
         i, r = job
-        out = work / "retrain" / f"s{i:03d}-r{r}.json"
+        out = sub / "retrain" / f"s{i:03d}-r{r}.json"
         lock = out.with_suffix(".pid")
         while not out.exists() and lock.exists() and Path(f"/proc/{lock.read_text().strip()}").exists():
             time.sleep(10)  # another runner is training it
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
+            flag = ["--drop"] if protocol == "drop" else []
             proc = subprocess.Popen([sys.executable, "-m", "benchmarks.real_llm", "--retrain-one", str(ft_file),
-                                     str(i), str(r)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     str(i), str(r), *flag], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     env={**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"})
             lock.write_text(str(proc.pid))
             _, err = proc.communicate()
@@ -420,11 +441,18 @@ def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: in
     return first, np.stack([first[:noise, 0], second], axis=1)
 
 
+def _protocol_dir(work: Path, protocol: str) -> Path:
+    """Where a protocol's ``masks.npy`` and ``retrain/`` live: the halves' in ``work`` (as they always were), the
+    1%-drop protocol's in ``work/drop``."""
+    return work / "drop" if protocol == "drop" else work
+
+
 def _save_masks(work: Path, masks: np.ndarray) -> None:
     """Write ``masks.npy`` (what ``--retrain-one`` reads) unless it already holds ``masks`` as its first rows: a
     shorter run must not cut the subsets a longer run still trains (halves are drawn in order, so a shorter
     run's masks are the longer one's first rows)."""
     path = work / "masks.npy"
+    work.mkdir(parents=True, exist_ok=True)
     if path.exists():
         old = np.load(path)
         if old.shape[1:] == masks.shape[1:] and len(old) >= len(masks) and np.array_equal(old[:len(masks)], masks):
@@ -432,9 +460,11 @@ def _save_masks(work: Path, masks: np.ndarray) -> None:
     np.save(path, masks)
 
 
-def retrained(masks: np.ndarray, noise: int, work: Path) -> tuple[np.ndarray, np.ndarray]:
+def retrained(masks: np.ndarray, noise: int, work: Path, protocol: str = "halves") -> tuple[np.ndarray, np.ndarray]:
     """:func:`retrainings`' ``([M, 1, Q], [K, 2, Q])`` from the files already in ``work/retrain``, training
     nothing; refuses a subset whose file is missing (saying how many exist) or whose rows are not its mask's."""
+    work = _protocol_dir(work, protocol)
+
     def one(i, r):
         out = work / "retrain" / f"s{i:03d}-r{r}.json"
         if not out.exists():
@@ -1038,11 +1068,49 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
     return result
 
 
+def report_drop(ft: dict, work: Path, scores: dict, subsets: int, noise: int) -> dict:
+    """The 1%-drop LDS of every method scored so far over the drop retrainings already made (``subsets`` under seed
+    0, the first ``noise`` also under seed 1; none trained here), into ``results/real-llm.json`` key ``drop``."""
+    masks = drops(ft["n"], subsets)
+    losses, pairs = retrained(masks, noise, work, protocol="drop")
+    table = summarize(scores, ft, masks, losses)
+    keys = ("lds", "lds_se", "lds_facts", "lds_docs", "vs_default", "lds_per_query")
+    methods = {name: {k: row[k] for k in keys if k in row} | {"vs_bm25": paired(row["lds_per_query"],
+                                                                                table["bm25"]["lds_per_query"])}
+               for name, row in table.items()}
+    spread = losses[:, 0].std(axis=0) / np.abs(losses[:, 0].mean(axis=0))
+    ours = {"drop": {"protocol": f"LoRA retrainings (the recipe above) each without {int((~masks[0]).sum())} random "
+                                 f"conversations of {ft['n']} (ceil 1%), in the full set's batch order (seed 1000) "
+                                 f"with those left out; the first {noise} also under seed 1001 (another batch order): "
+                                 f"the noise ceiling",
+                     "subsets": subsets, "noise_subsets": noise,
+                     "noise_ceiling": noise_ceiling(pairs) if noise else None,
+                     "loss_spread_median": float(np.median(spread)),
+                     "seconds_per_retraining": _retrain_seconds(work / "drop" / "retrain"),
+                     "methods": methods}}
+    result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    RESULTS.write_text(json.dumps(result | ours, indent=1))
+    for name, row in sorted(methods.items(), key=lambda kv: -kv[1]["lds"]):
+        v = row.get("vs_default") or {}
+        print(f"{name:55s} {row['lds']:.3f} ± {row['lds_se']:.3f}  facts {row['lds_facts']:.3f}  docs "
+              f"{row['lds_docs']:.3f}  vs default {v.get('diff', 0):+.3f} ± {v.get('se', 0):.3f}")
+    print("noise ceiling", ours["drop"]["noise_ceiling"], "loss spread (std/mean, median)",
+          ours["drop"]["loss_spread_median"])
+    return ours
+
+
+def _retrain_seconds(folder: Path) -> float | None:
+    """Median seconds of the retrainings in ``folder``."""
+    secs = [json.loads(f.read_text()).get("seconds") for f in folder.glob("s*-r*.json")]
+    secs = [x for x in secs if x]
+    return float(np.median(secs)) if secs else None
+
+
 def main(argv=None) -> None:
     global RESULTS
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("step", choices=["retrain", "retrain-tokens", "score", *EXTRA, "cost", "scale", "facts", "stages",
-                                    "report", "all"],
+    p.add_argument("step", choices=["retrain", "retrain-drop", "report-drop", "retrain-tokens", "score", *EXTRA,
+                                    "cost", "scale", "facts", "stages", "report", "all"],
                    nargs="?",
                    default="all",
                    help="retrain: the LoRA retrainings only; score: builds and scores (graddot, trackstar, refine: "
@@ -1063,6 +1131,7 @@ def main(argv=None) -> None:
     p.add_argument("--skip-full", action="store_true", help="no exhaustive full-space EK-FAC")
     p.add_argument("--retrain-one", nargs=3, metavar=("FT", "SUBSET", "SEED"), help=argparse.SUPPRESS)
     p.add_argument("--per-token", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--drop", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--index-n", type=int, default=1000,
                    help="scale: the training set followed by documentation chats not trained on, to this many")
     p.add_argument("--reuse-floor", action="store_true",
@@ -1090,7 +1159,9 @@ def main(argv=None) -> None:
             retrain(ft, np.load(work / "masks.npy")[int(i)], 1000 + int(r),
                     work / "retrain" / "tokens" / f"s{int(i):03d}-r{r}.json", per_token=True)
             return
-        retrain(ft, np.load(work / "masks.npy")[int(i)], 1000 + int(r), work / "retrain" / f"s{int(i):03d}-r{r}.json")
+        sub = _protocol_dir(work, "drop" if a.drop else "halves")
+        retrain(ft, np.load(sub / "masks.npy")[int(i)], 1000 + int(r), sub / "retrain" / f"s{int(i):03d}-r{r}.json",
+                full_order=a.drop)
         return
     ft, work = _work(a.n, a.facts, a.epochs)
     if a.step == "facts":
@@ -1101,6 +1172,9 @@ def main(argv=None) -> None:
     if a.step == "retrain":
         retrainings(ft, halves(a.n, a.subsets), a.noise_subsets, work, a.workers)
         return
+    if a.step == "retrain-drop":
+        retrainings(ft, drops(a.n, a.subsets), a.noise_subsets, work, a.workers, protocol="drop")
+        return
     if a.step == "retrain-tokens":
         retrain_tokens(work, a.subsets)
         return
@@ -1110,6 +1184,10 @@ def main(argv=None) -> None:
         return
     if a.step == "scale":
         print(json.dumps(scale(ft, work, a.index_n, a.reuse_floor), indent=1))
+        return
+    if a.step == "report-drop":  # the cheap scores (first stage, BM25, Rep-Sim) made if missing; the rest as cached
+        _, scores = score_all(ft, work, False, ())
+        report_drop(ft, work, scores, a.subsets, a.noise_subsets)
         return
     extra = (a.step,) if a.step in EXTRA else EXTRA if a.step in ("score", "all") else ()
     builds, scores = score_all(ft, work, not a.skip_full, extra)

@@ -273,8 +273,12 @@ def _lora_model(folder: Path, recipe: Recipe, seed: int):
     return get_peft_model(base, cfg)
 
 
-def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log=None, on_epoch=None, on_end=None):
-    """A PEFT LoRA model trained on ``records`` (shuffled with ``seed``), in eval mode. ``on_epoch(model, epoch,
+def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log=None, on_epoch=None, on_end=None,
+               keep: np.ndarray | None = None):
+    """A PEFT LoRA model trained on ``records`` (shuffled with ``seed``), in eval mode. ``keep`` (``[len(records)]``
+    bools): train on the kept records only, each epoch in the whole set's shuffled order with the others left out
+    (a retraining that drops a few records then differs from the full run by those records alone, not by a new
+    batch order: the 1%-drop protocol). ``on_epoch(model, epoch,
     seconds)`` after each epoch: the learning rate is constant, so after epoch ``e`` the model is exactly what the
     same recipe with ``epochs=e`` trains. ``on_end(model, opt)`` once after the last step: the AdamW optimizer,
     its state as training left it (what :func:`adam_state` saves)."""
@@ -288,6 +292,9 @@ def train_lora(folder: Path, records: list[dict], recipe: Recipe, seed: int, log
     t0 = time.perf_counter()
     for epoch in range(recipe.epochs):
         order = rng.permutation(len(data))
+        if keep is not None:
+            assert len(keep) == len(data), "keep names every record"
+            order = order[np.asarray(keep, dtype=bool)[order]]
         for s in range(0, len(order), recipe.batch_size):
             if log and s and s % (16 * recipe.batch_size) == 0:
                 log(f"epoch {epoch + 1}/{recipe.epochs}: {s}/{len(order)} ({time.perf_counter() - t0:.0f} s)")
@@ -399,16 +406,22 @@ def finetune(n: int = 160, seed: int = 0, recipe: Recipe | None = None, root: Pa
     return info
 
 
-def retrain(ft: dict, mask: np.ndarray, seed: int, out: Path, per_token: bool = False) -> np.ndarray:
+def retrain(ft: dict, mask: np.ndarray, seed: int, out: Path, per_token: bool = False,
+            full_order: bool = False) -> np.ndarray:
     """The query losses ``[Q]`` of a LoRA retraining on the rows ``mask`` selects (cached in ``out``).
-    ``per_token``: the file also holds ``token_losses``, each query's per-token losses (:func:`query_losses`)."""
+    ``per_token``: the file also holds ``token_losses``, each query's per-token losses (:func:`query_losses`).
+    ``full_order``: in the whole set's batch order with the dropped rows left out (``train_lora(keep=)``); else the
+    kept rows are shuffled on their own (the halves protocol's subsets)."""
     if out.exists():
         return np.array(json.loads(out.read_text())["losses"])
     records = [json.loads(x) for x in Path(ft["data"]).read_text().splitlines()]
     queries = [json.loads(x) for x in Path(ft["queries"]).read_text().splitlines()]
     recipe = Recipe(**{k: tuple(v) if k == "targets" else v for k, v in ft["recipe"].items()})
     t0 = time.perf_counter()
-    model, tok = train_lora(Path(ft["base"]), [r for r, m in zip(records, mask, strict=True) if m], recipe, seed)
+    if full_order:
+        model, tok = train_lora(Path(ft["base"]), records, recipe, seed, keep=mask)
+    else:
+        model, tok = train_lora(Path(ft["base"]), [r for r, m in zip(records, mask, strict=True) if m], recipe, seed)
     losses = query_losses(model, tok, queries, recipe.max_length, per_token=per_token)
     more = {}
     if per_token:
