@@ -1,7 +1,7 @@
 """A torchrun build's stages after the capture shared by its ranks (issue 34): each rank sums the EK-FAC
-correction over its own store files, transcodes them and takes their rows' norms for the tier; the index equals the one-process build's byte for byte
-(store files, fits, basis), every query's top 10 with it; a rank failing mid-transcode fails the build on every
-rank, and the same command resumes it to the same bytes."""
+correction over its own store files, transcodes them and takes their rows' norms for the tier; the index equals
+the one-process build's byte for byte (store files, fits, basis), every query's top 10 with it; a rank failing
+mid-transcode fails the build on every rank, and the same command resumes it to the same bytes."""
 
 from __future__ import annotations
 
