@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -76,7 +77,19 @@ def self_influence(
         P = preconditioner if preconditioner is not None else load_preconditioner(ix, base)
         block = min(block, max(1, PASS_BYTES // (4 * sum(ix.store.dims[n] for n in layers))))
         if not P.is_identity:  # (the method's curvature: K-FAC/EK-FAC rotate each row once)
-            return P.kind.self_influence(P, ix.store, layers, damping, resolve_device(device), block).sum(axis=1)
-        res = store_pass(ix.store, layers, ix.shapes, None, device=resolve_device(device), dtype=torch.float64,
-                         block=block)
-    return res.sq_norms.sum(axis=1)
+            out = P.kind.self_influence(P, ix.store, layers, damping, resolve_device(device), block).sum(axis=1)
+        else:
+            out = store_pass(ix.store, layers, ix.shapes, None, device=resolve_device(device), dtype=torch.float64,
+                             block=block).sq_norms.sum(axis=1)
+    release_heap()
+    return out
+
+
+def release_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``; nothing elsewhere). A pass over
+    the rows frees every block it read, but the heap keeps the pages between what stays: ~80 MB after 78,000 rows,
+    counted in a sharded index's rank's RSS (and under the tier it loads next) until trimmed."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # (not glibc)
+        pass
