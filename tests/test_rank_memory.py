@@ -73,5 +73,5 @@ def test_computed_self_influence_reads_small_steps(default_index, monkeypatch):
         width = 4 * sum(ix.store.dims[n] for n in layers)
         monkeypatch.setattr(selfinf, "PASS_BYTES", 3 * width)
         small = selfinf.self_influence(ix, "graddot", DEFAULT_DAMPING, layers)
-    assert steps == [3]
+    assert steps and set(steps) == {3}
     np.testing.assert_array_equal(small, whole)
