@@ -159,7 +159,7 @@ def _sharded(model, tokenizer, data: Tokenized, out_dir, cfg: BuildConfig, index
     if index is None:
         raise ValueError(NO_TIER_PARTS)
     check_part_tiers(layer_dims(model, cfg), cfg, len(data), p, index)
-    return build_sharded(model, tokenizer, data, out_dir, cfg, index, p, **build)
+    return build_sharded(build_index, model, tokenizer, data, out_dir, cfg, index, p, **build)
 
 
 NO_TIER_PARTS = ("--parts with --no-index: a sharded index's parts are searched through their tiers, and "

@@ -84,13 +84,13 @@ def check_part_tiers(dims: dict[str, int], cfg, n: int, parts: int, index: Index
     part.layer_factories(m, dims, storage)
 
 
-def build_sharded(model, tokenizer, data, out_dir: str | os.PathLike, cfg, index: IndexConfig | None, parts: int,
-                  overwrite: bool = False, progress: bool = True, **build) -> tuple[object, Sharded]:
+def build_sharded(build_index, model, tokenizer, data, out_dir: str | os.PathLike, cfg, index: IndexConfig | None,
+                  parts: int, overwrite: bool = False, progress: bool = True, **build) -> tuple[object, Sharded]:
     """Build ``data``'s index as a sharded index of ``parts`` parts in ``out_dir`` (every rank calls it under
-    ``torchrun``); ``build``: :func:`~gradindex.pipeline.build_index`'s other arguments. Returns the whole build's
+    ``torchrun``): ``build_index`` (:func:`~gradindex.pipeline.build_index`, passed in: the pipeline comes after
+    this stage) builds the one directory it splits; ``build``: its other arguments. Returns the whole build's
     :class:`~gradindex.store.builder.BuildResult` (``examples_computed`` 0 where only the split was left) and the
     :class:`~gradindex.index.sharded.Sharded` index."""
-    from gradindex.pipeline import build_index
     from gradindex.store.builder import BuildResult
 
     out, t0 = Path(out_dir), time.perf_counter()
