@@ -38,6 +38,25 @@ def make_texts(n: int, seed: int = 0, min_words: int = 3, max_words: int = 30) -
     return out
 
 
+def write_jsonl(path, rows):
+    """``rows`` as a JSONL file at ``path``; returns ``path``."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def refused(code: int, output: str, out=None, *fix: str, skip: tuple[str, ...] = ("plan:",)) -> str:
+    """A CLI refusal: exit 2, one ``Error:`` line (lines starting with ``skip`` aside) holding every ``fix``, no
+    traceback, and ``out`` not created or left empty. Returns the error line."""
+    lines = [ln for ln in output.splitlines() if ln.strip() and not ln.startswith(skip)]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), output
+    assert "Traceback" not in output
+    for words in fix:
+        assert words in lines[0], lines[0]
+    if out is not None:
+        assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
+    return lines[0]
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from fixtures.tiny import train_tokenizer

@@ -16,6 +16,8 @@ from click.testing import CliRunner
 
 from fixtures.tiny import CHATML_TRAINING, chat_tokenizer, save_model_dir, tiny_gpt2, tiny_llama, tiny_qwen2
 from gradindex.cli import main
+from tests.conftest import refused
+from tests.conftest import write_jsonl as _jsonl
 
 CHATS = [[{"role": "user", "content": f"what is {i}"}, {"role": "assistant", "content": f"it is {i}"}]
          for i in range(6)]
@@ -35,20 +37,9 @@ def _files(d) -> dict:
             if p.is_file() and not p.name.endswith(".lock")}
 
 
-def _refused(code: int, output: str, out=None, *fix: str) -> str:
-    lines = [ln for ln in output.splitlines() if ln.strip() and not ln.startswith(("plan:", "dedup: vectors"))]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), output
-    assert "Traceback" not in output
-    for words in fix:
-        assert words in lines[0], lines[0]
-    if out is not None:
-        assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
-    return lines[0]
-
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+def _refused(*a, **k) -> str:
+    """:func:`tests.conftest.refused`, the one ``dedup: vectors`` progress line aside."""
+    return refused(*a, skip=("plan:", "dedup: vectors"), **k)
 
 
 @pytest.fixture(scope="module")

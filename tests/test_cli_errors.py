@@ -6,7 +6,6 @@ failed before (a traceback, or exit 0 with a store of zero rows).
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 
@@ -14,11 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from gradindex.cli import main
-
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from tests.conftest import write_jsonl as _jsonl
 
 
 def _no_tokenizer(src, dst):

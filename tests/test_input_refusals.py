@@ -28,6 +28,8 @@ from fixtures.tiny import (
     train_tokenizer,
 )
 from gradindex.cli import main
+from tests.conftest import refused as _refused
+from tests.conftest import write_jsonl as _jsonl
 
 TEXTS = [f"what is {i} plus {i % 4}, the cat asks" for i in range(12)]
 CHATS = [[{"role": "user", "content": f"what is {i}"}, {"role": "assistant", "content": f"it is {i}"}]
@@ -40,20 +42,6 @@ def _run(*args) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
-def _refused(code: int, output: str, out=None, *fix: str) -> str:
-    lines = [ln for ln in output.splitlines() if ln.strip() and not ln.startswith("plan:")]
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("Error: "), output
-    assert "Traceback" not in output
-    for words in fix:
-        assert words in lines[0], lines[0]
-    if out is not None:
-        assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())
-    return lines[0]
-
-
-def _jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 @pytest.fixture(scope="module")
