@@ -42,8 +42,6 @@ def _run(*args) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
-
-
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory):
     """A tiny Qwen2 whose tokenizer has no chat template, and a text index built from it."""
