@@ -182,7 +182,7 @@ def test_factory_strings_cli_and_plan(rows_index, built, gpt2_dir, tmp_path):
     model, _ = load_causal_lm(gpt2_dir, device="cpu")
     plan = plan_build(model, PlanConfig(shard_size=16, max_length=48), 10**7, factory="ivf-sketch")
     ex = lookup_cost(10**7, sum(lp.numbers for lp in plan.layers), plan.storage, "sketch")
-    assert plan.lookup.kind == "ivf-sketch" and plan.lookup.seconds < ex.seconds / 2
+    assert plan.lookup.kind == "ivf-sketch" and plan.lookup.seconds < 0.7 * ex.seconds
     assert plan.index_bytes > 10**7 * (SKETCH_BYTES + 4)  # the sketch, its list ids, the centroids, the norms
 
 
@@ -193,9 +193,9 @@ def test_auto_picks_it_only_beyond_the_exhaustive_sketch(rows_index, tmp_path):
     assert choose_kind(2_000_000, 25_000, "int4", ram_bytes=16 << 30) == "ivf-sketch"
     assert choose_kind(10**7, 25_000, "int4", ram_bytes=64 << 30) == "ivf-sketch"
     assert choose_kind(10**7, 25_000, "int4", ram_bytes=16 << 30) == "sketch"  # its codes miss half the RAM
-    # the estimate scans a third of the rows (what the benchmark's builds chose), the exact re-rank's C the same
+    # the estimate scans 0.6 of the rows (what the benchmark's builds chose), the exact re-rank's C the same
     ivf_cost, sketch_cost = (lookup_cost(10**7, 25_000, "int4", k, layers=8) for k in ("ivf-sketch", "sketch"))
-    assert ivf_cost.seconds < 0.5 * sketch_cost.seconds and ivf_cost.scanned_bytes < 0.5 * sketch_cost.scanned_bytes
+    assert ivf_cost.seconds < 0.7 * sketch_cost.seconds and ivf_cost.scanned_bytes < 0.7 * sketch_cost.scanned_bytes
     rows = RowShape(10**7, 25_000, "int4")
     assert make_tier(IndexConfig(sketch_bytes=516), rows, ram_bytes=64 << 30).name == "ivf-sketch"
     d = _copy(rows_index, tmp_path / "old")

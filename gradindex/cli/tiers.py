@@ -28,9 +28,9 @@ PACKAGE_TIERS = {t.name: t for t in (
     TierInfo("store", 0, False, "queries scan the store's own codes (exhaustive, exact, no copy); auto's first "
              "choice while one scan is estimated under 0.5 s and the store fits a quarter of RAM"),
     TierInfo("ivf-sketch", 0.5, False, "the sketch's codes in FAISS IVF lists (IVF{nlist},sketch; ivf-sketch: 4 "
-             "sqrt(N) lists), a query scores the nprobe nearest (chosen at build for 0.97 of the exhaustive sketch's "
-             "top 10), then the exact re-rank; auto's choice where the exhaustive sketch scan is estimated over "
-             "0.5 s (~1.6 million examples)"),
+             "sqrt(N) lists), a query scores the nprobe nearest (chosen at build for 0.95 of the exhaustive default's "
+             "top 10 on held-out queries), then the exact re-rank; auto's choice where the exhaustive sketch scan is "
+             "estimated over 0.5 s (~1.6 million examples)"),
     TierInfo("sketch", 1, False, "two tiers: an in-RAM sketch of each example's whole-model row ranks everything, "
              "its top --candidates are re-ranked exactly"),
     TierInfo("faiss", 2, True, "per-layer FAISS indices of a factory string (Flat, IVF1024,PQ64, SQ4, HNSW32, ...): "

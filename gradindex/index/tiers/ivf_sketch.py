@@ -92,10 +92,10 @@ RAM_SHARE = 0.5
 """... and the tier's RAM (the sketch codes, their list order, the centroids) fits this share of the machine's."""
 CENTROID_NS = 0.05
 """Seconds × 1e9 per centroid number per query (one float32 BLAS product)."""
-PROBE_SHARE = 1 / 3
+PROBE_SHARE = 0.6
 """The share of the rows a query's lists hold in the plan's estimate (the build chooses its own ``nprobe``): on the
-benchmark's real rows the 0.97 target chose 44% of the lists (0.44 of the rows) at 10^5 and 32% at 3·10^5
-(``benchmarks/results/lookup-ivf.json``)."""
+benchmark's real rows the calibration chose 61% of the lists (0.62 of the rows) at 10^5 and 58% (0.59) at 3·10^5
+(``benchmarks/results/lookup-ivf.json``, ``comparisons``; the one before, 0.92 of the exhaustive default, 0.3-0.5)."""
 CENTROIDS, LISTS = "ivf.centroids.npy", "ivf.lists.npy"
 _PATTERN = re.compile(r"ivf-sketch|ivf(\d+),sketch")
 
