@@ -419,6 +419,7 @@ def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: in
     def one(job):
         i, r = job
         out = sub / "retrain" / f"s{i:03d}-r{r}.json"
+        _restore(out, work, protocol)
         lock = out.with_suffix(".pid")
         while not out.exists() and lock.exists() and Path(f"/proc/{lock.read_text().strip()}").exists():
             time.sleep(10)  # another runner is training it
@@ -432,6 +433,7 @@ def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: in
             _, err = proc.communicate()
             if proc.returncode != 0:
                 raise RuntimeError(f"retraining {i} seed {r} failed: {err.decode()[-2000:]}")
+        _keep(out, work, protocol)
         return np.array(json.loads(out.read_text())["losses"])
 
     with ThreadPoolExecutor(workers) as ex:
@@ -439,6 +441,33 @@ def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: in
     first = np.stack([ordered[(i, 0)] for i in range(len(masks))])[:, None]
     second = np.stack([ordered[(i, 1)] for i in range(noise)]) if noise else np.zeros((0,) + first.shape[2:])
     return first, np.stack([first[:noise, 0], second], axis=1)
+
+
+KEPT = ROOT / "benchmarks" / "results" / "real-llm-retrain"
+"""The 1%-drop retrainings' result files (a few KB each), kept in the repository under the fine-tune's folder name:
+the cache does not outlive a machine, the fine-tune is deterministic (re-made on a fresh machine, the same scores), so
+a later run resumes the protocol from them."""
+
+
+def _kept(work: Path, protocol: str, out: Path) -> Path | None:
+    return KEPT / work.name / protocol / out.name if protocol == "drop" else None
+
+
+def _keep(out: Path, work: Path, protocol: str) -> None:
+    """Copy a finished retraining's file into :data:`KEPT` (the drop protocol's; the halves' are not kept)."""
+    kept = _kept(work, protocol, out)
+    if kept is not None and out.exists() and not kept.exists():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(out.read_text())
+
+
+def _restore(out: Path, work: Path, protocol: str) -> None:
+    """A retraining kept in :data:`KEPT` and missing from the cache: copied into it (``retrained`` and the runner
+    check its rows against the mask)."""
+    kept = _kept(work, protocol, out)
+    if kept is not None and kept.exists() and not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(kept.read_text())
 
 
 def _protocol_dir(work: Path, protocol: str) -> Path:
@@ -463,10 +492,11 @@ def _save_masks(work: Path, masks: np.ndarray) -> None:
 def retrained(masks: np.ndarray, noise: int, work: Path, protocol: str = "halves") -> tuple[np.ndarray, np.ndarray]:
     """:func:`retrainings`' ``([M, 1, Q], [K, 2, Q])`` from the files already in ``work/retrain``, training
     nothing; refuses a subset whose file is missing (saying how many exist) or whose rows are not its mask's."""
-    work = _protocol_dir(work, protocol)
+    root, work = work, _protocol_dir(work, protocol)
 
     def one(i, r):
         out = work / "retrain" / f"s{i:03d}-r{r}.json"
+        _restore(out, root, protocol)
         if not out.exists():
             have = sorted(x.stem for x in (work / "retrain").glob("s*-r*.json"))
             seeds0 = sum(x.endswith("-r0") for x in have)

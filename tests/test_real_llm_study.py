@@ -149,3 +149,26 @@ def test_trackstar_through_a_lora_adapter(tmp_path):
     assert set(adam) == {"trackstar (adapter, v: adam)", "trackstar unprojected (adapter, v: adam)"}
     assert np.allclose(adam["trackstar unprojected (adapter, v: adam)"],
                        out["trackstar unprojected (adapter, v: batches)"])
+
+
+def test_drop_retrainings_are_kept_in_the_repository_and_restored(tmp_path, monkeypatch):
+    """A 1%-drop retraining's file is copied into ``KEPT`` (the repository) and, on a machine whose cache lacks it,
+    read back from there; a file trained on other rows than its drop's mask is still refused."""
+    monkeypatch.setattr(real_llm, "KEPT", tmp_path / "kept")
+    masks = real_llm.drops(20, 2)
+    assert (~masks).sum(axis=1).tolist() == [1, 1]
+    work = tmp_path / "ft-a"
+    for i in range(2):
+        out = work / "drop" / "retrain" / f"s{i:03d}-r0.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"losses": [float(i), 1.0], "rows": np.flatnonzero(masks[i]).tolist()}))
+        real_llm._keep(out, work, "drop")
+    assert sorted(p.name for p in (tmp_path / "kept" / "ft-a" / "drop").iterdir()) == ["s000-r0.json", "s001-r0.json"]
+    fresh = tmp_path / "fresh" / "ft-a"  # another machine: the same fine-tune's folder name, an empty cache
+    first, _ = retrained(masks, 0, fresh, protocol="drop")
+    assert first[:, 0, 0].tolist() == [0.0, 1.0] and (fresh / "drop" / "retrain" / "s001-r0.json").exists()
+    other = real_llm.drops(20, 2, seed=1)
+    with pytest.raises(SystemExit, match="other rows than subset"):
+        retrained(other, 0, tmp_path / "third" / "ft-a", protocol="drop")
+    real_llm._keep(work / "retrain" / "s000-r0.json", work, "halves")  # the halves' files are not kept
+    assert not (tmp_path / "kept" / "ft-a" / "halves").exists()
