@@ -185,11 +185,16 @@ class Team:
             out = fn()
         except Exception as e:  # noqa: BLE001 -- raised on every rank below
             err = e
-        errors = [(r, e) for r, e in enumerate(gather(err)) if e is not None]
-        if errors:
-            r, e = errors[0]
-            raise _shared(e if r != self.rank else err, None if r == self.rank else f"(on rank {r})")
+        self._raise_first(gather(err), err, lambda r: f"(on rank {r})")
         return out
+
+    def _raise_first(self, errors: list, mine: BaseException | None, where: Callable[[int], str]) -> None:
+        """The first failed rank's error of ``errors`` (one a rank, gathered) raised on every rank: this rank's own
+        ``mine`` as it is, another rank's with the note ``where(rank)``."""
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise _shared(mine) if r == self.rank else _shared(e, where(r))
 
     def rounds(self, n: int, work: Callable[[int], Any], combine: Callable[[int, Any], None]) -> None:
         """``work(k)`` for this rank's files ``k < n``, ``size`` files a round; after each round ``combine(k,
@@ -205,10 +210,7 @@ class Team:
                 except Exception as e:  # noqa: BLE001 -- raised on every rank below
                     err = e
             results = [(out, err)] if self.size == 1 else gather((out, err))
-            failed = [(r, e) for r, (_, e) in enumerate(results) if e is not None]
-            if failed:
-                r, e = failed[0]
-                raise _shared(err, None) if r == self.rank else _shared(e, f"(on rank {r}, store file {start + r})")
+            self._raise_first([e for _, e in results], err, lambda r, s=start: f"(on rank {r}, store file {s + r})")
             for r, (res, _) in enumerate(results):
                 if start + r < n:
                     combine(start + r, res)
