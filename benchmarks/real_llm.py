@@ -409,9 +409,10 @@ def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: in
     """``([M, 1, Q], [K, 2, Q])``: query losses of a LoRA retraining on each subset (seed 0), and of the
     first ``noise`` subsets under two seeds (the noise ceiling), ``workers`` processes at a time. ``protocol``
     ``"drop"``: the subsets' files under ``work/drop``, each trained in the full set's batch order."""
-    jobs = [(i, 0) for i in range(noise)] + [(i, 1) for i in range(noise)] + [(i, 0) for i in range(noise, len(masks))]
     if protocol == "drop":  # every subset under seed 0 first: a run cut short still has an LDS over all of them
         jobs = [(i, 0) for i in range(len(masks))] + [(i, 1) for i in range(noise)]
+    else:
+        jobs = [(i, r) for r in (0, 1) for i in range(noise)] + [(i, 0) for i in range(noise, len(masks))]
     ft_file = work / "finetune.json"
     sub = _protocol_dir(work, protocol)
     _save_masks(sub, masks)
