@@ -445,19 +445,19 @@ def retrainings(ft: dict, masks: np.ndarray, noise: int, work: Path, workers: in
 
 
 KEPT = ROOT / "benchmarks" / "results" / "real-llm-retrain"
-"""The 1%-drop retrainings' result files (a few KB each), kept in the repository under the fine-tune's folder name:
-the cache does not outlive a machine, the fine-tune is deterministic (re-made on a fresh machine, the same scores), so
-a later run resumes the protocol from them."""
+"""The retrainings' result files (a few KB each), kept in the repository under the fine-tune's folder name and the
+protocol's: the cache does not outlive a machine, the fine-tune is deterministic (re-made on a fresh machine, the same
+scores), so a later session resumes a protocol from them (the halves at >= 512 conversations take ~10 CPU-hours)."""
 
 
-def _kept(work: Path, protocol: str, out: Path) -> Path | None:
-    return KEPT / work.name / protocol / out.name if protocol == "drop" else None
+def _kept(work: Path, protocol: str, out: Path) -> Path:
+    return KEPT / work.name / protocol / out.name
 
 
 def _keep(out: Path, work: Path, protocol: str) -> None:
-    """Copy a finished retraining's file into :data:`KEPT` (the drop protocol's; the halves' are not kept)."""
+    """Copy a finished retraining's file into :data:`KEPT`."""
     kept = _kept(work, protocol, out)
-    if kept is not None and out.exists() and not kept.exists():
+    if out.exists() and not kept.exists():
         kept.parent.mkdir(parents=True, exist_ok=True)
         kept.write_text(out.read_text())
 
@@ -466,7 +466,7 @@ def _restore(out: Path, work: Path, protocol: str) -> None:
     """A retraining kept in :data:`KEPT` and missing from the cache: copied into it (``retrained`` and the runner
     check its rows against the mask)."""
     kept = _kept(work, protocol, out)
-    if kept is not None and kept.exists() and not out.exists():
+    if kept.exists() and not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(kept.read_text())
 

@@ -170,5 +170,10 @@ def test_drop_retrainings_are_kept_in_the_repository_and_restored(tmp_path, monk
     other = real_llm.drops(20, 2, seed=1)
     with pytest.raises(SystemExit, match="other rows than subset"):
         retrained(other, 0, tmp_path / "third" / "ft-a", protocol="drop")
-    real_llm._keep(work / "retrain" / "s000-r0.json", work, "halves")  # the halves' files are not kept
-    assert not (tmp_path / "kept" / "ft-a" / "halves").exists()
+    half = real_llm.halves(20, 1)
+    out = work / "retrain" / "s000-r0.json"  # the halves' files are kept too, in their own folder
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"losses": [2.0, 1.0], "rows": np.flatnonzero(half[0]).tolist()}))
+    real_llm._keep(out, work, "halves")
+    first, _ = retrained(half, 0, tmp_path / "fourth" / "ft-a")
+    assert first[:, 0, 0].tolist() == [2.0] and (tmp_path / "kept" / "ft-a" / "halves" / "s000-r0.json").exists()
