@@ -139,11 +139,6 @@ def local_device(device: str) -> str:
     return device
 
 
-def owned(k: int) -> bool:
-    """Whether this rank captures shard ``k`` (round-robin over ranks)."""
-    return k % world_size() == rank()
-
-
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's model inside a ``DistributedDataParallel`` wrapper (FSDP2 shards in place: as is)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
@@ -151,10 +146,10 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 @dataclass(frozen=True)
 class Team:
-    """The ranks that share a per-shard loop of a build's stages after the capture (the EK-FAC correction's sums,
-    the transcode): each works on its own store files (:func:`owned`'s round robin), rank 0 (the lead) writes
-    what is shared. :data:`SOLO` is one process; :func:`team` the running ranks, every one of them calling the
-    same stage (rank 0 alone must never be handed a team: its collectives would wait for the others)."""
+    """The ranks that share a build's per-store-file loops (the capture, the EK-FAC correction's sums, the
+    transcode): each works on its own files (:meth:`owns`' round robin), rank 0 (the lead) writes what is shared.
+    :data:`SOLO` is one process; :func:`team` the running ranks, every one of them calling the same stage (rank 0
+    alone must never be handed a team: its collectives would wait for the others)."""
 
     rank: int = 0
     size: int = 1

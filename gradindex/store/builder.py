@@ -458,12 +458,13 @@ def write_shards(out: Path, model: nn.Module, st: _Setup, data: Tokenized, cfg: 
     commits: list[Future] = []
     if distributed.world_size() > 1 or plain_head(model, set(st.capture.modules.values())) is None:
         st.sink.heads = None  # (none kept under torchrun, or without a plain LM head)
+    ranks = distributed.team()
     try:
         with st.capture:
             for k in range((N + S - 1) // S):
                 start, end = k * S, min((k + 1) * S, N)
                 path = out / STORE_DIR / shard_name(k)
-                if path.exists() or not distributed.owned(k):  # done, or another rank's (round-robin)
+                if path.exists() or not ranks.owns(k):  # done, or another rank's (round-robin)
                     bar.update(end - start)
                     continue
                 w, n = _write_shard(path, k, start, end, model, st, data, cfg, nonfinite, bar)
