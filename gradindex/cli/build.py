@@ -240,11 +240,13 @@ def _build(o: dict, opts) -> None:
     from gradindex import distributed
     from gradindex.pipeline import build_index
     from gradindex.plan import longest_example, plan_build
-    from gradindex.store.builder import refuse_foreign
+    from gradindex.store.builder import refuse_foreign, refuse_part
 
     out = o["out"]
     if o["parts"] is None:
-        refuse_foreign(Path(out))  # (a --parts build checks its own --out: gradindex.index.build_parts)
+        refuse_foreign(Path(out))  # (a --parts build checks the rest of its own --out: gradindex.index.build_parts)
+    else:
+        refuse_part(Path(out))
     with index_lock(out, "gradindex build"):  # before loading anything: a second build is refused at once
         model, tok, data_tok, cfg = load_inputs(o, opts)
         if o["parts"] is not None:

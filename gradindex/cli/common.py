@@ -7,6 +7,7 @@ Command modules stay light: they import click and this module at start-up and th
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import sys
@@ -23,8 +24,8 @@ USER_ERRORS = (ValueError, IndexMismatchError, DiskFullError, CorruptFileError, 
                DamagedIndexError, IndexBusyError, FileNotFoundError, FileExistsError, PermissionError)
 """What a command reports as one ``Error:`` line: the library's own error types (``ValueError`` is its type for a
 bad value), and the OS conditions bad input causes (a named file missing, an output that exists, no
-permission); a full disk is one too (:func:`user_errors`). Anything else (``TypeError``, another ``OSError``,
-``MemoryError``...) is a bug and keeps its traceback (issue 32 item 6)."""
+permission); a full disk and a read-only file system are too (:func:`user_errors`). Anything else (``TypeError``,
+another ``OSError``, ``MemoryError``...) is a bug and keeps its traceback (issue 32 item 6)."""
 
 
 class UserError(click.ClickException):
@@ -56,6 +57,9 @@ def user_errors(fn):
         except OSError as e:
             from gradindex.diskspace import is_disk_full
 
+            if e.errno == errno.EROFS:
+                raise UserError(f"{one_line(e)}: that file system is mounted read-only; give an output directory "
+                                "(--out) on a writable one") from e
             if not is_disk_full(e):
                 raise
             raise UserError(f"the disk is full ({one_line(e)}); free some space and re-run the same command") from e

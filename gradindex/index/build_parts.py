@@ -118,8 +118,9 @@ def build_sharded(build_index, model, tokenizer, data, out_dir: str | os.PathLik
 
 def _prepare(out: Path, parts: int, overwrite: bool) -> None:
     """Refuse an ``out`` that holds anything but this build's own staging (``overwrite``: clear it first)."""
-    from gradindex.store.builder import _contents, clear_out_dir
+    from gradindex.store.builder import _contents, clear_out_dir, refuse_part
 
+    refuse_part(out)
     if overwrite:
         clear_out_dir(out)
         return

@@ -22,12 +22,14 @@ parts, in one process or one part (or more) per ``torchrun`` rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,7 @@ from gradindex.precondition.files import (
 from gradindex.spec import layout
 from gradindex.spec.layout import BASIS_FILE, PRECOND_DIR, SHARD_GLOB, IndexLayout
 from gradindex.spec.manifest import (
+    SHARD_KEY,
     IndexMismatchError,
     Manifest,
     refuse_unfinished_transcode,
@@ -62,8 +65,6 @@ SHARDS_FILE = layout.SHARDS_FILE
 """The file that makes a directory a sharded index."""
 FORMAT = "gradindex sharded index"
 VERSION = 1
-SHARD_KEY = "shard"
-"""A part's manifest entry: ``{"part", "parts", "first", "stop", "examples"}``."""
 _PRECOND_ATTRS = {"method", "format_version", "library_version", "damping", "fit", "layer_names"}
 """Attributes :func:`~gradindex.precondition.files.write_precond` writes itself (the rest are carried as they were)."""
 
@@ -190,32 +191,54 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
     src, out = Path(src), Path(out)
     if is_sharded(src):
         raise ValueError(f"{str(src)!r} is already a sharded index; merge it first (`gradindex merge`)")
-    _refuse_out(out)
+    _refuse_out(out, src)
     with OpenIndex(src, then="split it") as ix:
         refuse_unfinished_transcode(src, ix.manifest, "split it")
+        if ix.manifest.get(SHARD_KEY):
+            raise ValueError(f"{str(src)!r} is part {ix.manifest[SHARD_KEY]['part']} of the sharded index "
+                             f"{str(src.parent)!r} (its ids are the part's own); split the whole index: `gradindex "
+                             f"merge {src.parent} --out ONE`, then `gradindex split ONE --shards P --out NEW`")
         if not 1 <= parts <= ix.n:
             raise ValueError(f"{str(src)!r} has {ix.n} examples; it splits into 1 to {ix.n} parts, not {parts}")
         whole = ix.manifest
         fits = _fit_files(src)
-        out.mkdir(parents=True, exist_ok=True)
-        made = []
-        for j, pieces in enumerate(_pieces(ix.store, parts)):
-            first = ix.store.first_ids[pieces[0][0]] + pieces[0][1]
-            stop = ix.store.first_ids[pieces[-1][0]] + pieces[-1][2]
-            part = Part(out / f"part-{j:05d}", first, stop)
-            _write_part(ix, part, j, parts, pieces, fits)
-            made.append(part)
-            if progress:
-                log.warning("part %d of %d: rows [%d, %d)", j + 1, parts, first, stop)
-    doc = {"format": FORMAT, "version": VERSION, "examples": int(whole["counts"]["examples"]),
-           "parts": [{"dir": p.dir.name, "first": p.first, "stop": p.stop} for p in made], "manifest": whole}
-    write_json(out / SHARDS_FILE, doc, indent=1)
+        with _writing(out):
+            made = []
+            for j, pieces in enumerate(_pieces(ix.store, parts)):
+                first = ix.store.first_ids[pieces[0][0]] + pieces[0][1]
+                stop = ix.store.first_ids[pieces[-1][0]] + pieces[-1][2]
+                part = Part(out / f"part-{j:05d}", first, stop)
+                _write_part(ix, part, j, parts, pieces, fits)
+                made.append(part)
+                if progress:
+                    log.warning("part %d of %d: rows [%d, %d)", j + 1, parts, first, stop)
+            doc = {"format": FORMAT, "version": VERSION, "examples": int(whole["counts"]["examples"]),
+                   "parts": [{"dir": p.dir.name, "first": p.first, "stop": p.stop} for p in made], "manifest": whole}
+            write_json(out / SHARDS_FILE, doc, indent=1)
     return read_sharded(out)
 
 
-def _refuse_out(out: Path) -> None:
+def _refuse_out(out: Path, src: Path) -> None:
+    """Refuse an ``out`` that is not a new or empty directory, or that lies inside ``src`` (the index it is made
+    from: its files would be mixed with the index's, and deleted with it)."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{str(out)!r} exists and is not an empty directory; give a new --out")
+    if src.resolve() in (out.resolve(), *out.resolve().parents):
+        raise ValueError(f"--out {str(out)!r} is inside {str(src)!r}; give a directory outside it")
+
+
+@contextlib.contextmanager
+def _writing(out: Path):
+    """``out`` made (or taken as it is, empty) for a split or merge, and emptied again (removed, if made here) when
+    the work inside fails: a failed split or merge leaves no half-written output."""
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for p in [out] if made else list(out.iterdir()):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        raise
 
 
 def _fit_files(src: Path) -> list[tuple[str, bool]]:
@@ -343,9 +366,15 @@ def merge_index(sharded: str | os.PathLike | Sharded, out: str | os.PathLike) ->
     and the tier rebuilt as it was."""
     sh = sharded if isinstance(sharded, Sharded) else read_sharded(sharded)
     out = Path(out)
-    _refuse_out(out)
+    _refuse_out(out, sh.dir)
     fits = _same_fits(sh)
-    out.mkdir(parents=True, exist_ok=True)
+    with _writing(out):
+        _merge_into(sh, out, fits)
+    return out
+
+
+def _merge_into(sh: Sharded, out: Path, fits: list[tuple[str, bool]]) -> None:
+    """:func:`merge_index`'s writing, into the empty directory ``out``."""
     k = 0
     for pieces, first in _originals(sh):
         dst = IndexLayout.of(out).shard(k)
@@ -366,7 +395,6 @@ def merge_index(sharded: str | os.PathLike | Sharded, out: str | os.PathLike) ->
             _link(sh.parts[0].dir, out, name, read_checksums(sh.parts[0].dir))
     write_manifest(out, whole)
     _build_tier(out, whole)
-    return out
 
 
 def _originals(sh: Sharded) -> list[tuple[list[tuple], int]]:

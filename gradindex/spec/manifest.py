@@ -40,6 +40,9 @@ from gradindex.spec.layout import MANIFEST
 from gradindex.spec.rows import DEFAULT_DAMPING, LEGACY_DAMPING, RowSpec
 
 FORMAT_VERSION = 1
+SHARD_KEY = "shard"
+"""A part's manifest entry (a part of a sharded index, :mod:`gradindex.index.sharded`): ``{"part", "parts", "first",
+"stop", "examples", "files"}``."""
 
 # Keys of the manifest's "build" section that must match for a resume or a query to be valid,
 # with the words used when they differ.
@@ -250,8 +253,14 @@ def build_command(index_dir: str | os.PathLike, manifest: dict, extra: str = "--
     """The ``gradindex build`` command line that made this index (from its manifest: its rows as one ``--rows``
     spec, :func:`rows_of`), plus ``extra``. With ``index`` (the default) it ends with the index stage the index
     recorded (:func:`index_args`), so the index it leaves answers queries (with ``--no-index`` it did not: issue
-    33 item 9); else ``--no-index``."""
+    33 item 9); else ``--no-index``. For a part of a sharded index: the ``build --parts P --overwrite`` of the whole
+    sharded index (a build into the part would capture the data set's first rows as the part's)."""
     m = manifest
+    if m.get(SHARD_KEY):
+        part = m[SHARD_KEY]
+        whole = {k: v for k, v in m.items() if k != SHARD_KEY}
+        whole["counts"] = {**m.get("counts", {}), "examples": part["examples"]}
+        return build_command(Path(index_dir).parent, whole, f"--parts {part['parts']} --overwrite", index)
     c, proj = m.get("config", {}), m.get("build", {}).get("projection", {})
     args = ["gradindex", "build", m.get("model_id") or "MODEL_DIR", m.get("data_id") or "DATA",
             "--out", str(index_dir), "--rows", str(rows_of(m))]

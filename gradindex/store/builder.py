@@ -35,8 +35,10 @@ from gradindex.quantize import base_quantization
 from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
 from gradindex.spec.manifest import (
+    SHARD_KEY,
     IndexMismatchError,
     Manifest,
+    build_command,
     identity_differences,
     layer_identity,
     manifest_path,
@@ -196,7 +198,9 @@ def _contents(out: Path) -> list[Path]:
 
 
 def refuse_foreign(out: Path) -> None:
-    """Refuse (writing nothing) a non-empty directory that holds no gradindex index (rank 0 checks for all)."""
+    """Refuse (writing nothing) a non-empty directory that holds no gradindex index, or a part of a sharded index
+    (:func:`refuse_part`; rank 0 checks for all)."""
+    refuse_part(out)
     if distributed.rank() == 0 and _contents(out) and not manifest_path(out).exists():
         if any((out / n).exists() for n in (layout.SHARDS_FILE, layout.UNSPLIT_DIR, layout.SPLIT_PLAN)):
             raise FileExistsError(f"output directory {str(out)!r} holds a sharded index (or a `build --parts` "
@@ -206,6 +210,25 @@ def refuse_foreign(out: Path) -> None:
             f"output directory {str(out)!r} is not empty and holds no gradindex index; "
             "choose another --out (nothing was written)"
         )
+
+
+def refuse_part(out: Path) -> None:
+    """Refuse (writing nothing) a build into a part of a sharded index, even with ``--overwrite``: it would capture
+    the data set's first rows as the part's (``--repair`` would recompute a damaged file from the wrong rows and
+    record their hashes) or replace the part by a whole index; the repair is the whole sharded index's build."""
+    if distributed.rank() != 0 or not manifest_path(out).exists():
+        return
+    try:
+        m = Manifest.read(out)
+    except (OSError, ValueError):  # (a corrupt manifest: the build's own checks name it)
+        return
+    part = m.get(SHARD_KEY)
+    if part:
+        raise FileExistsError(f"{str(out)!r} is part {part['part']} of the sharded index {str(out.parent)!r} (rows "
+                              f"{part['first']}-{part['stop'] - 1}): a build into it would store the data set's first "
+                              f"rows as the part's; nothing was written. Rebuild the sharded index with "
+                              f"`{build_command(out, m.data)}`, split it again from the index it came from, "
+                              "or give another --out")
 
 
 def prepare_out_dir(out: Path, identity: dict, overwrite: bool, hashes: list[bytes] | None = None) -> dict | None:

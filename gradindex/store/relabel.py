@@ -23,7 +23,7 @@ import h5py
 import numpy as np
 
 from gradindex.checksum import Damage, damage_error, file_digest, read_checksums, record, row_hash_path
-from gradindex.store.shards import STORE_DIR, ShardWriter
+from gradindex.store.shards import STORE_DIR, ShardWriter, repair_command
 
 
 def copy_shard(src: Path, dst: Path, shift: int, recorded: dict | None = None) -> None:
@@ -91,7 +91,7 @@ def _check(src: Path, copy: Path, recorded: dict, drop: Path | None = None) -> N
         if drop is not None:
             drop.unlink()
         raise damage_error(src.parent.parent, [Damage(name, "its content differs from the hash recorded when it was "
-                                                            "written")])
+                                                            "written", repair_command(src.parent.parent))])
 
 
 def write_rows(pieces: list[tuple[Path, int, int]], dst: Path, first_id: int,

@@ -226,7 +226,9 @@ class ShardWriter:
                 pass
 
 
-def _repair(index_dir: Path) -> str:
+def repair_command(index_dir: Path) -> str:
+    """The command that rewrites a damaged store file of ``index_dir`` (its build's ``--repair``; for a part of a
+    sharded index, the whole sharded index's build: :func:`~gradindex.spec.manifest.build_command`)."""
     try:
         return Manifest.read(index_dir).build_command(index_dir)
     except (OSError, ValueError):
@@ -280,14 +282,14 @@ class Store:
         problems = [Damage(n, "missing") for n in sorted(gap)]
         problems += check_files(d, shards, full=False, sample=False, files=files)
         if problems:  # the repair command reads the manifest: only now
-            repair = _repair(d)
+            repair = repair_command(d)
             raise damage_error(d, [replace(x, repair=repair) for x in problems])
 
     def damaged_error(self, path: Path, e: BaseException) -> DamagedIndexError:
         """The error of a shard h5py cannot read: it names the file, ``gradindex verify`` and the repair."""
         d = self.dir.parent
         why = str(e).strip() or type(e).__name__
-        return damage_error(d, [Damage(f"{STORE_DIR}/{path.name}", f"unreadable: {why}", _repair(d))])
+        return damage_error(d, [Damage(f"{STORE_DIR}/{path.name}", f"unreadable: {why}", repair_command(d))])
 
     def __len__(self) -> int:
         return self.n
@@ -351,7 +353,7 @@ class Store:
                 self._hashes[k] = np.load(p, mmap_mode="r") if p.exists() else None
             except (OSError, ValueError) as e:
                 raise damage_error(self.dir.parent, [Damage(f"{STORE_DIR}/{p.name}", f"unreadable: {e}",
-                                                            _repair(self.dir.parent))]) from None
+                                                            repair_command(self.dir.parent))]) from None
         return self._hashes[k]
 
     def verify_rows(self, k: int, name: str, sel, codes: np.ndarray, scales: np.ndarray | None) -> None:
@@ -385,7 +387,7 @@ class Store:
             d = self.dir.parent
             rows = local[a:b][bad[a:b]][:5].tolist()
             what = f"rows {rows} of layer {name!r} differ from the hashes recorded when they were written"
-            raise damage_error(d, [Damage(f"{STORE_DIR}/{self.paths[k].name}", what, _repair(d))])
+            raise damage_error(d, [Damage(f"{STORE_DIR}/{self.paths[k].name}", what, repair_command(d))])
 
     def iter_blocks(
         self, layers: Sequence[str] | None = None, block: int = 4096, start: int = 0, stop: int | None = None

@@ -1,0 +1,87 @@
+"""Bad input to the sharded-index commands (`split`, `merge`, `build` into a part): one ``Error:`` line, exit 2,
+nothing half-written, and no part overwritten with the wrong rows."""
+
+from __future__ import annotations
+
+import errno
+import pathlib
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from gradindex.checksum import read_checksums
+from gradindex.cli import main
+from gradindex.index.sharded import split_index
+from gradindex.spec.manifest import read_manifest
+from tests.conftest import refused
+
+
+def cli(*args) -> tuple[int, str]:
+    res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return res.exit_code, res.output
+
+
+@pytest.fixture(scope="module")
+def sharded(default_index, tmp_path_factory):
+    return split_index(default_index, tmp_path_factory.mktemp("bad-input") / "three", 3)
+
+
+def test_a_build_into_a_part_is_refused_and_a_damaged_part_names_the_whole_rebuild(gpt2_dir, text_jsonl, sharded,
+                                                                                   tmp_path):
+    """`build --repair` into a part (what a damaged part's error used to name) stored the data set's first rows as
+    the part's and recorded their hashes: verify said intact, queries answered with the wrong rows."""
+    bad = tmp_path / "bad"
+    shutil.copytree(sharded.dir, bad)
+    part = bad / "part-00001"
+    shard = part / "store" / "shard-00000.h5"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = read_checksums(part)
+    code, out = cli("query", bad, "--text", "the cat", "--device", "cpu")
+    line = refused(code, out, None, "damaged files", f"--out {bad} ", "--parts 3 --overwrite")
+    assert f"--out {part}" not in line
+    args = ["build", gpt2_dir, text_jsonl, "--out", part, "--shard-size", "16", "--max-length", "48", "--device",
+            "cpu", "--quiet"]
+    for extra in (["--repair"], ["--overwrite"], ["--parts", "2"]):
+        code, out = cli(*args, *extra)
+        refused(code, out, None, "is part 1 of the sharded index", "rows 16-31", "--parts 3 --overwrite")
+        assert read_checksums(part) == before and shard.stat().st_size < before["store/shard-00000.h5"]["bytes"]
+
+
+def test_out_inside_the_source_and_a_split_of_a_part_are_refused(default_index, sharded, tmp_path):
+    code, out = cli("split", default_index, "--shards", "2", "--out", default_index / "inner")
+    refused(code, out, None, "is inside", "outside it")
+    code, out = cli("merge", sharded.dir, "--out", sharded.dir / "back")
+    refused(code, out, None, "is inside", "outside it")
+    assert not (default_index / "inner").exists() and not (sharded.dir / "back").exists()
+    code, out = cli("split", sharded.parts[1].dir, "--shards", "2", "--out", tmp_path / "x")
+    refused(code, out, tmp_path / "x", "is part 1 of the sharded index", f"gradindex merge {sharded.dir} --out")
+
+
+def test_a_failed_merge_leaves_no_half_written_output(sharded, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(sharded.dir, bad)
+    shard = bad / "part-00002" / "store" / "shard-00000.h5"
+    raw = bytearray(shard.read_bytes())
+    raw[-100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        code, text = cli("merge", bad, "--out", out)
+        refused(code, text, out, "damaged files", "part-00002", "--parts 3 --overwrite")
+    assert not (tmp_path / "new").exists() and (tmp_path / "empty").is_dir()
+
+
+def test_a_read_only_output_is_one_line(default_index, sharded, tmp_path, monkeypatch):
+    mkdir = pathlib.Path.mkdir
+
+    def read_only(self, *a, **k):
+        if self.name == "ro":
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return mkdir(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    for args in (["split", default_index, "--shards", "2"], ["merge", sharded.dir]):
+        code, out = cli(*args, "--out", tmp_path / "ro")
+        refused(code, out, None, "read-only", "--out")
+    assert read_manifest(sharded.parts[0].dir)["shard"]["part"] == 0
