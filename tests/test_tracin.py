@@ -111,3 +111,28 @@ def test_tracin_needs_no_faiss_indices(run):
     order = np.lexsort((np.arange(len(texts)), -scores))
     assert [h.id for h in got.hits] == order[:4].tolist() and [h.id for h in got.lowest] == order[::-1][:2].tolist()
     assert [h.text for h in got.hits] == [texts[i] for i in order[:4]]
+
+
+def test_trajectory_bad_outputs_and_checkpoints_are_refused(run, tokenizer, default_index):
+    """An --out holding an index was taken (its queries then opened the trajectory), checkpoints of another width
+    were summed as one run, and the text output of a tracin query ended in a TypeError traceback."""
+    from fixtures.tiny import save_model_dir, tiny_gpt2
+    from tests.conftest import refused
+
+    d, _, dirs = run
+    before = sorted(p.name for p in default_index.iterdir())
+    base = ["trajectory", str(d / "train.jsonl"), "--quiet", "--device", "cpu", "--lr", "1e-3"]
+    res = CliRunner().invoke(main, [*base, "--out", str(default_index), "--checkpoint", str(dirs[0])])
+    refused(res.exit_code, res.output, None, "holds other files than a trajectory index", "another --out")
+    assert sorted(p.name for p in default_index.iterdir()) == before
+    wide = save_model_dir(tiny_gpt2(vocab_size=len(tokenizer), n_layer=2, n_embd=48, n_head=4), tokenizer,
+                          d / "checkpoint-20")
+    res = CliRunner().invoke(main, [*base, "--out", str(d / "wide"), "--checkpoint", str(dirs[0]),
+                                    "--checkpoint", str(wide)])
+    refused(res.exit_code, res.output, None, "checkpoint-20' is not the model of", "layers differ")
+    assert not (d / "wide" / "trajectory.json").exists()
+    res = CliRunner().invoke(main, [*base, "--out", str(d / "wide"), "--checkpoint", str(dirs[0]),
+                                    "--checkpoint", str(dirs[1])])  # (resumes the first checkpoint's index)
+    assert res.exit_code == 0, res.output
+    res = CliRunner().invoke(main, ["query", str(d / "wide"), "--text", QUERY, "-k", "2", "--device", "cpu"])
+    assert res.exit_code == 0 and "method tracin" in res.output and "rank" in res.output, res.output

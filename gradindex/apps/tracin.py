@@ -93,10 +93,12 @@ def build_trajectory(ckpts: list[Checkpoint], data: Tokenized, out_dir: str | os
         raise ValueError("TracIn sums GradDot over checkpoints: build raw rows (--transcode none, "
                          "--projection-basis raw, no --optimizer-state)")
     out = Path(out_dir)
+    _refuse_foreign(out)
     out.mkdir(parents=True, exist_ok=True)
-    entries = []
+    entries, first = [], None
     for i, c in enumerate(ckpts):
         model, tok = load(c.model)
+        first = _same_layers(model, cfg.layers, first, ckpts[0].model, c.model)
         build_index(model, tok, data, out / f"ckpt-{i:02d}", cfg, index=index, model_id=c.model,
                     data_id=data_id, progress=progress)
         entries.append({"model": c.model, "lr": c.lr, "step": c.step, "index": f"ckpt-{i:02d}"})
@@ -105,6 +107,32 @@ def build_trajectory(ckpts: list[Checkpoint], data: Tokenized, out_dir: str | os
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, out / TRAJECTORY)
     return meta
+
+
+def _refuse_foreign(out: Path) -> None:
+    """Refuse an ``out`` that holds anything but a trajectory index (or a killed one's checkpoint indices, which
+    resume): an index or other files there would be shadowed by ``trajectory.json``."""
+    keep = re.compile(rf"ckpt-\d+|{re.escape(TRAJECTORY)}(\.tmp)?|\.lock")
+    other = sorted(p.name for p in out.iterdir() if not keep.fullmatch(p.name)) if out.is_dir() else []
+    if other:
+        raise FileExistsError(f"output directory {str(out)!r} holds other files than a trajectory index "
+                              f"({', '.join(other[:3])}); choose another --out (nothing was written)")
+
+
+def _same_layers(model, patterns, first: dict | None, first_dir: str, model_dir: str) -> dict:
+    """The hooked layers' shapes of ``model``, refused unless they are ``first``'s (the first checkpoint's, when
+    given): a trajectory's checkpoints are one model's training run."""
+    from gradindex.capture.hooks import select_layers
+    from gradindex.capture.layers import layer_info
+
+    shapes = {n: (i.kind, i.n_in, i.n_out, i.bias)
+              for n, i in ((n, layer_info(m)) for n, m in select_layers(model, list(patterns) or None).items())}
+    if first is not None and shapes != first:
+        differ = [n for n in {**first, **shapes} if first.get(n) != shapes.get(n)]
+        raise ValueError(f"checkpoint {model_dir!r} is not the model of {first_dir!r}: its layers differ "
+                         f"({', '.join(differ[:3])}{' ...' if len(differ) > 3 else ''}); give the checkpoints of one "
+                         "training run")
+    return shapes
 
 
 class TracInEngine:

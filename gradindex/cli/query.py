@@ -74,7 +74,8 @@ def _print_result(i: int, q: str, r) -> None:
     width = max(40, shutil.get_terminal_size((100, 20)).columns - 30)
     where = f"{len(r.layers)} layers" if len(r.layers) > 1 else r.layers[0]
     click.echo(f"query {i + 1}: {_line(q, width)}")
-    click.echo(f"  {r.num_tokens} target tokens, loss {r.loss:.3f}, method {r.method}"
+    tokens = f"{r.num_tokens} target tokens, loss {r.loss:.3f}, " if r.loss is not None else ""  # (tracin: none)
+    click.echo(f"  {tokens}method {r.method}"
                f"{f' (damping {r.damping})' if r.damping is not None else ''}, {where}")
     if getattr(r, "stage", ""):
         click.echo(f"  scores: {r.stage}")
