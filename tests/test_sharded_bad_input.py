@@ -85,3 +85,31 @@ def test_a_read_only_output_is_one_line(default_index, sharded, tmp_path, monkey
         code, out = cli(*args, "--out", tmp_path / "ro")
         refused(code, out, None, "read-only", "--out")
     assert read_manifest(sharded.parts[0].dir)["shard"]["part"] == 0
+
+
+def test_a_part_given_as_an_index_is_refused(sharded, tmp_path):
+    """A part's ids are its own (row 16 of the whole index is its 0) and its texts are not beside it: query, serve,
+    audit, explain, outliers and dedup on a part name the sharded index instead of answering with the wrong ids."""
+    part = sharded.parts[1].dir
+    (tmp_path / "q.jsonl").write_text('{"text": "the cat"}\n')
+    for args in (["query", part, "--text", "the cat", "--device", "cpu"],
+                 ["explain", part, "--text", "the cat", "--id", "0", "--device", "cpu"],
+                 ["audit", part, "--queries", tmp_path / "q.jsonl", "--out", tmp_path / "report"],
+                 ["serve", part, "--port", "0"], ["outliers", part], ["dedup", part, "--out", tmp_path / "d.json"]):
+        code, out = cli(*args)
+        refused(code, out, None, "is part 1 of the sharded index", "rows 16-31", f"give the sharded index "
+                f"'{sharded.dir}'")
+    assert not (tmp_path / "report").exists() and not (tmp_path / "d.json").exists()
+
+
+def test_verify_of_a_damaged_sharded_index_names_both_repairs(sharded, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(sharded.dir, bad)
+    shard = bad / "part-00000" / "store" / "shard-00000.h5"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    code, out = cli("verify", bad, "--json")
+    import json
+
+    damaged = json.loads(out)["damaged"]
+    assert code != 0 and damaged and all("gradindex split INDEX --shards 3" in d["repair"] and f"--out {bad} " in
+                                         d["repair"] and "--parts 3 --overwrite" in d["repair"] for d in damaged)

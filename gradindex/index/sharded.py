@@ -109,6 +109,23 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return (Path(path) / SHARDS_FILE).is_file()
 
 
+def refuse_part(path: str | os.PathLike, manifest: dict | Manifest | None = None, then: str = "") -> None:
+    """Refuse a part of a sharded index where a whole index is meant (its ids are the part's own: row ``first`` of
+    the whole index is its 0, and its texts are not beside it); ``then``: what to do instead (default: use the
+    sharded index)."""
+    path = Path(path)
+    if manifest is None:
+        try:
+            manifest = Manifest.read(path)
+        except (OSError, ValueError):  # (no readable manifest: the command's own open names it)
+            return
+    part = manifest.get(SHARD_KEY)
+    if part:
+        raise ValueError(f"{str(path)!r} is part {part['part']} of the sharded index {str(path.parent)!r} (its rows "
+                         f"{part['first']}-{part['stop'] - 1}, numbered from 0 here: its ids are the part's own); "
+                         f"{then or f'give the sharded index {str(path.parent)!r} instead (all its parts are read)'}")
+
+
 def read_sharded(path: str | os.PathLike) -> Sharded:
     """The sharded index in ``path``; its parts' ranges must tile ``[0, N)`` and each part's manifest must be a
     complete build of the same index (its identity and row range as :data:`SHARDS_FILE` says): the first
@@ -176,8 +193,9 @@ def _check_part(p: Part, j: int, parts: int, whole: dict) -> None:
     if m.build != w.build or m.generation != w.generation:
         what = [k for k in ("model_fingerprint", "projection", "layers", "storage", "basis")
                 if m.build.get(k) != w.build.get(k)] or ["build" if m.build != w.build else "generation"]
+        verb = "differ" if len(what) > 1 else "differs"
         raise IndexMismatchError(f"{str(p.dir)!r} holds another build than the sharded index's other parts (its "
-                                 f"manifest's {', '.join(what)} differs); split the index again")
+                                 f"manifest's {', '.join(what)} {verb}); split the index again")
     if m.examples != p.n:
         raise IndexMismatchError(f"{str(p.dir)!r} holds {m.examples} examples, {SHARDS_FILE} says "
                                  f"rows [{p.first}, {p.stop}); split the index again")
@@ -194,10 +212,8 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
     _refuse_out(out, src)
     with OpenIndex(src, then="split it") as ix:
         refuse_unfinished_transcode(src, ix.manifest, "split it")
-        if ix.manifest.get(SHARD_KEY):
-            raise ValueError(f"{str(src)!r} is part {ix.manifest[SHARD_KEY]['part']} of the sharded index "
-                             f"{str(src.parent)!r} (its ids are the part's own); split the whole index: `gradindex "
-                             f"merge {src.parent} --out ONE`, then `gradindex split ONE --shards P --out NEW`")
+        refuse_part(src, ix.manifest, f"split the whole index: `gradindex merge {src.parent} --out ONE`, then "
+                                      "`gradindex split ONE --shards P --out NEW`")
         if not 1 <= parts <= ix.n:
             raise ValueError(f"{str(src)!r} has {ix.n} examples; it splits into 1 to {ix.n} parts, not {parts}")
         whole = ix.manifest
