@@ -138,6 +138,22 @@ def test_killed_tier_stage_and_staging_build_resume(gpt2_dir, text_jsonl, builds
             _same(y.query_batch(QUERIES, k=10), x.query_batch(QUERIES, k=10))
 
 
+def test_a_tier_error_keeps_its_type(gpt2_dir, text_jsonl, tmp_path, monkeypatch):
+    """A part's tier that fails on bad input is one ``Error:`` line naming it, as in a plain build (it was wrapped in
+    a ``RuntimeError``: a traceback)."""
+    import gradindex.index.build_parts as B
+    from tests.conftest import refused
+
+    def bad(d, whole, base):
+        raise ValueError(f"the tier of {d.name} cannot be built; give --index-type store")
+
+    monkeypatch.setattr(B, "_build_tier", bad)
+    res = CliRunner().invoke(main, [str(a) for a in build_args(gpt2_dir, text_jsonl)] + ["--out", str(tmp_path / "t"),
+                                                                                         "--parts", "2"])
+    refused(res.exit_code, res.output, None, "part-00000 cannot be built", "--index-type store",
+            skip=("plan:", "warning:"))
+
+
 def test_more_parts_than_files(gpt2_dir, text_jsonl, builds, tmp_path, caplog):
     """--parts 4 over 3 store files cuts them where the split cuts them (those rows copied, not moved)."""
     split, _, d = builds

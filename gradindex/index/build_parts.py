@@ -221,19 +221,16 @@ def _move(out: Path) -> dict:
 
 
 def _ranks_tiers(out: Path, plan: dict, index: IndexConfig | None) -> None:
-    """Each rank builds the tiers of its run of the parts (all of them in one process); an error on any rank is
-    raised on every rank (none is left waiting)."""
+    """Each rank builds the tiers of its run of the parts (all of them in one process); the first failed rank's
+    error is raised on every rank, as it was raised (none is left waiting)."""
     parts = _plan_parts(out, plan)
     P, r, W = len(parts), distributed.rank(), distributed.world_size()
-    err = None
-    try:
+
+    def mine() -> None:
         for j in range(r * P // W, (r + 1) * P // W):
             _build_tier(parts[j].dir, plan["whole"], index)
-    except Exception as e:  # noqa: BLE001 -- raised on every rank below
-        err = f"{type(e).__name__}: {e}"
-    errors = [(i, e) for i, e in enumerate(distributed.gather(err)) if e]
-    if errors:
-        raise RuntimeError("; ".join(f"rank {i}: {e}" for i, e in errors) if W > 1 else errors[0][1])
+
+    distributed.team().each(mine)
 
 
 def _finish(out: Path, plan: dict) -> Sharded:
