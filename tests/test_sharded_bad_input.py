@@ -4,6 +4,7 @@ nothing half-written, and no part overwritten with the wrong rows."""
 from __future__ import annotations
 
 import errno
+import json
 import pathlib
 import shutil
 
@@ -108,8 +109,43 @@ def test_verify_of_a_damaged_sharded_index_names_both_repairs(sharded, tmp_path)
     shard = bad / "part-00000" / "store" / "shard-00000.h5"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     code, out = cli("verify", bad, "--json")
-    import json
-
     damaged = json.loads(out)["damaged"]
     assert code != 0 and damaged and all("gradindex split INDEX --shards 3" in d["repair"] and f"--out {bad} " in
                                          d["repair"] and "--parts 3 --overwrite" in d["repair"] for d in damaged)
+
+
+KILLED = """
+import os, sys
+import gradindex.index.sharded as S
+real = S._write_part
+def dies(ix, part, j, *a):
+    if j == 1:
+        os._exit(9)  # (no cleanup runs: as kill -9 leaves it)
+    real(ix, part, j, *a)
+S._write_part = dies
+S.split_index(sys.argv[1], sys.argv[2], 3)
+"""
+
+
+def test_a_killed_split_or_merge_is_redone_by_the_same_command(default_index, sharded, tmp_path):
+    """A split killed outright leaves its ``--out`` half-written and marked; the same command clears it and splits
+    again (it was refused: "exists and is not an empty directory"); another source's is still refused."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", KILLED, str(default_index), str(out)], capture_output=True)
+    assert proc.returncode == 9 and (out / "part-00000").is_dir() and not (out / "shards.json").exists()
+    code, text = cli("merge", sharded.dir, "--out", out)
+    refused(code, text, None, "not an empty directory (an unfinished split of another source)")
+    code, text = cli("split", default_index, "--shards", "3", "--out", out)
+    assert code == 0, text
+    assert not (out / ".unfinished.json").exists()
+    for a, b in zip(sharded.parts, split_index(default_index, tmp_path / "fresh", 3).parts, strict=True):
+        assert read_checksums(a.dir) == read_checksums(out / a.dir.name) == read_checksums(b.dir)
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    (merged / ".unfinished.json").write_text(json.dumps({"op": "merge", "src": str(out.resolve())}))
+    (merged / "store").mkdir()  # (a merge killed after its first file)
+    code, text = cli("merge", out, "--out", merged)
+    assert code == 0 and not (merged / ".unfinished.json").exists(), text

@@ -209,7 +209,7 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
     src, out = Path(src), Path(out)
     if is_sharded(src):
         raise ValueError(f"{str(src)!r} is already a sharded index; merge it first (`gradindex merge`)")
-    _refuse_out(out, src)
+    _refuse_out(out, src, "split")
     with OpenIndex(src, then="split it") as ix:
         refuse_unfinished_transcode(src, ix.manifest, "split it")
         refuse_part(src, ix.manifest, f"split the whole index: `gradindex merge {src.parent} --out ONE`, then "
@@ -218,7 +218,7 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
             raise ValueError(f"{str(src)!r} has {ix.n} examples; it splits into 1 to {ix.n} parts, not {parts}")
         whole = ix.manifest
         fits = _fit_files(src)
-        with _writing(out):
+        with _writing(out, "split", src):
             made = []
             for j, pieces in enumerate(_pieces(ix.store, parts)):
                 first = ix.store.first_ids[pieces[0][0]] + pieces[0][1]
@@ -234,27 +234,51 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
     return read_sharded(out)
 
 
-def _refuse_out(out: Path, src: Path) -> None:
-    """Refuse an ``out`` that is not a new or empty directory, or that lies inside ``src`` (the index it is made
-    from: its files would be mixed with the index's, and deleted with it)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{str(out)!r} exists and is not an empty directory; give a new --out")
+UNFINISHED = ".unfinished.json"
+"""In a split's or merge's ``--out`` while it is written: which command and source; removed when it is complete. A
+run killed outright (no cleanup ran) leaves it, and the same command clears that ``--out`` and starts again."""
+
+
+def _refuse_out(out: Path, src: Path, op: str) -> None:
+    """Refuse an ``out`` that is not a new or empty directory (a killed ``op`` of the same ``src`` aside: cleared
+    here), or that lies inside ``src`` (the index it is made from: its files would be mixed with the index's, and
+    deleted with it)."""
     if src.resolve() in (out.resolve(), *out.resolve().parents):
         raise ValueError(f"--out {str(out)!r} is inside {str(src)!r}; give a directory outside it")
+    if _unfinished(out) == {"op": op, "src": str(src.resolve())}:
+        log.warning("%s holds an unfinished %s of %s (killed?): cleared, %s again", out, op, src, op)
+        _empty(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        again = " (an unfinished " + _unfinished(out)["op"] + " of another source)" if _unfinished(out) else ""
+        raise FileExistsError(f"{str(out)!r} exists and is not an empty directory{again}; give a new --out")
+
+
+def _unfinished(out: Path) -> dict | None:
+    try:
+        return json.loads((out / UNFINISHED).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _empty(out: Path) -> None:
+    for p in list(out.iterdir()):
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
-def _writing(out: Path):
-    """``out`` made (or taken as it is, empty) for a split or merge, and emptied again (removed, if made here) when
-    the work inside fails: a failed split or merge leaves no half-written output."""
+def _writing(out: Path, op: str, src: Path):
+    """``out`` made (or taken as it is, empty) for a split or merge (``op``) of ``src``, marked unfinished until
+    the work inside is done, and emptied again (removed, if made here) when it fails: a failed split or merge leaves
+    no half-written output; a killed one, its mark (:func:`_refuse_out` clears it for the same command)."""
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    write_json(out / UNFINISHED, {"op": op, "src": str(src.resolve())})
     try:
         yield
     except BaseException:
-        for p in [out] if made else list(out.iterdir()):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+        shutil.rmtree(out, ignore_errors=True) if made else _empty(out)
         raise
+    (out / UNFINISHED).unlink()
 
 
 def _fit_files(src: Path) -> list[tuple[str, bool]]:
@@ -382,9 +406,9 @@ def merge_index(sharded: str | os.PathLike | Sharded, out: str | os.PathLike) ->
     and the tier rebuilt as it was."""
     sh = sharded if isinstance(sharded, Sharded) else read_sharded(sharded)
     out = Path(out)
-    _refuse_out(out, sh.dir)
+    _refuse_out(out, sh.dir, "merge")
     fits = _same_fits(sh)
-    with _writing(out):
+    with _writing(out, "merge", sh.dir):
         _merge_into(sh, out, fits)
     return out
 
