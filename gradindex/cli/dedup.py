@@ -34,9 +34,9 @@ from gradindex.cli.common import MethodChoice, damping_option, user_errors
 @user_errors
 def dedup(index_dir, out, threshold, method, damping, neighbors, sketch, data, model_dir, no_text, quiet):
     """Group the training examples of INDEX_DIR that are exact or near-duplicates in gradient space."""
-    from gradindex.index.sharded import refuse_part
+    from gradindex.index.sharded import refuse_part_as_index
 
-    refuse_part(index_dir)
+    refuse_part_as_index(index_dir)
     from gradindex.apps.dedup import DedupConfig, find_duplicates
     from gradindex.apps.texts import row_texts
     from gradindex.store.opened import OpenStore

@@ -52,9 +52,9 @@ def _show(title: str, ts, top: int) -> None:
 def explain(index_dir, text, prompt, completion, messages, ids, method, damping, layers, top, model_dir, data, device,
             as_json, full_space, refine):
     """Split the score of training example(s) --id for a query into one term per token, both sides."""
-    from gradindex.index.sharded import refuse_part
+    from gradindex.index.sharded import refuse_part_as_index
 
-    refuse_part(index_dir)
+    refuse_part_as_index(index_dir)
     from gradindex.apps.explain import Explainer
     from gradindex.query import QueryEngine
 

@@ -28,9 +28,9 @@ from gradindex.cli.common import MethodChoice, damping_option, index_method, num
 @user_errors
 def outliers(index_dir, method, damping, by, top, layers, data, model_dir, no_text, as_json):
     """The training examples in INDEX_DIR with the largest self-influence (likely mislabeled or odd)."""
-    from gradindex.index.sharded import refuse_part
+    from gradindex.index.sharded import refuse_part_as_index
 
-    refuse_part(index_dir)
+    refuse_part_as_index(index_dir)
     import fnmatch
 
     from gradindex.apps.outliers import rank_outliers

@@ -53,6 +53,7 @@ from gradindex.spec.manifest import (
     SHARD_KEY,
     IndexMismatchError,
     Manifest,
+    part_of,
     refuse_unfinished_transcode,
     write_manifest,
 )
@@ -109,17 +110,12 @@ def is_sharded(path: str | os.PathLike) -> bool:
     return (Path(path) / SHARDS_FILE).is_file()
 
 
-def refuse_part(path: str | os.PathLike, manifest: dict | Manifest | None = None, then: str = "") -> None:
+def refuse_part_as_index(path: str | os.PathLike, manifest: dict | None = None, then: str = "") -> None:
     """Refuse a part of a sharded index where a whole index is meant (its ids are the part's own: row ``first`` of
     the whole index is its 0, and its texts are not beside it); ``then``: what to do instead (default: use the
     sharded index)."""
     path = Path(path)
-    if manifest is None:
-        try:
-            manifest = Manifest.read(path)
-        except (OSError, ValueError):  # (no readable manifest: the command's own open names it)
-            return
-    part = manifest.get(SHARD_KEY)
+    part = manifest.get(SHARD_KEY) if manifest is not None else (part_of(path) or (None, None))[1]
     if part:
         raise ValueError(f"{str(path)!r} is part {part['part']} of the sharded index {str(path.parent)!r} (its rows "
                          f"{part['first']}-{part['stop'] - 1}, numbered from 0 here: its ids are the part's own); "
@@ -212,8 +208,8 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
     _refuse_out(out, src, "split")
     with OpenIndex(src, then="split it") as ix:
         refuse_unfinished_transcode(src, ix.manifest, "split it")
-        refuse_part(src, ix.manifest, f"split the whole index: `gradindex merge {src.parent} --out ONE`, then "
-                                      "`gradindex split ONE --shards P --out NEW`")
+        refuse_part_as_index(src, ix.manifest, f"split the whole index: `gradindex merge {src.parent} --out ONE`, "
+                                               "then `gradindex split ONE --shards P --out NEW`")
         if not 1 <= parts <= ix.n:
             raise ValueError(f"{str(src)!r} has {ix.n} examples; it splits into 1 to {ix.n} parts, not {parts}")
         whole = ix.manifest

@@ -97,6 +97,16 @@ def manifest_stamp(index_dir: str | os.PathLike) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def part_of(index_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """``(manifest, its part entry)`` when ``index_dir`` is a part of a sharded index; ``None`` for anything else
+    (a whole index, no manifest or an unreadable one: the command's own open names those)."""
+    try:
+        m = read_manifest(index_dir)
+    except (OSError, ValueError):
+        return None
+    return (m, m[SHARD_KEY]) if m.get(SHARD_KEY) else None
+
+
 def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
     """The manifest of ``index_dir`` (a copy the caller may change); read from disk only when the file
     changed since this process last read or wrote it."""

@@ -35,7 +35,6 @@ from gradindex.quantize import base_quantization
 from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
 from gradindex.spec.manifest import (
-    SHARD_KEY,
     IndexMismatchError,
     Manifest,
     build_command,
@@ -44,6 +43,7 @@ from gradindex.spec.manifest import (
     manifest_path,
     new_generation,
     new_manifest,
+    part_of,
     write_manifest,
 )
 from gradindex.spec.rows import DEFAULT_SPEC, RowSpec
@@ -216,18 +216,13 @@ def refuse_part(out: Path) -> None:
     """Refuse (writing nothing) a build into a part of a sharded index, even with ``--overwrite``: it would capture
     the data set's first rows as the part's (``--repair`` would recompute a damaged file from the wrong rows and
     record their hashes) or replace the part by a whole index; the repair is the whole sharded index's build."""
-    if distributed.rank() != 0 or not manifest_path(out).exists():
-        return
-    try:
-        m = Manifest.read(out)
-    except (OSError, ValueError):  # (a corrupt manifest: the build's own checks name it)
-        return
-    part = m.get(SHARD_KEY)
-    if part:
+    found = part_of(out) if distributed.rank() == 0 else None
+    if found:
+        m, part = found
         raise FileExistsError(f"{str(out)!r} is part {part['part']} of the sharded index {str(out.parent)!r} (rows "
                               f"{part['first']}-{part['stop'] - 1}): a build into it would store the data set's first "
                               f"rows as the part's; nothing was written. Rebuild the sharded index with "
-                              f"`{build_command(out, m.data)}`, split it again from the index it came from, "
+                              f"`{build_command(out, m)}`, split it again from the index it came from, "
                               "or give another --out")
 
 
