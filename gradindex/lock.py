@@ -4,7 +4,7 @@ Builds, fits and index builds take it at start; a second writer is refused at on
 holder's pid and command (written inside the file). The kernel releases a ``flock`` when its
 process dies, so a lock left by a killed process never blocks. Re-entrant within one process
 (the pipeline holds it across its stages). Readers (queries) take no lock. A directory the lock
-created is removed again when nothing else was written into it.
+created is removed again when nothing else was written into it (and its lock file, in a folder that had none).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def index_lock(index_dir: str | os.PathLike, what: str) -> Iterator[None]:
         finally:
             _held[key][1] -= 1
         return
+    made = not (d / LOCK).exists()
     fd = os.open(d / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -64,7 +65,8 @@ def index_lock(index_dir: str | os.PathLike, what: str) -> Iterator[None]:
         yield
     finally:
         del _held[key]
-        if created and [p.name for p in d.iterdir()] == [LOCK]:  # a command that failed before writing
+        if made and [p.name for p in d.iterdir()] == [LOCK]:  # a command that failed before writing
             (d / LOCK).unlink()
-            d.rmdir()
+            if created:
+                d.rmdir()
         os.close(fd)

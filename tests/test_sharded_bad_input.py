@@ -7,6 +7,8 @@ import errno
 import json
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -71,6 +73,7 @@ def test_a_failed_merge_leaves_no_half_written_output(sharded, tmp_path):
         code, text = cli("merge", bad, "--out", out)
         refused(code, text, out, "damaged files", "part-00002", "--parts 3 --overwrite")
     assert not (tmp_path / "new").exists() and (tmp_path / "empty").is_dir()
+    assert not any((tmp_path / "empty").iterdir())
 
 
 def test_a_read_only_output_is_one_line(default_index, sharded, tmp_path, monkeypatch):
@@ -96,11 +99,19 @@ def test_a_part_given_as_an_index_is_refused(sharded, tmp_path):
     for args in (["query", part, "--text", "the cat", "--device", "cpu"],
                  ["explain", part, "--text", "the cat", "--id", "0", "--device", "cpu"],
                  ["audit", part, "--queries", tmp_path / "q.jsonl", "--out", tmp_path / "report"],
-                 ["serve", part, "--port", "0"], ["outliers", part], ["dedup", part, "--out", tmp_path / "d.json"]):
+                 ["outliers", part], ["dedup", part, "--out", tmp_path / "d.json"]):
         code, out = cli(*args)
         refused(code, out, None, "is part 1 of the sharded index", "rows 16-31", f"give the sharded index "
                 f"'{sharded.dir}'")
     assert not (tmp_path / "report").exists() and not (tmp_path / "d.json").exists()
+    served = subprocess.run([sys.executable, "-m", "gradindex", "serve", str(part), "--port", "0"],
+                            capture_output=True, text=True, timeout=120)  # (a regression would serve: timed out)
+    refused(served.returncode, served.stderr, None, "is part 1 of the sharded index")
+    elsewhere = tmp_path / "copied" / "part-00001"  # a part copied out of its sharded index: its folder not named
+    shutil.copytree(part, elsewhere)
+    code, out = cli("query", elsewhere, "--text", "the cat", "--device", "cpu")
+    refused(code, out, None, "is part 1 of a sharded index")
+    assert str(elsewhere.parent) + "'" not in out
 
 
 def test_verify_of_a_damaged_sharded_index_names_both_repairs(sharded, tmp_path):
@@ -130,9 +141,6 @@ S.split_index(sys.argv[1], sys.argv[2], 3)
 def test_a_killed_split_or_merge_is_redone_by_the_same_command(default_index, sharded, tmp_path):
     """A split killed outright leaves its ``--out`` half-written and marked; the same command clears it and splits
     again (it was refused: "exists and is not an empty directory"); another source's is still refused."""
-    import subprocess
-    import sys
-
     out = tmp_path / "killed"
     proc = subprocess.run([sys.executable, "-c", KILLED, str(default_index), str(out)], capture_output=True)
     assert proc.returncode == 9 and (out / "part-00000").is_dir() and not (out / "shards.json").exists()
@@ -149,3 +157,57 @@ def test_a_killed_split_or_merge_is_redone_by_the_same_command(default_index, sh
     (merged / "store").mkdir()  # (a merge killed after its first file)
     code, text = cli("merge", out, "--out", merged)
     assert code == 0 and not (merged / ".unfinished.json").exists(), text
+
+
+HOLD = """
+import sys, time
+from gradindex.lock import index_lock
+with index_lock(sys.argv[1], "gradindex split"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_running_split_is_not_cleared_by_a_second(default_index, tmp_path):
+    """The unfinished mark is cleared only when no process holds ``--out``: a second run of the same split while the
+    first lives is refused (it would have emptied the first's output under it)."""
+    out = tmp_path / "busy"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (out / ".unfinished.json").write_text(json.dumps({"op": "split", "src": str(default_index.resolve())}))
+        (out / "part-00000").mkdir()
+        code, text = cli("split", default_index, "--shards", "3", "--out", out)
+        refused(code, text, None, "is being written by another process", "gradindex split")
+        assert (out / "part-00000").is_dir() and (out / ".unfinished.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_overwrite_of_a_folder_holding_no_index_is_refused(gpt2_dir, text_jsonl, tmp_path):
+    """`build --parts P --overwrite` cleared whatever the folder held (a plain build refuses a folder with no index)."""
+    out = tmp_path / "notes"
+    (out / "docs").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    code, text = cli("build", gpt2_dir, text_jsonl, "--out", out, "--parts", "2", "--overwrite", "--device", "cpu",
+                     "--max-length", "48", "--quiet")
+    refused(code, text, None, "holds no gradindex index", skip=("plan:", "warning:"))
+    assert (out / "notes.txt").read_text() == "mine" and (out / "docs").is_dir()
+
+
+def test_a_part_is_not_refitted_compacted_into_or_repaired_alone(sharded):
+    """A part's basis repair names the whole rebuild (it named a compact into the part, which replaced the part by a
+    whole index); a compact into a part and a fit of one part alone are refused."""
+    from gradindex.precondition.compact import _prepare
+    from gradindex.store.basis import basis_repair
+
+    part = sharded.parts[1].dir
+    fix = basis_repair(part, read_manifest(part))
+    assert f"--out {sharded.dir} " in fix and "--parts 3 --overwrite" in fix and "compact" not in fix
+    with pytest.raises(FileExistsError, match="a compact into it would replace the part"):
+        _prepare(part, read_manifest(sharded.parts[0].dir), True)
+    before = read_checksums(part)
+    code, out = cli("precondition", part, "--method", "kfac")
+    refused(code, out, None, "is part 1 of the sharded index", "its parts share one fit")
+    assert read_checksums(part) == before

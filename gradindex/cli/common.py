@@ -58,8 +58,8 @@ def user_errors(fn):
             from gradindex.diskspace import is_disk_full
 
             if e.errno == errno.EROFS:
-                raise UserError(f"{one_line(e)}: that file system is mounted read-only; give an output directory "
-                                "(--out) on a writable one") from e
+                raise UserError(f"{one_line(e)}: that file system is mounted read-only; write to a writable one "
+                                "(--out, where the command takes one; else copy the index there)") from e
             if not is_disk_full(e):
                 raise
             raise UserError(f"the disk is full ({one_line(e)}); free some space and re-run the same command") from e

@@ -36,29 +36,18 @@ def verify_index(index_dir: str) -> dict:
             "unrecorded": unrecorded}
 
 
-def _whole_build(sh) -> str:
-    """The sharded index's own ``build --parts P --overwrite`` (from a readable part's manifest), else its shape."""
-    from gradindex.store.shards import repair_command
-
-    for p in sh.parts:
-        if (p.dir / "manifest.json").exists():
-            cmd = repair_command(p.dir)
-            if "--parts" in cmd:
-                return cmd
-    return f"gradindex build MODEL DATA --out {sh.dir} --parts {len(sh.parts)} --overwrite"
-
-
 def verify_sharded(index_dir: str) -> dict:
     """:func:`verify_index` of every part of a sharded index, its files named ``part-NNNNN/...``, and the parts'
     consistency with ``shards.json`` (:func:`gradindex.index.sharded.check_sharded`: row ranges, builds, fits);
     ``parts``: each part's rows and counts."""
     from gradindex.index.sharded import SHARDS_FILE, check_sharded
+    from gradindex.spec.manifest import build_command
 
     d = Path(index_dir)
     sh, problems = check_sharded(d)
+    rebuild = build_command(sh.dir, sh.manifest, f"--parts {len(sh.parts)} --overwrite")
     again = (f"split the index again from the index it came from (`gradindex split INDEX --shards {len(sh.parts)} "
-             f"--out NEW`), or rebuild it (`{_whole_build(sh)}`); a part's own `build --repair` would capture other "
-             "rows")
+             f"--out NEW`), or rebuild it (`{rebuild}`); a part's own `build --repair` would capture other rows")
     out = {"index": str(d), "parts": [], "damaged": [{"file": SHARDS_FILE, "problem": p, "repair": again}
                                                      for p in problems], "verified": 0, "unrecorded": []}
     for p in sh.parts:

@@ -121,6 +121,10 @@ def _prepare(out: Path, parts: int, overwrite: bool) -> None:
     from gradindex.store.builder import _contents, clear_out_dir, refuse_part
 
     refuse_part(out)
+    ours = ("manifest.json", SHARDS_FILE, SPLIT_PLAN, UNSPLIT_DIR)
+    if overwrite and _contents(out) and not any((out / n).exists() for n in ours):
+        raise FileExistsError(f"output directory {str(out)!r} is not empty and holds no gradindex index; --overwrite "
+                              "replaces an index, not other files: choose another --out (nothing was written)")
     if overwrite:
         clear_out_dir(out)
         return

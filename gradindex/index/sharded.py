@@ -41,6 +41,7 @@ from gradindex.index.config import IndexConfig
 from gradindex.index.files import link_or_copy, write_json
 from gradindex.index.opened import OpenIndex
 from gradindex.index.space import IndexSpace
+from gradindex.lock import LOCK, index_lock
 from gradindex.precondition.files import (
     read_attrs,
     read_factors,
@@ -55,6 +56,7 @@ from gradindex.spec.manifest import (
     Manifest,
     part_of,
     refuse_unfinished_transcode,
+    sharded_name,
     write_manifest,
 )
 from gradindex.store import Store
@@ -117,9 +119,10 @@ def refuse_part_as_index(path: str | os.PathLike, manifest: dict | None = None, 
     path = Path(path)
     part = manifest.get(SHARD_KEY) if manifest is not None else (part_of(path) or (None, None))[1]
     if part:
-        raise ValueError(f"{str(path)!r} is part {part['part']} of the sharded index {str(path.parent)!r} (its rows "
-                         f"{part['first']}-{part['stop'] - 1}, numbered from 0 here: its ids are the part's own); "
-                         f"{then or f'give the sharded index {str(path.parent)!r} instead (all its parts are read)'}")
+        whole = sharded_name(path)
+        raise ValueError(f"{str(path)!r} is part {part['part']} of {whole} (its rows {part['first']}-"
+                         f"{part['stop'] - 1}, numbered from 0 here: its ids are the part's own); "
+                         f"{then or f'give {whole} instead (all its parts are read)'}")
 
 
 def read_sharded(path: str | os.PathLike) -> Sharded:
@@ -205,7 +208,6 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
     src, out = Path(src), Path(out)
     if is_sharded(src):
         raise ValueError(f"{str(src)!r} is already a sharded index; merge it first (`gradindex merge`)")
-    _refuse_out(out, src, "split")
     with OpenIndex(src, then="split it") as ix:
         refuse_unfinished_transcode(src, ix.manifest, "split it")
         refuse_part_as_index(src, ix.manifest, f"split the whole index: `gradindex merge {src.parent} --out ONE`, "
@@ -232,21 +234,37 @@ def split_index(src: str | os.PathLike, out: str | os.PathLike, parts: int, prog
 
 UNFINISHED = ".unfinished.json"
 """In a split's or merge's ``--out`` while it is written: which command and source; removed when it is complete. A
-run killed outright (no cleanup ran) leaves it, and the same command clears that ``--out`` and starts again."""
+run killed outright (no cleanup ran; its lock went with it) leaves it, and the same command clears that ``--out``
+and starts again."""
 
 
-def _refuse_out(out: Path, src: Path, op: str) -> None:
-    """Refuse an ``out`` that is not a new or empty directory (a killed ``op`` of the same ``src`` aside: cleared
-    here), or that lies inside ``src`` (the index it is made from: its files would be mixed with the index's, and
-    deleted with it)."""
+@contextlib.contextmanager
+def _writing(out: Path, op: str, src: Path):
+    """``out`` claimed for a split or merge (``op``) of ``src``: refused inside ``src`` (the index's files and its
+    own would mix, and go with it), locked (a second writer, a run of the same command included, is refused while
+    this one lives), refused unless new or empty (or left so by a killed ``op`` of the same ``src``: cleared),
+    marked unfinished while the work inside runs, and emptied again when it fails (removed, if made here): a failed
+    split or merge leaves no half-written output; a killed one, its mark."""
     if src.resolve() in (out.resolve(), *out.resolve().parents):
         raise ValueError(f"--out {str(out)!r} is inside {str(src)!r}; give a directory outside it")
-    if _unfinished(out) == {"op": op, "src": str(src.resolve())}:
-        log.warning("%s holds an unfinished %s of %s (killed?): cleared, %s again", out, op, src, op)
-        _empty(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        again = " (an unfinished " + _unfinished(out)["op"] + " of another source)" if _unfinished(out) else ""
-        raise FileExistsError(f"{str(out)!r} exists and is not an empty directory{again}; give a new --out")
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{str(out)!r} exists and is not a directory; give a new --out")
+    with index_lock(out, f"gradindex {op}"):  # (removes the folder again if it made it and nothing was written)
+        mark = {"op": op, "src": str(src.resolve())}
+        if _unfinished(out) == mark:
+            log.warning("%s holds an unfinished %s of %s (killed?): cleared, %s again", out, op, src, op)
+            _empty(out)
+        if _held(out):
+            other = _unfinished(out)
+            again = f" (an unfinished {other['op']} of another source)" if other else ""
+            raise FileExistsError(f"{str(out)!r} exists and is not an empty directory{again}; give a new --out")
+        write_json(out / UNFINISHED, mark)
+        try:
+            yield
+        except BaseException:
+            _empty(out)
+            raise
+        (out / UNFINISHED).unlink()
 
 
 def _unfinished(out: Path) -> dict | None:
@@ -256,25 +274,16 @@ def _unfinished(out: Path) -> dict | None:
         return None
 
 
+def _held(out: Path) -> list[Path]:
+    """What ``out`` holds besides its lock file."""
+    return [p for p in out.iterdir() if p.name != LOCK]
+
+
 def _empty(out: Path) -> None:
-    for p in list(out.iterdir()):
+    """Delete what ``out`` holds (its lock file aside), its :data:`UNFINISHED` mark last (a kill midway leaves the
+    mark: the same command clears the rest)."""
+    for p in sorted(_held(out), key=lambda p: p.name == UNFINISHED):
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def _writing(out: Path, op: str, src: Path):
-    """``out`` made (or taken as it is, empty) for a split or merge (``op``) of ``src``, marked unfinished until
-    the work inside is done, and emptied again (removed, if made here) when it fails: a failed split or merge leaves
-    no half-written output; a killed one, its mark (:func:`_refuse_out` clears it for the same command)."""
-    made = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / UNFINISHED, {"op": op, "src": str(src.resolve())})
-    try:
-        yield
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True) if made else _empty(out)
-        raise
-    (out / UNFINISHED).unlink()
 
 
 def _fit_files(src: Path) -> list[tuple[str, bool]]:
@@ -402,7 +411,6 @@ def merge_index(sharded: str | os.PathLike | Sharded, out: str | os.PathLike) ->
     and the tier rebuilt as it was."""
     sh = sharded if isinstance(sharded, Sharded) else read_sharded(sharded)
     out = Path(out)
-    _refuse_out(out, sh.dir, "merge")
     fits = _same_fits(sh)
     with _writing(out, "merge", sh.dir):
         _merge_into(sh, out, fits)

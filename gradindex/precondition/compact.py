@@ -196,7 +196,11 @@ def _blocks(store: Store, k: int, rows: int, start: int, basis, shapes: dict, ro
 
 
 def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
-    """An empty ``out``, or an unfinished compact of the same source (resumed), or ``overwrite``."""
+    """An empty ``out``, or an unfinished compact of the same source (resumed), or ``overwrite``; never a part of a
+    sharded index (:func:`~gradindex.store.builder.refuse_part`)."""
+    from gradindex.store.builder import refuse_part
+
+    refuse_part(out, "a compact into it would replace the part by a whole index")
     if not out.exists() or not any(out.iterdir()):
         out.mkdir(parents=True, exist_ok=True)
         return

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import gradindex
 from gradindex.errors import IndexMismatchError  # noqa: F401  (re-exported)
 from gradindex.spec.build import DEFAULT_BATCH_SIZE, default
-from gradindex.spec.layout import MANIFEST
+from gradindex.spec.layout import MANIFEST, SHARDS_FILE
 from gradindex.spec.rows import DEFAULT_DAMPING, LEGACY_DAMPING, RowSpec
 
 FORMAT_VERSION = 1
@@ -95,6 +95,24 @@ def manifest_stamp(index_dir: str | os.PathLike) -> tuple[int, int, int] | None:
     except FileNotFoundError:
         return None
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def sharded_parent(part_dir: str | os.PathLike) -> Path | None:
+    """The folder holding ``part_dir`` when it is the sharded index that lists ``part_dir`` as one of its parts
+    (a part copied elsewhere: ``None``, so that no command names a folder that is not its index)."""
+    part_dir = Path(part_dir)
+    try:
+        doc = json.loads((part_dir.parent / SHARDS_FILE).read_text())
+        names = [p["dir"] for p in doc["parts"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return part_dir.parent if part_dir.name in names else None
+
+
+def sharded_name(part_dir: str | os.PathLike) -> str:
+    """How a message names the sharded index ``part_dir`` belongs to: its folder where that lists it."""
+    parent = sharded_parent(part_dir)
+    return f"the sharded index {str(parent)!r}" if parent else "a sharded index (the one it was split from or built)"
 
 
 def part_of(index_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -264,13 +282,16 @@ def build_command(index_dir: str | os.PathLike, manifest: dict, extra: str = "--
     spec, :func:`rows_of`), plus ``extra``. With ``index`` (the default) it ends with the index stage the index
     recorded (:func:`index_args`), so the index it leaves answers queries (with ``--no-index`` it did not: issue
     33 item 9); else ``--no-index``. For a part of a sharded index: the ``build --parts P --overwrite`` of the whole
-    sharded index (a build into the part would capture the data set's first rows as the part's)."""
+    sharded index (a build into the part would capture the data set's first rows as the part's; ``--repair`` becomes
+    ``--overwrite``), its ``--out`` the folder holding the part where that is the part's sharded index."""
     m = manifest
     if m.get(SHARD_KEY):
         part = m[SHARD_KEY]
         whole = {k: v for k, v in m.items() if k != SHARD_KEY}
         whole["counts"] = {**m.get("counts", {}), "examples": part["examples"]}
-        return build_command(Path(index_dir).parent, whole, f"--parts {part['parts']} --overwrite", index)
+        rebuild = "--overwrite" if extra in ("--repair", "--overwrite") else extra
+        return build_command(sharded_parent(index_dir) or "SHARDED_DIR", whole, f"--parts {part['parts']} {rebuild}",
+                             index)
     c, proj = m.get("config", {}), m.get("build", {}).get("projection", {})
     args = ["gradindex", "build", m.get("model_id") or "MODEL_DIR", m.get("data_id") or "DATA",
             "--out", str(index_dir), "--rows", str(rows_of(m))]

@@ -33,7 +33,7 @@ from gradindex.capture.transform import LayerTransform
 from gradindex.checksum import Damage, check_files, damage_error, record
 from gradindex.methods import absolute_damping, names, row_base, row_basis
 from gradindex.spec import layout
-from gradindex.spec.manifest import baked_damping, basis_of, build_command
+from gradindex.spec.manifest import SHARD_KEY, baked_damping, basis_of, build_command
 
 BASIS_FILE = layout.BASIS_FILE
 BASES = ("raw", "kfac", "ekfac")
@@ -176,7 +176,10 @@ def made_by_factor_pass(manifest: dict) -> bool:
 def basis_repair(index_dir: str | os.PathLike, manifest: dict) -> str:
     """The command that rewrites a damaged ``basis.h5``: the compact that made it; the build with ``--repair``
     where the index's EK-FAC fit holds it (:func:`unrestorable`) or its factor pass makes it again
-    (:func:`made_by_factor_pass`); else the build with ``--overwrite``."""
+    (:func:`made_by_factor_pass`); else the build with ``--overwrite``; for a part of a sharded index, the whole
+    sharded index's build."""
+    if manifest.get(SHARD_KEY):  # (a part: the whole sharded index's build; a compact into it would replace it)
+        return build_command(index_dir, manifest, extra="--overwrite")
     source = (manifest.get("compact") or {}).get("source")
     if source:
         return f"gradindex compact {source} --out {index_dir} --damping {baked_damping(manifest)} --overwrite"

@@ -44,6 +44,7 @@ from gradindex.spec.manifest import (
     new_generation,
     new_manifest,
     part_of,
+    sharded_name,
     write_manifest,
 )
 from gradindex.spec.rows import DEFAULT_SPEC, RowSpec
@@ -212,18 +213,18 @@ def refuse_foreign(out: Path) -> None:
         )
 
 
-def refuse_part(out: Path) -> None:
-    """Refuse (writing nothing) a build into a part of a sharded index, even with ``--overwrite``: it would capture
-    the data set's first rows as the part's (``--repair`` would recompute a damaged file from the wrong rows and
-    record their hashes) or replace the part by a whole index; the repair is the whole sharded index's build."""
+def refuse_part(out: Path, why: str = "a build into it would store the data set's first rows as the part's") -> None:
+    """Refuse (writing nothing) a build (or, saying ``why``, a compact) into a part of a sharded index, even with
+    ``--overwrite``: it would capture the data set's first rows as the part's (``--repair`` would recompute a damaged
+    file from the wrong rows and record their hashes) or replace the part by a whole index; the repair is the whole
+    sharded index's build."""
     found = part_of(out) if distributed.rank() == 0 else None
     if found:
         m, part = found
-        raise FileExistsError(f"{str(out)!r} is part {part['part']} of the sharded index {str(out.parent)!r} (rows "
-                              f"{part['first']}-{part['stop'] - 1}): a build into it would store the data set's first "
-                              f"rows as the part's; nothing was written. Rebuild the sharded index with "
-                              f"`{build_command(out, m)}`, split it again from the index it came from, "
-                              "or give another --out")
+        raise FileExistsError(f"{str(out)!r} is part {part['part']} of {sharded_name(out)} (rows "
+                              f"{part['first']}-{part['stop'] - 1}): {why}; nothing was written. Rebuild the "
+                              f"sharded index with `{build_command(out, m)}`, split it again from the index it came "
+                              "from, or give another --out")
 
 
 def prepare_out_dir(out: Path, identity: dict, overwrite: bool, hashes: list[bytes] | None = None) -> dict | None:
