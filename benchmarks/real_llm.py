@@ -1110,6 +1110,11 @@ def report_drop(ft: dict, work: Path, scores: dict, subsets: int, noise: int) ->
                                                                                 table["bm25"]["lds_per_query"])}
                for name, row in table.items()}
     spread = losses[:, 0].std(axis=0) / np.abs(losses[:, 0].mean(axis=0))
+    F = ft["fact_queries"]
+    seeds = spearman_rows(-pairs[:, 0].T, -pairs[:, 1].T) if noise > 1 else None  # [Q] two batch orders' agreement
+    rel = losses[:, 0] / losses[:, 0].mean(axis=0) - 1  # [M, Q] each drop's loss against the query's mean
+    common = rel[:, :F].mean(axis=1, keepdims=True)  # the part every fact query shares
+    se = None if seeds is None else round(float(seeds.std(ddof=1) / np.sqrt(len(seeds))), 4)
     ours = {"drop": {"protocol": f"LoRA retrainings (the recipe above) each without {int((~masks[0]).sum())} random "
                                  f"conversations of {ft['n']} (ceil 1%), in the full set's batch order (seed 1000) "
                                  f"with those left out; the first {noise} also under seed 1001 (another batch order): "
@@ -1117,6 +1122,12 @@ def report_drop(ft: dict, work: Path, scores: dict, subsets: int, noise: int) ->
                      "subsets": subsets, "noise_subsets": noise,
                      "noise_ceiling": noise_ceiling(pairs) if noise else None,
                      "loss_spread_median": float(np.median(spread)),
+                     "noise_ceiling_facts_docs": None if seeds is None else
+                     [round(float(seeds[:F].mean()), 4), round(float(seeds[F:].mean()), 4)],
+                     "noise_ceiling_se": se,
+                     "batch_order_change_median": round(float(np.median(np.abs(pairs[:, 0] / pairs[:, 1] - 1))), 4)
+                     if noise else None,
+                     "facts_shared_variance": round(float((common ** 2).sum() * F / (rel[:, :F] ** 2).sum()), 4),
                      "seconds_per_retraining": _retrain_seconds(work / "drop" / "retrain"),
                      "methods": methods}}
     result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
@@ -1125,9 +1136,27 @@ def report_drop(ft: dict, work: Path, scores: dict, subsets: int, noise: int) ->
         v = row.get("vs_default") or {}
         print(f"{name:55s} {row['lds']:.3f} ± {row['lds_se']:.3f}  facts {row['lds_facts']:.3f}  docs "
               f"{row['lds_docs']:.3f}  vs default {v.get('diff', 0):+.3f} ± {v.get('se', 0):.3f}")
-    print("noise ceiling", ours["drop"]["noise_ceiling"], "loss spread (std/mean, median)",
-          ours["drop"]["loss_spread_median"])
+    d = ours["drop"]
+    print("noise ceiling", d["noise_ceiling"], "± ", d["noise_ceiling_se"], "(facts, docs)",
+          d["noise_ceiling_facts_docs"], "loss spread (std/mean, median)", d["loss_spread_median"],
+          "batch order's change (median)", d["batch_order_change_median"], "facts' shared variance",
+          d["facts_shared_variance"])
+    print(drop_markdown(result | ours))
     return ours
+
+
+def drop_markdown(result: dict) -> str:
+    """The 1%-drop table as docs/real-llm.md shows it, each method's halves LDS beside it where measured."""
+    halves = result.get("methods", {})
+    rows = ["| method | 1%-drop LDS ± SE | facts | held-out docs | vs default (paired) | halves LDS |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for name, r in sorted(result["drop"]["methods"].items(), key=lambda kv: -kv[1]["lds"]):
+        vs = r.get("vs_default")
+        vs = "" if not vs or name == DEFAULT else f"{vs['diff']:+.3f} ± {vs['se']:.3f} ({vs['higher']} of {vs['of']})"
+        h = halves.get(name, {}).get("lds")
+        rows.append(f"| {name} | {r['lds']:.3f} ± {r['lds_se']:.3f} | {r['lds_facts']:.3f} | {r['lds_docs']:.3f} | "
+                    f"{vs} | {'' if h is None else f'{h:.3f}'} |")
+    return "\n".join(rows)
 
 
 def _retrain_seconds(folder: Path) -> float | None:

@@ -177,3 +177,35 @@ def test_drop_retrainings_are_kept_in_the_repository_and_restored(tmp_path, monk
     real_llm._keep(out, work, "halves")
     first, _ = retrained(half, 0, tmp_path / "fourth" / "ft-a")
     assert first[:, 0, 0].tolist() == [2.0] and (tmp_path / "kept" / "ft-a" / "halves" / "s000-r0.json").exists()
+
+
+def test_drop_report_keeps_its_key_and_reads_the_noise(tmp_path, monkeypatch):
+    """``report-drop`` writes only ``drop``; its noise ceiling is the two batch orders' agreement (here equal
+    orders: 1.0), its batch-order change the median relative gap between them, its facts' shared variance the part
+    of the fact queries' loss moves common to all (here all of it)."""
+    monkeypatch.setattr(real_llm, "KEPT", tmp_path / "kept")
+    results = tmp_path / "real-llm.json"
+    results.write_text(json.dumps({"methods": {real_llm.DEFAULT: {"lds": 0.4}}}))
+    monkeypatch.setattr(real_llm, "RESULTS", results)
+    n, m, noise = 20, 5, 3
+    masks = real_llm.drops(n, m)
+    work = tmp_path / "ft-b"
+    step = np.arange(m, dtype=np.float64)  # drop i moves every fact query's loss by the same 1 + 0.01 i
+    for i in range(m):
+        losses = [1.0 + 0.01 * step[i]] * 2 + [2.0 + 0.02 * ((3 * i) % m)] * 2
+        for r in (0, 1) if i < noise else (0,):
+            out = work / "drop" / "retrain" / f"s{i:03d}-r{r}.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"losses": [x * (1.1 if r else 1.0) for x in losses],
+                                       "rows": np.flatnonzero(masks[i]).tolist()}))
+    ft = {"n": n, "fact_queries": 2, "doc_queries": 2, "facts": [{"rows": [0]}, {"rows": [1]}]}
+    rng = np.random.default_rng(2)
+    scores = {real_llm.DEFAULT: rng.normal(size=(4, n)), "bm25": rng.normal(size=(4, n))}
+    d = real_llm.report_drop(ft, work, scores, m, noise)["drop"]
+    out = json.loads(results.read_text())
+    assert out["methods"] == {real_llm.DEFAULT: {"lds": 0.4}} and out["drop"]["subsets"] == m
+    assert d["noise_ceiling"] == pytest.approx(1.0) and d["noise_ceiling_facts_docs"] == [1.0, 1.0]
+    assert d["batch_order_change_median"] == pytest.approx(1 - 1 / 1.1, abs=1e-4)
+    assert d["facts_shared_variance"] == pytest.approx(1.0)
+    assert "| first stage ekfac-selfnorm (full) |" in real_llm.drop_markdown(out) and "| 0.400 |" in \
+        real_llm.drop_markdown(out)
