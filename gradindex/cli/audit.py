@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import MethodChoice, damping_option, engine_options, user_errors
+from gradindex.cli.common import MethodChoice, damping_option, engine_options, user_errors, whole_index
 
 
 @main.command()
@@ -27,6 +27,7 @@ from gradindex.cli.common import MethodChoice, damping_option, engine_options, u
 @click.option("--text-field", default="text", show_default=True, help="Text field of --queries records.")
 @engine_options()
 @user_errors
+@whole_index()
 def audit(index_dir, queries_file, out_dir, k, method, damping, layers, outliers, dedup_threshold, no_dedup,
           text_field, model_dir, data, device, cpu_index):
     """Write an audit report of INDEX_DIR for the queries in FILE: per query the top-k most helpful and

@@ -67,6 +67,24 @@ def user_errors(fn):
     return wrapper
 
 
+def whole_index(then: str = ""):
+    """Refuse a part of a sharded index as the command's INDEX_DIR (its ids are the part's own; ``then``: what to
+    do instead, default the sharded index): :func:`~gradindex.index.sharded.refuse_part_as_index`. Under
+    :func:`user_errors`, so the refusal is one ``Error:`` line."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def checked(**o):
+            from gradindex.index.sharded import refuse_part_as_index
+
+            refuse_part_as_index(o["index_dir"], then=then)
+            return fn(**o)
+
+        return checked
+
+    return wrap
+
+
 def status(msg: str) -> None:
     """A progress line on stderr when it is a terminal (never in a pipe, a file or a test's capture)."""
     if sys.stderr.isatty():

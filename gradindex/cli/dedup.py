@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import MethodChoice, damping_option, user_errors
+from gradindex.cli.common import MethodChoice, damping_option, user_errors, whole_index
 
 
 @main.command()
@@ -32,11 +32,9 @@ from gradindex.cli.common import MethodChoice, damping_option, user_errors
 @click.option("--no-text", is_flag=True, help="Do not write the texts.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
+@whole_index()
 def dedup(index_dir, out, threshold, method, damping, neighbors, sketch, data, model_dir, no_text, quiet):
     """Group the training examples of INDEX_DIR that are exact or near-duplicates in gradient space."""
-    from gradindex.index.sharded import refuse_part_as_index
-
-    refuse_part_as_index(index_dir)
     from gradindex.apps.dedup import DedupConfig, find_duplicates
     from gradindex.apps.texts import row_texts
     from gradindex.store.opened import OpenStore

@@ -16,6 +16,7 @@ from gradindex.cli.common import (
     refine_config,
     refine_options,
     user_errors,
+    whole_index,
 )
 
 
@@ -49,12 +50,10 @@ def _show(title: str, ts, top: int) -> None:
                    "backward per example; kfac/ekfac need `gradindex precondition INDEX --space full`).")
 @refine_options
 @user_errors
+@whole_index()
 def explain(index_dir, text, prompt, completion, messages, ids, method, damping, layers, top, model_dir, data, device,
             as_json, full_space, refine):
     """Split the score of training example(s) --id for a query into one term per token, both sides."""
-    from gradindex.index.sharded import refuse_part_as_index
-
-    refuse_part_as_index(index_dir)
     from gradindex.apps.explain import Explainer
     from gradindex.query import QueryEngine
 

@@ -7,7 +7,7 @@ import json
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import MethodChoice, damping_option, index_method, number, user_errors
+from gradindex.cli.common import MethodChoice, damping_option, index_method, number, user_errors, whole_index
 
 
 @main.command()
@@ -26,11 +26,9 @@ from gradindex.cli.common import MethodChoice, damping_option, index_method, num
 @click.option("--no-text", is_flag=True, help="Do not load the texts.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @user_errors
+@whole_index()
 def outliers(index_dir, method, damping, by, top, layers, data, model_dir, no_text, as_json):
     """The training examples in INDEX_DIR with the largest self-influence (likely mislabeled or odd)."""
-    from gradindex.index.sharded import refuse_part_as_index
-
-    refuse_part_as_index(index_dir)
     import fnmatch
 
     from gradindex.apps.outliers import rank_outliers

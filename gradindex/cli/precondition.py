@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import MethodChoice, damping_option, user_errors
+from gradindex.cli.common import MethodChoice, damping_option, user_errors, whole_index
 
 
 @main.command()
@@ -33,13 +33,11 @@ from gradindex.cli.common import MethodChoice, damping_option, user_errors
                    "this many of the fit examples (a model pass over them); 0: all of them.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
+@whole_index(then="its parts share one fit (a part refitted alone would score differently): fit the "
+                   "whole index, then split it again")
 def precondition(index_dir, method, damping, fit_data, fit_examples, fisher, seed, device, precision, space,
                  correction_examples, quiet):
     """Fit K-FAC or EK-FAC on INDEX_DIR and write its self-influence (stored space)."""
-    from gradindex.index.sharded import refuse_part_as_index
-
-    refuse_part_as_index(index_dir, then="its parts share one fit (a part refitted alone would score differently): "
-                                        "fit the whole index, then split it again")
     from gradindex.precondition import FitConfig, available_methods, fit_preconditioner
     from gradindex.precondition.fullspace import full_space_methods
 

@@ -20,6 +20,7 @@ from gradindex.cli.common import (
     refine_options,
     status,
     user_errors,
+    whole_index,
 )
 from gradindex.methods import REGISTRY, resolve
 
@@ -144,6 +145,7 @@ def _json(r) -> list[dict]:
                    "method, the damping and the query's seconds per stage.")
 @refine_options
 @user_errors
+@whole_index()
 def query(**o):
     """Find the training examples in INDEX_DIR that most influenced each query."""
     qs = _queries(o)

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.common import engine_options, refine_config, refine_options, user_errors
+from gradindex.cli.common import engine_options, refine_config, refine_options, user_errors, whole_index
 
 
 @main.command()
@@ -32,6 +32,7 @@ from gradindex.cli.common import engine_options, refine_config, refine_options, 
 @engine_options()
 @refine_options
 @user_errors
+@whole_index()
 def serve(index_dir, host, port, token, token_file, request_timeout, queue_size, max_batch, batch_window, layers,
           model_dir, data, device, cpu_index, refine):
     """Serve INDEX_DIR over HTTP: POST /query, GET /example/ID, GET /health, and a page at /.

@@ -126,11 +126,10 @@ def _route_sharded(command: click.Command, sharded=None, load_layers: bool = Fal
 
     @functools.wraps(plain)
     def callback(**o):
-        from gradindex.index.sharded import is_sharded, refuse_part_as_index
+        from gradindex.index.sharded import is_sharded
 
         if not is_sharded(o["index_dir"]):
             o.pop("rank_timeout")
-            user_errors(refuse_part_as_index)(o["index_dir"])
             return plain(**o)
         if sharded is not None:
             return sharded(**o)

@@ -42,7 +42,7 @@ from gradindex.index.sharded import (
     write_part_rest,
 )
 from gradindex.lock import index_lock
-from gradindex.spec.layout import SPLIT_PLAN, STORE_DIR, UNSPLIT_DIR, IndexLayout
+from gradindex.spec.layout import MANIFEST, SPLIT_PLAN, STORE_DIR, UNSPLIT_DIR, IndexLayout
 from gradindex.spec.manifest import Manifest, refuse_unfinished_transcode
 from gradindex.store.relabel import move_shard, write_rows
 
@@ -118,11 +118,10 @@ def build_sharded(build_index, model, tokenizer, data, out_dir: str | os.PathLik
 
 def _prepare(out: Path, parts: int, overwrite: bool) -> None:
     """Refuse an ``out`` that holds anything but this build's own staging (``overwrite``: clear it first)."""
-    from gradindex.store.builder import _contents, clear_out_dir, refuse_part
+    from gradindex.store.builder import SHARDED_NAMES, _contents, clear_out_dir, refuse_part
 
     refuse_part(out)
-    ours = ("manifest.json", SHARDS_FILE, SPLIT_PLAN, UNSPLIT_DIR)
-    if overwrite and _contents(out) and not any((out / n).exists() for n in ours):
+    if overwrite and _contents(out) and not any((out / n).exists() for n in (MANIFEST, *SHARDED_NAMES)):
         raise FileExistsError(f"output directory {str(out)!r} is not empty and holds no gradindex index; --overwrite "
                               "replaces an index, not other files: choose another --out (nothing was written)")
     if overwrite:

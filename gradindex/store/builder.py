@@ -198,12 +198,16 @@ def _contents(out: Path) -> list[Path]:
     return [p for p in out.iterdir() if p.name not in skip] if out.is_dir() else []
 
 
+SHARDED_NAMES = (layout.SHARDS_FILE, layout.UNSPLIT_DIR, layout.SPLIT_PLAN)
+"""What a sharded index, or a `build --parts` under way, holds at its top (instead of a manifest)."""
+
+
 def refuse_foreign(out: Path) -> None:
     """Refuse (writing nothing) a non-empty directory that holds no gradindex index, or a part of a sharded index
     (:func:`refuse_part`; rank 0 checks for all)."""
     refuse_part(out)
     if distributed.rank() == 0 and _contents(out) and not manifest_path(out).exists():
-        if any((out / n).exists() for n in (layout.SHARDS_FILE, layout.UNSPLIT_DIR, layout.SPLIT_PLAN)):
+        if any((out / n).exists() for n in SHARDED_NAMES):
             raise FileExistsError(f"output directory {str(out)!r} holds a sharded index (or a `build --parts` "
                                   "under way): a killed `build --parts` resumes with its --parts; else choose another "
                                   "--out (nothing was written)")
