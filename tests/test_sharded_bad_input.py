@@ -211,3 +211,21 @@ def test_a_part_is_not_refitted_compacted_into_or_repaired_alone(sharded):
     code, out = cli("precondition", part, "--method", "kfac")
     refused(code, out, None, "is part 1 of the sharded index", "its parts share one fit")
     assert read_checksums(part) == before
+
+
+def test_info_on_a_sharded_index_with_a_missing_part_summarizes_the_rest(sharded, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(sharded.dir, bad)
+    shutil.rmtree(bad / "part-00000")
+    code, out = cli("info", bad)
+    assert code == 0, out
+    assert "sharded: 3 parts" in out and "40 examples" in out, out
+    assert "part-00000  rows 0-15: UNREADABLE" in out and f"`gradindex verify {bad}` names the repair" in out, out
+    assert "part-00001  rows 16-31 (16 examples, complete)" in out and "part-00002  rows 32-39" in out, out
+    code, out = cli("info", bad, "--json")
+    s = json.loads(out)
+    assert [p["status"] for p in s["parts"]] == ["unreadable", "complete", "complete"] and s["model"]["fingerprint"]
+    for part in ("part-00001", "part-00002"):
+        shutil.rmtree(bad / part)
+    code, out = cli("info", bad)
+    refused(code, out, None, "no part of the sharded index", "gradindex verify")

@@ -136,3 +136,24 @@ def test_trajectory_bad_outputs_and_checkpoints_are_refused(run, tokenizer, defa
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, ["query", str(d / "wide"), "--text", QUERY, "-k", "2", "--device", "cpu"])
     assert res.exit_code == 0 and "method tracin" in res.output and "rank" in res.output, res.output
+
+
+@pytest.mark.parametrize(("name", "step"), [("checkpoint-500", 500), ("step_20", 20), ("global_step300", 300),
+                                            ("ckpt-7", 7), ("llama-3", None), ("run-v2", None), ("model", None)])
+def test_a_checkpoint_step_is_read_only_from_a_name_that_states_one(tmp_path, name, step):
+    from gradindex.apps.tracin import checkpoint_step
+
+    d = tmp_path / name
+    d.mkdir()
+    assert checkpoint_step(d) == step
+    (d / "trainer_state.json").write_text(json.dumps({"global_step": 42}))
+    assert checkpoint_step(d) == 42  # the Trainer's own record wins over the name
+
+
+def test_folders_ending_in_version_numbers_are_not_read_as_out_of_order_steps(tmp_path):
+    from gradindex.apps.tracin import checkpoints
+
+    models = [tmp_path / "model-v2", tmp_path / "model-final-1"]
+    for m in models:
+        m.mkdir()
+    assert [c.step for c in checkpoints([str(m) for m in models], [1e-3])] == [None, None]

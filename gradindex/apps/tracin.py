@@ -42,13 +42,19 @@ class Checkpoint:
     step: int | None = None
 
 
+STEP_NAME = re.compile(r"(?:checkpoint|step|global_step|ckpt|iter|iteration)[-_]?(\d+)", re.IGNORECASE)
+"""Folder names that state a training step (``checkpoint-500``, ``step_500``, ``global_step500``): a name
+merely ending in a number (``llama-3``, ``run-v2``) states none."""
+
+
 def checkpoint_step(model_dir: str | os.PathLike) -> int | None:
-    """The training step of a checkpoint: ``trainer_state.json``'s ``global_step``, else ``checkpoint-N``."""
+    """The training step of a checkpoint: ``trainer_state.json``'s ``global_step``, else the step its folder
+    name states (:data:`STEP_NAME`), else ``None`` (unknown: the order check skips it)."""
     d = Path(model_dir)
     state = d / "trainer_state.json"
     if state.is_file():
         return int(json.loads(state.read_text()).get("global_step", 0))
-    m = re.search(r"(\d+)$", d.name)
+    m = STEP_NAME.fullmatch(d.name)
     return int(m.group(1)) if m else None
 
 

@@ -99,16 +99,31 @@ def sharded_summary(index_dir: str) -> dict:
         entries, whole = doc["parts"], doc["manifest"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{str(d / SHARDS)!r} is corrupt ({e}); split the index again") from None
-    parts = [(e, summary(str(d / e["dir"]))) for e in entries]
-    s = json.loads(json.dumps(parts[0][1]))  # (a copy: part 0's own stays as it is)
+    parts = [(e, _part_summary(d / e["dir"])) for e in entries]
+    read = [p for _, p in parts if "problem" not in p]
+    if not read:
+        raise ValueError(f"no part of the sharded index {str(d)!r} can be read ({parts[0][1]['problem']}); "
+                         f"`gradindex verify {d}` names the repair")
+    s = json.loads(json.dumps(read[0]))  # (a copy: the part's own stays as it is)
     counts = whole.get("counts", {})
     s["dir"] = str(d)
     s["data"].update(examples=counts.get("examples"), truncated=counts.get("truncated"),
                      nonfinite=len(whole.get("nonfinite_ids", [])))
-    s["bytes"].update({k: sum(p["bytes"][k] for _, p in parts) for k in ("store", "faiss")})
-    s["parts"] = [{"dir": e["dir"], "rows": [e["first"], e["stop"]], "examples": p["data"]["examples"],
-                   "status": p["status"], "index": p["index"], "bytes": p["bytes"]} for e, p in parts]
+    s["bytes"].update({k: sum(p["bytes"][k] for p in read) for k in ("store", "faiss")})
+    s["parts"] = [{"dir": e["dir"], "rows": [e["first"], e["stop"]], **(
+        {"status": "unreadable", "problem": p["problem"]} if "problem" in p else
+        {"examples": p["data"]["examples"], "status": p["status"], "index": p["index"], "bytes": p["bytes"]})}
+        for e, p in parts]
     return s
+
+
+def _part_summary(d: Path) -> dict:
+    """:func:`summary` of one part, or ``{"problem": ...}`` where it cannot be read (missing, damaged manifest): the
+    other parts are still summarized."""
+    try:
+        return summary(str(d))
+    except (OSError, ValueError) as e:
+        return {"problem": str(e)}
 
 
 @main.command()
@@ -170,6 +185,10 @@ def info(index_dir, as_json):
     click.echo(f"on disk    store {human_bytes(b['store'])}{basis}, precond {human_bytes(b['precond'])}, "
                f"faiss {human_bytes(b['faiss'])}")
     for p in s.get("parts", []):
+        if p["status"] == "unreadable":
+            click.echo(f"  {p['dir']}  rows {p['rows'][0]}-{p['rows'][1] - 1}: UNREADABLE ({p['problem']}); "
+                       f"`gradindex verify {index_dir}` names the repair")
+            continue
         ix = p["index"]
         tier = (f"tier {', '.join(ix['types'])} ({ix['status']}, {human_bytes(p['bytes']['faiss'])})" if ix
                 else "no tier")
