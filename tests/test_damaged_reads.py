@@ -80,3 +80,44 @@ def test_a_missing_shard_is_named(index):
     r = _cli("outliers", index, "--top", "2")
     assert r.exit_code != 0
     _clear(r.output, index, "missing")
+
+
+
+def _flip_row(index, row: int, layer: str = "transformer.h.1.mlp.c_proj") -> None:
+    """Two bytes of row ``row`` of shard 1's ``layer`` flipped, the file's size kept: only the per-row hashes see
+    it, and only when that row is read with them (a re-rank's candidates, a pass over every row)."""
+    shard = index / SHARD
+    with h5py.File(shard, "r") as f:
+        ds = f[f"grads/{layer}"]
+        (info,) = [ds.id.get_chunk_info(0)]
+        width = ds.shape[1]
+    raw = bytearray(shard.read_bytes())
+    for j in (3, 7):
+        raw[info.byte_offset + row * width + j] ^= 0x5A
+    shard.write_bytes(bytes(raw))
+
+
+def test_a_damaged_row_met_by_the_default_query_is_refused_not_answered_as_plain_ekfac(index):
+    """The default ``ekfac-selfnorm`` reads every row's self-influence; a row failing its hash there made it answer
+    as plain ``ekfac`` (exit 0), its note suggesting ``--method ekfac`` to hide it; serve's health stayed ok. The
+    row damaged here is the query's lowest-scoring one of shard 1, so no re-rank reads it."""
+    from fastapi.testclient import TestClient
+
+    from gradindex.apps.serve import create_app
+    from gradindex.query import QueryEngine
+
+    with QueryEngine(index, device="cpu") as eng:
+        s = eng.scores(["the cat sat"], method="ekfac")[0]
+    row = int(s[16:32].argmin())
+    with QueryEngine(index, device="cpu") as eng:  # (opened before the damage: the open's own check passes)
+        _flip_row(index, row)
+        assert eng.query_batch(["the cat sat"], k=2, method="ekfac")[0].hits  # (this query never reads the row)
+        c = TestClient(create_app(eng))
+        r = c.post("/query", json={"text": "the cat sat", "k": 2})
+        assert r.status_code == 503 and "damaged: shard 1" in r.json()["detail"], r.text
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["status"].startswith("damaged: shard 1"), h.text
+    r = _cli("query", index, "--text", "the cat sat", "-k", "2", "--device", "cpu")
+    assert r.exit_code == 2 and "query 1" not in r.output, r.output
+    assert "Error: damaged files" in r.output and "skip this note" not in r.output, r.output
+    assert f"gradindex verify {index}" in r.output and "--repair`" in r.output, r.output

@@ -13,7 +13,8 @@ examples 0.74 against 0.49); on the toy corpora of ``benchmarks/fidelity.py`` th
 (docs/quality.md, "The default query method").
 
 Where the self-influence cannot be had, the engine answers with the base method and says so in the result's notes
-(:func:`fallback_note`) rather than fail; a method asked for by name is never replaced.
+(:func:`fallback_note`) rather than fail, unless the cause is damage (:data:`DAMAGE`); a method asked for by name
+is never replaced.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gradindex.checksum import DamagedIndexError
+from gradindex.errors import CorruptFileError
 from gradindex.methods import (
     DEFAULT_DAMPING,
     REBUILD_RAW,
@@ -43,6 +46,11 @@ SELFNORM_BY_DEFAULT = frozenset({"ekfac"})
 
 UNAVAILABLE = (ValueError, OSError, KeyError)
 """What a self-influence that cannot be had raises (no rows to compute it from, a file that does not read)."""
+
+DAMAGE = (DamagedIndexError, CorruptFileError)
+"""Of :data:`UNAVAILABLE`, what the default method never falls back from: a file that does not match its recorded
+hash or does not read is the index's damage, refused with its repair (as ``outliers`` and ``split`` refuse it), and
+``serve``'s health turns to damaged."""
 
 
 def query_method(base: str) -> str:
@@ -98,7 +106,7 @@ def self_influence_or_note(ix, method: str, parsed: tuple[str, bool], defaulted:
     try:
         return ix.self_influence(base, damping, list(layers)), None
     except UNAVAILABLE as exc:
-        if not defaulted:
+        if not defaulted or isinstance(exc, DAMAGE):  # a damaged index is refused, not answered around
             raise
         return None, fallback_note(method, name, exc)
 
