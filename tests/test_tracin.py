@@ -157,3 +157,29 @@ def test_folders_ending_in_version_numbers_are_not_read_as_out_of_order_steps(tm
     for m in models:
         m.mkdir()
     assert [c.step for c in checkpoints([str(m) for m in models], [1e-3])] == [None, None]
+
+
+def test_trajectory_overwrite_rebuilds_and_a_failed_first_run_leaves_no_folder(run):
+    """A changed setting's refusal named --overwrite, which trajectory lacked; a layer glob matching nothing left an
+    empty --out behind; the same checkpoint twice was summed twice."""
+    from tests.conftest import refused
+
+    d, _, dirs = run
+    out = d / "over"
+    base = ["trajectory", str(d / "train.jsonl"), "--out", str(out), "--quiet", "--device", "cpu", "--lr", "1e-3"]
+    two = ["--checkpoint", str(dirs[0]), "--checkpoint", str(dirs[1])]
+    res = CliRunner().invoke(main, [*base, *two, "--layers", "zzz*"])
+    assert res.exit_code == 2 and not out.exists(), res.output
+    res = CliRunner().invoke(main, [*base, "--checkpoint", str(dirs[0]), "--checkpoint", str(dirs[0])])
+    refused(res.exit_code, res.output, None, "is given more than once")
+    assert not out.exists()
+    assert CliRunner().invoke(main, [*base, *two]).exit_code == 0
+    res = CliRunner().invoke(main, [*base, *two, "--max-length", "24"])
+    refused(res.exit_code, res.output, None, "--overwrite")
+    res = CliRunner().invoke(main, [*base, "--checkpoint", str(dirs[2]), "--max-length", "24", "--overwrite"])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / "trajectory.json").read_text())
+    assert [c["step"] for c in meta["checkpoints"]] == [15] and sorted(p.name for p in out.glob("ckpt-*")) == \
+        ["ckpt-00"]
+    res = CliRunner().invoke(main, ["query", str(out), "--text", QUERY, "-k", "2", "--device", "cpu"])
+    assert res.exit_code == 0 and "method tracin" in res.output, res.output

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,6 +84,11 @@ def checkpoints(models: list[str], lrs: list[float]) -> list[Checkpoint]:
         if not (lr > 0 and np.isfinite(lr)):
             raise ValueError(f"learning rate {lr} of checkpoint {m!r} must be positive")
         out.append(Checkpoint(str(Path(m).resolve()), float(lr), checkpoint_step(m)))
+    seen = [c.model for c in out]
+    if len(set(seen)) < len(seen):
+        twice = next(m for m in seen if seen.count(m) > 1)
+        raise ValueError(f"checkpoint {twice!r} is given more than once: list each checkpoint once, from the first "
+                         "to the last")
     steps = [c.step for c in out]
     if None not in steps and any(b <= a for a, b in zip(steps, steps[1:])):
         raise ValueError(f"checkpoints are not in training order (steps {steps}); list them from the first "
@@ -91,28 +97,50 @@ def checkpoints(models: list[str], lrs: list[float]) -> list[Checkpoint]:
 
 
 def build_trajectory(ckpts: list[Checkpoint], data: Tokenized, out_dir: str | os.PathLike, cfg: BuildConfig,
-                     load, data_id: str = "", index: IndexConfig | None = None, progress: bool = True) -> dict:
+                     load, data_id: str = "", index: IndexConfig | None = None, progress: bool = True,
+                     overwrite: bool = False) -> dict:
     """One raw-row index per checkpoint under ``out_dir``; ``load(model_dir) -> (model, tokenizer)``.
 
-    TracIn scores are exact sums over the stores, so no FAISS index is built unless ``index`` asks for one."""
+    TracIn scores are exact sums over the stores, so no FAISS index is built unless ``index`` asks for one. A killed
+    run resumes; ``overwrite`` rebuilds every checkpoint's index (``out_dir`` must still hold a trajectory index or
+    nothing). An ``out_dir`` this call created is removed again if it fails before writing into it."""
     if cfg.rows.transcode or cfg.rows.basis != "raw" or cfg.optimizer_state:
         raise ValueError("TracIn sums GradDot over checkpoints: build raw rows (--transcode none, "
                          "--projection-basis raw, no --optimizer-state)")
     out = Path(out_dir)
     _refuse_foreign(out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    entries, first = [], None
-    for i, c in enumerate(ckpts):
-        model, tok = load(c.model)
-        first = _same_layers(model, cfg.layers, first, ckpts[0].model, c.model)
-        build_index(model, tok, data, out / f"ckpt-{i:02d}", cfg, index=index, model_id=c.model,
-                    data_id=data_id, progress=progress)
-        entries.append({"model": c.model, "lr": c.lr, "step": c.step, "index": f"ckpt-{i:02d}"})
+    try:
+        entries = _build_checkpoints(ckpts, data, out, cfg, load, data_id, index, progress, overwrite)
+    except BaseException:
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
     meta = {"kind": "tracin", "checkpoints": entries}
     tmp = out / (TRAJECTORY + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, out / TRAJECTORY)
     return meta
+
+
+def _build_checkpoints(ckpts: list[Checkpoint], data: Tokenized, out: Path, cfg: BuildConfig, load, data_id: str,
+                       index: IndexConfig | None, progress: bool, overwrite: bool) -> list[dict]:
+    """:func:`build_trajectory`'s indices, one per checkpoint in order; ``overwrite``: the old
+    ``trajectory.json`` and any checkpoint index past the new list's go first."""
+    if overwrite:
+        (out / TRAJECTORY).unlink(missing_ok=True)
+        for p in out.glob("ckpt-*"):
+            if p.is_dir() and int(p.name.removeprefix("ckpt-")) >= len(ckpts):
+                shutil.rmtree(p)
+    entries, first = [], None
+    for i, c in enumerate(ckpts):
+        model, tok = load(c.model)
+        first = _same_layers(model, cfg.layers, first, ckpts[0].model, c.model)
+        build_index(model, tok, data, out / f"ckpt-{i:02d}", cfg, index=index, model_id=c.model,
+                    data_id=data_id, progress=progress, overwrite=overwrite)
+        entries.append({"model": c.model, "lr": c.lr, "step": c.step, "index": f"ckpt-{i:02d}"})
+    return entries
 
 
 def _refuse_foreign(out: Path) -> None:

@@ -27,10 +27,12 @@ from gradindex.spec.build import DEFAULT_BATCH_SIZE
 @click.option("--batch-size", default=DEFAULT_BATCH_SIZE, show_default=True, type=int)
 @click.option("--shard-size", default=4096, show_default=True, type=int)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option("--overwrite", is_flag=True,
+              help="Rebuild every checkpoint's index in OUT (a trajectory index); without it a killed run resumes.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @user_errors
 def trajectory(data, out, models, lrs, projection, seed, layers, text_field, max_length, storage, batch_size,
-               shard_size, device, quiet):
+               shard_size, device, overwrite, quiet):
     """Index DATA under each checkpoint (raw rows) for TracIn-CP: query OUT with --method tracin."""
     from gradindex.apps.tracin import build_trajectory, checkpoints
     from gradindex.capture import ProjectionSpec
@@ -51,7 +53,7 @@ def trajectory(data, out, models, lrs, projection, seed, layers, text_field, max
     cfg = BuildConfig.raw(projection=ProjectionSpec.parse(projection, seed=seed), layers=tuple(layers),
                       max_length=max_length, batch_size=batch_size, shard_size=shard_size, storage=storage)
     meta = build_trajectory(ckpts, tokens, out, cfg, lambda m: load_causal_lm(m, device=device),
-                            data_id=str(Path(data).resolve()), progress=not quiet)
+                            data_id=str(Path(data).resolve()), progress=not quiet, overwrite=overwrite)
     steps = ", ".join(f"{c['step'] if c['step'] is not None else '?'} (lr {c['lr']:g})" for c in meta["checkpoints"])
     click.echo(f"built {out}: {len(tokens)} examples under {len(ckpts)} checkpoints at steps {steps}; "
                "query it with --method tracin")
