@@ -225,6 +225,9 @@ def test_info_on_a_sharded_index_with_a_missing_part_summarizes_the_rest(sharded
     code, out = cli("info", bad, "--json")
     s = json.loads(out)
     assert [p["status"] for p in s["parts"]] == ["unreadable", "complete", "complete"] and s["model"]["fingerprint"]
+    for args in (("query", bad, "--text", "the cat", "--device", "cpu"), ("merge", bad, "--out", tmp_path / "m")):
+        code, out = cli(*args)
+        refused(code, out, None, "part-00000', a part of the sharded index", f"`gradindex verify {bad}`")
     for part in ("part-00001", "part-00002"):
         shutil.rmtree(bad / part)
     code, out = cli("info", bad)

@@ -183,3 +183,6 @@ def test_trajectory_overwrite_rebuilds_and_a_failed_first_run_leaves_no_folder(r
         ["ckpt-00"]
     res = CliRunner().invoke(main, ["query", str(out), "--text", QUERY, "-k", "2", "--device", "cpu"])
     assert res.exit_code == 0 and "method tracin" in res.output, res.output
+    for cmd in ("info", "verify"):  # (they said "not a gradindex index ... build one")
+        res = CliRunner().invoke(main, [cmd, str(out)])
+        refused(res.exit_code, res.output, None, "is a trajectory (TracIn) index", "--method tracin", "ckpt-00")

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import gradindex
 from gradindex.errors import IndexMismatchError  # noqa: F401  (re-exported)
 from gradindex.spec.build import DEFAULT_BATCH_SIZE, default
-from gradindex.spec.layout import MANIFEST, SHARDS_FILE
+from gradindex.spec.layout import MANIFEST, SHARDS_FILE, TRAJECTORY
 from gradindex.spec.rows import DEFAULT_DAMPING, LEGACY_DAMPING, RowSpec
 
 FORMAT_VERSION = 1
@@ -125,6 +125,21 @@ def part_of(index_dir: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any
     return (m, m[SHARD_KEY]) if m.get(SHARD_KEY) else None
 
 
+def no_manifest(d: Path) -> str:
+    """Why ``d`` holds no manifest, in words: a trajectory index (its own ``trajectory.json``), a part of a sharded
+    index that is gone (its folder's ``shards.json`` lists it), or no index at all."""
+    if (d / TRAJECTORY).is_file():
+        return (f"{str(d)!r} is a trajectory (TracIn) index, a folder of one index per checkpoint: query it with "
+                f"`gradindex query {d} --method tracin`; each checkpoint's index ({d / 'ckpt-00'}, ...) is an "
+                "ordinary index for the other commands")
+    parent = d.parent / SHARDS_FILE
+    if parent.is_file() and f'"{d.name}"' in parent.read_text(errors="replace"):
+        return (f"{str(d)!r}, a part of the sharded index {str(d.parent)!r}, is missing or has no {MANIFEST}; "
+                f"`gradindex verify {d.parent}` names the repair")
+    return (f"{str(d)!r} is not a gradindex index (no {MANIFEST}); build one with "
+            "`gradindex build MODEL_DIR DATA --out INDEX_DIR`")
+
+
 def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
     """The manifest of ``index_dir`` (a copy the caller may change); read from disk only when the file
     changed since this process last read or wrote it."""
@@ -132,8 +147,7 @@ def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
     _CALLS += 1
     p, stamp = manifest_path(index_dir), manifest_stamp(index_dir)
     if stamp is None:
-        raise FileNotFoundError(f"{str(Path(index_dir))!r} is not a gradindex index (no {MANIFEST}); build one "
-                                "with `gradindex build MODEL_DIR DATA --out INDEX_DIR`")
+        raise FileNotFoundError(no_manifest(Path(index_dir)))
     key = str(p.resolve())
     kept = _READ.get(key)
     if kept is not None and kept[0] == stamp:
