@@ -84,3 +84,23 @@ def test_cli_query_target(default_index, tokenizer, tmp_path):
     assert ids(r2.stdout) == ids(r.stdout)
     bad = CliRunner().invoke(main, args + ["--target", "blue door"])
     assert bad.exit_code != 0 and "not in the text" in bad.output
+
+
+def test_messages_count_queries_from_one_and_name_the_cause(default_index, tmp_path):
+    """The results say `query 1:` for the first record; its errors and notes said `query 0`. A target covering only
+    the first token, or cut off by truncation, was refused for another cause."""
+    from gradindex.cli import main
+
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"prompt": PROMPT, "completion": COMPLETION}) + "\n"
+                 + json.dumps({"prompt": PROMPT, "completion": COMPLETION, "target": "zebra"}) + "\n")
+    r = CliRunner().invoke(main, ["query", str(default_index), "--queries", str(q), "-k", "2"])
+    assert r.exit_code == 2 and "query 2's target 'zebra' is not in" in r.output, r.output
+    with QueryEngine(default_index) as engine:
+        with pytest.raises(ValueError, match="covers only its text's first token, which has no loss"):
+            engine.scores([{"text": "the cat sat on a mat", "target": "the"}])
+        long = " ".join(["word"] * 200)
+        with pytest.raises(ValueError, match=r"was cut to the index's max length \(48 tokens\)"):
+            engine.scores([{"prompt": long, "completion": " the red lantern.", "target": "lantern"}])
+        res = engine.query_batch(["a b c", long], k=1)
+    assert any(n.startswith("query 2 was longer than the index's max length") for n in res[1].notes), res[1].notes

@@ -93,9 +93,10 @@ def as_records(queries, text_field: str = "text") -> list[dict]:
     return [as_record(q, text_field) for q in queries]
 
 
-def measure_target(labels: list[int], target: str, tokenizer, i: int = 0) -> list[int]:
+def measure_target(labels: list[int], target: str, tokenizer, i: int = 1) -> list[int]:
     """``labels`` with every loss token outside the last occurrence of ``target`` in their text ignored (a token
-    partly inside it is kept). Refused, naming the text, where the loss tokens do not contain ``target``."""
+    partly inside it is kept). Refused, naming the text, where the loss tokens do not contain ``target``. ``i``: the
+    query's number in messages, counted from 1 as the results are."""
     if not isinstance(target, str) or not target.strip():
         raise ValueError(f"query {i}'s target must be a non-empty string, got {target!r}")
     if tokenizer is None:
@@ -141,7 +142,7 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
     if tokenizer is None:
         texts = [i for i, r in enumerate(records) if "input_ids" not in r]
         if texts:
-            raise ValueError(f"query {texts[0]} is text ({_preview(records[texts[0]])}), and this engine has no "
+            raise ValueError(f"query {texts[0] + 1} is text ({_preview(records[texts[0]])}), and this engine has no "
                              "tokenizer; pass tokenizer=, or give token ids")
     targets = [r.get("target") for r in records]
     records = [{f: v for f, v in r.items() if f != "target"} for r in records]
@@ -160,13 +161,22 @@ def tokenize_queries(records: list[dict], tokenizer, max_length: int,
     measured: list[str | None] = [None] * len(records)
     for i, target in enumerate(targets):
         if target is not None:
-            kept = measure_target(labels[i], target, tokenizer, i)
+            try:
+                kept = measure_target(labels[i], target, tokenizer, i + 1)
+            except ValueError as e:
+                if truncated[i]:  # (the cause, not the target's wording)
+                    raise ValueError(f"{e}; query {i + 1} was cut to the index's max length ({max_length} tokens), "
+                                     "which may have cut its target off: shorten the query") from None
+                raise
             n, of = sum(y != IGNORE for y in kept), sum(y != IGNORE for y in labels[i])
             labels[i], measured[i] = kept, f"only the target {target!r} measured: {n} of the answer's {of} tokens"
     for i, y in enumerate(labels):
         if not any(t != IGNORE for t in y[1:]):
+            if targets[i] is not None:
+                raise ValueError(f"query {i + 1}'s target {targets[i]!r} covers only its text's first token, which "
+                                 "has no loss (no token before it predicts it); name a later piece of the text")
             raise ValueError(
-                f"query {i} has no target token to take a loss on ({_preview(records[i])}): a text needs at "
+                f"query {i + 1} has no target token to take a loss on ({_preview(records[i])}): a text needs at "
                 "least two tokens, a completion at least one" + (" after truncation" if truncated[i] else "")
             )
     return QueryTokens(records, ids, labels, truncated, measured)
@@ -292,6 +302,6 @@ def describe_queries(results: list, tokens: QueryTokens, loss: np.ndarray, ntok:
         if j < len(tokens.measured) and tokens.measured[j]:
             r.notes.append(tokens.measured[j])
         if r.truncated:
-            r.notes.append(f"query {j} was longer than the index's max length ({max_length} tokens) and was "
+            r.notes.append(f"query {j + 1} was longer than the index's max length ({max_length} tokens) and was "
                            "truncated")
             log.info(r.notes[-1])
