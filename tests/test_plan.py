@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from gradindex.cli import main
@@ -154,3 +155,18 @@ def test_plan_ram_counts_fused_expert_weights_twice(tmp_path):
     r = _probe(tmp_path / "moe")
     assert r["fused"] > 0.8 * r["weights"] > 400e6  # (the experts dominate)
     assert 0.75 < r["plan"] / r["peak"] < 1.25, r
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--parts", "abc"], "--parts takes a positive count or 'ranks'"),
+    (["--parts", "0"], "--parts takes a positive count or 'ranks'"),
+    (["--parts", "1000"], "so the index splits into 1 to"),
+    (["--budget", "0"], "a fraction of the full float32 gradient, e.g. 1/8"),
+])
+def test_plan_refuses_what_build_refuses(gpt2_dir, text_jsonl, args, message):
+    """plan printed a plan for --parts build refuses, and its budget error quoted a made-up 1 GiB gradient."""
+    from tests.conftest import refused
+
+    res = CliRunner().invoke(main, ["plan", str(gpt2_dir), str(text_jsonl), "--device", "cpu", *args])
+    refused(res.exit_code, res.output, None, message)
+    assert "1073741824" not in res.output

@@ -203,7 +203,7 @@ def build(**o):
     from gradindex.model import causal_config, is_gguf, refuse_weightless, resolve_device
 
     opts = settings(o)
-    _check_parts(o["parts"], o["no_index"])
+    check_parts(o["parts"], o["no_index"])
     resolve_device(o["device"])
     if not is_gguf(o["model_dir"]) and Path(o["model_dir"], "config.json").is_file():
         causal_config(Path(o["model_dir"]))  # a model that is no causal LM is named as such first
@@ -222,7 +222,7 @@ def build(**o):
     distributed.exit_rank(0)  # (every rank done and synchronized: no teardown left to abort it)
 
 
-def _check_parts(parts: str | None, no_index: bool) -> None:
+def check_parts(parts: str | None, no_index: bool) -> None:
     """Refuse a ``--parts`` that is neither a positive count nor ``ranks``, or one with ``--no-index`` (before
     anything is loaded)."""
     if parts is None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from gradindex.cli import main
-from gradindex.cli.build import build, load_inputs, settings
+from gradindex.cli.build import build, check_parts, load_inputs, settings
 from gradindex.cli.common import human_bytes, user_errors
 
 _NOT_FOR_PLAN = ("out", "overwrite", "repair", "quiet")
@@ -43,11 +43,13 @@ def _plan(model_dir, data, out, batches, as_json, tokens_per_example, tflops, **
     time is a FLOP estimate at an assumed throughput, with the capture's GPU memory and the full-space
     files' size (docs/scaling.md, "Plan from a config alone")."""
     from gradindex.diskspace import free_bytes
+    from gradindex.index.build_parts import parts_of
     from gradindex.model import is_weightless, resolve_device, resolve_pad_id
     from gradindex.pipeline import routed_plan
     from gradindex.plan import longest_example, measure_seconds
 
     o = {**o, "model_dir": model_dir, "data": data}
+    check_parts(o.get("parts"), o["no_index"])  # (refused as build refuses it)
     opts = settings(o)
     est = None
     if is_weightless(model_dir):
@@ -58,6 +60,8 @@ def _plan(model_dir, data, out, batches, as_json, tokens_per_example, tflops, **
                              f"plan); {model_dir!r} has weights: its plan tokenizes DATA and times real batches")
         o["device"] = str(resolve_device(o["device"]))
         model, tok, data_tok, cfg = load_inputs(o, opts)
+        if o.get("parts") is not None:
+            parts_of(o["parts"], len(data_tok))
         args = (not o["no_index"], opts.icfg.factory, opts.icfg.sketch_bytes)
         cfg, plan = routed_plan(model, cfg, len(data_tok), Path(out or "."), True, args, longest_example(data_tok))
         if batches > 0 and len(data_tok):

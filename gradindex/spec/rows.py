@@ -62,25 +62,28 @@ _PROJECTION = re.compile(r"^(?:none|P(\d+)(?:x(\d+))?|auto(?::([^:]+))?(?::([a-z
 _DAMPED = re.compile(r"^(KFAC|EIGEN|EKFAC)(?:@(.+))?$")
 
 
-def parse_budget(budget: int | str, full_bytes: int) -> int:
+def parse_budget(budget: int | str, full_bytes: int | None) -> int:
     """Bytes per example: an integer (``65536``), a fraction of ``full_bytes`` (``"1/8"``, ``"0.125"``),
-    or ``auto``: ``min(full_bytes / 8, 256 KiB)`` (int4 codes of the whole gradient where it is that small)."""
+    or ``auto``: ``min(full_bytes / 8, 256 KiB)`` (int4 codes of the whole gradient where it is that small).
+    ``full_bytes`` ``None``: the spelling is checked only (no model at hand: 0 is returned)."""
+    full = 0 if full_bytes is None else full_bytes
     text = str(budget).strip()
     if text.lower() == "auto":
-        return min(full_bytes // 8, DEFAULT_BUDGET_CAP)
+        return min(full // 8, DEFAULT_BUDGET_CAP)
     try:
         if "/" in text or "." in text:
             frac = Fraction(text)
             if not 0 < frac <= 1:
                 raise ValueError
-            return int(full_bytes * frac)
+            return int(full * frac)
         value = int(text)
         if value <= 0:
             raise ValueError
         return value
     except (ValueError, ZeroDivisionError):
+        size = "" if full_bytes is None else f" ({full_bytes} bytes here)"
         raise ValueError(f"budget {budget!r} is not understood; give bytes per example (e.g. 65536) or a fraction "
-                         f"of the full float32 gradient ({full_bytes} bytes here), e.g. 1/8") from None
+                         f"of the full float32 gradient{size}, e.g. 1/8") from None
 
 
 def check_projection_options(projection: str, budget) -> bool:
@@ -211,7 +214,7 @@ class RowSpec:
             raise ValueError(f"build basis {self.basis!r} is not one of {list(BASES)} "
                              "(the ekfac basis is a transcode after a fit: `gradindex compact`)")
         if self.projection == "auto":
-            parse_budget(self.budget, 1 << 30)  # (refuses a budget that is no number, fraction or auto)
+            parse_budget(self.budget, None)  # (refuses a budget that is no number, fraction or auto)
         if self.adam and self.adam not in ADAM_MODES:
             raise ValueError(f"adam mode {self.adam!r} is not one of {list(ADAM_MODES)}")
         if self.basis == "eigen" and self.projection != "auto":
