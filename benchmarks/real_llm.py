@@ -1076,6 +1076,11 @@ def stages(ft: dict, work: Path, scores: dict, subsets: int) -> dict:
     return out
 
 
+FIRST_STUDY = "ft-n160-s0-fef273aca2"
+"""The fine-tune whose halves report owns ``real-llm.json``'s top-level keys (160 conversations, 12 facts); any other
+fine-tune's report goes under ``halves-<its folder>``."""
+
+
 def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise: int) -> dict:
     """The halves LDS, fact ranks and agreement of every method over the retrainings already made (``subsets``
     under seed 0, the first ``noise`` also under seed 1; none is trained here), into ``results/real-llm.json``:
@@ -1092,11 +1097,14 @@ def report(ft: dict, work: Path, builds: dict, scores: dict, subsets: int, noise
             "refinement": refinement(ft, work, scores, methods, masks, losses),
             "machine": f"{os.cpu_count()} cores shared, CPU; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}"}
     result = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}  # re-read now: others write other keys
-    result |= ours
+    if work.name == FIRST_STUDY:
+        result |= ours
+    else:  # (another fine-tune's halves: under its own key, the first study's top-level keys kept)
+        result[f"halves-{work.name}"] = ours
     RESULTS.write_text(json.dumps(result, indent=1))
-    print(markdown(result))
-    print("noise ceiling", result["noise_ceiling"])
-    return result
+    print(markdown(ours))
+    print("noise ceiling", ours["noise_ceiling"])
+    return ours
 
 
 def report_drop(ft: dict, work: Path, scores: dict, subsets: int, noise: int) -> dict:

@@ -60,6 +60,10 @@ def test_report_writes_only_its_keys_over_existing_retrainings(tmp_path, monkeyp
     rng = np.random.default_rng(1)
     scores = {real_llm.DEFAULT: rng.normal(size=(4, 20)), "first stage ekfac (full)": rng.normal(size=(4, 20))}
     scores["first stage ekfac-selfnorm refined (full)"] = scores[real_llm.DEFAULT] + 0.1 * rng.normal(size=(4, 20))
+    other = real_llm.report(ft, work, {}, scores, 3, 1)  # another fine-tune than the first study's: its own key
+    out = json.loads(results.read_text())
+    assert out["methods"] == "old" and out[f"halves-{work.name}"]["methods"] == other["methods"]
+    monkeypatch.setattr(real_llm, "FIRST_STUDY", work.name)
     res = real_llm.report(ft, work, {}, scores, 3, 1)
     out = json.loads(results.read_text())
     assert out["query-tokens"] == {"kept": 1} and out["facts-512"] == [2]
