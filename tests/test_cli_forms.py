@@ -170,3 +170,4 @@ def test_data_that_fits_keeps_max_length_and_long_queries_are_cut_at_the_positio
     long_query = " ".join(["the cat sat on a mat"] * 10)  # far more than 16 tokens
     res = run("query", out, "--text", long_query, "-k", "2", "--device", "cpu")
     assert "most influential" in res.stdout
+    assert f"was longer than the index's max length ({POSITIONS} tokens)" in res.output, res.output  # (said 512)

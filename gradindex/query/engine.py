@@ -148,8 +148,8 @@ class QueryEngine:
         results = self.search(grads, k=max(k, rerank_full), method=asked, damping=damping, layers=layers,
                               lowest=lowest, candidates=candidates, shortlist=shortlist, nprobe=nprobe,
                               texts=texts)  # (asked: None lets the search fall back from the default, with a note)
-        inputs.describe_queries(results, tokens, loss, ntok, self.index.described.max_length, seconds,
-                           refine and refine.note(self.n))
+        inputs.describe_queries(results, tokens, loss, ntok, inputs.query_length(self.model, self.manifest),
+                                seconds, refine and refine.note(self.n))
         if exact is not None:
             full.run_steps(exact.run(results, tokens, rerank_full))
         else:

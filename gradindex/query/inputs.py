@@ -267,9 +267,14 @@ def _optimizer_transforms(manifest: dict, path, model, layers: list[str]) -> tup
 def tokenize(model, tokenizer, manifest: dict, queries: list, text_field: str = "text") -> QueryTokens:
     """Records → tokens, truncated to the build's max length and the model's positions (flagged per query)."""
     recs = [as_record(q, text_field) if not isinstance(q, dict) else q for q in queries]
-    max_length = Manifest(manifest).max_length  # and no longer than the model's positions
-    max_length = min(max_length, max_positions(model) or max_length)
-    return tokenize_queries(recs, tokenizer, max_length, text_field, vocab_size=vocab_size(model))
+    return tokenize_queries(recs, tokenizer, query_length(model, manifest), text_field, vocab_size=vocab_size(model))
+
+
+def query_length(model, manifest: dict) -> int:
+    """The most tokens a query keeps: the build's max length, no longer than the model's positions (an index whose
+    data fit keeps the ``--max-length`` it was given, even past them)."""
+    max_length = Manifest(manifest).max_length
+    return min(max_length, max_positions(model) or max_length)
 
 
 def query_gradients(model, capture: GradientCapture, basis, manifest: dict, tokens: QueryTokens,
