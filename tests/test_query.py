@@ -115,6 +115,8 @@ def test_layer_subset_sums_only_those_layers(engine):
     assert res[0].layers == layers and set(res[0].hits[0].layer_scores) == set(layers)
     with pytest.raises(ValueError, match=r"match no indexed layer.*gradindex info"):
         engine.search(q, layers="mlp.*")
+    with pytest.raises(ValueError, match=r"layer pattern 'mlp\.\*' matches no indexed layer"):
+        engine.search(q, layers=["*.mlp.*", "mlp.*"])  # (one pattern of two a typo: it ran on the other's layers)
 
 
 def test_ann_index_with_every_candidate_is_exact(store_dir, tmp_path, engine):

@@ -120,9 +120,11 @@ def select_layers(have: list[str], patterns: Sequence[str] | str | None, index_d
         return have
     patterns = [patterns] if isinstance(patterns, str) else list(patterns)
     out = [n for n in have if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    if not out:
-        raise ValueError(f"layer patterns {patterns} match no indexed layer; layers look like "
-                         f"{have[:2]} ({len(have)} in all, see `gradindex info {index_dir}`)")
+    idle = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in have)]
+    if idle:  # (each pattern: a typo in one of several would go unnoticed)
+        which = f"layer patterns {patterns} match" if not out else f"layer pattern {idle[0]!r} matches"
+        raise ValueError(f"{which} no indexed layer; layers look like {have[:2]} ({len(have)} in all, see "
+                         f"`gradindex info {index_dir}`)")
     return out
 
 
