@@ -179,7 +179,12 @@ def _parse(method: str) -> tuple[str, bool]:
     selfnorm = m.endswith(SELFNORM)
     base = m[: -len(SELFNORM)] if selfnorm else m
     spec = REGISTRY.get(base)
-    if spec is None or spec.rows == "trajectory" or (selfnorm and not spec.selfnorm):
+    if spec is not None and spec.rows == "trajectory":
+        raise ValueError(f"method {method!r} sums scores over a training run's checkpoints, so it answers on a "
+                         "trajectory index only (`gradindex trajectory DATA --out TRAJ --checkpoint CK1 --checkpoint "
+                         f"CK2 ...`, then `gradindex query TRAJ --method {base}`); an index answers one of "
+                         f"{list(all_methods_of_rows())}")
+    if spec is None or (selfnorm and not spec.selfnorm):
         raise ValueError(f"method {method!r} is not one of {list(all_methods_of_rows())}")
     return base, selfnorm
 

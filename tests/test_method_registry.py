@@ -63,7 +63,8 @@ def test_unknown_methods_name_the_registered_ones():
         M.parse_method("ekfca")
     with pytest.raises(ValueError, match="not one of"):
         M.parse_method("cosine-selfnorm")  # cosine's self-influence is 1: no -selfnorm variant
-    with pytest.raises(ValueError, match="not one of"):
+    with pytest.raises(ValueError, match=r"answers on a trajectory index only \(`gradindex trajectory.*an index "
+                                         r"answers one of \['graddot'"):
         M.parse_method("tracin")  # answered by trajectory indices only (gradindex query routes it)
 
 

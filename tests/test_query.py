@@ -215,7 +215,7 @@ def test_bad_queries_and_methods_are_clear_errors(engine, store_dir, tmp_path, g
         engine.query(("the cat sat", ""))
     with pytest.raises(TypeError, match="cannot read a query"):
         engine.query(3.5)
-    with pytest.raises(ValueError, match="method 'tracin' is not one of"):
+    with pytest.raises(ValueError, match="method 'tracin' sums scores over a training run's checkpoints"):
         engine.query("the cat sat", method="tracin")
     d = _build(tmp_path / "nofit", gpt2_dir, text_jsonl, ProjectionSpec(k_a=4, k_g=4), "none")
     build_indices(d, IndexConfig(), progress=False)
