@@ -78,6 +78,8 @@ def test_human_output_and_notes(built):
     res = run("query", built, "--text", "the cat sat on a mat", "-k", "50", "--method", "cosine")
     assert "note: k=50 is larger than the index (40 examples)" in res.stderr
     assert res.stdout.count("\n") >= 40 and "method cosine" in res.stdout
+    res = run("query", built, "--text", "the cat sat on a mat", "-k", "3", "--lowest", "100", "--method", "cosine")
+    assert "note: lowest=100 is larger than the index (40 examples)" in res.stderr, res.stderr  # (said k=100)
 
 
 def test_info_summarizes_the_index(built):

@@ -51,7 +51,7 @@ def split(index_dir, parts, out):
 @user_errors
 def merge(sharded_dir, out):
     """Merge the parts of the sharded index in SHARDED_DIR into one index directory (the store's files as they were
-    before the split, byte for byte)."""
+    before the split, byte for byte, but a file the split cut: joined again, the same rows, ids and columns)."""
     from gradindex.index.sharded import merge_index, read_sharded
 
     t0 = time.perf_counter()

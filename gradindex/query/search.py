@@ -141,7 +141,8 @@ def clamp_k(k: int, lowest: int, n: int, notes: list[str]) -> tuple[int, int]:
     if k < 1 or lowest < 0:
         raise ValueError(f"k must be >= 1 and lowest >= 0, got k={k}, lowest={lowest}")
     if k > n or lowest > n:
-        notes.append(f"k={max(k, lowest)} is larger than the index ({n} examples); returning {n}")
+        asked = " and ".join(f"{name}={v}" for name, v in (("k", k), ("lowest", lowest)) if v > n)
+        notes.append(f"{asked} is larger than the index ({n} examples); returning {n}")
         log.info(notes[-1])
     return min(k, n), min(lowest, n)
 
