@@ -669,3 +669,19 @@ def test_cli_serve_reads_token_file(audit_index, tmp_path, monkeypatch):
                                   "--cpu-index"])
     assert r.exit_code == 0, r.output
     assert seen == {"token": "s3cret"} and "(bearer token required)" in r.output
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(default_index):
+    """serve printed "serving ... on" and loaded the model before uvicorn's own bind error (exit 3)."""
+    from click.testing import CliRunner
+
+    from gradindex.cli import main
+    from tests.conftest import refused
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        res = CliRunner().invoke(main, ["serve", str(default_index), "--port", str(port), "--device", "cpu"])
+    refused(res.exit_code, res.output, None, f"port {port} on 127.0.0.1 is in use", "pick another --port")
+    assert "serving" not in res.output

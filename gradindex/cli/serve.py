@@ -49,11 +49,37 @@ def serve(index_dir, host, port, token, token_file, request_timeout, queue_size,
     if not (request_timeout > 0 and queue_size >= 1 and max_batch >= 1 and batch_window >= 0):
         raise ValueError("--request-timeout must be > 0, --queue-size and --max-batch >= 1, --batch-window >= 0; "
                          f"got {request_timeout:g}, {queue_size}, {max_batch}, {batch_window:g}")
+    port_free(host, port)  # (before the model loads: a busy port said so only after "serving ... on")
     with open_engine(index_dir, model_dir, device=device, data=data, layers=list(layers) or None,
                      use_gpu=not cpu_index, refine=refine_config(refine)) as engine:
         click.echo(f"serving {index_dir} ({engine.n} examples) on http://{host}:{port}/"
                    f"{' (bearer token required)' if token else ''}; Ctrl-C stops", err=True)
         run(engine, host, port, token, request_timeout, queue_size, max_batch, batch_window)
+
+
+def port_free(host: str, port: int) -> None:
+    """Refuse a ``host``/``port`` this process cannot listen on (in use, or an address not of this machine); under
+    torchrun only rank 0, which serves HTTP, checks."""
+    import errno
+    import socket
+
+    from gradindex import distributed
+
+    if distributed.rank() != 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} is not an address this machine knows ({e.strerror}); give an IP address "
+                         "or a name it resolves, e.g. 127.0.0.1") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            why = "is in use (another server?)" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e.strerror})"
+            raise ValueError(f"port {port} on {host} {why}; pick another --port or --host") from None
 
 
 TOKEN_ENV = "GRADINDEX_TOKEN"
