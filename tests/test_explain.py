@@ -143,6 +143,24 @@ def test_cli_explain(audit_index):
     assert res.exit_code != 0 and "Error: training ids [99999] are not in the index" in res.output
 
 
+def test_cli_explain_target_splits_the_targeted_querys_score(audit_index):
+    """explain had no --target, so a targeted query's score could not be split per token."""
+    from gradindex.query import QueryEngine
+
+    args = ["explain", str(audit_index), "--prompt", "the cat sat", "--completion", " on a mat near the river",
+            "--target", "mat", "--id", "3", "--method", "kfac", "--json", "--device", "cpu"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    with QueryEngine(audit_index, device="cpu") as e:
+        want = e.scores([{"prompt": "the cat sat", "completion": " on a mat near the river", "target": "mat"}],
+                        method="kfac")[0, 3]
+        whole = e.scores([("the cat sat", " on a mat near the river")], method="kfac")[0, 3]
+    assert _rel(d["score"], want) < 1e-5 and _rel(d["query"]["total"], want) < 1e-5 and _rel(whole, want) > 1e-3
+    marked = [t for t, on in zip(d["query"]["tokens"], d["query"]["target"], strict=True) if on]
+    assert "mat" in "".join(marked) and "river" not in "".join(marked), marked
+
+
 def test_adam_index_factored_splits_and_exact_is_refused(tmp_path, trained):  # noqa: F811
     """Adam's per-side scales are folded into the projection, so the split still sums to the score;
     the exact (entrywise) transform has no per-token form and says so."""

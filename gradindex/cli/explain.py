@@ -34,6 +34,9 @@ def _show(title: str, ts, top: int) -> None:
 @click.option("--prompt", default=None, help="Query prompt (no loss), with --completion.")
 @click.option("--completion", default=None, help="Query completion (the loss is taken on it).")
 @messages_option
+@click.option("--target", default=None,
+              help="Measure only this piece of the query's answer, as `query --target` does: its other tokens are "
+                   "not targets.")
 @click.option("--id", "ids", multiple=True, type=int, required=True,
               help="Training example (row) to explain; repeatable.")
 @click.option("--method", default=None, type=MethodChoice("explain", selfnorm=False),
@@ -51,17 +54,20 @@ def _show(title: str, ts, top: int) -> None:
 @refine_options
 @user_errors
 @whole_index()
-def explain(index_dir, text, prompt, completion, messages, ids, method, damping, layers, top, model_dir, data, device,
-            as_json, full_space, refine):
+def explain(index_dir, text, prompt, completion, messages, target, ids, method, damping, layers, top, model_dir, data,
+            device, as_json, full_space, refine):
     """Split the score of training example(s) --id for a query into one term per token, both sides."""
     from gradindex.apps.explain import Explainer
     from gradindex.query import QueryEngine
+    from gradindex.query.inputs import as_record
 
     if (prompt is None) != (completion is None):
         raise ValueError("--prompt and --completion go together (the loss is taken on the completion)")
     if (text is not None) + (prompt is not None) + len(messages) != 1:
         raise ValueError("give one query: --query TEXT, --prompt P --completion C, or --messages JSON")
     query = text if text is not None else (prompt, completion) if prompt is not None else parse_messages(messages)[0]
+    if target is not None:
+        query = {**as_record(query), "target": target}
     with QueryEngine(index_dir, model_dir, device=device, data=data, refine=refine_config(refine)) as engine:
         out = Explainer(engine).explain(query, list(ids), method, damping, list(layers) or None,
                                         full_space=full_space)

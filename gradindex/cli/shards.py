@@ -50,8 +50,10 @@ def split(index_dir, parts, out):
               help="The new index directory (must not exist, or be empty).")
 @user_errors
 def merge(sharded_dir, out):
-    """Merge the parts of the sharded index in SHARDED_DIR into one index directory (the store's files as they were
-    before the split, byte for byte, but a file the split cut: joined again, the same rows, ids and columns)."""
+    """Merge the parts of the sharded index in SHARDED_DIR into one index directory.
+
+    The store's files come back as they were before the split, byte for byte, but a file the split cut: that one is
+    joined again, with the same rows, ids and columns."""
     from gradindex.index.sharded import merge_index, read_sharded
 
     t0 = time.perf_counter()
