@@ -102,7 +102,9 @@ def test_no_self_influence_falls_back_to_plain_ekfac_with_a_note(raw_index, monk
         grads, _, _ = e.gradients(e.tokenize(Q[:1]))
         want = e.scores(Q[:1], method="ekfac")
         monkeypatch.setattr(OpenIndex, "self_influence", unavailable)  # (the engine keeps no copy of its own)
-        r = e.query(Q[0], k=4)
+        with caplog.at_level("WARNING", logger="gradindex"):
+            r = e.query(Q[0], k=4)
+        assert "plain ekfac" not in caplog.text  # (said once, as the result's note: the CLI printed it twice)
         assert r.method == "ekfac" and [h.id for h in r.hits] == [h.id for h in plain.hits]
         assert any("default method ekfac-selfnorm" in n and "plain ekfac" in n for n in r.notes), r.notes
         with caplog.at_level("WARNING", logger="gradindex"):

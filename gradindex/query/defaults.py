@@ -125,8 +125,9 @@ class Answer:
 
 
 def answer_for(ix, method: str | None, damping: float, layers: Sequence[str], log_notes: bool = True) -> Answer:
-    """The :class:`Answer` of ``method`` (``None``: the default query method) on the open index ``ix``. The default's
-    fallback is logged as a warning; ``log_notes``: the last note too (a query's; an array of scores has none)."""
+    """The :class:`Answer` of ``method`` (``None``: the default query method) on the open index ``ix``. ``log_notes``
+    (a query's: its notes reach the caller on the results): the last note logged at info level; else the default's
+    fallback is logged as a warning (an array of scores has no notes)."""
     defaulted, method = method is None, method or default_query_method(ix.manifest, ix.dir)
     asked, selfnorm = parse_method(method)
     base = index_row_base(ix.manifest, ix.dir, asked, method)  # the operation on stored rows
@@ -135,8 +136,9 @@ def answer_for(ix, method: str | None, damping: float, layers: Sequence[str], lo
     si, fell = self_influence_or_note(ix, method, (asked, selfnorm), defaulted, base, damping, layers)
     if fell:
         notes.append(fell)
-        log.warning(fell)
         method = asked
+        if not log_notes:  # (an array of scores: the log is the only place it is said)
+            log.warning(fell)
     if notes and log_notes:
         log.info(notes[-1])
     scale = None if si is None else selfnorm_scale(si)
