@@ -228,6 +228,10 @@ def shared(e: BaseException) -> bool:
 SOLO = Team()
 """One process: every file, no collective."""
 
+Share = Callable[..., Team]
+"""A torchrun build's rank 0 handing a per-file pass to the other ranks: ``share(kind, *args)`` broadcasts the job
+and returns the :class:`Team` to run it with (:data:`SOLO` in one process)."""
+
 
 def team() -> Team:
     """The running ranks as a :class:`Team` (:data:`SOLO` on one process)."""

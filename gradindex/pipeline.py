@@ -25,7 +25,9 @@ from gradindex.heap import CAPTURE_THRESHOLD, bound_heap
 from gradindex.index import IndexBuildResult, IndexConfig, OpenIndex, build_indices
 from gradindex.index.builder import row_norms
 from gradindex.index.sharded import Sharded
+from gradindex.index.sketch import Sketch
 from gradindex.index.tiers import RowShape, make_tier
+from gradindex.index.tiers.sketch_files import encode_files
 from gradindex.lock import index_lock
 from gradindex.plan import BuildPlan, longest_example, plan_build, rerank_fit_sizes
 from gradindex.precondition import FitConfig, fit_preconditioner
@@ -114,8 +116,8 @@ def build_index(model: nn.Module, tokenizer, data: Tokenized, out_dir: str | os.
 
 def _assist(model, tokenizer, data: Tokenized, out_dir) -> None:
     """A rank other than 0 after its capture: its share of each per-file pass rank 0 hands out (:func:`_share`: the
-    EK-FAC correction's store pass and the transcode, the tier's norms), over its own store files, until rank 0 is
-    done."""
+    EK-FAC correction's store pass and the transcode, the tier's norms, the sketch tier's codes), over its own store
+    files, until rank 0 is done."""
     while (job := distributed.broadcast(None)) is not None:
         kind, args = job
         team = distributed.team()
@@ -123,6 +125,10 @@ def _assist(model, tokenizer, data: Tokenized, out_dir) -> None:
             if kind == "fused":
                 fit, storage, manifest = args
                 fit_and_transcode(out_dir, fit, storage, model, tokenizer, data, False, manifest, team=team)
+            elif kind == "sketch":  # (the raw space: no preconditioner, no whole-index norms)
+                spec, space, block, done = args
+                with Store(out_dir) as store:
+                    encode_files(store, None, space, Sketch.from_dict(spec), block, done, team)
             else:  # "norms"
                 with Store(out_dir) as store:
                     row_norms(store, False, team)
@@ -134,7 +140,8 @@ def _assist(model, tokenizer, data: Tokenized, out_dir) -> None:
 
 
 def _share(kind: str, *args) -> distributed.Team:
-    """Rank 0: hand the per-file pass ``kind`` (``fused``: ``(fit, storage, manifest)``; ``norms``) to the other
+    """Rank 0: hand the per-file pass ``kind`` (``fused``: ``(fit, storage, manifest)``; ``norms``; ``sketch``:
+    ``(spec, space, block, rows done)``) to the other
     ranks (:func:`_assist`); the :class:`~gradindex.distributed.Team` to run it with (one process: ``SOLO``)."""
     if not distributed.active():
         return distributed.SOLO
@@ -285,7 +292,7 @@ def _finish(model, tokenizer, data, out_dir, cfg: BuildConfig, index: IndexConfi
     with disk_full_as_error(out_dir, "FAISS stage", "the store and its fits are complete and kept",
                             lambda: plan.index_bytes), \
             OpenIndex(out_dir, res.manifest, then="build the indices") as ix:
-        return res, build_indices(ix, index, progress=progress, share=lambda: _share("norms"))
+        return res, build_indices(ix, index, progress=progress, share=_share)
 
 
 def routed_plan(model, cfg: BuildConfig, n: int, out: Path, overwrite: bool, plan_args: tuple = (),

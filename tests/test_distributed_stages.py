@@ -93,3 +93,39 @@ def test_a_rank_failing_mid_transcode_fails_the_build_and_it_resumes(gpt2_dir, b
     assert sorted(p.name for p in staged.glob("shard-*.h5")) == [f"shard-0000{k}.h5" for k in range(3)]
     torchrun("-m", "gradindex", "build", *common, "--out", str(tmp_path / "two"))  # the same command resumes
     assert _stored(tmp_path / "two") == _stored(d / "one")
+
+
+COUNTS = """import os, sys
+from gradindex import distributed
+from gradindex.index.tiers import sketch_files
+real = sketch_files.encode_sketch
+def counted(y):
+    with open(os.path.join(os.environ["COUNT_DIR"], f"rank-{distributed.rank()}"), "a") as f:
+        f.write(f"{len(y)}\\n")
+    return real(y)
+sketch_files.encode_sketch = counted
+from gradindex.cli import main
+main(prog_name="gradindex")
+"""
+
+
+def test_two_ranks_encode_the_sketch_tier_to_the_same_bytes(built, tmp_path):
+    """The sketch tier's codes, once rank 0's alone (issue 34: "spreading the rest of rank 0's work"): each rank
+    encodes its own store files, rank 0 writes them; the files equal one process's byte for byte."""
+    d, common = built
+    sketch = [*common, "--index-type", "sketch"]
+    _cli("build", *sketch, "--out", str(tmp_path / "one"))
+    script = tmp_path / "counts.py"
+    script.write_text(COUNTS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "COUNT_DIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           "build", *sketch, "--out", str(tmp_path / "two")]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = {k: sum(map(int, (tmp_path / f"rank-{k}").read_text().split())) for k in (0, 1)}
+    assert rows == {0: 20, 1: 20}, rows  # (10 store files of 4 rows: 5 a rank)
+    for f in ("sketch.codes.npy", "sketch.scales.npy"):
+        np.testing.assert_array_equal(np.load(tmp_path / "two" / "faiss" / f), np.load(tmp_path / "one" / "faiss" / f))
+    q = [a for t in QUERIES for a in ("--text", t)] + ["-k", "10", "--device", "cpu"]
+    assert _cli("query", str(tmp_path / "two"), *q) == _cli("query", str(tmp_path / "one"), *q)

@@ -17,14 +17,13 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from gradindex.checksum import damage_error, forget, move_aside, record, recorded
-from gradindex.distributed import SOLO, Team
+from gradindex.distributed import SOLO, Share, Team
 from gradindex.index.config import IndexConfig
 from gradindex.index.files import (
     META,
@@ -63,14 +62,15 @@ class IndexBuildResult:
 
 def build_indices(index_dir: str | os.PathLike | OpenIndex, cfg: IndexConfig = IndexConfig(),
                   progress: bool = True, force: bool = False,
-                  share: Callable[[], Team] | None = None) -> IndexBuildResult:
+                  share: Share | None = None) -> IndexBuildResult:
     """Write ``faiss/<layer>.index`` for every stored layer (resuming an interrupted build).
 
     The new set is written into ``faiss.new/`` and swapped in only when complete, so a failed or
     killed build (``force`` included) leaves the previous indices answering queries.
     ``index_dir``: a path, or an :class:`OpenIndex` (its manifest and store are used as they are).
-    ``share``: a torchrun build's rank 0 hands the norms pass to the other ranks with it (they run
-    :func:`row_norms` over the same store with the :class:`~gradindex.distributed.Team` it returns).
+    ``share``: a torchrun build's rank 0 hands a per-file pass to the other ranks with it, ``share(kind, *args)``
+    (``"norms"``: they run :func:`row_norms` over the same store with the :class:`~gradindex.distributed.Team` it
+    returns; ``"sketch"``: :func:`~gradindex.index.tiers.sketch_files.encode_files`).
     """
     t0 = time.perf_counter()
     with opened(index_dir, "build the indices", OpenIndex) as ix:
@@ -79,7 +79,7 @@ def build_indices(index_dir: str | os.PathLike | OpenIndex, cfg: IndexConfig = I
 
 
 def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: float,
-           share: Callable[[], Team] | None = None) -> IndexBuildResult:
+           share: Share | None = None) -> IndexBuildResult:
     index_dir, store, manifest, N = ix.dir, ix.store, ix.manifest, ix.n
     _refuse(ix)
     space = cfg.space
@@ -105,7 +105,7 @@ def _build(ix: OpenIndex, cfg: IndexConfig, progress: bool, force: bool, t0: flo
     norms = _norms(store, out / NORMS, meta, progress, share)
     write_json(out / META, meta)
     inv = np.where(norms > 0, 1.0 / np.sqrt(np.maximum(norms, 1e-300)), 0.0).astype(np.float32)
-    job = BuildJob(store, ix.pre, cfg, out, meta, key, factories, inv if space.normalize else None, progress)
+    job = BuildJob(store, ix.pre, cfg, out, meta, key, factories, inv if space.normalize else None, progress, share)
     added = tier.build(job)
     meta["status"] = "complete"
     meta["seconds"] = time.perf_counter() - t0
@@ -155,8 +155,7 @@ def _carry(src: Path, dst: Path, name: str | None) -> bool:
     return True
 
 
-def _norms(store: Store, path: Path, meta: dict, progress: bool, share: Callable[[], Team] | None = None
-           ) -> np.ndarray:
+def _norms(store: Store, path: Path, meta: dict, progress: bool, share: Share | None = None) -> np.ndarray:
     """``[N, L]`` per-layer squared norms of the raw store vectors (one pass, cached; ``share``: with the ranks
     it hands the pass to)."""
     if meta.get("norms") and path.exists():
@@ -166,7 +165,7 @@ def _norms(store: Store, path: Path, meta: dict, progress: bool, share: Callable
                 return arr.sum(axis=1)
         except (OSError, ValueError):
             pass
-    sq = row_norms(store, progress, share() if share is not None else SOLO)
+    sq = row_norms(store, progress, share("norms") if share is not None else SOLO)
     write_norms(path.parent, sq)
     meta["norms"] = {"file": path.name, "layers": list(store.layers)}
     return sq.sum(axis=1)

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from gradindex.distributed import Share
 from gradindex.index.config import IndexConfig
 from gradindex.index.cost import LookupCost, memory_bytes
 from gradindex.index.files import META, write_json
@@ -64,6 +65,8 @@ class BuildJob:
     inv: np.ndarray | None
     """``[N]`` ``1/‖t‖`` of each example when the space is normalized, else None."""
     progress: bool = True
+    share: Share | None = None
+    """A torchrun build's hand-out of a per-file pass to the other ranks (:data:`gradindex.distributed.Share`)."""
 
     @property
     def n(self) -> int:

@@ -57,7 +57,7 @@ class SketchTier(Tier):
 
     def build(self, job: BuildJob) -> int:
         super().build(job)
-        build_sketch(job.store, job.pre, job.cfg, job.out, job.meta, job.inv, job.progress)
+        build_sketch(job.store, job.pre, job.cfg, job.out, job.meta, job.inv, job.progress, job.share)
         return 0
 
     @classmethod

@@ -4,24 +4,27 @@
 ``faiss/sketch.scales.npy`` (float32 ``[N]``) hold every example's sketch
 (:mod:`gradindex.index.sketch`); ``index.json``'s ``sketch`` entry holds its spec (seed, layer
 widths and parts), the files and, while building, the rows done. A killed build resumes from the
-rows of the last checkpoint (written every ``checkpoint_seconds``); the part allocation is fixed
-at the start from a seeded sample of rows, so a resumed build sketches the same way.
+store file of the last checkpoint (written every ``checkpoint_seconds``, at a file's end); the part allocation is
+fixed at the start from a seeded sample of rows, so a resumed build sketches the same way. Under torchrun each rank
+encodes its own store files and rank 0 writes them (:func:`encode_files`).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from gradindex.checksum import record
+from gradindex.distributed import SOLO, Share, Team
 from gradindex.errors import CorruptFileError
 from gradindex.index.config import IndexConfig
 from gradindex.index.files import META, write_json
 from gradindex.index.sketch import Sketch, SketchIndex, allocate, encode_sketch
-from gradindex.index.space import Preconditioners, index_vectors
+from gradindex.index.space import IndexSpace, Preconditioners, index_vectors
 from gradindex.progress import progress_bar
 from gradindex.store import Store
 from gradindex.store.rows import RowReader
@@ -52,8 +55,9 @@ def _spec(store: Store, pre: Preconditioners, cfg: IndexConfig, inv: np.ndarray 
 
 
 def build_sketch(store: Store, pre: Preconditioners, cfg: IndexConfig, out: Path, meta: dict,
-                 inv: np.ndarray | None, progress: bool) -> None:
-    """Write (or finish) ``out/sketch.*`` for every stored row; ``meta['sketch']`` records it."""
+                 inv: np.ndarray | None, progress: bool, share: Share | None = None) -> None:
+    """Write (or finish) ``out/sketch.*`` for every stored row; ``meta['sketch']`` records it. ``share``: a
+    torchrun build's ranks each encode their own store files (:func:`encode_files`), rank 0 writes them."""
     N = len(store)
     sk = meta.get("sketch")
     codes_p, scales_p = out / CODES, out / SCALES
@@ -72,26 +76,66 @@ def build_sketch(store: Store, pre: Preconditioners, cfg: IndexConfig, out: Path
     codes = _RowWriter(codes)  # (the codes by plain writes: a written memory map's pages count in the RSS)
     per_row = 4 * sum(store.dims.values())
     block = max(1, min(cfg.block, cfg.block_bytes // max(1, per_row)))
+    team = job_team(share, sketch, cfg.space, block, done, inv)
     bar = progress_bar(total=N, initial=done, unit="ex", desc="sketch", disable=not progress)
-    last = time.perf_counter()
+    held = {"scales": scales, "last": time.perf_counter()}  # (the memory map goes before the files are hashed)
+    del scales
+
+    def write(k: int, c: np.ndarray, sc: np.ndarray) -> None:
+        s = int(store.first_ids[k])
+        codes[s], held["scales"][s:s + len(sc)] = c, sc
+        bar.update(len(sc) - max(0, min(len(sc), done - s)))
+        if time.perf_counter() - held["last"] >= cfg.checkpoint_seconds:
+            _checkpoint(codes, held["scales"], out, meta, s + len(sc))
+            held["last"] = time.perf_counter()
+
     try:
-        for ids, x in store.iter_blocks(store.layers, block, done):
-            s = int(ids[0])
-            v = {n: index_vectors(cfg.space, pre, n, x[n], None if inv is None else inv[s:s + len(ids)])
-                 for n in store.layers}
-            codes[s], scales[s:s + len(ids)] = encode_sketch(sketch.apply(v))
-            bar.update(len(ids))
-            if time.perf_counter() - last >= cfg.checkpoint_seconds:
-                _checkpoint(codes, scales, out, meta, s + len(ids))
-                last = time.perf_counter()
-        _checkpoint(codes, scales, out, meta, N)
+        encode_files(store, pre, cfg.space, sketch, block, done, team, inv, write)
+        _checkpoint(codes, held["scales"], out, meta, N)
     finally:
         bar.close()
         codes.close()
-    del scales
+        held.clear()
     record(out.parent, [codes_p, scales_p], [f"{out.name}/{CODES}", f"{out.name}/{SCALES}"])
     meta["sketch"]["bytes"] = int(codes_p.stat().st_size + scales_p.stat().st_size)
     write_json(out / META, meta)
+
+
+def job_team(share: Share | None, sketch: Sketch, space: IndexSpace, block: int, done: int,
+             inv: np.ndarray | None) -> Team:
+    """The ranks that encode the sketch with rank 0: every rank where ``share`` hands the pass out and the space
+    needs neither the preconditioner nor the whole index's norms (the sketch tier's raw space), else rank 0 alone."""
+    if share is None or space.whiten != "none" or inv is not None:
+        return SOLO
+    return share("sketch", sketch.to_dict(), space, block, done)
+
+
+def encode_files(store: Store, pre: Preconditioners | None, space: IndexSpace, sketch: Sketch, block: int,
+                 done: int, team: Team = SOLO, inv: np.ndarray | None = None,
+                 write: Callable[[int, np.ndarray, np.ndarray], None] | None = None) -> None:
+    """Every store file's sketch codes and scales from the file holding row ``done`` on, each by the rank that owns
+    it (:meth:`~gradindex.distributed.Team.rounds`: file ``k`` on rank ``k % size``); ``write(k, codes, scales)``
+    on rank 0, in file order (other ranks pass none). A file is encoded whole, so a resumed build redoes the one it
+    stopped in: its codes come out the same."""
+    def work(k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        first, size = int(store.first_ids[k]), int(store.sizes[k])
+        if first + size <= done:
+            return None
+        c, sc = [], []
+        for ids, x in store.iter_blocks(store.layers, block, first, first + size):
+            s = int(ids[0])
+            v = {n: index_vectors(space, pre, n, x[n], None if inv is None else inv[s:s + len(ids)])
+                 for n in store.layers}
+            a, b = encode_sketch(sketch.apply(v))
+            c.append(a)
+            sc.append(b)
+        return np.concatenate(c), np.concatenate(sc)
+
+    def combine(k: int, res: tuple[np.ndarray, np.ndarray] | None) -> None:
+        if res is not None and write is not None:
+            write(k, *res)
+
+    team.rounds(len(store.paths), work, combine)
 
 
 class _RowWriter:
