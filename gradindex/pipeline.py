@@ -33,6 +33,7 @@ from gradindex.plan import BuildPlan, longest_example, plan_build, rerank_fit_si
 from gradindex.precondition import FitConfig, fit_preconditioner
 from gradindex.precondition.compact import finish_transcode
 from gradindex.precondition.factors import sample_rows
+from gradindex.precondition.fit import FULL_SPACE_FISHER
 from gradindex.precondition.fullspace import HeadGrads, keep_build_sums, stored_share
 from gradindex.precondition.fused import fit_and_transcode, team_fits
 from gradindex.precondition.restore import restore_basis
@@ -71,6 +72,8 @@ def build_index(model: nn.Module, tokenizer, data: Tokenized, out_dir: str | os.
     ``parts``: a sharded index of that many parts (``"ranks"``: one a ``torchrun`` rank), what ``split_index``
     makes of this build (:mod:`gradindex.index.build_parts`); the tier's result is then the ``Sharded`` index.
     """
+    if (cfg.rerank_fit if rerank_fit is None else rerank_fit) and cfg.fisher != "empirical":
+        raise ValueError(FULL_SPACE_FISHER)  # (before the capture; the full-space fit would refuse it after)
     if parts is not None:
         return _sharded(model, tokenizer, data, out_dir, cfg, index, parts, model_id=model_id, data_id=data_id,
                         overwrite=overwrite, progress=progress, repair=repair, rerank_fit=rerank_fit)

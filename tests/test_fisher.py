@@ -155,3 +155,25 @@ def test_true_fisher_fit_keeps_stored_rows_and_records_itself(tmp_path, gpt2_dir
     fit_preconditioner(out, FitConfig(method="ekfac", fisher="true", seed=2, device="cpu"), model, tok, data)
     again = read_layers(precond_path(out, "ekfac"))
     assert np.allclose(again[n]["Lambda"], true[n]["Lambda"], rtol=1e-9)
+
+
+def test_a_true_fisher_full_space_fit_is_refused_not_fitted_empirically(default_index, gpt2_dir, text_jsonl, tmp_path):
+    """precondition --space full --fisher true wrote the empirical fit and recorded "fisher": "true"."""
+    import shutil
+
+    from gradindex.checksum import read_checksums
+    from tests.conftest import refused
+
+    with pytest.raises(ValueError, match="the full-space fit .* takes the empirical Fisher"):
+        FitConfig(method="ekfac", space="full", fisher="true")
+    d = tmp_path / "idx"
+    shutil.copytree(default_index, d)
+    before = read_checksums(d)
+    res = CliRunner().invoke(main, ["precondition", str(d), "--method", "ekfac", "--space", "full", "--fisher",
+                                    "true", "--device", "cpu"])
+    refused(res.exit_code, res.output, None, "--fisher true is the stored-space fit's", "drop --fisher true")
+    assert read_checksums(d) == before and not precond_path(d, "ekfac-full").exists()
+    out = tmp_path / "b"
+    res = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), "--rerank-fit",
+                                    "--fisher", "true", "--device", "cpu", "--quiet"])
+    refused(res.exit_code, res.output, out, "--fisher true is the stored-space fit's")

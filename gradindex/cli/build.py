@@ -331,6 +331,10 @@ def settings(o: dict) -> Settings:
         stream = {"kind": o["projection_kind"], "seed": o["seed"]}
         sugar = {**{n: o[n] for n in ROW_OPTIONS[2:]}, "budget": (budget or "auto") if auto else 0,
                  "projection": ProjectionSpec(**stream) if auto else ProjectionSpec.parse(projection, **stream)}
+    if config.get("rerank_fit") and config.get("fisher") != "empirical":
+        from gradindex.precondition.fit import FULL_SPACE_FISHER
+
+        raise ValueError(FULL_SPACE_FISHER)
     cfg = BuildConfig(**config, **sugar)  # (load_inputs builds it again from the spec it resolved to)
     config.update(rows=cfg.rows, projection_kind=cfg.projection_kind, seed=cfg.seed, damping=cfg.damping)
     icfg = index_config(o["index_type"], o["whiten"], o["damping"], o["normalize"], o["train_size"], o["cpu_index"],

@@ -59,6 +59,10 @@ float32 (the store passes' cost, ``k_g k_a (k_g + k_a)`` per row, is there: floa
 against the dense float64 reference), the narrower ones in float64."""
 FITTED_ON = ("model_fingerprint", "data_fingerprint", "projection")
 SPACES = ("stored", "full")
+FULL_SPACE_FISHER = ("--fisher true is the stored-space fit's: the full-space fit (precondition --space full, build "
+                     "--rerank-fit) takes the empirical Fisher of its own passes' gradients; drop --fisher true, or "
+                     "fit the stored space (--space stored)")
+"""The refusal of a true-Fisher full-space fit (its passes sum the observed labels' gradients only)."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,8 @@ class FitConfig:
             raise ValueError(f"--space {self.space!r} is not one of {list(SPACES)}")
         if self.fisher not in FISHERS:
             raise ValueError(f"--fisher {self.fisher!r} is not one of {list(FISHERS)}")
+        if self.space == "full" and self.fisher != "empirical":
+            raise ValueError(FULL_SPACE_FISHER)
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is not one of {list(PRECISIONS)}")
         if self.correction_examples < 0 or self.correction_examples and self.space != "full":
