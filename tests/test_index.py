@@ -271,6 +271,36 @@ def test_index_type_that_cannot_train_is_refused_before_capturing(gpt2_dir, text
     assert "Traceback" not in r.output and not (out / "store").exists()
 
 
+@pytest.mark.parametrize("index_type", ["IVF8,Flat", "ivf-sketch"])
+def test_a_train_size_below_the_lists_is_refused_before_any_work(gpt2_dir, text_jsonl, default_index, tmp_path,
+                                                                  monkeypatch, index_type):
+    """FAISS's k-means stopped on it with a traceback, after build's capture and fit (and compact's transcode)."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from gradindex import pipeline
+    from gradindex.checksum import read_checksums
+    from gradindex.cli import main
+    from tests.conftest import refused
+
+    monkeypatch.setattr(pipeline, "build_store", lambda *a, **k: pytest.fail("the capture pass ran"))
+    out = tmp_path / "idx"
+    small = ["--index-type", index_type, "--train-size", "3"]  # (ivf-sketch: 5 lists over 40 rows)
+    r = CliRunner().invoke(main, ["build", str(gpt2_dir), str(text_jsonl), "--out", str(out), *small, "--device",
+                                  "cpu", "--quiet"])
+    refused(r.exit_code, r.output, out, "--train-size 3 is fewer than the", "lists of --index-type",
+            "give --train-size")
+    d = tmp_path / "copy"
+    shutil.copytree(default_index, d)
+    before = read_checksums(d)
+    r = CliRunner().invoke(main, ["index", str(d), *small, "--quiet"])
+    refused(r.exit_code, r.output, None, "--train-size 3 is fewer than the")
+    assert read_checksums(d) == before
+    r = CliRunner().invoke(main, ["compact", str(d), "--out", str(tmp_path / "c"), *small, "--quiet"])
+    refused(r.exit_code, r.output, tmp_path / "c", "--train-size 3 is fewer than the")
+
+
 def test_store_keeps_at_most_open_shards_files_open(indexed, monkeypatch):
     """Each open HDF5 file holds ~0.8 MB of caches: a store keeps only the most recently used shards open
     (least recently used closed first), and reads the same rows."""

@@ -381,7 +381,7 @@ def load_inputs(o: dict, opts: Settings):
         data_tok = tokenize_records(records, tok, max_length, text_field, vocab_size=vocab_size(model))
     cfg = BuildConfig(**{**opts.config, "max_length": max_length})
     if not o["no_index"]:
-        check_index_type(o["index_type"], len(data_tok))
+        check_index_type(o["index_type"], len(data_tok), o["train_size"])
     if data_tok.n_truncated:
         click.echo(f"warning: {data_tok.n_truncated} of {len(data_tok)} examples were longer than "
                    f"--max-length {max_length} and were truncated", err=True)

@@ -7,7 +7,7 @@ import click
 from gradindex.cli import main
 from gradindex.cli.build import STORAGES
 from gradindex.cli.common import damping_option, user_errors
-from gradindex.cli.index import index_config, index_options, report
+from gradindex.cli.index import check_index_type, index_config, index_options, report
 
 
 @main.command()
@@ -28,13 +28,16 @@ def compact(index_dir, out, basis, damping, storage, overwrite, index_type, whit
     """Transcode INDEX_DIR's rows (after an EK-FAC fit) into a whitened basis, as a new index in OUT."""
     from gradindex.index import build_indices
     from gradindex.precondition.compact import compact_eigenbasis
+    from gradindex.spec.manifest import Manifest
 
     if whiten != "none":
         raise ValueError("--whiten does not apply: the compacted rows are already whitened")
+    icfg = index_config(index_type, "none", damping, normalize, train_size, cpu_index, sketch_bytes)
+    if not no_index:  # (the tier's own refusals, before the transcode writes OUT)
+        check_index_type(index_type, Manifest.read(index_dir).examples, train_size)
     m = compact_eigenbasis(index_dir, out, damping=damping, storage=storage, overwrite=overwrite,
                            progress=not quiet)
     click.echo(f"compacted {index_dir} into {out}: {m['counts']['examples']} examples in the {basis} eigenbasis "
                f"(damping {damping}); query it with --method ekfac")
     if not no_index:
-        click.echo(report(build_indices(out, index_config(index_type, "none", damping, normalize, train_size,
-                                                          cpu_index, sketch_bytes), progress=not quiet)))
+        click.echo(report(build_indices(out, icfg, progress=not quiet)))

@@ -47,13 +47,14 @@ def index_options(fn):
     return fn
 
 
-def check_index_type(factory: str, n: int) -> None:
+def check_index_type(factory: str, n: int, train_size: int = 0) -> None:
     """Refuse, before any work, an index type that cannot be built over ``n`` examples (a FAISS type needing more
-    training rows: :meth:`gradindex.index.tiers.Tier.check_examples`)."""
+    training rows, or a ``--train-size`` below its lists: :meth:`gradindex.index.tiers.Tier.check_examples`)."""
+    from gradindex.index import IndexConfig
     from gradindex.index.tiers import tier_class
 
     if (factory or "auto").strip().lower() != "auto":
-        tier_class(factory)(factory).check_examples(n)
+        tier_class(factory)(factory, IndexConfig(factory=factory, train_size=train_size)).check_examples(n)
 
 
 def index_config(index_type: str, whiten: str, damping: float, normalize: bool, train_size: int,
@@ -105,7 +106,7 @@ def index(index_dir, index_type, sketch_bytes, whiten, normalize, train_size, cp
     from gradindex.spec.manifest import Manifest
 
     manifest = Manifest.read(index_dir)
-    check_index_type(index_type, manifest.examples)
+    check_index_type(index_type, manifest.examples, train_size)
     cfg = index_config(index_type, whiten, damping, normalize, train_size, cpu_index, sketch_bytes)
     cfg = dataclasses.replace(cfg, seed=seed)
     with disk_full_as_error(index_dir, "FAISS stage", "the store and its fits are kept",

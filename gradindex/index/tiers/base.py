@@ -289,6 +289,7 @@ def make_tier(cfg: IndexConfig, rows: RowShape, ram_bytes: int | None = None) ->
     if f.lower() != "auto":
         tier = tier_class(f)(f, cfg)
         tier.check_space(cfg.space)
+        tier.check_examples(rows.n)  # (and its --train-size: before any work)
         return tier
     ram = memory_bytes() if ram_bytes is None else ram_bytes
     for cls in sorted((c for c in TIERS.values() if c.auto_order is not None), key=lambda c: c.auto_order):
@@ -296,6 +297,15 @@ def make_tier(cfg: IndexConfig, rows: RowShape, ram_bytes: int | None = None) ->
         if tier.suits(rows, cfg.space, ram):
             return tier
     raise ValueError(f"no index tier suits {rows.n} examples in this space; name one with --index-type")
+
+
+def too_few_to_train(factory: str, what: str, rows: int, train_size: int) -> None:
+    """Refuse a ``--train-size`` (``train_size`` > 0) below the ``rows`` that training ``what`` of ``factory`` takes
+    (FAISS's k-means stops on it with a traceback, after the build's capture and fit)."""
+    if 0 < train_size < rows:
+        raise ValueError(f"--train-size {train_size} is fewer than the {what} of --index-type {factory} (k-means "
+                         f"needs a row per centroid); give --train-size {rows} or more, or leave it out (the default "
+                         "samples enough)")
 
 
 def with_factors(source: TierSource, s: np.ndarray, layers: Sequence[str], cosine: bool,

@@ -30,6 +30,7 @@ from gradindex.index.tiers.base import (
     TierSource,
     dots,
     register_tier,
+    too_few_to_train,
     top_and_bottom,
     with_factors,
 )
@@ -81,6 +82,7 @@ class FaissTier(Tier):
             if rows > n:
                 raise ValueError(f"--index-type {self.factory} has {what}, more than the {n} examples to train it "
                                  "on; use --index-type Flat (exact) or fewer lists")
+            too_few_to_train(self.factory, what, rows, self.cfg.train_size)
 
     def disk_bytes(self, rows: RowShape) -> int:
         """At most codes of every row (an exhaustive index holds codes as wide as the store's)."""

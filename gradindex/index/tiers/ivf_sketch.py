@@ -55,6 +55,7 @@ from gradindex.index.tiers.base import (
     RowShape,
     TierSource,
     register_tier,
+    too_few_to_train,
     top_and_bottom,
     with_factors,
 )
@@ -135,6 +136,7 @@ class IvfSketchTier(SketchTier):
         if asked is not None and asked > n:
             raise ValueError(f"--index-type {self.factory} has {asked} lists, more than the {n} examples to train "
                              "it on; use fewer lists, ivf-sketch (4·√N lists) or sketch (exhaustive)")
+        too_few_to_train(self.factory, f"{self.nlist(n)} lists", self.nlist(n), self.cfg.train_size)
 
     def cost(self, rows: RowShape, candidates: int | None = None) -> LookupCost:
         n, m = rows.n, self.sketch_codes()
