@@ -46,12 +46,18 @@ def adapter_base(path: str | os.PathLike) -> str:
     return str(base)
 
 
-def local_model(name: str | os.PathLike) -> Path | None:
+def local_model(name: str | os.PathLike, adapter_dir: str | os.PathLike | None = None) -> Path | None:
     """The model ``name`` on this machine: the path itself, or for a hub id (``org/name``) the snapshot the local
-    Hugging Face cache holds (nothing is downloaded); ``None`` where neither is here."""
+    Hugging Face cache holds (nothing is downloaded); ``None`` where neither is here. A relative path an adapter
+    names (``adapter_dir``: PEFT records the base as the training script was given it) is also looked for beside
+    the adapter's folder and in it, so an index's queries find it from any working folder."""
     p = Path(name)
     if p.exists():
-        return p
+        return p.resolve() if adapter_dir is not None else p
+    if adapter_dir is not None and not p.is_absolute():
+        for near in (Path(adapter_dir).resolve().parent / p, Path(adapter_dir).resolve() / p):
+            if near.exists():
+                return near
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", str(name)):
         return None
     try:
@@ -67,13 +73,14 @@ def adapter_base_path(adapter_dir: str | os.PathLike) -> Path:
     """The local folder (or file) of the base model the adapter in ``adapter_dir`` names; refused in one line,
     naming the fix, where it is not on this machine."""
     name = adapter_base(adapter_dir)
-    local = local_model(name)
+    local = local_model(name, adapter_dir)
     if local is None:
         raise FileNotFoundError(
             f"the adapter in {str(adapter_dir)!r} names its base model {name!r} (base_model_name_or_path in its "
             f"{ADAPTER_CONFIG}), which is not on this machine (gradindex reads local models only and found no copy "
-            "in the Hugging Face cache); pass the base model's folder or .gguf file as the model and this folder as "
-            f"its adapter (gradindex build BASE_DIR DATA --adapter {adapter_dir})")
+            "in the Hugging Face cache, nor beside the adapter's folder); pass the base model's folder or .gguf file "
+            f"as the model and this folder as its adapter (gradindex build BASE_DIR DATA --adapter {adapter_dir}; "
+            "querying an index built so: --model BASE_DIR)")
     return local
 
 
@@ -93,7 +100,7 @@ def check_adapter_base(adapter_dir: str | os.PathLike, base: str | os.PathLike, 
         name = adapter_base(adapter_dir)
     except ValueError:
         return  # no base named: nothing to compare (a malformed config is reported where it is loaded)
-    given, named = Path(base), local_model(name)
+    given, named = Path(base), local_model(name, adapter_dir)
     if named is None:
         _check_base_class(adapter_dir, name, given)
         if warn:

@@ -136,3 +136,32 @@ def test_a_peft_models_adam_state_is_read_for_the_adapter_build(lora, tmp_path):
     save_file({"base_model.model.no.such.weight.exp_avg_sq": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="this model does not have"):  # a name of neither form is still refused
         load_second_moments(tmp_path / "other.safetensors", model)
+
+
+def test_an_adapter_naming_its_base_by_a_relative_path_is_found_from_any_folder(lora, text_jsonl, tmp_path,
+                                                                                  monkeypatch):
+    """PEFT records the base as the training script gave it ("base"): an index built as `build ADAPTER_DIR` from the
+    folder holding both was refused by queries run from another folder ("not on this machine")."""
+    import json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from gradindex.cli import main
+
+    base_dir, adapter = lora
+    run = tmp_path / "run"
+    shutil.copytree(base_dir, run / "base")
+    shutil.copytree(adapter, run / "adapter")
+    cfg = run / "adapter" / "adapter_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "base_model_name_or_path": "base"}))
+    monkeypatch.chdir(run)
+    res = CliRunner().invoke(main, ["build", "adapter", str(text_jsonl), "--out", str(tmp_path / "idx"),
+                                    "--max-length", "32", "--device", "cpu", "--quiet"])
+    assert res.exit_code == 0, res.output
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    res = CliRunner().invoke(main, ["query", str(tmp_path / "idx"), "--text", "the cat sat", "-k", "2",
+                                    "--device", "cpu"])
+    assert res.exit_code == 0 and "most influential" in res.output, res.output
