@@ -89,6 +89,20 @@ def test_intact_index_verifies(index):
     assert sum(n.startswith("faiss/") and n.endswith(".index") for n in files) == 8
 
 
+def test_verify_of_an_unfinished_build_says_so_with_the_command_that_finishes_it(index):
+    """verify said only "intact" on a build killed during its fit, where info and query say it is unfinished."""
+    from gradindex.spec.manifest import read_manifest, write_manifest
+
+    m = read_manifest(index)
+    m["status"] = "building"
+    write_manifest(index, m)
+    r = _cli("verify", index)
+    assert r.exit_code == 0 and "intact" in r.output, r.output
+    assert "note: the build is not complete (status 'building'); `gradindex build " in r.output, r.output
+    assert "finishes it (it resumes)" in r.output
+    assert "the build is not complete" in json.loads(_cli("verify", index, "--json").output)["unfinished"]
+
+
 def test_a_flipped_byte_in_a_shard_is_named_refused_and_repaired(index):
     before = _rows(index)
     shard = index / "store" / "shard-00001.h5"

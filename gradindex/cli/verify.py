@@ -36,6 +36,23 @@ def verify_index(index_dir: str) -> dict:
             "unrecorded": unrecorded}
 
 
+def unfinished(index_dir: str) -> str | None:
+    """Why the build of ``index_dir`` is not done, with the command that finishes it; ``None`` where it is."""
+    from gradindex.spec.manifest import Manifest, build_command, transcode_unfinished
+
+    try:
+        m = Manifest.read(index_dir)
+    except (OSError, ValueError):
+        return None  # (no readable manifest: reported as damage)
+    if not m.complete:
+        return (f"the build is not complete (status {m.status!r}); `{m.build_command(index_dir, extra='')}` "
+                "finishes it (it resumes)")
+    if transcode_unfinished(m.data):
+        return (f"the build stopped during its transcode; "
+                f"`{build_command(index_dir, m.data, extra='', index=True)}` finishes it")
+    return None
+
+
 def verify_sharded(index_dir: str) -> dict:
     """:func:`verify_index` of every part of a sharded index, its files named ``part-NNNNN/...``, and the parts'
     consistency with ``shards.json`` (:func:`gradindex.index.sharded.check_sharded`: row ranges, builds, fits);
@@ -107,6 +124,8 @@ def verify(index_dir, as_json, record):
             record_hashes(index_dir, [Path(index_dir) / n for n in names], names)
         click.echo(f"recorded the hashes of {len(names)} files in {CHECKSUMS}", err=True)
     r = verify_sharded(index_dir) if sharded else verify_index(index_dir)
+    if not sharded:
+        r["unfinished"] = unfinished(index_dir)
     if as_json:
         click.echo(json.dumps(r, indent=2))
     else:
@@ -122,6 +141,8 @@ def verify(index_dir, as_json, record):
             click.echo(f"{p['part']}  rows {p['rows'][0]}-{p['rows'][1] - 1}: {part_state}; {p['verified']} files "
                        "verified")
         parts = f" in {len(r['parts'])} parts" if "parts" in r else ""
+        if r.get("unfinished"):  # (intact files of a build not done: what query and info refuse or say)
+            click.echo(f"note: {r['unfinished']}")
         click.echo(f"{index_dir}: {state}; {r['verified']} files verified{parts}")
     if r["damaged"]:
         sys.exit(1)
