@@ -278,12 +278,35 @@ def _difference(words: str, stored: Any, given: Any) -> str:
     """``words differs (index: ..., now: ...)``; in a section (a dict), the parts that differ, each named (a
     resume with another ``--storage`` named only the transcode section, never "storage"); the sections of
     :data:`OPTIONS` only (the layer set and the projection follow from them)."""
+    if isinstance(stored, list | dict) and isinstance(given, type(stored)) and not set(stored) & set(OPTIONS):
+        return f"{words} differs ({_members(stored, given)})"
     if not (isinstance(stored, dict) and isinstance(given, dict) and set(stored) & set(OPTIONS)):
         return f"{words} differs (index: {_short(stored)}, now: {_short(given)})"
     parts = [k for k in sorted(set(stored) | set(given)) if stored.get(k) != given.get(k)]
     named = ", ".join(f"{OPTIONS.get(k, k)} (index: {_short(stored.get(k))}, now: {_short(given.get(k))})"
                       for k in parts[:3])
     return f"{words} differs in {named}{' ...' if len(parts) > 3 else ''}"
+
+
+def _members(stored: list | dict, given: list | dict) -> str:
+    """What differs between two collections, members named: those only in the index, those only now, and (of a dict)
+    those whose values differ; both in full where members are not names (a long pair cut at the same prefix showed
+    no difference)."""
+    try:
+        a, b = {str(k): k for k in stored}, {str(k): k for k in given}
+    except TypeError:  # (unhashable members: the two in full)
+        return f"index: {_short(stored)}, now: {_short(given)}"
+    parts = []
+    only = (("only in the index", [k for k in a if k not in b]), ("only now", [k for k in b if k not in a]))
+    for what, names in only:
+        if names:
+            parts.append(f"{what}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}")
+    if isinstance(stored, dict):
+        changed = [k for k in a if k in b and stored[a[k]] != given[b[k]]]
+        parts += [f"{k} (index: {_short(stored[a[k]])}, now: {_short(given[b[k]])})" for k in changed[:3]]
+    if not parts:  # (the same members in another order)
+        return f"the same members in another order; index: {_short(stored)}, now: {_short(given)}"
+    return "; ".join(parts)
 
 
 def _short(v: Any) -> str:
