@@ -231,6 +231,12 @@ def causal_config(p: Path):
                 hint = f" ({str(p)!r} is a gradindex index, built from the model in {built_from!r})"
             except (ValueError, KeyError, TypeError, OSError):
                 hint = f" ({str(p)!r} looks like a gradindex index)"
+        if not p.exists():
+            raise FileNotFoundError(f"{str(p)!r} does not exist; pass a local transformers model directory (or a "
+                                    ".gguf file)")
+        if p.is_file():
+            raise FileNotFoundError(f"{str(p)!r} is a file, not a model directory; pass a local transformers model "
+                                    "directory (or a .gguf file)")
         raise FileNotFoundError(f"{str(p)!r} has no config.json; pass a local transformers model directory{hint}")
     refuse_custom_code(p)
     config = AutoConfig.from_pretrained(p, local_files_only=True, trust_remote_code=False)

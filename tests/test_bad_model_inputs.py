@@ -263,3 +263,11 @@ def test_an_adapter_naming_a_hub_base(world, adapters, tmp_path, monkeypatch, ca
              tmp_path / "b", "does not fit this base model", f"trained on the model in '{repo}'", "weights differ")
     code, output = _run("build", twin, text, "--out", tmp_path / "ok", *BUILD)  # the cached base, loaded
     assert code == 0, output
+
+
+def test_a_missing_model_path_or_a_file_is_named_for_what_it_is(tmp_path, text_jsonl):
+    """Both said "has no config.json"."""
+    res = CliRunner().invoke(main, ["layers", str(tmp_path / "nope")])
+    refused(res.exit_code, res.output, None, "nope' does not exist")
+    res = CliRunner().invoke(main, ["layers", str(text_jsonl)])
+    refused(res.exit_code, res.output, None, "is a file, not a model directory")
