@@ -126,3 +126,20 @@ def test_score_sample_of_a_default_index_equals_its_true_scores(default_index):
     np.testing.assert_allclose(s, true, rtol=1e-6, atol=1e-9 * np.abs(true).max())
     for j, r in enumerate(top):
         np.testing.assert_allclose(np.sort(s[j])[::-1][:3], [h.score for h in r.hits], rtol=1e-5)
+
+
+def test_the_page_lists_as_harmful_only_the_examples_scored_below_zero(audit_index, tmp_path):
+    """With k the index's size, the lowest list held examples scored above zero, shown as most harmful."""
+    with QueryEngine(audit_index, device="cpu") as engine:
+        n = engine.n
+        build_report(engine, QUERIES[:1], tmp_path, ReportConfig(k=n, method="kfac", outliers=2, dedup_threshold=0.9))
+    (q,) = [json.loads(s) for s in (tmp_path / "queries.jsonl").read_text().splitlines()]
+    above = sum(h["score"] >= 0 for h in q["lowest"])
+    below = sum(h["score"] <= 0 for h in q["hits"])
+    assert len(q["lowest"]) == n and 0 < above < n and 0 < below < n  # (both lists: every example)
+    page = (tmp_path / "report.html").read_text()
+    helpful, harmful = page.split("Most helpful")[1].split("Most harmful")
+    harmful = harmful.split("<h2>")[0]
+    assert f"{above} of these {n} have a score of the other sign or zero (they help, or do nothing)" in harmful
+    assert f"{below} of these {n} have a score of the other sign or zero (they do not help)" in helpful
+    assert harmful.count("<tr>") - 1 == n - above and helpful.count("<tr>") - 1 == n - below

@@ -242,6 +242,17 @@ def _hits_table(hits: list[dict], q_tokens: list[str]) -> str:
     return table(["rank", "id", "score", "training example (token heatmap)"], rows)
 
 
+def _signed_table(hits: list[dict], q_tokens: list[str], sign: int) -> str:
+    """The hits whose score has ``sign`` (helpful: > 0, harmful: < 0); a line counts the others, which a k near the
+    index's size brings into the list (an example scored +3 is not harmful because it ranks low)."""
+    kept = [h for h in hits if h["score"] * sign > 0]
+    left = len(hits) - len(kept)
+    note = (f"<p class='muted'>{left} of these {len(hits)} have a score of the other sign or zero "
+            f"({'they do not help' if sign > 0 else 'they help, or do nothing'}) and are not shown.</p>"
+            if left else "")
+    return (_hits_table(kept, q_tokens) if kept else "") + note
+
+
 def render_html(summary: dict, per_query: list[dict], plots: dict[str, str]) -> str:
     """The report page from the summary, the per-query results and the base64 PNG plots."""
     cfg = summary["config"]
@@ -254,8 +265,9 @@ def render_html(summary: dict, per_query: list[dict], plots: dict[str, str]) -> 
         parts.append(f"<h3 id='q{i}'>Query {i + 1}</h3><div class='query'>{html.escape(q['text'])}</div>"
                      f"<p class='muted'>{q['num_tokens']} target tokens, loss {q['loss']:.4g}"
                      + "".join(f"; {html.escape(n)}" for n in q["notes"]) + "</p>")
-        parts.append("<h4>Most helpful (highest score)</h4>" + _hits_table(q["hits"], q["query_tokens"]))
-        parts.append("<h4>Most harmful (lowest score)</h4>" + _hits_table(q["lowest"], q["query_tokens"]))
+        for title, hits, sign in (("Most helpful (highest score)", q["hits"], 1),
+                                  ("Most harmful (lowest score)", q["lowest"], -1)):
+            parts.append(f"<h4>{title}</h4>" + _signed_table(hits, q["query_tokens"], sign))
     parts.append("<h2>Training examples that matter most across queries</h2>"
                  "<p class='muted'>By the sum of |score| over the queries' top and lowest lists.</p>")
     parts.append(table(["id", "in top", "in lowest", "sum |score|", "sum score", "text"],
