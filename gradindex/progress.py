@@ -33,6 +33,14 @@ def progress_bar(iterable: Iterable | None = None, *, total: float | None = None
     return LineProgress(iterable, total=total, desc=desc, unit=unit, leave=leave, initial=initial)
 
 
+def skip(bar: Any, n: float) -> None:
+    """Count ``n`` items done before this run (a resumed job's): in the total, not in the rate (a resumed capture
+    said 10 million examples a second)."""
+    if hasattr(bar, "initial"):
+        bar.initial += n
+    bar.update(n)
+
+
 def _interactive() -> bool:
     if tqdm.autonotebook.tqdm is not tqdm.std.tqdm:  # in a notebook: its widget bar
         return True

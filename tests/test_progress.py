@@ -43,3 +43,14 @@ def test_a_terminal_gets_tqdm_and_a_pipe_gets_lines(monkeypatch):
     monkeypatch.setattr(progress, "_interactive", lambda: False)
     assert isinstance(progress_bar(total=3), LineProgress)
     assert isinstance(progress_bar(total=3, disable=True), tqdm.std.tqdm)
+
+
+def test_work_done_before_a_resume_counts_in_the_total_not_the_rate(capsys):
+    """A resumed capture's shards already on disk were counted as done now: "4,000/4,000 ex in 0.0 s, 10,580,835
+    ex/s"."""
+    with LineProgress(total=10, desc="capture", unit="ex", interval=1e9) as bar:
+        progress.skip(bar, 10)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("capture: 10/10 ex in ") and "ex/s" not in line, line
+    bar = tqdm.std.tqdm(total=10, disable=True)
+    progress.skip(bar, 4)  # (a silent bar: no error)

@@ -30,7 +30,7 @@ from gradindex.data import Tokenized, token_hash
 from gradindex.fingerprint import digest_bytes, model_fingerprint, tokenizer_fingerprint
 from gradindex.lock import LOCK, index_lock
 from gradindex.model import check_tokenizer_fits, model_file, resolve_pad_id
-from gradindex.progress import progress_bar
+from gradindex.progress import progress_bar, skip
 from gradindex.quantize import base_quantization
 from gradindex.spec import layout
 from gradindex.spec.build import BuildOptions
@@ -488,7 +488,7 @@ def write_shards(out: Path, model: nn.Module, st: _Setup, data: Tokenized, cfg: 
                 start, end = k * S, min((k + 1) * S, N)
                 path = out / STORE_DIR / shard_name(k)
                 if path.exists() or not ranks.owns(k):  # done, or another rank's (round-robin)
-                    bar.update(end - start)
+                    skip(bar, end - start)
                     continue
                 w, n = _write_shard(path, k, start, end, model, st, data, cfg, nonfinite, bar)
                 computed += n
@@ -518,7 +518,7 @@ def _write_shard(path: Path, k: int, start: int, end: int, model: nn.Module, st:
         w.close()
         w.partial.unlink()
         done = w.open()
-    bar.update(done)
+    skip(bar, done)
     try:
         for s in range(start + done, end, cfg.batch_size):
             e = min(s + cfg.batch_size, end)
