@@ -317,3 +317,17 @@ def test_store_keeps_at_most_open_shards_files_open(indexed, monkeypatch):
             assert len(s._files) <= 2
         blocks = {n: np.concatenate([b[n] for _, b in s.iter_blocks([n], block=7)]) for n in s.layers}
         assert all(np.array_equal(blocks[n], want[n]) for n in s.layers) and len(s._files) <= 2
+
+
+def test_a_factory_string_that_does_not_fit_suggests_one_that_does():
+    """The suggestion was 'IVF1024,PQ64', which fails the same way on a dimension 64 does not divide."""
+    import re
+
+    import faiss
+
+    from gradindex.index.factory import make_index
+
+    with pytest.raises(ValueError, match="does not work for 1551-dimensional vectors") as e:
+        make_index("IVF4,PQ4", 1551)
+    (pq,) = re.findall(r"'IVF256,(PQ\d+)'", str(e.value))
+    assert pq == "PQ47" and faiss.index_factory(1551, f"IVF256,{pq}", faiss.METRIC_INNER_PRODUCT).d == 1551

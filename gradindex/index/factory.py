@@ -106,9 +106,11 @@ def make_index(factory: str, dim: int) -> faiss.Index:
         return quiet_training(faiss.index_factory(dim, factory, faiss.METRIC_INNER_PRODUCT))
     except RuntimeError as e:
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+        pq = max(d for d in range(1, 65) if dim % d == 0)  # (PQ's sub-vectors must divide the dimension)
         raise ValueError(
-            f"FAISS factory string {factory!r} does not work for {dim}-dimensional vectors ({msg}); "
-            "use e.g. 'Flat', 'IVF1024,Flat', 'IVF1024,PQ64', 'IVF1024,SQ8' or 'HNSW32', or 'auto'"
+            f"FAISS factory string {factory!r} does not work for {dim}-dimensional vectors ({msg}); use e.g. "
+            f"'Flat', 'SQ8', 'IVF256,Flat', 'IVF256,PQ{pq}' (PQ's sub-vectors must divide {dim}; an IVF's lists are "
+            "at most the examples) or 'HNSW32', or 'auto'"
         ) from None
 
 
