@@ -162,7 +162,11 @@ def test_dedup_makes_the_folder_of_out_before_searching(eigen_index, tmp_path):
     out = tmp_path / "new" / "dups.jsonl"
     res = CliRunner().invoke(main, ["dedup", str(eigen_index), "--out", str(out), "--quiet", "--no-text"])
     assert res.exit_code == 0, res.output
-    assert out.is_file()
+    assert out.is_file() and not out.with_name("dups.jsonl.tmp").exists()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    res = CliRunner().invoke(main, ["dedup", str(eigen_index), "--out", str(blocked / "dups.jsonl"), "--quiet"])
+    _assert_one_line_error(res, r"--out .*a-file/dups\.jsonl cannot be written .* \(nothing was searched\)")
 
 
 def test_ctrl_c_during_a_build_says_how_to_resume(gpt2_dir, text_jsonl, tmp_path, monkeypatch):

@@ -39,7 +39,15 @@ def dedup(index_dir, out, threshold, method, damping, neighbors, sketch, data, m
     from gradindex.apps.texts import row_texts
     from gradindex.store.opened import OpenStore
 
-    Path(out).parent.mkdir(parents=True, exist_ok=True)  # before the search, not after it
+    path = Path(out)
+    tmp = path.with_name(path.name + ".tmp")
+    try:  # before the search, not after it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.open("w").close()
+        tmp.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {out} cannot be written ({e.strerror or e}); give a path in a folder you can write "
+                         "to (nothing was searched)") from None
     cfg = DedupConfig(threshold=threshold, method=method, damping=damping, neighbors=neighbors, sketch=sketch)
     with OpenStore(index_dir, then="deduplicate") as ix:
         res = find_duplicates(ix, cfg, progress=not quiet)
@@ -50,8 +58,6 @@ def dedup(index_dir, out, threshold, method, damping, neighbors, sketch, data, m
             texts = dict(zip(ids, found, strict=True))
     if problem:
         click.echo(f"note: {problem}", err=True)
-    path = Path(out)
-    tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w") as f:
         for j, g in enumerate(res.groups):
             rec = {"group": j, **g.to_dict()}
