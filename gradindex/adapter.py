@@ -207,7 +207,9 @@ def attach_adapter(model: nn.Module, adapter_dir: str | os.PathLike) -> nn.Modul
     try:
         wrapped = PeftModel.from_pretrained(model, str(p), is_trainable=False)
     except Exception as e:  # noqa: BLE001 - peft and torch raise many types for a misfit
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [""]
+        first = next((ln for ln in lines if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))),
+                     lines[0])[:200]  # (torch's header line, "Error(s) in loading state_dict", says nothing)
         raise ValueError(f"the adapter in {str(p)!r} does not fit this base model ({type(e).__name__}: "
                          f"{first}); {fix}") from None
     _check_all_loaded(wrapped, p, fix)

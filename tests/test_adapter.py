@@ -165,3 +165,18 @@ def test_an_adapter_naming_its_base_by_a_relative_path_is_found_from_any_folder(
     res = CliRunner().invoke(main, ["query", str(tmp_path / "idx"), "--text", "the cat sat", "-k", "2",
                                     "--device", "cpu"])
     assert res.exit_code == 0 and "most influential" in res.output, res.output
+
+
+def test_a_misfit_adapter_whose_base_is_gone_names_the_mismatch(lora, tokenizer, text_jsonl, tmp_path):
+    """Its named base not on this machine, PEFT's error is what is left; it said only torch's header line "Error(s)
+    in loading state_dict for PeftModel:", the mismatch cut off."""
+    import shutil
+
+    base_dir, _ = lora
+    other = save_model_dir(tiny_qwen2(vocab_size=len(tokenizer), hidden=48, n_head=4, intermediate=64),
+                           tokenizer, tmp_path / "other")
+    wrong = make_adapter(other, tmp_path / "wrong")
+    shutil.rmtree(other)
+    r = _build(base_dir, text_jsonl, tmp_path / "x", "--adapter", wrong)
+    err = r.output.strip().splitlines()[-1]
+    assert r.exit_code != 0 and "does not fit this base model" in err and "size mismatch for" in err, r.output
