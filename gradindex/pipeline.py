@@ -72,8 +72,6 @@ def build_index(model: nn.Module, tokenizer, data: Tokenized, out_dir: str | os.
     ``parts``: a sharded index of that many parts (``"ranks"``: one a ``torchrun`` rank), what ``split_index``
     makes of this build (:mod:`gradindex.index.build_parts`); the tier's result is then the ``Sharded`` index.
     """
-    if (cfg.rerank_fit if rerank_fit is None else rerank_fit) and cfg.fisher != "empirical":
-        raise ValueError(FULL_SPACE_FISHER)  # (before the capture; the full-space fit would refuse it after)
     if parts is not None:
         return _sharded(model, tokenizer, data, out_dir, cfg, index, parts, model_id=model_id, data_id=data_id,
                         overwrite=overwrite, progress=progress, repair=repair, rerank_fit=rerank_fit)
@@ -238,6 +236,8 @@ def _full_fit_rows(cfg: BuildConfig, plan: BuildPlan, n: int, asked: bool | None
     The rows: those of the full-space fit the build will make (:func:`rerank_fit_config`, whether the rows are a
     projection judged from the plan's row sizes); None where it makes none (the default), or where the shards'
     copies of the sums would take too much disk (:data:`FACTOR_SUMS_NOTE`); every example with ``full_factors``."""
+    if (cfg.rerank_fit if asked is None else asked) and cfg.fisher != "empirical":
+        raise ValueError(FULL_SPACE_FISHER)  # (before the capture; the full-space fit would refuse it after)
     rows = None
     wanted = (cfg.rerank_fit if asked is None else asked) and plan.budget_bound
     full = None if plan.approximate else _rerank_fit(cfg, n, wanted, bool(cfg.optimizer_state))

@@ -167,8 +167,8 @@ def test_rebuild_is_skipped_when_up_to_date_and_done_when_settings_change(store_
 
 
 def test_bad_factory_string_names_it(store_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"'IVF4,PQ5'.*16-dimensional.*'Flat'"):
-        build_indices(_copy(store_dir, tmp_path), IndexConfig(factory="IVF4,PQ5"), progress=False)
+    with pytest.raises(ValueError, match=r"'IVF4,PQ5x4'.*16-dimensional.*'Flat'"):  # (16 PQ centroids: trainable)
+        build_indices(_copy(store_dir, tmp_path), IndexConfig(factory="IVF4,PQ5x4"), progress=False)
 
 
 def test_incomplete_store_is_refused(store_dir, tmp_path):

@@ -184,13 +184,19 @@ def info(index_dir, as_json):
     basis = f", basis {human_bytes(b['basis'])}" if b["basis"] else ""
     click.echo(f"on disk    store {human_bytes(b['store'])}{basis}, precond {human_bytes(b['precond'])}, "
                f"faiss {human_bytes(b['faiss'])}")
-    for p in s.get("parts", []):
+    _echo_parts(s.get("parts", []), index_dir)
+
+
+def _echo_parts(parts: list[dict], index_dir: str) -> None:
+    """A line a part of a sharded index: its rows, examples, status, store and tier (or why it cannot be read)."""
+    for p in parts:
+        rows = f"rows {p['rows'][0]}-{p['rows'][1] - 1}"
         if p["status"] == "unreadable":
-            click.echo(f"  {p['dir']}  rows {p['rows'][0]}-{p['rows'][1] - 1}: UNREADABLE ({p['problem']}); "
-                       f"`gradindex verify {index_dir}` names the repair")
+            click.echo(f"  {p['dir']}  {rows}: UNREADABLE ({p['problem']}); `gradindex verify {index_dir}` names "
+                       "the repair")
             continue
         ix = p["index"]
         tier = (f"tier {', '.join(ix['types'])} ({ix['status']}, {human_bytes(p['bytes']['faiss'])})" if ix
                 else "no tier")
-        click.echo(f"  {p['dir']}  rows {p['rows'][0]}-{p['rows'][1] - 1} ({p['examples']} examples, {p['status']}): "
+        click.echo(f"  {p['dir']}  {rows} ({p['examples']} examples, {p['status']}): "
                    f"store {human_bytes(p['bytes']['store'])}, {tier}")
