@@ -345,3 +345,28 @@ def test_keep_rows_carries_ids_past_a_collator_and_refuses_packing():
         keep_rows(packing)(ex)
     with pytest.raises(ValueError, match="gradindex_row"):
         keep_rows(plain)([{"input_ids": [1, 2]}])
+
+
+@pytest.mark.parametrize("same_length", [True, False])
+def test_two_forwards_summed_into_one_backward_are_refused(tmp_path, gpt2_dir, tokenizer, data, same_length):
+    """Micro-batch losses summed before one backward: the first forward's rows were added to the second's (stored as
+    good, off by up to 140% where the batches padded alike) or refused as a mixture-of-experts layer."""
+    from gradindex.capture.hooks import TWO_FORWARDS
+
+    model = _model(gpt2_dir).train()
+    pad = tokenizer.pad_token_id
+    a = collate(data.input_ids[:4], data.labels[:4], pad)
+    b = collate(data.input_ids[4:8], data.labels[4:8], pad)
+    if same_length:  # (padded to one length: the rows used to come out wrong without an error)
+        L = max(a["input_ids"].shape[1], b["input_ids"].shape[1])
+        a, b = ({k: torch.nn.functional.pad(v, (0, L - v.shape[1]), value={"input_ids": pad, "labels": -100,
+                                                                           "attention_mask": 0}[k])
+                 for k, v in x.items()} for x in (a, b))
+    with pytest.raises(RuntimeError, match="two forwards, one backward"), \
+            GradIndexCapture(model, tmp_path / "two", projection="8", num_rows=8) as cap:
+        cap.batch(range(4))
+        first = model(**a).loss
+        cap.batch(range(4, 8))
+        second = model(**b).loss
+        (first + second).backward()
+    assert "one backward per forward" in TWO_FORWARDS

@@ -203,6 +203,13 @@ class Visitor:
         return {}
 
 
+TWO_FORWARDS = ("a backward reached the hooked layers through an earlier forward's graph (two forwards, one backward: "
+                "e.g. micro-batch losses summed before one backward); per-example gradients need one backward per "
+                "forward while capturing: call backward on each forward's loss (scaled as you summed them), or "
+                "concatenate the micro-batches into one forward")
+"""The refusal of a backward through a forward before the current one (its rows would be added to this batch's)."""
+
+
 class GradientCapture:
     """Hooks on chosen linear layers of a model; each call's per-token inputs and output gradients go to the visitors.
 
@@ -227,8 +234,15 @@ class GradientCapture:
         """Weight-free: per hooked call, its key, inputs, the output's gradient edge and ``(shape, dtype, device)``
         (the edge, not the output: an output no later op saves is freed in the forward, as without hooks)."""
         self._real: dict[str, int | bool] = {}
+        self.generation = 0
+        """Which model forward a hooked output belongs to (:meth:`next_forward`, a live capture's): a backward
+        through an earlier forward's graph is refused, not added to the current batch's rows."""
         for v in visitors:
             self.add(v)
+
+    def next_forward(self) -> None:
+        """A new grad-enabled model forward begins: outputs hooked from now on belong to it."""
+        self.generation += 1
 
     def add(self, visitor: Visitor) -> Visitor:
         visitor.bind(self)
@@ -329,13 +343,15 @@ class GradientCapture:
                                                                             output.device)))
                 return output
             if output.requires_grad:
-                output.register_hook(lambda g, ins=ins: self._dispatch(key, ins, g))
+                output.register_hook(lambda g, ins=ins, gen=self.generation: self._dispatch(key, ins, g, gen))
             return None
 
         return hook
 
-    def _dispatch(self, key: str, inputs: tuple, g: torch.Tensor) -> None:
+    def _dispatch(self, key: str, inputs: tuple, g: torch.Tensor, generation: int | None = None) -> None:
         """One hooked module's inputs and output gradient → its layers' per-token factors → the visitors."""
+        if generation is not None and generation != self.generation:
+            raise RuntimeError(TWO_FORWARDS)
         if key in self._groups:
             mod, wanted = self._groups[key]
             for name, a, gg in group_rule_for(mod).factors(mod, inputs, g, wanted):

@@ -202,6 +202,7 @@ class LiveCapture:
             self._next = None
             return args, kwargs
         self.flush()
+        self.capture.next_forward()
         given = self._next or {}
         self._next = None
         rows = given.get("rows") if rows is None else rows
