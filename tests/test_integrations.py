@@ -370,3 +370,19 @@ def test_two_forwards_summed_into_one_backward_are_refused(tmp_path, gpt2_dir, t
         second = model(**b).loss
         (first + second).backward()
     assert "one backward per forward" in TWO_FORWARDS
+
+
+def test_a_capture_is_entered_once(tmp_path, gpt2_dir, tokenizer, data):
+    """A second `with` on the same capture lost its rows, left two hooks on the model (later plain training failed
+    for want of row ids) and emptied the manifest."""
+    model = _model(gpt2_dir).train()
+    b = collate(data.input_ids[:4], data.labels[:4], tokenizer.pad_token_id)
+    cap = GradIndexCapture(model, tmp_path / "once", projection="8", num_rows=4)
+    with cap:
+        cap.batch(range(4))
+        model(**b).loss.backward()
+    assert cap.manifest["counts"]["examples"] == 4
+    with pytest.raises(RuntimeError, match="a capture is entered once"), cap:
+        pass
+    assert cap.manifest["counts"]["examples"] == 4
+    model(**b).loss.backward()  # (no hook left behind: plain training needs no row ids)

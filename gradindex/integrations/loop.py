@@ -63,6 +63,10 @@ class GradIndexCapture:
         self.live.batch(row_ids, labels, attention_mask)
 
     def __enter__(self) -> GradIndexCapture:
+        if self.live.closed:  # (a second block lost its rows and left two hooks on the model)
+            raise RuntimeError("this GradIndexCapture wrote its index when its `with` block ended; a capture is "
+                               "entered once: put one `with` around every epoch (set cap.epoch inside it), or make "
+                               "a new GradIndexCapture with another out_dir")
         self.live.attach()
         if self.optimizer is not None:
             self._opt_handle = self.optimizer.register_step_post_hook(
@@ -78,4 +82,4 @@ class GradIndexCapture:
             self.live.detach()
             self.live.log.close()
             return
-        self.manifest = self.live.close()
+        self.manifest = self.live.close() or getattr(self.live, "manifest", {})  # (closed inside the block: kept)
