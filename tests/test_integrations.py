@@ -386,3 +386,32 @@ def test_a_capture_is_entered_once(tmp_path, gpt2_dir, tokenizer, data):
         pass
     assert cap.manifest["counts"]["examples"] == 4
     model(**b).loss.backward()  # (no hook left behind: plain training needs no row ids)
+
+
+def test_the_trainer_callback_refuses_a_resume_and_out_of_range_ids_before_training(tmp_path, gpt2_dir, tokenizer,
+                                                                                     data):
+    """A run resumed from a checkpoint (with overwrite=True) stored 16 of 40 rows as zeros with a log line; ids of a
+    shuffled-then-selected data set were refused only after the whole run had trained."""
+    from types import SimpleNamespace
+
+    import datasets
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    from gradindex.integrations import GradIndexCallback
+
+    pytest.importorskip("accelerate")
+    model = _model(gpt2_dir)
+    cb = GradIndexCallback(tmp_path / "resumed")
+    args = SimpleNamespace(remove_unused_columns=False, output_dir=str(tmp_path / "tr"))
+    with pytest.raises(ValueError, match="resumes from a checkpoint at step 2: a live capture records whole runs"):
+        cb.on_train_begin(args, SimpleNamespace(global_step=2, epoch=0.5), None, model=model, optimizer=None)
+    ds = with_row_ids(datasets.Dataset.from_dict({"input_ids": data.input_ids})).shuffle(seed=1).select(range(16))
+    before = [p.detach().clone() for p in model.parameters()]
+    targs = TrainingArguments(str(tmp_path / "tr"), per_device_train_batch_size=4, learning_rate=1e-3, report_to=[],
+                              use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                              remove_unused_columns=False)
+    t = Trainer(model, targs, train_dataset=ds, data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+                callbacks=[GradIndexCallback(tmp_path / "sel")])
+    with pytest.raises(ValueError, match=r"'gradindex_row' ids run \d+\.\.\d+, outside a data set of 16 rows"):
+        t.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # (refused before a step)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from transformers import TrainerCallback
 
 from gradindex.chat import MESSAGES, template_of
@@ -43,8 +44,15 @@ class GradIndexCallback(TrainerCallback):
                 "collator, so gradients cannot be mapped to training rows; set remove_unused_columns=False "
                 "(and give the data set only the columns the collator takes)"
             )
+        if state.global_step > 0:  # (the killed run's log holds rows of steps past the checkpoint)
+            raise ValueError(
+                f"this run resumes from a checkpoint at step {state.global_step}: a live capture records whole runs "
+                "only, and the rows of the steps before it are not in this one; build the index of the final model "
+                "offline (`gradindex build MODEL_DIR DATA --out INDEX_DIR`), or train from the start with the "
+                "callback")
         if self.options.num_rows is None and dataset is not None and hasattr(dataset, "__len__"):
             self._num_rows = len(dataset)
+        check_row_ids(dataset, self.options.num_rows or self._num_rows)
         if not self.options.model_id:
             self.options.model_id = str(args.output_dir)
         tok = kw.get("processing_class") or kw.get("tokenizer")
@@ -110,3 +118,17 @@ class SelectionCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         if self.selector is not None:
             self.selector.close()
+
+
+def check_row_ids(dataset, n: int | None) -> None:
+    """Refuse, before training, a row-id column outside ``[0, n)`` (``n``: ``num_rows``, else the data set's length):
+    the store is assembled after the run, and such ids would be refused only then."""
+    if dataset is None or n is None or ROW_KEY not in (getattr(dataset, "column_names", None) or ()):
+        return
+    ids = np.asarray(dataset[ROW_KEY])
+    if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= n):
+        what = f"run {ids.min()}..{ids.max()}" if np.issubdtype(ids.dtype, np.number) else f"are {ids.dtype}"
+        raise ValueError(
+            f"the data set's '{ROW_KEY}' ids {what}, outside a data set of {n} rows: they are the 0-based positions "
+            "of the examples in the data set the index is built over (with_row_ids(ds) before any shuffle or "
+            "select), or pass num_rows= that data set's length")
