@@ -405,6 +405,9 @@ def test_the_trainer_callback_refuses_a_resume_and_out_of_range_ids_before_train
     args = SimpleNamespace(remove_unused_columns=False, output_dir=str(tmp_path / "tr"))
     with pytest.raises(ValueError, match="resumes from a checkpoint at step 2: a live capture records whole runs"):
         cb.on_train_begin(args, SimpleNamespace(global_step=2, epoch=0.5), None, model=model, optimizer=None)
+    smoothed = SimpleNamespace(**vars(args), label_smoothing_factor=0.1)  # (it said: pass labels to the model)
+    with pytest.raises(ValueError, match=r"label_smoothing_factor=0\.1\): a label-smoothed loss"):
+        cb.on_train_begin(smoothed, SimpleNamespace(global_step=0, epoch=0.0), None, model=model, optimizer=None)
     ds = with_row_ids(datasets.Dataset.from_dict({"input_ids": data.input_ids})).shuffle(seed=1).select(range(16))
     before = [p.detach().clone() for p in model.parameters()]
     targs = TrainingArguments(str(tmp_path / "tr"), per_device_train_batch_size=4, learning_rate=1e-3, report_to=[],

@@ -44,6 +44,11 @@ class GradIndexCallback(TrainerCallback):
                 "collator, so gradients cannot be mapped to training rows; set remove_unused_columns=False "
                 "(and give the data set only the columns the collator takes)"
             )
+        if getattr(args, "label_smoothing_factor", 0.0):  # (the Trainer then takes the labels out of the batch)
+            raise ValueError(
+                f"TrainingArguments(label_smoothing_factor={args.label_smoothing_factor}): a label-smoothed loss is "
+                "not a sum of token cross-entropies, so its per-example gradients are not the ones gradindex "
+                "attributes; train with label_smoothing_factor=0 while capturing")
         if state.global_step > 0:  # (the killed run's log holds rows of steps past the checkpoint)
             raise ValueError(
                 f"this run resumes from a checkpoint at step {state.global_step}: a live capture records whole runs "
