@@ -418,3 +418,21 @@ def test_the_trainer_callback_refuses_a_resume_and_out_of_range_ids_before_train
     with pytest.raises(ValueError, match=r"'gradindex_row' ids run \d+\.\.\d+, outside a data set of 16 rows"):
         t.train()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # (refused before a step)
+
+
+def test_row_ids_are_whole_numbers_and_wait_past_an_eval_forward(tmp_path, gpt2_dir, tokenizer, data):
+    """Float ids were truncated (1.7 stored as 1), string ids failed inside numpy; a no-grad forward between
+    capture.batch() and the training forward used the ids up ("carries no row ids ... call capture.batch")."""
+    model = _model(gpt2_dir).train()
+    b = collate(data.input_ids[:4], data.labels[:4], tokenizer.pad_token_id)
+    for bad in (torch.tensor([0.0, 1.7, 2.2, 3.9]), ["ex-0", "ex-1", "ex-2", "ex-3"]):
+        with pytest.raises(ValueError, match="row ids must be whole numbers"), \
+                GradIndexCapture(model, tmp_path / "bad", projection="8", num_rows=4):
+            model(**b, **{ROW_KEY: bad}).loss.backward()
+    with GradIndexCapture(model, tmp_path / "eval", projection="8", num_rows=4) as cap:
+        cap.batch([3, 2, 1, 0])
+        with torch.no_grad():
+            model(**b)  # (an eval forward: not the training one)
+        model(**b).loss.backward()
+    ids, rows = _rows(tmp_path / "eval")
+    assert ids.tolist() == [0, 1, 2, 3] and all(np.abs(v).sum(1).min() > 0 for v in rows.values())

@@ -353,3 +353,30 @@ def test_trainer_callback_selects_and_keep_all_is_bit_identical(tmp_path):
     assert keep_all.stats["batches"] == 4 and keep_all.stats["refreshes"] == 2  # steps 0 and 1 (2 steps of 2)
     assert half.stats["kept"] == 8 and half.stats["examples"] == 16
     assert not torch.equal(finals[0]["transformer.h.0.mlp.c_fc.weight"], finals[2]["transformer.h.0.mlp.c_fc.weight"])
+
+
+def test_selection_refuses_what_would_train_on_nothing_or_fail_deep_in_torch(tmp_path):
+    """A text target and another vocabulary's ids failed inside torch ("too many dimensions 'str'", an embedding
+    index error); min_keep < 0 and max_weight 0 were accepted and trained on nothing; online selection on a model
+    under a live capture failed with a shape error inside the capture's visitors."""
+    from gradindex.integrations import GradIndexCapture
+
+    model = _gpt2()
+    with pytest.raises(ValueError, match=r"the target is text: .*target_from_texts"):
+        OnlineSelector(model, ["red home dog", "blue sky"], KeepAll(), projection=SPEC)
+    with pytest.raises(ValueError, match=r"target token ids \[70000\] are outside the model's vocabulary of 64"):
+        OnlineSelector(model, [[5, 70000, 12]], KeepAll(), projection=SPEC)
+    with pytest.raises(ValueError, match="min_keep must be a whole number >= 0"):
+        Threshold(2.0, min_keep=-3)
+    with pytest.raises(ValueError, match="min_keep must be a whole number >= 0"):
+        TopFraction(0.5, min_keep=-1)
+    with pytest.raises(ValueError, match="max_weight must be positive"):
+        Reweight(max_weight=0.0)
+    sel = OnlineSelector(model, TARGET, TopFraction(0.5), projection=SPEC)
+    seqs = _seqs(4, seed=3)
+    with GradIndexCapture(model, tmp_path / "cap", projection="4", num_rows=4) as cap:
+        cap.batch(range(4))
+        with pytest.raises(ValueError, match="do not combine GradIndexCapture / GradIndexCallback with online"):
+            sel.weigh(_batch(seqs))
+        model(**_batch(seqs)).loss.backward()
+    sel.weigh(_batch(seqs))  # (the capture done: selection scores again)

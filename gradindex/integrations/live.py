@@ -117,6 +117,25 @@ class CaptureOptions:
         return ProjectionSpec.parse(self.projection, kind=self.projection_kind, seed=self.seed)
 
 
+LIVE_MARK = "_gradindex_live_capture"
+"""The attribute a model carries while a live capture's hooks are on it."""
+COMBINED = ("online selection scores batches with its own forward and backward, which the live capture's hooks on this "
+            "model would record as training rows: do not combine GradIndexCapture / GradIndexCallback with online "
+            "selection on one model in one run (capture in its own run, or build the index offline afterwards)")
+
+
+def row_ids(rows) -> np.ndarray:
+    """A batch's row ids as int64, refused unless they are whole numbers (0-based positions in the data set)."""
+    try:
+        t = torch.as_tensor(rows).detach().cpu()
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is None or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"row ids must be whole numbers, the examples' 0-based positions in the training data set "
+                         f"(with_row_ids(ds) adds them), got {str(rows)[:80]}")
+    return np.asarray(t, dtype=np.int64).reshape(-1)
+
+
 def _tensor(x, name: str) -> torch.Tensor:
     if x is None or isinstance(x, torch.Tensor):
         return x
@@ -175,6 +194,7 @@ class LiveCapture:
 
     def attach(self) -> LiveCapture:
         if not self._handles:
+            setattr(self.model, LIVE_MARK, True)  # (online selection on this model refuses to score: COMBINED)
             self.capture.attach()
             self._handles.append(self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             if self.opt.loss_scale is None:
@@ -182,6 +202,8 @@ class LiveCapture:
         return self
 
     def detach(self) -> None:
+        if getattr(self.model, LIVE_MARK, False):
+            delattr(self.model, LIVE_MARK)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -198,8 +220,7 @@ class LiveCapture:
 
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict):
         rows = kwargs.pop(ROW_KEY, None)
-        if not torch.is_grad_enabled():
-            self._next = None
+        if not torch.is_grad_enabled():  # (an eval forward: capture.batch()'s ids wait for the training forward)
             return args, kwargs
         self.flush()
         self.capture.next_forward()
@@ -213,7 +234,7 @@ class LiveCapture:
             raise ValueError("the model was called without input_ids; gradindex captures token models only")
         labels = _tensor(kwargs.get("labels", given.get("labels")), "labels")
         mask = _tensor(kwargs.get("attention_mask", given.get("attention_mask")), "attention_mask")
-        rows = np.asarray(torch.as_tensor(rows).detach().cpu(), dtype=np.int64).reshape(-1)
+        rows = row_ids(rows)
         B = ids.shape[0]
         if rows.shape[0] != B:
             raise ValueError(

@@ -49,6 +49,7 @@ from gradindex import distributed
 from gradindex.capture import GradientCapture, ProjectedRows, ProjectionSpec, RowSpace
 from gradindex.capture.batch import batch_gradients, tensor_batch_gradients
 from gradindex.data import IGNORE
+from gradindex.integrations.live import COMBINED, LIVE_MARK
 
 SCORES = ("cosine", "dot")
 PRECONDITIONERS = ("none", "adam", "diagonal")
@@ -72,6 +73,7 @@ class TopFraction:
     def __post_init__(self) -> None:
         if not 0.0 < self.fraction <= 1.0:
             raise ValueError(f"fraction must be in (0, 1], got {self.fraction}")
+        check_min_keep(self.min_keep)
 
     def count(self, batch_size: int) -> int:
         return min(batch_size, max(self.min_keep, math.floor(self.fraction * batch_size + 0.5)))
@@ -94,6 +96,9 @@ class Threshold:
     min_score: float
     min_keep: int = 1
     needs_scores = True
+
+    def __post_init__(self) -> None:
+        check_min_keep(self.min_keep)
 
     def __call__(self, scores: torch.Tensor, batch_size: int) -> torch.Tensor:
         w = (scores >= self.min_score).float()
@@ -120,6 +125,9 @@ class Reweight:
             raise ValueError(f"kind {self.kind!r} is not one of ['softmax', 'relu']")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if self.max_weight is not None and not self.max_weight > 0:
+            raise ValueError(f"max_weight must be positive (a cap on the weights, a multiple of the batch mean), got "
+                             f"{self.max_weight}: at 0 no example would be trained on")
 
     def __call__(self, scores: torch.Tensor, batch_size: int) -> torch.Tensor:
         s = scores.double()
@@ -172,9 +180,31 @@ def target_from_texts(texts: Sequence[str], tokenizer, max_length: int = 512):
     return tokenize_records(records_from_texts(list(texts)), tokenizer, max_length)
 
 
+def check_target_vocab(ids: list[list[int]], model: nn.Module) -> None:
+    """Refuse target token ids outside the model's vocabulary (another tokenizer's: torch's embedding lookup fails
+    with an index error at the first batch)."""
+    try:
+        vocab = int(model.get_input_embeddings().num_embeddings)
+    except (AttributeError, NotImplementedError):
+        return
+    bad = [int(t) for x in ids for t in x if not 0 <= int(t) < vocab]
+    if bad:
+        raise ValueError(f"target token ids {bad[:3]} are outside the model's vocabulary of {vocab}: tokenize the "
+                         "target with the model's own tokenizer (target_from_texts(texts, tokenizer))")
+
+
+def check_min_keep(min_keep: int) -> None:
+    if not (isinstance(min_keep, int) and min_keep >= 0):
+        raise ValueError(f"min_keep must be a whole number >= 0 (examples kept of each batch at least), got "
+                         f"{min_keep!r}")
+
+
 def _target_lists(target, labels) -> tuple[list[list[int]], list[list[int]]]:
     if hasattr(target, "input_ids") and hasattr(target, "labels"):
         return [list(x) for x in target.input_ids], [list(y) for y in target.labels]
+    if isinstance(target, str) or any(isinstance(x, str) for x in target):
+        raise ValueError("the target is text: give its token ids, e.g. target_from_texts(texts, tokenizer) (a "
+                         "Tokenized target, labels included)")
     ids = [list(x) for x in target]
     labs = [list(y) for y in labels] if labels is not None else [list(x) for x in ids]
     if len(labs) != len(ids) or any(len(a) != len(b) for a, b in zip(ids, labs)):
@@ -307,6 +337,7 @@ class OnlineSelector:
         self.refresh_every = refresh_every
         self.target_batch_size = target_batch_size
         self.target_ids, self.target_labels = _target_lists(target, target_labels)
+        check_target_vocab(self.target_ids, model)
         spec = projection if isinstance(projection, ProjectionSpec) else ProjectionSpec.parse(
             projection, kind=projection_kind, seed=seed)
         self.spec, self.route, self.layer_patterns = spec, route, layers or None
@@ -343,6 +374,8 @@ class OnlineSelector:
     @contextmanager
     def _scoring(self):
         """Hooks on, eval mode, RNG forked; every module's mode and the RNG state restored after."""
+        if getattr(self.model, LIVE_MARK, False):
+            raise ValueError(COMBINED)
         modes = [(m, m.training) for m in self.model.modules()]
         dev = next(self.model.parameters()).device
         devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
