@@ -436,3 +436,13 @@ def test_row_ids_are_whole_numbers_and_wait_past_an_eval_forward(tmp_path, gpt2_
         model(**b).loss.backward()
     ids, rows = _rows(tmp_path / "eval")
     assert ids.tolist() == [0, 1, 2, 3] and all(np.abs(v).sum(1).min() > 0 for v in rows.values())
+
+
+def test_a_negative_row_id_is_named_as_such(tmp_path, gpt2_dir, tokenizer, data):
+    """Its error said to pass num_rows=, which does not mend a negative id."""
+    model = _model(gpt2_dir).train()
+    b = collate(data.input_ids[:4], data.labels[:4], tokenizer.pad_token_id)
+    with pytest.raises(ValueError, match="include -1: row ids are the examples' 0-based positions"), \
+            GradIndexCapture(model, tmp_path / "neg", projection="8", num_rows=4) as cap:
+        cap.batch([-1, 0, 1, 2])
+        model(**b).loss.backward()

@@ -49,7 +49,10 @@ def assemble_store(out_dir: str | Path, layer_dims: dict[str, int], n_rows: int,
     parts = log_parts(out_dir)
     cols = [read_columns(p, ("ids", "step", "token_hash")) for p in parts]
     ids = np.concatenate([c["ids"] for c in cols]) if cols else np.zeros(0, np.int64)
-    if ids.size and (ids.min() < 0 or ids.max() >= n_rows):
+    if ids.size and ids.min() < 0:
+        raise ValueError(f"captured row ids include {ids.min()}: row ids are the examples' 0-based positions in the "
+                         "training data set (with_row_ids(ds) adds them), never negative")
+    if ids.size and ids.max() >= n_rows:
         raise ValueError(
             f"captured row ids run {ids.min()}..{ids.max()}, outside a data set of {n_rows} rows; "
             "pass num_rows= the training data set's length (row ids are its 0-based positions)"
