@@ -132,8 +132,7 @@ def no_manifest(d: Path) -> str:
         return (f"{str(d)!r} is a trajectory (TracIn) index, a folder of one index per checkpoint: query it with "
                 f"`gradindex query {d} --method tracin`; each checkpoint's index ({d / 'ckpt-00'}, ...) is an "
                 "ordinary index for the other commands")
-    parent = d.parent / SHARDS_FILE
-    if parent.is_file() and f'"{d.name}"' in parent.read_text(errors="replace"):
+    if sharded_parent(d) is not None:
         return (f"{str(d)!r}, a part of the sharded index {str(d.parent)!r}, is missing or has no {MANIFEST}; "
                 f"`gradindex verify {d.parent}` names the repair")
     return (f"{str(d)!r} is not a gradindex index (no {MANIFEST}); build one with "
