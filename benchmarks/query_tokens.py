@@ -211,10 +211,18 @@ def target_positions(records: list[dict], values: list[str], tokenizer, max_leng
 
 
 def token_retrained(work: Path) -> tuple[list[int], list[dict]]:
-    """The seed-0 subsets whose per-token losses ``benchmarks.real_llm retrain-tokens`` has written
-    (``retrain/tokens/sNNN-r0.json``), in order, and their records."""
-    done = sorted(int(x.stem[1:4]) for x in (work / "retrain" / "tokens").glob("s[0-9][0-9][0-9]-r0.json"))
-    return done, [json.loads((work / "retrain" / "tokens" / f"s{i:03d}-r0.json").read_text()) for i in done]
+    """The seed-0 subsets whose per-token losses exist, in order, and their records: those ``benchmarks.real_llm
+    retrain-tokens`` re-ran (``retrain/tokens/sNNN-r0.json``) and the halves retrained since the halves files also
+    hold them (``retrain/sNNN-r0.json`` with ``token_losses``)."""
+    found = {}
+    for f in sorted((work / "retrain").glob("s[0-9][0-9][0-9]-r0.json")):
+        rec = json.loads(f.read_text())
+        if "token_losses" in rec:
+            found[int(f.stem[1:4])] = rec
+    for f in (work / "retrain" / "tokens").glob("s[0-9][0-9][0-9]-r0.json"):
+        found[int(f.stem[1:4])] = json.loads(f.read_text())
+    done = sorted(found)
+    return done, [found[i] for i in done]
 
 
 def measure_target_lds(work: Path, path: str = "idx-full") -> dict:

@@ -1229,7 +1229,7 @@ def main(argv=None) -> None:
             return
         sub = _protocol_dir(work, "drop" if a.drop else "halves")
         retrain(ft, np.load(sub / "masks.npy")[int(i)], 1000 + int(r), sub / "retrain" / f"s{int(i):03d}-r{r}.json",
-                full_order=a.drop)
+                full_order=a.drop, per_token=not a.drop)  # a halves file also holds the per-token losses (free)
         return
     ft, work = _work(a.n, a.facts, a.epochs)
     if a.step == "facts":
