@@ -386,6 +386,32 @@ def test_a_capture_is_entered_once(tmp_path, gpt2_dir, tokenizer, data):
         pass
     assert cap.manifest["counts"]["examples"] == 4
     model(**b).loss.backward()  # (no hook left behind: plain training needs no row ids)
+    with pytest.raises(RuntimeError, match=r"cap.batch\(\) was called after the capture's `with` block"):
+        cap.batch(range(4))
+
+
+def test_a_capture_never_entered_is_named_not_silent(tmp_path, gpt2_dir, tokenizer, data):
+    """A capture made but never entered with `with` hooked nothing: the loop trained and nothing was captured."""
+    import gc
+
+    model = _model(gpt2_dir).train()
+    b = collate(data.input_ids[:4], data.labels[:4], tokenizer.pad_token_id)
+    cap = GradIndexCapture(model, tmp_path / "never", projection="8", num_rows=4)
+    with pytest.raises(RuntimeError, match=r"cap.batch\(\) was called before the capture's `with` block"):
+        cap.batch(range(4))
+    model(**b).loss.backward()
+    with pytest.warns(UserWarning, match=r"'.*never' was never entered, so it captured nothing"):
+        del cap
+        gc.collect()
+    with GradIndexCapture(model, tmp_path / "entered", projection="8", num_rows=4) as cap:  # (entered: no warning)
+        cap.batch(range(4))
+        model(**b).loss.backward()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del cap
+        gc.collect()
 
 
 def test_the_trainer_callback_refuses_a_resume_and_out_of_range_ids_before_training(tmp_path, gpt2_dir, tokenizer,

@@ -182,7 +182,8 @@ def test_top_fraction_and_threshold_keep_exactly_the_expected_examples():
     assert sel.last_weights.nonzero().squeeze(1).tolist() == kept
     # a batch with nothing kept is skipped by the loader
     sel = OnlineSelector(model, TARGET, Threshold(2.0, min_keep=0), projection=SPEC)
-    assert list(SelectingLoader([_batch(seqs)], sel)) == [] and sel.step == 1
+    with pytest.warns(UserWarning, match="kept no example"):
+        assert list(SelectingLoader([_batch(seqs)], sel)) == [] and sel.step == 1
 
 
 def _hooked(model):
@@ -380,3 +381,17 @@ def test_selection_refuses_what_would_train_on_nothing_or_fail_deep_in_torch(tmp
             sel.weigh(_batch(seqs))
         model(**_batch(seqs)).loss.backward()
     sel.weigh(_batch(seqs))  # (the capture done: selection scores again)
+
+
+@pytest.mark.parametrize("mode", ["loader", "hook"])
+def test_a_policy_that_keeps_nothing_warns_once_and_one_that_keeps_some_does_not(mode, recwarn):
+    """A threshold above every score with min_keep=0 trained on nothing, silently."""
+    batches = [_batch(_seqs(4, seed=40 + i)) for i in range(3)]
+    with pytest.warns(UserWarning, match=r"kept no example of the 3 batch\(es\) it saw.*min_keep >= 1"):
+        sel = _train(_gpt2(), batches, Threshold(1e9, min_keep=0), mode)
+    assert sel.stats["kept"] == 0
+    sel.close()  # (warned once: not again)
+    assert not [w for w in recwarn if "kept no example" in str(w.message)][1:]
+    recwarn.clear()
+    sel = _train(_gpt2(), batches, Threshold(1e9, min_keep=1), mode)
+    assert sel.stats["kept"] == 3 and not [w for w in recwarn if "kept no example" in str(w.message)]

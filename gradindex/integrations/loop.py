@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 
 from torch import nn
 
@@ -42,8 +43,14 @@ class GradIndexCapture:
         self.optimizer = optimizer
         self.manifest: dict = {}
         self._opt_handle = None
+        self._entered = False
         if optimizer is not None:
             self.live.set_optimizer(optimizer)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_entered", True):  # (a capture never entered has hooked nothing: its loop was lost)
+            warnings.warn(f"a GradIndexCapture for {str(self.live.out)!r} was never entered, so it captured nothing: "
+                          "run the training loop inside `with GradIndexCapture(...) as cap:`", stacklevel=1)
 
     @property
     def epoch(self) -> float:
@@ -60,6 +67,10 @@ class GradIndexCapture:
 
     def batch(self, row_ids, labels=None, attention_mask=None) -> None:
         """Row ids of the next forward's examples (and its labels/mask if the model is not given them)."""
+        if not self._entered or self.live.closed:
+            raise RuntimeError(f"cap.batch() was called {'after' if self._entered else 'before'} the capture's "
+                               "`with` block: nothing is hooked, so the forward would not be captured; call it inside "
+                               "`with GradIndexCapture(...) as cap:`, around the training loop")
         self.live.batch(row_ids, labels, attention_mask)
 
     def __enter__(self) -> GradIndexCapture:
@@ -67,6 +78,7 @@ class GradIndexCapture:
             raise RuntimeError("this GradIndexCapture wrote its index when its `with` block ended; a capture is "
                                "entered once: put one `with` around every epoch (set cap.epoch inside it), or make "
                                "a new GradIndexCapture with another out_dir")
+        self._entered = True
         self.live.attach()
         if self.optimizer is not None:
             self._opt_handle = self.optimizer.register_step_post_hook(

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -358,6 +359,7 @@ class OnlineSelector:
         self.stats = {"batches": 0, "examples": 0, "kept": 0, "refreshes": 0, "scoring_s": 0.0, "refresh_s": 0.0}
         """Batches and examples weighed, examples kept (weight > 0), target refreshes, and the seconds spent
         scoring training batches and refreshing the target."""
+        self._warned_empty = False
         self._busy = False
         self.weights = LogitWeights(self.model, lambda: self._busy)
         self._handles: list = []
@@ -524,7 +526,16 @@ class OnlineSelector:
         self._handles.clear()
         self.weights.unhook()
 
+    def warn_if_nothing_kept(self) -> None:
+        """Warn (once) when the policy has kept no example of any batch scored so far: the loop trained on nothing."""
+        if self.stats["batches"] and not self.stats["kept"] and not self._warned_empty:
+            self._warned_empty = True
+            warnings.warn(f"the selection policy {self.policy!r} kept no example of the {self.stats['batches']} "
+                          "batch(es) it saw, so the loop trained on nothing; lower its threshold or give it "
+                          "min_keep >= 1", stacklevel=2)
+
     def close(self) -> None:
+        self.warn_if_nothing_kept()
         self.detach()
         if self._opt_handle is not None:
             self._opt_handle.remove()
@@ -597,6 +608,7 @@ class SelectingLoader:
                     out = batch
                 yield out
                 sel.step += int(sel.count_batches)
+            sel.warn_if_nothing_kept()
         finally:
             if not sel._handles:
                 sel.weights.unhook()
