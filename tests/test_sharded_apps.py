@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +26,7 @@ from gradindex.apps.report import ReportConfig, build_report
 from gradindex.apps.serve import create_app
 from gradindex.cli import main
 from gradindex.index.parts import OpenParts
-from gradindex.index.sharded import split_index
+from gradindex.index.sharded import SHARDS_FILE, split_index
 from gradindex.query import QueryEngine
 from gradindex.query.sharded import ShardedQueryEngine
 from tests.conftest import make_texts
@@ -133,17 +135,18 @@ def _http(url: str, body: dict | None = None, timeout: float = 30) -> tuple[int,
         return e.code, json.loads(e.read())
 
 
-def _ranks(args: list[str], world: int = 2) -> list[subprocess.Popen]:
+def _ranks(args: list[str], world: int = 2, cwds: list[Path] | None = None) -> list[subprocess.Popen]:
     """``world`` ranks of ``gradindex ARGS`` started as torchrun would (its environment), each its own process, so that
-    a test can stop or kill one (torchrun would end the others with it)."""
+    a test can stop or kill one (torchrun would end the others with it); ``cwds``: each rank's working directory
+    (a relative index path then names each rank's own copy: hosts without a shared filesystem)."""
     port = _free_port()
     procs = []
     for r in range(world):
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r), "LOCAL_RANK": str(r),
                "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "gradindex", *args], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(subprocess.Popen([sys.executable, "-m", "gradindex", *args], cwd=cwds[r] if cwds else ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
 
@@ -317,3 +320,48 @@ def test_a_damaged_row_read_across_parts_is_named_in_its_part(sharded, tmp_path)
         for read in (whole.store.read_rows, whole.rows.read):
             with pytest.raises(DamagedIndexError, match=r"part-00002.*shard-00000\.h5.*rows \[1\]"):
                 read(np.array([5, 33, 17]))
+
+
+def _hosts(sh, root: Path) -> list[Path]:
+    """Each part on its own "host": ``root/hostR/idx`` holds shards.json and part R only."""
+    out = []
+    for r, part in enumerate(sh.parts):
+        idx = root / f"host{r}" / "idx"
+        idx.mkdir(parents=True)
+        shutil.copy(sh.dir / SHARDS_FILE, idx)
+        shutil.copytree(part.dir, idx / part.dir.name)
+        out.append(idx.parent)
+    return out
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[str]:
+    try:
+        return [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        _end(procs)
+
+
+@pytest.mark.slow
+def test_ranks_on_hosts_without_a_shared_filesystem_answer_as_the_index(default_index, tmp_path):
+    """Each rank sees only its own part (and shards.json): the query prints what the one index prints, texts of
+    the other host's rows included (their token hashes come from that rank); the audit, which reads every part's
+    rows on rank 0, names the missing part; another shards.json on a host is refused."""
+    sh = split_index(default_index, tmp_path / "two", 2)
+    hosts = _hosts(sh, tmp_path)
+    q = ["--text", QUERIES[0], "--text", QUERIES[1], "-k", "10", "--lowest", "2", "--device", "cpu"]
+    one = _run("query", default_index, *q)
+    ids = [int(m.group(1)) for m in re.finditer(r"^\s+\d+\s+(\d+)\s+-?[\d.]+\s+\S", one, re.M)]
+    assert len(ids) == 24 and any(i >= sh.parts[1].first for i in ids), one  # (texts of the other host's rows)
+    out = _finish(_ranks(["query", "idx", *q], cwds=hosts))
+    assert out[0].endswith(one) and "Error" not in out[0], out
+    qf = tmp_path / "q.jsonl"
+    qf.write_text(json.dumps({"text": QUERIES[0]}) + "\n")
+    out = _finish(_ranks(["audit", "idx", "--queries", str(qf), "--out", str(tmp_path / "audit"), "--device", "cpu"],
+                         cwds=hosts))
+    assert "is not on this host" in out[0] and "part-00001" in out[0] and "shared filesystem" in out[0], out
+    doc = json.loads((hosts[1] / "idx" / SHARDS_FILE).read_text())
+    doc["parts"][1]["stop"] = doc["parts"][1]["stop"]  # (the same index, written otherwise: refused all the same)
+    (hosts[1] / "idx" / SHARDS_FILE).write_text(json.dumps(doc, indent=4))
+    out = _finish(_ranks(["query", "idx", *q], cwds=hosts))
+    assert "rank 1's" in out[0] and "is not rank 0's" in out[0] and "same shards.json" in out[0], out
+

@@ -317,8 +317,6 @@ def _add_health(app: FastAPI, engine: QueryEngine, answers: list[str], default: 
 
 def _add_example(app: FastAPI, engine: QueryEngine, answer, request_timeout: float) -> None:
     """``GET /example/{id}``: the whole text of one training example, read by the worker."""
-    num_tokens = engine.store.column("num_tokens")
-    losses = engine.store.column("loss")
     state = app.state.index
 
     @app.get("/example/{example_id}")
@@ -330,8 +328,9 @@ def _add_example(app: FastAPI, engine: QueryEngine, answer, request_timeout: flo
         def read() -> dict:
             text = engine.texts.texts(np.array([example_id], dtype=np.int64))[0]
             note = engine.texts.problem
+            cols = engine.example_columns(("num_tokens", "loss"), [example_id])
             return {"id": example_id, "text": text, "text_chars": None if text is None else len(text),
-                    "num_tokens": int(num_tokens[example_id]), "loss": float(losses[example_id]),
+                    "num_tokens": int(cols["num_tokens"][0]), "loss": float(cols["loss"][0]),
                     "note": note and state.public(note)}
 
         return await answer(Job(read, deadline=time.monotonic() + request_timeout))

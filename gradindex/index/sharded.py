@@ -125,11 +125,12 @@ def refuse_part_as_index(path: str | os.PathLike, manifest: dict | None = None, 
                          f"{then or f'give {whole} instead (all its parts are read)'}")
 
 
-def read_sharded(path: str | os.PathLike) -> Sharded:
+def read_sharded(path: str | os.PathLike, rank: tuple[int, int] | None = None) -> Sharded:
     """The sharded index in ``path``; its parts' ranges must tile ``[0, N)`` and each part's manifest must be a
     complete build of the same index (its identity and row range as :data:`SHARDS_FILE` says): the first
-    inconsistency is raised."""
-    return _read(Path(path), None)
+    inconsistency is raised. ``rank``: ``(rank, ranks)`` of a ``torchrun`` run: only the parts that rank answers for
+    are read (the other ranks read theirs), so a part need only be on its own rank's host."""
+    return _read(Path(path), None, rank)
 
 
 def check_sharded(path: str | os.PathLike) -> tuple[Sharded, list[str]]:
@@ -147,8 +148,9 @@ def check_sharded(path: str | os.PathLike) -> tuple[Sharded, list[str]]:
     return sh, problems
 
 
-def _read(d: Path, problems: list[str] | None) -> Sharded:
-    """:data:`SHARDS_FILE` and its parts checked; each inconsistency raised (``problems`` None) or appended."""
+def _read(d: Path, problems: list[str] | None, rank: tuple[int, int] | None = None) -> Sharded:
+    """:data:`SHARDS_FILE` and its parts checked (``rank``: only that rank's); each inconsistency raised
+    (``problems`` None) or appended."""
     def fail(e: Exception) -> None:
         if problems is None:
             raise e
@@ -165,12 +167,15 @@ def _read(d: Path, problems: list[str] | None) -> Sharded:
         raise ValueError(f"{str(d / SHARDS_FILE)!r} is not a version-{VERSION} {FORMAT} file")
     parts = [Part(d / p["dir"], int(p["first"]), int(p["stop"])) for p in doc["parts"]]
     whole = doc["manifest"]
+    checked = set(range(len(parts)) if rank is None else Sharded(d, parts, whole).owned(*rank))
     at = 0
     for j, p in enumerate(parts):
         if p.first != at or p.stop <= p.first:
             fail(ValueError(f"{str(d / SHARDS_FILE)!r}: part {j} holds rows [{p.first}, {p.stop}), expected them "
                             f"to start at {at}"))
         at = p.stop
+        if j not in checked:
+            continue
         try:
             _check_part(p, j, len(parts), whole)
         except (IndexMismatchError, ValueError, FileNotFoundError) as e:

@@ -61,12 +61,13 @@ class QueryEngine:
         self.announce: Callable[[str], None] = log.info
         """Where the exact stage says, before it starts, how long it will take (the CLI prints it)."""
         self._hinted, self._mean_tokens = False, None  # (the note on the exact stage: logged once; example tokens)
+        self._columns: dict[str, np.ndarray] = {}
         try:
             self.dir, self.manifest, self.store = self.index.dir, self.index.manifest, self.index.store
             self.n, self.layer_names = self.index.n, list(self.index.layers)
             self.layers = self.select_layers(layers)
             """The layers this engine answers on (every indexed layer unless ``layers`` chose some), model order."""
-            self.rows, self._use_gpu = RowReader(self.store, self.layers), use_gpu
+            self.rows, self._use_gpu = RowReader(self.index.store, self.layers), use_gpu
             self.pre, self.basis = self.index.pre, self.index.basis
             self.curvature_cache_bytes: int | None = CURVATURE_CACHE_BYTES
             """Bytes of full-space curvature the exact stage keeps at once (read from its file as used; None: all)."""
@@ -75,10 +76,18 @@ class QueryEngine:
                 self.model, self.tokenizer, self.space, self.capture, self.pad_id = inputs.open_model(
                     self.index, self.layer_names, model_dir, model=model, tokenizer=tokenizer, device=device,
                     dtype=dtype, optimizer_state=optimizer_state, pad_id=pad_id)
-            self.texts = TrainingTexts(self.manifest, self.store, self.tokenizer, data)
+            self.texts = TrainingTexts(self.manifest, self.index.store, self.tokenizer, data)
         except BaseException:
             self.close()
             raise
+
+    def example_columns(self, names: Sequence[str], ids) -> dict[str, np.ndarray]:
+        """Per-example columns ``names`` (``num_tokens``, ``loss``, ...) of rows ``ids`` (each column read once)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        for n in names:
+            if n not in self._columns:
+                self._columns[n] = self.store.column(n)
+        return {n: self._columns[n][ids] for n in names}
 
     def select_layers(self, patterns: Sequence[str] | str | None) -> list[str]:
         """Layer names matching glob ``patterns`` (all loaded layers when ``None``), model order."""
@@ -161,7 +170,7 @@ class QueryEngine:
     def _first_stage(self, results: list[QueryResult], tokens: QueryTokens, hint: str | None) -> None:
         """Label the results as the first stage's, with the note on the exact stage and its cost (logged once)."""
         if hint and self._mean_tokens is None:  # (a training example's tokens: the first shard's, read once)
-            self._mean_tokens = full.example_tokens(self.store)
+            self._mean_tokens = full.example_tokens(self.index.store)
         said = full.label_first_stage(results, tokens, self.manifest, hint, self._mean_tokens)
         if said and not self._hinted:
             self._hinted = True

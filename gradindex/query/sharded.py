@@ -13,15 +13,19 @@ A rank that fails answers its error to rank 0, which raises it; rank 0 always en
 broadcast, on which the other ranks return (:func:`~gradindex.query.ranks.follow`). A rank that dies or stalls is
 named by rank 0 within the run's timeout (:mod:`gradindex.query.ranks`).
 
-What reads the whole store on rank 0 (the server's per-example columns, an explanation's stored rows, the audit's
-score sample, outliers and duplicates) reads every part through :class:`~gradindex.index.parts.PartsStore`
-(:attr:`ShardedQueryEngine.store`, :attr:`ShardedQueryEngine.whole`); the self-influence of the outliers is each
+Each rank reads only its own parts (and ``shards.json``, which must be rank 0's), so under ``torchrun`` a part need
+only be on its own rank's host: the texts' token hashes and the server's per-example columns of another rank's
+rows come from that rank (:meth:`PartSearch.column_rows`). What reads the whole store on rank 0 (an explanation's
+stored rows, the audit's score sample, outliers and duplicates) reads every part through
+:class:`~gradindex.index.parts.PartsStore` (:attr:`ShardedQueryEngine.store`, :attr:`ShardedQueryEngine.whole`,
+opened on first use), and so needs every part on rank 0's filesystem; the self-influence of the outliers is each
 part's, computed by the rank that holds it (:meth:`ShardedQueryEngine.self_influence`).
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 import os
 import time
@@ -34,13 +38,15 @@ from gradindex import distributed
 from gradindex.index import OpenIndex
 from gradindex.index.cost import sketch_candidates
 from gradindex.index.parts import OpenParts
-from gradindex.index.sharded import Sharded, is_sharded, read_sharded
+from gradindex.index.sharded import SHARDS_FILE, Sharded, is_sharded, read_sharded
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition import self_influence
 from gradindex.query.engine import QueryEngine, QueryResult
 from gradindex.query.ranks import ask, follow, lost, stop_followers
 from gradindex.query.search import clamp_k
 from gradindex.query.texts import TrainingTexts
+from gradindex.spec.layout import STORE_DIR
+from gradindex.spec.manifest import IndexMismatchError
 from gradindex.store import Store
 
 __all__ = ["PartSearch", "ShardedQueryEngine", "follow", "open_engine", "part_candidates", "serve_parts",
@@ -76,6 +82,9 @@ class PartSearch:
         self.parts = [sharded.parts[j] for j in owned]
         self.examples = sharded.examples
         self.engines: list[QueryEngine] = []
+        self.where = sharded.dir / SHARDS_FILE
+        self.digest = hashlib.sha256(self.where.read_bytes()).hexdigest()
+        """This host's :data:`SHARDS_FILE`, hashed: every rank's must be rank 0's (:meth:`hello`)."""
         try:
             for j in owned:
                 ix = (opened or {}).get(j, sharded.parts[j].dir)
@@ -103,6 +112,25 @@ class PartSearch:
                 for h in r.hits + r.lowest:
                     h.id += part.first
             out = res if out is None else merge(out, res, k, lowest)
+        return out
+
+    def hello(self, digest: str) -> None:
+        """Refuse a run whose ranks read different sharded indices (rank 0's :data:`SHARDS_FILE` hashes to
+        ``digest``): each host may hold its own copy of the index's directory, with its own parts in it."""
+        if digest != self.digest:
+            raise IndexMismatchError(f"rank {distributed.rank()}'s {str(self.where)!r} is not rank 0's: every host's "
+                                     f"copy of the sharded index must hold the same {SHARDS_FILE} (copy rank 0's, or "
+                                     "split the index again and give each host its parts)")
+
+    def column_rows(self, name: str, ids: np.ndarray) -> dict[int, np.ndarray]:
+        """Per-example column ``name`` of those rows ``ids`` (the whole index's) these parts hold, by id."""
+        ids = np.asarray(ids, dtype=np.int64)
+        out = {}
+        for part, eng in zip(self.parts, self.engines, strict=True):
+            mine = ids[(ids >= part.first) & (ids < part.stop)]
+            if len(mine):
+                col = eng.example_columns((name,), mine - part.first)[name]
+                out.update(zip(mine.tolist(), col, strict=True))
         return out
 
     def scores(self, grads: Mapping[str, np.ndarray], **kw) -> np.ndarray:
@@ -137,8 +165,9 @@ def serve_parts(index: str | os.PathLike, layers: Sequence[str] | None = None, u
     them is the answer to every request)."""
     local: PartSearch | BaseException
     try:
-        sh = read_sharded(index)
-        local = PartSearch(sh, sh.owned(distributed.rank(), distributed.world_size()), layers, use_gpu)
+        rank = (distributed.rank(), distributed.world_size())
+        sh = read_sharded(index, rank)  # (this rank's parts only: another host may hold the others)
+        local = PartSearch(sh, sh.owned(*rank), layers, use_gpu)
     except Exception as e:  # noqa: BLE001 -- answered to rank 0
         local = e
     try:
@@ -149,34 +178,32 @@ def serve_parts(index: str | os.PathLike, layers: Sequence[str] | None = None, u
 
 
 class _Columns:
-    """What :class:`TrainingTexts` reads of the store (the token hashes), over every part by the whole index's row:
-    ``column(name)[i]``, each part's column read when first needed (from its open store, else its directory)."""
+    """What :class:`TrainingTexts` reads of the store (the token hashes) over every part, by the whole index's rows
+    (:meth:`rows_of`): a part open here from its store; another from its directory in one process, or under
+    ``torchrun`` from the rank that holds it (``fetch``: its host alone may hold it)."""
 
-    def __init__(self, sharded: Sharded, stores: dict[int, Store]):
-        self.parts, self.stores = sharded.parts, stores
+    def __init__(self, sharded: Sharded, stores: dict[int, Store], fetch=None):
+        self.parts, self.stores, self.fetch = sharded.parts, stores, fetch
         self.firsts = [p.first for p in sharded.parts]
         self._cols: dict[tuple[str, int], np.ndarray] = {}
 
-    def column(self, name: str) -> _Column:
-        return _Column(self, name)
-
-    def row(self, name: str, i: int) -> np.ndarray:
-        j = bisect.bisect_right(self.firsts, i) - 1
+    def _column(self, name: str, j: int) -> np.ndarray:
         if (name, j) not in self._cols:
             if j in self.stores:
                 self._cols[name, j] = self.stores[j].column(name)
             else:
                 with Store(self.parts[j].dir) as s:
                     self._cols[name, j] = s.column(name)
-        return self._cols[name, j][i - self.parts[j].first]
+        return self._cols[name, j]
 
-
-class _Column:
-    def __init__(self, columns: _Columns, name: str):
-        self.columns, self.name = columns, name
-
-    def __getitem__(self, i) -> np.ndarray:
-        return self.columns.row(self.name, int(i))
+    def rows_of(self, name: str, ids) -> np.ndarray:
+        """Column ``name`` of rows ``ids`` (the whole index's), in order."""
+        ids = np.asarray(ids, dtype=np.int64)
+        part = [bisect.bisect_right(self.firsts, int(i)) - 1 for i in ids]
+        remote = [t for t, j in enumerate(part) if j not in self.stores and self.fetch is not None]
+        got = self.fetch(name, ids[remote]) if remote else {}
+        return np.stack([got[int(i)] if int(i) in got else self._column(name, j)[int(i) - self.firsts[j]]
+                         for i, j in zip(ids, part, strict=True)])
 
 
 class ShardedQueryEngine(QueryEngine):
@@ -188,28 +215,65 @@ class ShardedQueryEngine(QueryEngine):
     def __init__(self, index: str | os.PathLike | Sharded, model_dir: str | os.PathLike | None = None, *,
                  layers: Sequence[str] | None = None, use_gpu: bool = True,
                  data: str | os.PathLike | None = None, share_candidates: bool = True, **kwargs):
-        self._stopped, self.local, self._first = False, None, None
+        self._stopped, self.local, self._first, self._whole = False, None, None, None
         self.share_candidates = share_candidates
         """Whether a sketch tier's part re-ranks its share of the candidates (:func:`part_candidates`), not all."""
         try:
             if distributed.rank() != 0:
                 raise RuntimeError("a sharded index's engine opens on rank 0; other ranks run serve_parts")
-            self.sharded = index if isinstance(index, Sharded) else read_sharded(index)
+            ranks = (0, distributed.world_size()) if distributed.active() else None  # (the others read theirs)
+            self.sharded = index if isinstance(index, Sharded) else read_sharded(index, ranks)
             owned = self.sharded.owned(0, distributed.world_size())
             self._first = OpenIndex(self.sharded.parts[0].dir)
             super().__init__(self._first, model_dir, layers=layers, use_gpu=use_gpu, data=data, **kwargs)
             self.local = PartSearch(self.sharded, owned, layers, use_gpu, {0: self._first})
+            if distributed.active():  # every rank's parts open and its shards.json rank 0's, or the first error
+                self._ask("hello", {"digest": self.local.digest})
             self.n = self.sharded.examples
             stores = {j: e.store for j, e in zip(owned, self.local.engines, strict=True)}
-            self.texts = TrainingTexts(self.sharded.manifest, _Columns(self.sharded, stores), self.tokenizer, data)
-            self.whole = OpenParts(self.sharded)
-            """Every part as one open store (the whole index's manifest and rows; part 0's fits)."""
-            self.store = self.whole.store
+            self.by_part = _Columns(self.sharded, stores, self._fetch_rows if distributed.active() else None)
+            self.texts = TrainingTexts(self.sharded.manifest, self.by_part, self.tokenizer, data)
             self.home = self.sharded.dir
             """The sharded index directory (:attr:`dir` is part 0's: the fits every part shares)."""
         except BaseException:
             self.close()
             raise
+
+    @property
+    def whole(self) -> OpenParts:
+        """Every part as one open store (the whole index's manifest and rows; part 0's fits), opened on first use:
+        what reads every part's rows here (the audit, outliers, duplicates, an explanation) needs every part on this
+        host; a query, the server and the texts do not."""
+        if self._whole is None:
+            away = [p.dir for p in self.sharded.parts if not (p.dir / STORE_DIR).is_dir()]
+            if away:
+                raise FileNotFoundError(f"{str(away[0])!r} is not on this host ({len(away)} of the index's "
+                                        f"{len(self.sharded.parts)} parts are not): this command reads every part's "
+                                        "rows on rank 0, so run it where every part is readable (a shared "
+                                        "filesystem, or all parts copied here); queries and the server need only "
+                                        "each rank's own parts")
+            self._whole = OpenParts(self.sharded)
+        return self._whole
+
+    @property
+    def store(self) -> Store:
+        """Every part's rows as one store (:attr:`whole`)."""
+        return self.whole.store
+
+    @store.setter
+    def store(self, value: Store) -> None:  # (QueryEngine.__init__ sets part 0's: this engine reads every part)
+        pass
+
+    def _fetch_rows(self, name: str, ids: np.ndarray) -> dict[int, np.ndarray]:
+        """Column ``name`` of rows ``ids`` from the ranks that hold them, by id."""
+        out: dict[int, np.ndarray] = {}
+        for got in self._ask("column_rows", {"name": name, "ids": np.asarray(ids, dtype=np.int64)}):
+            out.update(got)
+        return out
+
+    def example_columns(self, names: Sequence[str], ids) -> dict[str, np.ndarray]:
+        """Per-example columns ``names`` of rows ``ids`` (the whole index's), from the parts that hold them."""
+        return {n: self.by_part.rows_of(n, ids) for n in names}
 
     def _ask(self, op: str, kw: dict) -> list:
         if not distributed.active():
@@ -268,8 +332,8 @@ class ShardedQueryEngine(QueryEngine):
         if not self._stopped:
             self._stopped = True
             stop_followers()
-        if getattr(self, "whole", None) is not None:
-            self.whole.close()
+        if self._whole is not None:
+            self._whole.close()
         if self.local is not None:
             self.local.close()
         if getattr(self, "index", None) is not None:

@@ -96,11 +96,10 @@ class TrainingTexts:
             if not isinstance(ds, JsonlRows):
                 raise
             tok = None
-        if self._hashes is None:
-            self._hashes = self.store.column("token_hash")
+        hashes = self._stored_hashes(ids)
         ok = np.zeros(len(ids), dtype=bool) if tok is None else np.array(
-            [token_hash(x, y) == self._hashes[i].tobytes() for i, x, y in zip(ids, tok.input_ids, tok.labels,
-                                                                              strict=True)], dtype=bool)
+            [token_hash(x, y) == h.tobytes() for h, x, y in zip(hashes, tok.input_ids, tok.labels, strict=True)],
+            dtype=bool)
         if not ok.all() and isinstance(ds, JsonlRows):  # read differently than datasets did: read it as the build
             self._ds, self._no_jsonl = None, True
             return self.tokens(ids)
@@ -109,6 +108,16 @@ class TrainingTexts:
                         "the build); their text is not shown", [int(i) for i in np.asarray(ids)[~ok]],
                         str(self.path))
         return tok.input_ids, tok.labels, ok
+
+    def _stored_hashes(self, ids) -> np.ndarray:
+        """The build's token hashes of rows ``ids``: a store that reads rows by id (a sharded index's parts, maybe
+        on other hosts) gives them, else the whole column (read once)."""
+        rows_of = getattr(self.store, "rows_of", None)
+        if rows_of is not None:
+            return rows_of("token_hash", ids)
+        if self._hashes is None:
+            self._hashes = self.store.column("token_hash")
+        return self._hashes[np.asarray(ids, dtype=np.int64)]
 
     def texts(self, ids: np.ndarray) -> list[str | None]:
         """The text of each row (``prompt + completion`` joined; decoded ids), ``None`` if unknown."""
