@@ -472,3 +472,80 @@ def test_a_negative_row_id_is_named_as_such(tmp_path, gpt2_dir, tokenizer, data)
             GradIndexCapture(model, tmp_path / "neg", projection="8", num_rows=4) as cap:
         cap.batch([-1, 0, 1, 2])
         model(**b).loss.backward()
+
+
+def test_the_last_epoch_is_kept_whatever_order_the_ranks_logs_are_read_in():
+    """Under DDP without optimizer= every row's step is 0 and the ranks' logs are read rank by rank: `keep="last"`
+    kept a row's epoch-0 occurrence whenever a lower rank logged it (13 of 37 rows in a 2-rank trial)."""
+    from gradindex.integrations.assemble import _choose
+
+    ids = np.array([0, 1, 1, 0])  # rank 0 logged id 0 in epoch 1 and id 1 in epoch 0; rank 1 the reverse
+    epoch = np.array([1.0, 0.0, 1.0, 0.0])
+    step, part, local = np.zeros(4, np.int64), np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])
+    assert epoch[_choose(ids, epoch, step, part, local, "last")].tolist() == [1.0, 1.0]
+    assert epoch[_choose(ids, epoch, step, part, local, "first")].tolist() == [0.0, 0.0]
+
+
+def test_one_capture_a_model_one_writer_a_folder_and_a_killed_capture_named(tmp_path, gpt2_dir, tokenizer, data):
+    """A second capture on a captured model blamed the batch for its missing row ids; two runs into one out_dir
+    both reported success with the second's rows; a folder a killed capture left was "not a gradindex index"."""
+    import subprocess
+    import sys
+
+    from gradindex.lock import IndexBusyError
+    from gradindex.spec.manifest import no_manifest
+
+    model = _model(gpt2_dir).train()
+    with GradIndexCapture(model, tmp_path / "a", projection="8", num_rows=4) as cap:
+        with pytest.raises(RuntimeError, match="already under another live capture"), \
+                GradIndexCapture(model, tmp_path / "b", projection="8", num_rows=4):
+            pass
+        cap.batch(range(4))
+        model(**collate(data.input_ids[:4], data.labels[:4], tokenizer.pad_token_id)).loss.backward()
+    assert cap.manifest["counts"]["examples"] == 4
+    out = tmp_path / "shared"
+    code = (f"import sys, time, torch; from transformers import AutoModelForCausalLM; "
+            f"from gradindex.integrations import GradIndexCapture; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(gpt2_dir)!r}); "
+            f"c = GradIndexCapture(m, {str(out)!r}, projection='8', num_rows=4); c.__enter__(); "
+            f"print('ready', flush=True); time.sleep(120)")
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        with pytest.raises(IndexBusyError, match=r"being written by another process \(pid \d+: live capture\)"):
+            GradIndexCapture(_model(gpt2_dir), out, projection="8", num_rows=4, overwrite=True)
+    finally:
+        other.kill()
+        other.wait()
+    assert "holds an unfinished live capture" in no_manifest(out) and "overwrite=True" in no_manifest(out)
+    with GradIndexCapture(_model(gpt2_dir), out, projection="8", num_rows=4, overwrite=True):
+        pass  # (the killed run released the folder)
+
+
+def test_trl_chats_trained_on_every_token_are_refused_before_training(tmp_path):
+    """TRL trains chats on every token by default; the index's chats take the loss on the assistant turns, so
+    every row differed from its conversation's gradient by 270-460% (at lr 0), silently."""
+    trl = pytest.importorskip("trl")
+    import types
+
+    import datasets
+    from transformers import TrainerControl, TrainerState
+
+    from gradindex.integrations import GradIndexCallback
+
+    chats = datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"},
+                                                      {"role": "assistant", "content": "hello"}], ROW_KEY: 0}])
+    cb = GradIndexCallback(tmp_path / "idx", text_field="messages", chat_template="{{ x }}")
+    args = trl.SFTConfig(str(tmp_path / "run"), assistant_only_loss=False, report_to=[], use_cpu=True,
+                         remove_unused_columns=False)
+    with pytest.raises(ValueError, match=r"assistant_only_loss=False\) trains each chat on every token"):
+        cb.on_train_begin(args, TrainerState(), TrainerControl(), model=None,
+                          train_dataloader=types.SimpleNamespace(dataset=chats))
+    assert not (tmp_path / "idx").exists()
+
+
+def test_tokens_that_differ_name_the_loop_for_a_live_capture():
+    from gradindex.spec.manifest import tokens_differ
+
+    assert "TRL appends an end-of-sequence token" in tokens_differ({"training": {"source": "in-loop capture"}})
+    assert tokens_differ({}).startswith("the file changed since the build")

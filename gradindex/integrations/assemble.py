@@ -33,9 +33,12 @@ class Assembled:
     log_rows: int
 
 
-def _choose(ids: np.ndarray, step: np.ndarray, part: np.ndarray, local: np.ndarray, keep: str) -> np.ndarray:
-    """Index (into the concatenated log) of the kept occurrence of each distinct id, ids ascending."""
-    order = np.lexsort((local, part, step))  # by step, then log order
+def _choose(ids: np.ndarray, epoch: np.ndarray, step: np.ndarray, part: np.ndarray, local: np.ndarray,
+            keep: str) -> np.ndarray:
+    """Index (into the concatenated log) of the kept occurrence of each distinct id, ids ascending: ordered by
+    epoch, then step, then log order (without an optimizer the step stays 0, and the ranks' logs are not in time
+    order: the epoch the loop set decides)."""
+    order = np.lexsort((local, part, step, epoch))
     sel = order if keep == "first" else order[::-1]
     _, pos = np.unique(ids[sel], return_index=True)
     return sel[pos]
@@ -47,7 +50,7 @@ def assemble_store(out_dir: str | Path, layer_dims: dict[str, int], n_rows: int,
     if keep not in KEEP:
         raise ValueError(f"keep={keep!r} is not one of {KEEP}")
     parts = log_parts(out_dir)
-    cols = [read_columns(p, ("ids", "step", "token_hash")) for p in parts]
+    cols = [read_columns(p, ("ids", "step", "epoch", "token_hash")) for p in parts]
     ids = np.concatenate([c["ids"] for c in cols]) if cols else np.zeros(0, np.int64)
     if ids.size and ids.min() < 0:
         raise ValueError(f"captured row ids include {ids.min()}: row ids are the examples' 0-based positions in the "
@@ -58,12 +61,13 @@ def assemble_store(out_dir: str | Path, layer_dims: dict[str, int], n_rows: int,
             "pass num_rows= the training data set's length (row ids are its 0-based positions)"
         )
     step = np.concatenate([c["step"] for c in cols]) if cols else np.zeros(0, np.int64)
+    epoch = np.concatenate([c["epoch"] for c in cols]) if cols else np.zeros(0)
     part = np.concatenate([np.full(len(c["ids"]), k) for k, c in enumerate(cols)]) if cols else ids
     local = np.concatenate([np.arange(len(c["ids"])) for c in cols]) if cols else ids
     hashes = np.concatenate([c["token_hash"] for c in cols]) if cols else np.zeros((0, 16), np.uint8)
     chosen = np.full(n_rows, -1, dtype=np.int64)
     if ids.size:
-        pick = _choose(ids, step, part, local, keep)
+        pick = _choose(ids, epoch, step, part, local, keep)
         chosen[ids[pick]] = pick
     row_hash = np.zeros((n_rows, 16), np.uint8)
     row_hash[chosen >= 0] = hashes[chosen[chosen >= 0]]

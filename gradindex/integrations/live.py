@@ -29,6 +29,7 @@ against the offline build (GPT-2, Llama, padded batches).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -52,6 +53,8 @@ from gradindex.integrations.assemble import assemble_store
 from gradindex.integrations.capture_log import CaptureLog, rank_dir
 from gradindex.integrations.loss_scale import LossScaleFit, MicroBatch
 from gradindex.integrations.optimizer_state import save_second_moments
+from gradindex.lock import LOCK, index_lock
+from gradindex.spec.layout import CAPTURE_LOG_DIR
 from gradindex.spec.manifest import manifest_path, new_manifest, write_manifest
 from gradindex.store.builder import build_identity
 from gradindex.store.codes import check_storage
@@ -65,8 +68,9 @@ MISSING_ROWS = (
     f"add a column '{ROW_KEY}' with each example's position in the training data set "
     f"(dataset.map(lambda _, i: {{'{ROW_KEY}': i}}, with_indices=True), or "
     "gradindex.integrations.with_row_ids(dataset)) and keep it through the collator "
-    "(Trainer: TrainingArguments(remove_unused_columns=False)); in a plain loop call "
-    "capture.batch(row_ids) before the forward"
+    "(Trainer: TrainingArguments(remove_unused_columns=False); a collator that drops columns it does not know, "
+    "as TRL's does: wrap it, data_collator=keep_rows(collator); packing or padding-free batches hold no one "
+    "example a row: turn them off); in a plain loop call capture.batch(row_ids) before the forward"
 )
 
 
@@ -157,7 +161,13 @@ class LiveCapture:
         self.opt = options
         self.spec = options.spec()
         check_storage(options.storage)
-        distributed.on_rank0(self._prepare_out_dir)  # (the other ranks wait)
+        self._lock = contextlib.ExitStack()  # (one writer: a second run into out_dir is refused while this one runs)
+        self._lock.enter_context(index_lock(self.out, "live capture"))
+        try:
+            distributed.on_rank0(self._prepare_out_dir)  # (the other ranks wait)
+        except BaseException:
+            self.release()
+            raise
         self.rows = ProjectedRows(RowSpace(self.spec), options.route)
         self.fit = LossScaleFit(options.loss_scale, options.record_loss)
         self.capture = GradientCapture(self.inner, options.layers or None, self.rows, weight_free=False)
@@ -179,21 +189,34 @@ class LiveCapture:
     # -- set-up -------------------------------------------------------------------------------
     def _prepare_out_dir(self) -> None:
         """Check the output directory (and with ``overwrite`` clear it): rank 0, while the other ranks wait."""
-        if self.out.exists() and any(self.out.iterdir()):
+        held = [p for p in self.out.iterdir() if p.name != LOCK] if self.out.exists() else []
+        if held:
             if not self.opt.overwrite:
                 raise FileExistsError(
                     f"output directory {str(self.out)!r} is not empty; choose another out_dir, or pass "
                     "overwrite=True to replace it"
                 )
-            if not manifest_path(self.out).exists() and not (self.out / "capture").exists():
+            if not manifest_path(self.out).exists() and not (self.out / CAPTURE_LOG_DIR).exists():
                 raise FileExistsError(
                     f"{str(self.out)!r} holds files that are not a gradindex index; refusing to delete them"
                 )
-            shutil.rmtree(self.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+            for p in held:  # (the lock file stays: this run holds it)
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+        (self.out / CAPTURE_LOG_DIR).mkdir(parents=True, exist_ok=True)  # (marks a run under way, or killed)
+
+    def release(self) -> None:
+        """Give up the output directory's write lock (at the end, or when the run failed: a log that holds no row
+        yet is removed, so the same out_dir takes the next run without overwrite=True)."""
+        log_dir = self.out / CAPTURE_LOG_DIR
+        if distributed.rank() == 0 and log_dir.is_dir() and not any(p.is_file() for p in log_dir.rglob("*")):
+            shutil.rmtree(log_dir, ignore_errors=True)
+        self._lock.close()
 
     def attach(self) -> LiveCapture:
         if not self._handles:
+            if getattr(self.model, LIVE_MARK, False):  # (its hook would take the ids first: MISSING_ROWS here)
+                raise RuntimeError("this model is already under another live capture (a GradIndexCapture or "
+                                   "GradIndexCallback not yet closed); one capture a model: end the other first")
             setattr(self.model, LIVE_MARK, True)  # (online selection on this model refuses to score: COMBINED)
             self.capture.attach()
             self._handles.append(self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
@@ -329,6 +352,7 @@ class LiveCapture:
         stats = distributed.gather((self._scales, self._max_batch, self.step))
         distributed.barrier()  # every rank's capture log is complete: rank 0 assembles them
         if distributed.rank() > 0:
+            self.release()
             self.manifest = distributed.broadcast(None)
             return self.manifest
         self._scales = [c for sc, _, _ in stats for c in sc]
@@ -341,8 +365,9 @@ class LiveCapture:
             manifest = self._manifest(res, n if n is not None else self._max_id() + 1, fingerprint)
             write_manifest(self.out, manifest)
             if not self.opt.keep_log:
-                shutil.rmtree(self.out / "capture", ignore_errors=True)
+                shutil.rmtree(self.out / CAPTURE_LOG_DIR, ignore_errors=True)
         finally:
+            self.release()
             self.manifest = distributed.broadcast(manifest)  # ({} to the others when this failed)
         if res.unseen:
             log.warning("%d training rows were never seen by the loop; stored as zeros and listed in "

@@ -48,6 +48,8 @@ class GradIndexCapture:
             self.live.set_optimizer(optimizer)
 
     def __del__(self) -> None:
+        if hasattr(self, "live"):
+            self.live.release()
         if not getattr(self, "_entered", True):  # (a capture never entered has hooked nothing: its loop was lost)
             warnings.warn(f"a GradIndexCapture for {str(self.live.out)!r} was never entered, so it captured nothing: "
                           "run the training loop inside `with GradIndexCapture(...) as cap:`", stacklevel=1)
@@ -93,5 +95,6 @@ class GradIndexCapture:
         if exc_type is not None:
             self.live.detach()
             self.live.log.close()
+            self.live.release()
             return
         self.manifest = self.live.close() or getattr(self.live, "manifest", {})  # (closed inside the block: kept)

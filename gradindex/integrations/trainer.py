@@ -49,6 +49,14 @@ class GradIndexCallback(TrainerCallback):
                 f"TrainingArguments(label_smoothing_factor={args.label_smoothing_factor}): a label-smoothed loss is "
                 "not a sum of token cross-entropies, so its per-example gradients are not the ones gradindex "
                 "attributes; train with label_smoothing_factor=0 while capturing")
+        if (self.options.text_field == MESSAGES and getattr(args, "assistant_only_loss", None) is False
+                and cols is not None and "labels" not in cols):  # (TRL makes the labels; a set may bring its own)
+            raise ValueError(  # (TRL's SFTConfig: every token of a chat trained, where the index's chats are not)
+                "SFTConfig(assistant_only_loss=False) trains each chat on every token, while an index of 'messages' "
+                "data takes the loss on the assistant turns only (as `gradindex build` tokenizes chats), so its "
+                "rows would not be its conversations' gradients; set assistant_only_loss=True (the chat template "
+                "must mark the assistant turns with {% generation %}), or render the chats to text and capture "
+                "with text_field='text'")
         if state.global_step > 0:  # (the killed run's log holds rows of steps past the checkpoint)
             raise ValueError(
                 f"this run resumes from a checkpoint at step {state.global_step}: a live capture records whole runs "
@@ -136,4 +144,5 @@ def check_row_ids(dataset, n: int | None) -> None:
         raise ValueError(
             f"the data set's '{ROW_KEY}' ids {what}, outside a data set of {n} rows: they are the 0-based positions "
             "of the examples in the data set the index is built over (with_row_ids(ds) before any shuffle or "
-            "select), or pass num_rows= that data set's length")
+            "select), or pass num_rows= that data set's length (where the trainer dropped rows itself, as TRL "
+            "drops examples left with no loss token, num_rows= the original length keeps the ids)")

@@ -25,7 +25,7 @@ from gradindex.fingerprint import digest_bytes, model_fingerprint
 from gradindex.model import resolve_pad_id
 from gradindex.progress import progress_bar
 from gradindex.spec.build import DEFAULT_BATCH_SIZE
-from gradindex.spec.manifest import IndexMismatchError, Manifest
+from gradindex.spec.manifest import IndexMismatchError, Manifest, tokens_differ
 from gradindex.store import Store
 from gradindex.store.covariance import read_covariance
 
@@ -176,8 +176,8 @@ def load_build_data(manifest: dict, tokenizer, path: str | None = None, check: b
     data = tokenize_records(load_records(path), tokenizer, int(m.build["max_length"]), text_field_of(manifest))
     if check and data_fingerprint(data) != m.data_fingerprint:
         raise IndexMismatchError(
-            f"the data at {path!r} no longer tokenizes to what this index was built from (data set "
-            "fingerprint differs); restore it, or rebuild the index"
+            f"the data at {path!r} does not tokenize to what this index was built from (data set fingerprint "
+            f"differs): {tokens_differ(manifest)}"
         )
     return data
 

@@ -18,7 +18,7 @@ import numpy as np
 from gradindex.chat import MESSAGES, render_turns
 from gradindex.data import load_records, token_hash, tokenize_records
 from gradindex.query.jsonl import JsonlRows
-from gradindex.spec.manifest import Manifest
+from gradindex.spec.manifest import Manifest, tokens_differ
 from gradindex.store import Store
 
 log = logging.getLogger("gradindex")
@@ -31,7 +31,7 @@ class TrainingTexts:
         self.path = Path(data or manifest.get("data_id") or "")
         self.field = manifest.get("counts", {}).get("text_field", "text")
         self.max_length, self.n = Manifest(manifest).max_length, int(manifest["counts"]["examples"])
-        self.store, self.tokenizer = store, tokenizer
+        self.store, self.tokenizer, self.manifest = store, tokenizer, manifest
         self._ds = None
         self._no_jsonl = False
         self._hashes: np.ndarray | None = None
@@ -104,9 +104,8 @@ class TrainingTexts:
             self._ds, self._no_jsonl = None, True
             return self.tokens(ids)
         if not ok.all():
-            log.warning("training rows %s of %s differ from what was indexed (the file changed since "
-                        "the build); their text is not shown", [int(i) for i in np.asarray(ids)[~ok]],
-                        str(self.path))
+            log.warning("training rows %s of %s differ from what was indexed, so their text is not shown: %s",
+                        [int(i) for i in np.asarray(ids)[~ok]], str(self.path), tokens_differ(self.manifest))
         return tok.input_ids, tok.labels, ok
 
     def _stored_hashes(self, ids) -> np.ndarray:

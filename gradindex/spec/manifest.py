@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import gradindex
 from gradindex.errors import IndexMismatchError  # noqa: F401  (re-exported)
 from gradindex.spec.build import DEFAULT_BATCH_SIZE, default
-from gradindex.spec.layout import MANIFEST, SHARDS_FILE, TRAJECTORY
+from gradindex.spec.layout import CAPTURE_LOG_DIR, MANIFEST, SHARDS_FILE, TRAJECTORY
 from gradindex.spec.rows import DEFAULT_DAMPING, LEGACY_DAMPING, RowSpec
 
 FORMAT_VERSION = 1
@@ -135,8 +135,24 @@ def no_manifest(d: Path) -> str:
     if sharded_parent(d) is not None:
         return (f"{str(d)!r}, a part of the sharded index {str(d.parent)!r}, is missing or has no {MANIFEST}; "
                 f"`gradindex verify {d.parent}` names the repair")
+    if (d / CAPTURE_LOG_DIR).is_dir():
+        return (f"{str(d)!r} holds an unfinished live capture (its {CAPTURE_LOG_DIR}/ log, no {MANIFEST}): the "
+                "training run stopped before the capture's end wrote the index; a live capture is not resumed, so "
+                "train again with overwrite=True, or build the final model's index offline (`gradindex build "
+                "MODEL_DIR DATA --out INDEX_DIR`)")
     return (f"{str(d)!r} is not a gradindex index (no {MANIFEST}); build one with "
             "`gradindex build MODEL_DIR DATA --out INDEX_DIR`")
+
+
+def tokens_differ(manifest: dict) -> str:
+    """Why a data file's tokens differ from an index's, and the fix: a live capture's loop may have tokenized it
+    otherwise than ``gradindex build`` does; else the file changed since the build."""
+    if manifest.get("training"):
+        return ("the training loop tokenized the data otherwise than `gradindex build` does (TRL appends an "
+                "end-of-sequence token to text, and trains chats on every token unless assistant_only_loss=True), "
+                "or the file changed since; capture with the loop tokenizing as the build does (docs/training.md), "
+                "or build the index offline")
+    return "the file changed since the build; restore it, or rebuild the index"
 
 
 def read_manifest(index_dir: str | os.PathLike) -> dict[str, Any]:
