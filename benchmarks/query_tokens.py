@@ -248,7 +248,7 @@ def measure_target_lds(work: Path, path: str = "idx-full") -> dict:
     facts = queries[:F]
     values = [f["value"] for f in ft["facts"]]
     tok = load_tokenizer(work / "merged")
-    per = per_token_scores(work, path, queries, "queries")[:F]  # [T_j, N] per fact query
+    per = per_token_scores(work, path, facts, "chat")  # [T_j, N] per fact query (its tokens alone scored)
     pos = target_positions(facts, values, tok)
     done, recs = token_retrained(work)
     if len(done) < 3:
