@@ -359,9 +359,36 @@ def test_ranks_on_hosts_without_a_shared_filesystem_answer_as_the_index(default_
     out = _finish(_ranks(["audit", "idx", "--queries", str(qf), "--out", str(tmp_path / "audit"), "--device", "cpu"],
                          cwds=hosts))
     assert "is not on this host" in out[0] and "part-00001" in out[0] and "shared filesystem" in out[0], out
+    _served_example_from_its_host(default_index, hosts, sh.parts[1].first + 3)
     doc = json.loads((hosts[1] / "idx" / SHARDS_FILE).read_text())
     doc["parts"][1]["stop"] = doc["parts"][1]["stop"]  # (the same index, written otherwise: refused all the same)
     (hosts[1] / "idx" / SHARDS_FILE).write_text(json.dumps(doc, indent=4))
     out = _finish(_ranks(["query", "idx", *q], cwds=hosts))
     assert "rank 1's" in out[0] and "is not rank 0's" in out[0] and "same shards.json" in out[0], out
+
+
+def _served_example_from_its_host(index: Path, hosts: list[Path], row: int) -> None:
+    """`serve` over ranks in their own folders: /example of a row on the other host (its columns and token hash
+    come from that rank) equals the one index's."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    procs = _ranks(["serve", "idx", "--port", str(port), "--device", "cpu", "--cpu-index"], cwds=hosts)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                _http(base + "/health", timeout=5)
+                break
+            except OSError as e:
+                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                    raise AssertionError("ranks did not come up: " + " | ".join(p.stdout.read() for p in procs)) from e
+                time.sleep(0.5)
+        code, got = _http(f"{base}/example/{row}")
+        with QueryEngine(index, device="cpu") as one:
+            want = one.texts.texts(np.array([row]))[0]
+            cols = one.example_columns(("num_tokens", "loss"), [row])
+        assert code == 200 and got["text"] == want and want, got
+        assert got["num_tokens"] == int(cols["num_tokens"][0]), got
+    finally:
+        _end(procs)
 
