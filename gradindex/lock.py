@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 LOCK = ".lock"
-_held: dict[str, list[int]] = {}
-"""Resolved directory → [fd, depth] of the locks this process holds."""
+_held: dict[str, list] = {}
+"""Resolved directory → [fd, depth, what] of the locks this process holds."""
 
 
 class IndexBusyError(OSError):
@@ -25,8 +25,9 @@ class IndexBusyError(OSError):
 
 
 @contextlib.contextmanager
-def index_lock(index_dir: str | os.PathLike, what: str) -> Iterator[None]:
-    """Hold the directory's write lock (creating the directory) for the ``with`` block.
+def index_lock(index_dir: str | os.PathLike, what: str, reentrant: bool = True) -> Iterator[None]:
+    """Hold the directory's write lock (creating the directory) for the ``with`` block; ``reentrant=False``: refused
+    where this process holds it already (two live captures into one folder).
 
     Under ``torchrun`` only rank 0 takes it: the other ranks are the same job, writing their own shards.
     """
@@ -40,6 +41,9 @@ def index_lock(index_dir: str | os.PathLike, what: str) -> Iterator[None]:
     created = not d.exists()
     d.mkdir(parents=True, exist_ok=True)
     key = str(d.resolve())
+    if key in _held and not reentrant:
+        raise IndexBusyError(f"{str(d)!r} is being written by this process already ({_held[key][2]}); finish that "
+                             "first, or write another folder")
     if key in _held:
         _held[key][1] += 1
         try:
@@ -60,7 +64,7 @@ def index_lock(index_dir: str | os.PathLike, what: str) -> Iterator[None]:
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}: {what}\n".encode(), 0)
-    _held[key] = [fd, 1]
+    _held[key] = [fd, 1, what]
     try:
         yield
     finally:

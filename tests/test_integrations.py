@@ -484,6 +484,9 @@ def test_the_last_epoch_is_kept_whatever_order_the_ranks_logs_are_read_in():
     step, part, local = np.zeros(4, np.int64), np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1])
     assert epoch[_choose(ids, epoch, step, part, local, "last")].tolist() == [1.0, 1.0]
     assert epoch[_choose(ids, epoch, step, part, local, "first")].tolist() == [0.0, 0.0]
+    step = np.array([7, 1, 9, 3])  # (a loop that set its epochs from 0 again: the steps still order it)
+    epoch = np.array([0.0, 1.0, 0.0, 1.0])
+    assert step[_choose(ids, epoch, step, part, local, "last")].tolist() == [7, 9]
 
 
 def test_one_capture_a_model_one_writer_a_folder_and_a_killed_capture_named(tmp_path, gpt2_dir, tokenizer, data):
@@ -519,7 +522,47 @@ def test_one_capture_a_model_one_writer_a_folder_and_a_killed_capture_named(tmp_
         other.wait()
     assert "holds an unfinished live capture" in no_manifest(out) and "overwrite=True" in no_manifest(out)
     with GradIndexCapture(_model(gpt2_dir), out, projection="8", num_rows=4, overwrite=True):
-        pass  # (the killed run released the folder)
+        with pytest.raises(IndexBusyError, match="being written by this process already"):
+            GradIndexCapture(_model(gpt2_dir), out, projection="8", num_rows=4, overwrite=True)
+    with pytest.raises(ValueError, match="typo"):  # (a capture refused while being made leaves the folder as it was)
+        GradIndexCapture(model, tmp_path / "new", projection="8", layers=["typo*"])
+    assert not (tmp_path / "new").exists()
+    with GradIndexCapture(model, tmp_path / "new", projection="8", num_rows=4):
+        pass
+
+
+def test_a_run_that_raised_leaves_a_capture_that_end_capture_ends(tmp_path, gpt2_dir, tokenizer, data):
+    """A Trainer run that raises never reaches on_train_end: its hooks stayed on the model, and a retry was refused
+    with nothing to end them by."""
+    from gradindex.integrations import end_capture
+
+    model = _model(gpt2_dir).train()
+    cap = GradIndexCapture(model, tmp_path / "a", projection="8", num_rows=4)
+    cap.__enter__()  # (the run raised: no __exit__)
+    with pytest.raises(RuntimeError, match=r"end_capture\(model\) ends it"):
+        GradIndexCapture(model, tmp_path / "b", projection="8", num_rows=4)
+    assert not (tmp_path / "b").exists()  # (refused before its folder was touched)
+    assert end_capture(model) and not end_capture(model)
+    with GradIndexCapture(model, tmp_path / "a", projection="8", num_rows=4, overwrite=True) as again:
+        again.batch(range(4))
+        model(**collate(data.input_ids[:4], data.labels[:4], tokenizer.pad_token_id)).loss.backward()
+    assert again.manifest["counts"]["examples"] == 4
+
+
+def test_a_script_that_captured_exits_quietly(tmp_path, gpt2_dir):
+    """A finished capture's object released its lock again at interpreter exit, printing a traceback."""
+    import subprocess
+    import sys
+
+    code = (f"import torch; from transformers import AutoModelForCausalLM; "
+            f"from gradindex.integrations import GradIndexCapture; "
+            f"m = AutoModelForCausalLM.from_pretrained({str(gpt2_dir)!r}).train()\n"
+            f"with GradIndexCapture(m, {str(tmp_path / 'x')!r}, projection='8', num_rows=2) as cap:\n"
+            f"    cap.batch([0, 1]); m(input_ids=torch.tensor([[1, 2, 3], [4, 5, 6]]), "
+            f"labels=torch.tensor([[1, 2, 3], [4, 5, 6]])).loss.backward()\n"
+            f"never = GradIndexCapture(m, {str(tmp_path / 'y')!r}, projection='8')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_trl_chats_trained_on_every_token_are_refused_before_training(tmp_path):

@@ -8,7 +8,7 @@ and keeps, drops or reweights its examples before the update.
 
 from __future__ import annotations
 
-from gradindex.integrations.live import ROW_KEY, CaptureOptions, LiveCapture
+from gradindex.integrations.live import ROW_KEY, CaptureOptions, LiveCapture, end_capture
 from gradindex.integrations.loop import GradIndexCapture
 from gradindex.integrations.rows import keep_rows, with_row_ids
 from gradindex.integrations.selection import (
@@ -24,7 +24,7 @@ from gradindex.integrations.selection import (
 
 __all__ = ["ROW_KEY", "CaptureOptions", "GradIndexCallback", "GradIndexCapture", "KeepAll", "LiveCapture",
            "OnlineSelector", "RandomFraction", "Reweight", "SelectingLoader", "SelectionCallback", "Threshold",
-           "TopFraction", "keep_rows", "target_from_texts", "with_row_ids"]
+           "TopFraction", "end_capture", "keep_rows", "target_from_texts", "with_row_ids"]
 
 
 def __getattr__(name: str):

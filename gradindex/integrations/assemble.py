@@ -36,9 +36,9 @@ class Assembled:
 def _choose(ids: np.ndarray, epoch: np.ndarray, step: np.ndarray, part: np.ndarray, local: np.ndarray,
             keep: str) -> np.ndarray:
     """Index (into the concatenated log) of the kept occurrence of each distinct id, ids ascending: ordered by
-    epoch, then step, then log order (without an optimizer the step stays 0, and the ranks' logs are not in time
-    order: the epoch the loop set decides)."""
-    order = np.lexsort((local, part, step, epoch))
+    step, then epoch, then log order (without an optimizer the step stays 0, and the ranks' logs are not in time
+    order: the epoch the loop set decides; a loop that sets the epoch from 0 again is still ordered by its steps)."""
+    order = np.lexsort((local, part, epoch, step))
     sel = order if keep == "first" else order[::-1]
     _, pos = np.unique(ids[sel], return_index=True)
     return sel[pos]

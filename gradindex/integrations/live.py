@@ -35,6 +35,7 @@ import math
 import os
 import shutil
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +123,10 @@ class CaptureOptions:
 
 
 LIVE_MARK = "_gradindex_live_capture"
+ALREADY_CAPTURED = (
+    "this model is already under another live capture (a GradIndexCapture or GradIndexCallback not yet closed); one "
+    "capture a model: end the other first (a training run that raised leaves its capture open: "
+    "gradindex.integrations.end_capture(model) ends it)")
 """The attribute a model carries while a live capture's hooks are on it."""
 COMBINED = ("online selection scores batches with its own forward and backward, which the live capture's hooks on this "
             "model would record as training rows: do not combine GradIndexCapture / GradIndexCallback with online "
@@ -161,34 +166,40 @@ class LiveCapture:
         self.opt = options
         self.spec = options.spec()
         check_storage(options.storage)
+        owner = getattr(self.model, LIVE_MARK, None)
+        if owner is not None and owner() is not None and not owner().closed:
+            raise RuntimeError(ALREADY_CAPTURED)  # (before the out_dir is touched)
         self._lock = contextlib.ExitStack()  # (one writer: a second run into out_dir is refused while this one runs)
-        self._lock.enter_context(index_lock(self.out, "live capture"))
+        self._released, self._locked = False, False
+        self._handles: list = []
+        self.closed = False
         try:
-            distributed.on_rank0(self._prepare_out_dir)  # (the other ranks wait)
+            distributed.on_rank0(self._prepare_out_dir)  # (the other ranks wait; rank 0's refusal raised on all)
+            self.rows = ProjectedRows(RowSpace(self.spec), options.route)
+            self.fit = LossScaleFit(options.loss_scale, options.record_loss)
+            self.capture = GradientCapture(self.inner, options.layers or None, self.rows, weight_free=False)
+            self.dims = {n: self.rows.space.dim(n) for n in self.capture.infos}
+            self.log = CaptureLog(rank_dir(self.out, distributed.rank()), self.dims, part_rows=options.shard_size)
         except BaseException:
             self.release()
             raise
-        self.rows = ProjectedRows(RowSpace(self.spec), options.route)
-        self.fit = LossScaleFit(options.loss_scale, options.record_loss)
-        self.capture = GradientCapture(self.inner, options.layers or None, self.rows, weight_free=False)
-        self.dims = {n: self.rows.space.dim(n) for n in self.capture.infos}
-        self.log = CaptureLog(rank_dir(self.out, distributed.rank()), self.dims, part_rows=options.shard_size)
         self.step = 0
         self.epoch = 0.0
         self.optimizer = None
         self._lr = float("nan")
         self._next: dict | None = None
         self._pending: MicroBatch | None = None
-        self._handles: list = []
         self._scales: list[float] = []
         self._max_batch = 0
         self._saved_states: list[dict] = []
         self._t0 = time.perf_counter()
-        self.closed = False
 
     # -- set-up -------------------------------------------------------------------------------
     def _prepare_out_dir(self) -> None:
-        """Check the output directory (and with ``overwrite`` clear it): rank 0, while the other ranks wait."""
+        """Take the output directory's write lock (a second process writing it is refused; so is a second capture
+        into it in this process), then check it (and with ``overwrite`` clear it): rank 0, the other ranks wait."""
+        self._lock.enter_context(index_lock(self.out, "live capture", reentrant=False))
+        self._locked = True
         held = [p for p in self.out.iterdir() if p.name != LOCK] if self.out.exists() else []
         if held:
             if not self.opt.overwrite:
@@ -207,17 +218,31 @@ class LiveCapture:
     def release(self) -> None:
         """Give up the output directory's write lock (at the end, or when the run failed: a log that holds no row
         yet is removed, so the same out_dir takes the next run without overwrite=True)."""
+        if self._released:
+            return
+        self._released = True
         log_dir = self.out / CAPTURE_LOG_DIR
-        if distributed.rank() == 0 and log_dir.is_dir() and not any(p.is_file() for p in log_dir.rglob("*")):
+        if self._locked and log_dir.is_dir() and not any(p.is_file() for p in log_dir.rglob("*")):
             shutil.rmtree(log_dir, ignore_errors=True)
         self._lock.close()
 
+    def abort(self) -> None:
+        """End a run that failed (a loop or a Trainer that raised): hooks off, log closed, lock given up; the rows
+        written so far stay in ``out_dir/capture`` (not an index)."""
+        self.closed = True
+        try:
+            self.detach()
+            if hasattr(self, "log"):
+                self.log.close()
+        finally:
+            self.release()
+
     def attach(self) -> LiveCapture:
         if not self._handles:
-            if getattr(self.model, LIVE_MARK, False):  # (its hook would take the ids first: MISSING_ROWS here)
-                raise RuntimeError("this model is already under another live capture (a GradIndexCapture or "
-                                   "GradIndexCallback not yet closed); one capture a model: end the other first")
-            setattr(self.model, LIVE_MARK, True)  # (online selection on this model refuses to score: COMBINED)
+            owner = getattr(self.model, LIVE_MARK, None)
+            if owner is not None and owner() not in (None, self) and not owner().closed:
+                raise RuntimeError(ALREADY_CAPTURED)  # (its hook would take the ids first: MISSING_ROWS here)
+            setattr(self.model, LIVE_MARK, weakref.ref(self))  # (online selection refuses to score here: COMBINED)
             self.capture.attach()
             self._handles.append(self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
             if self.opt.loss_scale is None:
@@ -225,7 +250,8 @@ class LiveCapture:
         return self
 
     def detach(self) -> None:
-        if getattr(self.model, LIVE_MARK, False):
+        owner = getattr(self.model, LIVE_MARK, None)
+        if owner is not None and owner() in (None, self):
             delattr(self.model, LIVE_MARK)
         for h in self._handles:
             h.remove()
@@ -367,8 +393,10 @@ class LiveCapture:
             if not self.opt.keep_log:
                 shutil.rmtree(self.out / CAPTURE_LOG_DIR, ignore_errors=True)
         finally:
-            self.release()
-            self.manifest = distributed.broadcast(manifest)  # ({} to the others when this failed)
+            try:
+                self.release()
+            finally:
+                self.manifest = distributed.broadcast(manifest)  # ({} to the others when this failed)
         if res.unseen:
             log.warning("%d training rows were never seen by the loop; stored as zeros and listed in "
                         "manifest.json 'training.unseen_ids'", len(res.unseen))
@@ -415,3 +443,15 @@ class LiveCapture:
                 **o.extra,
             },
         )
+
+
+def end_capture(model: nn.Module) -> bool:
+    """End the live capture left open on ``model`` by a run that raised (:meth:`LiveCapture.abort`); whether there
+    was one."""
+    owner = getattr(distributed.unwrap(model), LIVE_MARK, None)
+    live = owner() if owner is not None else None
+    if live is None or live.closed:
+        return False
+    live.abort()
+    return True
+

@@ -48,11 +48,14 @@ class GradIndexCapture:
             self.live.set_optimizer(optimizer)
 
     def __del__(self) -> None:
-        if hasattr(self, "live"):
+        if getattr(self, "_entered", True):  # (entered: its `with` block ended it)
+            return
+        try:  # (a capture never entered has hooked nothing: its loop was lost)
             self.live.release()
-        if not getattr(self, "_entered", True):  # (a capture never entered has hooked nothing: its loop was lost)
             warnings.warn(f"a GradIndexCapture for {str(self.live.out)!r} was never entered, so it captured nothing: "
                           "run the training loop inside `with GradIndexCapture(...) as cap:`", stacklevel=1)
+        except Exception:  # noqa: BLE001 -- at interpreter exit the modules it needs may be gone
+            pass
 
     @property
     def epoch(self) -> float:
@@ -93,8 +96,6 @@ class GradIndexCapture:
         if self._opt_handle is not None:
             self._opt_handle.remove()
         if exc_type is not None:
-            self.live.detach()
-            self.live.log.close()
-            self.live.release()
+            self.live.abort()
             return
         self.manifest = self.live.close() or getattr(self.live, "manifest", {})  # (closed inside the block: kept)

@@ -71,6 +71,8 @@ class GradIndexCallback(TrainerCallback):
         tok = kw.get("processing_class") or kw.get("tokenizer")
         if self.options.text_field == MESSAGES and not self.options.chat_template and tok is not None:
             self.options.chat_template = template_of(tok) or ""
+        if self.live is not None and not self.live.closed:  # (a run of this callback that raised: ended first)
+            self.live.abort()
         self.live = LiveCapture(model, self.out_dir, self.options)
         self.live.set_optimizer(optimizer)
         self.live.step = state.global_step

@@ -199,6 +199,8 @@ class _Columns:
     def rows_of(self, name: str, ids) -> np.ndarray:
         """Column ``name`` of rows ``ids`` (the whole index's), in order."""
         ids = np.asarray(ids, dtype=np.int64)
+        if not len(ids):
+            return np.zeros((0,), dtype=self._column(name, 0).dtype)
         part = [bisect.bisect_right(self.firsts, int(i)) - 1 for i in ids]
         remote = [t for t, j in enumerate(part) if j not in self.stores and self.fetch is not None]
         got = self.fetch(name, ids[remote]) if remote else {}
@@ -242,8 +244,8 @@ class ShardedQueryEngine(QueryEngine):
     @property
     def whole(self) -> OpenParts:
         """Every part as one open store (the whole index's manifest and rows; part 0's fits), opened on first use:
-        what reads every part's rows here (the audit, outliers, duplicates, an explanation) needs every part on this
-        host; a query, the server and the texts do not."""
+        what reads every part's rows here (the audit, outliers, duplicates, an explanation, the server's explained
+        results) needs every part on this host; a query, the server's searches and the texts do not."""
         if self._whole is None:
             away = [p.dir for p in self.sharded.parts if not (p.dir / STORE_DIR).is_dir()]
             if away:
@@ -252,6 +254,8 @@ class ShardedQueryEngine(QueryEngine):
                                         "rows on rank 0, so run it where every part is readable (a shared "
                                         "filesystem, or all parts copied here); queries and the server need only "
                                         "each rank's own parts")
+            if distributed.active():  # (rank 0 read only its own parts' manifests: check the others' copies here)
+                read_sharded(self.sharded.dir)
             self._whole = OpenParts(self.sharded)
         return self._whole
 

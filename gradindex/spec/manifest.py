@@ -138,8 +138,8 @@ def no_manifest(d: Path) -> str:
     if (d / CAPTURE_LOG_DIR).is_dir():
         return (f"{str(d)!r} holds an unfinished live capture (its {CAPTURE_LOG_DIR}/ log, no {MANIFEST}): the "
                 "training run stopped before the capture's end wrote the index; a live capture is not resumed, so "
-                "train again with overwrite=True, or build the final model's index offline (`gradindex build "
-                "MODEL_DIR DATA --out INDEX_DIR`)")
+                "train again with overwrite=True, or build the final model's index offline into another folder "
+                "(`gradindex build MODEL_DIR DATA --out INDEX_DIR`)")
     return (f"{str(d)!r} is not a gradindex index (no {MANIFEST}); build one with "
             "`gradindex build MODEL_DIR DATA --out INDEX_DIR`")
 
