@@ -592,3 +592,35 @@ def test_tokens_that_differ_name_the_loop_for_a_live_capture():
 
     assert "TRL appends an end-of-sequence token" in tokens_differ({"training": {"source": "in-loop capture"}})
     assert tokens_differ({}).startswith("the file changed since the build")
+
+
+def test_a_trainer_that_appends_an_end_of_sequence_token_is_named_at_the_end(tmp_path, gpt2_dir, tokenizer, data):
+    """TRL appends an end-of-sequence token to text: the index then did not match its data file, and only later
+    commands said so, blaming the file ("changed since the build")."""
+    pytest.importorskip("accelerate")
+    import datasets
+    from transformers import Trainer, TrainingArguments
+
+    from gradindex.integrations import GradIndexCallback
+
+    def collator(examples):  # (the appended token carries loss, as TRL's does)
+        b = collate([e["input_ids"] for e in examples], [e["input_ids"] for e in examples], tokenizer.pad_token_id)
+        return b | {ROW_KEY: torch.tensor([e[ROW_KEY] for e in examples])}
+
+    jsonl = tmp_path / "train.jsonl"
+    records_from_texts(make_texts(N, seed=3, max_words=20)).to_json(jsonl)
+    notes = []
+    for eos in (False, True):
+        ids = [list(x) + [tokenizer.eos_token_id] * eos for x in data.input_ids]
+        ds = with_row_ids(datasets.Dataset.from_dict({"input_ids": ids}))
+        cb = GradIndexCallback(tmp_path / f"live{eos}", projection="8", shard_size=16, model_id=str(gpt2_dir),
+                               data_id=str(jsonl), max_length=64)
+        args = TrainingArguments(str(tmp_path / "tr"), per_device_train_batch_size=8, learning_rate=0.0,
+                                 num_train_epochs=1, report_to=[], use_cpu=True, save_strategy="no",
+                                 logging_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+        Trainer(_model(gpt2_dir), args, train_dataset=ds, processing_class=tokenizer, callbacks=[cb],
+                data_collator=collator).train()
+        notes.append(cb.tokens_note)
+    assert notes[0] is None, notes[0]
+    assert notes[1] is not None and f"{N} of {N} examples checked were trained as other tokens" in notes[1]
+    assert "an end-of-sequence token appended, as TRL does" in notes[1] and "tokenize_records" in notes[1]

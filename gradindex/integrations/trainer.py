@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -10,6 +11,9 @@ from transformers import TrainerCallback
 from gradindex.chat import MESSAGES, template_of
 from gradindex.integrations.live import MISSING_ROWS, ROW_KEY, LiveCapture
 from gradindex.integrations.loop import capture_options
+from gradindex.integrations.tokens_check import loop_tokens_differ
+
+log = logging.getLogger("gradindex")
 
 
 class GradIndexCallback(TrainerCallback):
@@ -32,6 +36,8 @@ class GradIndexCallback(TrainerCallback):
         self.live: LiveCapture | None = None
         self.manifest: dict = {}
         self._num_rows: int | None = None
+        self.tokens_note: str | None = None
+        """Set at the end when the trainer's tokens of the examples differ from the data file's (also logged)."""
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kw):
         dataset = getattr(train_dataloader, "dataset", None)
@@ -96,6 +102,11 @@ class GradIndexCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
         if self.live is not None and not self.live.closed:
             self.manifest = self.live.close(self._num_rows)
+            if self.manifest:  # (rank 0: the store is written)
+                self.tokens_note = loop_tokens_differ(self.out_dir, self.manifest,
+                                                      kw.get("processing_class") or kw.get("tokenizer"))
+                if self.tokens_note:
+                    log.warning(self.tokens_note)
 
 
 class SelectionCallback(TrainerCallback):
