@@ -521,6 +521,13 @@ def test_one_capture_a_model_one_writer_a_folder_and_a_killed_capture_named(tmp_
         other.kill()
         other.wait()
     assert "holds an unfinished live capture" in no_manifest(out) and "overwrite=True" in no_manifest(out)
+    from click.testing import CliRunner
+
+    from gradindex.cli import main
+
+    for cmd in (["info", str(out)], ["verify", str(out)], ["query", str(out), "--text", "a"]):
+        r = CliRunner().invoke(main, cmd)
+        assert r.exit_code != 0 and "holds an unfinished live capture" in r.output, (cmd, r.output)
     with GradIndexCapture(_model(gpt2_dir), out, projection="8", num_rows=4, overwrite=True):
         with pytest.raises(IndexBusyError, match="being written by this process already"):
             GradIndexCapture(_model(gpt2_dir), out, projection="8", num_rows=4, overwrite=True)
