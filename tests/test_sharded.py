@@ -190,3 +190,21 @@ def test_cli_split_merge_and_torchrun_query_print_as_one_index(gpt2_dir, default
     assert run("query", tmp_path / "back", *q) == one
     assert run("query", tmp_path / "sh", *q) == one  # one process, every part in turn
     assert torchrun("-m", "gradindex", "query", str(tmp_path / "sh"), *q) == one  # 2 ranks (gloo), rank 0 prints
+
+
+def test_cli_refined_query_over_parts_prints_as_one_index(default_index, sharded):
+    """`query SHARDED --refine cg` failed with "not enough values to unpack" (the routed call was given the raw
+    --refine options)."""
+    q = ["--text", QUERIES[0], "-k", "5", "--device", "cpu", "--method", "ekfac", "--refine", "cg",
+         "--refine-steps", "2"]
+    one = run("query", default_index, *q)
+    assert one != run("query", default_index, *q[:-4])  # (the refinement moves the scores)
+    assert run("query", sharded.dir, *q) == one
+
+
+@pytest.mark.parametrize("cmd", [["explain", "--text", "a cat", "--id", "3"], ["outliers"], ["dedup", "--out"]])
+def test_commands_that_take_one_index_name_the_sharded_index_and_the_merge(sharded, cmd, tmp_path):
+    """They said "not a gradindex index (no manifest.json); build one"."""
+    more = [str(tmp_path / "d.jsonl")] if cmd[-1] == "--out" else []
+    r = CliRunner().invoke(main, [cmd[0], str(sharded.dir), *cmd[1:], *more])
+    assert r.exit_code != 0 and "is a sharded index" in r.output and "gradindex merge" in r.output, r.output

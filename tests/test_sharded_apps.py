@@ -365,6 +365,10 @@ def test_ranks_on_hosts_without_a_shared_filesystem_answer_as_the_index(default_
     (hosts[1] / "idx" / SHARDS_FILE).write_text(json.dumps(doc, indent=4))
     out = _finish(_ranks(["query", "idx", *q], cwds=hosts))
     assert "rank 1's" in out[0] and "is not rank 0's" in out[0] and "same shards.json" in out[0], out
+    shutil.copy(sh.dir / SHARDS_FILE, hosts[1] / "idx")
+    shutil.rmtree(hosts[1] / "idx" / "part-00001")  # (a host without its own part)
+    out = _finish(_ranks(["query", "idx", *q], cwds=hosts))
+    assert "rank 1 of 2 answers for part-00001" in out[0] and str(hosts[1]) in out[0], out
 
 
 def _served_example_from_its_host(index: Path, hosts: list[Path], row: int) -> None:
@@ -389,6 +393,39 @@ def _served_example_from_its_host(index: Path, hosts: list[Path], row: int) -> N
             cols = one.example_columns(("num_tokens", "loss"), [row])
         assert code == 200 and got["text"] == want and want, got
         assert got["num_tokens"] == int(cols["num_tokens"][0]), got
+    finally:
+        _end(procs)
+
+
+@pytest.mark.slow
+def test_health_finds_a_rank_that_died_while_the_server_was_idle(default_index, tmp_path):
+    """/health said "ok" for as long as no request came after a rank died."""
+    sh = split_index(default_index, tmp_path / "two", 2)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    procs = _ranks(["serve", str(sh.dir), "--port", str(port), "--device", "cpu", "--cpu-index", "--rank-timeout", "5"])
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                code, health = _http(base + "/health", timeout=5)
+                break
+            except OSError as e:
+                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                    raise AssertionError("ranks did not come up: " + " | ".join(p.stdout.read() for p in procs)) from e
+                time.sleep(0.5)
+        assert code == 200 and health["status"] == "ok", health
+        procs[1].kill()
+        procs[1].wait()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            code, health = _http(base + "/health", timeout=10)
+            if code == 503:
+                break
+            time.sleep(1)
+        assert code == 503 and health["status"].startswith("lost: rank 1 (part-00001"), health
+        assert time.monotonic() - t0 < 15, time.monotonic() - t0  # (probed every 5 s)
+        assert health["served"]["rejected"] == 0
     finally:
         _end(procs)
 

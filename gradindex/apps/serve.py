@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from gradindex import distributed
 from gradindex.apps.batching import Background, Batcher, Expired, Job, QueryJob, Stopped
 from gradindex.apps.explain import Explainer
 from gradindex.apps.html import LEGEND, page
@@ -299,11 +300,28 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
 def _add_health(app: FastAPI, engine: QueryEngine, answers: list[str], default: str, request_timeout: float) -> None:
     """``GET /health``: the index's state (503 unless ``ok``), the methods offered, the queue, the stage timings."""
     batcher, state, stages = app.state.batcher, app.state.index, app.state.stages
+    probe = getattr(engine, "probe_ranks", None) if distributed.active() else None  # (a sharded index's ranks)
+    probing: dict = {"at": time.monotonic(), "job": None}
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if probe is not None and state.status() == "ok":
+            await _probe()
         status = state.status()  # 503 unless "ok": a monitor sees a damaged or replaced index by the code alone
         return JSONResponse(_health(status), status_code=200 if status == "ok" else 503)
+
+    async def _probe() -> None:
+        """Ask every rank to answer (at most every :data:`PROBE_EVERY` s, through the worker, as searches are): a
+        rank that died while the server was idle is found lost, and this or the next /health says so."""
+        job = probing["job"]
+        if (job is not None and not job.future.done()) or time.monotonic() - probing["at"] < PROBE_EVERY:
+            return
+        probing["at"], probing["job"] = time.monotonic(), Job(probe, deadline=time.monotonic() + request_timeout)
+        if batcher.submit(probing["job"]):
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(probing["job"].future)), PROBE_WAIT)
+            except Exception:  # noqa: BLE001 -- a lost rank is recorded by the probe itself (state.status)
+                pass
 
     def _health(status: str) -> dict:
         return {"status": status, "examples": engine.n, "layers": len(engine.select_layers(None)),
@@ -313,6 +331,12 @@ def _add_health(app: FastAPI, engine: QueryEngine, answers: list[str], default: 
                           "max_batch": batcher.max_batch, "window_s": batcher.window,
                           "request_timeout_s": request_timeout},
                 "served": batcher.stats.to_dict(), "stages": stages.to_dict()}
+
+
+PROBE_EVERY = 5.0
+"""Seconds between two probes of a sharded index's ranks by ``/health``."""
+PROBE_WAIT = 2.0
+"""Seconds a ``/health`` waits for its probe's answer before it answers with the state as it is."""
 
 
 def _add_example(app: FastAPI, engine: QueryEngine, answer, request_timeout: float) -> None:

@@ -142,9 +142,8 @@ def damping_option(help: str = "Relative damping (kfac, ekfac)."):
                         callback=positive_damping)
 
 
-def refine_options(fn):
-    """``--refine cg|neumann``, ``--refine-steps``, ``--refine-sample``, ``--refine-curvature``: refined EK-FAC
-    queries (docs/query.md); the command receives them as one ``refine`` argument for :func:`refine_config`."""
+def gather_refine(fn):
+    """``fn`` taking the ``--refine*`` options as one ``refine`` argument (for :func:`refine_config`)."""
     import functools
 
     @functools.wraps(fn)
@@ -153,6 +152,13 @@ def refine_options(fn):
         return fn(*args, refine=None if refine is None else (refine, refine_steps, refine_sample, refine_curvature,
                                                              refine_damping), **kwargs)
 
+    return wrapper
+
+
+def refine_options(fn):
+    """``--refine cg|neumann``, ``--refine-steps``, ``--refine-sample``, ``--refine-curvature``: refined EK-FAC
+    queries (docs/query.md); the command receives them as one ``refine`` argument (:func:`gather_refine`)."""
+    wrapper = gather_refine(fn)
     wrapper = click.option("--refine-damping", default=10.0, show_default=True, type=float,
                            callback=positive_damping,
                            help="Relative damping of the refined system (the query's --damping to refine at it). "

@@ -19,7 +19,7 @@ from gradindex.cli import audit as audit_cli
 from gradindex.cli import main
 from gradindex.cli import query as query_cli
 from gradindex.cli import serve as serve_cli
-from gradindex.cli.common import UserError, status, user_errors
+from gradindex.cli.common import UserError, gather_refine, status, user_errors
 
 
 @main.command()
@@ -146,6 +146,6 @@ def _route_sharded(command: click.Command, sharded=None, load_layers: bool = Fal
              "with an error naming it (a rank that dies fails it at once)."))
 
 
-_route_sharded(query_cli.query, sharded_query)
+_route_sharded(query_cli.query, gather_refine(sharded_query))  # (the routed call has the raw --refine* options)
 _route_sharded(serve_cli.serve, load_layers=True)
 _route_sharded(audit_cli.audit)

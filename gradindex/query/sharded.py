@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import math
 import os
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -122,6 +124,9 @@ class PartSearch:
                                      f"copy of the sharded index must hold the same {SHARDS_FILE} (copy rank 0's, or "
                                      "split the index again and give each host its parts)")
 
+    def ping(self) -> None:
+        """Answer (:meth:`ShardedQueryEngine.probe_ranks`)."""
+
     def column_rows(self, name: str, ids: np.ndarray) -> dict[int, np.ndarray]:
         """Per-example column ``name`` of those rows ``ids`` (the whole index's) these parts hold, by id."""
         ids = np.asarray(ids, dtype=np.int64)
@@ -160,13 +165,32 @@ def merge(a: list[QueryResult], b: list[QueryResult], k: int, lowest: int) -> li
     return out
 
 
+def read_own(index: str | os.PathLike, rank: tuple[int, int] | None) -> Sharded:
+    """:func:`read_sharded` of the parts ``rank`` (``(rank, ranks)`` under ``torchrun``) answers for; a part it cannot
+    read is named with the rank, the parts it needs and where it looked (a host of its own may lack them)."""
+    try:
+        return read_sharded(index, rank)
+    except (FileNotFoundError, IndexMismatchError, ValueError) as e:
+        if rank is None or not (Path(index) / SHARDS_FILE).is_file():
+            raise
+        try:
+            names = [p["dir"] for p in json.loads((Path(index) / SHARDS_FILE).read_text())["parts"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise e from None
+        r, w = rank
+        mine = names[r * len(names) // w:(r + 1) * len(names) // w]
+        raise type(e)(f"rank {r} of {w} answers for {', '.join(mine)} of {str(index)!r} (as read on its host, in "
+                      f"{os.getcwd()!r}): {e}; a rank's host needs shards.json and that rank's parts, copied from "
+                      "where the index was split") from None
+
+
 def serve_parts(index: str | os.PathLike, layers: Sequence[str] | None = None, use_gpu: bool = True) -> None:
     """A ``torchrun`` rank other than 0: open this rank's parts and answer rank 0 until it is done (an error opening
     them is the answer to every request)."""
     local: PartSearch | BaseException
     try:
         rank = (distributed.rank(), distributed.world_size())
-        sh = read_sharded(index, rank)  # (this rank's parts only: another host may hold the others)
+        sh = read_own(index, rank)  # (this rank's parts only: another host may hold the others)
         local = PartSearch(sh, sh.owned(*rank), layers, use_gpu)
     except Exception as e:  # noqa: BLE001 -- answered to rank 0
         local = e
@@ -224,7 +248,7 @@ class ShardedQueryEngine(QueryEngine):
             if distributed.rank() != 0:
                 raise RuntimeError("a sharded index's engine opens on rank 0; other ranks run serve_parts")
             ranks = (0, distributed.world_size()) if distributed.active() else None  # (the others read theirs)
-            self.sharded = index if isinstance(index, Sharded) else read_sharded(index, ranks)
+            self.sharded = index if isinstance(index, Sharded) else read_own(index, ranks)
             owned = self.sharded.owned(0, distributed.world_size())
             self._first = OpenIndex(self.sharded.parts[0].dir)
             super().__init__(self._first, model_dir, layers=layers, use_gpu=use_gpu, data=data, **kwargs)
@@ -267,6 +291,12 @@ class ShardedQueryEngine(QueryEngine):
     @store.setter
     def store(self, value: Store) -> None:  # (QueryEngine.__init__ sets part 0's: this engine reads every part)
         pass
+
+    def probe_ranks(self) -> None:
+        """Have every rank answer, so that one that died while no request came is found lost (:meth:`lost`); nothing
+        in one process."""
+        if distributed.active():
+            self._ask("ping", {})
 
     def _fetch_rows(self, name: str, ids: np.ndarray) -> dict[int, np.ndarray]:
         """Column ``name`` of rows ``ids`` from the ranks that hold them, by id."""

@@ -132,6 +132,10 @@ def no_manifest(d: Path) -> str:
         return (f"{str(d)!r} is a trajectory (TracIn) index, a folder of one index per checkpoint: query it with "
                 f"`gradindex query {d} --method tracin`; each checkpoint's index ({d / 'ckpt-00'}, ...) is an "
                 "ordinary index for the other commands")
+    if (d / SHARDS_FILE).is_file():
+        return (f"{str(d)!r} is a sharded index (its {SHARDS_FILE} names parts, each a complete index); `query`, "
+                "`serve`, `audit`, `info`, `verify` and `merge` take it, and this command takes one index: merge it "
+                f"first (`gradindex merge {d} --out INDEX_DIR`)")
     if sharded_parent(d) is not None:
         return (f"{str(d)!r}, a part of the sharded index {str(d.parent)!r}, is missing or has no {MANIFEST}; "
                 f"`gradindex verify {d.parent}` names the repair")
