@@ -429,3 +429,28 @@ def test_health_finds_a_rank_that_died_while_the_server_was_idle(default_index, 
     finally:
         _end(procs)
 
+
+@pytest.mark.slow
+def test_a_rank_whose_rank_0_died_stops_with_one_line(default_index, tmp_path):
+    """Rank 1 printed two chained tracebacks (the store's wait, then the shutdown barrier) when rank 0 was killed."""
+    sh = split_index(default_index, tmp_path / "two", 2)
+    port = _free_port()
+    procs = _ranks(["serve", str(sh.dir), "--port", str(port), "--device", "cpu", "--cpu-index", "--rank-timeout", "5"])
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                _http(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError as e:
+                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                    raise AssertionError("ranks did not come up: " + " | ".join(p.stdout.read() for p in procs)) from e
+                time.sleep(0.5)
+        procs[0].kill()
+        out, _ = procs[1].communicate(timeout=60)
+        assert procs[1].returncode not in (0, None), out
+        errors = [x for x in out.splitlines() if x.startswith("Error:")]  # (torch's own C++ warning may precede it)
+        assert "Traceback" not in out and len(errors) == 1 and "rank 0 went away" in errors[0], out
+    finally:
+        _end(procs)
+

@@ -81,9 +81,15 @@ def on_ranks(o: dict, rank0, layers=None) -> None:
     except RuntimeError as e:  # (torch's DistStoreError / DistNetworkError: a rank never joined, or rank 0 is gone)
         raise UserError(f"the run's {os.environ.get('WORLD_SIZE')} ranks did not all start within --rank-timeout "
                         f"{timeout:g} s ({str(e).splitlines()[0][:160]}); start every rank again") from None
+    gone = False
     try:
         if distributed.rank() > 0:
-            serve_parts(o["index_dir"], layers=layers, use_gpu=not o["cpu_index"])
+            try:
+                serve_parts(o["index_dir"], layers=layers, use_gpu=not o["cpu_index"])
+            except RuntimeError as e:  # (torch's DistNetworkError / DistStoreError: rank 0 went away)
+                gone = True
+                raise UserError(f"rank {distributed.rank()}: rank 0 went away ({str(e).splitlines()[0][:160]}), so "
+                                "this rank stops; restart the run (every rank)") from None
         else:
             try:
                 rank0()
@@ -93,7 +99,7 @@ def on_ranks(o: dict, rank0, layers=None) -> None:
                 stop_followers()
     finally:
         if ranks:
-            distributed.shutdown(wait=not lost())  # (a lost rank never reaches the barrier)
+            distributed.shutdown(wait=not lost() and not gone)  # (a lost rank never reaches the barrier)
     if ranks:
         distributed.exit_rank(0)
 
