@@ -150,6 +150,19 @@ def _ranks(args: list[str], world: int = 2, cwds: list[Path] | None = None) -> l
     return procs
 
 
+def _up(procs: list[subprocess.Popen], base: str) -> tuple[int, dict]:
+    """Wait (up to 120 s) for served ranks' ``/health`` to answer; its status and body."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            return _http(base + "/health", timeout=5)
+        except OSError as e:
+            if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+                _end(procs)
+                raise AssertionError("ranks did not come up: " + " | ".join(p.stdout.read() for p in procs)) from e
+            time.sleep(0.5)
+
+
 def _end(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -165,16 +178,7 @@ def test_served_ranks_a_stalled_then_dead_rank_is_named_within_the_timeout(defau
     procs = _ranks(["serve", str(sh.dir), "--port", str(port), "--device", "cpu", "--cpu-index",
                     "--rank-timeout", "3", "--request-timeout", "60"])
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                code, health = _http(base + "/health", timeout=5)
-                break
-            except OSError as e:
-                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-                    _end(procs)
-                    raise AssertionError("ranks did not come up: " + " | ".join(p.stdout.read() for p in procs)) from e
-                time.sleep(0.5)
+        code, health = _up(procs, base)
         assert code == 200 and health["examples"] == 40
         code, got = _http(base + "/query", {"text": QUERIES[1], "k": 5})
         assert code == 200, got
@@ -378,15 +382,7 @@ def _served_example_from_its_host(index: Path, hosts: list[Path], row: int) -> N
     base = f"http://127.0.0.1:{port}"
     procs = _ranks(["serve", "idx", "--port", str(port), "--device", "cpu", "--cpu-index"], cwds=hosts)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                _http(base + "/health", timeout=5)
-                break
-            except OSError as e:
-                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-                    raise AssertionError("ranks did not come up: " + " | ".join(p.stdout.read() for p in procs)) from e
-                time.sleep(0.5)
+        _up(procs, base)
         code, got = _http(f"{base}/example/{row}")
         with QueryEngine(index, device="cpu") as one:
             want = one.texts.texts(np.array([row]))[0]
@@ -397,23 +393,20 @@ def _served_example_from_its_host(index: Path, hosts: list[Path], row: int) -> N
         _end(procs)
 
 
+def _serve_two(index: Path, tmp_path: Path) -> tuple[list[subprocess.Popen], str]:
+    """``index`` split in 2 and served by 2 ranks (``--rank-timeout 5``); the ranks and the server's base URL."""
+    sh = split_index(index, tmp_path / "two", 2)
+    port = _free_port()
+    procs = _ranks(["serve", str(sh.dir), "--port", str(port), "--device", "cpu", "--cpu-index", "--rank-timeout", "5"])
+    return procs, f"http://127.0.0.1:{port}"
+
+
 @pytest.mark.slow
 def test_health_finds_a_rank_that_died_while_the_server_was_idle(default_index, tmp_path):
     """/health said "ok" for as long as no request came after a rank died."""
-    sh = split_index(default_index, tmp_path / "two", 2)
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    procs = _ranks(["serve", str(sh.dir), "--port", str(port), "--device", "cpu", "--cpu-index", "--rank-timeout", "5"])
+    procs, base = _serve_two(default_index, tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                code, health = _http(base + "/health", timeout=5)
-                break
-            except OSError as e:
-                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-                    raise AssertionError("ranks did not come up: " + " | ".join(p.stdout.read() for p in procs)) from e
-                time.sleep(0.5)
+        code, health = _up(procs, base)
         assert code == 200 and health["status"] == "ok", health
         procs[1].kill()
         procs[1].wait()
@@ -433,19 +426,9 @@ def test_health_finds_a_rank_that_died_while_the_server_was_idle(default_index, 
 @pytest.mark.slow
 def test_a_rank_whose_rank_0_died_stops_with_one_line(default_index, tmp_path):
     """Rank 1 printed two chained tracebacks (the store's wait, then the shutdown barrier) when rank 0 was killed."""
-    sh = split_index(default_index, tmp_path / "two", 2)
-    port = _free_port()
-    procs = _ranks(["serve", str(sh.dir), "--port", str(port), "--device", "cpu", "--cpu-index", "--rank-timeout", "5"])
+    procs, base = _serve_two(default_index, tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                _http(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except OSError as e:
-                if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-                    raise AssertionError("ranks did not come up: " + " | ".join(p.stdout.read() for p in procs)) from e
-                time.sleep(0.5)
+        _up(procs, base)
         procs[0].kill()
         out, _ = procs[1].communicate(timeout=60)
         assert procs[1].returncode not in (0, None), out
