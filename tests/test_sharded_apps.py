@@ -371,8 +371,10 @@ def test_ranks_on_hosts_without_a_shared_filesystem_answer_as_the_index(default_
     assert "rank 1's" in out[0] and "is not rank 0's" in out[0] and "same shards.json" in out[0], out
     shutil.copy(sh.dir / SHARDS_FILE, hosts[1] / "idx")
     shutil.rmtree(hosts[1] / "idx" / "part-00001")  # (a host without its own part)
-    out = _finish(_ranks(["query", "idx", *q], cwds=hosts))
+    procs = _ranks(["query", "idx", *q], cwds=hosts)
+    out = _finish(procs)
     assert "rank 1 of 2 answers for part-00001" in out[0] and str(hosts[1]) in out[0], out
+    assert all(p.returncode != 0 for p in procs) and "rank 0 ended the run after an error" in out[1], out
 
 
 def _served_example_from_its_host(index: Path, hosts: list[Path], row: int) -> None:

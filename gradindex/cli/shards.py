@@ -73,7 +73,7 @@ def on_ranks(o: dict, rank0, layers=None) -> None:
     within ``--rank-timeout`` (:mod:`gradindex.query.ranks`)."""
     from gradindex import distributed
     from gradindex.query.ranks import RankLostError, lost, stop_followers
-    from gradindex.query.sharded import serve_parts
+    from gradindex.query.sharded import RankZeroFailed, serve_parts
 
     timeout = o.pop("rank_timeout")
     try:
@@ -86,17 +86,21 @@ def on_ranks(o: dict, rank0, layers=None) -> None:
         if distributed.rank() > 0:
             try:
                 serve_parts(o["index_dir"], layers=layers, use_gpu=not o["cpu_index"])
+            except RankZeroFailed as e:
+                raise UserError(f"rank {distributed.rank()}: {e}") from None
             except RuntimeError as e:  # (torch's DistNetworkError / DistStoreError: rank 0 went away)
                 gone = True
                 raise UserError(f"rank {distributed.rank()}: rank 0 went away ({str(e).splitlines()[0][:160]}), so "
                                 "this rank stops; restart the run (every rank)") from None
         else:
+            failed = True
             try:
                 rank0()
+                failed = False
             except RankLostError as e:
                 raise UserError(str(e)) from None
             finally:
-                stop_followers()
+                stop_followers(failed)
     finally:
         if ranks:
             distributed.shutdown(wait=not lost() and not gone)  # (a lost rank never reaches the barrier)

@@ -117,10 +117,11 @@ def _who(n: int, err: Exception, describe: Callable[[int], str], waited: float) 
             f"rows; restart the run (every rank; `torchrun --max-restarts N` restarts it by itself){more}")
 
 
-def follow(local) -> None:
+def follow(local) -> bool:
     """A rank other than 0: answer rank 0's requests until it broadcasts ``None`` (waiting for each with no
-    deadline; the collectives carry the run's timeout). Ctrl-C is rank 0's to handle (a server stops, then ends
-    this loop): this rank ignores SIGINT meanwhile (torchrun sends it to every rank)."""
+    deadline; the collectives carry the run's timeout); whether rank 0 ended the run after an error
+    (:func:`stop_followers`). Ctrl-C is rank 0's to handle (a server stops, then ends this loop): this rank ignores
+    SIGINT meanwhile (torchrun sends it to every rank)."""
     store, n = distributed.store(), 0
     main = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
@@ -130,7 +131,7 @@ def follow(local) -> None:
             _wait(store, _key("go", n))
             msg = distributed.broadcast(None)
             if msg is None:
-                return
+                return store.get(_key("go", n)) == FAILED
             me = distributed.rank()
             store.set(_key("took", n, me), "1")
             answer = _answer(local, *msg)
@@ -152,15 +153,19 @@ def _wait(store: dist.Store, key: str) -> None:
                 raise
 
 
-def stop_followers() -> None:
+FAILED = b"stop: rank 0 failed"
+"""The last request's key when rank 0 ends the run after an error (the other ranks then exit non-zero too)."""
+
+
+def stop_followers(failed: bool = False) -> None:
     """Rank 0: end the other ranks' :func:`follow` (once a run; nothing outside ``torchrun``, nothing once a rank
-    is lost: the group is broken, and ending the run ends them)."""
+    is lost: the group is broken, and ending the run ends them); ``failed``: rank 0 ends it after an error."""
     if _Run.stopped or _Run.lost or not distributed.active():
         return
     _Run.stopped = True
     _Run.seq += 1
     try:
-        distributed.store().set(_key("go", _Run.seq), "stop")
+        distributed.store().set(_key("go", _Run.seq), FAILED if failed else "stop")
         distributed.broadcast(None)
     except RuntimeError as e:  # (a rank lost since the last request)
         _Run.lost = f"a rank was lost before the run ended ({str(e).splitlines()[0][:200]})"

@@ -184,6 +184,10 @@ def read_own(index: str | os.PathLike, rank: tuple[int, int] | None) -> Sharded:
                       "where the index was split") from None
 
 
+class RankZeroFailed(RuntimeError):
+    """A rank other than 0 whose run rank 0 ended after an error (it exits non-zero, as rank 0 does)."""
+
+
 def serve_parts(index: str | os.PathLike, layers: Sequence[str] | None = None, use_gpu: bool = True) -> None:
     """A ``torchrun`` rank other than 0: open this rank's parts and answer rank 0 until it is done (an error opening
     them is the answer to every request)."""
@@ -195,7 +199,8 @@ def serve_parts(index: str | os.PathLike, layers: Sequence[str] | None = None, u
     except Exception as e:  # noqa: BLE001 -- answered to rank 0
         local = e
     try:
-        follow(local)
+        if follow(local):
+            raise RankZeroFailed("rank 0 ended the run after an error (its output says which); this rank stops too")
     finally:
         if isinstance(local, PartSearch):
             local.close()
@@ -262,7 +267,7 @@ class ShardedQueryEngine(QueryEngine):
             self.home = self.sharded.dir
             """The sharded index directory (:attr:`dir` is part 0's: the fits every part shares)."""
         except BaseException:
-            self.close()
+            self.close(failed=True)
             raise
 
     @property
@@ -361,11 +366,15 @@ class ShardedQueryEngine(QueryEngine):
         kw = {"grads": q, "method": method, "damping": damping, "layers": chosen}
         return np.concatenate(self._ask("scores", kw), axis=1)
 
-    def close(self) -> None:
-        """Close every part opened here and end the other ranks' run (once)."""
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)
+
+    def close(self, failed: bool = False) -> None:
+        """Close every part opened here and end the other ranks' run (once; ``failed``: after an error, so that they
+        exit non-zero too)."""
         if not self._stopped:
             self._stopped = True
-            stop_followers()
+            stop_followers(failed)
         if self._whole is not None:
             self._whole.close()
         if self.local is not None:
