@@ -51,6 +51,9 @@ def main(argv=None) -> None:
         del trainer, model  # DDP's reducer holds the group
         dist.barrier()  # every rank's outstanding work done first: destroying gloo's group with work still in
         dist.destroy_process_group()  # flight deadlocked (its loop thread waited for the GIL the join held)
+        from gradindex.distributed import exit_rank
+
+        exit_rank(0)  # (gloo's threads can abort the interpreter's teardown: "terminate called without ...")
 
 
 if __name__ == "__main__":

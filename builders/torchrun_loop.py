@@ -87,6 +87,9 @@ def main(argv=None) -> None:
               f"({args.wrap}) into {args.out}; model saved to {model_out}")
     dist.barrier()  # no work in flight when the group goes (builders/hf_trainer.py)
     dist.destroy_process_group()
+    from gradindex.distributed import exit_rank
+
+    exit_rank(0)  # (gloo threads can abort the interpreter teardown: "terminate called without an active exception")
 
 
 if __name__ == "__main__":
