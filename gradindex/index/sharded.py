@@ -104,7 +104,12 @@ class Sharded:
         if not 1 <= ranks <= P:
             raise ValueError(f"{str(self.dir)!r} has {P} parts; run at most {P} ranks (one part or more each), "
                              f"not {ranks}")
-        return list(range(rank * P // ranks, (rank + 1) * P // ranks))
+        return owned_parts(P, rank, ranks)
+
+
+def owned_parts(parts: int, rank: int, ranks: int) -> list[int]:
+    """The parts (of ``parts``) rank ``rank`` of ``ranks`` answers for (:meth:`Sharded.owned`, unchecked)."""
+    return list(range(rank * parts // ranks, (rank + 1) * parts // ranks))
 
 
 def is_sharded(path: str | os.PathLike) -> bool:

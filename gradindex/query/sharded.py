@@ -40,7 +40,7 @@ from gradindex import distributed
 from gradindex.index import OpenIndex
 from gradindex.index.cost import sketch_candidates
 from gradindex.index.parts import OpenParts
-from gradindex.index.sharded import SHARDS_FILE, Sharded, is_sharded, read_sharded
+from gradindex.index.sharded import SHARDS_FILE, Sharded, is_sharded, owned_parts, read_sharded
 from gradindex.methods import DEFAULT_DAMPING
 from gradindex.precondition import self_influence
 from gradindex.query.engine import QueryEngine, QueryResult
@@ -178,7 +178,7 @@ def read_own(index: str | os.PathLike, rank: tuple[int, int] | None) -> Sharded:
         except (OSError, ValueError, KeyError, TypeError):
             raise e from None
         r, w = rank
-        mine = names[r * len(names) // w:(r + 1) * len(names) // w]
+        mine = [names[j] for j in owned_parts(len(names), r, w)]
         raise type(e)(f"rank {r} of {w} answers for {', '.join(mine)} of {str(index)!r} (as read on its host, in "
                       f"{os.getcwd()!r}): {e}; a rank's host needs shards.json and that rank's parts, copied from "
                       "where the index was split") from None
