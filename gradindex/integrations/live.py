@@ -166,8 +166,7 @@ class LiveCapture:
         self.opt = options
         self.spec = options.spec()
         check_storage(options.storage)
-        owner = getattr(self.model, LIVE_MARK, None)
-        if owner is not None and owner() is not None and not owner().closed:
+        if live_capture(self.model) is not None:
             raise RuntimeError(ALREADY_CAPTURED)  # (before the out_dir is touched)
         self._lock = contextlib.ExitStack()  # (one writer: a second run into out_dir is refused while this one runs)
         self._released, self._locked = False, False
@@ -239,8 +238,7 @@ class LiveCapture:
 
     def attach(self) -> LiveCapture:
         if not self._handles:
-            owner = getattr(self.model, LIVE_MARK, None)
-            if owner is not None and owner() not in (None, self) and not owner().closed:
+            if live_capture(self.model) not in (None, self):
                 raise RuntimeError(ALREADY_CAPTURED)  # (its hook would take the ids first: MISSING_ROWS here)
             setattr(self.model, LIVE_MARK, weakref.ref(self))  # (online selection refuses to score here: COMBINED)
             self.capture.attach()
@@ -445,12 +443,18 @@ class LiveCapture:
         )
 
 
+def live_capture(model: nn.Module) -> LiveCapture | None:
+    """The live capture whose hooks are on ``model`` and that is not closed, if any (:data:`LIVE_MARK`)."""
+    owner = getattr(distributed.unwrap(model), LIVE_MARK, None)
+    live = owner() if owner is not None else None
+    return None if live is None or live.closed else live
+
+
 def end_capture(model: nn.Module) -> bool:
     """End the live capture left open on ``model`` by a run that raised (:meth:`LiveCapture.abort`); whether there
     was one."""
-    owner = getattr(distributed.unwrap(model), LIVE_MARK, None)
-    live = owner() if owner is not None else None
-    if live is None or live.closed:
+    live = live_capture(model)
+    if live is None:
         return False
     live.abort()
     return True
