@@ -213,22 +213,67 @@ def test_a_part_is_not_refitted_compacted_into_or_repaired_alone(sharded):
     assert read_checksums(part) == before
 
 
-def test_info_on_a_sharded_index_with_a_missing_part_summarizes_the_rest(sharded, tmp_path):
+def test_info_and_verify_on_a_sharded_index_with_a_missing_part(sharded, tmp_path):
+    """A part's folder not here is "not in this folder", not damage to repair by a new split: a host that runs only
+    some torchrun ranks holds only their parts, and `verify --here` checks those."""
     bad = tmp_path / "bad"
     shutil.copytree(sharded.dir, bad)
     shutil.rmtree(bad / "part-00000")
     code, out = cli("info", bad)
     assert code == 0, out
     assert "sharded: 3 parts" in out and "40 examples" in out, out
-    assert "part-00000  rows 0-15: UNREADABLE" in out and f"`gradindex verify {bad}` names the repair" in out, out
+    assert "part-00000  rows 0-15: not in this folder" in out and "UNREADABLE" not in out, out
     assert "part-00001  rows 16-31 (16 examples, complete)" in out and "part-00002  rows 32-39" in out, out
     code, out = cli("info", bad, "--json")
     s = json.loads(out)
-    assert [p["status"] for p in s["parts"]] == ["unreadable", "complete", "complete"] and s["model"]["fingerprint"]
+    assert [p["status"] for p in s["parts"]] == ["absent", "complete", "complete"] and s["model"]["fingerprint"]
     for args in (("query", bad, "--text", "the cat", "--device", "cpu"), ("merge", bad, "--out", tmp_path / "m")):
         code, out = cli(*args)
-        refused(code, out, None, "part-00000', a part of the sharded index", f"`gradindex verify {bad}`")
+        refused(code, out, None, "part-00000', a part of the sharded index", "is not in this folder",
+                f"`gradindex verify {bad} --here`")
+    code, out = cli("verify", bad)
+    assert code == 1 and out.count("DAMAGED") == 1 and "DAMAGED part-00000/: not in this folder" in out, out
+    assert f"gradindex verify {bad} --here" in out and "split the index again" not in out, out
+    code, out = cli("verify", bad, "--here")
+    assert code == 0 and "DAMAGED" not in out and "part-00000  rows 0-15: not here" in out, out
+    assert out.strip().endswith("intact; 12 files verified in the 2 of 3 parts here"), out
+    (bad / "part-00002" / "store" / "shard-00000.h5").write_bytes(b"x")  # (damage in a part here is still damage)
+    code, out = cli("verify", bad, "--here")
+    assert code == 1 and "DAMAGED part-00002/store/shard-00000.h5" in out, out
     for part in ("part-00001", "part-00002"):
         shutil.rmtree(bad / part)
     code, out = cli("info", bad)
-    refused(code, out, None, "no part of the sharded index", "gradindex verify")
+    refused(code, out, None, "no part of the sharded index", "is not in this folder")
+    code, out = cli("verify", bad, "--here")
+    refused(code, out, None, "none of the 3 parts", "is here")
+    (bad / "part-00000").mkdir()  # (a part's folder without its manifest: damage)
+    code, out = cli("query", bad, "--text", "the cat", "--device", "cpu")
+    refused(code, out, None, "part-00000', a part of the sharded index", "has no manifest.json",
+            f"`gradindex verify {bad}` names the repair")
+    code, out = cli("verify", sharded.dir, "--here")
+    assert code == 0 and "in the 3 of 3 parts here" not in out and "in 3 parts" in out, out
+    code, out = cli("verify", sharded.parts[0].dir, "--here")
+    refused(code, out, None, "is not a sharded index: --here")
+
+
+def test_a_shards_json_of_another_split_is_named_as_such(default_index, sharded, tmp_path):
+    """The parts of a split into 2 under the shards.json of a split into 3 (copied from another host): one error
+    naming the other split, not a missing part 2 and two mismatched parts."""
+    two = split_index(default_index, tmp_path / "two", 2)
+    mix = tmp_path / "mix"
+    shutil.copytree(two.dir, mix)
+    shutil.copy(sharded.dir / "shards.json", mix)
+    code, out = cli("query", mix, "--text", "the cat", "--device", "cpu")
+    refused(code, out, None, "shards.json' is another split's than the parts here", "names 3 parts",
+            "part-00000' is part 0 of 2 (rows 0-15)", "put back the shards.json written with these parts")
+    code, out = cli("verify", mix)
+    assert code == 1 and "is another split's" in out and "is not part 0" not in out and "is not part 1" not in out, out
+
+
+def test_rerank_full_on_a_sharded_index_without_its_fit_names_the_whole_fit(sharded):
+    """Every part shares one full-space fit: the fix is a fit over the whole index, split again, not part 0's."""
+    code, out = cli("query", sharded.dir, "--text", "the cat", "--rerank-full", "10", "--device", "cpu")
+    line = refused(code, out, None, f"the sharded index '{sharded.dir}' has no full-space ekfac curvature",
+                   f"`gradindex merge {sharded.dir} --out ONE`", "`gradindex precondition ONE --method ekfac --space "
+                   "full`", "`gradindex split ONE --shards 3 --out NEW`")
+    assert "part-00000 --method" not in line

@@ -102,8 +102,7 @@ def sharded_summary(index_dir: str) -> dict:
     parts = [(e, _part_summary(d / e["dir"])) for e in entries]
     read = [p for _, p in parts if "problem" not in p]
     if not read:
-        raise ValueError(f"no part of the sharded index {str(d)!r} can be read ({parts[0][1]['problem']}); "
-                         f"`gradindex verify {d}` names the repair")
+        raise ValueError(f"no part of the sharded index {str(d)!r} can be read ({parts[0][1]['problem']})")
     s = json.loads(json.dumps(read[0]))  # (a copy: the part's own stays as it is)
     counts = whole.get("counts", {})
     s["dir"] = str(d)
@@ -111,6 +110,7 @@ def sharded_summary(index_dir: str) -> dict:
                      nonfinite=len(whole.get("nonfinite_ids", [])))
     s["bytes"].update({k: sum(p["bytes"][k] for p in read) for k in ("store", "faiss")})
     s["parts"] = [{"dir": e["dir"], "rows": [e["first"], e["stop"]], **(
+        {"status": "absent"} if not (d / e["dir"]).is_dir() else
         {"status": "unreadable", "problem": p["problem"]} if "problem" in p else
         {"examples": p["data"]["examples"], "status": p["status"], "index": p["index"], "bytes": p["bytes"]})}
         for e, p in parts]
@@ -191,9 +191,11 @@ def _echo_parts(parts: list[dict], index_dir: str) -> None:
     """A line a part of a sharded index: its rows, examples, status, store and tier (or why it cannot be read)."""
     for p in parts:
         rows = f"rows {p['rows'][0]}-{p['rows'][1] - 1}"
+        if p["status"] == "absent":  # (a host that holds only its own torchrun ranks' parts)
+            click.echo(f"  {p['dir']}  {rows}: not in this folder")
+            continue
         if p["status"] == "unreadable":
-            click.echo(f"  {p['dir']}  {rows}: UNREADABLE ({p['problem']}); `gradindex verify {index_dir}` names "
-                       "the repair")
+            click.echo(f"  {p['dir']}  {rows}: UNREADABLE ({p['problem']})")
             continue
         ix = p["index"]
         tier = (f"tier {', '.join(ix['types'])} ({ix['status']}, {human_bytes(p['bytes']['faiss'])})" if ix

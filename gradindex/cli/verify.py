@@ -53,21 +53,37 @@ def unfinished(index_dir: str) -> str | None:
     return None
 
 
-def verify_sharded(index_dir: str) -> dict:
+def verify_sharded(index_dir: str, here: bool = False) -> dict:
     """:func:`verify_index` of every part of a sharded index, its files named ``part-NNNNN/...``, and the parts'
     consistency with ``shards.json`` (:func:`gradindex.index.sharded.check_sharded`: row ranges, builds, fits);
-    ``parts``: each part's rows and counts."""
-    from gradindex.index.sharded import SHARDS_FILE, check_sharded
+    ``parts``: each part's rows and counts. A part whose folder is not here is damage, or with ``here`` (a host that
+    holds only its own ranks' parts) left out and listed in ``absent``."""
+    from gradindex.index.sharded import SHARDS_FILE, absent_parts, check_sharded
     from gradindex.spec.manifest import build_command
 
     d = Path(index_dir)
     sh, problems = check_sharded(d)
+    absent = absent_parts(sh)
+    if here and len(absent) == len(sh.parts):
+        raise ValueError(f"none of the {len(sh.parts)} parts of the sharded index {str(d)!r} is here (no "
+                         f"{', '.join(p.dir.name for p in sh.parts[:3])}{', ...' if len(sh.parts) > 3 else ''}); "
+                         "copy a part into it, or verify where the parts are")
     rebuild = build_command(sh.dir, sh.manifest, f"--parts {len(sh.parts)} --overwrite")
     again = (f"split the index again from the index it came from (`gradindex split INDEX --shards {len(sh.parts)} "
              f"--out NEW`), or rebuild it (`{rebuild}`); a part's own `build --repair` would capture other rows")
     out = {"index": str(d), "parts": [], "damaged": [{"file": SHARDS_FILE, "problem": p, "repair": again}
-                                                     for p in problems], "verified": 0, "unrecorded": []}
-    for p in sh.parts:
+                                                     for p in problems], "verified": 0, "unrecorded": [],
+           "absent": [sh.parts[j].dir.name for j in absent] if here else []}
+    for j, p in enumerate(sh.parts):
+        rows = [p.first, p.stop]
+        if j in absent:
+            if not here:
+                out["damaged"].append({"file": f"{p.dir.name}/", "problem": "not in this folder", "repair": (
+                    "copy it here from where the index was split or built; on a host that holds only some parts, "
+                    f"`gradindex verify {index_dir} --here` checks those")})
+            out["parts"].append({"part": p.dir.name, "rows": rows, "absent": True, "damaged": int(not here),
+                                 "verified": 0})
+            continue
         try:
             r = verify_index(str(p.dir))
         except (OSError, ValueError) as e:  # (no readable manifest: named above too)
@@ -76,7 +92,7 @@ def verify_sharded(index_dir: str) -> dict:
         out["damaged"] += [{**x, "file": f"{p.dir.name}/{x['file']}", "repair": again} for x in r["damaged"]]
         out["verified"] += r["verified"]
         out["unrecorded"] += [f"{p.dir.name}/{n}" for n in r["unrecorded"]]
-        out["parts"].append({"part": p.dir.name, "rows": [p.first, p.stop], "damaged": len(r["damaged"]),
+        out["parts"].append({"part": p.dir.name, "rows": rows, "damaged": len(r["damaged"]),
                              "verified": r["verified"]})
     return out
 
@@ -105,13 +121,17 @@ def _unrecorded_damage(d: Path, manifest: dict, files: dict, unrecorded: list[st
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--record", is_flag=True, help=f"First record the hash of every data file that has none in {CHECKSUMS} "
               "(after it was deleted): the files are trusted as they are now.")
+@click.option("--here", is_flag=True, help="A sharded index: check only the parts in this folder (a host that holds "
+              "only its own torchrun ranks' parts); the others are listed, not counted as damage.")
 @user_errors
-def verify(index_dir, as_json, record):
+def verify(index_dir, as_json, record, here):
     """Hash every store shard, preconditioner, row basis and FAISS file of INDEX_DIR; exit 1 if any is damaged.
 
     A data file without a recorded hash (``checksums.json`` deleted) is damage too. On a sharded index (``gradindex
     split``): every part's files, and the parts' row ranges, builds and fits against its shards.json."""
     sharded = (Path(index_dir) / "shards.json").is_file()
+    if here and not sharded:
+        raise ValueError(f"{index_dir!r} is not a sharded index: --here checks the parts a host holds; leave it out")
     if record and sharded:
         raise ValueError(f"{index_dir!r} is a sharded index: --record records one index's hashes; give it a part "
                          "(DIR/part-NNNNN)")
@@ -123,7 +143,7 @@ def verify(index_dir, as_json, record):
             names = verify_index(index_dir)["unrecorded"]
             record_hashes(index_dir, [Path(index_dir) / n for n in names], names)
         click.echo(f"recorded the hashes of {len(names)} files in {CHECKSUMS}", err=True)
-    r = verify_sharded(index_dir) if sharded else verify_index(index_dir)
+    r = verify_sharded(index_dir, here) if sharded else verify_index(index_dir)
     if not sharded:
         r["unfinished"] = unfinished(index_dir)
     if as_json:
@@ -137,10 +157,12 @@ def verify(index_dir, as_json, record):
                 click.echo(f"unverified {n}: no hash recorded in {CHECKSUMS} (written by an older gradindex)")
         state = f"{len(r['damaged'])} damaged" if r["damaged"] else "intact"
         for p in r.get("parts", []):
-            part_state = f"{p['damaged']} damaged" if p["damaged"] else "intact"
-            click.echo(f"{p['part']}  rows {p['rows'][0]}-{p['rows'][1] - 1}: {part_state}; {p['verified']} files "
-                       "verified")
+            part_state = ("not here" if p.get("absent") else f"{p['damaged']} damaged; {p['verified']} files verified"
+                          if p["damaged"] else f"intact; {p['verified']} files verified")
+            click.echo(f"{p['part']}  rows {p['rows'][0]}-{p['rows'][1] - 1}: {part_state}")
         parts = f" in {len(r['parts'])} parts" if "parts" in r else ""
+        if r.get("absent"):
+            parts = f" in the {len(r['parts']) - len(r['absent'])} of {len(r['parts'])} parts here"
         if r.get("unfinished"):  # (intact files of a build not done: what query and info refuse or say)
             click.echo(f"note: {r['unfinished']}")
         click.echo(f"{index_dir}: {state}; {r['verified']} files verified{parts}")

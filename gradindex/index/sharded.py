@@ -55,6 +55,7 @@ from gradindex.spec.manifest import (
     IndexMismatchError,
     Manifest,
     part_of,
+    read_manifest,
     refuse_unfinished_transcode,
     sharded_name,
     write_manifest,
@@ -139,23 +140,30 @@ def read_sharded(path: str | os.PathLike, rank: tuple[int, int] | None = None) -
 
 
 def check_sharded(path: str | os.PathLike) -> tuple[Sharded, list[str]]:
-    """The sharded index in ``path`` and every inconsistency of its parts (:func:`read_sharded` raises the first):
-    row ranges that do not tile ``[0, N)``, a part whose manifest is not the index's build (model fingerprint,
-    projection, layers, row spec: ``build``), generation or row range, or whose fits differ from part 0's (a part
-    refitted alone). ``shards.json`` itself unreadable is raised."""
+    """The sharded index in ``path`` and every inconsistency of the parts here (:func:`read_sharded` raises the
+    first): row ranges that do not tile ``[0, N)``, a ``shards.json`` of another split than the parts, a part whose
+    manifest is not the index's build (model fingerprint, projection, layers, row spec: ``build``), generation or
+    row range, or whose fits differ from part 0's (a part refitted alone). A part whose folder is not here is left
+    to the caller (:func:`absent_parts`); ``shards.json`` itself unreadable is raised."""
     problems: list[str] = []
-    sh = _read(Path(path), problems)
-    if not problems:
+    sh = _read(Path(path), problems, absent_ok=True)
+    here = [p for j, p in enumerate(sh.parts) if j not in absent_parts(sh)]
+    if not problems and here:
         try:
-            _same_fits(sh)
+            _same_fits(sh, here)
         except (IndexMismatchError, OSError, ValueError) as e:
             problems.append(str(e))
     return sh, problems
 
 
-def _read(d: Path, problems: list[str] | None, rank: tuple[int, int] | None = None) -> Sharded:
-    """:data:`SHARDS_FILE` and its parts checked (``rank``: only that rank's); each inconsistency raised
-    (``problems`` None) or appended."""
+def absent_parts(sh: Sharded) -> list[int]:
+    """The parts of ``sh`` whose folder is not here (a host's copy of its own ranks' parts)."""
+    return [j for j, p in enumerate(sh.parts) if not p.dir.is_dir()]
+
+
+def _read(d: Path, problems: list[str] | None, rank: tuple[int, int] | None = None, absent_ok: bool = False) -> Sharded:
+    """:data:`SHARDS_FILE` and its parts checked (``rank``: only that rank's; ``absent_ok``: not those whose folder
+    is not here); each inconsistency raised (``problems`` None) or appended."""
     def fail(e: Exception) -> None:
         if problems is None:
             raise e
@@ -173,22 +181,44 @@ def _read(d: Path, problems: list[str] | None, rank: tuple[int, int] | None = No
     parts = [Part(d / p["dir"], int(p["first"]), int(p["stop"])) for p in doc["parts"]]
     whole = doc["manifest"]
     checked = set(range(len(parts)) if rank is None else Sharded(d, parts, whole).owned(*rank))
+    if absent_ok:
+        checked = {j for j in checked if parts[j].dir.is_dir()}
     at = 0
     for j, p in enumerate(parts):
         if p.first != at or p.stop <= p.first:
             fail(ValueError(f"{str(d / SHARDS_FILE)!r}: part {j} holds rows [{p.first}, {p.stop}), expected them "
                             f"to start at {at}"))
         at = p.stop
-        if j not in checked:
-            continue
-        try:
-            _check_part(p, j, len(parts), whole)
-        except (IndexMismatchError, ValueError, FileNotFoundError) as e:
-            fail(e)
     if at != int(whole["counts"]["examples"]):
         fail(ValueError(f"{str(d / SHARDS_FILE)!r}: its parts hold {at} rows, the index "
                         f"{whole['counts']['examples']}"))
+    if other := _other_split(d, parts, checked):
+        fail(IndexMismatchError(other))
+        checked = set()  # (each part's own mismatch, or absence, is this one)
+    for j in sorted(checked):
+        try:
+            _check_part(parts[j], j, len(parts), whole)
+        except (IndexMismatchError, ValueError, FileNotFoundError) as e:
+            fail(e)
     return Sharded(d, parts, whole)
+
+
+def _other_split(d: Path, parts: list[Part], checked: set[int]) -> str | None:
+    """Why :data:`SHARDS_FILE` is another split's than the parts here (a part's manifest names another number of
+    parts, or other rows, than the file gives it); ``None`` where the parts agree or say nothing (their own check
+    names that)."""
+    for j in sorted(checked):
+        try:
+            s = read_manifest(parts[j].dir).get(SHARD_KEY) or {}
+        except (OSError, ValueError):
+            continue
+        if s and (s.get("parts"), s.get("first"), s.get("stop")) != (len(parts), parts[j].first, parts[j].stop):
+            ranges = ", ".join(f"{p.first}-{p.stop - 1}" for p in parts)
+            return (f"{str(d / SHARDS_FILE)!r} is another split's than the parts here: it names {len(parts)} parts "
+                    f"(rows {ranges}), and {str(parts[j].dir)!r} is part {s.get('part')} of {s.get('parts')} (rows "
+                    f"{s.get('first')}-{s.get('stop', 0) - 1}); put back the {SHARDS_FILE} written with these parts "
+                    "(by `gradindex split` or `build --parts`), or copy here the parts it names")
+    return None
 
 
 def _check_part(p: Part, j: int, parts: int, whole: dict) -> None:
@@ -481,13 +511,14 @@ def _joined(cuts: list[Path], _) -> np.ndarray:
     return np.concatenate([read_self_influence(c)[2] for c in cuts])
 
 
-def _same_fits(sh: Sharded) -> list[tuple[str, bool]]:
-    """The fit files of the parts (part 0's, checked), refused unless every part holds the same ones (the factors
-    are global: a part refitted on its own rows would score differently)."""
-    first = sh.parts[0].dir
+def _same_fits(sh: Sharded, parts: list[Part] | None = None) -> list[tuple[str, bool]]:
+    """The fit files of the parts (``parts``, default all: the first one's, checked), refused unless every part
+    holds the same ones (the factors are global: a part refitted on its own rows would score differently)."""
+    parts = sh.parts if parts is None else parts
+    first = parts[0].dir
     fits = _fit_files(first)
     want = read_checksums(first)
-    for p in sh.parts[1:]:
+    for p in parts[1:]:
         have = read_checksums(p.dir)
         mine = _fit_files(p.dir)
         if [n for n, _ in mine] != [n for n, _ in fits]:

@@ -577,6 +577,22 @@ class CurvatureFile(Mapping):
         return len(self.names)
 
 
+def _fit_command(ix: OpenStore, base: str) -> tuple[str, str]:
+    """The index, named, and the command that fits its full-space ``base`` curvature: on the index itself, or, for a
+    sharded index's part (every part holds the same fit, made over the whole index), on the whole index, split
+    again."""
+    from gradindex.spec.manifest import SHARD_KEY, sharded_parent
+
+    part = ix.manifest.get(SHARD_KEY) or ({"parts": "P"} if getattr(ix, "home", None) else None)
+    if not part:
+        return f"index {str(ix.dir)!r}", f"`gradindex precondition {ix.dir} --method {base} --space full`"
+    whole = getattr(ix, "home", None) or sharded_parent(ix.dir) or "SHARDED"
+    return f"the sharded index {str(whole)!r}", (
+        f"one fit over the whole index, which every part shares: `gradindex merge {whole} "
+            f"--out ONE`, `gradindex precondition ONE --method {base} --space full`, then `gradindex split ONE "
+            f"--shards {part['parts']} --out NEW` (or fit the index it was split from, and split that again)")
+
+
 def load_full_preconditioner(index: str | os.PathLike | OpenStore, method: str,
                              cache_bytes: int | None = CURVATURE_CACHE_BYTES) -> Preconditioner:
     """The full-space preconditioner of ``method`` over ``[N_o, N_i(+1)]`` rows.
@@ -588,18 +604,17 @@ def load_full_preconditioner(index: str | os.PathLike | OpenStore, method: str,
     """
     base, _ = parse_method(method)
     with opened(index, "load its full-space preconditioner") as ix:
-        index_dir, manifest = ix.dir, ix.manifest
+        manifest = ix.manifest
         shapes = ix.described.full_shapes
         if base in names("base"):
             return Preconditioner(base, shapes)
         path = _full_file(ix, base)
         if path is None:
-            raise FileNotFoundError(
-                f"index {str(index_dir)!r} has no full-space {base} curvature; add it with "
-                f"`gradindex precondition {index_dir} --method {base} --space full`")
+            raise FileNotFoundError(f"{_fit_command(ix, base)[0]} has no full-space {base} curvature; add it with "
+                                    f"{_fit_command(ix, base)[1]}")
         check_fingerprints(path, manifest, base)
         curv = CurvatureFile(path, manifest)
         if set(curv) != set(shapes):
             raise ValueError(f"{str(path)!r} covers layers {sorted(curv)}, the index has {sorted(shapes)}; refit it "
-                             f"with `gradindex precondition {index_dir} --method {base} --space full`")
+                             f"with {_fit_command(ix, base)[1]}")
         return Preconditioner(base, shapes, curv, cache_bytes)
