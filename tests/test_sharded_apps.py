@@ -58,6 +58,33 @@ def test_parts_store_reads_rows_and_columns_as_the_index(default_index, sharded)
             assert np.array_equal(ia, ib) and all(np.array_equal(ra[n], rb[n]) for n in rb)
 
 
+def test_another_ranks_columns_come_in_one_round_and_are_kept(default_index, sharded):
+    """The server's /example of a row another rank holds: its columns and its token hash in one round (three
+    before), the hash kept for the text read next; the values are the index's own."""
+    from gradindex.query.sharded import PartSearch, _Columns
+    from gradindex.store import Store
+
+    other = PartSearch(sharded, [1, 2])
+    rounds = []
+
+    def fetch(names, ids):
+        rounds.append((tuple(names), ids.tolist()))
+        return other.column_rows(names, ids)
+
+    with Store(sharded.parts[0].dir) as mine, Store(default_index) as whole:
+        cols = _Columns(sharded, {0: mine}, fetch)
+        ids = [3, 33, 17]
+        got = cols.rows(("num_tokens", "loss", "token_hash"), ids)
+        assert rounds == [(("num_tokens", "loss", "token_hash"), [17, 33])]
+        for n, v in got.items():
+            np.testing.assert_array_equal(v, whole.column(n)[ids])
+        np.testing.assert_array_equal(cols.rows_of("token_hash", [33]), whole.column("token_hash")[[33]])
+        assert len(rounds) == 1  # (kept)
+        cols.rows_of("loss", [34])
+        assert rounds[-1] == (("loss",), [34])
+    other.close()
+
+
 def _report_equal(a: Path, b: Path) -> None:
     """Two audit reports' per-query results and summaries equal (but where they were written and how long)."""
     qa = [json.loads(x) for x in (a / "queries.jsonl").read_text().splitlines()]

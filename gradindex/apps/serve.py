@@ -350,9 +350,9 @@ def _add_example(app: FastAPI, engine: QueryEngine, answer, request_timeout: flo
             raise HTTPException(404, f"no training example {example_id}: ids are 0..{engine.n - 1}")
 
         def read() -> dict:
-            text = engine.texts.texts(np.array([example_id], dtype=np.int64))[0]
+            cols = engine.example_columns(("num_tokens", "loss"), [example_id])  # (first: a sharded index's other
+            text = engine.texts.texts(np.array([example_id], dtype=np.int64))[0]  # rank sends the text's hash too)
             note = engine.texts.problem
-            cols = engine.example_columns(("num_tokens", "loss"), [example_id])
             return {"id": example_id, "text": text, "text_chars": None if text is None else len(text),
                     "num_tokens": int(cols["num_tokens"][0]), "loss": float(cols["loss"][0]),
                     "note": note and state.public(note)}

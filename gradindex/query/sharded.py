@@ -30,6 +30,7 @@ import json
 import math
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -127,15 +128,16 @@ class PartSearch:
     def ping(self) -> None:
         """Answer (:meth:`ShardedQueryEngine.probe_ranks`)."""
 
-    def column_rows(self, name: str, ids: np.ndarray) -> dict[int, np.ndarray]:
-        """Per-example column ``name`` of those rows ``ids`` (the whole index's) these parts hold, by id."""
+    def column_rows(self, names: Sequence[str], ids: np.ndarray) -> dict[str, dict[int, np.ndarray]]:
+        """Per-example columns ``names`` of those rows ``ids`` (the whole index's) these parts hold, by name, then
+        id."""
         ids = np.asarray(ids, dtype=np.int64)
-        out = {}
+        out: dict[str, dict[int, np.ndarray]] = {n: {} for n in names}
         for part, eng in zip(self.parts, self.engines, strict=True):
             mine = ids[(ids >= part.first) & (ids < part.stop)]
             if len(mine):
-                col = eng.example_columns((name,), mine - part.first)[name]
-                out.update(zip(mine.tolist(), col, strict=True))
+                for n, col in eng.example_columns(tuple(names), mine - part.first).items():
+                    out[n].update(zip(mine.tolist(), col, strict=True))
         return out
 
     def scores(self, grads: Mapping[str, np.ndarray], **kw) -> np.ndarray:
@@ -209,12 +211,17 @@ def serve_parts(index: str | os.PathLike, layers: Sequence[str] | None = None, u
 class _Columns:
     """What :class:`TrainingTexts` reads of the store (the token hashes) over every part, by the whole index's rows
     (:meth:`rows_of`): a part open here from its store; another from its directory in one process, or under
-    ``torchrun`` from the rank that holds it (``fetch``: its host alone may hold it)."""
+    ``torchrun`` from the rank that holds it (``fetch``: its host alone may hold it), every column asked at once in
+    one round (:meth:`rows`), the last :data:`KEEP` values kept (the server's ``/example`` asks for the rows it then
+    reads the text of)."""
+
+    KEEP = 4096
 
     def __init__(self, sharded: Sharded, stores: dict[int, Store], fetch=None):
         self.parts, self.stores, self.fetch = sharded.parts, stores, fetch
         self.firsts = [p.first for p in sharded.parts]
         self._cols: dict[tuple[str, int], np.ndarray] = {}
+        self._kept: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
 
     def _column(self, name: str, j: int) -> np.ndarray:
         if (name, j) not in self._cols:
@@ -227,14 +234,28 @@ class _Columns:
 
     def rows_of(self, name: str, ids) -> np.ndarray:
         """Column ``name`` of rows ``ids`` (the whole index's), in order."""
+        return self.rows((name,), ids)[name]
+
+    def rows(self, names: Sequence[str], ids) -> dict[str, np.ndarray]:
+        """Columns ``names`` of rows ``ids`` (the whole index's), in order; another rank's rows in one round."""
         ids = np.asarray(ids, dtype=np.int64)
-        if not len(ids):
-            return np.zeros((0,), dtype=self._column(name, 0).dtype)
         part = [bisect.bisect_right(self.firsts, int(i)) - 1 for i in ids]
-        remote = [t for t, j in enumerate(part) if j not in self.stores and self.fetch is not None]
-        got = self.fetch(name, ids[remote]) if remote else {}
-        return np.stack([got[int(i)] if int(i) in got else self._column(name, j)[int(i) - self.firsts[j]]
-                         for i, j in zip(ids, part, strict=True)])
+        remote = sorted({int(i) for i, j in zip(ids, part, strict=True) if j not in self.stores
+                         and any((n, int(i)) not in self._kept for n in names)}) if self.fetch is not None else []
+        got = {(n, i): v for n, col in self.fetch(tuple(names), np.array(remote, dtype=np.int64)).items()
+               for i, v in col.items()} if remote else {}
+        self._kept.update(got)
+        out = {}
+        for n in names:
+            if not len(ids):
+                out[n] = np.zeros((0,), dtype=self._column(n, 0).dtype)
+                continue
+            out[n] = np.stack([got[n, int(i)] if (n, int(i)) in got else self._kept[n, int(i)]
+                               if (n, int(i)) in self._kept else self._column(n, j)[int(i) - self.firsts[j]]
+                               for i, j in zip(ids, part, strict=True)])
+        while len(self._kept) > self.KEEP:
+            self._kept.popitem(last=False)
+        return out
 
 
 class ShardedQueryEngine(QueryEngine):
@@ -303,16 +324,20 @@ class ShardedQueryEngine(QueryEngine):
         if distributed.active():
             self._ask("ping", {})
 
-    def _fetch_rows(self, name: str, ids: np.ndarray) -> dict[int, np.ndarray]:
-        """Column ``name`` of rows ``ids`` from the ranks that hold them, by id."""
-        out: dict[int, np.ndarray] = {}
-        for got in self._ask("column_rows", {"name": name, "ids": np.asarray(ids, dtype=np.int64)}):
-            out.update(got)
+    def _fetch_rows(self, names: Sequence[str], ids: np.ndarray) -> dict[str, dict[int, np.ndarray]]:
+        """Columns ``names`` of rows ``ids`` from the ranks that hold them (one round), by name, then id."""
+        out: dict[str, dict[int, np.ndarray]] = {n: {} for n in names}
+        for got in self._ask("column_rows", {"names": list(names), "ids": np.asarray(ids, dtype=np.int64)}):
+            for n, col in got.items():
+                out[n].update(col)
         return out
 
     def example_columns(self, names: Sequence[str], ids) -> dict[str, np.ndarray]:
-        """Per-example columns ``names`` of rows ``ids`` (the whole index's), from the parts that hold them."""
-        return {n: self.by_part.rows_of(n, ids) for n in names}
+        """Per-example columns ``names`` of rows ``ids`` (the whole index's), from the parts that hold them: another
+        rank's in one round, which also brings the rows' token hashes, kept for the text usually read next (the
+        server's ``/example``: one round where it took three)."""
+        got = self.by_part.rows(tuple(dict.fromkeys([*names, "token_hash"])), ids)
+        return {n: got[n] for n in names}
 
     def _ask(self, op: str, kw: dict) -> list:
         if not distributed.active():
