@@ -601,6 +601,43 @@ def test_tokens_that_differ_name_the_loop_for_a_live_capture():
     assert tokens_differ({}).startswith("the file changed since the build")
 
 
+def test_a_trainer_that_dropped_the_last_examples_is_named_and_num_rows_keeps_them(tmp_path, gpt2_dir, tokenizer,
+                                                                                    data):
+    """TRL drops examples left with no loss token: where it dropped the last ones, the ids stayed in range and the
+    index silently held fewer rows than its data file. The end of the run now says so, and num_rows= keeps them."""
+    pytest.importorskip("accelerate")
+    import datasets
+    from transformers import Trainer, TrainingArguments
+
+    from gradindex.integrations import GradIndexCallback
+    from gradindex.spec.manifest import read_manifest
+
+    def collator(examples):
+        b = collate([e["input_ids"] for e in examples], [e["labels"] for e in examples], tokenizer.pad_token_id)
+        return b | {ROW_KEY: torch.tensor([e[ROW_KEY] for e in examples])}
+
+    jsonl = tmp_path / "train.jsonl"
+    records_from_texts(make_texts(N, seed=3, max_words=20)).to_json(jsonl)
+    ds = with_row_ids(datasets.Dataset.from_dict({"input_ids": data.input_ids, "labels": data.labels})).select(
+        range(N - 2))  # (the trainer's set: the file's last 2 examples dropped)
+    notes, manifests = [], []
+    for rows in (None, N):
+        cb = GradIndexCallback(tmp_path / f"live{rows}", projection="8", shard_size=16, model_id=str(gpt2_dir),
+                               data_id=str(jsonl), max_length=64, num_rows=rows)
+        args = TrainingArguments(str(tmp_path / "tr"), per_device_train_batch_size=8, learning_rate=0.0,
+                                 num_train_epochs=1, report_to=[], use_cpu=True, save_strategy="no",
+                                 logging_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+        Trainer(_model(gpt2_dir), args, train_dataset=ds, processing_class=tokenizer, callbacks=[cb],
+                data_collator=collator).train()
+        notes.append(cb.tokens_note)
+        manifests.append(read_manifest(tmp_path / f"live{rows}"))
+    assert notes[0] is not None and f"the index holds {N - 2} rows and" in notes[0], notes[0]
+    assert f"pass num_rows={N}" in notes[0] and "other tokens" not in notes[0], notes[0]
+    assert manifests[0]["counts"]["examples"] == N - 2
+    assert notes[1] is None, notes[1]
+    assert manifests[1]["counts"]["examples"] == N and manifests[1]["training"]["unseen_ids"] == [N - 2, N - 1]
+
+
 def test_a_trainer_that_appends_an_end_of_sequence_token_is_named_at_the_end(tmp_path, gpt2_dir, tokenizer, data):
     """TRL appends an end-of-sequence token to text: the index then did not match its data file, and only later
     commands said so, blaming the file ("changed since the build")."""

@@ -32,8 +32,13 @@ def loop_tokens_differ(out_dir: str | os.PathLike, manifest: dict, tokenizer) ->
     unseen = set((manifest.get("training") or {}).get("unseen_ids") or [])
     rows = [int(i) for i in sample_rows(min(len(data), len(hashes)), SAMPLE, 0) if int(i) not in unseen]
     bad = [i for i in rows if token_hash(data.input_ids[i], data.labels[i]) != hashes[i].tobytes()]
+    short = None if len(hashes) >= len(data) else (
+        f"the index holds {len(hashes)} rows and {path!r} {len(data)}: the training set the loop saw ended "
+        f"{len(data) - len(hashes)} rows early (a trainer that drops examples, as TRL drops those left with no loss "
+        f"token, dropped its last), so the index has no row for the file's last {len(data) - len(hashes)}; pass "
+        f"num_rows={len(data)} to the callback: every row of the file gets one, those not trained flagged unseen")
     if not bad:
-        return None
+        return short
     i = bad[0]
     ours, theirs = sum(y != IGNORE for y in data.labels[i][1:]), int(ntok[i])
     if theirs == ours + 1:
@@ -42,7 +47,8 @@ def loop_tokens_differ(out_dir: str | os.PathLike, manifest: dict, tokenizer) ->
         why = "the loss on more tokens: TRL trains chats on every token unless SFTConfig(assistant_only_loss=True)"
     else:
         why = "other tokens: another tokenizer, chat template or max_length, or another file"
-    return (f"{len(bad)} of {len(rows)} examples checked were trained as other tokens than `gradindex build` makes of "
+    return (f"{short}; and " if short else "") + (
+            f"{len(bad)} of {len(rows)} examples checked were trained as other tokens than `gradindex build` makes of "
             f"{path!r} (row {i}: {theirs} loss tokens in the loop, {ours} from the file; {why}); queries will show "
             "no text for such rows, and `precondition` and the exact stage refuse the file: give the trainer the "
             "file's tokens (gradindex.data.tokenize_records: input_ids and labels), docs/training.md")
