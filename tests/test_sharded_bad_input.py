@@ -246,10 +246,14 @@ def test_info_and_verify_on_a_sharded_index_with_a_missing_part(sharded, tmp_pat
     refused(code, out, None, "no part of the sharded index", "is not in this folder")
     code, out = cli("verify", bad, "--here")
     refused(code, out, None, "none of the 3 parts", "is here")
-    (bad / "part-00000").mkdir()  # (a part's folder without its manifest: damage)
+    (bad / "part-00000").mkdir()  # (a part's folder without its manifest: damage, named once)
     code, out = cli("query", bad, "--text", "the cat", "--device", "cpu")
     refused(code, out, None, "part-00000', a part of the sharded index", "has no manifest.json",
-            f"`gradindex verify {bad}` names the repair")
+            "copy the part again from where the index was split or built, or split the index again")
+    code, out = cli("verify", bad, "--here")
+    assert code == 1 and out.count("has no manifest.json") == 1 and "part-00000  rows 0-15: 1 damaged" in out, out
+    code, out = cli("verify", bad, "--json")
+    assert json.loads(out)["absent"] == ["part-00001", "part-00002"], out
     code, out = cli("verify", sharded.dir, "--here")
     assert code == 0 and "in the 3 of 3 parts here" not in out and "in 3 parts" in out, out
     code, out = cli("verify", sharded.parts[0].dir, "--here")
@@ -267,7 +271,23 @@ def test_a_shards_json_of_another_split_is_named_as_such(default_index, sharded,
     refused(code, out, None, "shards.json' is another split's than the parts here", "names 3 parts",
             "part-00000' is part 0 of 2 (rows 0-15)", "put back the shards.json written with these parts")
     code, out = cli("verify", mix)
-    assert code == 1 and "is another split's" in out and "is not part 0" not in out and "is not part 1" not in out, out
+    assert code == 1 and out.count("DAMAGED") == 1 and "is another split's" in out, out
+    assert "repair: put back the shards.json" in out and "not in this folder" not in out, out
+    assert "part-00002  rows 32-39: not here" in out and "--overwrite" not in out, out
+    assert json.loads(cli("verify", mix, "--json")[1])["absent"] == ["part-00002"]
+    for bad, swap in (("foreign", False), ("swapped", True)):  # (shards.json right, a part wrong: that part named)
+        d = tmp_path / bad
+        shutil.copytree(sharded.dir, d)
+        if swap:
+            (d / "part-00000").rename(d / "x")
+            (d / "part-00001").rename(d / "part-00000")
+            (d / "x").rename(d / "part-00001")
+        else:
+            shutil.rmtree(d / "part-00001")
+            shutil.copytree(two.dir / "part-00001", d / "part-00001")
+        code, out = cli("query", d, "--text", "the cat", "--device", "cpu")
+        refused(code, out, None, "is not part", "of this sharded index")
+        assert "another split" not in out, out
 
 
 def test_rerank_full_on_a_sharded_index_without_its_fit_names_the_whole_fit(sharded):
@@ -277,3 +297,8 @@ def test_rerank_full_on_a_sharded_index_without_its_fit_names_the_whole_fit(shar
                    f"`gradindex merge {sharded.dir} --out ONE`", "`gradindex precondition ONE --method ekfac --space "
                    "full`", "`gradindex split ONE --shards 3 --out NEW`")
     assert "part-00000 --method" not in line
+    from gradindex.index.parts import OpenParts
+    from gradindex.precondition.fullspace import load_full_preconditioner
+
+    with OpenParts(sharded) as whole, pytest.raises(FileNotFoundError, match="--shards 3 --out NEW"):
+        load_full_preconditioner(whole, "ekfac")

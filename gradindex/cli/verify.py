@@ -56,45 +56,55 @@ def unfinished(index_dir: str) -> str | None:
 def verify_sharded(index_dir: str, here: bool = False) -> dict:
     """:func:`verify_index` of every part of a sharded index, its files named ``part-NNNNN/...``, and the parts'
     consistency with ``shards.json`` (:func:`gradindex.index.sharded.check_sharded`: row ranges, builds, fits);
-    ``parts``: each part's rows and counts. A part whose folder is not here is damage, or with ``here`` (a host that
-    holds only its own ranks' parts) left out and listed in ``absent``."""
-    from gradindex.index.sharded import SHARDS_FILE, absent_parts, check_sharded
-    from gradindex.spec.manifest import build_command
+    ``parts``: each part's rows and counts. A part whose folder is not here (listed in ``absent``) is damage, but
+    with ``here`` (a host that holds only its own ranks' parts), or where ``shards.json`` is another split's."""
+    from gradindex.index.sharded import SHARDS_FILE, SPLIT_FIX, absent_parts, check_sharded, other_split
 
     d = Path(index_dir)
     sh, problems = check_sharded(d)
-    absent = absent_parts(sh)
+    absent, other = absent_parts(sh), other_split(sh)
     if here and len(absent) == len(sh.parts):
         raise ValueError(f"none of the {len(sh.parts)} parts of the sharded index {str(d)!r} is here (no "
                          f"{', '.join(p.dir.name for p in sh.parts[:3])}{', ...' if len(sh.parts) > 3 else ''}); "
                          "copy a part into it, or verify where the parts are")
-    rebuild = build_command(sh.dir, sh.manifest, f"--parts {len(sh.parts)} --overwrite")
-    again = (f"split the index again from the index it came from (`gradindex split INDEX --shards {len(sh.parts)} "
-             f"--out NEW`), or rebuild it (`{rebuild}`); a part's own `build --repair` would capture other rows")
-    out = {"index": str(d), "parts": [], "damaged": [{"file": SHARDS_FILE, "problem": p, "repair": again}
-                                                     for p in problems], "verified": 0, "unrecorded": [],
-           "absent": [sh.parts[j].dir.name for j in absent] if here else []}
+    again = _split_again(sh)
+    out = {"index": str(d), "parts": [], "damaged": [
+               {"file": SHARDS_FILE, "problem": p.removesuffix(f"; {SPLIT_FIX}"), "repair": SPLIT_FIX} if p == other
+               else {"file": SHARDS_FILE, "problem": p, "repair": again} for p in problems],
+           "verified": 0, "unrecorded": [], "absent": [sh.parts[j].dir.name for j in absent]}
     for j, p in enumerate(sh.parts):
         rows = [p.first, p.stop]
         if j in absent:
-            if not here:
+            away = not here and not other  # (another split's file names parts that never were here)
+            if away:
                 out["damaged"].append({"file": f"{p.dir.name}/", "problem": "not in this folder", "repair": (
                     "copy it here from where the index was split or built; on a host that holds only some parts, "
                     f"`gradindex verify {index_dir} --here` checks those")})
-            out["parts"].append({"part": p.dir.name, "rows": rows, "absent": True, "damaged": int(not here),
+            out["parts"].append({"part": p.dir.name, "rows": rows, "absent": True, "damaged": int(away),
                                  "verified": 0})
             continue
         try:
             r = verify_index(str(p.dir))
-        except (OSError, ValueError) as e:  # (no readable manifest: named above too)
-            r = {"damaged": [{"file": "manifest.json", "problem": str(e), "repair": again}], "verified": 0,
-                 "unrecorded": []}
+        except (OSError, ValueError) as e:  # (no readable manifest: named once, above where check_sharded saw it)
+            r = {"damaged": [] if str(e) in problems else [{"file": "manifest.json", "problem": str(e),
+                                                            "repair": again}], "verified": 0, "unrecorded": []}
+            r["count"] = 1
         out["damaged"] += [{**x, "file": f"{p.dir.name}/{x['file']}", "repair": again} for x in r["damaged"]]
         out["verified"] += r["verified"]
         out["unrecorded"] += [f"{p.dir.name}/{n}" for n in r["unrecorded"]]
-        out["parts"].append({"part": p.dir.name, "rows": rows, "damaged": len(r["damaged"]),
+        out["parts"].append({"part": p.dir.name, "rows": rows, "damaged": r.get("count", len(r["damaged"])),
                              "verified": r["verified"]})
     return out
+
+
+def _split_again(sh) -> str:
+    """The repair of a damaged or mismatched part: split again, or rebuild the sharded index (a part's own repair
+    would capture other rows)."""
+    from gradindex.spec.manifest import build_command
+
+    rebuild = build_command(sh.dir, sh.manifest, f"--parts {len(sh.parts)} --overwrite")
+    return (f"split the index again from the index it came from (`gradindex split INDEX --shards {len(sh.parts)} "
+            f"--out NEW`), or rebuild it (`{rebuild}`); a part's own `build --repair` would capture other rows")
 
 
 def _unrecorded_damage(d: Path, manifest: dict, files: dict, unrecorded: list[str]) -> list[dict]:
@@ -161,7 +171,7 @@ def verify(index_dir, as_json, record, here):
                           if p["damaged"] else f"intact; {p['verified']} files verified")
             click.echo(f"{p['part']}  rows {p['rows'][0]}-{p['rows'][1] - 1}: {part_state}")
         parts = f" in {len(r['parts'])} parts" if "parts" in r else ""
-        if r.get("absent"):
+        if here and r.get("absent"):
             parts = f" in the {len(r['parts']) - len(r['absent'])} of {len(r['parts'])} parts here"
         if r.get("unfinished"):  # (intact files of a build not done: what query and info refuse or say)
             click.echo(f"note: {r['unfinished']}")

@@ -99,6 +99,7 @@ class OpenParts(OpenStore):
 
     def __init__(self, sharded):
         self.home, self.dir, self.manifest = sharded.dir, sharded.parts[0].dir, sharded.manifest
+        self.parts = len(sharded.parts)
         self.described = Manifest(self.manifest)
         self.layers = list(self.described.layers)
         self.shapes = self.described.shapes

@@ -192,7 +192,7 @@ def _read(d: Path, problems: list[str] | None, rank: tuple[int, int] | None = No
     if at != int(whole["counts"]["examples"]):
         fail(ValueError(f"{str(d / SHARDS_FILE)!r}: its parts hold {at} rows, the index "
                         f"{whole['counts']['examples']}"))
-    if other := _other_split(d, parts, checked):
+    if other := other_split(Sharded(d, parts, whole), checked):
         fail(IndexMismatchError(other))
         checked = set()  # (each part's own mismatch, or absence, is this one)
     for j in sorted(checked):
@@ -203,22 +203,34 @@ def _read(d: Path, problems: list[str] | None, rank: tuple[int, int] | None = No
     return Sharded(d, parts, whole)
 
 
-def _other_split(d: Path, parts: list[Part], checked: set[int]) -> str | None:
-    """Why :data:`SHARDS_FILE` is another split's than the parts here (a part's manifest names another number of
-    parts, or other rows, than the file gives it); ``None`` where the parts agree or say nothing (their own check
-    names that)."""
-    for j in sorted(checked):
+def other_split(sh: Sharded, parts: set[int] | None = None) -> str | None:
+    """Why :data:`SHARDS_FILE` is another split's than the parts here (``parts``: those to look at, default every
+    part whose folder is here): none of them is the part the file names at its place, and they all name the same
+    other number of parts. ``None`` otherwise: a part that does not fit a file the others fit is that part's
+    problem, named by its own check."""
+    d, P = sh.dir, len(sh.parts)
+    looked = [j for j in sorted(range(P) if parts is None else parts) if sh.parts[j].dir.is_dir()]
+    said = {}
+    for j in looked:
         try:
-            s = read_manifest(parts[j].dir).get(SHARD_KEY) or {}
+            said[j] = read_manifest(sh.parts[j].dir).get(SHARD_KEY) or {}
         except (OSError, ValueError):
             continue
-        if s and (s.get("parts"), s.get("first"), s.get("stop")) != (len(parts), parts[j].first, parts[j].stop):
-            ranges = ", ".join(f"{p.first}-{p.stop - 1}" for p in parts)
-            return (f"{str(d / SHARDS_FILE)!r} is another split's than the parts here: it names {len(parts)} parts "
-                    f"(rows {ranges}), and {str(parts[j].dir)!r} is part {s.get('part')} of {s.get('parts')} (rows "
-                    f"{s.get('first')}-{s.get('stop', 0) - 1}); put back the {SHARDS_FILE} written with these parts "
-                    "(by `gradindex split` or `build --parts`), or copy here the parts it names")
-    return None
+    fits = [j for j, s in said.items() if (s.get("part"), s.get("parts"), s.get("first"), s.get("stop")) ==
+            (j, P, sh.parts[j].first, sh.parts[j].stop)]
+    counts = {s.get("parts") for s in said.values()}
+    if fits or len(counts) != 1 or counts == {P} or None in counts:
+        return None
+    j, s = next(iter(said.items()))
+    ranges = ", ".join(f"{p.first}-{p.stop - 1}" for p in sh.parts)
+    return (f"{str(d / SHARDS_FILE)!r} is another split's than the parts here: it names {P} parts (rows {ranges}), "
+            f"and {str(sh.parts[j].dir)!r} is part {s.get('part')} of {s.get('parts')} (rows {s.get('first')}-"
+            f"{s.get('stop', 0) - 1}); {SPLIT_FIX}")
+
+
+SPLIT_FIX = (f"put back the {SHARDS_FILE} written with these parts (by `gradindex split` or `build --parts`), or copy "
+             "here the parts it names")
+"""The repair of a :data:`SHARDS_FILE` of another split (:func:`other_split`)."""
 
 
 def _check_part(p: Part, j: int, parts: int, whole: dict) -> None:

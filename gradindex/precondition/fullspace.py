@@ -583,7 +583,7 @@ def _fit_command(ix: OpenStore, base: str) -> tuple[str, str]:
     again."""
     from gradindex.spec.manifest import SHARD_KEY, sharded_parent
 
-    part = ix.manifest.get(SHARD_KEY) or ({"parts": "P"} if getattr(ix, "home", None) else None)
+    part = ix.manifest.get(SHARD_KEY) or ({"parts": ix.parts} if getattr(ix, "home", None) else None)
     if not part:
         return f"index {str(ix.dir)!r}", f"`gradindex precondition {ix.dir} --method {base} --space full`"
     whole = getattr(ix, "home", None) or sharded_parent(ix.dir) or "SHARDED"

@@ -136,13 +136,14 @@ def no_manifest(d: Path) -> str:
         return (f"{str(d)!r} is a sharded index (its {SHARDS_FILE} names parts, each a complete index); `query`, "
                 "`serve`, `audit`, `info`, `verify` and `merge` take it, and this command takes one index: merge it "
                 f"first (`gradindex merge {d} --out INDEX_DIR`)")
-    if sharded_parent(d) is not None and not d.exists():
+    if sharded_parent(d) is not None and not d.is_dir():
         return (f"{str(d)!r}, a part of the sharded index {str(d.parent)!r}, is not in this folder: copy it here "
                 "from where the index was split or built (a host that runs only some torchrun ranks needs only "
                 f"their parts; `gradindex verify {d.parent} --here` checks the parts it holds)")
     if sharded_parent(d) is not None:
-        return (f"{str(d)!r}, a part of the sharded index {str(d.parent)!r}, has no {MANIFEST}; "
-                f"`gradindex verify {d.parent}` names the repair")
+        return (f"{str(d)!r}, a part of the sharded index {str(d.parent)!r}, has no {MANIFEST} (a copy not "
+                "finished, or damage): copy the part again from where the index was split or built, or split the "
+                "index again")
     if (d / CAPTURE_LOG_DIR).is_dir():
         return (f"{str(d)!r} holds an unfinished live capture (its {CAPTURE_LOG_DIR}/ log, no {MANIFEST}): the "
                 "training run stopped before the capture's end wrote the index; a live capture is not resumed, so "
