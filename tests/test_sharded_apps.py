@@ -125,6 +125,26 @@ def test_server_over_parts_answers_as_the_index(gpt2_dir, default_index, sharded
     assert (h_b["status"], h_b["examples"], h_b["methods"]) == (h_a["status"], 40, h_a["methods"])
 
 
+def test_server_over_parts_is_stale_when_a_part_other_than_0_is_replaced(gpt2_dir, sharded, tmp_path):
+    """The server checked part 0's manifest per request: a rebuilt part 1 answered with its new rows beside the
+    old parts'. Now every part open here is checked, and a part another rank holds refuses its search there; either
+    way /query is 503 and /health says stale, naming the part."""
+    from gradindex.spec.manifest import read_manifest, write_manifest
+
+    d = tmp_path / "three"
+    shutil.copytree(sharded.dir, d)
+    with ShardedQueryEngine(d, gpt2_dir, device="cpu") as many:
+        c = TestClient(create_app(many))
+        assert c.post("/query", json={"text": QUERIES[0], "k": 3}).status_code == 200
+        m = read_manifest(d / "part-00001")
+        m["generation"] = "rebuilt"
+        write_manifest(d / "part-00001", m)
+        r = c.post("/query", json={"text": QUERIES[0], "k": 3})
+        assert r.status_code == 503 and "part-00001" in r.json()["detail"] and "restart the server" in r.text, r.text
+        h = c.get("/health")
+        assert h.status_code == 503 and h.json()["status"].startswith("stale:") and "part-00001" in h.text, h.text
+
+
 def _run(*args) -> str:
     res = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
     assert res.exit_code == 0, res.output

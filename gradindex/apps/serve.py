@@ -276,7 +276,7 @@ def create_app(engine: QueryEngine, token: str | None = None, request_timeout: f
     answers = methods_of(engine.manifest, engine.dir, selfnorm=True)
     answers = [default] + [m for m in answers if m != default]
     app.state.stages = StageTimes()
-    state = IndexState(engine.dir, engine.index.check_current, getattr(engine, "lost", None))
+    state = IndexState(engine.dir, engine.check_current, getattr(engine, "lost", None))
     app.state.index = state
     app.add_middleware(Guard, token=token, max_body=MAX_BODY)
 

@@ -41,6 +41,9 @@ class IndexState:
         """Why a sharded index's ranks can no longer answer (a rank died or stalled), else None."""
         self.damage: str | None = None
         """Set by the first read that met a damaged file; the server answers 503 from then on."""
+        self.stale: str | None = None
+        """Set by the first answer refused because a build replaced what it read (a sharded index's part on another
+        rank, which the server's own check does not see); 503 from then on."""
 
     def public(self, msg: str) -> str:
         """``msg`` without server paths: the index directory as ``INDEX_DIR``, any other absolute path cut to
@@ -54,9 +57,12 @@ class IndexState:
         try:
             self._check_current()
         except IndexReplacedError as e:
-            return self.public(str(e)).replace("reopen it (a QueryEngine: open a new one; `gradindex serve`: "
-                                               "restart it)", "restart the server")
-        return None
+            return self._restart(e)
+        return self.stale
+
+    def _restart(self, e: IndexReplacedError) -> str:
+        return self.public(str(e)).replace("reopen it (a QueryEngine: open a new one; `gradindex serve`: restart it)",
+                                           "restart the server")
 
     def status(self) -> str:
         """``ok``, ``damaged: shard N (...)`` with the repair command, or ``stale: ...``."""
@@ -85,9 +91,11 @@ class IndexState:
         if isinstance(e, RankLostError):  # (a sharded index's rank died or stalled: named, 503 now and after)
             log.error("%s", e)
             return HTTPException(503, self.public(str(e)))
+        if isinstance(e, IndexReplacedError) and not self.stale:  # (another rank's part: what self.replaced
+            self.stale = self._restart(e)                          # cannot see; kept, /health says it too)
         why = self.replaced()  # a build may have replaced the files under a request in flight
-        if why or isinstance(e, IndexReplacedError):
-            return HTTPException(503, why or self.public(str(e)))
+        if why:
+            return HTTPException(503, why)
         if isinstance(e, DamagedIndexError):
             self.damage = self._damage(e)
             log.error("damaged index: %s", e)

@@ -81,6 +81,11 @@ class QueryEngine:
             self.close()
             raise
 
+    def check_current(self) -> None:
+        """Refuse to answer when a build replaced the index since it was opened
+        (:meth:`~gradindex.index.opened.OpenIndex.check_current`)."""
+        self.index.check_current()
+
     def example_columns(self, names: Sequence[str], ids) -> dict[str, np.ndarray]:
         """Per-example columns ``names`` (``num_tokens``, ``loss``, ...) of rows ``ids`` (each column read once)."""
         ids = np.asarray(ids, dtype=np.int64)

@@ -318,6 +318,12 @@ class ShardedQueryEngine(QueryEngine):
     def store(self, value: Store) -> None:  # (QueryEngine.__init__ sets part 0's: this engine reads every part)
         pass
 
+    def check_current(self) -> None:
+        """:meth:`QueryEngine.check_current` of every part open here (in one process, every part; under torchrun,
+        rank 0's: the other ranks check theirs at each search)."""
+        for eng in self.local.engines:
+            eng.index.check_current()
+
     def probe_ranks(self) -> None:
         """Have every rank answer, so that one that died while no request came is found lost (:meth:`lost`); nothing
         in one process."""
