@@ -601,15 +601,30 @@ def test_tokens_that_differ_name_the_loop_for_a_live_capture():
     assert tokens_differ({}).startswith("the file changed since the build")
 
 
+def _trained(tmp_path, name: str, gpt2_dir, tokenizer, ds, collator, jsonl, **options):
+    """One epoch of the HF Trainer at learning rate 0 over ``ds`` with a live capture into ``tmp_path / name``
+    (``data_id`` the file ``jsonl``); the callback."""
+    from transformers import Trainer, TrainingArguments
+
+    from gradindex.integrations import GradIndexCallback
+
+    cb = GradIndexCallback(tmp_path / name, projection="8", shard_size=16, model_id=str(gpt2_dir), data_id=str(jsonl),
+                           max_length=64, **options)
+    args = TrainingArguments(str(tmp_path / "tr"), per_device_train_batch_size=8, learning_rate=0.0,
+                             num_train_epochs=1, report_to=[], use_cpu=True, save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, remove_unused_columns=False)
+    Trainer(_model(gpt2_dir), args, train_dataset=ds, processing_class=tokenizer, callbacks=[cb],
+            data_collator=collator).train()
+    return cb
+
+
 def test_a_trainer_that_dropped_the_last_examples_is_named_and_num_rows_keeps_them(tmp_path, gpt2_dir, tokenizer,
                                                                                     data):
     """TRL drops examples left with no loss token: where it dropped the last ones, the ids stayed in range and the
     index silently held fewer rows than its data file. The end of the run now says so, and num_rows= keeps them."""
     pytest.importorskip("accelerate")
     import datasets
-    from transformers import Trainer, TrainingArguments
 
-    from gradindex.integrations import GradIndexCallback
     from gradindex.spec.manifest import read_manifest
 
     def collator(examples):
@@ -622,13 +637,7 @@ def test_a_trainer_that_dropped_the_last_examples_is_named_and_num_rows_keeps_th
         range(N - 2))  # (the trainer's set: the file's last 2 examples dropped)
     notes, manifests = [], []
     for rows in (None, N):
-        cb = GradIndexCallback(tmp_path / f"live{rows}", projection="8", shard_size=16, model_id=str(gpt2_dir),
-                               data_id=str(jsonl), max_length=64, num_rows=rows)
-        args = TrainingArguments(str(tmp_path / "tr"), per_device_train_batch_size=8, learning_rate=0.0,
-                                 num_train_epochs=1, report_to=[], use_cpu=True, save_strategy="no",
-                                 logging_strategy="no", disable_tqdm=True, remove_unused_columns=False)
-        Trainer(_model(gpt2_dir), args, train_dataset=ds, processing_class=tokenizer, callbacks=[cb],
-                data_collator=collator).train()
+        cb = _trained(tmp_path, f"live{rows}", gpt2_dir, tokenizer, ds, collator, jsonl, num_rows=rows)
         notes.append(cb.tokens_note)
         manifests.append(read_manifest(tmp_path / f"live{rows}"))
     assert notes[0] is not None and f"the index holds {N - 2} rows and" in notes[0], notes[0]
@@ -643,9 +652,7 @@ def test_a_trainer_that_appends_an_end_of_sequence_token_is_named_at_the_end(tmp
     commands said so, blaming the file ("changed since the build")."""
     pytest.importorskip("accelerate")
     import datasets
-    from transformers import Trainer, TrainingArguments
 
-    from gradindex.integrations import GradIndexCallback
 
     def collator(examples):  # (the appended token carries loss, as TRL's does)
         b = collate([e["input_ids"] for e in examples], [e["input_ids"] for e in examples], tokenizer.pad_token_id)
@@ -657,14 +664,7 @@ def test_a_trainer_that_appends_an_end_of_sequence_token_is_named_at_the_end(tmp
     for eos in (False, True):
         ids = [list(x) + [tokenizer.eos_token_id] * eos for x in data.input_ids]
         ds = with_row_ids(datasets.Dataset.from_dict({"input_ids": ids}))
-        cb = GradIndexCallback(tmp_path / f"live{eos}", projection="8", shard_size=16, model_id=str(gpt2_dir),
-                               data_id=str(jsonl), max_length=64)
-        args = TrainingArguments(str(tmp_path / "tr"), per_device_train_batch_size=8, learning_rate=0.0,
-                                 num_train_epochs=1, report_to=[], use_cpu=True, save_strategy="no",
-                                 logging_strategy="no", disable_tqdm=True, remove_unused_columns=False)
-        Trainer(_model(gpt2_dir), args, train_dataset=ds, processing_class=tokenizer, callbacks=[cb],
-                data_collator=collator).train()
-        notes.append(cb.tokens_note)
+        notes.append(_trained(tmp_path, f"live{eos}", gpt2_dir, tokenizer, ds, collator, jsonl).tokens_note)
     assert notes[0] is None, notes[0]
     assert notes[1] is not None and f"{N} of {N} examples checked were trained as other tokens" in notes[1]
     assert "an end-of-sequence token appended, as TRL does" in notes[1] and "tokenize_records" in notes[1]
