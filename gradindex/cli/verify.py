@@ -85,15 +85,15 @@ def verify_sharded(index_dir: str, here: bool = False) -> dict:
             continue
         try:
             r = verify_index(str(p.dir))
+            count = len(r["damaged"])
         except (OSError, ValueError) as e:  # (no readable manifest: named once, above where check_sharded saw it)
             r = {"damaged": [] if str(e) in problems else [{"file": "manifest.json", "problem": str(e),
                                                             "repair": again}], "verified": 0, "unrecorded": []}
-            r["count"] = 1
+            count = 1
         out["damaged"] += [{**x, "file": f"{p.dir.name}/{x['file']}", "repair": again} for x in r["damaged"]]
         out["verified"] += r["verified"]
         out["unrecorded"] += [f"{p.dir.name}/{n}" for n in r["unrecorded"]]
-        out["parts"].append({"part": p.dir.name, "rows": rows, "damaged": r.get("count", len(r["damaged"])),
-                             "verified": r["verified"]})
+        out["parts"].append({"part": p.dir.name, "rows": rows, "damaged": count, "verified": r["verified"]})
     return out
 
 

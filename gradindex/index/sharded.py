@@ -147,7 +147,7 @@ def check_sharded(path: str | os.PathLike) -> tuple[Sharded, list[str]]:
     to the caller (:func:`absent_parts`); ``shards.json`` itself unreadable is raised."""
     problems: list[str] = []
     sh = _read(Path(path), problems, absent_ok=True)
-    here = [p for j, p in enumerate(sh.parts) if j not in absent_parts(sh)]
+    here = [p for p in sh.parts if p.dir.is_dir()]
     if not problems and here:
         try:
             _same_fits(sh, here)

@@ -588,9 +588,9 @@ def _fit_command(ix: OpenStore, base: str) -> tuple[str, str]:
         return f"index {str(ix.dir)!r}", f"`gradindex precondition {ix.dir} --method {base} --space full`"
     whole = getattr(ix, "home", None) or sharded_parent(ix.dir) or "SHARDED"
     return f"the sharded index {str(whole)!r}", (
-        f"one fit over the whole index, which every part shares: `gradindex merge {whole} "
-            f"--out ONE`, `gradindex precondition ONE --method {base} --space full`, then `gradindex split ONE "
-            f"--shards {part['parts']} --out NEW` (or fit the index it was split from, and split that again)")
+        f"one fit over the whole index, which every part shares: `gradindex merge {whole} --out ONE`, `gradindex "
+        f"precondition ONE --method {base} --space full`, then `gradindex split ONE --shards {part['parts']} --out "
+        "NEW` (or fit the index it was split from, and split that again)")
 
 
 def load_full_preconditioner(index: str | os.PathLike | OpenStore, method: str,
@@ -610,8 +610,8 @@ def load_full_preconditioner(index: str | os.PathLike | OpenStore, method: str,
             return Preconditioner(base, shapes)
         path = _full_file(ix, base)
         if path is None:
-            raise FileNotFoundError(f"{_fit_command(ix, base)[0]} has no full-space {base} curvature; add it with "
-                                    f"{_fit_command(ix, base)[1]}")
+            what, fix = _fit_command(ix, base)
+            raise FileNotFoundError(f"{what} has no full-space {base} curvature; add it with {fix}")
         check_fingerprints(path, manifest, base)
         curv = CurvatureFile(path, manifest)
         if set(curv) != set(shapes):

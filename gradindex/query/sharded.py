@@ -242,16 +242,16 @@ class _Columns:
         part = [bisect.bisect_right(self.firsts, int(i)) - 1 for i in ids]
         remote = sorted({int(i) for i, j in zip(ids, part, strict=True) if j not in self.stores
                          and any((n, int(i)) not in self._kept for n in names)}) if self.fetch is not None else []
-        got = {(n, i): v for n, col in self.fetch(tuple(names), np.array(remote, dtype=np.int64)).items()
-               for i, v in col.items()} if remote else {}
-        self._kept.update(got)
+        if remote:
+            self._kept.update({(n, i): v for n, col in self.fetch(tuple(names), np.array(remote, dtype=np.int64))
+                               .items() for i, v in col.items()})
         out = {}
         for n in names:
             if not len(ids):
                 out[n] = np.zeros((0,), dtype=self._column(n, 0).dtype)
                 continue
-            out[n] = np.stack([got[n, int(i)] if (n, int(i)) in got else self._kept[n, int(i)]
-                               if (n, int(i)) in self._kept else self._column(n, j)[int(i) - self.firsts[j]]
+            out[n] = np.stack([self._kept[n, int(i)] if (n, int(i)) in self._kept
+                               else self._column(n, j)[int(i) - self.firsts[j]]
                                for i, j in zip(ids, part, strict=True)])
         while len(self._kept) > self.KEEP:
             self._kept.popitem(last=False)
