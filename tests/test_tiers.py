@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from gradindex.capture import ProjectionSpec
 from gradindex.cli import main
 from gradindex.data import load_records, tokenize_records
 from gradindex.index import IndexConfig, OpenIndex, build_indices
+from gradindex.index import sketch as sketch_mod
 from gradindex.index.scan import CodeScanner, StoreScan
 from gradindex.index.sketch import Sketch, SketchIndex, allocate, encode_sketch, split_levels
 from gradindex.index.tiers import choose_kind, lookup_cost
@@ -130,28 +132,64 @@ def test_sketch_inner_products_are_within_the_jl_bound(default_index):
 
 @pytest.mark.parametrize("m", [1, 7, 300])
 def test_sketch_scan_equals_the_decoded_codes_by_both_kernels(m, monkeypatch):
-    """The int8 matrix product (two query levels) and FAISS's kernel both give ``decode(codes) @ y``."""
+    """The int8 matrix product (two query levels) and the float kernel both give ``decode(codes) @ y``, over the
+    whole index and over runs of positions; a shape torch refuses moves the index to the float kernel."""
     rng = np.random.default_rng(m)
-    y = rng.standard_normal((500, m)).astype(np.float32) * rng.lognormal(0, 1, (500, 1)).astype(np.float32)
+    y = rng.standard_normal((2500, m)).astype(np.float32) * rng.lognormal(0, 1, (2500, 1)).astype(np.float32)
     codes, scales = encode_sketch(y)
     yhat = (codes.view(np.int8) ^ np.int8(-128)).astype(np.float64) * scales[:, None]
     q = rng.standard_normal((11, m)).astype(np.float32)
     want = q.astype(np.float64) @ yhat.T
     sk = Sketch(0, {"a": m}, {"a": m})
-    fast = SketchIndex(sk, codes, scales, block=128)
-    got = fast.scores(q, batch=4)
-    assert (fast.index is None) == (m > 1)  # torch's kernel is wrong at m = 1: FAISS serves it
-    assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
     levels, f = split_levels(q)
     assert levels.dtype == np.int8 and np.abs(levels).max() <= 127
     np.testing.assert_allclose(levels[:11] * f[:11, None] + levels[11:] * f[11:, None], q, atol=1e-4 * np.abs(q).max())
-    if fast.codes is not None:  # the switch a refused shape makes at query time, from the int8 copy
-        fast._to_faiss(fast.codes, 128)
-        assert fast.codes is None and np.abs(fast.scores(q) - want).max() <= 2e-4 * np.abs(want).max()
-    monkeypatch.setattr("gradindex.index.sketch._int_mm_works", lambda m: False)
-    slow = SketchIndex(sk, codes, scales, block=128)
-    assert slow.index is not None and slow.codes is None
-    assert np.abs(slow.scores(q) - want).max() <= 2e-4 * np.abs(want).max()
+    runs = [(3, 1030), (1030, 1031), (2000, 2500)]  # across a float block's edge, one row, the tail
+    at = np.concatenate([np.arange(lo, hi) for lo, hi in runs])
+    for kernel in ("int8", "float"):
+        monkeypatch.setenv(sketch_mod.KERNEL_ENV, kernel)
+        ix = SketchIndex(sk, codes, scales, block=128)
+        assert ix.kernel == ("float" if m == 1 else kernel)  # torch's int8 kernel is wrong at m = 1
+        got = ix.scores(q, batch=4)
+        assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
+        part = ix.unscaled(q, runs) * scales[at]
+        assert np.abs(part - want[:, at]).max() <= 2e-4 * np.abs(want).max()
+    monkeypatch.setenv(sketch_mod.KERNEL_ENV, "int8")
+    ix = SketchIndex(sk, codes, scales)
+
+    def refuse(*a):
+        raise RuntimeError("this shape is refused")
+
+    monkeypatch.setattr(torch, "_int_mm", refuse)
+    assert np.abs(ix.scores(q) - want).max() <= 2e-4 * np.abs(want).max() and ix.kernel == "float"
+
+
+def test_sketch_kernel_is_timed_once_and_named_by_the_environment(monkeypatch):
+    """``auto`` takes int8 unless ``torch._int_mm`` is far slower than the float kernel (an AVX2-only EPYC:
+    ~100x), decided once per process and thread count; a wrong name is refused, naming the choices."""
+    monkeypatch.delenv(sketch_mod.KERNEL_ENV, raising=False)
+    sketch_mod._timed_kernel.cache_clear()
+    sketch_mod._int_mm_works(64)
+    int8, fl = sketch_mod._int8_product, sketch_mod._float_product
+
+    def slowly(product):
+        def run(*a):
+            time.sleep(0.05)
+            return product(*a)
+        return run
+
+    monkeypatch.setattr(sketch_mod, "_int8_product", slowly(int8))
+    assert sketch_mod.scan_kernel(64) == "float"
+    monkeypatch.setattr(sketch_mod, "_int8_product", int8)
+    assert sketch_mod.scan_kernel(64) == "float"  # cached: the timing is not repeated
+    sketch_mod._timed_kernel.cache_clear()
+    monkeypatch.setattr(sketch_mod, "_float_product", slowly(fl))
+    assert sketch_mod.scan_kernel(64) == "int8"
+    assert sketch_mod.scan_kernel(1) == "float"
+    monkeypatch.setenv(sketch_mod.KERNEL_ENV, "faiss")
+    with pytest.raises(ValueError, match="GRADINDEX_SKETCH_KERNEL='faiss'.*int8, float or auto"):
+        sketch_mod.scan_kernel(64)
+    sketch_mod._timed_kernel.cache_clear()
 
 
 def test_store_kind_is_exact_and_writes_no_copy(default_index, tmp_path):

@@ -19,21 +19,25 @@ FAISS's ``QT_8bit_direct_signed`` layout (``code + 128``). The scan wants every 
 per-row scale and the method's per-example factors come after the product, so no top-k search can
 stand in for it). It is one integer matrix product, ``torch._int_mm`` (int8 x int8 -> int32, exact),
 of the query split in two int8 levels, ``y ≈ f₁ q₁ + f₂ q₂`` with ``q₁ = round(y / f₁)`` and ``q₂`` the
-rounded remainder (relative rounding ~``(1/254)²``, far below the sketch's own error): 7.3x faster
-than FAISS's kernel asked for all ``N`` scores (which spends most of it in its heap) at 10⁶ rows
-(``benchmarks/results/sketch_scan.json``). Where ``torch._int_mm`` is missing or refuses the shape, the
-codes go to FAISS's SIMD kernel instead. The top candidates are then re-ranked exactly from the
-store (:mod:`gradindex.query.search`).
+rounded remainder (relative rounding ~``(1/254)²``, far below the sketch's own error): 0.46 s per 10⁶
+rows and query on one thread of an AVX-512 Xeon, 7.3x faster than FAISS's kernel asked for all ``N``
+scores (``benchmarks/results/sketch_scan.json``). Not every CPU has a fast ``torch._int_mm``: on an
+AVX2-only EPYC it ran ~100x slower than float32 (3.8 s a query at 10⁶). So the kernel is chosen once per
+process (:func:`scan_kernel`) by timing both on a small block: ``int8``, or ``float``, which converts
+1,024 rows at a time to float32 and multiplies them by the float query (twice the int8 time where
+``torch._int_mm`` is fast). ``GRADINDEX_SKETCH_KERNEL=int8|float`` fixes it. The top candidates are then
+re-ranked exactly from the store (:mod:`gradindex.query.search`).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import faiss
 import numpy as np
 import torch
 
@@ -139,16 +143,11 @@ def encode_sketch(y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 class SketchIndex:
-    """The sketch codes of every example in RAM and their scores against query sketches."""
+    """The sketch codes of every example in RAM (int8 ``[N, m]``) and their scores against query sketches."""
 
     def __init__(self, sketch: Sketch, codes: np.ndarray, scales: np.ndarray, block: int = 1 << 16):
         self.sketch, self.n = sketch, len(codes)
         self.scales = np.asarray(scales, np.float32)
-        self.codes: torch.Tensor | None = None
-        self.index = None
-        if not _int_mm_works(sketch.m):  # straight from the FAISS-layout codes, no int8 copy first
-            self._to_faiss(codes, block)
-            return
         self.codes = torch.empty((self.n, sketch.m), dtype=torch.int8)
         dest = self.codes.numpy().view(np.uint8)
         path = getattr(codes, "filename", None)
@@ -159,18 +158,7 @@ class SketchIndex:
                 dest[s:s + block] = np.asarray(codes[s:s + block]).view(np.uint8)
         for s in range(0, self.n, block):  # FAISS's code + 128 → int8, in place
             dest[s:s + block] ^= np.uint8(0x80)
-
-    def _to_faiss(self, codes, block: int) -> None:
-        """Hand ``codes`` ``[N, m]`` (FAISS's ``code + 128`` bytes, or the int8 tensor) to its
-        ``QT_8bit_direct_signed`` kernel a block at a time (no integer matrix product here); the int8 copy goes."""
-        self.index = faiss.IndexScalarQuantizer(self.sketch.m, faiss.ScalarQuantizer.QT_8bit_direct_signed,
-                                                faiss.METRIC_INNER_PRODUCT)
-        self.index.train(np.zeros((1, self.sketch.m), np.float32))
-        for s in range(0, self.n, block):
-            c = codes[s:s + block]
-            c = _faiss_layout(c) if isinstance(c, torch.Tensor) else np.ascontiguousarray(c).view(np.uint8)
-            self.index.add_sa_codes(c)
-        self.codes = None
+        self.kernel = scan_kernel(sketch.m)
 
     def nbytes(self) -> int:
         return int(self.n * (self.sketch.m + 4))
@@ -179,32 +167,53 @@ class SketchIndex:
         """``[Q, N]`` float32 sketch scores ``⟨y_q, ŷ_t⟩`` of query sketches ``yq`` ``[Q, m]``."""
         out = np.empty((len(yq), self.n), np.float32)
         for s in range(0, len(yq), batch):
-            q = np.asarray(yq[s:s + batch], np.float32)
-            if self.index is None:
-                try:
-                    out[s:s + len(q)] = self._int8(q)
-                    continue
-                except RuntimeError:  # a shape this build of torch refuses: FAISS from now on
-                    self._to_faiss(self.codes, 1 << 16)
-            out[s:s + len(q)] = self._faiss(q)
+            out[s:s + batch] = self.unscaled(np.asarray(yq[s:s + batch], np.float32), [(0, self.n)])
         out *= self.scales[None, :]
         return out
 
-    def _int8(self, q: np.ndarray) -> np.ndarray:
-        """Unscaled ``[Q, N]`` scores by one exact int8 product of the query's two levels."""
-        levels, f = split_levels(q)  # [2Q, m] int8, [2Q]
-        d = torch._int_mm(torch.from_numpy(levels), self.codes.t()).numpy()  # [2Q, N] int32
-        Q = len(q)
-        out = d[:Q].astype(np.float32) * f[:Q, None]
-        out += d[Q:].astype(np.float32) * f[Q:, None]
-        return out
+    def unscaled(self, q: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
+        """``[Q, Σ (hi - lo)]`` float32 scores, before the rows' scales, of the rows ``lo:hi`` of each run, in
+        order, by this process's kernel (module doc)."""
+        if self.kernel == "int8":
+            try:
+                return _int8_product(self.codes, q, runs)
+            except RuntimeError:  # a shape this build of torch refuses: the float kernel from now on
+                self.kernel = "float"
+        return _float_product(self.codes, q, runs)
 
-    def _faiss(self, q: np.ndarray) -> np.ndarray:
-        f = level_factor(q).astype(np.float32)
-        d, i = self.index.search(np.ascontiguousarray(q / f[:, None]), self.n)
-        part = np.empty((len(q), self.n), np.float32)
-        np.put_along_axis(part, i, d, axis=1)
-        return part * f[:, None]
+
+def _int8_product(codes: torch.Tensor, q: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
+    """:meth:`SketchIndex.unscaled` by one exact int8 product of the query's two levels per run."""
+    levels, f = split_levels(q)  # [2Q, m] int8, [2Q]
+    lv, Q = torch.from_numpy(levels), len(q)
+    out = np.empty((Q, sum(hi - lo for lo, hi in runs)), np.float32)
+    at = 0
+    for lo, hi in runs:
+        d = torch._int_mm(lv, codes[lo:hi].t()).numpy()  # [2Q, run] int32
+        o = d[:Q].astype(np.float32) * f[:Q, None]
+        o += d[Q:].astype(np.float32) * f[Q:, None]
+        out[:, at:at + hi - lo] = o
+        at += hi - lo
+    return out
+
+
+FLOAT_BLOCK = 1024
+"""Rows the float kernel converts at a time (their float32 copy stays in the core's cache)."""
+
+
+def _float_product(codes: torch.Tensor, q: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
+    """:meth:`SketchIndex.unscaled` by float32 products, :data:`FLOAT_BLOCK` rows converted at a time."""
+    qt = torch.from_numpy(np.ascontiguousarray(q, np.float32))
+    buf = torch.empty((FLOAT_BLOCK, codes.shape[1]))
+    out = torch.empty((len(q), sum(hi - lo for lo, hi in runs)))
+    at = 0
+    for lo, hi in runs:
+        for s in range(lo, hi, FLOAT_BLOCK):
+            b = buf[:min(FLOAT_BLOCK, hi - s)]
+            b.copy_(codes[s:s + len(b)])
+            out[:, at:at + len(b)] = qt @ b.t()
+            at += len(b)
+    return out.numpy()
 
 
 def read_into(path: Path, offset: int, dest: np.ndarray, block_bytes: int = 64 << 20) -> None:
@@ -218,11 +227,6 @@ def read_into(path: Path, offset: int, dest: np.ndarray, block_bytes: int = 64 <
             got = f.readinto(view)
             if got != len(view):
                 raise CorruptFileError(f"{str(path)!r} ended {len(view) - (got or 0)} bytes early (a torn sketch file)")
-
-
-def _faiss_layout(codes: torch.Tensor) -> np.ndarray:
-    """int8 codes ``[N, m]`` as FAISS's ``code + 128`` bytes (a copy)."""
-    return codes.numpy().view(np.uint8) ^ np.uint8(0x80)
 
 
 def split_levels(q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -249,3 +253,39 @@ def _int_mm_works(m: int) -> bool:
         return bool(torch.equal(torch._int_mm(a.to(torch.int8), b.to(torch.int8).t()).long(), a @ b.t()))
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
+
+
+KERNEL_ENV = "GRADINDEX_SKETCH_KERNEL"
+"""Fixes the sketch scan's kernel: ``int8``, ``float`` or ``auto`` (the default: timed, :func:`scan_kernel`)."""
+SLOWER = 1.5
+"""``auto`` takes ``float`` only where ``torch._int_mm`` is this many times slower than it (fast int8 CPUs:
+2-4x faster; the AVX2-only EPYC measured: ~100x slower), so a noisy timing does not flip the choice."""
+
+
+def scan_kernel(m: int) -> str:
+    """The sketch scan's kernel for ``m`` numbers a row: ``int8`` (exact ``torch._int_mm``) or ``float``."""
+    want = (os.environ.get(KERNEL_ENV) or "auto").strip().lower()
+    if want not in ("int8", "float", "auto"):
+        raise ValueError(f"{KERNEL_ENV}={want!r} is not a sketch kernel: set it to int8, float or auto (timed)")
+    if want == "float" or not _int_mm_works(m):
+        return "float"
+    return "int8" if want == "int8" else _timed_kernel(m, torch.get_num_threads())
+
+
+@functools.cache
+def _timed_kernel(m: int, threads: int) -> str:
+    """``int8`` unless ``torch._int_mm`` takes :data:`SLOWER` times the float kernel's time on 2,048 random rows
+    and 8 queries here (best of 3 each)."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (2 * FLOAT_BLOCK, m), dtype=torch.int8, generator=g)
+    q = torch.randn((8, m), generator=g).numpy()
+
+    def best(product) -> float:
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            product(codes, q, [(0, len(codes))])
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return "float" if best(_int8_product) > SLOWER * best(_float_product) else "int8"

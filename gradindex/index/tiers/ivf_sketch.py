@@ -47,7 +47,7 @@ from gradindex.errors import CorruptFileError
 from gradindex.index import gpu
 from gradindex.index.cost import READ_BYTES_S, ROW_READ_S, SKETCH_NS, LookupCost, sketch_candidates
 from gradindex.index.files import index_command
-from gradindex.index.sketch import Sketch, SketchIndex, _int_mm_works, read_into, split_levels
+from gradindex.index.sketch import Sketch, SketchIndex, read_into, scan_kernel
 from gradindex.index.space import IndexSpace
 from gradindex.index.tiers.base import (
     BuildJob,
@@ -214,7 +214,6 @@ class ListSketchIndex(SketchIndex):
         self.offsets = np.searchsorted(lists[self.order], np.arange(len(centroids) + 1))
         self.centroids = np.ascontiguousarray(centroids, np.float32)
         self.scales = np.asarray(scales, np.float32)[self.order]
-        self.index = None
         self.codes = torch.empty((self.n, sketch.m), dtype=torch.int8)
         dest = self.codes.numpy().view(np.uint8)
         at = np.empty(self.n, np.int64)
@@ -224,8 +223,7 @@ class ListSketchIndex(SketchIndex):
             part = buf[:min(block, self.n - s)]
             read_into(codes_path, offset + s * sketch.m, part)
             dest[at[s:s + len(part)]] = part ^ np.uint8(0x80)
-        if not _int_mm_works(sketch.m):
-            self._to_faiss(self.codes, block)
+        self.kernel = scan_kernel(sketch.m)
 
     def nbytes(self) -> int:
         return int(super().nbytes() + self.order.nbytes + self.centroids.nbytes)
@@ -249,30 +247,12 @@ class ListSketchIndex(SketchIndex):
     def scores_at(self, yq: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """``[Q, len(pos)]`` float32 sketch scores of the rows at positions ``pos`` (ascending; the same numbers as
         :meth:`scores`), a contiguous run of positions at a time."""
-        q = np.asarray(yq, np.float32)
-        out = np.empty((len(q), len(pos)), np.float32)
-        if self.codes is not None:
-            try:
-                self._runs_int8(q, pos, out)
-                out *= self.scales[pos][None, :]
-                return out
-            except RuntimeError:  # a shape this build of torch refuses: FAISS from now on
-                self._to_faiss(self.codes, 1 << 16)
-        out[:] = self._faiss(q)[:, pos]
+        cut = np.flatnonzero(np.diff(pos) != 1) + 1
+        runs = [(int(pos[a]), int(pos[a]) + int(b - a)) for a, b in zip(np.r_[0, cut], np.r_[cut, len(pos)],
+                                                                          strict=True)] if len(pos) else []
+        out = self.unscaled(np.asarray(yq, np.float32), runs)
         out *= self.scales[pos][None, :]
         return out
-
-    def _runs_int8(self, q: np.ndarray, pos: np.ndarray, out: np.ndarray) -> None:
-        """Unscaled scores into ``out`` by the int8 product of :meth:`SketchIndex._int8`, per run of ``pos``."""
-        levels, f = split_levels(q)
-        lv, Q = torch.from_numpy(levels), len(q)
-        cut = np.flatnonzero(np.diff(pos) != 1) + 1
-        for a, b in zip(np.r_[0, cut], np.r_[cut, len(pos)], strict=True):
-            lo = int(pos[a])
-            d = torch._int_mm(lv, self.codes[lo:lo + (b - a)].t()).numpy()  # [2Q, run] int32
-            o = d[:Q].astype(np.float32) * f[:Q, None]
-            o += d[Q:].astype(np.float32) * f[Q:, None]
-            out[:, a:b] = o
 
 
 def load_lists(folder: Path, meta: dict, n: int) -> ListSketchIndex:
