@@ -486,3 +486,75 @@ def test_a_rank_whose_rank_0_died_stops_with_one_line(default_index, tmp_path):
     finally:
         _end(procs)
 
+
+
+def _worker_pid(agent: subprocess.Popen, rank: int, timeout: float = 60) -> int:
+    """The pid of torchrun's worker ``rank`` (a process under ``agent`` whose environment says ``RANK=rank``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit():
+                continue
+            try:
+                env = (p / "environ").read_bytes().split(b"\0")
+                parents = [int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])]
+                parents.append(int((Path("/proc") / str(parents[0]) / "stat").read_text().rsplit(")", 1)[1].split()[1]))
+            except (OSError, ValueError, IndexError):
+                continue
+            if agent.pid in parents and f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in b"".join(env):
+                return int(p.name)
+        time.sleep(0.5)
+    raise AssertionError(f"torchrun's rank {rank} did not start")
+
+
+def _back(agent: subprocess.Popen, base: str, timeout: float = 120) -> tuple[int, dict]:
+    """Wait for ``/health`` to answer 200 again (torchrun restarting the run); its last status and body."""
+    deadline = time.monotonic() + timeout
+    code, health = 0, {}
+    while time.monotonic() < deadline and agent.poll() is None:
+        try:
+            code, health = _http(base + "/health", timeout=5)
+            if code == 200:
+                break
+        except OSError:
+            pass
+        time.sleep(0.5)
+    return code, health
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_rank_and_the_server_answers_again(default_index, tmp_path):
+    """kill -9 of rank 1 under `torchrun --max-restarts 1`: the request answers 503 naming its part (or finds the server
+    gone while torchrun restarts the run); once the run is back, requests answer as before. No part is written."""
+    sh = split_index(default_index, tmp_path / "two", 2)
+    before = {p: p.stat().st_mtime_ns for p in sh.dir.rglob("*") if p.is_file()}
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "--max-restarts", "1", "--monitor-interval", "1", "-m", "gradindex", "serve",
+                              str(sh.dir), "--port", str(port), "--device", "cpu", "--cpu-index", "--rank-timeout",
+                              "10"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert _up([agent], base)[0] == 200
+        code, first = _http(base + "/query", {"text": QUERIES[1], "k": 5})
+        assert code == 200, first
+        os.kill(_worker_pid(agent, 1), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            code, got = _http(base + "/query", {"text": QUERIES[1], "k": 5}, timeout=30)
+            assert code == 503 and "rank 1 (part-00001, rows 16-39) died" in got["detail"], got
+            assert time.monotonic() - t0 < 10  # (measured: 0.02 s; the connection closes at once)
+        except OSError:  # torchrun stopped rank 0 before the request came
+            pass
+        code, health = _back(agent, base)
+        assert code == 200 and health["status"] == "ok", (health, time.monotonic() - t0)  # (measured: back in 4.5 s)
+        code, again = _http(base + "/query", {"text": QUERIES[1], "k": 5})
+        assert code == 200 and again["hits"] == first["hits"], (first, again)
+        assert {p: p.stat().st_mtime_ns for p in sh.dir.rglob("*") if p.is_file()} == before
+    finally:
+        agent.send_signal(signal.SIGINT)
+        try:
+            agent.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            agent.kill()
