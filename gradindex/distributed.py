@@ -96,8 +96,21 @@ def init_from_env(device: str = "cpu", timeout: float | None = None) -> bool:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     _timeout = BUILD_TIMEOUT if timeout is None else timedelta(seconds=timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=_timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=_timeout, **_attempt_store())
     return True
+
+
+def _attempt_store() -> dict:
+    """Under torchrun, the process group's store as keys of this attempt alone (``TORCHELASTIC_RESTART_COUNT``).
+
+    torchrun's agent keeps one store for every restart of a run, and the workers' keys are not told apart by attempt,
+    so a restarted gloo rank read the dead attempt's listening addresses and failed its start (Connection refused; one
+    restart in four in ``test_torchrun_restarts_a_killed_rank_and_the_server_answers_again``)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return {}
+    store, rank, world = next(dist.rendezvous("env://", timeout=_timeout))
+    return {"store": dist.PrefixStore(f"gradindex/attempt-{attempt}", store), "rank": rank, "world_size": world}
 
 
 def timeout() -> float:

@@ -543,12 +543,14 @@ def test_torchrun_restarts_a_killed_rank_and_the_server_answers_again(default_in
         t0 = time.monotonic()
         try:
             code, got = _http(base + "/query", {"text": QUERIES[1], "k": 5}, timeout=30)
-            assert code == 503 and "rank 1 (part-00001, rows 16-39) died" in got["detail"], got
+            assert code == 503 and "rank 1 (part-00001, rows 16-39) died (its connection closed)" in got["detail"], got
             assert time.monotonic() - t0 < 10  # (measured: 0.02 s; the connection closes at once)
         except OSError:  # torchrun stopped rank 0 before the request came
             pass
         code, health = _back(agent, base)
-        assert code == 200 and health["status"] == "ok", (health, time.monotonic() - t0)  # (measured: back in 4.5 s)
+        if code != 200:
+            agent.kill()
+            raise AssertionError(f"not back after {time.monotonic() - t0:.1f} s: {health}\n{agent.communicate()[0]}")
         code, again = _http(base + "/query", {"text": QUERIES[1], "k": 5})
         assert code == 200 and again["hits"] == first["hits"], (first, again)
         assert {p: p.stat().st_mtime_ns for p in sh.dir.rglob("*") if p.is_file()} == before

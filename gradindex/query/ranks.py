@@ -108,7 +108,7 @@ def _who(n: int, err: Exception, describe: Callable[[int], str], waited: float) 
     others = range(1, distributed.world_size())
     silent = [r for r in others if not has(_key("took", n, r))]
     slow = [r for r in others if r not in silent and not has(_key("answered", n, r))]
-    died = "closed" in str(err).lower()
+    died = "closed" in str(err).lower() or waited < 0.9 * distributed.timeout()  # (gloo also says "reset by peer")
     state = ("died (its connection closed)" if died else
              f"did not answer within {distributed.timeout():g} s (died or stalled)")
     who = "; ".join(f"rank {r} ({describe(r)})" for r in (silent or slow)) or "a rank"
