@@ -113,6 +113,16 @@ def _attempt_store() -> dict:
     return {"store": dist.PrefixStore(f"gradindex/attempt-{attempt}", store), "rank": rank, "world_size": world}
 
 
+def peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because another rank died or stalled (gloo's and NCCL's errors,
+    torch's ``DistError``), not an error of this rank's own work."""
+    if isinstance(e, dist.DistError):
+        return True
+    msg = str(e)
+    return isinstance(e, RuntimeError) and any(w in msg for w in ("gloo/transport", "Connection closed by peer",
+                                                                   "Connection reset by peer", "NCCL"))
+
+
 def timeout() -> float:
     """Seconds a collective of this run waits for the other ranks (:func:`init_from_env`)."""
     return _timeout.total_seconds()

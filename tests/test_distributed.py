@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +102,38 @@ def test_in_loop_capture_under_ddp_and_fsdp_equals_the_offline_build(gpt2_dir, d
     m, off = read_manifest(d / wrap), read_manifest(d / "offline")
     assert m["build"]["model_fingerprint"] == off["build"]["model_fingerprint"]  # FSDP2 shards are gathered
     assert m["training"]["ranks"] == 2
+
+
+@pytest.mark.slow
+def test_torchrun_max_restarts_resumes_a_build_whose_rank_was_killed(gpt2_dir, tmp_path):
+    """kill -9 of rank 1 mid-capture under `torchrun --max-restarts 1`: the restarted run resumes the build (the
+    shards written before the kill are kept) and its rows equal one process's build."""
+    from tests.test_sharded_apps import _worker_pid
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": t}) + "\n" for t in make_texts(160, seed=3, max_words=40)))
+    common = [str(gpt2_dir), str(train), "--shard-size", "4", "--device", "cpu", "--quiet", "--transcode", "none",
+              "--precondition", "none", "--storage", "fp32", "--no-index"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = tmp_path / "two"
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "--max-restarts", "1", "--monitor-interval", "1", "-m", "gradindex", "build", *common,
+                              "--out", str(out)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    rank1 = _worker_pid(agent, 1)
+    deadline = time.monotonic() + 120
+    while len(list((out / STORE_DIR).glob("*"))) < 4 and time.monotonic() < deadline and agent.poll() is None:
+        time.sleep(0.05)
+    os.kill(rank1, signal.SIGKILL)
+    printed, _ = agent.communicate(timeout=600)
+    assert agent.returncode == 0, printed
+    assert "failed (exitcode: -9) local_rank: 1" in printed, printed  # (torchrun's log: the kill landed mid-build)
+    lost = [x for x in printed.splitlines() if x.startswith("Error: rank 0: another rank of the build died")]
+    assert len(lost) == 1 and "Traceback" not in printed and "run the same command again" in lost[0], printed
+    done = re.search(r"built .* in [0-9.]+ s \(([0-9]+) computed now\)", printed)
+    assert done and 0 < int(done.group(1)) < 160, printed  # the restart kept what the first attempt wrote
+    cli("build", *common, "--out", str(tmp_path / "one"))
+    ids, rows = _rows(out)
+    assert (ids == np.arange(160)).all()
+    for n, r in _rows(tmp_path / "one")[1].items():
+        np.testing.assert_array_equal(r, rows[n])

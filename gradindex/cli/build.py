@@ -12,9 +12,11 @@ from click.core import ParameterSource
 from gradindex.cli import main
 from gradindex.cli.common import (
     Interrupted,
+    UserError,
     damping_option,
     data_options,
     human_bytes,
+    one_line,
     positive_damping,
     user_errors,
 )
@@ -213,10 +215,15 @@ def build(**o):
     # under torchrun: each rank captures its share of the shards
     o["device"] = distributed.local_device(o["device"])
     o["quiet"] = o["quiet"] or distributed.rank() > 0
+    me = distributed.rank()
     try:
         _build(o, opts)
-    except BaseException:
+    except BaseException as e:
         distributed.shutdown(wait=False)  # (the other ranks may never reach a barrier)
+        if distributed.peer_lost(e):
+            raise UserError(f"rank {me}: another rank of the build died or stalled ({one_line(e)[:160]}); run the "
+                            "same command again to resume the build (every file written so far is kept); under "
+                            "`torchrun --max-restarts N` that happens by itself") from e
         raise
     distributed.shutdown()
     distributed.exit_rank(0)  # (every rank done and synchronized: no teardown left to abort it)
