@@ -58,11 +58,11 @@ def verify_sharded(index_dir: str, here: bool = False) -> dict:
     consistency with ``shards.json`` (:func:`gradindex.index.sharded.check_sharded`: row ranges, builds, fits);
     ``parts``: each part's rows and counts. A part whose folder is not here (listed in ``absent``) is damage, but
     with ``here`` (a host that holds only its own ranks' parts), or where ``shards.json`` is another split's."""
-    from gradindex.index.sharded import SHARDS_FILE, SPLIT_FIX, absent_parts, check_sharded, other_split
+    from gradindex.index.sharded import SHARDS_FILE, SPLIT_FIX, absent_parts, check_sharded
 
     d = Path(index_dir)
     sh, problems = check_sharded(d)
-    absent, other = absent_parts(sh), other_split(sh)
+    absent, other = absent_parts(sh), sh.other_split
     if here and len(absent) == len(sh.parts):
         raise ValueError(f"none of the {len(sh.parts)} parts of the sharded index {str(d)!r} is here (no "
                          f"{', '.join(p.dir.name for p in sh.parts[:3])}{', ...' if len(sh.parts) > 3 else ''}); "

@@ -94,6 +94,8 @@ class Sharded:
     parts: list[Part]
     manifest: dict
     """The whole index's manifest (counts over every part)."""
+    other_split: str | None = None
+    """Why :data:`SHARDS_FILE` is another split's than the parts here, as :func:`_read` found (:func:`other_split`)."""
 
     @property
     def examples(self) -> int:
@@ -200,7 +202,7 @@ def _read(d: Path, problems: list[str] | None, rank: tuple[int, int] | None = No
             _check_part(parts[j], j, len(parts), whole)
         except (IndexMismatchError, ValueError, FileNotFoundError) as e:
             fail(e)
-    return Sharded(d, parts, whole)
+    return Sharded(d, parts, whole, other)
 
 
 def other_split(sh: Sharded, parts: set[int] | None = None) -> str | None:
