@@ -214,11 +214,12 @@ class Team:
             r, e = failed[0]
             raise _shared(mine) if r == self.rank else _shared(e, where(r))
 
-    def rounds(self, n: int, work: Callable[[int], Any], combine: Callable[[int, Any], None]) -> None:
+    def rounds(self, n: int, work: Callable[[int], Any], combine: Callable[[int, Any], None],
+               unit: str = "store file") -> None:
         """``work(k)`` for this rank's files ``k < n``, ``size`` files a round; after each round ``combine(k,
         result)`` on every rank for every file of the round, in file order, so that sums come out in the order one
         process adds them (bit for bit). A rank's error reaches every rank after its round (raised on each: the
-        collectives stay matched, and the next build resumes)."""
+        collectives stay matched, and the next build resumes), noted with the rank and ``unit k``."""
         for start in range(0, n, self.size):
             k = start + self.rank
             out, err = None, None
@@ -228,7 +229,7 @@ class Team:
                 except Exception as e:  # noqa: BLE001 -- raised on every rank below
                     err = e
             results = [(out, err)] if self.size == 1 else gather((out, err))
-            self._raise_first([e for _, e in results], err, lambda r, s=start: f"(on rank {r}, store file {s + r})")
+            self._raise_first([e for _, e in results], err, lambda r, s=start: f"(on rank {r}, {unit} {s + r})")
             for r, (res, _) in enumerate(results):
                 if start + r < n:
                     combine(start + r, res)

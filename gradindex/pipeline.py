@@ -130,6 +130,10 @@ def _assist(model, tokenizer, data: Tokenized, out_dir) -> None:
                 spec, space, block, done = args
                 with Store(out_dir) as store:
                     encode_files(store, None, space, Sketch.from_dict(spec), block, done, team)
+            elif kind == "ivf":  # (the staged sketch codes: the nearest list of each, the probe rows' tops)
+                from gradindex.index.tiers.ivf_sketch import assist
+
+                assist(*args, team)
             else:  # "norms"
                 with Store(out_dir) as store:
                     row_norms(store, False, team)
@@ -142,7 +146,7 @@ def _assist(model, tokenizer, data: Tokenized, out_dir) -> None:
 
 def _share(kind: str, *args) -> distributed.Team:
     """Rank 0: hand the per-file pass ``kind`` (``fused``: ``(fit, storage, manifest)``; ``norms``; ``sketch``:
-    ``(spec, space, block, rows done)``) to the other
+    ``(spec, space, block, rows done)``; ``ivf``: :func:`~gradindex.index.tiers.ivf_sketch.assist`'s) to the other
     ranks (:func:`_assist`); the :class:`~gradindex.distributed.Team` to run it with (one process: ``SOLO``)."""
     if not distributed.active():
         return distributed.SOLO

@@ -126,3 +126,16 @@ def test_lookup_scale_builds_then_measures_against_an_independent_exact_scan(tmp
     assert (top == z["ids"][:, :10]).mean() == 1.0  # the benchmark's truth is the exhaustive scan's
     recall = np.mean([len(hits[j] & set(top[j].tolist())) / 10 for j in range(4)])
     assert r["search"]["recall@10"] == pytest.approx(recall, abs=0.1)
+
+
+def test_ivf_assign_benchmark_one_process_then_two_ranks_agree(tmp_path):
+    """benchmarks/ivf_assign.py: the pass shared by 2 gloo ranks gives the one process's lists, means and tops."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = ["-m", "benchmarks.ivf_assign", "--examples", "3000", "--numbers", "64", "--work", str(tmp_path / "w"),
+            "--out", str(tmp_path / "r.json"), "--block-bytes", str(4 * 64 * 250)]  # (12 blocks of 250)
+    for cmd in ([sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                   "2"]):
+        r = subprocess.run([*cmd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert [r["ranks"] for r in runs] == [1, 2] and runs[1]["equal_to_one_process"] is True, runs

@@ -5,6 +5,7 @@ mid-transcode fails the build on every rank, and the same command resumes it to 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -129,3 +130,46 @@ def test_two_ranks_encode_the_sketch_tier_to_the_same_bytes(built, tmp_path):
         np.testing.assert_array_equal(np.load(tmp_path / "two" / "faiss" / f), np.load(tmp_path / "one" / "faiss" / f))
     q = [a for t in QUERIES for a in ("--text", t)] + ["-k", "10", "--device", "cpu"]
     assert _cli("query", str(tmp_path / "two"), *q) == _cli("query", str(tmp_path / "one"), *q)
+
+
+IVF_BLOCKS = """import os, sys
+from gradindex import distributed
+from gradindex.index.tiers import ivf_sketch
+real_assign, real_block = ivf_sketch.assign, ivf_sketch._Codes.block
+def small(codes, centroids, probe, factors, block_bytes, use_gpu, team=ivf_sketch.SOLO):
+    return real_assign(codes, centroids, probe, factors, 4 * codes.m * 6, use_gpu, team)  # blocks of 6 rows
+def counted(self, s, e):
+    with open(os.path.join(os.environ["COUNT_DIR"], f"rank-{distributed.rank()}"), "a") as f:
+        f.write(f"{e - s}\\n")
+    return real_block(self, s, e)
+ivf_sketch.assign, ivf_sketch._Codes.block = small, counted
+from gradindex.cli import main
+main(prog_name="gradindex")
+"""
+
+
+def test_two_ranks_assign_the_ivf_lists_to_the_same_bytes(built, tmp_path):
+    """The ivf-sketch tier's pass over every sketch (each one's nearest list, the probe rows' exhaustive tops), once
+    rank 0's alone: each rank takes every other block, the lead adds the lists' sums in block order; the lists, the
+    lists' mean sketches, the chosen nprobe and every query's answer equal one process's, byte for byte."""
+    d, common = built
+    ivf = [*common, "--index-type", "ivf-sketch"]
+    script = tmp_path / "blocks.py"
+    script.write_text(IVF_BLOCKS)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    ranks = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    runs = {"one": [sys.executable, str(script)], "two": [*ranks, str(script)]}
+    for name, cmd in runs.items():
+        (tmp_path / name).mkdir()
+        r = subprocess.run([*cmd, "build", *ivf, "--out", str(tmp_path / name / "idx")], cwd=ROOT, capture_output=True,
+                           env={**env, "COUNT_DIR": str(tmp_path / name)}, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+    blocks = {k: (tmp_path / "two" / f"rank-{k}").read_text().split() for k in (0, 1)}
+    assert blocks[1] and sum(map(int, blocks[1])) < 40 < sum(map(int, blocks[0])), blocks  # (rank 0: its share + sums)
+    a, b = tmp_path / "one" / "idx" / "faiss", tmp_path / "two" / "idx" / "faiss"
+    for f in ("ivf.lists.npy", "ivf.centroids.npy"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+    ma, mb = (json.loads((x / "index.json").read_text())["ivf"] for x in (a, b))
+    assert ma == mb and ma["nlist"] > 1
+    q = [a for t in QUERIES for a in ("--text", t)] + ["-k", "10", "--device", "cpu"]
+    assert _cli("query", str(tmp_path / "two" / "idx"), *q) == _cli("query", str(tmp_path / "one" / "idx"), *q)

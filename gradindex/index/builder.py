@@ -70,7 +70,8 @@ def build_indices(index_dir: str | os.PathLike | OpenIndex, cfg: IndexConfig = I
     ``index_dir``: a path, or an :class:`OpenIndex` (its manifest and store are used as they are).
     ``share``: a torchrun build's rank 0 hands a per-file pass to the other ranks with it, ``share(kind, *args)``
     (``"norms"``: they run :func:`row_norms` over the same store with the :class:`~gradindex.distributed.Team` it
-    returns; ``"sketch"``: :func:`~gradindex.index.tiers.sketch_files.encode_files`).
+    returns; ``"sketch"``: :func:`~gradindex.index.tiers.sketch_files.encode_files`; ``"ivf"``:
+    :func:`~gradindex.index.tiers.ivf_sketch.assign`).
     """
     t0 = time.perf_counter()
     with opened(index_dir, "build the indices", OpenIndex) as ix:

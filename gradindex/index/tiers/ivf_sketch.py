@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from gradindex.checksum import record
+from gradindex.distributed import SOLO, Team
 from gradindex.errors import CorruptFileError
 from gradindex.index import gpu
 from gradindex.index.cost import READ_BYTES_S, ROW_READ_S, SKETCH_NS, LookupCost, sketch_candidates
@@ -283,8 +284,9 @@ def build_ivf(job: BuildJob, nlist: int) -> None:
     codes = _Codes(out, meta)
     probe, train = _samples(codes.n, nlist, job.cfg.seed, job.cfg.train_size, codes.m)
     factors = rankings(np.load(out / meta["norms"]["file"]).sum(axis=1, dtype=np.float64), job.inv is not None)
-    lists, centroids, truth = _assign(codes, _train(codes.read(train), nlist, job.cfg.seed, job.cfg.gpu), probe,
-                                      factors, job.cfg.block_bytes, job.cfg.gpu)
+    unit = _train(codes.read(train), nlist, job.cfg.seed, job.cfg.gpu)
+    team = job.share("ivf", str(out), meta["sketch"], unit, probe, factors, job.cfg.block_bytes) if job.share else SOLO
+    lists, centroids, truth = assign(codes, unit, probe, factors, job.cfg.block_bytes, job.cfg.gpu, team)
     aim = min(1.0, RECALL_TARGET + SAMPLE_MARGIN)
     nprobe, recall, curve = choose_nprobe(codes.read(probe) @ centroids.T, lists, truth, aim)
     np.save(out / CENTROIDS, centroids)
@@ -341,11 +343,15 @@ def _train(x: np.ndarray, nlist: int, seed: int, use_gpu: bool) -> np.ndarray:
     return np.ascontiguousarray(ivf.quantizer.reconstruct_n(0, nlist), np.float32)
 
 
-def _assign(codes: _Codes, centroids: np.ndarray, probe: np.ndarray, factors: np.ndarray, block_bytes: int,
-            use_gpu: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def assign(codes: _Codes, centroids: np.ndarray, probe: np.ndarray, factors: np.ndarray, block_bytes: int,
+           use_gpu: bool, team: Team = SOLO) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One pass over every sketch: ``[N]`` int32 the list of each (the unit centroid nearest its direction),
     ``[nlist, m]`` float32 each list's mean sketch, and ``[R, P, TRUTH_K]`` each probe row's exhaustive top of the
-    others under each of the ``R`` rankings ``factors`` ``[R, N]`` (sketch score × factor; -1: none)."""
+    others under each of the ``R`` rankings ``factors`` ``[R, N]`` (sketch score × factor; -1: none).
+
+    ``team``: a torchrun build's ranks share the pass, block ``k`` on rank ``k % size`` (the nearest centroid and the
+    probe rows' scores, most of its time); the blocks' lists and tops are met in block order, and the lead adds the
+    lists' sums in a second read of the codes, in the order one process adds them (the same bits)."""
     quant = faiss.IndexFlatIP(codes.m)
     quant.add(centroids)
     quant = gpu.for_search(quant, use_gpu)
@@ -354,20 +360,47 @@ def _assign(codes: _Codes, centroids: np.ndarray, probe: np.ndarray, factors: np
     sums = np.zeros(centroids.shape, np.float64)
     tops = [_Top(len(probe)) for _ in factors]
     step = max(1, block_bytes // (4 * codes.m))
-    for s in range(0, codes.n, step):
-        e = min(codes.n, s + step)
+    starts = list(range(0, codes.n, step))
+
+    def work(k: int) -> tuple[np.ndarray, list[_Top]]:
+        s, e = starts[k], min(codes.n, starts[k] + step)
         y = codes.block(s, e)
-        lists[s:e] = quant.search(y, 1)[1][:, 0]
-        by = np.argsort(lists[s:e], kind="stable")
-        first = np.flatnonzero(np.r_[True, np.diff(lists[s:e][by]) != 0])
-        sums[lists[s:e][by][first]] += np.add.reduceat(y[by], first, axis=0, dtype=np.float64)
+        mine = quant.search(y, 1)[1][:, 0].astype(np.int32)
+        if team.size == 1:
+            _add_sums(sums, mine, y)
         sc = yq @ y.T  # [P, B]
-        mine = (probe >= s) & (probe < e)
-        sc[np.flatnonzero(mine), probe[mine] - s] = -np.inf  # not itself
-        for top, f in zip(tops, factors, strict=True):
+        at = (probe >= s) & (probe < e)
+        sc[np.flatnonzero(at), probe[at] - s] = -np.inf  # not itself
+        block = [_Top(len(probe)) for _ in factors]
+        for top, f in zip(block, factors, strict=True):
             top.add(sc * f[None, s:e], s)
+        return mine, block
+
+    def combine(k: int, res: tuple[np.ndarray, list[_Top]]) -> None:
+        lists[starts[k]:starts[k] + len(res[0])] = res[0]
+        for top, b in zip(tops, res[1], strict=True):
+            top.merge(b)
+
+    team.rounds(len(starts), work, combine, unit="block of sketches")
+    if team.size > 1 and team.lead:
+        for s in starts:
+            e = min(codes.n, s + step)
+            _add_sums(sums, lists[s:e], codes.block(s, e))
     means = sums / np.maximum(np.bincount(lists, minlength=len(centroids)), 1)[:, None]
     return lists, means.astype(np.float32), np.stack([t.ids() for t in tops])
+
+
+def _add_sums(sums: np.ndarray, lists: np.ndarray, y: np.ndarray) -> None:
+    """Add the sketches ``y`` to their lists' ``sums`` (float64), a list at a time."""
+    by = np.argsort(lists, kind="stable")
+    first = np.flatnonzero(np.r_[True, np.diff(lists[by]) != 0])
+    sums[lists[by][first]] += np.add.reduceat(y[by], first, axis=0, dtype=np.float64)
+
+
+def assist(out: str, sketch: dict, centroids: np.ndarray, probe: np.ndarray, factors: np.ndarray, block_bytes: int,
+           team: Team) -> None:
+    """A torchrun rank other than 0: its share of :func:`assign` over the staged codes in ``out``."""
+    assign(_Codes(Path(out), {"sketch": sketch}), centroids, probe, factors, block_bytes, False, team)
 
 
 class _Top:
@@ -379,8 +412,15 @@ class _Top:
 
     def add(self, sc: np.ndarray, start: int) -> None:
         """Columns ``start, start + 1, ...`` scored ``sc`` ``[P, B]``."""
-        cs = np.concatenate([self.s, sc.astype(np.float32)], 1)
-        ci = np.concatenate([self.i, np.broadcast_to(np.arange(start, start + sc.shape[1]), sc.shape)], 1)
+        self._keep(sc.astype(np.float32), np.broadcast_to(np.arange(start, start + sc.shape[1]), sc.shape))
+
+    def merge(self, other: _Top) -> None:
+        """Keep the top of this one's rows and ``other``'s (a later block's: ties go to this one's, as in
+        :meth:`add`, so merging blocks' tops in block order gives the top one running top gives)."""
+        self._keep(other.s, other.i)
+
+    def _keep(self, s: np.ndarray, i: np.ndarray) -> None:
+        cs, ci = np.concatenate([self.s, s], 1), np.concatenate([self.i, i], 1)
         top = np.argsort(-cs, axis=1, kind="stable")[:, :TRUTH_K]
         self.s, self.i = np.take_along_axis(cs, top, 1), np.take_along_axis(ci, top, 1)
 
