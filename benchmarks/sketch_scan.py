@@ -75,10 +75,12 @@ def run_n(n: int, m: int, queries: int, c: int) -> dict:
     row["faiss"], got["faiss"] = time_kernel(faiss_scores(codes, scales), q, c)
     ref = np.abs(got["faiss"]).max()
     row["max_rel_score_diff"] = {k: float(np.abs(got[k] - got["faiss"]).max() / ref) for k in ("int8", "float")}
+    row["int8_equals_float"] = bool(np.array_equal(got["int8"], got["float"]))  # (the same integers, bit for bit)
     print(f"N={n:>8}: p50/p95 s int8 {row['int8']['p50_s']:.3f}/{row['int8']['p95_s']:.3f}, float "
           f"{row['float']['p50_s']:.3f}/{row['float']['p95_s']:.3f}, FAISS {row['faiss']['p50_s']:.3f}/"
           f"{row['faiss']['p95_s']:.3f}; auto picks {row['auto_kernel']}; max rel. score diff "
-          f"{max(row['max_rel_score_diff'].values()):.1e}", flush=True)
+          f"{max(row['max_rel_score_diff'].values()):.1e} (FAISS); int8 == float: {row['int8_equals_float']}",
+          flush=True)
     return row
 
 

@@ -114,13 +114,13 @@ def _attempt_store() -> dict:
 
 
 def peer_lost(e: BaseException) -> bool:
-    """Whether ``e`` is a collective that failed because another rank died or stalled (gloo's and NCCL's errors,
-    torch's ``DistError``), not an error of this rank's own work."""
+    """Whether ``e`` is a collective that failed because another rank died or stalled (torch's ``DistError``, gloo's
+    transport errors), not an error of this rank's own work."""
     if isinstance(e, dist.DistError):
         return True
     msg = str(e)
     return isinstance(e, RuntimeError) and any(w in msg for w in ("gloo/transport", "Connection closed by peer",
-                                                                   "Connection reset by peer", "NCCL"))
+                                                                   "Connection reset by peer"))
 
 
 def timeout() -> float:

@@ -132,8 +132,9 @@ def test_sketch_inner_products_are_within_the_jl_bound(default_index):
 
 @pytest.mark.parametrize("m", [1, 7, 300])
 def test_sketch_scan_equals_the_decoded_codes_by_both_kernels(m, monkeypatch):
-    """The int8 matrix product (two query levels) and the float kernel both give ``decode(codes) @ y``, over the
-    whole index and over runs of positions; a shape torch refuses moves the index to the float kernel."""
+    """The int8 matrix product (two query levels) and the float kernel both give ``decode(codes) @ y``, bit for bit
+    the same, over the whole index and over runs of positions; a shape torch refuses moves the index to the float
+    kernel."""
     rng = np.random.default_rng(m)
     y = rng.standard_normal((2500, m)).astype(np.float32) * rng.lognormal(0, 1, (2500, 1)).astype(np.float32)
     codes, scales = encode_sketch(y)
@@ -146,14 +147,16 @@ def test_sketch_scan_equals_the_decoded_codes_by_both_kernels(m, monkeypatch):
     np.testing.assert_allclose(levels[:11] * f[:11, None] + levels[11:] * f[11:, None], q, atol=1e-4 * np.abs(q).max())
     runs = [(3, 1030), (1030, 1031), (2000, 2500)]  # across a float block's edge, one row, the tail
     at = np.concatenate([np.arange(lo, hi) for lo, hi in runs])
+    got = {}
     for kernel in ("int8", "float"):
         monkeypatch.setenv(sketch_mod.KERNEL_ENV, kernel)
         ix = SketchIndex(sk, codes, scales, block=128)
         assert ix.kernel == ("float" if m == 1 else kernel)  # torch's int8 kernel is wrong at m = 1
-        got = ix.scores(q, batch=4)
-        assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
+        got[kernel] = ix.scores(q, batch=4)
+        assert np.abs(got[kernel] - want).max() <= 2e-4 * np.abs(want).max()
         part = ix.unscaled(q, runs) * scales[at]
-        assert np.abs(part - want[:, at]).max() <= 2e-4 * np.abs(want).max()
+        np.testing.assert_array_equal(part, got[kernel][:, at])
+    np.testing.assert_array_equal(got["int8"], got["float"])  # the same integers: a process's kernel changes no bit
     monkeypatch.setenv(sketch_mod.KERNEL_ENV, "int8")
     ix = SketchIndex(sk, codes, scales)
 
@@ -231,6 +234,15 @@ def test_two_tier_equals_brute_force_when_c_covers_the_truth(default_index, tmp_
                     assert ids == best.tolist()  # ... re-ranked exactly; with C = N: brute force
                     if c == e.n:
                         assert ids == np.argsort(-truth[j], kind="stable")[:10].tolist()
+
+
+def test_a_wrong_sketch_kernel_setting_is_named_not_called_a_damaged_index(default_index, tmp_path, monkeypatch):
+    d = _copy(default_index, tmp_path)
+    build_indices(d, IndexConfig(factory="sketch", sketch_bytes=260), progress=False)
+    monkeypatch.setenv(sketch_mod.KERNEL_ENV, "faiss")
+    out = CliRunner().invoke(main, ["query", str(d), "--text", QUERIES[0], "--device", "cpu"])
+    assert out.exit_code == 2 and "GRADINDEX_SKETCH_KERNEL='faiss' is not a sketch kernel" in out.output, out.output
+    assert "unreadable" not in out.output and "rebuild" not in out.output
 
 
 def test_sketch_build_resumes_after_a_kill(default_index, tmp_path, monkeypatch):

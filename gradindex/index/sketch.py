@@ -19,14 +19,15 @@ FAISS's ``QT_8bit_direct_signed`` layout (``code + 128``). The scan wants every 
 per-row scale and the method's per-example factors come after the product, so no top-k search can
 stand in for it). It is one integer matrix product, ``torch._int_mm`` (int8 x int8 -> int32, exact),
 of the query split in two int8 levels, ``y ≈ f₁ q₁ + f₂ q₂`` with ``q₁ = round(y / f₁)`` and ``q₂`` the
-rounded remainder (relative rounding ~``(1/254)²``, far below the sketch's own error): 0.46 s per 10⁶
-rows and query on one thread of an AVX-512 Xeon, 7.3x faster than FAISS's kernel asked for all ``N``
+rounded remainder (relative rounding ~``(1/254)²``, far below the sketch's own error): 0.44 s per 10⁶
+rows and query on one thread of an AVX-512 Xeon, 4.1x faster than FAISS's kernel asked for all ``N``
 scores (``benchmarks/results/sketch_scan.json``). Not every CPU has a fast ``torch._int_mm``: on an
 AVX2-only EPYC it ran ~100x slower than float32 (3.8 s a query at 10⁶). So the kernel is chosen once per
 process (:func:`scan_kernel`) by timing both on a small block: ``int8``, or ``float``, which converts
-1,024 rows at a time to float32 and multiplies them by the float query (twice the int8 time where
-``torch._int_mm`` is fast). ``GRADINDEX_SKETCH_KERNEL=int8|float`` fixes it. The top candidates are then
-re-ranked exactly from the store (:mod:`gradindex.query.search`).
+1,024 rows at a time to float32 and multiplies them by the same two int8 levels, 1,024 columns a product (exact
+in float32, added in float64): the same integers, so the same scores bit for bit, whichever kernel a process
+(or a rank) took; about twice the int8 time where ``torch._int_mm`` is fast. ``GRADINDEX_SKETCH_KERNEL=int8|float``
+fixes it. The top candidates are then re-ranked exactly from the store (:mod:`gradindex.query.search`).
 """
 
 from __future__ import annotations
@@ -198,22 +199,32 @@ def _int8_product(codes: torch.Tensor, q: np.ndarray, runs: list[tuple[int, int]
 
 
 FLOAT_BLOCK = 1024
-"""Rows the float kernel converts at a time (their float32 copy stays in the core's cache)."""
+"""Rows the float kernel converts at a time."""
+EXACT_COLUMNS = 1024
+"""Columns of one float32 product of int8 levels and codes: ``1024 × 127²`` < ``2²⁴``, so its sums are exact."""
 
 
 def _float_product(codes: torch.Tensor, q: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
-    """:meth:`SketchIndex.unscaled` by float32 products, :data:`FLOAT_BLOCK` rows converted at a time."""
-    qt = torch.from_numpy(np.ascontiguousarray(q, np.float32))
-    buf = torch.empty((FLOAT_BLOCK, codes.shape[1]))
-    out = torch.empty((len(q), sum(hi - lo for lo, hi in runs)))
+    """:meth:`SketchIndex.unscaled` by float32 products of the same two int8 levels as :func:`_int8_product`,
+    :data:`FLOAT_BLOCK` rows converted at a time and :data:`EXACT_COLUMNS` columns a product (each exact, added in
+    float64): the same integers, so the same scores, bit for bit; the kernel changes the speed alone."""
+    levels, f = split_levels(q)
+    lv, Q, m = torch.from_numpy(levels).to(torch.float32), len(q), codes.shape[1]
+    cuts = [(c, min(m, c + EXACT_COLUMNS)) for c in range(0, m, EXACT_COLUMNS)]
+    buf = torch.empty((FLOAT_BLOCK, m), dtype=torch.float32)
+    d = torch.zeros((2 * Q, sum(hi - lo for lo, hi in runs)), dtype=torch.float64)
     at = 0
     for lo, hi in runs:
         for s in range(lo, hi, FLOAT_BLOCK):
             b = buf[:min(FLOAT_BLOCK, hi - s)]
             b.copy_(codes[s:s + len(b)])
-            out[:, at:at + len(b)] = qt @ b.t()
+            for c0, c1 in cuts:
+                d[:, at:at + len(b)] += lv[:, c0:c1] @ b[:, c0:c1].t()
             at += len(b)
-    return out.numpy()
+    d = d.numpy()
+    out = d[:Q].astype(np.float32) * f[:Q, None]
+    out += d[Q:].astype(np.float32) * f[Q:, None]
+    return out
 
 
 def read_into(path: Path, offset: int, dest: np.ndarray, block_bytes: int = 64 << 20) -> None:
@@ -262,11 +273,19 @@ SLOWER = 1.5
 2-4x faster; the AVX2-only EPYC measured: ~100x slower), so a noisy timing does not flip the choice."""
 
 
-def scan_kernel(m: int) -> str:
-    """The sketch scan's kernel for ``m`` numbers a row: ``int8`` (exact ``torch._int_mm``) or ``float``."""
+def kernel_setting() -> str:
+    """:data:`KERNEL_ENV`'s value (``auto`` unset), checked: a tier calls it before it reads any code, so a wrong value
+    is named as such (not as an unreadable index)."""
     want = (os.environ.get(KERNEL_ENV) or "auto").strip().lower()
     if want not in ("int8", "float", "auto"):
         raise ValueError(f"{KERNEL_ENV}={want!r} is not a sketch kernel: set it to int8, float or auto (timed)")
+    return want
+
+
+def scan_kernel(m: int) -> str:
+    """The sketch scan's kernel for ``m`` numbers a row: ``int8`` (``torch._int_mm``) or ``float``; both give the
+    same scores (``float`` where ``torch._int_mm`` is wrong for ``m``: its CPU kernel at ``m = 1``)."""
+    want = kernel_setting()
     if want == "float" or not _int_mm_works(m):
         return "float"
     return "int8" if want == "int8" else _timed_kernel(m, torch.get_num_threads())
@@ -278,7 +297,7 @@ def _timed_kernel(m: int, threads: int) -> str:
     and 8 queries here (best of 3 each)."""
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(-127, 128, (2 * FLOAT_BLOCK, m), dtype=torch.int8, generator=g)
-    q = torch.randn((8, m), generator=g).numpy()
+    q = torch.randn((8, m), generator=g, dtype=torch.float32).numpy()
 
     def best(product) -> float:
         times = []

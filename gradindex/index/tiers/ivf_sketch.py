@@ -48,7 +48,7 @@ from gradindex.errors import CorruptFileError
 from gradindex.index import gpu
 from gradindex.index.cost import READ_BYTES_S, ROW_READ_S, SKETCH_NS, LookupCost, sketch_candidates
 from gradindex.index.files import index_command
-from gradindex.index.sketch import Sketch, SketchIndex, read_into, scan_kernel
+from gradindex.index.sketch import Sketch, SketchIndex, kernel_setting, read_into, scan_kernel
 from gradindex.index.space import IndexSpace
 from gradindex.index.tiers.base import (
     BuildJob,
@@ -176,6 +176,7 @@ class IvfSketchTier(SketchTier):
                 f"{ivf['recall']:.3f} of the exhaustive sketch's top {top} on {ivf['queries']} sample rows)")
 
     def open(self, source: TierSource) -> None:
+        kernel_setting()  # (a wrong GRADINDEX_SKETCH_KERNEL named as such, before any code is read)
         try:
             self.sketch: ListSketchIndex = load_lists(source.folder, source.meta, source.n)
         except (OSError, ValueError, KeyError) as e:
@@ -350,12 +351,15 @@ def assign(codes: _Codes, centroids: np.ndarray, probe: np.ndarray, factors: np.
     others under each of the ``R`` rankings ``factors`` ``[R, N]`` (sketch score × factor; -1: none).
 
     ``team``: a torchrun build's ranks share the pass, block ``k`` on rank ``k % size`` (the nearest centroid and the
-    probe rows' scores, most of its time); the blocks' lists and tops are met in block order, and the lead adds the
-    lists' sums in a second read of the codes, in the order one process adds them (the same bits)."""
-    quant = faiss.IndexFlatIP(codes.m)
-    quant.add(centroids)
-    quant = gpu.for_search(quant, use_gpu)
-    yq = codes.read(probe)
+    probe rows' scores, most of its time; FAISS on the CPU on every rank, so that a near tie goes the same way on
+    each); the blocks' lists and tops are met in block order, and the lead adds the lists' sums in a second read of
+    the codes, in the order one process adds them (the same bits as one process on the CPU)."""
+    def setup() -> tuple[faiss.Index, np.ndarray]:
+        quant = faiss.IndexFlatIP(codes.m)
+        quant.add(centroids)
+        return gpu.for_search(quant, use_gpu and team.size == 1), codes.read(probe)  # (one kernel on every rank)
+
+    quant, yq = team.each(setup)  # (a rank failing here fails every rank, before the rounds' collectives)
     lists = np.empty(codes.n, np.int32)
     sums = np.zeros(centroids.shape, np.float64)
     tops = [_Top(len(probe)) for _ in factors]

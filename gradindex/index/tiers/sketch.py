@@ -12,7 +12,7 @@ import numpy as np
 from gradindex.errors import CorruptFileError
 from gradindex.index.cost import READ_BYTES_S, ROW_READ_S, SKETCH_NS, LookupCost, sketch_candidates
 from gradindex.index.files import index_command
-from gradindex.index.sketch import SKETCH_BYTES, SketchIndex
+from gradindex.index.sketch import SKETCH_BYTES, SketchIndex, kernel_setting
 from gradindex.index.space import IndexSpace
 from gradindex.index.tiers.base import (
     BuildJob,
@@ -73,6 +73,7 @@ class SketchTier(Tier):
         return f"sketch of {meta['sketch']['spec']['m']} int8 numbers per example"
 
     def open(self, source: TierSource) -> None:
+        kernel_setting()  # (a wrong GRADINDEX_SKETCH_KERNEL named as such, before any code is read)
         try:
             self.sketch: SketchIndex = load_sketch(source.folder, source.meta, source.n)
         except (OSError, ValueError) as e:
