@@ -128,8 +128,12 @@ def test_torchrun_max_restarts_resumes_a_build_whose_rank_was_killed(gpt2_dir, t
     printed, _ = agent.communicate(timeout=600)
     assert agent.returncode == 0, printed
     assert "failed (exitcode: -9) local_rank: 1" in printed, printed  # (torchrun's log: the kill landed mid-build)
-    lost = [x for x in printed.splitlines() if x.startswith("Error: rank 0: another rank of the build died")]
-    assert len(lost) == 1 and "Traceback" not in printed and "run the same command again" in lost[0], printed
+    # rank 0 names the lost rank in one line when a collective finds it gone first; torchrun's SIGTERM can end rank 0
+    # before that (mid-capture), and then nothing is printed: never a traceback
+    lost = [x for x in printed.splitlines() if x.startswith("Error:")]
+    assert "Traceback" not in printed and len(lost) <= 1, printed
+    assert all(x.startswith("Error: rank 0: another rank of the build died") and "run the same command again" in x
+               for x in lost), printed
     done = re.search(r"built .* in [0-9.]+ s \(([0-9]+) computed now\)", printed)
     assert done and 0 < int(done.group(1)) < 160, printed  # the restart kept what the first attempt wrote
     cli("build", *common, "--out", str(tmp_path / "one"))
