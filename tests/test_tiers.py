@@ -157,6 +157,11 @@ def test_sketch_scan_equals_the_decoded_codes_by_both_kernels(m, monkeypatch):
         part = ix.unscaled(q, runs) * scales[at]
         np.testing.assert_array_equal(part, got[kernel][:, at])
     np.testing.assert_array_equal(got["int8"], got["float"])  # the same integers: a process's kernel changes no bit
+    torch.set_default_dtype(torch.float64)  # a user's process may have changed it: the float kernel still works
+    try:
+        np.testing.assert_array_equal(SketchIndex(sk, codes, scales).scores(q), got["float"])
+    finally:
+        torch.set_default_dtype(torch.float32)
     monkeypatch.setenv(sketch_mod.KERNEL_ENV, "int8")
     ix = SketchIndex(sk, codes, scales)
 
