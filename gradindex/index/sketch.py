@@ -186,15 +186,20 @@ class SketchIndex:
 def _int8_product(codes: torch.Tensor, q: np.ndarray, runs: list[tuple[int, int]]) -> np.ndarray:
     """:meth:`SketchIndex.unscaled` by one exact int8 product of the query's two levels per run."""
     levels, f = split_levels(q)  # [2Q, m] int8, [2Q]
-    lv, Q = torch.from_numpy(levels), len(q)
-    out = np.empty((Q, sum(hi - lo for lo, hi in runs)), np.float32)
+    lv = torch.from_numpy(levels)
+    out = np.empty((len(q), sum(hi - lo for lo, hi in runs)), np.float32)
     at = 0
     for lo, hi in runs:
-        d = torch._int_mm(lv, codes[lo:hi].t()).numpy()  # [2Q, run] int32
-        o = d[:Q].astype(np.float32) * f[:Q, None]
-        o += d[Q:].astype(np.float32) * f[Q:, None]
-        out[:, at:at + hi - lo] = o
+        out[:, at:at + hi - lo] = _join_levels(torch._int_mm(lv, codes[lo:hi].t()).numpy(), f)  # [2Q, run] int32
         at += hi - lo
+    return out
+
+
+def _join_levels(d: np.ndarray, f: np.ndarray) -> np.ndarray:
+    """``[Q, n]`` float32 ``f₁ d₁ + f₂ d₂`` of the two levels' integer products ``d`` ``[2Q, n]`` (factors ``f``)."""
+    Q = len(d) // 2
+    out = d[:Q].astype(np.float32) * f[:Q, None]
+    out += d[Q:].astype(np.float32) * f[Q:, None]
     return out
 
 
@@ -221,10 +226,7 @@ def _float_product(codes: torch.Tensor, q: np.ndarray, runs: list[tuple[int, int
             for c0, c1 in cuts:
                 d[:, at:at + len(b)] += lv[:, c0:c1] @ b[:, c0:c1].t()
             at += len(b)
-    d = d.numpy()
-    out = d[:Q].astype(np.float32) * f[:Q, None]
-    out += d[Q:].astype(np.float32) * f[Q:, None]
-    return out
+    return _join_levels(d.numpy(), f)
 
 
 def read_into(path: Path, offset: int, dest: np.ndarray, block_bytes: int = 64 << 20) -> None:
